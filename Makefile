@@ -1,0 +1,38 @@
+# geomscope: `make demo` and `make test` each set everything up on a fresh machine.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_PIN := torch==2.13.0
+STAMP := $(VENV)/.installed
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install demo test bench lint clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# the pinned CPU torch first: a bare `torch` would pull a multi-GB CUDA build
+	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)"
+	$(BIN)/python -m pip install --quiet -e ".[test]" "$(TORCH_PIN)"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m geomscope.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check geomscope tests benchmarks
+
+clean:
+	rm -rf $(VENV) demo_out .pytest_cache

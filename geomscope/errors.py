@@ -1,0 +1,32 @@
+"""User-facing errors.
+
+Anything a user can cause (a missing file, an unknown model, a layer out of range, too few
+points, a corrupt shard ...) raises :class:`GeomscopeError` with ONE line that says what is
+wrong and what to do.  The CLI prints it as ``error: <message>`` on stderr and exits non-zero,
+without a traceback unless ``--debug`` is given.  Library callers catch it like any exception.
+"""
+
+from __future__ import annotations
+
+
+class GeomscopeError(Exception):
+    """A problem with the user's input or environment, explained in one line."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, exit_code: int | None = None):
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+class InputError(GeomscopeError):
+    """Bad or missing input (files, options, data)."""
+
+    exit_code = 2
+
+
+class DataError(GeomscopeError):
+    """The data cannot give a meaningful number (too few points, zero variance, NaN ...)."""
+
+    exit_code = 3

@@ -1,0 +1,40 @@
+"""The on-disk run format: a directory with ``manifest.json`` and HDF5 shards.
+
+::
+
+    run/
+      manifest.json      identity (model, revision, layers, inputs, options), one entry per
+                         finished shard, totals, ``complete``
+      shard-00000.h5     /layers/<name> (rows, D) float16|float32, chunked ~2 MiB, all of D per chunk
+                         /token_id /doc_id /position (rows,) int64, /is_special (rows,) bool
+                         /nonfinite/<name> (rows,) bool -- rows whose activations hold NaN/Inf
+
+Writers: :class:`RunWriter` (manifest, identity check, resume, lock) and :class:`ShardWriter`
+(one shard, appended batch by batch, written under a temporary name, fsynced, renamed).
+Readers: :class:`Run` and :func:`iter_shard`.  Nothing here imports torch.
+"""
+
+from geomscope.store.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    RunWriter,
+    identity_differences,
+    shard_name,
+)
+from geomscope.store.reader import Run, ShardChunk, iter_shard, read_shard_index, verify_shard
+from geomscope.store.shard import ShardInfo, ShardWriter
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "Run",
+    "RunWriter",
+    "ShardChunk",
+    "ShardInfo",
+    "ShardWriter",
+    "identity_differences",
+    "iter_shard",
+    "read_shard_index",
+    "shard_name",
+    "verify_shard",
+]

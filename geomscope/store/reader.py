@@ -1,0 +1,197 @@
+"""Reading a run: the manifest, its shards, and streaming a shard in bounded chunks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from geomscope.errors import DataError, InputError
+from geomscope.store.manifest import MANIFEST_NAME
+from geomscope.store.shard import META_FIELDS, ShardInfo, file_sha256
+
+READ_CHUNK_BYTES = 64 * 1024 * 1024  # default bytes of one layer read at a time
+
+
+@dataclass
+class ShardChunk:
+    """A contiguous block of rows of one shard."""
+
+    start: int
+    stop: int
+    layers: dict[str, np.ndarray]  # name -> (rows, D) in the stored dtype
+    nonfinite: dict[str, np.ndarray]  # name -> (rows,) bool
+    token_id: np.ndarray
+    doc_id: np.ndarray
+    position: np.ndarray
+    is_special: np.ndarray
+    meta: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+def _corrupt(path: Path, why: str) -> DataError:
+    return DataError(
+        f"shard {path} is corrupt or truncated ({why}); rerun the same `geomscope extract` command to redo it"
+    )
+
+
+def _open(path: Path) -> h5py.File:
+    if not path.exists():
+        raise DataError(f"shard {path} is missing; rerun the same `geomscope extract` command to redo it")
+    try:
+        f = h5py.File(path, "r")
+    except OSError as e:
+        raise _corrupt(path, str(e).split("(")[0].strip() or "cannot open") from e
+    if f.attrs.get("format") != "geomscope-shard" or "layers" not in f:
+        f.close()
+        raise _corrupt(path, "not a geomscope shard")
+    return f
+
+
+def read_shard_index(path: Path) -> dict[str, np.ndarray]:
+    """The per-row metadata of a shard (token_id, doc_id, position, is_special), no activations."""
+    path = Path(path)
+    with _open(path) as f:
+        try:
+            return {k: f[k][:] for k in (*META_FIELDS, "is_special")}
+        except (OSError, KeyError) as e:
+            raise _corrupt(path, str(e)) from e
+
+
+def iter_shard(
+    path: Path, layers: list[str] | None = None, *, chunk_rows: int | None = None
+) -> Iterator[ShardChunk]:
+    """Stream a shard in chunks of rows; memory is bounded by ``chunk_rows`` x D x len(layers)."""
+    path = Path(path)
+    with _open(path) as f:
+        names = list(f["layers"].keys()) if layers is None else list(layers)
+        for n in names:
+            if n not in f["layers"]:
+                raise InputError(f"layer {n!r} is not in {path.name} (it has {', '.join(f['layers'].keys())})")
+        try:
+            n_rows = int(f["token_id"].shape[0])
+            if names:
+                d = f["layers"][names[0]].shape[1]
+                item = f["layers"][names[0]].dtype.itemsize
+                default = max(1024, READ_CHUNK_BYTES // max(1, d * item * len(names)))
+            else:
+                default = 1 << 20
+            step = chunk_rows or default
+            for ds in [f["layers"][n] for n in names]:
+                if ds.shape[0] != n_rows:
+                    raise _corrupt(path, f"layer {ds.name} has {ds.shape[0]} rows, index has {n_rows}")
+            for start in range(0, n_rows, step):
+                stop = min(n_rows, start + step)
+                meta = {k: f[k][start:stop] for k in (*META_FIELDS, "is_special")}
+                yield ShardChunk(
+                    start=start,
+                    stop=stop,
+                    layers={n: f["layers"][n][start:stop] for n in names},
+                    nonfinite={n: f["nonfinite"][n][start:stop] for n in names if n in f["nonfinite"]},
+                    token_id=meta["token_id"],
+                    doc_id=meta["doc_id"],
+                    position=meta["position"],
+                    is_special=meta["is_special"],
+                )
+        except (OSError, KeyError) as e:  # truncated file, broken chunk
+            raise _corrupt(path, str(e).split("(")[0].strip()) from e
+
+
+def verify_shard(path: Path, info: ShardInfo) -> None:
+    """Check size and checksum of a shard against its manifest entry (DataError if they differ)."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"shard {path} is missing; rerun the same `geomscope extract` command to redo it")
+    size = path.stat().st_size
+    if size != info.bytes:
+        raise _corrupt(path, f"{size} bytes on disk, {info.bytes} recorded")
+    if file_sha256(path) != info.sha256:
+        raise _corrupt(path, "checksum differs from the manifest")
+
+
+class Run:
+    """A run directory opened for reading."""
+
+    def __init__(self, run_dir: Path):
+        self.dir = Path(run_dir)
+        mpath = self.dir / MANIFEST_NAME
+        if not self.dir.exists():
+            raise InputError(f"{self.dir} does not exist; give a run directory made by `geomscope extract`")
+        if not mpath.exists():
+            raise InputError(
+                f"{self.dir} is not a geomscope run directory (no {MANIFEST_NAME}); run `geomscope extract` first"
+            )
+        try:
+            with open(mpath) as f:
+                self.manifest = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise InputError(f"{mpath} is unreadable ({e}); rerun `geomscope extract` into a new --out") from e
+        if self.manifest.get("format") != "geomscope-run":
+            raise InputError(f"{mpath} is not a geomscope manifest")
+
+    @property
+    def identity(self) -> dict:
+        return self.manifest.get("identity", {})
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.manifest.get("complete"))
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [layer["name"] for layer in self.identity.get("layers", [])]
+
+    @property
+    def layers(self) -> list[dict]:
+        """Layer descriptions: name, index (in hidden_states), and whatever extract recorded."""
+        return list(self.identity.get("layers", []))
+
+    @property
+    def dim(self) -> int | None:
+        model = self.identity.get("model", {})
+        return model.get("hidden_size")
+
+    @property
+    def shards(self) -> list[ShardInfo]:
+        return [ShardInfo.from_dict(s) for s in self.manifest.get("shards", [])]
+
+    def shard_path(self, info: ShardInfo) -> Path:
+        return self.dir / info.file
+
+    @property
+    def total_rows(self) -> int:
+        return sum(s.rows for s in self.shards)
+
+    def resolve_layers(self, wanted: list[str] | None) -> list[str]:
+        """Map user layer names or indices (``"3"``, ``"-1"``, ``"layer_03"``) to stored layer names."""
+        names = self.layer_names
+        if not wanted:
+            return names
+        out = []
+        for w in wanted:
+            w = str(w).strip()
+            if w in names:
+                out.append(w)
+                continue
+            by_index = {str(layer.get("index")): layer["name"] for layer in self.layers}
+            if w in by_index:
+                out.append(by_index[w])
+                continue
+            try:
+                i = int(w)
+            except ValueError:
+                i = None
+            if i is not None and -len(names) <= i < 0:
+                out.append(names[i])
+                continue
+            raise InputError(f"layer {w!r} is not in this run (it has {', '.join(names)}); pick one of those")
+        return out
+
+    def __repr__(self) -> str:
+        return f"Run({str(self.dir)!r}, layers={len(self.layer_names)}, rows={self.total_rows}, complete={self.complete})"

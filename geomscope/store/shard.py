@@ -1,0 +1,205 @@
+"""Writing one HDF5 shard: appended batch by batch, chunk-aligned, atomically published."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from geomscope.errors import InputError
+
+CHUNK_BYTES = 2 * 1024 * 1024  # target bytes per (rows, D) chunk of a layer dataset
+META_FIELDS = ("token_id", "doc_id", "position")
+
+
+@dataclass
+class ShardInfo:
+    """What the manifest records about a finished shard."""
+
+    index: int
+    file: str
+    rows: int
+    docs: int
+    doc_start: int  # first document id (inclusive) assigned to this shard
+    doc_stop: int  # last document id (exclusive)
+    nonfinite_rows: int
+    bytes: int
+    sha256: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ShardInfo:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+
+
+def file_sha256(path: Path, bufsize: int = 8 * 1024 * 1024) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(bufsize):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def chunk_rows_for(dim: int, itemsize: int) -> int:
+    return max(64, CHUNK_BYTES // max(1, dim * itemsize))
+
+
+class ShardWriter:
+    """Append token rows of every captured layer to one shard.
+
+    Rows are buffered until a whole chunk is ready, so every HDF5 write is chunk-aligned.  The
+    file lives under ``.<name>.tmp`` until :meth:`close`, which flushes, fsyncs and renames it; a
+    crash leaves at most a temporary file that the next run deletes.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        index: int,
+        layer_names: list[str],
+        dim: int,
+        store_dtype: str = "float16",
+        doc_start: int = 0,
+        doc_stop: int = 0,
+    ):
+        self.path = Path(path)
+        self.tmp_path = self.path.with_name(f".{self.path.name}.tmp")
+        self.index = index
+        self.layer_names = list(layer_names)
+        self.dim = int(dim)
+        self.dtype = np.dtype(store_dtype)
+        if self.dtype not in (np.dtype("float16"), np.dtype("float32")):
+            raise InputError(f"store dtype must be float16 or float32, not {store_dtype}")
+        self.doc_start, self.doc_stop = doc_start, doc_stop
+        self.chunk = chunk_rows_for(self.dim, self.dtype.itemsize)
+        self.rows = 0
+        self.nonfinite_rows = 0
+        self._docs: set[int] = set()
+        self._buf: list[dict] = []
+        self._buf_rows = 0
+        if self.tmp_path.exists():
+            self.tmp_path.unlink()
+        self._f = h5py.File(self.tmp_path, "w")
+        self._f.attrs["format"] = "geomscope-shard"
+        self._f.attrs["shard_index"] = index
+        self._f.attrs["layer_names"] = np.array(self.layer_names, dtype=h5py.string_dtype())
+        g = self._f.create_group("layers")
+        nf = self._f.create_group("nonfinite")
+        for name in self.layer_names:
+            g.create_dataset(
+                name, shape=(0, self.dim), maxshape=(None, self.dim), dtype=self.dtype, chunks=(self.chunk, self.dim)
+            )
+            nf.create_dataset(name, shape=(0,), maxshape=(None,), dtype=bool, chunks=(self.chunk * 8,))
+        for name in META_FIELDS:
+            self._f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=np.int64, chunks=(self.chunk * 4,))
+        self._f.create_dataset("is_special", shape=(0,), maxshape=(None,), dtype=bool, chunks=(self.chunk * 8,))
+
+    def append(self, layers: dict, token_id, doc_id, position, is_special) -> None:
+        """Add rows: ``layers[name]`` is (rows, D) for every layer name; the rest are (rows,)."""
+        n = len(token_id)
+        if n == 0:
+            return
+        batch = {"token_id": np.asarray(token_id, np.int64), "doc_id": np.asarray(doc_id, np.int64),
+                 "position": np.asarray(position, np.int64), "is_special": np.asarray(is_special, bool)}
+        any_bad = np.zeros(n, bool)
+        for name in self.layer_names:
+            a = np.asarray(layers[name])
+            if a.shape != (n, self.dim):
+                raise ValueError(f"layer {name}: expected shape {(n, self.dim)}, got {a.shape}")
+            bad = ~np.isfinite(a).all(axis=1)
+            any_bad |= bad
+            batch["L:" + name] = a.astype(self.dtype, copy=False)
+            # values that overflow the store dtype become Inf: flag them as well
+            stored = batch["L:" + name]
+            if stored.dtype != a.dtype:
+                bad = bad | ~np.isfinite(stored).all(axis=1)
+                any_bad |= bad
+            batch["N:" + name] = bad
+        self.nonfinite_rows += int(any_bad.sum())
+        self._docs.update(np.unique(batch["doc_id"]).tolist())
+        self._buf.append(batch)
+        self._buf_rows += n
+        if self._buf_rows >= self.chunk:
+            self._flush(final=False)
+
+    def _flush(self, final: bool) -> None:
+        if not self._buf:
+            return
+        cat = {k: np.concatenate([b[k] for b in self._buf]) for k in self._buf[0]}
+        take = self._buf_rows if final else (self._buf_rows // self.chunk) * self.chunk
+        if take == 0:
+            return
+        start, stop = self.rows, self.rows + take
+        for key, arr in cat.items():
+            if key.startswith("L:"):
+                ds = self._f["layers"][key[2:]]
+            elif key.startswith("N:"):
+                ds = self._f["nonfinite"][key[2:]]
+            else:
+                ds = self._f[key]
+            ds.resize(stop, axis=0)
+            ds[start:stop] = arr[:take]
+        self.rows = stop
+        rest = {k: v[take:] for k, v in cat.items()}
+        self._buf_rows -= take
+        self._buf = [rest] if self._buf_rows else []
+
+    def close(self) -> ShardInfo:
+        """Flush, fsync and publish the shard under its final name; return its manifest entry."""
+        self._flush(final=True)
+        self._f.attrs["rows"] = self.rows
+        self._f.attrs["doc_start"] = self.doc_start
+        self._f.attrs["doc_stop"] = self.doc_stop
+        self._f.flush()
+        self._f.close()
+        with open(self.tmp_path, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(self.tmp_path, self.path)
+        _fsync_dir(self.path.parent)
+        return ShardInfo(
+            index=self.index,
+            file=self.path.name,
+            rows=self.rows,
+            docs=len(self._docs),
+            doc_start=self.doc_start,
+            doc_stop=self.doc_stop,
+            nonfinite_rows=self.nonfinite_rows,
+            bytes=self.path.stat().st_size,
+            sha256=file_sha256(self.path),
+        )
+
+    def abort(self) -> None:
+        """Drop the unfinished shard."""
+        try:
+            self._f.close()
+        except Exception:
+            pass
+        if self.tmp_path.exists():
+            self.tmp_path.unlink()
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,115 @@
+"""The run format: shard writer/reader round trip, atomic publish, resume, identity, corruption."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from geomscope.errors import DataError, InputError
+from geomscope.store import Run, RunWriter, iter_shard, read_shard_index, verify_shard
+
+IDENT = {"model": {"name": "toy", "hidden_size": 8}, "layers": [{"name": "layer_00", "index": 0},
+                                                                  {"name": "layer_01", "index": 1}]}
+
+
+def _write(run_dir, n_shards=2, rows=(1000, 37), dtype="float16", ident=IDENT):
+    rng = np.random.default_rng(0)
+    data = {}
+    with RunWriter(run_dir, ident) as w:
+        for i in range(n_shards):
+            sw = w.shard_writer(i, layer_names=["layer_00", "layer_01"], dim=8, store_dtype=dtype)
+            r = rows[i]
+            a = rng.normal(size=(r, 8)).astype(np.float32)
+            b = rng.normal(size=(r, 8)).astype(np.float32)
+            b[5, 3] = np.nan
+            for s in range(0, r, 300):  # several appends of uneven size
+                e = min(r, s + 300)
+                sw.append({"layer_00": a[s:e], "layer_01": b[s:e]}, token_id=np.arange(s, e),
+                          doc_id=np.full(e - s, i), position=np.arange(e - s), is_special=np.zeros(e - s, bool))
+            w.add_shard(sw.close())
+            data[i] = (a, b)
+        w.finalize({"docs": n_shards})
+    return data
+
+
+def test_round_trip(tmp_path):
+    data = _write(tmp_path / "run")
+    run = Run(tmp_path / "run")
+    assert run.complete and run.total_rows == 1037 and run.layer_names == ["layer_00", "layer_01"]
+    for info in run.shards:
+        verify_shard(run.shard_path(info), info)
+        chunks = list(iter_shard(run.shard_path(info), chunk_rows=128))
+        a = np.concatenate([c.layers["layer_00"] for c in chunks])
+        np.testing.assert_array_equal(a, data[info.index][0].astype(np.float16))
+        nf = np.concatenate([c.nonfinite["layer_01"] for c in chunks])
+        assert nf.sum() == 1 and nf[5]
+        assert info.nonfinite_rows == 1
+        idx = read_shard_index(run.shard_path(info))
+        np.testing.assert_array_equal(idx["token_id"], np.arange(info.rows))
+    assert not list((tmp_path / "run").glob(".*.tmp"))
+
+
+def test_resume_keeps_shards_and_refuses_other_identity(tmp_path):
+    _write(tmp_path / "run", n_shards=1, rows=(10,))
+    with RunWriter(tmp_path / "run", IDENT) as w:
+        assert set(w.finished) == {0}
+        assert not w.manifest["complete"]
+    other = json.loads(json.dumps(IDENT))
+    other["model"]["name"] = "other"
+    with pytest.raises(InputError, match="different options.*model.name"):
+        RunWriter(tmp_path / "run", other)
+    with RunWriter(tmp_path / "run", other, overwrite=True) as w:
+        assert w.finished == {}
+        assert not (tmp_path / "run" / "shard-00000.h5").exists()
+
+
+def test_lock_refuses_second_writer(tmp_path):
+    with RunWriter(tmp_path / "run", IDENT):
+        with pytest.raises(InputError, match="another geomscope process"):
+            RunWriter(tmp_path / "run", IDENT)
+
+
+def test_unfinished_shard_is_dropped(tmp_path):
+    with RunWriter(tmp_path / "run", IDENT) as w:
+        sw = w.shard_writer(0, layer_names=["layer_00"], dim=8, store_dtype="float32")
+        sw.append({"layer_00": np.ones((3, 8))}, [1, 2, 3], [0, 0, 0], [0, 1, 2], [False] * 3)
+        # simulated crash: no close()
+    assert (tmp_path / "run" / ".shard-00000.h5.tmp").exists()
+    with RunWriter(tmp_path / "run", IDENT) as w:
+        assert w.finished == {}
+    assert not (tmp_path / "run" / ".shard-00000.h5.tmp").exists()
+
+
+def test_refuses_foreign_directory(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "precious.txt").write_text("keep me")
+    with pytest.raises(InputError, match="not empty"):
+        RunWriter(tmp_path / "d", IDENT, overwrite=True)
+    assert (tmp_path / "d" / "precious.txt").read_text() == "keep me"
+
+
+def test_corrupt_and_missing(tmp_path):
+    _write(tmp_path / "run")
+    run = Run(tmp_path / "run")
+    info = run.shards[0]
+    p = run.shard_path(info)
+    raw = p.read_bytes()
+    p.write_bytes(raw[: len(raw) // 3])
+    with pytest.raises(DataError, match="shard-00000.h5"):
+        verify_shard(p, info)
+    with pytest.raises(DataError, match="corrupt or truncated"):
+        list(iter_shard(p))
+    with pytest.raises(InputError, match="not a geomscope run"):
+        Run(tmp_path)
+    with pytest.raises(InputError, match="does not exist"):
+        Run(tmp_path / "nope")
+
+
+def test_resolve_layers(tmp_path):
+    _write(tmp_path / "run", n_shards=1, rows=(6,))
+    run = Run(tmp_path / "run")
+    assert run.resolve_layers(["1", "-2", "layer_01"]) == ["layer_01", "layer_00", "layer_01"]
+    with pytest.raises(InputError, match="not in this run"):
+        run.resolve_layers(["7"])
