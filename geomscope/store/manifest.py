@@ -81,7 +81,7 @@ class RunWriter:
             fcntl.flock(self._lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._lock_fh.close()
-            raise InputError(f"another geomscope process is writing {self.dir}; wait for it or choose another --out")
+            raise InputError(f"another geomscope process is writing {self.dir}; wait for it or choose another --out") from None
         if existing is not None and overwrite:
             self._wipe()
             existing = None
