@@ -1,0 +1,156 @@
+"""Shared helpers for the benchmark scripts: timing, medians, memory, machine, markdown.
+
+Every benchmark runs geomscope and the alternative a user has on the same data in one process
+(or one script), alternating, several repeats, and reports medians and ratios.  Nothing here is
+used by the test suite: speed is never asserted in tests.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+
+def timeit(fn: Callable[[], object], repeats: int = 3, warmup: int = 0) -> list[float]:
+    """Wall-clock seconds of ``fn()`` for each of ``repeats`` calls (after ``warmup`` calls)."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def alternate(fns: dict[str, Callable[[], object]], repeats: int = 3, warmup: int = 1) -> dict[str, float]:
+    """Time several functions alternately (a, b, a, b, ...) and return the median seconds of each.
+
+    Alternating spreads machine noise (other processes, thermal state) evenly over the contenders.
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def median(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far, in MiB (Linux ru_maxrss is KiB)."""
+    import resource
+
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 1024 if sys.platform != "darwin" else kb / (1024 * 1024)
+
+
+def _child(target, args, kwargs, q):
+    t0 = time.perf_counter()
+    result = target(*args, **kwargs)
+    q.put({"result": result, "seconds": time.perf_counter() - t0, "peak_rss_mb": peak_rss_mb()})
+
+
+def run_isolated(target: Callable, *args, **kwargs) -> dict:
+    """Run ``target(*args, **kwargs)`` in a fresh spawned process; return its result, seconds and
+    peak RSS (MiB).  ``target`` must be importable (a module-level function) and its result picklable.
+    """
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child, args=(target, args, kwargs, q))
+    p.start()
+    out = q.get()
+    p.join()
+    return out
+
+
+def run_command_rss(cmd: list[str], env: dict | None = None) -> dict:
+    """Run a command; return seconds and the child's peak RSS in MiB (via /usr/bin/time if present)."""
+    t0 = time.perf_counter()
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    proc = subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[:3]} failed: {proc.stderr[-2000:]}")
+    return {"seconds": time.perf_counter() - t0, "peak_rss_mb": max(before, after) / 1024, "stdout": proc.stdout}
+
+
+def machine_info() -> dict:
+    info = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    try:
+        import numpy
+
+        info["numpy"] = numpy.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def fmt(x, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        if x == 0 or 1e-3 <= abs(x) < 1e6:
+            return f"{x:.{digits}g}" if abs(x) < 1 else f"{x:,.{max(0, digits - 1)}f}".rstrip("0").rstrip(".")
+        return f"{x:.{digits}e}"
+    return str(x)
+
+
+def markdown_table(rows: list[dict], headers: list[str] | None = None) -> str:
+    """Render rows (dicts) as a GitHub markdown table; ``headers`` picks and orders the columns."""
+    if not rows:
+        return "(no rows)"
+    headers = headers or list(rows[0].keys())
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt(r.get(h)) for h in headers) + " |")
+    return "\n".join(lines)
+
+
+STANDARD_HEADERS = ["benchmark", "geomscope", "alternative", "ratio", "target", "note"]
+
+
+def print_rows(rows: list[dict], title: str | None = None) -> None:
+    if title:
+        print(f"\n### {title}\n")
+    print(markdown_table(rows, STANDARD_HEADERS))
+    print()
+    print("machine: " + json.dumps(machine_info()))
