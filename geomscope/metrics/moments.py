@@ -1,0 +1,339 @@
+"""Mergeable float64 sufficient statistics of a stream of rows.
+
+:class:`Moments` accumulates, for rows x (shape (N, D), rows are token vectors):
+
+- ``n``: number of rows; ``mean`` (D,); ``M2`` (D, D) the centred scatter sum_i (x_i - mean)(x_i - mean)^T
+- ``sum_unit`` (D,) = sum of x/||x|| over rows with ||x|| > 0; ``sum_unit_sq`` (D,) = sum of (x_d/||x||)^2
+  over the same rows; ``n_zero_norm`` rows with ||x|| = 0 (excluded from the unit sums)
+- ``sum_sq_norm`` = sum ||x||^2; ``abs_sum`` (D,) = sum |x_d|; ``abs_max`` (D,) = max |x_d|;
+  ``count_abs_ge`` (D,) = number of rows with |x_d| >= ``abs_threshold``
+
+Each ``update`` converts its rows block-wise to float64, centres each block on its own mean and
+merges (n, mean, M2) with Chan et al.'s parallel formula, so a large common offset (mean 1e4,
+std 1) costs no precision. The block scatter is a symmetric rank-k update (BLAS dsyrk, upper
+triangle only); the lower triangle is filled when ``M2``/``covariance()`` is read. ``merge`` is the
+same exact formula, so partial accumulators from shards/processes combine into the same numbers
+(up to float64 rounding) as one pass. Instances hold plain numpy attributes and pickle.
+
+:class:`UnitSum` is the second-pass accumulator for the centred / standardised average cosine:
+it sums unit vectors of (x - shift) / scale.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from geomscope.errors import DataError, InputError
+from geomscope.metrics._validate import (
+    ZERO_VARIANCE_MESSAGE,
+    as_rows,
+    count_nonfinite_rows,
+    nonfinite_message,
+    variance_is_zero,
+)
+
+BLOCK_ROWS = 4096
+
+
+def _unit_stats(b: np.ndarray, sq: np.ndarray, work: np.ndarray):
+    """(sum_unit, sum_unit_sq, n_zero) of rows ``b`` (float64) with squared norms ``sq``."""
+    pos = sq > 0
+    inv = np.zeros_like(sq)
+    np.divide(1.0, np.sqrt(sq, where=pos, out=np.zeros_like(sq)), out=inv, where=pos)
+    s = inv @ b
+    np.square(b, out=work)
+    s2 = (inv * inv) @ work
+    return s, s2, int(sq.size - np.count_nonzero(pos))
+
+
+def _check_block(sq: np.ndarray, a: np.ndarray, name: str = "X") -> None:
+    """Cheap finiteness check of a block through its squared row norms; counts over all of ``a``."""
+    if not np.isfinite(sq).all():
+        bad = count_nonfinite_rows(a)
+        if bad:
+            raise DataError(nonfinite_message(bad, a.shape[0], name))
+        raise DataError("squared row norms overflow float64; rescale the data before computing statistics")
+
+
+class Moments:
+    """Mergeable float64 sufficient statistics of rows (N, D). See the module docstring.
+
+    ``Moments(dim=None, abs_threshold=6.0, extras=True, block_rows=4096)``: ``dim`` is fixed by the
+    first update when None. ``extras=False`` keeps only (n, mean, M2) (about 30 % faster); the
+    cosine / |x| attributes are then None.
+    """
+
+    def __init__(self, dim: int | None = None, abs_threshold: float = 6.0, *, extras: bool = True,
+                 block_rows: int = BLOCK_ROWS):
+        if dim is not None and int(dim) < 1:
+            raise InputError(f"Moments dim must be >= 1; got {dim}")
+        if block_rows < 1:
+            raise InputError(f"block_rows must be >= 1; got {block_rows}")
+        self.dim = None if dim is None else int(dim)
+        self.abs_threshold = float(abs_threshold)
+        self.extras = bool(extras)
+        self.block_rows = int(block_rows)
+        self.n = 0
+        self.n_zero_norm = 0
+        self.sum_sq_norm = 0.0
+        self.mean = self._m2 = None
+        self.sum_unit = self.sum_unit_sq = self.abs_sum = self.abs_max = self.count_abs_ge = None
+        self._m2_filled = True
+        if self.dim is not None:
+            self._alloc(self.dim)
+
+    # -- state -------------------------------------------------------------------------------
+    def _alloc(self, d: int) -> None:
+        self.dim = d
+        self.mean = np.zeros(d)
+        self._m2 = np.zeros((d, d))
+        if self.extras:
+            self.sum_unit = np.zeros(d)
+            self.sum_unit_sq = np.zeros(d)
+            self.abs_sum = np.zeros(d)
+            self.abs_max = np.zeros(d)
+            self.count_abs_ge = np.zeros(d, dtype=np.int64)
+
+    def _like(self) -> Moments:
+        return Moments(self.dim, self.abs_threshold, extras=self.extras, block_rows=self.block_rows)
+
+    @property
+    def M2(self) -> np.ndarray:
+        """Centred scatter (D, D), symmetric (the lower triangle is filled from the upper on read)."""
+        if self._m2 is None:
+            raise DataError("no rows accumulated yet; M2 is undefined")
+        if not self._m2_filled:
+            il = np.tril_indices(self.dim, -1)
+            self._m2[il] = self._m2.T[il]
+            self._m2_filled = True
+        return self._m2
+
+    # -- accumulation ------------------------------------------------------------------------
+    def update(self, x) -> Moments:
+        """Add rows ``x`` (N, D): numpy array of any float dtype or a torch tensor. Returns self.
+
+        Raises DataError (state unchanged) if a row holds NaN/Inf or the dimension differs.
+        """
+        a = as_rows(x)
+        n, d = a.shape
+        if self.dim is None:
+            if d < 1:
+                raise DataError("rows have 0 columns")
+            self._alloc(d)
+        elif d != self.dim:
+            raise DataError(f"rows have {d} columns but this accumulator holds dim {self.dim}")
+        if n == 0:
+            return self
+        from scipy.linalg import blas  # lazy: keeps `import geomscope.metrics` numpy-only
+
+        part = self._like()
+        rows = min(self.block_rows, n)
+        buf = np.empty((rows, d))
+        work = np.empty((rows, d)) if self.extras else None
+        for i in range(0, n, rows):
+            xb = a[i:i + rows]
+            m = xb.shape[0]
+            b = buf[:m]
+            np.copyto(b, xb)
+            sq = np.einsum("ij,ij->i", b, b)
+            _check_block(sq, a)
+            blk = self._like()
+            blk.n = m
+            if self.extras:
+                blk._extras_from_block(xb, b, sq, work[:m])
+            blk.mean = np.ones(m) @ b / m
+            b -= blk.mean
+            blk._m2 = blas.dsyrk(1.0, b.T, trans=0, lower=0)
+            blk._m2_filled = False
+            part.merge(blk)
+        return self.merge(part)
+
+    def _extras_from_block(self, xb: np.ndarray, b: np.ndarray, sq: np.ndarray, work: np.ndarray) -> None:
+        self.sum_sq_norm = float(sq.sum())
+        self.sum_unit, self.sum_unit_sq, self.n_zero_norm = _unit_stats(b, sq, work)
+        # |x| in float32 when the input is float32 (exact); otherwise on the float64 copy
+        ab = np.abs(xb) if xb.dtype == np.float32 else np.abs(b, out=work)
+        self.abs_sum = np.add.reduce(ab, axis=0, dtype=np.float64)
+        self.abs_max = ab.max(axis=0).astype(np.float64)
+        self.count_abs_ge = np.zeros(self.dim, dtype=np.int64)
+        cols = np.flatnonzero(self.abs_max >= self.abs_threshold)
+        if cols.size:
+            self.count_abs_ge[cols] = np.count_nonzero(ab[:, cols] >= self.abs_threshold, axis=0)
+
+    def merge(self, other: Moments) -> Moments:
+        """Add another accumulator's rows (exact parallel formula). Returns self."""
+        if not isinstance(other, Moments):
+            raise InputError(f"can only merge Moments, got {type(other).__name__}")
+        if other.n == 0:
+            if self.dim is None and other.dim is not None:
+                self._alloc(other.dim)
+            return self
+        if self.dim is not None and other.dim != self.dim:
+            raise DataError(f"cannot merge Moments of dim {other.dim} into dim {self.dim}")
+        if other.extras != self.extras or other.abs_threshold != self.abs_threshold:
+            raise InputError("cannot merge Moments with different extras/abs_threshold settings")
+        if self.n == 0:
+            self._alloc(other.dim)
+            self._copy_from(other)
+            return self
+        na, nb = self.n, other.n
+        n = na + nb
+        delta = other.mean - self.mean
+        self.mean = self.mean + delta * (nb / n)
+        self._m2 += other._m2
+        self._m2 += np.outer(delta, delta * (na * nb / n))
+        self._m2_filled = False
+        self.n = n
+        if self.extras:
+            self.n_zero_norm += other.n_zero_norm
+            self.sum_sq_norm += other.sum_sq_norm
+            self.sum_unit += other.sum_unit
+            self.sum_unit_sq += other.sum_unit_sq
+            self.abs_sum += other.abs_sum
+            np.maximum(self.abs_max, other.abs_max, out=self.abs_max)
+            self.count_abs_ge += other.count_abs_ge
+        return self
+
+    def _copy_from(self, other: Moments) -> None:
+        self.n = other.n
+        self.mean = other.mean.copy()
+        self._m2 = other._m2.copy()
+        self._m2_filled = other._m2_filled
+        if self.extras:
+            self.n_zero_norm = other.n_zero_norm
+            self.sum_sq_norm = other.sum_sq_norm
+            for k in ("sum_unit", "sum_unit_sq", "abs_sum", "abs_max", "count_abs_ge"):
+                setattr(self, k, getattr(other, k).copy())
+
+    @classmethod
+    def from_rows(cls, x, **kwargs) -> Moments:
+        """Moments of the rows ``x`` in one call."""
+        return cls(**kwargs).update(x)
+
+    # -- results -----------------------------------------------------------------------------
+    def _need(self, ddof: int) -> None:
+        if self.n <= ddof:
+            raise DataError(f"{self.n} row(s) accumulated; at least {ddof + 1} are needed")
+
+    def covariance(self, ddof: int = 1) -> np.ndarray:
+        """Sample covariance M2 / (n - ddof), a new (D, D) float64 array."""
+        self._need(ddof)
+        return self.M2 / (self.n - ddof)
+
+    def variance(self, ddof: int = 1) -> np.ndarray:
+        """Per-dimension variance diag(M2) / (n - ddof)."""
+        self._need(ddof)
+        return np.diagonal(self._m2) / (self.n - ddof)
+
+    def total_variance(self, ddof: int = 1) -> float:
+        """tr(C) = sum of per-dimension variances."""
+        return float(self.variance(ddof).sum())
+
+    def mean_abs(self) -> np.ndarray:
+        """Per-dimension mean |x_d|."""
+        self._need_extras("mean_abs")
+        self._need(0)
+        return self.abs_sum / self.n
+
+    def frac_abs_ge(self) -> np.ndarray:
+        """Per-dimension fraction of rows with |x_d| >= abs_threshold."""
+        self._need_extras("frac_abs_ge")
+        self._need(0)
+        return self.count_abs_ge / self.n
+
+    def n_unit(self) -> int:
+        """Rows that entered the unit sums (||x|| > 0)."""
+        return self.n - self.n_zero_norm
+
+    def check_variance(self, name: str = "X", what: str = "IsoScore") -> None:
+        """Raise DataError unless n >= 2, dim >= 2 and the total variance is non-zero."""
+        self._need(1)
+        if self.dim < 2:
+            raise DataError(f"{name} has {self.dim} column(s); at least 2 dimensions are needed")
+        if variance_is_zero(self.total_variance(), self.mean, self.dim):
+            raise DataError(ZERO_VARIANCE_MESSAGE.format(name=name, what=what))
+
+    def _need_extras(self, what: str) -> None:
+        if not self.extras:
+            raise InputError(f"{what} needs Moments(extras=True)")
+
+    def __repr__(self) -> str:
+        return f"Moments(n={self.n}, dim={self.dim}, extras={self.extras})"
+
+
+class UnitSum:
+    """Sum of unit vectors of (x - shift) / scale, for the centred / standardised average cosine.
+
+    ``UnitSum(shift, scale=None)``: shift (D,) (usually the mean from a first Moments pass), scale
+    (D,) (usually the standard deviation); entries of scale that are 0 are replaced by 1 (those
+    dimensions are constant, so they are 0 after the shift anyway). Rows whose transformed norm is
+    exactly 0 are counted in ``n_zero_norm`` and excluded. Attributes: n, sum_unit, sum_unit_sq,
+    n_zero_norm.
+    """
+
+    def __init__(self, shift, scale=None, *, block_rows: int = BLOCK_ROWS):
+        self.shift = np.asarray(shift, dtype=np.float64).ravel().copy()
+        d = self.shift.size
+        if scale is None:
+            self.scale = None
+        else:
+            s = np.asarray(scale, dtype=np.float64).ravel().copy()
+            if s.size != d:
+                raise InputError(f"scale has {s.size} entries but shift has {d}")
+            if not np.isfinite(s).all() or (s < 0).any():
+                raise InputError("scale must be finite and non-negative")
+            s[s == 0] = 1.0
+            self.scale = s
+        if not np.isfinite(self.shift).all():
+            raise InputError("shift must be finite")
+        self.dim = d
+        self.block_rows = int(block_rows)
+        self.n = 0
+        self.n_zero_norm = 0
+        self.sum_unit = np.zeros(d)
+        self.sum_unit_sq = np.zeros(d)
+
+    def update(self, x) -> UnitSum:
+        a = as_rows(x)
+        n, d = a.shape
+        if d != self.dim:
+            raise DataError(f"rows have {d} columns but this accumulator holds dim {self.dim}")
+        if n == 0:
+            return self
+        rows = min(self.block_rows, n)
+        buf, work = np.empty((rows, d)), np.empty((rows, d))
+        s = np.zeros(d)
+        s2 = np.zeros(d)
+        nz = 0
+        for i in range(0, n, rows):
+            b = buf[: min(rows, n - i)]
+            np.subtract(a[i:i + rows], self.shift, out=b)
+            if self.scale is not None:
+                b /= self.scale
+            sq = np.einsum("ij,ij->i", b, b)
+            _check_block(sq, a)
+            u, u2, z = _unit_stats(b, sq, work[: b.shape[0]])
+            s += u
+            s2 += u2
+            nz += z
+        self.n += n
+        self.n_zero_norm += nz
+        self.sum_unit += s
+        self.sum_unit_sq += s2
+        return self
+
+    def merge(self, other: UnitSum) -> UnitSum:
+        if not isinstance(other, UnitSum) or other.dim != self.dim:
+            raise InputError("can only merge a UnitSum of the same dimension")
+        if not (np.array_equal(self.shift, other.shift)
+                and (self.scale is None) == (other.scale is None)
+                and (self.scale is None or np.array_equal(self.scale, other.scale))):
+            raise InputError("cannot merge UnitSums with different shift/scale")
+        self.n += other.n
+        self.n_zero_norm += other.n_zero_norm
+        self.sum_unit += other.sum_unit
+        self.sum_unit_sq += other.sum_unit_sq
+        return self
+
+    def n_unit(self) -> int:
+        return self.n - self.n_zero_norm
