@@ -1,0 +1,134 @@
+"""Training-log figures for ``geomscope finetune`` runs.
+
+A training log is a finetune output directory (holding ``steps.jsonl``, and ``eval.jsonl`` /
+``run.json`` when present) or a ``steps.jsonl`` file itself (its siblings are read too).  The
+figure has four panels against the optimizer step: task loss (cross-entropy), the regulariser's raw
+penalty R (I-STAR: 1 - IsoScore*; CosReg: Gao et al.'s R), the batch IsoScore* (with the eval-set
+IsoScore* per epoch as markers), and eval accuracy / macro-F1 per epoch.  Several runs overlay,
+each labelled with its directory name, regulariser and lambda.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from geomscope.errors import InputError
+
+_STEP_KEYS = {"step", "task_loss"}
+
+
+def _steps_file(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    return p / "steps.jsonl" if p.is_dir() else p
+
+
+def is_training_log(path: str | os.PathLike) -> bool:
+    """True for a finetune output directory (has steps.jsonl) or a finetune steps.jsonl file."""
+    f = _steps_file(path)
+    if not f.is_file() or f.suffix != ".jsonl":
+        return False
+    if f.name == "steps.jsonl":
+        return True
+    try:
+        with open(f, encoding="utf-8") as fh:
+            first = next((ln for ln in fh if ln.strip()), "")
+        rec = json.loads(first) if first else {}
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(rec, dict) and _STEP_KEYS <= set(rec)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for i, ln in enumerate(fh, 1):
+            if not ln.strip():
+                continue
+            try:
+                out.append(json.loads(ln))
+            except ValueError:
+                raise InputError(f"{path} line {i} is not valid JSON; is the file complete?") from None
+    return out
+
+
+def read_training_log(path: str | os.PathLike) -> dict:
+    """{"label", "steps": [...], "evals": [...], "run": {...}} of one finetune log."""
+    f = _steps_file(path)
+    if not is_training_log(path):
+        raise InputError(f"{path} is not a finetune training log (expected a finetune --out directory or steps.jsonl)")
+    steps = _read_jsonl(f)
+    if not steps:
+        raise InputError(f"{f} has no logged steps yet; plot it after the first step")
+    evals = _read_jsonl(f.parent / "eval.jsonl") if (f.parent / "eval.jsonl").is_file() else []
+    run = {}
+    if (f.parent / "run.json").is_file():
+        try:
+            run = json.loads((f.parent / "run.json").read_text()).get("config", {})
+        except ValueError:
+            run = {}
+    name = f.parent.name if f.name == "steps.jsonl" else f.stem
+    if run.get("reg"):
+        name += f" ({run['reg']}" + (f", λ={run['lam']:g})" if run["reg"] != "none" else ")")
+    return {"label": name, "steps": steps, "evals": evals, "run": run}
+
+
+def _series(recs: list[dict], key: str) -> tuple[list, list]:
+    xs, ys = [], []
+    for r in recs:
+        v = r.get(key)
+        if v is not None:
+            xs.append(r["step"])
+            ys.append(v)
+    return xs, ys
+
+
+def plot_training_log(log_paths, out: str | os.PathLike | None = None):
+    """Figure (matplotlib Figure) of one or more training logs; saved to ``out`` when given."""
+    from geomscope.plot._style import new_figure, series_style
+
+    paths = [log_paths] if isinstance(log_paths, (str, os.PathLike)) else list(log_paths)
+    if not paths:
+        raise InputError("no training logs given; pass a finetune --out directory or its steps.jsonl")
+    logs = [read_training_log(p) for p in paths]
+    fig = new_figure(9.0, 6.0)
+    axes = fig.subplots(2, 2, sharex=True)
+    (ax_loss, ax_pen), (ax_iso, ax_acc) = axes
+    for i, log in enumerate(logs):
+        st = series_style(i)
+        line = {"color": st["color"], "linestyle": st["linestyle"], "linewidth": 1.0}
+        mark = {"color": st["color"], "marker": st["marker"], "markersize": 4}
+        label = log["label"]
+        ax_loss.plot(*_series(log["steps"], "task_loss"), label=label, **line)
+        xs, ys = _series(log["steps"], "penalty")
+        if xs:
+            ax_pen.plot(xs, ys, label=label, **line)
+        ax_iso.plot(*_series(log["steps"], "isoscore_star"), label=f"{label}: batch", alpha=0.8, **line)
+        xs, ys = _series(log["evals"], "isoscore_star")
+        if xs:
+            ax_iso.plot(xs, ys, linestyle="none", label=f"{label}: eval", **mark)
+        xs, ys = _series(log["evals"], "accuracy")
+        if xs:
+            ax_acc.plot(xs, ys, label=f"{label}: accuracy", linestyle=st["linestyle"], **mark)
+            ax_acc.plot(*_series(log["evals"], "macro_f1"), label=f"{label}: macro-F1", linestyle=":",
+                        color=st["color"], marker=st["marker"], markersize=3, alpha=0.6)
+    zeta = logs[0]["run"].get("zeta")
+    ax_loss.set_title("task loss (cross-entropy)")
+    ax_pen.set_title("penalty R (I-STAR: 1 − IsoScore*; CosReg)")
+    ax_iso.set_title("IsoScore*" + (f" (ζ={zeta:g})" if zeta is not None else "") + ": line batch, marks eval")
+    fig.suptitle("batch IsoScore* target: C0 for I-STAR runs, trace-matched identity otherwise; "
+                 "eval IsoScore*: trace-matched identity", fontsize=7)
+    ax_acc.set_title("eval accuracy / macro-F1 (per epoch)")
+    for ax in (ax_iso, ax_acc):
+        ax.set_xlabel("optimizer step")
+    for ax in (ax_loss, ax_pen, ax_iso, ax_acc):
+        if ax.has_data():
+            ax.legend(fontsize=7, loc="best")
+    if not ax_pen.has_data():
+        ax_pen.text(0.5, 0.5, "no regulariser (--reg none)", ha="center", va="center", transform=ax_pen.transAxes)
+    if out is not None:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out)
+    return fig

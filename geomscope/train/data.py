@@ -1,0 +1,228 @@
+"""Labelled text data for fine-tuning: loading, label maps, tokenisation and batching.
+
+Accepted sources (``load_table``):
+
+* ``.csv`` (comma) and ``.tsv`` (tab, GLUE style) files with a header row;
+* ``.jsonl`` / ``.json`` files with one JSON object per line;
+* a directory written by ``datasets.Dataset.save_to_disk`` (a ``DatasetDict`` directory must be
+  narrowed to one split: pass ``DIR/<split>``).
+
+Labels are read as strings and mapped to ids by :func:`build_label_map`: if every label is an
+integer literal they are ordered numerically (GLUE's 0/1 keep their ids), otherwise by string
+order.  The map is saved next to the model and written into its config (``id2label``).
+
+Batches are built deterministically: the training order of epoch ``e`` is
+``torch.randperm(n, generator=Generator().manual_seed(seed * 100003 + e))``, cut into *global*
+batches of ``batch_size * world_size`` examples; rank ``r`` of ``world_size`` takes its contiguous
+slice of each global batch.  A single process with ``batch_size * world_size`` therefore sees the
+same global batches as ``world_size`` processes with ``batch_size`` each.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from geomscope.errors import DataError, InputError
+
+
+@dataclass
+class Table:
+    """Rows of a labelled dataset: texts (one or two fields) and string labels."""
+
+    source: str
+    texts: list[str]
+    texts2: list[str] | None
+    labels: list[str]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def _read_rows(path: Path) -> tuple[list[str], list[dict]]:
+    """Return (column names, rows as dicts) of a csv/tsv/jsonl file or a save_to_disk directory."""
+    if not path.exists():
+        raise InputError(f"data file {path} does not exist")
+    if path.is_dir():
+        return _read_saved_dataset(path)
+    suffix = path.suffix.lower()
+    if path.stat().st_size == 0:
+        raise InputError(f"data file {path} is empty; it needs a header and at least one labelled row")
+    if suffix in (".csv", ".tsv"):
+        delim = "\t" if suffix == ".tsv" else ","
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f, delimiter=delim, quoting=csv.QUOTE_NONE if delim == "\t" else 0)
+            cols = list(reader.fieldnames or [])
+            rows = list(reader)
+        return cols, rows
+    if suffix in (".jsonl", ".json"):
+        rows = []
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise InputError(f"{path} line {i} is not valid JSON ({e.msg}); expected one object per line") from None
+                if not isinstance(obj, dict):
+                    raise InputError(f"{path} line {i} is not a JSON object; expected one object per line")
+                rows.append(obj)
+        cols = list(dict.fromkeys(k for r in rows for k in r))
+        return cols, rows
+    raise InputError(f"unsupported data file {path}: use .csv, .tsv, .jsonl or a datasets save_to_disk directory")
+
+
+def _read_saved_dataset(path: Path) -> tuple[list[str], list[dict]]:
+    if (path / "dataset_dict.json").exists():
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        raise InputError(f"{path} is a DatasetDict with splits {', '.join(splits)}; pass {path}/<split>")
+    if not (path / "dataset_info.json").exists() and not (path / "state.json").exists():
+        raise InputError(f"{path} is a directory but not a datasets save_to_disk directory")
+    try:
+        import datasets
+    except ImportError:
+        raise InputError("reading a save_to_disk directory needs the `datasets` package: pip install datasets") from None
+    ds = datasets.load_from_disk(str(path))
+    return list(ds.column_names), ds.to_list()
+
+
+def _field(rows: list[dict], cols: list[str], name: str, what: str, path: Path) -> list:
+    if name not in cols:
+        raise InputError(
+            f"{path} has no {what} column {name!r} (columns: {', '.join(map(str, cols)) or 'none'}); "
+            f"choose one with --{what}-field"
+        )
+    return [r.get(name) for r in rows]
+
+
+def load_table(path: str | Path, text_field: str = "sentence", label_field: str = "label",
+               text_field_2: str | None = None) -> Table:
+    """Read a labelled table; raise a one-line :class:`InputError` on missing columns or values."""
+    path = Path(path)
+    cols, rows = _read_rows(path)
+    if not rows:
+        raise InputError(f"data file {path} has no rows; it needs at least one labelled row")
+    texts = _field(rows, cols, text_field, "text", path)
+    labels = _field(rows, cols, label_field, "label", path)
+    texts2 = _field(rows, cols, text_field_2, "text", path) if text_field_2 else None
+    for i, (t, y) in enumerate(zip(texts, labels, strict=True)):
+        if t is None or (isinstance(t, float) and math.isnan(t)):
+            raise InputError(f"{path} row {i + 1} has no {text_field!r} text; fill it in or drop the row")
+        if y is None or str(y).strip() == "":
+            raise InputError(f"{path} row {i + 1} has no {label_field!r} label; fill it in or drop the row")
+    if texts2 is not None:
+        for i, t in enumerate(texts2):
+            if t is None:
+                raise InputError(f"{path} row {i + 1} has no {text_field_2!r} text; fill it in or drop the row")
+    labels = [_label_str(y) for y in labels]
+    return Table(str(path), [str(t) for t in texts], None if texts2 is None else [str(t) for t in texts2], labels)
+
+
+def _label_str(y) -> str:
+    if isinstance(y, bool):
+        return str(int(y))
+    if isinstance(y, float) and y.is_integer():
+        return str(int(y))
+    return str(y).strip()
+
+
+def _is_int(s: str) -> bool:
+    try:
+        int(s)
+    except ValueError:
+        return False
+    return True
+
+
+def build_label_map(train: Table) -> dict[str, int]:
+    """Map string labels to ids: numeric order if all labels are integers, else string order."""
+    uniq = set(train.labels)
+    if len(uniq) < 2:
+        only = next(iter(uniq)) if uniq else "none"
+        raise DataError(f"{train.source} has a single class ({only!r}); a classifier needs at least two labels")
+    order = sorted(uniq, key=int) if all(_is_int(u) for u in uniq) else sorted(uniq)
+    return {lab: i for i, lab in enumerate(order)}
+
+
+def check_eval_labels(eval_table: Table, label2id: dict[str, int]) -> None:
+    """Eval labels must all occur in the training data."""
+    unseen = sorted(set(eval_table.labels) - set(label2id))
+    if unseen:
+        shown = ", ".join(repr(u) for u in unseen[:5]) + (" ..." if len(unseen) > 5 else "")
+        raise InputError(
+            f"{eval_table.source} has labels not seen in training: {shown}; "
+            f"training labels are {', '.join(repr(k) for k in label2id)}"
+        )
+
+
+class Encoded:
+    """Tokenised examples (unpadded id lists) with integer labels."""
+
+    def __init__(self, tokenizer, table: Table, label2id: dict[str, int], max_length: int):
+        enc = tokenizer(table.texts, table.texts2, truncation=True, max_length=max_length,
+                        padding=False, return_attention_mask=False)
+        self.input_ids: list[list[int]] = enc["input_ids"]
+        self.token_type_ids: list[list[int]] | None = enc.get("token_type_ids")
+        self.labels = [label2id[y] for y in table.labels]
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.n_tokens = sum(len(x) for x in self.input_ids)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def collate(self, idx):
+        """Pad the examples ``idx`` on the right into a batch dict of tensors (labels included)."""
+        import torch
+
+        idx = list(idx)
+        width = max(len(self.input_ids[i]) for i in idx)
+        ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        tt = torch.zeros((len(idx), width), dtype=torch.long) if self.token_type_ids is not None else None
+        for row, i in enumerate(idx):
+            seq = self.input_ids[i]
+            ids[row, : len(seq)] = torch.tensor(seq)
+            mask[row, : len(seq)] = 1
+            if tt is not None:
+                tt[row, : len(seq)] = torch.tensor(self.token_type_ids[i])
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([self.labels[i] for i in idx])}
+        if tt is not None:
+            batch["token_type_ids"] = tt
+        return batch
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The training order of ``epoch`` (deterministic in seed and epoch, independent of resume)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 100003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def global_batches(order: list[int], batch_size: int, world_size: int) -> list[list[int]]:
+    """Cut ``order`` into global batches of ``batch_size * world_size`` (the last may be short).
+
+    A short last global batch with fewer examples than ranks is dropped (every rank needs one).
+    """
+    g = batch_size * world_size
+    out = [order[i : i + g] for i in range(0, len(order), g)]
+    if out and len(out[-1]) < world_size:
+        out.pop()
+    return out
+
+
+def rank_slice(global_batch: list[int], rank: int, world_size: int) -> list[int]:
+    """Rank ``rank``'s contiguous share of a global batch (sizes differ by at most one)."""
+    n = len(global_batch)
+    lo = (n * rank) // world_size
+    hi = (n * (rank + 1)) // world_size
+    return global_batch[lo:hi]
+
+
+def shard(n: int, rank: int, world_size: int) -> list[int]:
+    """Strided shard of range(n) for evaluation / C0 passes."""
+    return list(range(rank, n, world_size))

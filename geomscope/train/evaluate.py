@@ -1,0 +1,141 @@
+"""No-gradient passes over a dataset: the I-STAR shrinkage target C0 and per-epoch evaluation.
+
+Both run the model in eval mode under ``torch.no_grad`` (autocast as in training), each rank over
+its strided shard of the examples, and sum float64 moments over ranks.
+
+* C0 = sample covariance of up to ``max_points`` token vectors of the chosen layers (each token
+  of each chosen layer is one point; padding excluded unless ``include_padding``), taken from the
+  training examples in this epoch's training order.  Each rank collects at most
+  ``max_points // world_size`` points, whole tokens only, into a float64
+  :class:`~geomscope.metrics.moments.Moments`; the ranks' accumulators are merged in rank order
+  and the result broadcast from rank 0, so C0 is bitwise identical on every rank.
+* Evaluation: accuracy, macro-F1 (mean over the classes that occur in the eval labels or the
+  predictions of F1 = 2TP / (2TP + FP + FN)), mean cross-entropy, and the geometry of the eval
+  set's token vectors over the chosen layers: IsoScore (zeta = 0) and IsoScore* with the run's zeta
+  and the trace-matched identity target, of the union of the chosen layers; the average cosine
+  similarity (all distinct pairs, METRICS.md) of the union, of each chosen layer, and of the last
+  layer (CosReg's layer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from geomscope.errors import DataError
+from geomscope.metrics.isotropy import isoscore_from_cov, isoscore_star_from_cov
+from geomscope.metrics.moments import Moments
+from geomscope.train import distributed as dd
+from geomscope.train.regularizers import select_tokens
+
+
+def _forward(model, batch, device, autocast):
+    inputs = {k: v.to(device) for k, v in batch.items() if k != "labels"}
+    with autocast():
+        return model(**inputs, output_hidden_states=True), inputs["attention_mask"]
+
+
+def _merged(m: Moments, d: dd.Dist) -> Moments:
+    """Merge every rank's accumulator in rank order (the same result on every rank)."""
+    if not d.active:
+        return m
+    parts = dd.gather_objects(m, d)
+    total = Moments(parts[0].dim, extras=parts[0].extras)
+    for p in parts:
+        total.merge(p)
+    return total
+
+
+@torch.no_grad()
+def compute_c0(model, encoded, order: list[int], layers: list[int], max_points: int, batch_size: int,
+               d: dd.Dist, autocast, include_padding: bool = False) -> tuple[torch.Tensor, int]:
+    """(C0 as a (D, D) float64 tensor on ``d.device``, number of points used globally)."""
+    was_training = model.training
+    model.eval()
+    mine = order[d.rank :: d.world_size]
+    budget = max_points // d.world_size
+    L = len(layers)
+    m = Moments(model.config.hidden_size, extras=False)
+    for i in range(0, len(mine), batch_size):
+        if m.n + L > budget:
+            break
+        out, mask = _forward(model, encoded.collate(mine[i : i + batch_size]), d.device, autocast)
+        X = select_tokens(out.hidden_states, layers, mask, include_padding)  # (L*t, D), layer-major
+        t = X.shape[0] // L
+        k = min(t, (budget - m.n) // L)  # whole tokens: the same k tokens from every layer
+        m.update(X.reshape(L, t, -1)[:, :k].reshape(L * k, -1))
+    model.train(was_training)
+    m = _merged(m, d)
+    if m.n < 2:
+        raise DataError("too few training tokens to estimate C0 (need at least 2 token vectors); add data")
+    C0 = torch.from_numpy(m.covariance()).to(d.device)
+    return dd.broadcast(C0, d), int(m.n)
+
+
+def _macro_f1(conf: torch.Tensor) -> float:
+    tp = conf.diag()
+    fp = conf.sum(0) - tp
+    fn = conf.sum(1) - tp
+    present = (conf.sum(0) + conf.sum(1)) > 0
+    denom = 2 * tp + fp + fn
+    f1 = torch.where(denom > 0, 2 * tp / denom.clamp_min(1), torch.zeros_like(denom))
+    return float(f1[present].mean()) if present.any() else 0.0
+
+
+def _avgcos(u_sum: torch.Tensor, n: torch.Tensor) -> float | None:
+    n = float(n)
+    return None if n < 2 else float((u_sum.dot(u_sum) - n) / (n * (n - 1)))
+
+
+@torch.no_grad()
+def evaluate(model, encoded, layers: list[int], zeta: float, batch_size: int, d: dd.Dist, autocast,
+             n_labels: int, include_padding: bool = False) -> dict:
+    """Per-epoch evaluation record (see module docstring); identical on every rank."""
+    was_training = model.training
+    model.eval()
+    dev = d.device
+    D = model.config.hidden_size
+    L = len(layers)
+    conf = torch.zeros(n_labels, n_labels, dtype=torch.float64, device=dev)
+    loss_sum = torch.zeros(1, dtype=torch.float64, device=dev)
+    union = Moments(D, extras=True)
+    u = torch.zeros(L + 1, D, dtype=torch.float64, device=dev)  # unit-vector sums: each layer, then last layer
+    counts = torch.zeros(2, dtype=torch.float64, device=dev)  # tokens per layer, last-layer tokens
+    mine = list(range(d.rank, len(encoded), d.world_size))
+    for i in range(0, len(mine), batch_size):
+        batch = encoded.collate(mine[i : i + batch_size])
+        out, mask = _forward(model, batch, dev, autocast)
+        labels = batch["labels"].to(dev)
+        logits = out.logits.float()
+        loss_sum += torch.nn.functional.cross_entropy(logits, labels, reduction="sum").double()
+        conf.index_put_((labels, logits.argmax(-1)), torch.ones(len(labels), dtype=torch.float64, device=dev),
+                        accumulate=True)
+        X = select_tokens(out.hidden_states, layers + [len(out.hidden_states) - 1], mask, include_padding)
+        t = X.shape[0] // (L + 1)
+        union.update(X[: L * t])
+        U = X / X.norm(dim=1, keepdim=True).clamp_min(1e-30)
+        u += U.reshape(L + 1, t, D).sum(1)
+        counts += torch.tensor([t, t], dtype=torch.float64, device=dev)
+    model.train(was_training)
+    packed = dd.all_reduce_sum(torch.cat([conf.reshape(-1), loss_sum, u.reshape(-1), counts]), d)
+    conf, loss_sum, u, counts = torch.split(packed, [n_labels * n_labels, 1, (L + 1) * D, 2])
+    conf = conf.reshape(n_labels, n_labels)
+    u = u.reshape(L + 1, D)
+    union = _merged(union, d)
+    n_ex = float(conf.sum())
+    rec = {
+        "eval_examples": int(n_ex),
+        "eval_tokens": int(counts[0]),
+        "accuracy": float(conf.diag().sum() / max(n_ex, 1.0)),
+        "macro_f1": _macro_f1(conf),
+        "eval_loss": float(loss_sum[0] / max(n_ex, 1.0)),
+        "isoscore": None,
+        "isoscore_star": None,
+        "avgcos": _avgcos(torch.from_numpy(union.sum_unit), union.n_unit()) if union.n else None,
+        "avgcos_per_layer": {str(layer): _avgcos(u[j], counts[0]) for j, layer in enumerate(layers)},
+        "avgcos_last_layer": _avgcos(u[L], counts[1]),
+    }
+    if union.n >= 2 and union.total_variance() > 0:
+        C = union.covariance()
+        rec["isoscore"] = isoscore_from_cov(C)
+        rec["isoscore_star"] = isoscore_star_from_cov(C, zeta, "trace")
+    return rec

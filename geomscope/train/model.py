@@ -1,0 +1,121 @@
+"""Loading a sequence classifier and its tokenizer; the ``--layers`` grammar.
+
+A checkpoint without a sequence-classification head (a plain encoder such as all-MiniLM-L6-v2)
+gets a freshly initialised head; a head with a different number of labels is replaced.  Both are
+reported through ``note`` (stderr in the CLI), never silently.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from geomscope.errors import InputError
+
+
+def parse_layers(spec: str | None, n_layers: int) -> list[int]:
+    """Hidden-state indices from a ``--layers`` spec.
+
+    Index 0 is the embedding output and ``i`` (1..n_layers) the output of block ``i`` -- the
+    positions in the ``output_hidden_states`` tuple.  ``None``/``all`` = every block (1..n_layers,
+    embedding output excluded).  Otherwise a comma list of indices and ranges (``1,3,5-6``); negative
+    indices count from the end (``-1`` = last block).
+    """
+    if spec is None or spec.strip().lower() in ("", "all"):
+        return list(range(1, n_layers + 1))
+    out: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(-?\d+)\s*(?:-\s*(-?\d+)\s*)?", part)
+        try:
+            if m is None:
+                raise ValueError
+            lo = _index(int(m.group(1)), n_layers)
+            hi = lo if m.group(2) is None else _index(int(m.group(2)), n_layers)
+            if lo > hi:
+                raise ValueError
+            out.extend(range(lo, hi + 1))
+        except ValueError:
+            raise InputError(
+                f"bad --layers {spec!r}: use indices 0..{n_layers} (0 = embedding output), ranges like 1-3, "
+                f"or negatives like -1"
+            ) from None
+    return sorted(set(out))
+
+
+def _index(i: int, n_layers: int) -> int:
+    j = i + n_layers + 1 if i < 0 else i
+    if not 0 <= j <= n_layers:
+        raise ValueError
+    return j
+
+
+def quiet_transformers() -> None:
+    """Silence transformers' load reports and progress bars (we report what matters ourselves)."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    try:
+        transformers.utils.logging.disable_progress_bar()
+    except AttributeError:  # older transformers
+        pass
+
+
+def load_classifier(source: str | Path, label2id: dict[str, int], note: Callable[[str], None]):
+    """(model, tokenizer, info) for sequence classification with ``len(label2id)`` labels.
+
+    ``info`` holds ``head_added`` (True when the checkpoint had no usable classification head and
+    one was initialised) and ``pad_token_added``.
+    """
+    import torch  # noqa: F401  (transformers needs it)
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    quiet_transformers()
+    src = str(source)
+    try:
+        config = AutoConfig.from_pretrained(src)
+    except (OSError, ValueError) as e:
+        raise InputError(f"cannot load model {src!r}: {str(e).splitlines()[0]}; give a checkpoint directory") from None
+    id2label = {i: lab for lab, i in label2id.items()}
+    try:
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            src, num_labels=len(label2id), id2label=id2label, label2id=dict(label2id),
+            ignore_mismatched_sizes=True, output_loading_info=True,
+        )
+    except ValueError as e:
+        raise InputError(
+            f"{src} ({config.model_type}) has no sequence-classification model class in transformers: "
+            f"{str(e).splitlines()[0]}"
+        ) from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src)
+    except (OSError, ValueError) as e:
+        raise InputError(f"cannot load the tokenizer of {src!r}: {str(e).splitlines()[0]}") from None
+    head_added = bool(info.get("missing_keys")) or bool(info.get("mismatched_keys"))
+    archs = [a for a in (config.architectures or []) if a.endswith("ForSequenceClassification")]
+    if info.get("mismatched_keys") and archs:
+        note(f"note: {src} has a classification head for {config.num_labels} labels; replaced it with a new "
+             f"randomly initialised head for {len(label2id)} labels")
+    elif head_added:
+        note(f"note: {src} has no sequence-classification head ({', '.join(config.architectures or ['?'])}); "
+             f"added a new randomly initialised head for {len(label2id)} labels")
+    pad_added = False
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is None:
+            raise InputError(f"the tokenizer of {src} has neither a pad nor an eos token; cannot batch")
+        tokenizer.pad_token = tokenizer.eos_token
+        pad_added = True
+        note("note: the tokenizer has no pad token; padding with its eos token (masked out)")
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer, {"head_added": head_added, "pad_token_added": pad_added}
+
+
+def n_blocks(model) -> int:
+    """Number of transformer blocks (hidden-state tuple length minus one)."""
+    cfg = model.config
+    for name in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+        v = getattr(cfg, name, None)
+        if isinstance(v, int):
+            return v
+    raise InputError(f"cannot tell how many layers {type(model).__name__} has; pass --layers explicitly")
