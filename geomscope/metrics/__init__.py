@@ -4,6 +4,15 @@
 Rows are points: every X is (N, D). torch is imported lazily inside the *_torch functions.
 """
 
+from geomscope.metrics.cosine import (
+    COSINE_VARIANTS,
+    avgcos,
+    avgcos_from_sum,
+    avgcos_pairs,
+    cosine_contributions,
+    cosreg_penalty_torch,
+    unit_sum,
+)
 from geomscope.metrics.isotropy import (
     SHRINKAGE_TARGETS,
     isoscore,
@@ -19,5 +28,17 @@ from geomscope.metrics.isotropy import (
     shrinkage_target,
 )
 from geomscope.metrics.moments import Moments, UnitSum
+from geomscope.metrics.outliers import (
+    OUTLIER_INPUTS,
+    OUTLIER_RULES,
+    OutlierResult,
+    outliers_magnitude,
+    outliers_quantile,
+    outliers_variance,
+    outliers_zscore,
+    rule_defaults,
+)
+from geomscope.metrics.partition import partition_isotropy, partition_log_z
+from geomscope.metrics.spectrum import effective_rank, eigenvalues, participation_ratio, spectrum
 
 # --- intrinsic dimension (twonn engineer adds its import line below this marker) ---
