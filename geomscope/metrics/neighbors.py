@@ -1,0 +1,292 @@
+"""Exact first and second nearest neighbours of every row, by blocked matrix products.
+
+``two_nearest(X)`` returns, for every row x_i of X (N, D), the Euclidean distances r1 <= r2 to its
+two nearest *other* rows and their indices. The distances are exact: each is recomputed as
+``sqrt(sum((x_i - x_j)**2))`` in float64 from the input values (what ``scipy.spatial.distance.cdist``
+computes), so r1 == 0 exactly for an exact duplicate and never for distinct rows.
+
+Algorithm (torch; the same code on ``device="cpu"`` and ``device="cuda"``):
+
+1. Centre X on its float64 column mean and scale it by a power of two so max |x| < 1 (distances
+   are translation invariant; this removes a common offset before rounding to float32).
+2. Candidate search in float32: ``d2 = |a|^2 + |b|^2 - 2 a.b`` by GEMM over row strips
+   ``X[s:e] @ X[s:].T`` -- only the upper triangle of the distance matrix is computed; each strip
+   updates the running top-K (K = 4) of its own rows (row-wise top-k) and of the later rows
+   (column-wise top-k). Memory is one strip of ``block_size x N`` float32 (never N x N).
+3. Exact float64 recompute of the K candidate distances of every row; r1, r2 are the two smallest.
+4. Certification. The float32 value of every pair is within ``err_i = c (|a_i|^2 + max_j |b_j|^2)``
+   of the true squared distance, ``c = 1.01 ((D+2)u/(1-(D+2)u) + 2u_in + 24u)`` (u = 2^-24; u_in
+   = 2^-8 when torch's float32 matmul precision is not "highest", i.e. TF32/bf16 products). Every
+   non-candidate j has float32 value >= the K-th candidate value v_K, hence true d2 >= v_K - err_i.
+   Rows with exact r2^2 <= v_K - err_i are proven right. The others (near-duplicates far from the
+   mean, the float32 trap of real [CLS] vectors) are screened again against all rows in float64
+   GEMM with the same bound in float64, and every pair that screen cannot exclude is recomputed
+   exactly. The result is exact for every row, whatever the conditioning.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from geomscope.errors import DataError, InputError
+from geomscope.metrics._validate import as_rows, count_nonfinite_rows, nonfinite_message
+
+#: Bytes allowed for one strip of candidate distances (float32 strip + one temporary of its size).
+DEFAULT_MEMORY_BUDGET = 256 * 2**20
+#: Candidates kept per row by the float32 search (exactly recomputed, then certified).
+K_CANDIDATES = 4
+_U32 = 2.0**-24
+_U64 = 2.0**-53
+
+
+def default_block_size(n: int, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> int:
+    """Rows per strip: the largest B with ``2 * B * N * 4 bytes <= memory_budget`` (a float32 strip
+    plus one temporary of its size), clamped to [64, 4096] and to N."""
+    b = memory_budget // (8 * max(n, 1))
+    return int(max(1, min(n, max(64, min(4096, b)))))
+
+
+def _resolve_device(device):
+    import torch
+
+    dev = torch.device("cpu" if device is None else device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"device {str(device)!r} requested but CUDA is not available; use device='cpu'")
+    return dev
+
+
+def _input_rounding() -> float:
+    """Unit roundoff of float32 GEMM inputs under torch's matmul precision setting."""
+    import torch
+
+    try:
+        highest = torch.get_float32_matmul_precision() == "highest"
+    except Exception:  # pragma: no cover - very old/new torch without the setting
+        highest = True
+    if highest and torch.backends.cuda.matmul.allow_tf32:
+        highest = False
+    return 0.0 if highest else 2.0**-8
+
+
+def _bound_coefficient(d: int, u: float, u_in: float) -> float:
+    g = (d + 2) * u
+    return 1.01 * (g / (1.0 - g) + 2.0 * u_in + 24.0 * u)
+
+
+def _as_float_matrix(X) -> np.ndarray:
+    a = as_rows(X)
+    if a.dtype.itemsize < 4:  # float16 storage: distances need at least float32
+        a = a.astype(np.float32)
+    return a
+
+
+def _prepare(Xt, chunk: int):
+    """Column mean (float64), power-of-two scale, centred+scaled float32 copy and its squared norms."""
+    import torch
+
+    n, d = Xt.shape
+    dev = Xt.device
+    total = torch.zeros(d, dtype=torch.float64, device=dev)
+    cmin = torch.full((d,), math.inf, dtype=torch.float64, device=dev)
+    cmax = torch.full((d,), -math.inf, dtype=torch.float64, device=dev)
+    for s in range(0, n, chunk):
+        c = Xt[s:s + chunk]
+        total += c.sum(0, dtype=torch.float64)
+        cmin = torch.minimum(cmin, c.amin(0).double())
+        cmax = torch.maximum(cmax, c.amax(0).double())
+    mean = total / n
+    maxabs = float(torch.maximum(cmax - mean, mean - cmin).max())
+    scale = 1.0 if not maxabs > 0 else 2.0 ** (-math.frexp(maxabs)[1])
+    x32 = torch.empty((n, d), dtype=torch.float32, device=dev)
+    n32 = torch.empty(n, dtype=torch.float32, device=dev)
+    for s in range(0, n, chunk):
+        c = Xt[s:s + chunk].double().sub_(mean).mul_(scale)
+        x32[s:s + chunk] = c
+        n32[s:s + chunk] = (c * c).sum(1)
+    return mean, scale, x32, n32
+
+
+def _merge(best_v, best_i, lo: int, hi: int, v, i) -> None:
+    import torch
+
+    k = best_v.shape[1]
+    allv = torch.cat([best_v[lo:hi], v], 1)
+    alli = torch.cat([best_i[lo:hi], i], 1)
+    nv, p = allv.topk(k, dim=1, largest=False, sorted=False)
+    best_v[lo:hi] = nv
+    best_i[lo:hi] = alli.gather(1, p)
+
+
+def _candidates(x32, n32, k: int, block: int):
+    """Float32 top-k smallest squared distances (values, indices) per row, upper triangle only."""
+    import torch
+
+    n = x32.shape[0]
+    dev = x32.device
+    best_v = torch.full((n, k), math.inf, dtype=torch.float32, device=dev)
+    best_i = torch.full((n, k), -1, dtype=torch.int64, device=dev)
+    buf = torch.empty(block * n, dtype=torch.float32, device=dev)
+    for s in range(0, n, block):
+        e = min(s + block, n)
+        bs, m = e - s, n - s
+        S = buf[: bs * m].view(bs, m)
+        torch.addmm(n32[None, s:], x32[s:e], x32[s:].T, alpha=-2.0, out=S)  # |b|^2 - 2 a.b
+        S[:, :bs].diagonal().fill_(math.inf)  # self
+        kr = min(k, m)
+        rv, ri = S.topk(kr, dim=1, largest=False, sorted=False)
+        _merge(best_v, best_i, s, e, rv + n32[s:e, None], ri + s)
+        if e < n:  # the strip's off-diagonal part, read by column, updates the later rows
+            T = S[:, bs:]
+            T.add_(n32[s:e, None])
+            kc = min(k, bs)
+            cv, ci = T.topk(kc, dim=0, largest=False, sorted=False)
+            _merge(best_v, best_i, e, n, cv.T, ci.T + s)
+    return best_v, best_i
+
+
+def _exact_pairs(Xt, rows, cols, chunk: int):
+    """Exact float64 distances ||X[rows] - X[cols]|| (difference, then norm), chunked over pairs."""
+    import torch
+
+    out = torch.empty(rows.shape[0], dtype=torch.float64, device=Xt.device)
+    for s in range(0, rows.shape[0], chunk):
+        diff = Xt[rows[s:s + chunk]].double() - Xt[cols[s:s + chunk]].double()
+        sq = (diff * diff).sum(1)
+        res = torch.sqrt(sq)
+        bad = ((sq < 1e-280) & (sq > 0)) | torch.isinf(sq)  # under/overflow of the squares
+        if bool(bad.any()):
+            db = diff[bad]
+            mx = db.abs().amax(1, keepdim=True)
+            res[bad] = torch.sqrt(((db / mx) ** 2).sum(1)) * mx[:, 0]
+        out[s:s + chunk] = res
+    return out
+
+
+def _exact_candidates(Xt, idx, chunk: int):
+    """Exact float64 distances ||X[i] - X[idx[i, m]]|| for every row i and candidate m."""
+    import torch
+
+    n, k = idx.shape
+    out = torch.empty((n, k), dtype=torch.float64, device=Xt.device)
+    for s in range(0, n, chunk):
+        diff = Xt[idx[s:s + chunk]].double() - Xt[s:s + chunk, None, :].double()
+        sq = diff.square_().sum(2)
+        res = torch.sqrt(sq)
+        bad = ((sq < 1e-280) & (sq > 0)) | torch.isinf(sq)
+        if bool(bad.any()):  # under/overflow of the squares: recompute those pairs rescaled
+            rr, cc = bad.nonzero(as_tuple=True)
+            res[rr, cc] = _exact_pairs(Xt, rr + s, idx[s:s + chunk][rr, cc], chunk)
+        out[s:s + chunk] = res
+    return out
+
+
+def _best_two(rows: np.ndarray, cols: np.ndarray, dist: np.ndarray):
+    """Per row, the two smallest distances (ties broken by index), from a pair list."""
+    order = np.lexsort((cols, dist, rows))
+    r, c, d = rows[order], cols[order], dist[order]
+    first = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])
+    return r[first], d[first], c[first], d[first + 1], c[first + 1]
+
+
+def _rescreen(Xt, rows, mean, scale, ub2, chunk_rows: int, chunk_cols: int):
+    """Pairs (row, j) whose float64 GEMM value cannot exclude d(row, j)^2 <= ub2[row] (scaled)."""
+    import torch
+
+    n, d = Xt.shape
+    dev = Xt.device
+    c64 = _bound_coefficient(d, _U64, 0.0)
+    norms = torch.empty(n, dtype=torch.float64, device=dev)
+    for s in range(0, n, chunk_cols):
+        c = (Xt[s:s + chunk_cols].double() - mean) * scale
+        norms[s:s + chunk_cols] = (c * c).sum(1)
+    nmax = float(norms.max())
+    out_r, out_c = [], []
+    for a in range(0, rows.shape[0], chunk_rows):
+        r = rows[a:a + chunk_rows]
+        A = (Xt[r].double() - mean) * scale
+        thr = ub2[a:a + chunk_rows] + c64 * (norms[r] + nmax)
+        for s in range(0, n, chunk_cols):
+            B = (Xt[s:s + chunk_cols].double() - mean) * scale
+            V = torch.addmm(norms[s:s + chunk_cols][None, :], A, B.T, alpha=-2.0).add_(norms[r][:, None])
+            hit = V <= thr[:, None]
+            ii, jj = hit.nonzero(as_tuple=True)
+            jj = jj + s
+            keep = r[ii] != jj
+            out_r.append(r[ii][keep])
+            out_c.append(jj[keep])
+    return torch.cat(out_r), torch.cat(out_c)
+
+
+def two_nearest(X, block_size: int | None = None, device=None, refine: bool = True,
+                memory_budget: int = DEFAULT_MEMORY_BUDGET, return_info: bool = False):
+    """Exact first and second nearest-neighbour distances of every row (excluding itself).
+
+    Parameters: X (N, D) float array (numpy or torch; float16 is computed in float32, ints in
+    float64), N >= 3, finite. ``block_size``: rows per strip of the blocked search (default
+    :func:`default_block_size` from ``memory_budget`` bytes). ``device``: torch device for the
+    search ("cpu" default, "cuda"). ``refine=False`` skips the exact float64 recompute and returns
+    the float32 candidate distances (approximate; may be mis-ranked for near-duplicates).
+
+    Returns ``(r1, r2, i1, i2)``: float64 distances r1 <= r2 and int64 indices of the nearest and
+    second-nearest rows; ties are broken by the smaller index. With ``return_info=True`` a fifth
+    item, a dict: block_size, k (candidates per row), n_flagged (rows the float32 bound could not
+    certify), n_rescreen_pairs (pairs recomputed exactly for them), device.
+    """
+    import torch
+
+    a = _as_float_matrix(X)
+    n, d = a.shape
+    if n < 3:
+        raise DataError(f"X has {n} row(s); two nearest neighbours need at least 3 points")
+    bad = count_nonfinite_rows(a)
+    if bad:
+        raise DataError(nonfinite_message(bad, n))
+    dev = _resolve_device(device)
+    block = default_block_size(n, memory_budget) if block_size is None else int(block_size)
+    if block < 1:
+        raise InputError(f"block_size must be >= 1; got {block_size}")
+    block = min(block, n)
+    Xt = torch.from_numpy(np.ascontiguousarray(a)).to(dev)
+    chunk = max(1, min(n, memory_budget // (16 * max(d, 1))))
+    mean, scale, x32, n32 = _prepare(Xt, chunk)
+    k = min(K_CANDIDATES, n - 1)
+    info = {"block_size": block, "k": k, "n_flagged": 0, "n_rescreen_pairs": 0, "device": str(dev)}
+    best_v, best_i = _candidates(x32, n32, k, block)
+    if not refine:
+        v, p = best_v.sort(1)
+        idx = best_i.gather(1, p)
+        r = torch.sqrt(v[:, :2].double().clamp_min(0.0)) / scale
+        r, idx = r.cpu().numpy(), idx.cpu().numpy()
+        out = (r[:, 0].copy(), r[:, 1].copy(), idx[:, 0].copy(), idx[:, 1].copy())
+        return out + (dict(info, refined=False),) if return_info else out
+    del x32
+    dist = _exact_candidates(Xt, best_i, max(1, chunk // (2 * k)))
+    # two smallest exact candidates per row, ties broken by the smaller index
+    o = best_i.argsort(1)
+    dist_s, idx_s = dist.gather(1, o), best_i.gather(1, o)
+    o = dist_s.argsort(dim=1, stable=True)
+    dist_s, idx_s = dist_s.gather(1, o), idx_s.gather(1, o)
+    r1, r2 = dist_s[:, 0].clone(), dist_s[:, 1].clone()
+    i1, i2 = idx_s[:, 0].clone(), idx_s[:, 1].clone()
+    if k < n - 1:
+        c32 = _bound_coefficient(d, _U32, _input_rounding())
+        vk = best_v.double().amax(1)
+        err = c32 * (n32.double() + float(n32.max()))
+        flagged = torch.nonzero((r2 * scale) ** 2 > vk - err).flatten()
+        info["n_flagged"] = int(flagged.numel())
+        if flagged.numel():
+            ub2 = (r2[flagged] * scale) ** 2
+            pr, pc = _rescreen(Xt, flagged, mean, scale, ub2, 256,
+                               max(64, memory_budget // (8 * 256 * 2)))
+            info["n_rescreen_pairs"] = int(pr.numel())
+            pd = _exact_pairs(Xt, pr, pc, max(1, chunk // 2))
+            fr, d1, j1, d2, j2 = _best_two(pr.cpu().numpy(), pc.cpu().numpy(), pd.cpu().numpy())
+            fr_t = torch.from_numpy(fr).to(dev)
+            r1[fr_t] = torch.from_numpy(d1).to(dev)
+            r2[fr_t] = torch.from_numpy(d2).to(dev)
+            i1[fr_t] = torch.from_numpy(j1).to(dev)
+            i2[fr_t] = torch.from_numpy(j2).to(dev)
+    out = (r1.cpu().numpy(), r2.cpu().numpy(), i1.cpu().numpy(), i2.cpu().numpy())
+    return out + (dict(info, refined=True),) if return_info else out
