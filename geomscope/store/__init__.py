@@ -14,6 +14,7 @@ Writers: :class:`RunWriter` (manifest, identity check, resume, lock) and :class:
 Readers: :class:`Run` and :func:`iter_shard`.  Nothing here imports torch.
 """
 
+from geomscope.store.describe import describe_run
 from geomscope.store.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -22,7 +23,7 @@ from geomscope.store.manifest import (
     shard_name,
 )
 from geomscope.store.reader import Run, ShardChunk, iter_shard, read_shard_index, verify_shard
-from geomscope.store.shard import ShardInfo, ShardWriter
+from geomscope.store.shard import ShardInfo, ShardWriter, nonfinite_rows
 
 __all__ = [
     "FORMAT_VERSION",
@@ -32,8 +33,10 @@ __all__ = [
     "ShardChunk",
     "ShardInfo",
     "ShardWriter",
+    "describe_run",
     "identity_differences",
     "iter_shard",
+    "nonfinite_rows",
     "read_shard_index",
     "shard_name",
     "verify_shard",

@@ -153,10 +153,18 @@ class RunWriter:
             doc_stop=doc_stop,
         )
 
-    def add_shard(self, info: ShardInfo) -> None:
-        """Record a published shard; the manifest is replaced atomically."""
+    def add_shard(self, info: ShardInfo, stats: dict | None = None) -> None:
+        """Record a published shard; the manifest is replaced atomically.
+
+        ``stats`` (optional, JSON-able) is kept in the shard's entry under ``"stats"`` -- counts that
+        only the writer knows (e.g. documents skipped, rows with NaN per layer) and that a resumed run
+        must be able to total without re-reading the shard.
+        """
         shards = [s for s in self.manifest["shards"] if s["index"] != info.index]
-        shards.append(info.to_dict())
+        entry = info.to_dict()
+        if stats:
+            entry["stats"] = stats
+        shards.append(entry)
         shards.sort(key=lambda s: s["index"])
         self.manifest["shards"] = shards
         self._save()

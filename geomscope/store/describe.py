@@ -1,0 +1,71 @@
+"""What a run directory holds, as one JSON-able dict (``geomscope inspect``); optional integrity check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from geomscope.errors import DataError
+from geomscope.store.manifest import MANIFEST_NAME
+from geomscope.store.reader import Run, verify_shard
+
+OPTION_KEYS = ("store_dtype", "max_docs", "max_tokens", "max_length", "truncation", "text_field", "text_column",
+               "shard_docs")
+
+
+def describe_run(run_dir: Path, *, verify: bool = False) -> dict:
+    """Summarise a run: model, layers, rows, documents, shards, dtype, size on disk, completeness.
+
+    ``verify=True`` also checks every finished shard's size and sha256 against the manifest; the
+    result's ``verify.bad`` lists the shards that fail (the caller decides whether that is an error).
+    """
+    run = Run(run_dir)
+    m = run.manifest
+    ident = run.identity
+    model = ident.get("model", {}) if isinstance(ident.get("model"), dict) else {}
+    shards = run.shards
+    stats = [s.get("stats", {}) for s in m.get("shards", [])]
+    nonfinite_by_layer: dict[str, int] = {}
+    for st in stats:
+        for k, v in (st.get("nonfinite_by_layer") or {}).items():
+            nonfinite_by_layer[k] = nonfinite_by_layer.get(k, 0) + int(v)
+    listed = {s.file for s in shards}
+    on_disk = sorted(p.name for p in run.dir.glob("shard-*.h5"))
+    size = sum((run.dir / f).stat().st_size for f in on_disk)
+    size += (run.dir / MANIFEST_NAME).stat().st_size
+    layers = run.layers
+    final = [la["name"] for la in layers if la.get("final_norm")]
+    out = {
+        "run_dir": str(run.dir),
+        "complete": run.complete,
+        "format_version": m.get("format_version"),
+        "created": m.get("created"),
+        "finished": m.get("finished"),
+        "model": {k: model.get(k) for k in ("name", "revision", "commit", "model_type", "architecture",
+                                              "hidden_size", "num_hidden_states", "stack", "attention", "dtype")},
+        "layers": [la["name"] for la in layers],
+        "layer_indices": [la.get("index") for la in layers],
+        "final_norm_layer": final[0] if final else None,
+        "store_dtype": ident.get("store_dtype"),
+        "dim": run.dim,
+        "rows": sum(s.rows for s in shards),
+        "docs": sum(s.docs for s in shards),
+        "shards": len(shards),
+        "planned_shards": m.get("planned_shards"),
+        "bytes_on_disk": size,
+        "nonfinite_rows": sum(s.nonfinite_rows for s in shards),
+        "nonfinite_by_layer": nonfinite_by_layer,
+        "docs_empty": sum(int(st.get("docs_empty", 0)) for st in stats),
+        "inputs": ident.get("inputs", []),
+        "options": {k: ident.get(k) for k in OPTION_KEYS if k in ident},
+        "unlisted_shard_files": [f for f in on_disk if f not in listed],
+        "interrupted_shard_files": sorted(p.name for p in run.dir.glob(".shard-*.tmp")),
+    }
+    if verify:
+        bad = []
+        for s in shards:
+            try:
+                verify_shard(run.shard_path(s), s)
+            except DataError as e:
+                bad.append({"file": s.file, "error": str(e)})
+        out["verify"] = {"checked": len(shards), "bad": bad, "ok": not bad}
+    return out

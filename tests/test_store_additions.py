@@ -1,0 +1,46 @@
+"""Store additions used by extract: the fast float16 NaN/Inf check, per-layer counts, per-shard stats."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from geomscope.store import Run, RunWriter, ShardWriter, nonfinite_rows
+
+IDENT = {"model": {"name": "toy", "hidden_size": 4}, "layers": [{"name": "a", "index": 0}, {"name": "b", "index": 1}]}
+
+
+@settings(max_examples=60, deadline=None)
+@given(arrays(np.float16, st.tuples(st.integers(1, 9), st.integers(1, 6)),
+              elements=st.floats(width=16, allow_nan=True, allow_infinity=True)))
+def test_float16_bit_check_equals_isfinite(a):
+    np.testing.assert_array_equal(nonfinite_rows(a), ~np.isfinite(a).all(axis=1))
+
+
+def test_overflow_to_store_dtype_is_flagged_per_layer(tmp_path):
+    a = np.zeros((5, 4), np.float32)
+    b = np.zeros((5, 4), np.float32)
+    a[1, 2] = 1e6  # finite in float32, Inf in float16
+    b[3, 0] = np.nan
+    b[1, 1] = -np.inf
+    with RunWriter(tmp_path / "run", IDENT) as w:
+        sw = w.shard_writer(0, layer_names=["a", "b"], dim=4, store_dtype="float16")
+        sw.append({"a": a, "b": b}, np.arange(5), np.zeros(5), np.arange(5), np.zeros(5, bool))
+        assert sw.nonfinite_by_layer == {"a": 1, "b": 2}
+        info = sw.close()
+        assert info.nonfinite_rows == 2  # rows 1 and 3
+        w.add_shard(info, stats={"nonfinite_by_layer": sw.nonfinite_by_layer, "docs_empty": 3})
+    entry = json.loads((tmp_path / "run" / "manifest.json").read_text())["shards"][0]
+    assert entry["stats"] == {"nonfinite_by_layer": {"a": 1, "b": 2}, "docs_empty": 3}
+    assert Run(tmp_path / "run").shards[0].nonfinite_rows == 2  # extra keys do not break ShardInfo
+
+
+def test_float32_store_keeps_large_values(tmp_path):
+    sw = ShardWriter(tmp_path / "s.h5", index=0, layer_names=["a"], dim=2, store_dtype="float32")
+    sw.append({"a": np.array([[1e30, 0], [np.inf, 1]], np.float32)}, [0, 1], [0, 0], [0, 1], [False, False])
+    assert sw.nonfinite_by_layer == {"a": 1}
+    assert sw.close().nonfinite_rows == 1
