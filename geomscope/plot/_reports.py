@@ -1,0 +1,192 @@
+"""Reading score reports for plotting: loading, labels, training steps, metrics and layers.
+
+A *report* here is the dict of a score report JSON (``/tmp/team/REPORT_SCHEMA.md``, format
+``geomscope-report``).  Everything in this module is read-only over those dicts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Sequence
+
+from geomscope.errors import InputError
+
+REPORT_FORMAT = "geomscope-report"
+
+#: per-layer keys that are not metrics (counts, identity, bookkeeping)
+NON_METRIC_KEYS = frozenset(
+    {"layer", "index", "n_rows", "twonn_n_used", "twonn_duplicates_removed", "outliers", "se",
+     "eigenvalues", "outlier_statistic", "flags", "notes"}
+)
+
+#: the metrics drawn when the user names none (those present in the reports, in this order)
+DEFAULT_METRICS = ("isoscore_star", "isoscore", "avgcos", "twonn")
+
+_STEP_RE = re.compile(r"^(?:step|checkpoint)[_-]?(\d+)$", re.IGNORECASE)
+
+
+def read_report(path: str | os.PathLike) -> dict:
+    """Load one score report JSON and check that it is one (``format == "geomscope-report"``).
+
+    Uses :func:`geomscope.report.load_report` when the report module is installed, else reads the
+    JSON here.  Raises :class:`InputError` with one line for a missing file, a directory, corrupt
+    JSON or a JSON document that is not a geomscope report.
+    """
+    p = os.fspath(path)
+    if not os.path.exists(p):
+        raise InputError(f"report not found: {p}")
+    if os.path.isdir(p):
+        raise InputError(f"{p} is a directory; give the report JSON file written by `geomscope score`")
+    try:
+        from geomscope.report import load_report
+    except ImportError:
+        load_report = None
+    if load_report is not None:
+        rep = load_report(p)
+    else:
+        try:
+            with open(p, encoding="utf-8") as fh:
+                rep = json.load(fh)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise InputError(f"{p} is not valid JSON ({e.__class__.__name__}: {e}); "
+                             "give a report written by `geomscope score`") from None
+    if not isinstance(rep, dict) or rep.get("format") != REPORT_FORMAT:
+        raise InputError(f"{p} is not a geomscope report (no \"format\": \"{REPORT_FORMAT}\"); "
+                         "give a report written by `geomscope score`")
+    if not isinstance(rep.get("layers"), list) or not rep["layers"]:
+        raise InputError(f"{p} is a geomscope report without layers; rescore the run")
+    for i, lay in enumerate(rep["layers"]):
+        if not isinstance(lay, dict) or "layer" not in lay:
+            raise InputError(f"{p}: layers[{i}] has no \"layer\" name; the report is damaged, rescore the run")
+    rep.setdefault("_path", p)
+    return rep
+
+
+def report_name(rep: dict) -> str:
+    """Where the report came from, for messages: its file path, else its model label."""
+    return rep.get("_path") or base_label(rep)
+
+
+def base_label(rep: dict) -> str:
+    """Legend label: ``model.name`` + ``@revision`` (if any); for array reports the source file stem."""
+    model = rep.get("model") or {}
+    name = model.get("name")
+    if name:
+        rev = model.get("revision")
+        return f"{name}@{rev}" if rev else str(name)
+    src = (rep.get("source") or {}).get("path")
+    if src:
+        return os.path.splitext(os.path.basename(os.path.normpath(src)))[0] or src
+    if rep.get("_path"):
+        return os.path.splitext(os.path.basename(rep["_path"]))[0]
+    return "report"
+
+
+def report_labels(reports: Sequence[dict]) -> list[str]:
+    """One distinct legend label per report (dataset, then a counter, added to repeated labels)."""
+    labels = [base_label(r) for r in reports]
+    if len(set(labels)) < len(labels):
+        labels = [
+            f"{lab} [{(r.get('source') or {}).get('dataset')}]" if (r.get("source") or {}).get("dataset") else lab
+            for lab, r in zip(labels, reports, strict=True)
+        ]
+    seen: dict[str, int] = {}
+    out = []
+    for lab in labels:
+        seen[lab] = seen.get(lab, 0) + 1
+        out.append(lab if labels.count(lab) == 1 else f"{lab} ({seen[lab]})")
+    return out
+
+
+def parse_step(rep: dict) -> int | None:
+    """Training step of a report: from a revision ``stepN`` (Pythia) or ``checkpoint-N`` (HF Trainer),
+    else from a ``step`` key at the top level, in ``model`` or in ``run``; None when there is none."""
+    model = rep.get("model") or {}
+    rev = model.get("revision")
+    if isinstance(rev, str):
+        m = _STEP_RE.match(rev.strip())
+        if m:
+            return int(m.group(1))
+    for holder in (rep, model, rep.get("run") or {}):
+        step = holder.get("step")
+        if isinstance(step, (int, float)) and not isinstance(step, bool) and step >= 0 and float(step).is_integer():
+            return int(step)
+    return None
+
+
+def is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def available_metrics(reports: Sequence[dict]) -> list[str]:
+    """Scalar per-layer metrics with at least one finite value in some report, in first-seen order."""
+    seen: list[str] = []
+    for rep in reports:
+        for lay in rep["layers"]:
+            for k, v in lay.items():
+                if k not in NON_METRIC_KEYS and not k.startswith("_") and is_number(v) and k not in seen:
+                    seen.append(k)
+    return seen
+
+
+def choose_metrics(reports: Sequence[dict], metrics: Sequence[str] | None) -> list[str]:
+    """The metrics to draw: the user's (checked against the reports) or the defaults present."""
+    avail = available_metrics(reports)
+    if not metrics:
+        chosen = [m for m in DEFAULT_METRICS if m in avail]
+        if not chosen:
+            chosen = avail[:4]
+        if not chosen:
+            raise InputError("the reports hold no metric values to plot; rescore with --metrics")
+        return chosen
+    out = []
+    for m in metrics:
+        if m not in avail:
+            raise InputError(f"unknown metric '{m}' for these reports; available: {', '.join(avail) or 'none'}")
+        if m not in out:
+            out.append(m)
+    return out
+
+
+def layer_key(lay: dict, pos: int) -> int:
+    """x position of a layer: its ``index`` if given, else its position in the report."""
+    idx = lay.get("index")
+    return int(idx) if is_number(idx) else pos
+
+
+def select_layers(reports: Sequence[dict], layers: Sequence[str] | None) -> list[dict]:
+    """Copies of the reports keeping only the named layers (names, or integer indices)."""
+    if not layers:
+        return list(reports)
+    wanted = [str(x).strip() for x in layers if str(x).strip()]
+    out = []
+    for rep in reports:
+        keep = []
+        for pos, lay in enumerate(rep["layers"]):
+            if lay["layer"] in wanted or str(layer_key(lay, pos)) in wanted:
+                keep.append(lay)
+        known = {lay["layer"] for lay in rep["layers"]} | {str(layer_key(x, i)) for i, x in enumerate(rep["layers"])}
+        missing = [w for w in wanted if w not in known]
+        if missing:
+            names = ", ".join(lay["layer"] for lay in rep["layers"])
+            raise InputError(f"layer '{missing[0]}' is not in {report_name(rep)}; available: {names}")
+        out.append({**rep, "layers": keep})
+    return out
+
+
+def check_common_layers(reports: Sequence[dict]) -> None:
+    """Refuse reports that share no layer name (they cannot be drawn on one layer axis)."""
+    if len(reports) < 2:
+        return
+    common = set.intersection(*({lay["layer"] for lay in r["layers"]} for r in reports))
+    if not common:
+        desc = "; ".join(f"{report_name(r)}: {_span(r)}" for r in reports[:3])
+        raise InputError(f"the reports share no layer ({desc}); plot them separately")
+
+
+def _span(rep: dict) -> str:
+    names = [lay["layer"] for lay in rep["layers"]]
+    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"

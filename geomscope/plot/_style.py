@@ -1,0 +1,159 @@
+"""Figure factory, colour-blind-safe palette and the metric titles (with their variants) shared by the
+figure kinds.
+
+Figures are :class:`matplotlib.figure.Figure` objects attached to an explicit Agg canvas: nothing
+goes through pyplot's global figure registry, so no state leaks between figures.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from collections.abc import Sequence
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+#: Okabe & Ito (2008) colour-blind-safe qualitative palette (black moved last)
+PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000")
+LINESTYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+#: sequential, perceptually uniform and colour-blind safe: used for depth (layer index)
+DEPTH_CMAP = "viridis"
+
+RC = {
+    "font.size": 9,
+    "axes.titlesize": 10,
+    "axes.labelsize": 9,
+    "legend.fontsize": 8,
+    "xtick.labelsize": 8,
+    "ytick.labelsize": 8,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "grid.linewidth": 0.6,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+}
+
+
+def new_figure(width: float, height: float) -> Figure:
+    """A constrained-layout Figure on its own Agg canvas (never registered with pyplot)."""
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def series_style(i: int) -> dict:
+    """Colour, line style and marker of the i-th series (distinct for the first 32)."""
+    return {
+        "color": PALETTE[i % len(PALETTE)],
+        "linestyle": LINESTYLES[(i // len(PALETTE)) % len(LINESTYLES)],
+        "marker": MARKERS[i % len(MARKERS)],
+    }
+
+
+def grid_shape(n: int, max_cols: int = 3) -> tuple[int, int]:
+    """(rows, cols) of a panel grid for n panels: one row up to 3, then 2 x 2, then rows of 3."""
+    cols = n if n <= max_cols else (2 if n == 4 else max_cols)
+    return (n + cols - 1) // cols, cols
+
+
+def wrap_title(text: str, width: int = 42) -> str:
+    """Break a long ``name (variant)`` title before the parenthesis so it stays over its panel."""
+    if len(text) <= width or " (" not in text:
+        return text
+    head, _, rest = text.partition(" (")
+    return f"{head}\n({rest}"
+
+
+def step_formatter(value: float, _pos=None) -> str:
+    """Tick label of a training step: 0, 500, 30k, 1.5M."""
+    v = abs(value)
+    if v >= 1e6:
+        return f"{value / 1e6:g}M"
+    if v >= 1e3:
+        return f"{value / 1e3:g}k"
+    return f"{value:g}"
+
+
+def _short_target(target) -> str:
+    t = str(target)
+    if ":" in t:
+        kind, _, rest = t.partition(":")
+        if kind in ("file", "run"):
+            return f"{kind}:{os.path.basename(os.path.normpath(rest)) or rest}"
+    return t
+
+
+def _pct(x) -> str:
+    return f"{100 * float(x):g}%"
+
+
+_NAMES = {
+    "isoscore_star": "IsoScore*",
+    "isoscore": "IsoScore",
+    "avgcos": "avg cosine (plain)",
+    "avgcos_centred": "avg cosine (centred)",
+    "avgcos_standardised": "avg cosine (standardised)",
+    "pr": "participation ratio (Σλ)²/Σλ²",
+    "erank": "effective rank exp H(λ/Σλ)",
+    "twonn": "TwoNN intrinsic dimension",
+}
+
+
+def metric_name(metric: str) -> str:
+    """Human name of a metric (without parameters)."""
+    if metric in _NAMES:
+        return _NAMES[metric]
+    if metric.startswith("top") and metric.endswith("_share") and metric[3:-6].isdigit():
+        return f"top-{metric[3:-6]} variance share"
+    return metric
+
+
+def metric_variant(metric: str, params: dict | None) -> str:
+    """The parameters that define this metric's variant in a report, e.g. ``ζ=0.2, target=trace``."""
+    p = params or {}
+    parts = []
+    if metric == "isoscore_star":
+        if p.get("zeta") is not None:
+            parts.append(f"ζ={float(p['zeta']):g}")
+        if p.get("target") is not None:
+            parts.append(f"target={_short_target(p['target'])}")
+    elif metric == "twonn":
+        est = p.get("id_estimator")
+        if est and est != "twonn":
+            parts.append(str(est))
+        if p.get("discard_fraction") is not None:
+            parts.append(f"discard {_pct(p['discard_fraction'])}")
+        if p.get("id_sample") is not None:
+            parts.append(f"sample {p['id_sample']}")
+    return ", ".join(parts)
+
+
+def metric_title(metric: str, params: dict | None) -> str:
+    """``name (variant)``, e.g. ``IsoScore* (ζ=0.2, target=trace)``."""
+    var = metric_variant(metric, params)
+    return wrap_title(f"{metric_name(metric)} ({var})" if var else metric_name(metric))
+
+
+def uncertainty_caption(reports: Sequence[dict], metrics: Sequence[str]) -> str:
+    """One caption line saying what the error bars are, from ``params.uncertainty``."""
+    methods = []
+    for rep in reports:
+        unc = (rep.get("params") or {}).get("uncertainty") or {}
+        for key in ("moments", "twonn"):
+            if key == "twonn" and "twonn" not in metrics:
+                continue
+            if key == "moments" and not any(m != "twonn" for m in metrics):
+                continue
+            if unc.get(key):
+                text = f"{'TwoNN' if key == 'twonn' else 'moment metrics'}: {unc[key]}"
+                if text not in methods:
+                    methods.append(text)
+    body = "; ".join(methods) if methods else "method not recorded in the report"
+    return "Error bars: ±1 standard error (" + body + ")."
+
+
+def add_caption(fig: Figure, text: str, width_chars: int = 140) -> None:
+    """A small wrapped caption under the axes (part of the constrained layout)."""
+    fig.supxlabel("\n".join(textwrap.wrap(text, width_chars)), fontsize=7.5, color="0.3")

@@ -1,0 +1,215 @@
+"""Choosing figure kinds, building them and writing them: what ``geomscope plot`` runs.
+
+Kinds: ``layers`` (metric against layer), ``spectrum`` (eigenspectra), ``outliers`` (outlier
+dimension heat map), ``trajectory`` (metric against training step), ``training`` (training logs,
+drawn by :mod:`geomscope.plot.training`).  ``auto`` picks: for one output file the main kind
+(``trajectory`` for >= 2 checkpoints of one model, else ``layers``; ``training`` for training
+logs); for an output directory every kind the inputs support.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+from geomscope.errors import GeomscopeError, InputError
+from geomscope.plot._reports import check_common_layers, read_report, select_layers
+from geomscope.plot.layers import plot_layers
+from geomscope.plot.outliers import has_outlier_statistic, plot_outliers
+from geomscope.plot.spectrum import has_spectrum, plot_spectrum
+from geomscope.plot.trajectory import is_trajectory, plot_trajectory
+
+KINDS = ("layers", "spectrum", "outliers", "trajectory", "training")
+FORMATS = ("png", "svg", "pdf")
+
+
+def auto_kinds(reports: Sequence[dict], single: bool) -> list[str]:
+    """The kinds ``auto`` means for these reports: one main kind, or every supported kind."""
+    traj = is_trajectory(reports)
+    if single:
+        return ["trajectory" if traj else "layers"]
+    kinds = ["layers"]
+    if all(has_spectrum(r) for r in reports):
+        kinds.append("spectrum")
+    if all(has_outlier_statistic(r) for r in reports):
+        kinds.append("outliers")
+    if traj:
+        kinds.append("trajectory")
+    return kinds
+
+
+def resolve_kinds(reports: Sequence[dict], kinds: Sequence[str], single: bool) -> list[str]:
+    """Expand ``auto`` and check the names; at most one kind for a single output file."""
+    wanted: list[str] = []
+    for k in kinds or ["auto"]:
+        if k not in (*KINDS, "auto"):
+            raise InputError(f"unknown figure kind '{k}'; choose from auto, {', '.join(KINDS)}")
+        if k == "training":
+            raise InputError("--kind training needs training logs (a finetune output directory or its "
+                             "steps.jsonl), not score reports")
+        for kk in auto_kinds(reports, single) if k == "auto" else [k]:
+            if kk not in wanted:
+                wanted.append(kk)
+    if single and len(wanted) > 1:
+        raise InputError(f"--out FILE takes one figure kind, got {', '.join(wanted)}; "
+                         "give a directory (ending in /) to write one file per kind")
+    return wanted
+
+
+def make_figures(
+    reports: Sequence[dict],
+    kinds: Sequence[str] = ("auto",),
+    *,
+    single: bool = False,
+    metrics: Sequence[str] | None = None,
+    layers: Sequence[str] | None = None,
+    log_x: bool = False,
+    normalise: bool = False,
+    top_k: int | None = 40,
+) -> dict[str, Figure]:
+    """Build the figures of the requested kinds for loaded reports, ``{kind: Figure}`` in order.
+
+    All figures are built before any is returned, so bad input fails before anything is written.
+    """
+    if not reports:
+        raise InputError("no reports given; pass one or more report JSON files from `geomscope score`")
+    select_layers(reports, layers)  # names an unknown layer before anything is drawn
+    check_common_layers(reports)
+    figs: dict[str, Figure] = {}
+    for kind in resolve_kinds(reports, kinds, single):
+        if kind == "layers":
+            figs[kind] = plot_layers(reports, metrics, layers=layers)
+        elif kind == "spectrum":
+            figs[kind] = plot_spectrum(reports, layers=layers, normalise=normalise)
+        elif kind == "outliers":
+            figs[kind] = plot_outliers(reports, layers=layers, top_k=top_k)
+        else:
+            figs[kind] = plot_trajectory(reports, metrics, layers=layers, log_x=log_x)
+    return figs
+
+
+def save_figure(fig: Figure, path: str | os.PathLike, *, dpi: int = 150) -> Path:
+    """Write ``fig`` to ``path`` (format from the extension) atomically: a temporary file in the same
+    directory, renamed over the target only once complete.  Closes the figure afterwards."""
+    path = Path(path)
+    fmt = path.suffix.lower().lstrip(".")
+    if fmt not in FORMATS:
+        raise InputError(f"unsupported extension '{path.suffix}' for {path}; use .png, .svg or .pdf")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fig.savefig(tmp, format=fmt, dpi=dpi)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise InputError(f"cannot write {path}: {e.strerror or e}; check the --out location") from None
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+        close_figure(fig)
+    return path
+
+
+def close_figure(fig: Figure) -> None:
+    """Release a figure; also drops it from pyplot's registry if it was made through pyplot."""
+    if "matplotlib.pyplot" in sys.modules:
+        sys.modules["matplotlib.pyplot"].close(fig)
+
+
+def _training_module():
+    try:
+        from geomscope.plot import training
+    except ModuleNotFoundError as e:
+        if e.name != "geomscope.plot.training":
+            raise
+        return None
+    return training
+
+
+def looks_like_training_log(path: str | os.PathLike) -> bool:
+    """A finetune output directory or its ``steps.jsonl`` (asks :mod:`geomscope.plot.training` when
+    installed)."""
+    mod = _training_module()
+    if mod is not None:
+        return bool(mod.is_training_log(path))
+    p = Path(path)
+    return (p.is_dir() and (p / "steps.jsonl").is_file()) or (p.is_file() and p.suffix == ".jsonl")
+
+
+def _out_paths(out: str | os.PathLike, fmt: str | None) -> tuple[bool, Path, str]:
+    """(directory mode?, path, format) for ``--out``."""
+    s = os.fspath(out)
+    if fmt is not None and fmt not in FORMATS:
+        raise InputError(f"unsupported format '{fmt}'; use {', '.join(FORMATS)}")
+    if s.endswith(("/", os.sep)) or Path(s).is_dir():
+        return True, Path(s), fmt or "png"
+    suffix = Path(s).suffix.lower().lstrip(".")
+    if suffix not in FORMATS:
+        raise InputError(f"unsupported extension '{Path(s).suffix}' for --out {s}; use .png, .svg or .pdf, "
+                         "or a directory ending in /")
+    if fmt is not None and fmt != suffix:
+        raise InputError(f"--format {fmt} contradicts --out {s}; drop one of them")
+    return False, Path(s), suffix
+
+
+def plot_files(
+    inputs: Sequence[str | os.PathLike],
+    out: str | os.PathLike,
+    *,
+    kinds: Sequence[str] = ("auto",),
+    fmt: str | None = None,
+    dpi: int = 150,
+    metrics: Sequence[str] | None = None,
+    layers: Sequence[str] | None = None,
+    log_x: bool = False,
+    normalise: bool = False,
+    top_k: int | None = 40,
+) -> list[dict]:
+    """Read reports (or training logs), draw the requested kinds and write them.
+
+    ``out`` is a file (``.png``/``.svg``/``.pdf``: one kind) or a directory (ends in ``/`` or
+    exists: one ``<kind>.<fmt>`` per kind, created if missing).  Returns ``[{"kind", "path"}]``.
+    """
+    if not inputs:
+        raise InputError("no inputs given; pass report JSON files from `geomscope score`")
+    if dpi < 10 or dpi > 2400:
+        raise InputError(f"--dpi must be between 10 and 2400, got {dpi}")
+    to_dir, out_path, fmt = _out_paths(out, fmt)
+    for p in inputs:
+        if not os.path.exists(p):
+            raise InputError(f"input not found: {p}")
+    logs = [looks_like_training_log(p) for p in inputs]
+    if any(logs):
+        figs = _training_figures(inputs, logs, kinds, out_path, to_dir, fmt)
+    else:
+        reports = [read_report(p) for p in inputs]
+        figs = make_figures(reports, kinds, single=not to_dir, metrics=metrics, layers=layers,
+                            log_x=log_x, normalise=normalise, top_k=top_k)
+    if to_dir:
+        out_path.mkdir(parents=True, exist_ok=True)
+    elif not out_path.parent.exists():
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+    written = []
+    for kind, fig in figs.items():
+        target = out_path / f"{kind}.{fmt}" if to_dir else out_path
+        written.append({"kind": kind, "path": str(save_figure(fig, target, dpi=dpi))})
+    return written
+
+
+def _training_figures(inputs, logs, kinds, out_path: Path, to_dir: bool, fmt: str) -> dict[str, Figure]:
+    if not all(logs):
+        first = next(p for p, is_log in zip(inputs, logs, strict=True) if not is_log)
+        raise InputError(f"cannot mix training logs and score reports in one plot ({first} is not a training "
+                         "log); plot them separately")
+    bad = [k for k in kinds if k not in ("auto", "training")]
+    if bad:
+        raise InputError(f"--kind {bad[0]} needs score reports; training logs take --kind training (or auto)")
+    mod = _training_module()
+    if mod is None:
+        raise GeomscopeError("plotting training logs needs geomscope.plot.training, which this install lacks; "
+                             "update geomscope")
+    target = out_path / f"training.{fmt}" if to_dir else out_path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return {"training": mod.plot_training_log([str(p) for p in inputs], target)}

@@ -1,0 +1,103 @@
+"""Metric against layer: one panel per metric, one line per report, ±1 standard-error bars."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from geomscope.plot._reports import (
+    check_common_layers,
+    choose_metrics,
+    is_number,
+    layer_key,
+    report_labels,
+    select_layers,
+)
+from geomscope.plot._style import (
+    add_caption,
+    grid_shape,
+    metric_name,
+    metric_title,
+    metric_variant,
+    new_figure,
+    series_style,
+)
+
+
+def layer_series(rep: dict, metric: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(x = layer index, y = metric value, se) of one report; NaN where null/missing."""
+    xs, ys, es = [], [], []
+    for pos, lay in enumerate(rep["layers"]):
+        xs.append(layer_key(lay, pos))
+        v = lay.get(metric)
+        ys.append(float(v) if is_number(v) else np.nan)
+        se = (lay.get("se") or {}).get(metric)
+        es.append(float(se) if is_number(se) and se >= 0 else np.nan)
+    order = np.argsort(xs, kind="stable")
+    return np.asarray(xs, float)[order], np.asarray(ys)[order], np.asarray(es)[order]
+
+
+def plot_layers(
+    reports: Sequence[dict],
+    metrics: Sequence[str] | None = None,
+    *,
+    layers: Sequence[str] | None = None,
+    labels: Sequence[str] | None = None,
+) -> Figure:
+    """Each metric against layer index.
+
+    One panel per metric (default: isoscore_star, isoscore, avgcos, twonn, those present); one
+    line per report, labelled ``model@revision``; error bars are ±1 ``se`` of the report (absent
+    where the report gives none).  Panel titles carry the metric's variant taken from ``params``
+    (e.g. ``IsoScore* (ζ=0.2, target=trace)``); when the reports differ in a variant, it goes into
+    the legend labels instead.  Null values leave gaps.
+    """
+    reports = select_layers(reports, layers)
+    check_common_layers(reports)
+    metrics = choose_metrics(reports, metrics)
+    labels = list(labels) if labels is not None else report_labels(reports)
+    nrows, ncols = grid_shape(len(metrics))
+    fig = new_figure(4.4 * ncols, 3.0 * nrows + 0.7 + 0.2 * ((len(reports) + 2) // 3))
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    handles = []
+    for k, metric in enumerate(metrics):
+        ax = axes[k // ncols][k % ncols]
+        variants = [metric_variant(metric, r.get("params")) for r in reports]
+        same = len(set(variants)) == 1
+        for i, rep in enumerate(reports):
+            x, y, se = layer_series(rep, metric)
+            lab = labels[i] if same or not variants[i] else variants[i]
+            cont = ax.errorbar(x, y, yerr=None if np.all(np.isnan(se)) else se, label=lab,
+                               markersize=4, linewidth=1.4, capsize=0, elinewidth=1.0, alpha=0.95,
+                               **series_style(i))
+            if k == 0:
+                handles.append(cont)
+        ax.set_title(metric_title(metric, reports[0].get("params")) if same else metric_name(metric))
+        ax.set_xlabel("layer index")
+        ax.set_ylabel(metric_name(metric).split(" (")[0])
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if not same:  # the reports differ in this metric's variant: say which is which, in short
+            ax.legend(loc="best", frameon=True, framealpha=0.8, fontsize=7, title="variant", title_fontsize=7)
+    for k in range(len(metrics), nrows * ncols):
+        axes[k // ncols][k % ncols].set_visible(False)
+    # the legend heads the figure (its title is the figure title); the caption sits below the panels
+    fig.legend(handles=handles, labels=labels, loc="outside upper center", ncols=min(len(reports), 3),
+               frameon=False, title="Geometry by layer", title_fontsize=11)
+    add_caption(fig, _caption(reports, metrics))
+    return fig
+
+
+def _caption(reports: Sequence[dict], metrics: Sequence[str]) -> str:
+    from geomscope.plot._style import uncertainty_caption
+
+    text = uncertainty_caption(reports, metrics)
+    rows = sorted({lay.get("n_rows") for r in reports for lay in r["layers"] if is_number(lay.get("n_rows"))})
+    if rows:
+        text += f" Rows per layer: {rows[0]:,}" + (f"–{rows[-1]:,}." if rows[-1] != rows[0] else ".")
+    excl = {bool((r.get("params") or {}).get("exclude_special")) for r in reports if r.get("params")}
+    if excl == {True}:
+        text += " Special tokens excluded."
+    return text

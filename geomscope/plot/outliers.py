@@ -1,0 +1,126 @@
+"""Outlier dimensions: a layer x dimension heat map of the per-dimension outlier statistic, with the
+dimensions flagged under the report's rule marked."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from matplotlib.colors import LogNorm, Normalize
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+
+from geomscope.errors import InputError
+from geomscope.plot._reports import layer_key, report_labels, report_name, select_layers
+from geomscope.plot._style import new_figure
+
+HEAT_CMAP = "cividis"  # designed for colour-vision deficiency
+
+
+def has_outlier_statistic(rep: dict) -> bool:
+    return any(isinstance(lay.get("outlier_statistic"), list) and lay["outlier_statistic"] for lay in rep["layers"])
+
+
+def outlier_matrix(
+    rep: dict, top_k: int | None = 40, *, relative: bool = False
+) -> tuple[np.ndarray, list[str], np.ndarray, np.ndarray]:
+    """(stat, layer names, dims shown, flagged) for one report.
+
+    ``stat`` is (layers, dims shown): the ``outlier_statistic`` of each layer that has one, in
+    depth order.  When D > ``top_k``, the dims shown are the ``top_k`` with the largest
+    statistic relative to their layer (max over layers of stat / mean |stat| of that layer), the
+    flagged ``outliers`` first; they are drawn in ascending dimension order.  ``flagged`` is a
+    boolean mask of the same shape as ``stat``.  ``relative=True`` divides each layer's statistic
+    by its mean over all D dimensions (for the ``variance`` rule: the multiple of the mean
+    variance that the threshold is stated in).
+    """
+    rows = [(layer_key(lay, pos), lay) for pos, lay in enumerate(rep["layers"])
+            if isinstance(lay.get("outlier_statistic"), list) and lay["outlier_statistic"]]
+    rows.sort(key=lambda t: t[0])
+    widths = {len(lay["outlier_statistic"]) for _, lay in rows}
+    if len(widths) != 1:
+        raise InputError(f"{report_name(rep)}: outlier_statistic lengths differ across layers {sorted(widths)}; "
+                         "rescore the run")
+    stat = np.array([[np.nan if v is None else float(v) for v in lay["outlier_statistic"]] for _, lay in rows])
+    n_layers, d = stat.shape
+    flagged_full = np.zeros_like(stat, dtype=bool)
+    for r, (_, lay) in enumerate(rows):
+        for dim in lay.get("outliers") or []:
+            if isinstance(dim, int) and 0 <= dim < d:
+                flagged_full[r, dim] = True
+    scale = np.nanmean(np.abs(stat), axis=1, keepdims=True)
+    scale[~(scale > 0)] = 1.0
+    dims = np.arange(d)
+    if top_k is not None and d > top_k:
+        score = np.nanmax(np.where(np.isfinite(stat), stat / scale, -np.inf), axis=0)
+        priority = flagged_full.any(axis=0).astype(float)
+        order = np.lexsort((-score, -priority))  # flagged first, then by relative statistic
+        dims = np.sort(order[:top_k])
+    shown = stat[:, dims] / scale if relative else stat[:, dims]
+    return shown, [lay["layer"] for _, lay in rows], dims, flagged_full[:, dims]
+
+
+def _rule_text(params: dict | None) -> str:
+    p = params or {}
+    rule, thr = p.get("outlier_rule"), p.get("outlier_threshold")
+    if rule is None:
+        return "outlier statistic"
+    return f"rule={rule}" + (f", threshold={float(thr):g}" if thr is not None else "")
+
+
+def plot_outliers(
+    reports: Sequence[dict],
+    *,
+    layers: Sequence[str] | None = None,
+    labels: Sequence[str] | None = None,
+    top_k: int | None = 40,
+    relative: bool = True,
+) -> Figure:
+    """Heat map of ``layers[].outlier_statistic`` (rows: layers, columns: dimensions), one panel per
+    report, with the dimensions in ``layers[].outliers`` marked by a dot.  When the hidden size
+    exceeds ``top_k`` only the top-K dimensions are shown, and the panel title says so.  By default
+    (``relative``) each layer's statistic is divided by its mean over all dimensions, so layers of
+    different scale share one colour scale; raw values get a log colour scale when positive and
+    spanning more than two decades.
+    """
+    reports = select_layers(reports, layers)
+    missing = [report_name(r) for r in reports if not has_outlier_statistic(r)]
+    if missing:
+        raise InputError(f"{missing[0]} has no outlier_statistic; rescore it with --metrics including outliers")
+    if top_k is not None and top_k < 1:
+        raise InputError(f"--top-k must be at least 1, got {top_k}")
+    labels = list(labels) if labels is not None else report_labels(reports)
+    mats = [outlier_matrix(r, top_k, relative=relative) for r in reports]
+    width = min(13.0, max(6.0, 0.2 * max(m[2].size for m in mats) + 3.0))
+    heights = [max(1.6, 0.24 * m[0].shape[0] + 1.3) for m in mats]
+    fig = new_figure(width, sum(heights) + 0.7)
+    axes = fig.subplots(len(reports), 1, squeeze=False, height_ratios=heights)[:, 0]
+    for ax, rep, lab, (stat, names, dims, flagged) in zip(axes, reports, labels, mats, strict=True):
+        finite = stat[np.isfinite(stat)]
+        pos = finite[finite > 0]
+        if not relative and finite.size and pos.size == finite.size and finite.max() / finite.min() > 100:
+            norm = LogNorm(vmin=finite.min(), vmax=finite.max())
+        else:
+            norm = Normalize(vmin=finite.min() if finite.size else 0, vmax=finite.max() if finite.size else 1)
+        im = ax.imshow(stat, aspect="auto", interpolation="nearest", cmap=HEAT_CMAP, norm=norm)
+        rr, cc = np.nonzero(flagged)
+        ax.scatter(cc, rr, s=18, marker="o", facecolors="white", edgecolors="black", linewidths=0.8, zorder=3)
+        ax.set_yticks(range(len(names)), names)
+        step = max(1, int(np.ceil(dims.size / 60)))
+        ax.set_xticks(range(0, dims.size, step), [str(d) for d in dims[::step]],
+                      rotation=90 if dims.size > 12 else 0)
+        ax.grid(False)
+        ax.set_xlabel("hidden dimension")
+        ax.set_ylabel("layer")
+        d_total = len(next(lay["outlier_statistic"] for lay in rep["layers"] if lay.get("outlier_statistic")))
+        shown = f"top {dims.size} of {d_total} dimensions by statistic" if dims.size < d_total \
+            else f"all {d_total} dimensions"
+        ax.set_title(f"{lab}: {shown}")
+        cbar = fig.colorbar(im, ax=ax, pad=0.01, fraction=0.04)
+        what = "statistic / layer mean" if relative else "outlier statistic"
+        cbar.set_label(f"{what}\n({_rule_text(rep.get('params'))})", fontsize=8)
+    marker = Line2D([], [], linestyle="none", marker="o", markerfacecolor="white", markeredgecolor="black",
+                    markersize=5, label="flagged outlier dimension")
+    fig.legend(handles=[marker], loc="outside lower right", frameon=False)
+    fig.suptitle("Outlier dimensions by layer", fontsize=11)
+    return fig

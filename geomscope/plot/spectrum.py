@@ -1,0 +1,108 @@
+"""Eigenspectra: covariance eigenvalues against their index, log-scale y, one curve per layer coloured
+by depth (one panel per report, one shared colorbar)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import Normalize
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from geomscope.errors import InputError
+from geomscope.plot._reports import layer_key, report_labels, report_name, select_layers
+from geomscope.plot._style import DEPTH_CMAP, grid_shape, new_figure
+
+
+def has_spectrum(rep: dict) -> bool:
+    return any(isinstance(lay.get("eigenvalues"), list) and lay["eigenvalues"] for lay in rep["layers"])
+
+
+def spectrum_curve(eigenvalues: Sequence[float], *, normalise: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) of one layer's spectrum: x = 1..D (or i/D when normalised), y = λ_i (or λ_i/Σλ).
+
+    Non-positive and non-finite eigenvalues (rank deficiency, rounding) are dropped: they have no
+    place on a log axis.
+    """
+    lam = np.asarray([v if v is not None else np.nan for v in eigenvalues], dtype=float)
+    d = lam.size
+    x = np.arange(1, d + 1, dtype=float)
+    if normalise:
+        total = np.nansum(np.where(lam > 0, lam, 0.0))
+        lam = lam / total if total > 0 else lam * np.nan
+        x = x / d
+    keep = np.isfinite(lam) & (lam > 0)
+    return x[keep], lam[keep]
+
+
+def plot_spectrum(
+    reports: Sequence[dict],
+    *,
+    layers: Sequence[str] | None = None,
+    labels: Sequence[str] | None = None,
+    normalise: bool = False,
+    log_x: bool = True,
+) -> Figure:
+    """Covariance eigenspectra per layer (``layers[].eigenvalues``, descending).
+
+    One panel per report; one curve per layer, coloured by layer index with a shared colorbar;
+    log-scale y.  ``normalise=True`` draws the explained-variance ratio λ_i/Σλ against i/D so
+    that models of different width and scale compare directly.  ``log_x`` (default) draws the
+    index on a log axis too, where a power-law spectrum is a straight line.  When the reports have
+    different depths, colour is the relative depth (layer index / last index of that report).
+    """
+    reports = select_layers(reports, layers)
+    missing = [report_name(r) for r in reports if not has_spectrum(r)]
+    if missing:
+        raise InputError(f"{missing[0]} has no eigenvalues; rescore it with --metrics including spectrum")
+    labels = list(labels) if labels is not None else report_labels(reports)
+    lasts = {max(layer_key(lay, pos) for pos, lay in enumerate(r["layers"])) for r in reports}
+    relative = len(lasts) > 1
+
+    def depth(rep: dict, pos: int) -> float:
+        k = layer_key(rep["layers"][pos], pos)
+        if not relative:
+            return k
+        last = max(layer_key(la, j) for j, la in enumerate(rep["layers"]))
+        return k / last if last > 0 else 0.0
+
+    depths = [depth(r, pos) for r in reports for pos in range(len(r["layers"]))]
+    norm = Normalize(vmin=min(depths), vmax=max(max(depths), min(depths) + (0.01 if relative else 1)))
+    cmap = colormaps[DEPTH_CMAP]
+    nrows, ncols = grid_shape(len(reports))
+    fig = new_figure(4.4 * ncols + 0.8, 3.3 * nrows + 0.5)
+    axes = fig.subplots(nrows, ncols, squeeze=False, sharey=normalise)
+    for i, rep in enumerate(reports):
+        ax = axes[i // ncols][i % ncols]
+        for pos, lay in enumerate(rep["layers"]):
+            ev = lay.get("eigenvalues")
+            if not ev:
+                continue
+            x, y = spectrum_curve(ev, normalise=normalise)
+            ax.plot(x, y, color=cmap(norm(depth(rep, pos))), linewidth=1.1, label=lay["layer"])
+        ax.set_yscale("log")
+        if log_x:
+            ax.set_xscale("log")
+        ax.set_title(labels[i])
+        ax.set_xlabel("eigenvalue index / D" if normalise else "eigenvalue index")
+        ax.set_ylabel("explained variance ratio λᵢ/Σλ" if normalise else "eigenvalue λᵢ of the covariance")
+        if not normalise and not log_x:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if normalise and i % ncols:
+            ax.set_ylabel("")
+        ax.grid(True, which="major", alpha=0.3)
+    for k in range(len(reports), nrows * ncols):
+        axes[k // ncols][k % ncols].set_visible(False)
+    sm = ScalarMappable(norm=norm, cmap=cmap)
+    cbar = fig.colorbar(sm, ax=axes.ravel().tolist(), shrink=0.9, pad=0.02)
+    if relative:
+        cbar.set_label("relative depth (layer index / last layer)")
+    else:
+        cbar.set_label("layer index (depth)")
+        cbar.locator = MaxNLocator(integer=True)
+        cbar.update_ticks()
+    fig.suptitle("Covariance eigenspectra by layer" + (" (normalised)" if normalise else ""), fontsize=11)
+    return fig

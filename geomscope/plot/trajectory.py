@@ -1,0 +1,148 @@
+"""Checkpoint trajectories: reports of one model at several training revisions -> each metric against
+training step, one line per layer coloured by depth, ±1 se as a band."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import Normalize
+from matplotlib.figure import Figure
+from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
+
+from geomscope.errors import InputError
+from geomscope.plot._reports import (
+    check_common_layers,
+    choose_metrics,
+    is_number,
+    layer_key,
+    parse_step,
+    report_name,
+    select_layers,
+)
+from geomscope.plot._style import (
+    DEPTH_CMAP,
+    grid_shape,
+    metric_name,
+    metric_title,
+    new_figure,
+    step_formatter,
+    uncertainty_caption,
+)
+
+
+def trajectory_steps(reports: Sequence[dict]) -> list[int]:
+    """The training step of every report; InputError naming the first report without one, a mix of
+    models, or a step given twice."""
+    steps = []
+    for rep in reports:
+        s = parse_step(rep)
+        if s is None:
+            rev = (rep.get("model") or {}).get("revision")
+            raise InputError(f"{report_name(rep)} has no training step (revision {rev!r}, expected 'stepN' "
+                             "or a \"step\" key); a trajectory needs reports of checkpoints")
+        steps.append(s)
+    names = sorted({str((r.get("model") or {}).get("name")) for r in reports})
+    if len(names) > 1:
+        raise InputError(f"a trajectory follows one model, these reports mix {', '.join(names)}; "
+                         "plot each model separately or use --kind layers")
+    dup = sorted({s for s in steps if steps.count(s) > 1})
+    if dup:
+        raise InputError(f"two reports are at step {dup[0]}; give one report per checkpoint")
+    return steps
+
+
+def is_trajectory(reports: Sequence[dict]) -> bool:
+    """True when the reports can form a trajectory (>= 2 checkpoints of one model)."""
+    if len(reports) < 2:
+        return False
+    try:
+        trajectory_steps(reports)
+    except InputError:
+        return False
+    return True
+
+
+def plot_trajectory(
+    reports: Sequence[dict],
+    metrics: Sequence[str] | None = None,
+    *,
+    layers: Sequence[str] | None = None,
+    log_x: bool = False,
+) -> Figure:
+    """Each metric against training step (steps parsed from ``stepN`` revisions or a ``step`` key).
+
+    One panel per metric, one line per layer (all, or ``layers``) coloured by depth with a
+    colorbar; x values are the steps themselves.  ``log_x`` uses a symmetric-log axis whose linear
+    part ends at the smallest positive step, so step 0 stays on the axis.
+    """
+    reports = select_layers(reports, layers)
+    steps = trajectory_steps(reports)
+    check_common_layers(reports)
+    metrics = choose_metrics(reports, metrics)
+    order = np.argsort(steps, kind="stable")
+    reports = [reports[i] for i in order]
+    x = np.asarray(sorted(steps), dtype=float)
+    depth: dict[str, int] = {}
+    for rep in reports:
+        for pos, lay in enumerate(rep["layers"]):
+            depth.setdefault(lay["layer"], layer_key(lay, pos))
+    names = sorted(depth, key=lambda n: depth[n])
+    norm = Normalize(vmin=min(depth.values()), vmax=max(max(depth.values()), min(depth.values()) + 1))
+    cmap = colormaps[DEPTH_CMAP]
+    nrows, ncols = grid_shape(len(metrics))
+    fig = new_figure(4.6 * ncols + 0.8, 3.0 * nrows + 0.9)
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    for k, metric in enumerate(metrics):
+        ax = axes[k // ncols][k % ncols]
+        for name in names:
+            y, se = np.full(x.size, np.nan), np.full(x.size, np.nan)
+            for j, rep in enumerate(reports):
+                lay = next((la for la in rep["layers"] if la["layer"] == name), None)
+                if lay is None:
+                    continue
+                if is_number(lay.get(metric)):
+                    y[j] = lay[metric]
+                e = (lay.get("se") or {}).get(metric)
+                if is_number(e) and e >= 0:
+                    se[j] = e
+            color = cmap(norm(depth[name]))
+            ax.plot(x, y, color=color, marker="o", markersize=3, linewidth=1.3, label=name)
+            if np.isfinite(se).any():
+                ax.fill_between(x, y - se, y + se, color=color, alpha=0.18, linewidth=0)
+        if log_x:
+            _log_step_axis(ax, x)
+        else:
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=6))
+            ax.xaxis.set_major_formatter(FuncFormatter(step_formatter))
+        ax.set_title(metric_title(metric, reports[0].get("params")))
+        ax.set_xlabel("training step" + (" (symlog)" if log_x and (x == 0).any() else ""))
+        ax.set_ylabel(metric_name(metric).split(" (")[0])
+    for k in range(len(metrics), nrows * ncols):
+        axes[k // ncols][k % ncols].set_visible(False)
+    cbar = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=axes.ravel().tolist(), shrink=0.9, pad=0.02)
+    cbar.set_label("layer index (depth)")
+    cbar.locator = MaxNLocator(integer=True)
+    cbar.update_ticks()
+    model = (reports[0].get("model") or {}).get("name") or "model"
+    fig.suptitle(f"{model} over training ({len(reports)} checkpoints, step {int(x[0])}–{int(x[-1])})", fontsize=11)
+    fig.supxlabel(uncertainty_caption(reports, metrics).replace("Error bars", "Bands"), fontsize=7.5, color="0.3")
+    return fig
+
+
+def _log_step_axis(ax, x: np.ndarray) -> None:
+    """Log training-step axis.  With step 0 present: symmetric log whose linear part ends at the
+    smallest positive step, ticks at 0 and at the powers of ten from there on (no overlapping 0)."""
+    pos = x[x > 0]
+    if not (x == 0).any() or not pos.size:
+        ax.set_xscale("log")
+        return
+    lin = float(pos.min())
+    ax.set_xscale("symlog", linthresh=lin, linscale=0.5)
+    lo, hi = int(np.ceil(np.log10(lin))), int(np.floor(np.log10(max(pos.max(), lin))))
+    ticks = [0.0] + [10.0**k for k in range(lo, hi + 1)]
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(FuncFormatter(step_formatter))
+    ax.xaxis.set_minor_locator(NullLocator())
