@@ -1,0 +1,193 @@
+"""The score report: JSON (the full record) and CSV (one row per layer), plus a rich table.
+
+The JSON layout is documented in the README ("Report format"); its top-level keys are
+:data:`REPORT_KEYS`, every layer entry has the keys :data:`LAYER_KEYS` (plus ``id_<name>`` for
+extra intrinsic-dimension estimators). CSV columns: ``layer,index,n_rows``, one column per scalar
+metric (:data:`CSV_METRICS`, then ``id_<name>``), ``outliers`` (space-separated dimensions), then
+``se_<metric>`` for every scalar metric. Missing numbers are empty cells. Non-finite floats are
+written as JSON null.
+
+Files are written to a temporary name and renamed, so a crash never leaves half a report and an
+old report is replaced only by a complete new one.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+from pathlib import Path
+
+from geomscope.errors import InputError
+
+REPORT_FORMAT = "geomscope-report"
+REPORT_KEYS = ("format", "format_version", "geomscope_version", "created", "source", "model", "run", "params",
+               "layers", "embeddings", "notes")
+LAYER_KEYS = ("layer", "index", "n_rows", "isoscore", "isoscore_star", "avgcos", "avgcos_centred",
+              "avgcos_standardised", "pr", "erank", "top1_share", "top5_share", "top10_share", "twonn",
+              "outliers", "se", "eigenvalues", "outlier_statistic", "outlier_support", "twonn_n_used",
+              "twonn_duplicates_removed", "dropped", "flags", "notes")
+CSV_METRICS = ("isoscore", "isoscore_star", "avgcos", "avgcos_centred", "avgcos_standardised", "pr", "erank",
+               "top1_share", "top5_share", "top10_share", "twonn")
+
+
+def _plain(v):
+    """JSON-safe: numpy scalars/arrays to Python, non-finite floats to None."""
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover
+        np = None
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if np is not None:
+        if isinstance(v, np.ndarray):
+            return _plain(v.tolist())
+        if isinstance(v, np.generic):
+            v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def to_json(report: dict) -> str:
+    return json.dumps(_plain(report), indent=1, allow_nan=False)
+
+
+def csv_columns(report: dict) -> list[str]:
+    extra = sorted({k for e in report.get("layers", []) for k in e if k.startswith("id_")})
+    metrics = [*CSV_METRICS, *extra]
+    return ["layer", "index", "n_rows", *metrics, "outliers", *[f"se_{m}" for m in metrics]]
+
+
+def to_csv(report: dict) -> str:
+    cols = csv_columns(report)
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(cols)
+    for e in report.get("layers", []):
+        se = e.get("se") or {}
+        row = []
+        for c in cols:
+            if c == "outliers":
+                v = " ".join(str(int(d)) for d in e.get("outliers") or [])
+            elif c.startswith("se_"):
+                v = se.get(c[3:])
+            else:
+                v = e.get(c)
+            v = _plain(v)
+            row.append("" if v is None else (repr(v) if isinstance(v, float) else v))
+        w.writerow(row)
+    return buf.getvalue()
+
+
+def report_paths(out: str | os.PathLike) -> tuple[Path, Path]:
+    """(json, csv) paths for ``out``: a directory (existing, or written with a trailing slash) gets
+    report.json + report.csv; anything else is a prefix (a .json/.csv suffix is dropped)."""
+    s = os.fspath(out)
+    p = Path(s)
+    if p.is_dir() or s.endswith(("/", os.sep)):
+        return p / "report.json", p / "report.csv"
+    if p.suffix.lower() in (".json", ".csv"):
+        p = p.with_suffix("")
+    return p.with_name(p.name + ".json"), p.with_name(p.name + ".csv")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_report(report: dict, out: str | os.PathLike) -> tuple[Path, Path]:
+    """Write the report as JSON and CSV; return (json_path, csv_path). See :func:`report_paths`."""
+    jpath, cpath = report_paths(out)
+    parent = jpath.parent
+    if parent.exists() and not parent.is_dir():
+        raise InputError(f"--out {out}: {parent} is a file; give a directory or a prefix in a directory")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        jtext, ctext = to_json(report), to_csv(report)
+        _write_atomic(jpath, jtext + "\n")
+        _write_atomic(cpath, ctext)
+    except PermissionError as e:
+        raise InputError(f"cannot write the report to {parent} ({e.strerror}); choose another --out") from e
+    return jpath, cpath
+
+
+def load_report(path: str | os.PathLike) -> dict:
+    """Read a report JSON written by ``geomscope score``; InputError (one line) otherwise."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "report.json"
+    if not p.exists():
+        raise InputError(f"report not found: {p}")
+    try:
+        with open(p, encoding="utf-8") as f:
+            rep = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"{p} is not valid JSON ({e}); give a report written by `geomscope score`") from None
+    if not isinstance(rep, dict) or rep.get("format") != REPORT_FORMAT:
+        raise InputError(f"{p} is not a geomscope report (no \"format\": \"{REPORT_FORMAT}\")")
+    if int(rep.get("format_version", 0)) > 1:
+        raise InputError(f"{p} has report format_version {rep.get('format_version')}; upgrade geomscope to read it")
+    return rep
+
+
+def _fmt(v, se=None) -> str:
+    if v is None:
+        return "-"
+    s = f"{v:.4g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
+    if se is not None:
+        s += f" ± {se:.2g}"
+    return s
+
+
+def report_table(report: dict):
+    """A rich Table: one row per layer, the requested metrics as value ± standard error."""
+    from rich.table import Table
+
+    params = report.get("params", {})
+    layers = report.get("layers", [])
+    metrics = [m for m in CSV_METRICS if any(e.get(m) is not None for e in layers)]
+    metrics += sorted({k for e in layers for k in e if k.startswith("id_") and e.get(k) is not None})
+    src = report.get("source", {})
+    model = report.get("model") or {}
+    title = model.get("name") or Path(str(src.get("path", ""))).name
+    if model.get("revision"):
+        title += f"@{model['revision']}"
+    t = Table(title=f"geomscope score: {title}", caption=_caption(params), header_style="bold")
+    t.add_column("layer")
+    t.add_column("rows", justify="right")
+    for m in metrics:
+        t.add_column(m, justify="right")
+    show_out = any(e.get("outliers") for e in layers)
+    if show_out:
+        t.add_column("outliers")
+    for e in layers:
+        se = e.get("se") or {}
+        row = [str(e.get("layer")), f"{e.get('n_rows', 0):,}"]
+        row += [_fmt(e.get(m), se.get(m)) for m in metrics]
+        if show_out:
+            dims = e.get("outliers") or []
+            row.append(" ".join(map(str, dims[:6])) + (" ..." if len(dims) > 6 else ""))
+        t.add_row(*row)
+    return t
+
+
+def _caption(params: dict) -> str:
+    bits = []
+    if "isoscore_star" in params.get("metrics", []):
+        bits.append(f"IsoScore* zeta={params.get('zeta')} target={params.get('target')}")
+    if params.get("outlier_rule") and "outliers" in params.get("metrics", []):
+        bits.append(f"outliers: {params['outlier_rule']} >= {params.get('outlier_threshold')}")
+    unc = params.get("uncertainty", {}).get("moments")
+    if unc:
+        bits.append(f"± = SE ({unc})")
+    return "; ".join(bits)

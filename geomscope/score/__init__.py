@@ -1,0 +1,17 @@
+"""Scoring: stream a run directory (or an (N, D) array) through the metric accumulators.
+
+Public API::
+
+    from geomscope.score import score, ScoreOptions
+    report = score("run_dir", ScoreOptions(metrics=("isoscore", "avgcos"), workers=2))
+
+``score`` returns the report dict described in the README / REPORT_SCHEMA (save it with
+:func:`geomscope.report.save_report`). How it streams, what it samples and how standard errors
+are computed: see :mod:`geomscope.score.engine`, :mod:`~geomscope.score.compute`,
+:mod:`~geomscope.score.select` and :mod:`~geomscope.score.idest`.
+"""
+
+from geomscope.score.engine import SCALAR_METRICS, score
+from geomscope.score.options import AVGCOS_VARIANTS, CORE_METRICS, DEFAULT_METRICS, ScoreOptions
+
+__all__ = ["AVGCOS_VARIANTS", "CORE_METRICS", "DEFAULT_METRICS", "SCALAR_METRICS", "ScoreOptions", "score"]

@@ -1,0 +1,193 @@
+"""The work one task does: stream its rows once and return mergeable partial accumulators.
+
+Row filter, per layer and in this order (each reason counted): rows with NaN/Inf in that layer
+("nonfinite"), special tokens when excluded ("special"), rows outside the ``--max-rows`` sample
+("not_sampled"); the rest are the rows the metrics see.
+
+Pass kinds (picklable :class:`PassSpec`):
+
+- ``"select"``: metadata only; per layer the bottom-k hashes of the eligible rows (--max-rows).
+- ``"moments"``: per layer one :class:`~geomscope.metrics.Moments` per jackknife group, the
+  intrinsic-dimension reservoir and the row counts.
+- ``"unit"``: per layer and cosine variant, one :class:`~geomscope.metrics.UnitSum` per jackknife
+  replicate r (rows of every group but r, with replicate r's mean/scale) plus one for all rows.
+
+Results of tasks are merged by the parent in task order, so one worker and many give the same
+numbers (to float64 rounding of the merge tree, which is the same tree either way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from geomscope.score.select import STREAM_ID_SAMPLE, STREAM_MAX_ROWS, BottomK, Reservoir, row_hash
+from geomscope.score.sources import Task, check_shard_file, iter_blocks, iter_meta
+
+COUNT_KEYS = ("seen", "nonfinite", "special", "not_sampled", "used")
+
+
+@dataclass
+class PassSpec:
+    kind: str  # "select" | "moments" | "unit"
+    layers: list[str]
+    n_groups: int = 1
+    exclude_special: bool = False
+    seed: int = 0
+    max_rows: int | None = None  # "select": k
+    thresholds: dict[str, int] | None = None  # max-rows hash threshold per layer
+    extras: bool = True
+    abs_threshold: float = 6.0
+    id_k: int = 0
+    unit: dict | None = None  # layer -> variant -> (shifts (R, D), scales (R, D) | None)
+    checksum: bool = False
+    block_rows: int | None = None
+
+
+@dataclass
+class LayerPart:
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNT_KEYS, 0))
+    groups: list | None = None  # Moments per jackknife group
+    reservoir: Reservoir | None = None
+    select: BottomK | None = None
+    unit: dict | None = None  # variant -> list of UnitSum (R)
+
+    def merge(self, other: LayerPart) -> LayerPart:
+        for k in COUNT_KEYS:
+            self.counts[k] += other.counts[k]
+        if other.groups is not None:
+            if self.groups is None:
+                self.groups = other.groups
+            else:
+                for a, b in zip(self.groups, other.groups, strict=True):
+                    a.merge(b)
+        if other.reservoir is not None:
+            self.reservoir = other.reservoir if self.reservoir is None else self.reservoir.merge(other.reservoir)
+        if other.select is not None:
+            self.select = other.select if self.select is None else self.select.merge(other.select)
+        if other.unit is not None:
+            if self.unit is None:
+                self.unit = other.unit
+            else:
+                for v, sums in other.unit.items():
+                    for a, b in zip(self.unit[v], sums, strict=True):
+                        a.merge(b)
+        return self
+
+
+def merge_parts(parts: list[dict[str, LayerPart]]) -> dict[str, LayerPart]:
+    """Merge task results (dicts layer -> LayerPart) in the given order."""
+    out: dict[str, LayerPart] = {}
+    for p in parts:
+        for name, lp in p.items():
+            out[name] = lp if name not in out else out[name].merge(lp)
+    return out
+
+
+def _filter(block, name: str, spec: PassSpec, counts: dict | None) -> np.ndarray:
+    """Boolean mask of the rows of ``block`` that layer ``name`` uses; counts the dropped ones."""
+    bad = np.asarray(block.nonfinite.get(name, np.zeros(len(block.keys), bool)), bool)
+    keep = ~bad
+    if counts is not None:
+        counts["seen"] += len(keep)
+        counts["nonfinite"] += int(bad.sum())
+    if spec.exclude_special:
+        sp = keep & block.special
+        if counts is not None:
+            counts["special"] += int(sp.sum())
+        keep &= ~block.special
+    if spec.thresholds and spec.thresholds.get(name) is not None:
+        sel = row_hash(block.keys, spec.seed, STREAM_MAX_ROWS) <= np.uint64(spec.thresholds[name])
+        if counts is not None:
+            counts["not_sampled"] += int((keep & ~sel).sum())
+        keep &= sel
+    if counts is not None:
+        counts["used"] += int(keep.sum())
+    return keep
+
+
+def _new_part(spec: PassSpec, dim: int | None) -> LayerPart:
+    from geomscope.metrics import Moments
+
+    lp = LayerPart()
+    if spec.kind == "moments":
+        lp.groups = [Moments(dim, spec.abs_threshold, extras=spec.extras) for _ in range(spec.n_groups)]
+        if spec.id_k > 0:
+            lp.reservoir = Reservoir(spec.id_k)
+    elif spec.kind == "select":
+        lp.select = BottomK(spec.max_rows)
+    return lp
+
+
+def _unit_part(spec: PassSpec, name: str) -> dict:
+    from geomscope.metrics import UnitSum
+
+    return {v: [UnitSum(sh, None if sc is None else sc[r]) for r, sh in enumerate(shifts)]
+            for v, (shifts, sc) in spec.unit[name].items()}
+
+
+def run_task(task: Task, spec: PassSpec, progress=None) -> dict[str, LayerPart]:
+    """Process one task; ``progress(rows)`` is called after each block when given."""
+    if task.kind == "shard":
+        check_shard_file(task, checksum=spec.checksum)
+    if spec.kind == "select":
+        parts = {n: _new_part(spec, None) for n in spec.layers}
+        for block in iter_meta(task, spec.layers, spec.n_groups):
+            for name in spec.layers:
+                lp = parts[name]
+                keep = _filter(block, name, PassSpec("select", [], exclude_special=spec.exclude_special),
+                               lp.counts)
+                lp.select.add(row_hash(block.keys[keep], spec.seed, STREAM_MAX_ROWS))
+            if progress:
+                progress(len(block.keys))
+        return parts
+    parts: dict[str, LayerPart] = {}
+    for block in iter_blocks(task, spec.layers, spec.n_groups, spec.block_rows):
+        for name in spec.layers:
+            x = block.layers[name]
+            if name not in parts:
+                parts[name] = _new_part(spec, x.shape[1])
+                if spec.kind == "unit":
+                    parts[name].unit = _unit_part(spec, name)
+            lp = parts[name]
+            keep = _filter(block, name, spec, lp.counts if spec.kind == "moments" else None)
+            if not keep.any():
+                continue
+            xs = x[keep]
+            gs = block.group[keep]
+            if spec.kind == "moments":
+                _update_groups(lp.groups, xs, gs)
+                if lp.reservoir is not None:
+                    lp.reservoir.add(row_hash(block.keys[keep], spec.seed, STREAM_ID_SAMPLE), xs)
+            else:
+                _update_units(lp.unit, xs, gs, spec.n_groups)
+        if progress:
+            progress(len(block.keys))
+    for name in spec.layers:  # a task whose every row was dropped still reports its counts
+        parts.setdefault(name, LayerPart())
+    return parts
+
+
+def _update_groups(groups: list, xs: np.ndarray, gs: np.ndarray) -> None:
+    if len(groups) == 1:
+        groups[0].update(xs)
+        return
+    order = np.argsort(gs, kind="stable")
+    gs_sorted = gs[order]
+    bounds = np.searchsorted(gs_sorted, np.arange(len(groups) + 1))
+    xo = xs[order]
+    for g in range(len(groups)):
+        a, b = bounds[g], bounds[g + 1]
+        if b > a:
+            groups[g].update(xo[a:b])
+
+
+def _update_units(unit: dict, xs: np.ndarray, gs: np.ndarray, n_groups: int) -> None:
+    for sums in unit.values():
+        if n_groups > 1:
+            for r in range(n_groups):
+                m = gs != r
+                if m.any():
+                    sums[r].update(xs[m])
+        sums[-1].update(xs)

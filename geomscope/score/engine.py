@@ -1,0 +1,388 @@
+"""``score(path, options)``: stream a run (or an array) through the accumulators into a report.
+
+Passes over the data (each streams every task once, a few MiB of rows at a time; no layer is ever
+held whole, memory does not depend on the number of rows):
+
+0. ``--max-rows`` only: a metadata pass (run: token index and non-finite flags, no activations)
+   fixing each layer's seeded bottom-k row sample.
+1. Moments pass: per layer and jackknife group one float64 Moments (count, mean, scatter, unit-vector
+   sums, |x| statistics), plus the seeded sample for intrinsic dimension. Every moment metric
+   (IsoScore, IsoScore*, plain average cosine, spectrum, variance/zscore/magnitude outliers) comes
+   from these.
+2. Only for the centred / standardised average cosine: their definitions subtract the global mean
+   (and divide by the standard deviation), known only after pass 1, so a second pass sums the unit
+   vectors of the shifted rows (one UnitSum per jackknife replicate).
+
+Memory: each layer holds G Moments of D x D float64 (G = jackknife groups) in every process and
+in-flight result; layers are processed in batches so that G * D^2 * 8 bytes * (in-flight + 2) stays
+under ``--memory-mb`` (one layer per batch at least); each batch repeats the passes for its layers.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from collections.abc import Callable
+
+import numpy as np
+
+from geomscope.errors import DataError, InputError
+from geomscope.score import compute, idest, outliers
+from geomscope.score.accumulate import PassSpec
+from geomscope.score.executor import Executor
+from geomscope.score.options import ScoreOptions
+from geomscope.score.progress import Progress
+from geomscope.score.sources import SourceInfo, open_source
+
+
+def _log_default(msg: str) -> None:
+    import sys
+
+    print(f"warning: {msg}", file=sys.stderr)
+
+
+def score(path, options: ScoreOptions | None = None, *, progress: bool = False,
+          log: Callable[[str], None] | None = None) -> dict:
+    """Score a run directory or an (N, D) array file; return the report dict (REPORT_SCHEMA)."""
+    opts = (options or ScoreOptions()).validate()
+    log = log or _log_default
+    src = open_source(path, dataset=opts.dataset, layers=opts.layers, partial=opts.partial,
+                      block_rows=opts.block_rows)
+    for w in src.warnings:
+        log(w)
+    with Executor(opts.workers) as ex, Progress(enabled=progress) as prog:
+        return _Scorer(src, opts, ex, prog, log).run()
+
+
+class _Scorer:
+    def __init__(self, src: SourceInfo, opts: ScoreOptions, ex: Executor, prog: Progress, log):
+        self.src, self.opts, self.ex, self.prog, self.log = src, opts, ex, prog, log
+        self.G = opts.jackknife_groups if opts.jackknife_groups >= 2 else 1
+        self.rows = sum(t.rows for t in src.tasks)
+        self.checksum_pending = opts.verify
+        self.target, self.target_layer = self._parse_target()
+
+    # -- passes ------------------------------------------------------------------------------
+    def _pass(self, tasks, spec: PassSpec, desc: str, rows: int | None = None) -> dict:
+        if self.checksum_pending and tasks is self.src.tasks:
+            spec.checksum = True
+            self.checksum_pending = False
+        with self.prog.task(desc, rows if rows is not None else sum(t.rows for t in tasks)) as adv:
+            return self.ex.run(tasks, spec, adv)
+
+    def _spec(self, kind: str, layers: list[str], **kw) -> PassSpec:
+        o = self.opts
+        return PassSpec(kind=kind, layers=list(layers), n_groups=kw.pop("n_groups", self.G),
+                        exclude_special=o.exclude_special, seed=o.seed, block_rows=o.block_rows, **kw)
+
+    def _parse_target(self):
+        t = self.opts.shrinkage_target
+        if not t.startswith("layer:"):
+            return t, None
+        name = t[len("layer:"):]
+        if self.src.kind != "run":
+            raise InputError("--shrinkage-target layer:NAME needs a run directory; an array has one layer")
+        resolved = self.src.run_obj.resolve_layers([name])[0]
+        return f"layer:{resolved}", resolved
+
+    # -- main --------------------------------------------------------------------------------
+    def run(self) -> dict:
+        o, src = self.opts, self.src
+        self.thresholds = self._select_rows() if o.max_rows else None
+        self.c0_fixed = None
+        if self.target.startswith("file:"):
+            self.c0_fixed = compute.load_cov_file(self.target[5:], src.dim)
+        elif self.target_layer is not None and o.wants("isoscore_star"):
+            self.c0_fixed = self._reference_cov(src, [self.target_layer], self.thresholds)[self.target_layer]
+        self.other = None
+        if self.target.startswith("run:") and o.wants("isoscore_star"):
+            self.other = self._open_other_run(self.target[4:])
+        entries, extras = {}, {}
+        for batch in self._batches():
+            entries.update(self._score_batch(batch, extras))
+        layers = [entries[n] for n in src.layers]
+        if all(e["n_rows"] < 2 for e in layers):
+            n = max(e["n_rows"] for e in layers)
+            raise DataError(f"{src.path}: {n} usable row(s) per layer after dropping non-finite"
+                            f"{', special' if o.exclude_special else ''} rows; at least 2 are needed")
+        if o.wants("outliers") and o.outlier_rule == "magnitude":
+            outliers.apply_magnitude(layers, extras, o)
+        embeddings, top_notes = None, {}
+        if o.wants("partition"):
+            from geomscope.score.embeddings import embedding_isotropy
+
+            embeddings, why = embedding_isotropy(src)
+            if embeddings is None:
+                top_notes["embeddings"] = why
+        else:
+            top_notes["embeddings"] = "partition not requested (--metrics)"
+        return self._report(layers, embeddings, top_notes)
+
+    def _batches(self) -> list[list[str]]:
+        o = self.opts
+        in_flight = 1 if o.workers <= 1 else 2 * o.workers
+        per_layer = self.G * self.src.dim ** 2 * 8 * (in_flight + 2) if o.moment_metrics else 0
+        budget = int(o.memory_mb * 1024 * 1024)
+        size = len(self.src.layers) if per_layer == 0 else max(1, budget // per_layer)
+        if per_layer > budget:
+            self.log(f"one layer's jackknife accumulators need ~{per_layer / 2**20:.0f} MiB "
+                     f"(> --memory-mb {o.memory_mb:g}); scoring one layer at a time "
+                     "(lower --jackknife-groups or --workers to use less)")
+        names = self.src.layers
+        self.batch_size = int(size)
+        return [names[i:i + size] for i in range(0, len(names), size)]
+
+    def _select_rows(self) -> dict[str, int]:
+        layers = list(self.src.layers)
+        if self.target_layer and self.target_layer not in layers:
+            layers.append(self.target_layer)
+        spec = self._spec("select", layers, max_rows=self.opts.max_rows)
+        parts = self._pass(self.src.tasks, spec, "selecting rows (--max-rows)")
+        return {n: parts[n].select.threshold for n in layers}
+
+    def _reference_cov(self, src: SourceInfo, layers: list[str], thresholds) -> dict[str, np.ndarray]:
+        spec = self._spec("moments", layers, n_groups=1, thresholds=thresholds, extras=False)
+        parts = self._pass(src.tasks, spec, f"reference covariance ({', '.join(layers)})")
+        out = {}
+        for n in layers:
+            m = parts[n].groups[0] if parts[n].groups else None
+            if m is None or m.n < 2:
+                raise DataError(f"shrinkage reference layer {n} has fewer than 2 usable rows")
+            out[n] = m.covariance()
+        return out
+
+    def _open_other_run(self, path: str) -> SourceInfo:
+        other = open_source(path, partial=self.opts.partial)
+        if other.kind != "run":
+            raise InputError(f"--shrinkage-target {path} is not a run directory")
+        missing = [n for n in self.src.layers if n not in other.layers]
+        if missing:
+            raise InputError(f"--shrinkage-target run {path} has no layer {missing[0]!r}; "
+                             "use a run of the same model and layers")
+        if other.dim != self.src.dim:
+            raise InputError(f"--shrinkage-target run {path} has D = {other.dim}, this data D = {self.src.dim}")
+        return other
+
+    # -- one batch of layers ---------------------------------------------------------------------
+    def _score_batch(self, batch: list[str], extras: dict) -> dict:
+        o = self.opts
+        c0_by_layer = {}
+        if self.other is not None:
+            c0_by_layer = self._reference_cov(self.other, batch, None)
+        id_k = o.id_sample if (o.id_names or (o.wants("outliers") and o.outlier_rule == "quantile")) else 0
+        spec = self._spec("moments", batch, thresholds=self.thresholds,
+                          extras=o.wants("avgcos") or o.wants("outliers"),
+                          abs_threshold=o.outlier_threshold if o.outlier_rule == "magnitude" else 6.0,
+                          id_k=id_k)
+        label = batch[0] if len(batch) == 1 else f"{batch[0]}..{batch[-1]}"
+        parts = self._pass(self.src.tasks, spec, f"moments {label}")
+        entries, pending_unit = {}, {}
+        for name in batch:
+            lp = parts.get(name)
+            c0 = self.c0_fixed if self.c0_fixed is not None else c0_by_layer.get(name)
+            state = _LayerState(name, self.src.indices.get(name), lp, self.src, o, self.G)
+            state.moments(c0 if c0 is not None else self.target)
+            if o.needs_second_pass and state.unit_spec is not None:
+                pending_unit[name] = state
+            entries[name] = state
+        if pending_unit:
+            spec2 = self._spec("unit", list(pending_unit), thresholds=self.thresholds,
+                               unit={n: s.unit_spec for n, s in pending_unit.items()})
+            parts2 = self._pass(self.src.tasks, spec2, f"centred cosine {label}")
+            for n, s in pending_unit.items():
+                s.cosine_variants(parts2[n].unit)
+        out = {}
+        for name, state in entries.items():
+            state.intrinsic()
+            state.outliers_moment()
+            extras[name] = state.extra
+            out[name] = state.entry()
+        return out
+
+    # -- report ------------------------------------------------------------------------------
+    def _report(self, layers: list[dict], embeddings, top_notes) -> dict:
+        from geomscope import __version__
+
+        o, src = self.opts, self.src
+        dup = {e["layer"]: e["twonn_duplicates_removed"] for e in layers}
+        unc = {"moments": (f"delete-one-group jackknife over {self.G} "
+                           + ("document groups (doc_id % G)" if src.kind == "run" else "contiguous row blocks")
+                           if self.G >= 2 else "none (--jackknife-groups 0)")}
+        if o.id_names:
+            unc.update(idest.uncertainty_methods(o))
+        return {
+            "format": "geomscope-report", "format_version": 1, "geomscope_version": __version__,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "source": {"kind": src.kind, "path": src.path, "dataset": src.dataset},
+            "model": src.model,
+            "run": src.run,
+            "params": {
+                "metrics": list(o.metrics), "zeta": o.zeta, "target": self.target,
+                "avgcos_variants": list(o.avgcos_variants),
+                "outlier_rule": o.outlier_rule, "outlier_threshold": o.outlier_threshold,
+                "id_estimator": ",".join(o.id_names) if o.id_names else None,
+                "twonn_fit": o.twonn_fit, "discard_fraction": o.discard_fraction, "id_sample": o.id_sample,
+                "seed": o.seed, "exclude_special": o.exclude_special, "max_rows": o.max_rows,
+                "layers": list(src.layers), "duplicates_removed": dup, "uncertainty": unc,
+                "jackknife_groups": self.G if self.G >= 2 else 0, "workers": o.workers,
+                "layer_batch_size": self.batch_size, "rows_total": self.rows,
+            },
+            "layers": layers,
+            "embeddings": embeddings,
+            "notes": top_notes,
+        }
+
+
+class _LayerState:
+    """Numbers of one layer as they are computed (see compute.py for the definitions)."""
+
+    def __init__(self, name, index, lp, src: SourceInfo, opts: ScoreOptions, G: int):
+        self.name, self.index, self.lp, self.opts, self.G = name, index, lp, opts, G
+        self.counts = dict(lp.counts) if lp is not None else {}
+        self.n = int(self.counts.get("used", 0))
+        self.values: dict = {}
+        self.reps: dict[str, list] = {}
+        self.notes: dict[str, str] = {}
+        self.flags: list[str] = list(src.flags)
+        self.unit_spec = None
+        self.full = None
+        self.extra: dict = {}
+        self.dim = src.dim
+        if self.counts.get("nonfinite"):
+            self.flags.append("nonfinite_rows_dropped")
+
+    def _groups(self):
+        return self.lp.groups if self.lp is not None and self.lp.groups else None
+
+    def moments(self, c0) -> None:
+        o = self.opts
+        groups = self._groups()
+        if not o.moment_metrics:
+            return
+        if groups is None or self.n < 2:
+            why = f"{self.n} usable row(s); at least 2 are needed"
+            for k in _moment_keys(o):
+                self.values[k] = None
+                self.notes.setdefault(k, why)
+            return
+        self.full = full = compute.merged(groups)
+        self.values = compute.moment_values(full, o, c0, self.notes, full=True)
+        if full.n <= full.dim and (o.wants("isoscore") or o.wants("isoscore_star") or o.wants("spectrum")):
+            self.flags.append("rank_limited")
+        if o.wants("avgcos") and full.n_zero_norm:
+            self.flags.append("zero_norm_rows")
+        self.extra["count_abs_ge"] = [g.count_abs_ge for g in groups] if full.extras else None
+        self.extra["n_groups"] = [g.n for g in groups]
+        live = compute.nonempty(groups) if self.G >= 2 else []
+        self.live = live
+        shifts = {v: [] for v in o.avgcos_variants if v != "plain"} if o.needs_second_pass else {}
+        self.rep_stats = []
+        for r in live:
+            m = compute.merged(groups, skip=r)
+            vals = compute.moment_values(m, o, c0, {}, full=False)
+            for k, v in vals.items():
+                self.reps.setdefault(k, []).append(v)
+            self.rep_stats.append(outliers.replicate_statistic(m, o))
+            for v in shifts:
+                shifts[v].append(compute.unit_shift_scale(m, v))
+        if shifts:
+            spec = {}
+            for v, lst in shifts.items():
+                sh_full, sc_full = compute.unit_shift_scale(full, v)
+                by_r = dict(zip(live, lst, strict=True))
+                rows = [by_r.get(r, (sh_full, sc_full)) for r in range(self.G if self.G >= 2 else 0)]
+                rows.append((sh_full, sc_full))
+                sh = np.stack([a for a, _ in rows])
+                sc = None if v == "centred" else np.stack([b for _, b in rows])
+                spec[v] = (sh, sc)
+            self.unit_spec = spec
+
+    def cosine_variants(self, unit: dict) -> None:
+        for v, sums in unit.items():
+            key = compute.AVGCOS_KEY[v]
+            self.values[key] = compute._try(lambda s=sums: compute.avgcos_of_unit(s[-1]), self.notes, key)
+            if self.live:
+                self.reps[key] = [compute._try(lambda r=r, s=sums: compute.avgcos_of_unit(s[r]), {}, key)
+                                  for r in self.live]
+
+    def intrinsic(self) -> None:
+        o = self.opts
+        self.sample = None
+        if self.lp is not None and self.lp.reservoir is not None:
+            self.sample = self.lp.reservoir.sample()
+        self.id_info = idest.estimate(self.sample, o, self.notes) if o.id_names else {}
+
+    def outliers_moment(self) -> None:
+        o = self.opts
+        self.out = None
+        if not o.wants("outliers") or o.outlier_rule == "magnitude":
+            return
+        self.out = outliers.layer_outliers(self.full, self.sample, getattr(self, "rep_stats", []), o, self.notes)
+
+    def entry(self) -> dict:
+        o = self.opts
+        v = self.values
+        se = {}
+        for k in _scalar_keys(o):
+            if k in self.reps:
+                se[k] = compute.jackknife_se(self.reps[k])
+            elif k in self.id_info.get("se", {}):
+                se[k] = self.id_info["se"][k]
+        if self.G < 2 and o.moment_metrics:
+            self.notes.setdefault("se", "jackknife off (--jackknife-groups 0): no standard errors for moment metrics")
+        e = {
+            "layer": self.name, "index": self.index, "n_rows": self.n,
+            "isoscore": v.get("isoscore"), "isoscore_star": v.get("isoscore_star"),
+            "avgcos": v.get("avgcos"), "avgcos_centred": v.get("avgcos_centred"),
+            "avgcos_standardised": v.get("avgcos_standardised"),
+            "pr": v.get("pr"), "erank": v.get("erank"),
+            "top1_share": v.get("top1_share"), "top5_share": v.get("top5_share"),
+            "top10_share": v.get("top10_share"),
+            "twonn": self.id_info.get("values", {}).get("twonn"),
+            "outliers": self.out["dims"] if self.out else [],
+            "se": se,
+            "eigenvalues": v.get("eigenvalues", []),
+            "outlier_statistic": self.out["statistic"] if self.out else [],
+            "outlier_support": self.out["support"] if self.out else [],
+            "twonn_n_used": self.id_info.get("n_used", 0),
+            "twonn_duplicates_removed": self.id_info.get("duplicates_removed", 0),
+            "dropped": {k: int(self.counts.get(k, 0)) for k in ("nonfinite", "special", "not_sampled")},
+            "flags": sorted(set(self.flags)),
+            "notes": self.notes,
+        }
+        for name in o.extra_id:
+            e[f"id_{name}"] = self.id_info.get("values", {}).get(f"id_{name}")
+        _fill_null_notes(e, o)
+        return e
+
+
+def _moment_keys(o: ScoreOptions) -> list[str]:
+    keys = []
+    if o.wants("isoscore"):
+        keys.append("isoscore")
+    if o.wants("isoscore_star"):
+        keys.append("isoscore_star")
+    if o.wants("avgcos"):
+        keys += [compute.AVGCOS_KEY[v] for v in o.avgcos_variants]
+    if o.wants("spectrum"):
+        keys += list(compute.SPECTRUM_KEYS)
+    return keys
+
+
+def _scalar_keys(o: ScoreOptions) -> list[str]:
+    keys = _moment_keys(o)
+    if "twonn" in o.id_names:
+        keys.append("twonn")
+    keys += [f"id_{n}" for n in o.extra_id]
+    return keys
+
+
+SCALAR_METRICS = ("isoscore", "isoscore_star", "avgcos", "avgcos_centred", "avgcos_standardised", "pr", "erank",
+                  "top1_share", "top5_share", "top10_share", "twonn")
+
+
+def _fill_null_notes(e: dict, o: ScoreOptions) -> None:
+    wanted = set(_scalar_keys(o))
+    for k in (*SCALAR_METRICS, *[f"id_{n}" for n in o.extra_id]):
+        if e.get(k) is None and k not in e["notes"]:
+            e["notes"][k] = ("not requested (--metrics / --avgcos-variants)" if k not in wanted
+                             else "undefined for this layer")

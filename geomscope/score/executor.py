@@ -1,0 +1,89 @@
+"""Run tasks in this process or a process pool; merge their partial accumulators in task order.
+
+Results are merged in task order as they become available (out-of-order results wait in a small
+buffer; at most ``2 * workers`` tasks are in flight), so memory does not grow with the number of
+shards and one worker and many build the same merge tree -- the same numbers.
+
+Workers are spawned (not forked): h5py handles and BLAS thread pools do not survive a fork
+safely. Each worker limits its BLAS to one thread so that N workers use N cores.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+from geomscope.score.accumulate import PassSpec, merge_parts, run_task
+from geomscope.score.sources import Task
+
+
+def _init_worker() -> None:
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = "1"
+    try:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(1)
+    except ImportError:  # pragma: no cover - threadpoolctl ships with scikit-learn / scipy stacks
+        pass
+
+
+class Executor:
+    """``Executor(workers)``; ``run(tasks, spec, advance)`` -> merged dict layer -> LayerPart."""
+
+    def __init__(self, workers: int = 1):
+        self.workers = int(workers)
+        self._pool: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def _get_pool(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            import multiprocessing as mp
+
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"),
+                                             initializer=_init_worker)
+        return self._pool
+
+    def run(self, tasks: list[Task], spec: PassSpec, advance: Callable[[int], None] | None = None) -> dict:
+        if self.workers <= 1 or len(tasks) <= 1:
+            acc: dict = {}
+            for t in tasks:
+                acc = merge_parts([acc, run_task(t, spec, advance)])
+            return acc
+        pool = self._get_pool()
+        window = 2 * self.workers
+        acc = {}
+        pending: dict = {}
+        done_out_of_order: dict[int, dict] = {}
+        nxt_submit = nxt_merge = 0
+        try:
+            while nxt_merge < len(tasks):
+                while nxt_submit < len(tasks) and len(pending) + len(done_out_of_order) < window:
+                    fut = pool.submit(run_task, tasks[nxt_submit], spec)
+                    pending[fut] = nxt_submit
+                    nxt_submit += 1
+                finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    i = pending.pop(fut)
+                    done_out_of_order[i] = fut.result()
+                    if advance:
+                        advance(tasks[i].rows)
+                while nxt_merge in done_out_of_order:
+                    acc = merge_parts([acc, done_out_of_order.pop(nxt_merge)])
+                    nxt_merge += 1
+        except BaseException:
+            for fut in pending:
+                fut.cancel()
+            raise
+        return acc

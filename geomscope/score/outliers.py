@@ -1,0 +1,113 @@
+"""Outlier dimensions per layer under the chosen rule (geomscope.metrics.outliers), with support.
+
+- ``variance`` / ``zscore``: from the layer's accumulated per-dimension variance (zscore: or mean
+  |x|, ``--outlier-stat``).
+- ``quantile``: on the layer's seeded row sample (the intrinsic-dimension sample, ``--id-sample``).
+- ``magnitude``: across the scored layers (|x_d| >= threshold in >= 6 % of a layer's tokens, in
+  >= 25 % of the layers); every layer reports the same dimensions and its own per-dimension
+  fraction of tokens over the threshold as ``outlier_statistic``.
+
+Uncertainty ("outlier_support"): for each reported dimension, the fraction of the jackknife
+replicates (every document group but one) in which the rule flags it too (1.0 = stable). The
+quantile rule works on a sample without groups: no support (a note says so).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from geomscope.errors import DataError
+from geomscope.score.options import ScoreOptions
+
+LAYER_FRAC, TOKEN_FRAC = 0.25, 0.06
+
+
+def _rule_on_moments(m, o: ScoreOptions):
+    from geomscope.metrics import outliers_variance, outliers_zscore
+
+    if o.outlier_rule == "variance":
+        return outliers_variance(m.variance(), k=o.outlier_threshold)
+    stat = m.variance() if o.outlier_stat == "variance" else m.mean_abs()
+    return outliers_zscore(stat, z=o.outlier_threshold, stat_name=o.outlier_stat)
+
+
+def replicate_statistic(m, o: ScoreOptions):
+    """The outlier dimensions of one jackknife replicate (set), or None where not applicable."""
+    if not o.wants("outliers") or o.outlier_rule not in ("variance", "zscore"):
+        return None
+    try:
+        return set(_rule_on_moments(m, o).dims)
+    except DataError:
+        return None
+
+
+def _support(dims: list[int], rep_sets: list) -> list[float]:
+    sets = [s for s in rep_sets if s is not None]
+    if not sets:
+        return []
+    return [float(np.mean([d in s for s in sets])) for d in dims]
+
+
+def layer_outliers(full, sample, rep_sets: list, o: ScoreOptions, notes: dict) -> dict | None:
+    """{"dims", "statistic", "support"} for rules variance/zscore/quantile; None (+ note) if undefined."""
+    from geomscope.metrics import outliers_quantile
+
+    try:
+        if o.outlier_rule == "quantile":
+            if sample is None or len(sample) < 1:
+                raise DataError("no sampled rows for the quantile rule")
+            res = outliers_quantile(np.asarray(sample, dtype=np.float64), q=o.outlier_threshold)
+            notes.setdefault("outlier_support", "quantile rule runs on a row sample: no jackknife support")
+            support: list[float] = []
+        else:
+            if full is None:
+                raise DataError("fewer than 2 usable rows")
+            res = _rule_on_moments(full, o)
+            support = _support(res.dims, rep_sets)
+            if not support and res.dims:
+                notes.setdefault("outlier_support", "jackknife off or fewer than 2 document groups")
+    except DataError as e:
+        notes.setdefault("outliers", str(e))
+        return None
+    return {"dims": [int(d) for d in res.dims], "statistic": [float(v) for v in res.statistic],
+            "support": support}
+
+
+def apply_magnitude(entries: list[dict], extras: dict, o: ScoreOptions) -> None:
+    """Fill outliers/outlier_statistic/outlier_support of every entry under the magnitude rule."""
+    from geomscope.metrics import outliers_magnitude
+
+    names = [e["layer"] for e in entries]
+    ok = [n for n in names if extras.get(n, {}).get("count_abs_ge") is not None]
+    if not ok:
+        for e in entries:
+            e["notes"].setdefault("outliers", "no layer has enough rows for the magnitude rule")
+        return
+    counts = {n: np.stack(extras[n]["count_abs_ge"]).astype(np.float64) for n in ok}  # (G, D)
+    ns = {n: np.asarray(extras[n]["n_groups"], dtype=np.float64) for n in ok}  # (G,)
+    frac = np.stack([counts[n].sum(0) / ns[n].sum() for n in ok])
+    res = outliers_magnitude(frac, layer_frac=LAYER_FRAC, token_frac=TOKEN_FRAC, abs_threshold=o.outlier_threshold)
+    rep_sets = []
+    n_groups = len(next(iter(ns.values())))
+    if n_groups >= 2:
+        for r in range(n_groups):
+            if not any(ns[n][r] > 0 for n in ok):
+                continue
+            fr = []
+            for n in ok:
+                rest = ns[n].sum() - ns[n][r]
+                fr.append((counts[n].sum(0) - counts[n][r]) / rest if rest > 0 else np.zeros(frac.shape[1]))
+            rep_sets.append(set(outliers_magnitude(np.stack(fr), layer_frac=LAYER_FRAC, token_frac=TOKEN_FRAC,
+                                                   abs_threshold=o.outlier_threshold).dims))
+    support = _support(res.dims, rep_sets) if len(rep_sets) >= 2 else []
+    why = (f"magnitude rule over the {len(ok)} scored layers: |x_d| >= {o.outlier_threshold:g} in >= "
+           f"{TOKEN_FRAC:.0%} of a layer's tokens in >= {LAYER_FRAC:.0%} of the layers; statistic = this "
+           "layer's fraction of tokens over the threshold")
+    for e, n in zip(entries, names, strict=True):
+        if n in ok:
+            e["outliers"] = [int(d) for d in res.dims]
+            e["outlier_statistic"] = [float(v) for v in frac[ok.index(n)]]
+            e["outlier_support"] = support
+            e["notes"].setdefault("outlier_rule", why)
+        else:
+            e["notes"].setdefault("outliers", "too few usable rows in this layer")

@@ -1,0 +1,127 @@
+"""Seeded, order-independent row selection: hashes, bottom-k thresholds, a bottom-k reservoir.
+
+Every row has a stable 64-bit *key* (run: ``shard_index << 40 | row_in_shard``; array: the row
+number).  ``row_hash(keys, seed, stream)`` maps keys to uniform 64-bit values (splitmix64).  A
+uniform sample of exactly k rows without replacement is "the k rows with the smallest hash"
+(bottom-k sampling): it depends only on the keys, the seed and the stream -- never on the order in
+which shards are read or on how they are spread over worker processes.
+
+- ``--max-rows k``: a cheap metadata pre-pass finds, per layer, the k-th smallest hash among the
+  eligible rows (:class:`BottomK`); the streaming pass then keeps rows whose hash is <= it.
+- Intrinsic-dimension sample: :class:`Reservoir` keeps the rows with the smallest hashes of a
+  second stream while streaming (memory bounded by ~2k rows per layer); partial reservoirs from
+  workers merge exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+STREAM_MAX_ROWS = 1
+STREAM_ID_SAMPLE = 2
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def row_hash(keys, seed: int, stream: int) -> np.ndarray:
+    """splitmix64 of ``keys`` salted by (seed, stream): uniform uint64 values, one per key."""
+    with np.errstate(over="ignore"):
+        salt = _mix(np.array([(int(seed) * 0x100000001B3 + int(stream)) % (1 << 64)], dtype=np.uint64))[0]
+        z = np.asarray(keys, dtype=np.uint64) ^ salt
+        return _mix(z + _GOLDEN)
+
+
+def run_keys(shard_index: int, start: int, stop: int) -> np.ndarray:
+    """Stable keys of rows ``start:stop`` of shard ``shard_index``."""
+    return (np.uint64(shard_index) << np.uint64(40)) + np.arange(start, stop, dtype=np.uint64)
+
+
+class BottomK:
+    """The k smallest uint64 values seen (``add``, ``merge``); ``threshold`` = the k-th smallest,
+    or the largest uint64 when fewer than k values were seen (then every value qualifies)."""
+
+    def __init__(self, k: int):
+        self.k = int(k)
+        self.values = np.empty(0, dtype=np.uint64)
+        self.seen = 0
+
+    def add(self, values: np.ndarray) -> BottomK:
+        self.seen += int(values.size)
+        v = np.concatenate([self.values, np.asarray(values, dtype=np.uint64)])
+        if v.size > self.k:
+            v = np.partition(v, self.k - 1)[: self.k]
+        self.values = v
+        return self
+
+    def merge(self, other: BottomK) -> BottomK:
+        seen = self.seen + other.seen
+        self.add(other.values)
+        self.seen = seen
+        return self
+
+    @property
+    def threshold(self) -> int:
+        if self.values.size < self.k:
+            return int(np.iinfo(np.uint64).max)
+        return int(self.values.max())
+
+
+class Reservoir:
+    """Rows with the k smallest hashes seen so far (bounded memory: at most 2k rows held).
+
+    ``add(hashes, rows)`` with rows (m, D) in any dtype (kept as given, e.g. float16 storage);
+    ``merge(other)``; ``sample()`` -> the selected rows sorted by hash (deterministic order).
+    """
+
+    def __init__(self, k: int):
+        self.k = int(k)
+        self._h: list[np.ndarray] = []
+        self._x: list[np.ndarray] = []
+        self._n = 0
+        self._bound: int | None = None  # k-th smallest hash once k rows are held: larger ones never qualify
+
+    def add(self, hashes: np.ndarray, rows: np.ndarray) -> Reservoir:
+        if self.k <= 0 or len(hashes) == 0:
+            return self
+        hashes = np.asarray(hashes, dtype=np.uint64)
+        if self._bound is not None:
+            m = hashes <= np.uint64(self._bound)
+            if not m.any():
+                return self
+            hashes, rows = hashes[m], rows[m]
+        self._h.append(hashes)
+        self._x.append(np.array(rows, copy=True))
+        self._n += len(hashes)
+        if self._n > 2 * self.k:
+            self._shrink()
+        return self
+
+    def _shrink(self) -> None:
+        h = np.concatenate(self._h)
+        x = np.concatenate(self._x)
+        if h.size > self.k:
+            keep = np.argpartition(h, self.k - 1)[: self.k]
+            h, x = h[keep], x[keep]
+        self._h, self._x, self._n = [h], [x], h.size
+        if h.size >= self.k:
+            self._bound = int(h.max())
+
+    def merge(self, other: Reservoir) -> Reservoir:
+        for h, x in zip(other._h, other._x, strict=True):
+            self.add(h, x)
+        return self
+
+    def sample(self) -> np.ndarray | None:
+        """The selected rows (<= k, sorted by hash), or None when nothing was added."""
+        if not self._h:
+            return None
+        self._shrink()
+        order = np.argsort(self._h[0], kind="stable")
+        return self._x[0][order]

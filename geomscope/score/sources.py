@@ -1,0 +1,322 @@
+"""What ``score`` reads: a run directory (HDF5 shards) or one (N, D) array (.npy / .h5 dataset).
+
+A source is cut into picklable :class:`Task` s (one per shard; row blocks of an array) so that a
+process pool can read them independently (h5py handles are opened inside the task).
+:func:`iter_blocks` streams a task in bounded row blocks as :class:`Block` s carrying, per row, a
+stable key (for seeded selection), a jackknife group, the special-token flag and, per layer, the
+activations and a non-finite flag.
+
+Jackknife groups: run rows by document, ``doc_id % G``; array rows (no documents) by contiguous
+blocks, ``row * G // N`` (neighbouring rows of an array usually come from the same text).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from geomscope.errors import DataError, InputError
+from geomscope.score.select import run_keys
+
+ARRAY_LAYER = "array"
+READ_BYTES = 32 * 1024 * 1024  # bytes of activations read per block (all layers of a task together)
+
+
+@dataclass(frozen=True)
+class Task:
+    """One independent unit of reading: a shard of a run, or a row range of an array."""
+
+    kind: str  # "shard" | "npy" | "h5"
+    path: str
+    index: int  # shard index, or block number of an array
+    start: int = 0  # array rows [start, stop)
+    stop: int = 0
+    n_total: int = 0  # array: total rows (for the contiguous jackknife groups)
+    dataset: str | None = None
+    rows: int = 0
+    nbytes: int = -1  # shard: recorded size (checked before reading)
+    sha256: str | None = None
+
+
+@dataclass
+class Block:
+    keys: np.ndarray  # (m,) uint64
+    group: np.ndarray  # (m,) int64 in [0, G)
+    special: np.ndarray  # (m,) bool
+    layers: dict[str, np.ndarray] = field(default_factory=dict)  # name -> (m, D)
+    nonfinite: dict[str, np.ndarray] = field(default_factory=dict)  # name -> (m,) bool
+
+
+def _groups_of_docs(doc_id: np.ndarray, n_groups: int) -> np.ndarray:
+    return np.mod(np.asarray(doc_id, dtype=np.int64), max(1, n_groups))
+
+
+def _array_groups(start: int, stop: int, n_total: int, n_groups: int) -> np.ndarray:
+    g = max(1, n_groups)
+    return (np.arange(start, stop, dtype=np.int64) * g) // max(1, n_total)
+
+
+def _rows_per_block(dim: int, itemsize: int, n_layers: int) -> int:
+    return max(256, READ_BYTES // max(1, dim * itemsize * max(1, n_layers)))
+
+
+# --------------------------------------------------------------------------------------- runs
+def check_shard_file(task: Task, *, checksum: bool) -> None:
+    """Size (always) and sha256 (``checksum``) of a shard against the manifest; DataError naming it."""
+    from geomscope.store import ShardInfo, verify_shard
+
+    p = Path(task.path)
+    if not p.exists():
+        raise DataError(f"shard {p} is missing; rerun the same `geomscope extract` command to redo it")
+    if task.nbytes >= 0 and p.stat().st_size != task.nbytes:
+        raise DataError(f"shard {p} is corrupt or truncated ({p.stat().st_size} bytes on disk, "
+                        f"{task.nbytes} recorded); rerun the same `geomscope extract` command to redo it")
+    if checksum and task.sha256:
+        verify_shard(p, ShardInfo(index=task.index, file=p.name, rows=task.rows, docs=0, doc_start=0,
+                                  doc_stop=0, nonfinite_rows=0, bytes=task.nbytes, sha256=task.sha256))
+
+
+def _shard_meta(task: Task, layers: list[str], n_groups: int) -> Iterator[Block]:
+    """Metadata (keys, groups, special, non-finite flags) of a shard, without activations."""
+    import h5py
+
+    p = Path(task.path)
+    try:
+        with h5py.File(p, "r") as f:
+            n = int(f["token_id"].shape[0])
+            step = 1 << 20
+            for s in range(0, n, step):
+                e = min(n, s + step)
+                nf = {}
+                for name in layers:
+                    if "nonfinite" in f and name in f["nonfinite"]:
+                        nf[name] = f["nonfinite"][name][s:e]
+                    else:
+                        nf[name] = np.zeros(e - s, bool)
+                yield Block(keys=run_keys(task.index, s, e),
+                            group=_groups_of_docs(f["doc_id"][s:e], n_groups),
+                            special=np.asarray(f["is_special"][s:e], bool), nonfinite=nf)
+    except (OSError, KeyError) as e:
+        raise DataError(f"shard {p} is corrupt or truncated ({str(e).split('(')[0].strip()}); "
+                        "rerun the same `geomscope extract` command to redo it") from e
+
+
+def _shard_blocks(task: Task, layers: list[str], n_groups: int, block_rows: int | None) -> Iterator[Block]:
+    from geomscope.store import iter_shard
+
+    for ch in iter_shard(Path(task.path), layers, chunk_rows=block_rows):
+        nf = {n: ch.nonfinite.get(n, np.zeros(len(ch), bool)) for n in layers}
+        for n in layers:  # never trust a flag alone: values that are not finite are dropped too
+            if not nf[n].any() and ch.layers[n].dtype.kind == "f":
+                bad = ~np.isfinite(ch.layers[n]).all(axis=1)
+                if bad.any():
+                    nf[n] = bad
+        yield Block(keys=run_keys(task.index, ch.start, ch.stop),
+                    group=_groups_of_docs(ch.doc_id, n_groups),
+                    special=np.asarray(ch.is_special, bool), layers=ch.layers, nonfinite=nf)
+
+
+# -------------------------------------------------------------------------------------- arrays
+def open_array(path: str, dataset: str | None):
+    """(array-like (N, D), closer) for a .npy (memory-mapped) or an .h5 dataset."""
+    p = Path(path)
+    if p.suffix == ".npy":
+        try:
+            a = np.load(p, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError) as e:
+            raise InputError(f"{p} is not a readable .npy array ({e}); save it with numpy.save") from e
+        return a, (lambda: None)
+    import h5py
+
+    try:
+        f = h5py.File(p, "r")
+    except OSError as e:
+        raise InputError(f"{p} is not a readable HDF5 file ({str(e).split('(')[0].strip()})") from e
+    if dataset is None:
+        found = []
+        f.visititems(lambda name, obj: found.append(name) if isinstance(obj, h5py.Dataset) else None)
+        two_d = [n for n in found if f[n].ndim == 2]
+        if len(two_d) != 1:
+            f.close()
+            raise InputError(f"{p} holds {len(two_d)} 2-D datasets ({', '.join(two_d[:6]) or 'none'}); "
+                             "name one with --dataset PATH")
+        dataset = two_d[0]
+    if dataset not in f or not isinstance(f[dataset], h5py.Dataset):
+        f.close()
+        raise InputError(f"{p} has no dataset {dataset!r}; name an existing one with --dataset PATH")
+    return f[dataset], f.close
+
+
+def _array_blocks(task: Task, n_groups: int, block_rows: int | None, with_data: bool) -> Iterator[Block]:
+    a, close = open_array(task.path, task.dataset)
+    try:
+        d = a.shape[1]
+        step = block_rows or _rows_per_block(d, a.dtype.itemsize, 1)
+        for s in range(task.start, task.stop, step):
+            e = min(task.stop, s + step)
+            x = np.asarray(a[s:e])
+            if x.dtype.kind != "f":
+                x = x.astype(np.float64)
+            bad = ~np.isfinite(x).all(axis=1)
+            yield Block(keys=np.arange(s, e, dtype=np.uint64),
+                        group=_array_groups(s, e, task.n_total, n_groups),
+                        special=np.zeros(e - s, bool),
+                        layers={ARRAY_LAYER: x} if with_data else {}, nonfinite={ARRAY_LAYER: bad})
+    finally:
+        close()
+
+
+def iter_blocks(task: Task, layers: list[str], n_groups: int, block_rows: int | None = None) -> Iterator[Block]:
+    """Stream a task's rows with activations of ``layers``."""
+    if task.kind == "shard":
+        yield from _shard_blocks(task, layers, n_groups, block_rows)
+    else:
+        yield from _array_blocks(task, n_groups, block_rows, with_data=True)
+
+
+def iter_meta(task: Task, layers: list[str], n_groups: int) -> Iterator[Block]:
+    """Stream a task's row metadata (keys, groups, special, non-finite flags) without keeping data.
+
+    Runs read only the index and the stored non-finite flags; arrays must read the values to know
+    which rows are finite.
+    """
+    if task.kind == "shard":
+        yield from _shard_meta(task, layers, n_groups)
+    else:
+        yield from _array_blocks(task, n_groups, None, with_data=False)
+
+
+# ----------------------------------------------------------------------------------- sources
+@dataclass
+class SourceInfo:
+    """What the orchestration needs to know about a source."""
+
+    kind: str  # "run" | "array"
+    path: str
+    layers: list[str]  # stored names, depth order
+    indices: dict[str, int | None]
+    dim: int
+    tasks: list[Task]
+    dataset: str | None = None
+    model: dict | None = None
+    run: dict | None = None
+    warnings: list[str] = field(default_factory=list)
+    flags: list[str] = field(default_factory=list)
+    run_obj: object = None
+
+
+def _is_array_path(p: Path) -> bool:
+    return p.suffix.lower() in (".npy", ".h5", ".hdf5")
+
+
+def open_source(path, *, dataset: str | None = None, layers: list[str] | None = None,
+                partial: bool = False, block_rows: int | None = None) -> SourceInfo:
+    """Validate ``path`` and describe it as tasks. Raises InputError/DataError with one line."""
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"{p} does not exist; give a run directory made by `geomscope extract` "
+                         "or an (N, D) array (.npy or .h5)")
+    if p.is_dir():
+        if dataset is not None:
+            raise InputError("--dataset names a dataset inside an .h5 array file; a run directory takes no --dataset")
+        return _open_run(p, layers, partial)
+    if not _is_array_path(p):
+        raise InputError(f"{p} is neither a run directory nor an array file (.npy, .h5); "
+                         "give the directory `geomscope extract` wrote or an (N, D) array")
+    if layers:
+        raise InputError("--layers applies to run directories; an array file is scored as one layer")
+    return _open_array(p, dataset, block_rows)
+
+
+def _open_run(p: Path, layers: list[str] | None, partial: bool) -> SourceInfo:
+    from geomscope.store import Run
+
+    run = Run(p)
+    shards = run.shards
+    if not run.complete and not partial:
+        planned = run.manifest.get("planned_shards")
+        have = f"{len(shards)} of {planned}" if planned else f"{len(shards)}"
+        raise InputError(f"{p} is an incomplete run ({have} shards finished); finish it by rerunning the "
+                         "same `geomscope extract` command, or score the finished shards with --partial")
+    if not shards:
+        raise InputError(f"{p} has no finished shards yet; run `geomscope extract` to fill it")
+    names = run.resolve_layers(layers)
+    order = {n: i for i, n in enumerate(run.layer_names)}
+    names = sorted(dict.fromkeys(names), key=order.__getitem__)
+    if not names:
+        raise InputError(f"{p} records no layers; it is not a usable run")
+    indices = {}
+    for lay in run.layers:
+        if lay["name"] in names:
+            indices[lay["name"]] = lay.get("index")
+    dim = run.dim
+    if dim is None:
+        import h5py
+
+        with h5py.File(run.shard_path(shards[0]), "r") as f:
+            dim = int(f["layers"][names[0]].shape[1])
+    tasks = [Task(kind="shard", path=str(run.shard_path(s)), index=s.index, rows=s.rows, nbytes=s.bytes,
+                  sha256=s.sha256) for s in sorted(shards, key=lambda s: s.index)]
+    ident = run.identity
+    m = ident.get("model", {}) if isinstance(ident.get("model"), dict) else {}
+    model = {"name": m.get("name") or m.get("path"), "revision": m.get("revision"),
+             "commit": m.get("commit") or m.get("commit_hash"), "hidden_size": m.get("hidden_size", dim)}
+    docs = sum(s.docs for s in shards)
+    run_info = {"dir": str(p), "complete": run.complete, "partial": not run.complete,
+                "rows": sum(s.rows for s in shards), "docs": docs}
+    warnings = []
+    if not run.complete:
+        warnings.append(f"scoring the {len(shards)} finished shards of an incomplete run (--partial)")
+    return SourceInfo(kind="run", path=str(p), layers=names, indices=indices, dim=int(dim), tasks=tasks,
+                      dataset=_run_dataset(ident), model=model, run=run_info, warnings=warnings, run_obj=run)
+
+
+def _run_dataset(ident: dict) -> str | None:
+    for key in ("input", "source", "data", "dataset"):
+        v = ident.get(key)
+        if isinstance(v, str):
+            return v
+        if isinstance(v, dict):
+            for k2 in ("name", "dataset", "path", "source"):
+                if isinstance(v.get(k2), str):
+                    return v[k2]
+    return None
+
+
+def _open_array(p: Path, dataset: str | None, block_rows: int | None) -> SourceInfo:
+    if p.suffix.lower() == ".npy" and dataset is not None:
+        raise InputError("--dataset names a dataset inside an .h5 file; a .npy file holds one array")
+    a, close = open_array(str(p), dataset)
+    try:
+        shape, dtype = tuple(a.shape), a.dtype
+        if dataset is None and p.suffix.lower() != ".npy":
+            dataset = a.name.lstrip("/")
+    finally:
+        close()
+    if len(shape) != 2:
+        raise DataError(f"{p} holds an array of shape {shape}; score expects a 2-D (N, D) array "
+                        "(rows = token vectors); reshape it, e.g. X.reshape(-1, X.shape[-1])")
+    if dtype.kind not in "fiu":
+        raise DataError(f"{p} holds dtype {dtype}; score expects numbers (float or int)")
+    n, d = shape
+    if n < 2 or d < 2:
+        raise DataError(f"{p} is {n} x {d}; at least 2 rows (points) and 2 columns (dimensions) are needed")
+    warnings, flags = [], []
+    if n < d:
+        warnings.append(f"{p.name} has fewer rows than columns ({n} x {d}); rows must be points (N, D) -- "
+                        "if it is transposed, save X.T instead; covariance metrics are rank-limited")
+        flags.append("maybe_transposed")
+    step = block_rows or max(4096, _rows_per_block(d, dtype.itemsize, 1) * 4)
+    tasks = [Task(kind="npy" if p.suffix.lower() == ".npy" else "h5", path=str(p), index=i,
+                  start=s, stop=min(n, s + step), n_total=n, dataset=dataset, rows=min(n, s + step) - s)
+             for i, s in enumerate(range(0, n, step))]
+    return SourceInfo(kind="array", path=str(p), layers=[ARRAY_LAYER], indices={ARRAY_LAYER: 0}, dim=int(d),
+                      tasks=tasks, dataset=dataset, warnings=warnings, flags=flags)
+
+
+def warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr)

@@ -1,0 +1,441 @@
+"""geomscope.score (library): every number against a direct numpy computation on the concatenated rows.
+
+Synthetic runs are written with the store's RunWriter/ShardWriter (known rows, doc ids, special
+flags); the references below never touch geomscope.score.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from geomscope.errors import DataError, GeomscopeError, InputError
+from geomscope.metrics import isoscore_published
+from geomscope.metrics.twonn import twonn
+from geomscope.score import ScoreOptions, score
+from geomscope.score.select import STREAM_ID_SAMPLE, STREAM_MAX_ROWS, row_hash, run_keys
+from geomscope.store import RunWriter
+
+LAYERS = ("layer_00", "layer_01", "layer_02")
+D = 16
+TOL = 1e-8
+
+
+# ------------------------------------------------------------------------------ synthetic runs
+def make_run(run_dir, n_shards=3, rows=400, dim=D, layers=LAYERS, dtype="float32", seed=0, nan_rows=None,
+             finalize=True, doc_len=20, dup_rows=0):
+    """Write a run; return {"X": {layer: (N, D) float64 of the stored values}, "doc", "special", "keys"}.
+
+    Layer i: normal rows scaled per dimension (dimension 3 of layer_01 x6: a variance outlier), offset i.
+    ``nan_rows``: {layer: [global row numbers]} set to NaN. ``dup_rows``: that many rows of every shard
+    repeat row 0 of the shard (exact duplicates for TwoNN).
+    """
+    rng = np.random.default_rng(seed)
+    ident = {"model": {"name": "toy", "hidden_size": dim, "revision": "step7"},
+             "layers": [{"name": n, "index": i} for i, n in enumerate(layers)]}
+    X = {n: [] for n in layers}
+    docs, special, keys = [], [], []
+    doc = 0
+    g0 = 0
+    with RunWriter(run_dir, ident) as w:
+        for s in range(n_shards):
+            sw = w.shard_writer(s, layer_names=list(layers), dim=dim, store_dtype=dtype)
+            lay = {}
+            for i, n in enumerate(layers):
+                scale = np.linspace(0.3, 2.0, dim)
+                if i == 1:
+                    scale[3] = 12.0
+                a = rng.normal(size=(rows, dim)) * scale + i + 0.5 * rng.normal(size=dim)
+                if dup_rows:
+                    a[1:1 + dup_rows] = a[0]
+                for r in (nan_rows or {}).get(n, []):
+                    if g0 <= r < g0 + rows:
+                        a[r - g0, r % dim] = np.nan
+                lay[n] = a.astype(np.float32)
+            d = doc + np.arange(rows) // doc_len
+            pos = np.arange(rows) % doc_len
+            sp = pos == 0
+            for a0 in range(0, rows, 150):  # uneven appends
+                b0 = min(rows, a0 + 150)
+                sw.append({n: lay[n][a0:b0] for n in layers}, token_id=np.arange(a0, b0), doc_id=d[a0:b0],
+                          position=pos[a0:b0], is_special=sp[a0:b0])
+            w.add_shard(sw.close())
+            for n in layers:
+                X[n].append(lay[n].astype(dtype).astype(np.float64))
+            docs.append(d)
+            special.append(sp)
+            keys.append(run_keys(s, 0, rows))
+            doc = int(d.max()) + 1
+            g0 += rows
+        if finalize:
+            w.finalize({"docs": doc})
+    return {"X": {n: np.concatenate(v) for n, v in X.items()}, "doc": np.concatenate(docs),
+            "special": np.concatenate(special), "keys": np.concatenate(keys)}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("score") / "run"
+    data = make_run(d)
+    return d, data
+
+
+# ------------------------------------------------------------------------------ references
+def ref_cov(X):
+    return np.cov(X.T, ddof=1)
+
+
+def ref_iso(C):
+    d = C.shape[0]
+    return (np.trace(C) ** 2 / np.sum(C * C) - 1) / (d - 1)
+
+
+def ref_star(C, zeta, C0=None):
+    d = C.shape[0]
+    C0 = np.eye(d) * np.trace(C) / d if C0 is None else C0
+    return ref_iso((1 - zeta) * C + zeta * C0)
+
+
+def ref_avgcos(X, variant):
+    if variant == "centred":
+        X = X - X.mean(0)
+    elif variant == "standardised":
+        X = (X - X.mean(0)) / X.std(0, ddof=1)
+    U = X / np.linalg.norm(X, axis=1, keepdims=True)
+    G = U @ U.T
+    n = len(X)
+    return (G.sum() - np.trace(G)) / (n * (n - 1))
+
+
+def ref_spectrum(C):
+    lam = np.sort(np.linalg.eigvalsh(C))[::-1]
+    lam = np.clip(lam, 0, None)
+    p = lam / lam.sum()
+    pp = p[p > 0]
+    return {"eigenvalues": lam, "pr": lam.sum() ** 2 / (lam ** 2).sum(), "erank": np.exp(-(pp * np.log(pp)).sum()),
+            "top1_share": p[:1].sum(), "top5_share": p[:5].sum(), "top10_share": p[:10].sum()}
+
+
+def ref_all(X, zeta=0.2):
+    C = ref_cov(X)
+    out = {"isoscore": ref_iso(C), "isoscore_star": ref_star(C, zeta), "avgcos": ref_avgcos(X, "plain"),
+           "avgcos_centred": ref_avgcos(X, "centred"), "avgcos_standardised": ref_avgcos(X, "standardised")}
+    sp = ref_spectrum(C)
+    out.update({k: sp[k] for k in ("pr", "erank", "top1_share", "top5_share", "top10_share")})
+    return out
+
+
+SCALARS = ("isoscore", "isoscore_star", "avgcos", "avgcos_centred", "avgcos_standardised", "pr", "erank",
+           "top1_share", "top5_share", "top10_share")
+MOMENTS_ONLY = ("isoscore", "isoscore_star", "avgcos", "spectrum", "outliers")
+
+
+def _close(a, b, tol=TOL):
+    assert a == pytest.approx(b, rel=tol, abs=tol)
+
+
+# ------------------------------------------------------------------------------ tests
+def test_matches_numpy_every_moment_metric(run):
+    d, data = run
+    rep = score(d, ScoreOptions(metrics=MOMENTS_ONLY))
+    assert [e["layer"] for e in rep["layers"]] == list(LAYERS)
+    for e in rep["layers"]:
+        X = data["X"][e["layer"]]
+        assert e["n_rows"] == len(X) == 1200
+        ref = ref_all(X)
+        for k in SCALARS:
+            _close(e[k], ref[k])
+        # the published algorithm (SVD) from the metrics library, as a second reference
+        _close(e["isoscore"], isoscore_published(X))
+        np.testing.assert_allclose(e["eigenvalues"], ref_spectrum(ref_cov(X))["eigenvalues"], rtol=1e-8, atol=1e-10)
+        var = X.var(0, ddof=1)
+        want = [int(i) for i in np.argsort(-var) if var[i] >= 5 * var.mean()]
+        assert e["outliers"] == want
+        np.testing.assert_allclose(e["outlier_statistic"], var, rtol=1e-10)
+    assert rep["layers"][1]["outliers"] == [3]
+    assert rep["layers"][1]["outlier_support"] == [1.0]
+
+
+def test_jackknife_se_matches_direct_jackknife(run):
+    d, data = run
+    rep = score(d, ScoreOptions(metrics=MOMENTS_ONLY, jackknife_groups=10))
+    groups = data["doc"] % 10
+    for e in rep["layers"]:
+        X = data["X"][e["layer"]]
+        reps = {k: [] for k in SCALARS}
+        for r in range(10):
+            ref = ref_all(X[groups != r])
+            for k in SCALARS:
+                reps[k].append(ref[k])
+        for k in SCALARS:
+            a = np.array(reps[k])
+            se = np.sqrt(9 / 10 * ((a - a.mean()) ** 2).sum())
+            _close(e["se"][k], se, 1e-6)
+            assert e["se"][k] > 0
+    assert "jackknife over 10 document groups" in rep["params"]["uncertainty"]["moments"]
+
+
+def test_workers_two_equals_one(run):
+    d, _ = run
+    opts = dict(metrics=("isoscore", "isoscore_star", "avgcos", "spectrum", "outliers", "twonn"), id_sample=300,
+                max_rows=900)
+    a = score(d, ScoreOptions(workers=1, **opts))
+    b = score(d, ScoreOptions(workers=2, **opts))
+    for ea, eb in zip(a["layers"], b["layers"], strict=True):
+        for k in (*SCALARS, "twonn"):
+            _close(ea[k], eb[k], 1e-12)
+            _close(ea["se"][k], eb["se"][k], 1e-9)
+        assert ea["n_rows"] == eb["n_rows"] == 900
+        assert ea["outliers"] == eb["outliers"]
+    assert b["params"]["workers"] == 2
+
+
+def test_max_rows_is_a_seeded_bottom_k_sample(run):
+    d, data = run
+    a = score(d, ScoreOptions(metrics=("isoscore", "avgcos"), avgcos_variants=("plain",), max_rows=500, seed=3))
+    b = score(d, ScoreOptions(metrics=("isoscore", "avgcos"), avgcos_variants=("plain",), max_rows=500, seed=3,
+                              block_rows=64))
+    c = score(d, ScoreOptions(metrics=("isoscore", "avgcos"), avgcos_variants=("plain",), max_rows=500, seed=4))
+    h = row_hash(data["keys"], 3, STREAM_MAX_ROWS)
+    pick = np.sort(np.argsort(h)[:500])
+    for ea, eb, ec in zip(a["layers"], b["layers"], c["layers"], strict=True):
+        X = data["X"][ea["layer"]][pick]
+        assert ea["n_rows"] == 500 and ea["dropped"]["not_sampled"] == 700
+        _close(ea["isoscore"], ref_iso(ref_cov(X)))
+        _close(ea["avgcos"], ref_avgcos(X, "plain"))
+        _close(ea["isoscore"], eb["isoscore"], 1e-12)  # same rows, whatever the block size
+        assert ea["isoscore"] != ec["isoscore"]  # another seed, another sample
+    assert a["params"]["max_rows"] == 500 and a["params"]["seed"] == 3
+
+
+def test_nonfinite_rows_dropped_and_counted(tmp_path):
+    data = make_run(tmp_path / "r", nan_rows={"layer_01": [5, 17, 401, 1100]})
+    rep = score(tmp_path / "r", ScoreOptions(metrics=("isoscore", "avgcos"), jackknife_groups=0))
+    e0, e1 = rep["layers"][0], rep["layers"][1]
+    assert e0["n_rows"] == 1200 and e0["dropped"]["nonfinite"] == 0
+    assert e1["n_rows"] == 1196 and e1["dropped"]["nonfinite"] == 4
+    assert "nonfinite_rows_dropped" in e1["flags"]
+    X = data["X"]["layer_01"]
+    X = X[np.isfinite(X).all(1)]
+    ref = ref_all(X)
+    for k in ("isoscore", "avgcos", "avgcos_centred", "avgcos_standardised"):
+        _close(e1[k], ref[k])
+    assert e1["se"] == {} and "jackknife off" in e1["notes"]["se"]
+
+
+def test_exclude_special(run):
+    d, data = run
+    rep = score(d, ScoreOptions(metrics=("isoscore", "avgcos"), exclude_special=True))
+    keep = ~data["special"]
+    for e in rep["layers"]:
+        X = data["X"][e["layer"]][keep]
+        assert e["n_rows"] == keep.sum() and e["dropped"]["special"] == (~keep).sum()
+        ref = ref_all(X)
+        for k in ("isoscore", "avgcos", "avgcos_centred", "avgcos_standardised"):
+            _close(e[k], ref[k])
+    assert rep["params"]["exclude_special"] is True
+
+
+def test_float16_store(tmp_path):
+    data = make_run(tmp_path / "r", dtype="float16", n_shards=2)
+    rep = score(tmp_path / "r", ScoreOptions(metrics=MOMENTS_ONLY))
+    for e in rep["layers"]:
+        ref = ref_all(data["X"][e["layer"]])
+        for k in SCALARS:
+            _close(e[k], ref[k])
+
+
+def test_twonn_on_seeded_sample_with_duplicates(tmp_path):
+    data = make_run(tmp_path / "r", dup_rows=30, n_shards=2)
+    opts = ScoreOptions(metrics=("twonn",), id_sample=600, seed=1)
+    rep = score(tmp_path / "r", opts)
+    h = row_hash(data["keys"], 1, STREAM_ID_SAMPLE)
+    order = np.argsort(h)[:600]  # the sample, sorted by hash
+    for e in rep["layers"]:
+        S = data["X"][e["layer"]][order].astype(np.float32)
+        ref = twonn(S, discard_fraction=0.1, estimator="linear", dedup=True)
+        _close(e["twonn"], ref.dimension, 1e-9)
+        assert e["twonn_duplicates_removed"] == ref.n_duplicates_removed > 0
+        assert e["twonn_n_used"] == ref.n_used
+        assert e["se"]["twonn"] > 0
+        assert rep["params"]["duplicates_removed"][e["layer"]] == ref.n_duplicates_removed
+    assert "decimation" in rep["params"]["uncertainty"]["twonn"]
+
+
+def test_shrinkage_targets(tmp_path, run):
+    d, data = run
+    z = 0.35
+    C1 = ref_cov(data["X"]["layer_01"])
+    rep = score(d, ScoreOptions(metrics=("isoscore_star",), zeta=z, shrinkage_target="layer:layer_01"))
+    assert rep["params"]["target"] == "layer:layer_01"
+    for e in rep["layers"]:
+        _close(e["isoscore_star"], ref_star(ref_cov(data["X"][e["layer"]]), z, C1))
+    rep = score(d, ScoreOptions(metrics=("isoscore_star",), zeta=z, shrinkage_target="identity"))
+    for e in rep["layers"]:
+        _close(e["isoscore_star"], ref_star(ref_cov(data["X"][e["layer"]]), z, np.eye(D)))
+    c0 = np.diag(np.linspace(1, 3, D))
+    np.save(tmp_path / "c0.npy", c0)
+    rep = score(d, ScoreOptions(metrics=("isoscore_star",), zeta=z, shrinkage_target=str(tmp_path / "c0.npy")))
+    assert rep["params"]["target"] == f"file:{tmp_path / 'c0.npy'}"
+    for e in rep["layers"]:
+        _close(e["isoscore_star"], ref_star(ref_cov(data["X"][e["layer"]]), z, c0))
+    other = make_run(tmp_path / "other", seed=5, n_shards=1)
+    rep = score(d, ScoreOptions(metrics=("isoscore_star",), zeta=z, shrinkage_target=str(tmp_path / "other")))
+    assert rep["params"]["target"].startswith("run:")
+    for e in rep["layers"]:
+        C0 = ref_cov(other["X"][e["layer"]])
+        _close(e["isoscore_star"], ref_star(ref_cov(data["X"][e["layer"]]), z, C0))
+
+
+def test_layers_subset_and_memory_batches(run):
+    d, data = run
+    msgs = []
+    full = score(d, ScoreOptions(metrics=("isoscore", "avgcos", "spectrum"), layers=("-1", "layer_00")))
+    assert [e["layer"] for e in full["layers"]] == ["layer_00", "layer_02"]  # depth order
+    tiny = score(d, ScoreOptions(metrics=("isoscore", "avgcos", "spectrum"), layers=("-1", "layer_00"),
+                                 memory_mb=0.05, jackknife_groups=10), log=msgs.append)
+    assert full["params"]["layer_batch_size"] >= 2 and tiny["params"]["layer_batch_size"] == 1
+    assert any("one layer at a time" in m for m in msgs)
+    for a, b in zip(full["layers"], tiny["layers"], strict=True):
+        for k in ("isoscore", "avgcos", "avgcos_centred", "pr", "erank", "top5_share"):
+            _close(a[k], b[k], 1e-12)
+            _close(a["se"][k], b["se"][k], 1e-9)
+
+
+def test_streams_in_bounded_blocks(run, monkeypatch):
+    from geomscope.metrics import Moments
+
+    d, _ = run
+    seen = []
+    orig = Moments.update
+
+    def spy(self, x):
+        seen.append(len(x))
+        return orig(self, x)
+
+    monkeypatch.setattr(Moments, "update", spy)
+    score(d, ScoreOptions(metrics=("isoscore",), block_rows=64))
+    assert seen and max(seen) <= 64
+
+
+def test_partial_run(tmp_path):
+    make_run(tmp_path / "r", n_shards=2, finalize=False)
+    with pytest.raises(InputError, match="incomplete run.*--partial"):
+        score(tmp_path / "r", ScoreOptions(metrics=("isoscore",)))
+    rep = score(tmp_path / "r", ScoreOptions(metrics=("isoscore",), partial=True), log=lambda m: None)
+    assert rep["run"]["partial"] is True and rep["run"]["complete"] is False and rep["layers"][0]["n_rows"] == 800
+
+
+def test_corrupt_shard_is_named(tmp_path):
+    make_run(tmp_path / "r", n_shards=2)
+    p = tmp_path / "r" / "shard-00001.h5"
+    raw = bytearray(p.read_bytes())
+    mid = len(raw) // 2
+    raw[mid: mid + 64] = bytes(b ^ 0xFF for b in raw[mid: mid + 64])  # same size, different bytes
+    p.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match="shard-00001.h5"):
+        score(tmp_path / "r", ScoreOptions(metrics=("isoscore",)))
+    p.write_bytes(bytes(raw[: len(raw) // 3]))  # truncated
+    with pytest.raises(DataError, match="shard-00001.h5.*(corrupt|truncated)"):
+        score(tmp_path / "r", ScoreOptions(metrics=("isoscore",), verify=False))
+
+
+@pytest.mark.parametrize("opts, match", [
+    (dict(metrics=("isoscore", "nope")), "unknown metric 'nope'"),
+    (dict(zeta=1.5), "zeta"),
+    (dict(zeta="abc"), "zeta"),
+    (dict(layers=("layer_09",)), "not in this run"),
+    (dict(outlier_rule="weird"), "outlier-rule"),
+    (dict(shrinkage_target="layer:nope"), "not in this run"),
+    (dict(shrinkage_target="bogus"), "shrinkage-target"),
+    (dict(max_rows=1), "max-rows"),
+])
+def test_bad_options(run, opts, match):
+    d, _ = run
+    with pytest.raises(GeomscopeError, match=match):
+        score(d, ScoreOptions(**opts))
+
+
+def test_too_few_rows(tmp_path):
+    make_run(tmp_path / "r", n_shards=1, rows=20, doc_len=1)  # every row is a special token
+    with pytest.raises(DataError, match="0 usable row.*at least 2"):
+        score(tmp_path / "r", ScoreOptions(metrics=("isoscore",), exclude_special=True))
+    np.save(tmp_path / "one.npy", np.ones((1, 5)))
+    with pytest.raises(DataError, match="at least 2 rows"):
+        score(tmp_path / "one.npy")
+
+
+def test_arrays_npy_and_h5(tmp_path):
+    import h5py
+
+    rng = np.random.default_rng(1)
+    X = (rng.normal(size=(3000, 12)) * np.linspace(0.5, 2, 12)).astype(np.float32)
+    np.save(tmp_path / "x.npy", X)
+    with h5py.File(tmp_path / "x.h5", "w") as f:
+        f.create_dataset("emb/vectors", data=X)
+        f.create_dataset("labels", data=np.arange(3000))
+    Xd = X.astype(np.float64)
+    ref = ref_all(Xd)
+    for path, ds in ((tmp_path / "x.npy", None), (tmp_path / "x.h5", None), (tmp_path / "x.h5", "emb/vectors")):
+        rep = score(path, ScoreOptions(metrics=MOMENTS_ONLY, dataset=ds, block_rows=700))
+        (e,) = rep["layers"]
+        assert rep["source"]["kind"] == "array" and rep["model"] is None and rep["run"] is None
+        assert e["n_rows"] == 3000
+        for k in SCALARS:
+            _close(e[k], ref[k])
+    assert "contiguous row blocks" in rep["params"]["uncertainty"]["moments"]
+    # jackknife over contiguous blocks, directly
+    g = np.arange(3000) * 10 // 3000
+    reps = [ref_iso(ref_cov(Xd[g != r])) for r in range(10)]
+    _close(rep["layers"][0]["se"]["isoscore"], np.sqrt(0.9 * ((np.array(reps) - np.mean(reps)) ** 2).sum()), 1e-6)
+
+
+def test_array_bad_shapes_and_nan(tmp_path):
+    np.save(tmp_path / "one.npy", np.zeros(10))
+    np.save(tmp_path / "three.npy", np.zeros((4, 5, 6)))
+    with pytest.raises(DataError, match="2-D"):
+        score(tmp_path / "one.npy")
+    with pytest.raises(DataError, match=r"shape \(4, 5, 6\)"):
+        score(tmp_path / "three.npy")
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(200, 8))
+    X[[3, 50]] = np.nan
+    np.save(tmp_path / "nan.npy", X)
+    rep = score(tmp_path / "nan.npy", ScoreOptions(metrics=("isoscore",)))
+    assert rep["layers"][0]["n_rows"] == 198 and rep["layers"][0]["dropped"]["nonfinite"] == 2
+    _close(rep["layers"][0]["isoscore"], ref_iso(ref_cov(np.delete(X, [3, 50], 0))))
+    msgs = []
+    np.save(tmp_path / "wide.npy", rng.normal(size=(10, 40)))
+    rep = score(tmp_path / "wide.npy", ScoreOptions(metrics=("isoscore",)), log=msgs.append)
+    assert "maybe_transposed" in rep["layers"][0]["flags"] and "rank_limited" in rep["layers"][0]["flags"]
+    assert any("transposed" in m for m in msgs)
+
+
+def test_not_a_source(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(InputError, match="not a geomscope run"):
+        score(tmp_path / "empty")
+    with pytest.raises(InputError, match="neither a run directory nor an array"):
+        score(tmp_path / "notes.txt")
+    with pytest.raises(InputError, match="does not exist"):
+        score(tmp_path / "missing")
+
+
+def test_report_is_json_serialisable_with_stable_keys(run):
+    from geomscope.report import LAYER_KEYS, REPORT_KEYS, to_json
+
+    d, _ = run
+    rep = score(d, ScoreOptions(metrics=("isoscore", "twonn"), id_sample=200))
+    back = json.loads(to_json(rep))
+    assert tuple(back) == REPORT_KEYS
+    for e in back["layers"]:
+        assert tuple(e) == LAYER_KEYS
+        assert e["avgcos"] is None and "not requested" in e["notes"]["avgcos"]
+    assert set(back["params"]) == {
+        "metrics", "zeta", "target", "avgcos_variants", "outlier_rule", "outlier_threshold", "id_estimator",
+        "twonn_fit", "discard_fraction", "id_sample", "seed", "exclude_special", "max_rows", "layers",
+        "duplicates_removed", "uncertainty", "jackknife_groups", "workers", "layer_batch_size", "rows_total"}
+    assert back["model"] == {"name": "toy", "revision": "step7", "commit": None, "hidden_size": D}
