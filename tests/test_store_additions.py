@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from geomscope.store import Run, RunWriter, ShardWriter, nonfinite_rows
+from geomscope.store import Run, RunWriter, ShardWriter, iter_shard, nonfinite_rows
 
 IDENT = {"model": {"name": "toy", "hidden_size": 4}, "layers": [{"name": "a", "index": 0}, {"name": "b", "index": 1}]}
 
@@ -44,3 +44,15 @@ def test_float32_store_keeps_large_values(tmp_path):
     sw.append({"a": np.array([[1e30, 0], [np.inf, 1]], np.float32)}, [0, 1], [0, 0], [0, 1], [False, False])
     assert sw.nonfinite_by_layer == {"a": 1}
     assert sw.close().nonfinite_rows == 1
+
+
+def test_expected_rows_keeps_small_shards_small(tmp_path):
+    sizes = {}
+    for expected in (None, 10):
+        sw = ShardWriter(tmp_path / f"s{expected}.h5", index=0, layer_names=["a", "b"], dim=32, expected_rows=expected)
+        x = np.arange(320, dtype=np.float32).reshape(10, 32)
+        sw.append({"a": x, "b": -x}, np.arange(10), np.zeros(10), np.arange(10), np.zeros(10, bool))
+        sizes[expected] = sw.close().bytes
+    assert sizes[10] < 50_000 < 2 * 1024 * 1024 < sizes[None]
+    chunks = [c.layers["b"] for c in iter_shard(tmp_path / "s10.h5")]
+    np.testing.assert_array_equal(np.concatenate(chunks), (-np.arange(320).reshape(10, 32)).astype(np.float16))

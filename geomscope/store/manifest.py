@@ -142,7 +142,8 @@ class RunWriter:
         return {s["index"]: ShardInfo.from_dict(s) for s in self.manifest["shards"]}
 
     # -- writing -------------------------------------------------------------------------------------
-    def shard_writer(self, index: int, *, layer_names, dim, store_dtype, doc_start=0, doc_stop=0) -> ShardWriter:
+    def shard_writer(self, index: int, *, layer_names, dim, store_dtype, doc_start=0, doc_stop=0,
+                     expected_rows: int | None = None) -> ShardWriter:
         return ShardWriter(
             self.dir / shard_name(index),
             index=index,
@@ -151,6 +152,7 @@ class RunWriter:
             store_dtype=store_dtype,
             doc_start=doc_start,
             doc_stop=doc_stop,
+            expected_rows=expected_rows,
         )
 
     def add_shard(self, info: ShardInfo, stats: dict | None = None) -> None:

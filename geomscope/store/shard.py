@@ -64,7 +64,9 @@ def chunk_rows_for(dim: int, itemsize: int) -> int:
 class ShardWriter:
     """Append token rows of every captured layer to one shard.
 
-    Rows are buffered until a whole chunk is ready, so every HDF5 write is chunk-aligned.  The
+    Rows are buffered until a whole chunk is ready, so every HDF5 write is chunk-aligned.  HDF5 stores
+    whole chunks, so a writer that knows how many rows the shard will get passes ``expected_rows``
+    and small shards get small chunks (a 10-row shard would otherwise take 2 MiB per layer).  The
     file lives under ``.<name>.tmp`` until :meth:`close`, which flushes, fsyncs and renames it; a
     crash leaves at most a temporary file that the next run deletes.
     """
@@ -79,6 +81,7 @@ class ShardWriter:
         store_dtype: str = "float16",
         doc_start: int = 0,
         doc_stop: int = 0,
+        expected_rows: int | None = None,
     ):
         self.path = Path(path)
         self.tmp_path = self.path.with_name(f".{self.path.name}.tmp")
@@ -90,6 +93,8 @@ class ShardWriter:
             raise InputError(f"store dtype must be float16 or float32, not {store_dtype}")
         self.doc_start, self.doc_stop = doc_start, doc_stop
         self.chunk = chunk_rows_for(self.dim, self.dtype.itemsize)
+        if expected_rows is not None:  # HDF5 allocates whole chunks: do not make them larger than the shard
+            self.chunk = max(1, min(self.chunk, int(expected_rows)))
         self.rows = 0
         self.nonfinite_rows = 0
         self.nonfinite_by_layer: dict[str, int] = {}  # rows with NaN/Inf per layer (layers without any absent)
