@@ -45,15 +45,30 @@ def select_tokens(hidden_states, layers: list[int], attention_mask: torch.Tensor
     return flat.reshape(-1, D).to(torch.float64)
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ranks; the gradient of a sum is the sum of the ranks' gradients."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        import torch.distributed as dist
+
+        ctx.group = group
+        out = t.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _AllReduceSum.apply(grad, ctx.group), None
+
+
 def _all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
     """Sum over ranks with gradient (identity when torch.distributed is not initialised)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return t
-    from torch.distributed.nn.functional import all_reduce
-
-    return all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return _AllReduceSum.apply(t, group)
 
 
 def batch_covariance(X: torch.Tensor, group=None) -> torch.Tensor:

@@ -1,0 +1,309 @@
+"""Library tests of geomscope.train: penalties, data, batching, loop, resume, NaN handling, the effect."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from test_train_helpers import SAMPLE, make_checkpoint, synthetic_rows, words_of, write_csv
+
+from geomscope.errors import DataError, GeomscopeError, InputError
+from geomscope.metrics.isotropy import isoscore_star_torch
+from geomscope.train import FinetuneConfig, finetune
+from geomscope.train import distributed as dd
+from geomscope.train.data import (
+    build_label_map,
+    check_eval_labels,
+    epoch_order,
+    global_batches,
+    load_table,
+    rank_slice,
+)
+from geomscope.train.model import parse_layers
+from geomscope.train.regularizers import CosReg, IStar, batch_covariance, select_tokens
+
+torch.set_num_threads(1)  # 2 shared cores: OpenMP spinning under contention is 100x slower
+
+
+def _hidden(seed=0, B=3, T=5, D=6, L=3, scale=None):
+    g = torch.Generator().manual_seed(seed)
+    hs = tuple((torch.randn(B, T, D, generator=g) * (1 + i)).double().requires_grad_() for i in range(L))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, 3:] = 0
+    mask[2, 1:] = 0
+    return hs, mask
+
+
+# -- penalties ----------------------------------------------------------------------------------
+
+def test_istar_equals_isoscore_star_of_union_of_real_tokens():
+    hs, mask = _hidden()
+    keep = mask.bool()
+    C0 = torch.cov(torch.randn(40, 6, generator=torch.Generator().manual_seed(3)).T).double()
+    for c0 in (None, C0):
+        X = torch.cat([hs[1][keep], hs[2][keep]])  # layers 1, 2; padding dropped
+        pen, iso = IStar([1, 2], 0.3, c0)(hs, mask)
+        ref = isoscore_star_torch(X, 0.3, c0)
+        assert torch.allclose(iso, ref, atol=1e-12, rtol=0)
+        assert torch.allclose(pen, 1 - ref, atol=1e-12, rtol=0)
+        g1 = torch.autograd.grad(pen, hs[1], retain_graph=True)[0]
+        g_ref = torch.autograd.grad(1 - ref, hs[1])[0]
+        assert torch.allclose(g1, g_ref, atol=1e-12)
+        assert g1[~keep].abs().max() == 0  # padding receives no gradient
+
+
+def test_istar_matches_the_official_isoscore_package():
+    from IsoScore import IsoScore as official
+
+    hs, mask = _hidden(D=5, B=6, T=7)
+    X = select_tokens(hs, [0, 1, 2], mask).detach()
+    C0 = torch.cov(torch.randn(60, 5, generator=torch.Generator().manual_seed(4)).T).double()
+    iso0 = IStar([0, 1, 2], 0.0)(hs, mask)[1].detach()
+    assert abs(float(iso0) - float(official.IsoScore(X.numpy()))) < 1e-6
+    iso = IStar([0, 1, 2], 0.2, C0)(hs, mask)[1].detach()
+    assert abs(float(iso) - float(official.IsoScore_star(X.numpy(), C0, 0.2))) < 1e-6
+
+
+def test_padding_is_excluded_unless_asked():
+    hs, mask = _hidden()
+    poisoned = tuple(torch.where(mask.bool()[..., None], h, torch.full_like(h, 1e3)) for h in hs)
+    a = IStar([1, 2], 0.2)(hs, mask)[1].detach()
+    b = IStar([1, 2], 0.2)(poisoned, mask)[1].detach()
+    c = IStar([1, 2], 0.2, include_padding=True)(poisoned, mask)[1].detach()
+    assert torch.allclose(a, b, atol=1e-12) and abs(float(a - c)) > 1e-3
+
+
+def test_cosreg_equals_mean_pairwise_cosine_over_n_squared():
+    hs, mask = _hidden()
+    R = CosReg(-1)(hs, mask)
+    X = hs[-1][mask.bool()]
+    U = X / X.norm(dim=1, keepdim=True)
+    G = U @ U.T
+    n = X.shape[0]
+    assert torch.allclose(R, (G.sum() - G.diagonal().sum()) / n**2, atol=1e-12)
+
+
+def test_batch_covariance_is_stable_under_a_large_offset():
+    X = torch.randn(500, 4, generator=torch.Generator().manual_seed(0)).double() + 1e7
+    C = batch_covariance(X)
+    assert np.allclose(C.numpy(), np.cov(X.numpy().T), rtol=1e-8, atol=1e-8)
+
+
+# -- data and batching ---------------------------------------------------------------------------
+
+def test_tables_in_every_format_agree(tmp_path):
+    rows = synthetic_rows(12)
+    a = load_table(write_csv(tmp_path / "d.csv", rows))
+    b = load_table(write_csv(tmp_path / "d.tsv", rows, delimiter="\t"))
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"sentence": s, "label": y}) + "\n" for s, y in rows))
+    c = load_table(tmp_path / "d.jsonl")
+    import datasets
+
+    datasets.Dataset.from_dict({"sentence": [r[0] for r in rows], "label": [r[1] for r in rows]}).save_to_disk(
+        str(tmp_path / "ds"))
+    d = load_table(tmp_path / "ds")
+    for t in (b, c, d):
+        assert t.texts == a.texts and t.labels == a.labels
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"sentence": ["x"], "label": [0]})}).save_to_disk(
+        str(tmp_path / "dd"))
+    with pytest.raises(InputError, match="DatasetDict with splits train"):
+        load_table(tmp_path / "dd")
+
+
+def test_label_map_numeric_order_and_pairs(tmp_path):
+    p = write_csv(tmp_path / "p.csv", [("q one", "a b", 10), ("q two", "c", 2), ("q3", "d", 2)],
+                  header=("question", "sentence", "label"))
+    t = load_table(p, "question", "label", "sentence")
+    assert t.texts2 == ["a b", "c", "d"]
+    assert build_label_map(t) == {"2": 0, "10": 1}
+
+
+@pytest.mark.parametrize("case", ["missing", "single", "empty", "header_only", "unseen", "blank_label"])
+def test_bad_data_is_one_line_error(tmp_path, case):
+    rows = synthetic_rows(6)
+    if case == "missing":
+        with pytest.raises(InputError, match="no label column 'label'.*columns: sentence, y"):
+            load_table(write_csv(tmp_path / "a.csv", rows, header=("sentence", "y")))
+    elif case == "single":
+        with pytest.raises(DataError, match="single class"):
+            build_label_map(load_table(write_csv(tmp_path / "a.csv", [(s, "pos") for s, _ in rows])))
+    elif case == "empty":
+        (tmp_path / "a.csv").write_text("")
+        with pytest.raises(InputError, match="is empty"):
+            load_table(tmp_path / "a.csv")
+    elif case == "header_only":
+        with pytest.raises(InputError, match="has no rows"):
+            load_table(write_csv(tmp_path / "a.csv", []))
+    elif case == "unseen":
+        lm = build_label_map(load_table(write_csv(tmp_path / "a.csv", rows)))
+        ev = load_table(write_csv(tmp_path / "b.csv", rows + [("x", "neutral")]))
+        with pytest.raises(InputError, match="not seen in training: 'neutral'"):
+            check_eval_labels(ev, lm)
+    else:
+        with pytest.raises(InputError, match="row 2 has no 'label' label"):
+            load_table(write_csv(tmp_path / "a.csv", [("a", "x"), ("b", "")]))
+
+
+def test_global_batches_split_exactly_over_ranks():
+    order = epoch_order(23, seed=1, epoch=2)
+    assert sorted(order) == list(range(23)) and order == epoch_order(23, 1, 2) != epoch_order(23, 1, 3)
+    for world in (1, 2, 3):
+        gbs = global_batches(order, 4, world)
+        for gb in gbs:
+            parts = [rank_slice(gb, r, world) for r in range(world)]
+            assert sum(parts, []) == gb and all(parts)
+        assert sum(gbs, []) == order[: sum(len(g) for g in gbs)]
+    assert global_batches(list(range(9)), 4, 2) == [list(range(8))]  # a 1-example tail cannot feed 2 ranks
+
+
+def test_parse_layers():
+    assert parse_layers(None, 6) == [1, 2, 3, 4, 5, 6]
+    assert parse_layers("0,2-3,-1", 6) == [0, 2, 3, 6]
+    with pytest.raises(InputError):
+        parse_layers("7", 6)
+
+
+# -- the loop ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    train = write_csv(d / "train.csv", synthetic_rows(48, 0))
+    dev = write_csv(d / "dev.csv", synthetic_rows(16, 1))
+    return {"dir": d, "train": str(train), "eval": str(dev),
+            "model": str(make_checkpoint(d / "m", words_of([])))}
+
+
+def _cfg(tiny, out, **kw):
+    base = dict(model=tiny["model"], train=tiny["train"], eval=tiny["eval"], out=str(out), epochs=2, lr=2e-3,
+                batch_size=8, device="cpu", lam=-1.0)
+    base.update(kw)
+    return FinetuneConfig(**base)
+
+
+def _steps(out):
+    return [json.loads(ln) for ln in (out / "steps.jsonl").read_text().splitlines()]
+
+
+def test_finetune_outputs_and_head_note(tiny, tmp_path):
+    notes = []
+    s = finetune(_cfg(tiny, tmp_path / "o"), quiet=True, note=notes.append)
+    out = tmp_path / "o"
+    assert any("no sequence-classification head" in n and "added" in n for n in notes)
+    assert s["steps"] == 12 and s["head_added"] and s["layers"] == [1, 2]
+    steps = _steps(out)
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    for r in steps:
+        assert abs(r["loss"] - (r["task_loss"] + r["weighted_penalty"])) < 1e-9
+        assert abs(r["penalty"] - (1 - r["isoscore_star"])) < 1e-12 and r["lr"] == 2e-3
+    ev = [json.loads(ln) for ln in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["epoch"] for e in ev] == [1, 2] and ev[-1] == s["final"]
+    assert 0 <= ev[-1]["isoscore_star"] <= 1 and -1 <= ev[-1]["avgcos"] <= 1
+    assert json.loads((out / "label_map.json").read_text())["label2id"] == {"negative": 0, "positive": 1}
+    from transformers import AutoModelForSequenceClassification
+
+    m = AutoModelForSequenceClassification.from_pretrained(out)
+    assert m.config.id2label == {0: "negative", 1: "positive"}
+    # a checkpoint that has a matching head is used silently; a different label count is replaced loudly
+    notes.clear()
+    finetune(_cfg(tiny, tmp_path / "o2", model=str(out), epochs=1, reg="none"), quiet=True, note=notes.append)
+    assert notes == []
+    three = write_csv(tmp_path / "three.csv", synthetic_rows(12) + [("so so film", "mixed")] * 4)
+    finetune(_cfg(tiny, tmp_path / "o3", model=str(out), train=str(three), eval=str(three), epochs=1),
+             quiet=True, note=notes.append)
+    assert any("replaced it" in n for n in notes)
+
+
+def test_resume_reproduces_an_uninterrupted_run(tiny, tmp_path):
+    full = finetune(_cfg(tiny, tmp_path / "full", epochs=2), quiet=True, note=lambda m: None)
+    finetune(_cfg(tiny, tmp_path / "part", epochs=1), quiet=True, note=lambda m: None)
+    (tmp_path / "part" / "summary.json").unlink()
+    with pytest.raises(InputError, match="already holds a finetune run"):
+        finetune(_cfg(tiny, tmp_path / "part", epochs=2), quiet=True, note=lambda m: None)
+    with pytest.raises(InputError, match="trained with lr=0.002, not 0.001"):
+        finetune(_cfg(tiny, tmp_path / "part", epochs=2, lr=1e-3, resume=True), quiet=True, note=lambda m: None)
+    res = finetune(_cfg(tiny, tmp_path / "part", epochs=2, resume=True), quiet=True, note=lambda m: None)
+    assert res["resumed"] and res["steps"] == full["steps"]
+    a, b = _steps(tmp_path / "full"), _steps(tmp_path / "part")
+    assert [r["step"] for r in b] == [r["step"] for r in a]
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["loss"] == pytest.approx(rb["loss"], abs=1e-6)
+    for k in ("accuracy", "isoscore_star", "avgcos", "eval_loss"):
+        assert res["final"][k] == pytest.approx(full["final"][k], abs=1e-6)
+    with pytest.raises(InputError, match="nothing to resume"):
+        finetune(_cfg(tiny, tmp_path / "fresh", resume=True), quiet=True, note=lambda m: None)
+
+
+def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(tiny, tmp_path, monkeypatch):
+    import geomscope.train.regularizers as regs
+
+    real = regs.IStar.__call__
+    calls = {"n": 0}
+
+    def flaky(self, hs, mask):
+        calls["n"] += 1
+        pen, iso = real(self, hs, mask)
+        return (pen * float("nan"), iso) if calls["n"] == 9 else (pen, iso)
+
+    monkeypatch.setattr(regs.IStar, "__call__", flaky)
+    out = tmp_path / "nan"
+    with pytest.raises(DataError, match=r"NaN/inf at step 9 \(epoch 2\).*last good checkpoint \(epoch 1\)"):
+        finetune(_cfg(tiny, out), quiet=True, note=lambda m: None)
+    state = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert state["epochs_done"] == 1 and state["global_step"] == 6
+    assert not (out / "summary.json").exists() and not (out / "model.safetensors").exists()
+    before = {p.name: p.read_bytes() for p in (out / "checkpoint").iterdir() if p.is_file()}
+    monkeypatch.setattr(regs.IStar, "__call__", real)
+    s = finetune(_cfg(tiny, out, resume=True), quiet=True, note=lambda m: None)  # the kept checkpoint resumes
+    assert s["steps"] == 12 and [r["step"] for r in _steps(out)] == list(range(1, 13))
+    assert before["state.json"] != (out / "checkpoint" / "state.json").read_bytes()
+
+
+def test_bad_options_are_input_errors(tiny, tmp_path):
+    for kw, msg in ((dict(precision="fp16"), "fp16 needs a CUDA GPU"), (dict(reg="l2"), "unknown --reg"),
+                    (dict(zeta=1.5), "--zeta must lie in"), (dict(layers="9"), "bad --layers"),
+                    (dict(model=str(tmp_path / "nope")), "cannot load model")):
+        with pytest.raises(GeomscopeError, match=msg):
+            finetune(_cfg(tiny, tmp_path / "x", **kw), quiet=True, note=lambda m: None)
+
+
+def test_bf16_autocast_on_cpu_runs(tiny, tmp_path):
+    s = finetune(_cfg(tiny, tmp_path / "bf", epochs=1, precision="bf16"), quiet=True, note=lambda m: None)
+    assert s["precision"] == "bf16" and 0 <= s["final"]["isoscore_star"] <= 1
+    assert all(np.isfinite(r["penalty"]) for r in _steps(tmp_path / "bf"))
+
+
+# -- the effect is real ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sample_model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sample")
+    return str(make_checkpoint(d / "m", words_of([SAMPLE / "train.csv", SAMPLE / "dev.csv"]), hidden=32,
+                               layers=2, seed=0))
+
+
+def _sample_run(model, out, **kw):
+    cfg = FinetuneConfig(model=model, train=str(SAMPLE / "train.csv"), eval=str(SAMPLE / "dev.csv"), out=str(out),
+                         epochs=3, lr=2e-3, batch_size=32, device="cpu", seed=0, **kw)
+    return finetune(cfg, quiet=True, note=lambda m: None)["final"]
+
+
+def test_istar_sign_moves_eval_isoscore(sample_model, tmp_path):
+    lo = _sample_run(sample_model, tmp_path / "neg", reg="istar", lam=-1.0)
+    hi = _sample_run(sample_model, tmp_path / "pos", reg="istar", lam=1.0)
+    assert hi["isoscore_star"] - lo["isoscore_star"] > 0.2, (lo["isoscore_star"], hi["isoscore_star"])
+
+
+def test_cosreg_lowers_last_layer_avg_cosine(sample_model, tmp_path):
+    base = _sample_run(sample_model, tmp_path / "none", reg="cosreg", lam=0.0)
+    reg = _sample_run(sample_model, tmp_path / "cos", reg="cosreg", lam=5.0)
+    assert base["avgcos_last_layer"] - reg["avgcos_last_layer"] > 0.1, (base, reg)
+
+
+def test_single_process_dist_helpers_are_identities():
+    d = dd.setup("cpu")
+    assert (d.rank, d.world_size, d.active) == (0, 1, False)
+    t = torch.arange(3.0)
+    assert dd.all_reduce_sum(t, d) is t and dd.gather_objects(5, d) == [5]
