@@ -299,7 +299,8 @@ def test_istar_sign_moves_eval_isoscore(sample_model, tmp_path):
 def test_cosreg_lowers_last_layer_avg_cosine(sample_model, tmp_path):
     base = _sample_run(sample_model, tmp_path / "none", reg="cosreg", lam=0.0)
     reg = _sample_run(sample_model, tmp_path / "cos", reg="cosreg", lam=5.0)
-    assert base["avgcos_last_layer"] - reg["avgcos_last_layer"] > 0.1, (base, reg)
+    b, r = base["avgcos_last_layer"], reg["avgcos_last_layer"]
+    assert b - r > 0.05 and r < 0.5 * b, (b, r)
 
 
 def test_single_process_dist_helpers_are_identities():

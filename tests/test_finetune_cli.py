@@ -1,0 +1,118 @@
+"""CLI tests of ``geomscope finetune`` (in-process through the ``cli`` fixture)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_train_helpers import make_checkpoint, synthetic_rows, words_of, write_csv
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    return {"model": make_checkpoint(d / "m", words_of([])),
+            "train": write_csv(d / "train.csv", synthetic_rows(32, 0)),
+            "eval": write_csv(d / "dev.csv", synthetic_rows(12, 1)), "dir": d}
+
+
+def _args(data, out, *extra, train=None, ev=None, model=None):
+    return ["finetune", model or data["model"], "--train", train or data["train"], "--eval", ev or data["eval"],
+            "--out", out, "--epochs", "1", "--batch-size", "8", "--lr", "1e-3", "--device", "cpu", *extra]
+
+
+def _one_line_error(code, out, err, expect_code, pattern):
+    assert code == expect_code, (code, err)
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and pattern in lines[0], err
+    assert "Traceback" not in err and out == ""
+
+
+def test_finetune_json_outputs_and_plot(cli, data, tmp_path):
+    out = tmp_path / "run"
+    code, stdout, err = cli(_args(data, out, "--reg", "istar", "--lambda", "-2", "--zeta", "0.1", "--layers", "1-2",
+                                  "--json", "--quiet"))
+    assert code == 0, err
+    s = json.loads(stdout)  # exactly one JSON object on stdout
+    assert s["reg"] == "istar" and s["lambda"] == -2.0 and s["zeta"] == 0.1 and s["layers"] == [1, 2]
+    assert s["steps"] == 4 and s["final"]["epoch"] == 1 and 0 <= s["final"]["accuracy"] <= 1
+    assert "no sequence-classification head" in err and "added" in err
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "label_map.json", "steps.jsonl", "eval.jsonl",
+                 "summary.json", "run.json", "checkpoint/state.json"):
+        assert (out / name).exists(), name
+    assert json.loads((out / "summary.json").read_text()) == s
+    assert len((out / "steps.jsonl").read_text().splitlines()) == 4
+    code, stdout, err = cli(["plot", out, "--out", tmp_path / "train.png"])
+    assert code == 0, err
+    assert (tmp_path / "train.png").stat().st_size > 1000
+
+
+def test_finetune_cosreg_and_none_and_pairs(cli, data, tmp_path):
+    pairs = write_csv(tmp_path / "pairs.tsv", [(s, s.split()[0], y) for s, y in synthetic_rows(16)],
+                      header=("question", "sentence", "gold"), delimiter="\t")
+    code, stdout, err = cli(_args(data, tmp_path / "c", "--reg", "cosreg", "--lambda", "1", "--text-field",
+                                  "question", "--text-field-2", "sentence", "--label-field", "gold", "--json",
+                                  train=pairs, ev=pairs))
+    assert code == 0, err
+    s = json.loads(stdout)
+    steps = [json.loads(ln) for ln in (tmp_path / "c" / "steps.jsonl").read_text().splitlines()]
+    assert s["reg"] == "cosreg" and all(-0.1 < r["penalty"] <= 1 for r in steps)
+    code, stdout, err = cli(_args(data, tmp_path / "n", "--reg", "none", "--json"))
+    assert code == 0 and json.loads(stdout)["reg"] == "none"
+    assert "wrote" in err  # the one-line result on stderr when not --quiet
+
+
+@pytest.mark.parametrize("case,code,pattern", [
+    ("missing_label", 2, "no label column 'label'"),
+    ("single_class", 3, "single class"),
+    ("empty", 2, "is empty"),
+    ("unseen", 2, "not seen in training: 'neutral'"),
+    ("fp16_cpu", 2, "fp16 needs a CUDA GPU"),
+    ("bad_layers", 2, "bad --layers"),
+    ("no_model", 2, "cannot load model"),
+    ("resume_nothing", 2, "nothing to resume"),
+    ("nan", 3, "NaN/inf at step 2 (epoch 1)"),
+])
+def test_bad_input_one_line_errors(cli, data, tmp_path, case, code, pattern):
+    out = tmp_path / "o"
+    extra, kw = [], {}
+    if case == "missing_label":
+        kw["train"] = write_csv(tmp_path / "t.csv", synthetic_rows(8), header=("sentence", "y"))
+    elif case == "single_class":
+        kw["train"] = write_csv(tmp_path / "t.csv", [(s, "positive") for s, _ in synthetic_rows(8)])
+    elif case == "empty":
+        (tmp_path / "t.csv").write_text("")
+        kw["train"] = tmp_path / "t.csv"
+    elif case == "unseen":
+        kw["ev"] = write_csv(tmp_path / "e.csv", synthetic_rows(4) + [("meh", "neutral")])
+    elif case == "fp16_cpu":
+        extra = ["--precision", "fp16"]
+    elif case == "bad_layers":
+        extra = ["--layers", "3"]
+    elif case == "no_model":
+        kw["model"] = tmp_path / "missing-model"
+    elif case == "resume_nothing":
+        extra = ["--resume"]
+    elif case == "nan":
+        extra = ["--lr", "1e20"]
+    _one_line_error(*cli(_args(data, out, *extra, **kw)), code, pattern)
+    if case == "nan":  # the failing step is logged, nothing is exported as if finished
+        assert not (out / "summary.json").exists() and not (out / "model.safetensors").exists()
+    else:
+        assert not out.exists() or not any(out.iterdir())
+
+
+def test_existing_run_is_not_overwritten(cli, data, tmp_path):
+    out = tmp_path / "run"
+    assert cli(_args(data, out, "--quiet"))[0] == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    _one_line_error(*cli(_args(data, out)), 2, "already holds a finetune run")
+    assert before == {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    # --resume with more epochs continues from the checkpoint
+    code, stdout, err = cli(_args(data, out, "--epochs", "2", "--resume", "--json", "--quiet"))  # last wins
+    assert code == 0, err
+    s = json.loads(stdout)
+    assert s["resumed"] and s["steps"] == 8 and [e["epoch"] for e in s["evals"]] == [1, 2]
