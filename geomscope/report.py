@@ -140,20 +140,24 @@ def load_report(path: str | os.PathLike) -> dict:
     return rep
 
 
+SHORT = {"isoscore": "IsoScore", "isoscore_star": "IsoScore*", "avgcos": "cos", "avgcos_centred": "cos(c)",
+         "avgcos_standardised": "cos(z)", "pr": "PR", "erank": "erank", "top1_share": "top1",
+         "top5_share": "top5", "top10_share": "top10", "twonn": "TwoNN"}
+
+
 def _fmt(v, se=None) -> str:
     if v is None:
         return "-"
-    s = f"{v:.4g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
+    s = f"{v:.3g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.1e}"
     if se is not None:
-        s += f" ± {se:.2g}"
+        s += f"\n±{se:.1g}" if abs(se) >= 1e-3 or se == 0 else f"\n±{se:.0e}"
     return s
 
 
 def report_table(report: dict):
-    """A rich Table: one row per layer, the requested metrics as value ± standard error."""
+    """A rich Table: one row per layer, the requested metrics as value over ±standard error."""
     from rich.table import Table
 
-    params = report.get("params", {})
     layers = report.get("layers", [])
     metrics = [m for m in CSV_METRICS if any(e.get(m) is not None for e in layers)]
     metrics += sorted({k for e in layers for k in e if k.startswith("id_") and e.get(k) is not None})
@@ -162,11 +166,12 @@ def report_table(report: dict):
     title = model.get("name") or Path(str(src.get("path", ""))).name
     if model.get("revision"):
         title += f"@{model['revision']}"
-    t = Table(title=f"geomscope score: {title}", caption=_caption(params), header_style="bold")
-    t.add_column("layer")
-    t.add_column("rows", justify="right")
+    t = Table(title=f"geomscope score: {title}", caption=_caption(report), header_style="bold",
+              pad_edge=False, padding=(0, 1))
+    t.add_column("layer", no_wrap=True)
+    t.add_column("rows", justify="right", no_wrap=True)
     for m in metrics:
-        t.add_column(m, justify="right")
+        t.add_column(SHORT.get(m, m), justify="right", no_wrap=True)
     show_out = any(e.get("outliers") for e in layers)
     if show_out:
         t.add_column("outliers")
@@ -181,13 +186,24 @@ def report_table(report: dict):
     return t
 
 
-def _caption(params: dict) -> str:
+def _caption(report: dict) -> str:
+    params = report.get("params", {})
     bits = []
     if "isoscore_star" in params.get("metrics", []):
         bits.append(f"IsoScore* zeta={params.get('zeta')} target={params.get('target')}")
+    if "avgcos" in params.get("metrics", []):
+        bits.append("cos(c)/cos(z): centred/standardised")
     if params.get("outlier_rule") and "outliers" in params.get("metrics", []):
-        bits.append(f"outliers: {params['outlier_rule']} >= {params.get('outlier_threshold')}")
+        bits.append(f"outliers: {params['outlier_rule']} rule, threshold {params.get('outlier_threshold')}")
     unc = params.get("uncertainty", {}).get("moments")
     if unc:
-        bits.append(f"± = SE ({unc})")
-    return "; ".join(bits)
+        bits.append(f"±: SE, {unc}")
+    emb = report.get("embeddings")
+    if emb:
+        line = f"I(W) input raw {emb['input']['raw']:.3g} centred {emb['input']['centred']:.3g}"
+        if emb.get("output") and not emb.get("tied"):
+            line += f"; output raw {emb['output']['raw']:.3g} centred {emb['output']['centred']:.3g}"
+        elif emb.get("tied"):
+            line += " (output tied)"
+        bits.append(line)
+    return "\n".join(bits)

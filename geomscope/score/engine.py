@@ -100,6 +100,9 @@ class _Scorer:
         for batch in self._batches():
             entries.update(self._score_batch(batch, extras))
         layers = [entries[n] for n in src.layers]
+        for e in layers:
+            if e["dropped"]["nonfinite"]:
+                self.log(f"{e['layer']}: {e['dropped']['nonfinite']} row(s) with NaN/Inf dropped (counted in the report)")
         if all(e["n_rows"] < 2 for e in layers):
             n = max(e["n_rows"] for e in layers)
             raise DataError(f"{src.path}: {n} usable row(s) per layer after dropping non-finite"

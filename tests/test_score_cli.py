@@ -1,0 +1,145 @@
+"""`geomscope score` (CLI): outputs, --json purity, CSV columns, and every bad-input path."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+from test_score import make_run
+
+from geomscope.report import CSV_METRICS, LAYER_KEYS, REPORT_KEYS
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("score_cli") / "run"
+    make_run(d, n_shards=2, rows=300)
+    return d
+
+
+def _one_line_error(code, out, err, match):
+    assert code != 0
+    assert "Traceback" not in err
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, err
+    assert match in lines[0], err
+    assert out == ""
+
+
+def test_json_stdout_is_pure_and_files_written(cli, run_dir, tmp_path):
+    code, out, err = cli(["score", run_dir, "--json", "--metrics", "isoscore,avgcos,twonn", "--id-sample", "200",
+                          "--out", tmp_path / "rep"])
+    assert code == 0, err
+    rep = json.loads(out)  # the whole of stdout is one JSON document
+    assert tuple(rep) == REPORT_KEYS
+    assert [tuple(e) for e in rep["layers"]] == [LAYER_KEYS] * 3
+    assert (tmp_path / "rep.json").exists() and (tmp_path / "rep.csv").exists()
+    assert json.loads((tmp_path / "rep.json").read_text())["layers"] == rep["layers"]
+    assert "isoscore" in err and "wrote" in err  # the table and the paths go to stderr
+
+
+def test_default_output_in_run_dir_and_csv_columns(cli, run_dir):
+    code, out, err = cli(["score", run_dir, "--metrics", "isoscore,spectrum", "--quiet"])
+    assert code == 0, err
+    assert out == "" and err == ""
+    with open(run_dir / "report.csv") as f:
+        rows = list(csv.reader(f))
+    header = rows[0]
+    assert header == ["layer", "index", "n_rows", *CSV_METRICS, "outliers", *[f"se_{m}" for m in CSV_METRICS]]
+    assert [r[0] for r in rows[1:]] == ["layer_00", "layer_01", "layer_02"]
+    rep = json.loads((run_dir / "report.json").read_text())
+    for r, e in zip(rows[1:], rep["layers"], strict=True):
+        assert float(r[header.index("isoscore")]) == e["isoscore"]
+        assert float(r[header.index("se_pr")]) == e["se"]["pr"]
+        assert r[header.index("avgcos")] == ""  # not requested: empty cell
+
+
+def test_array_default_output_next_to_file(cli, tmp_path):
+    X = np.random.default_rng(0).normal(size=(500, 6))
+    np.save(tmp_path / "emb.npy", X)
+    code, out, err = cli(["score", tmp_path / "emb.npy", "--metrics", "isoscore,avgcos", "--json"])
+    assert code == 0, err
+    rep = json.loads(out)
+    assert rep["source"]["kind"] == "array" and rep["layers"][0]["n_rows"] == 500
+    assert (tmp_path / "emb_report.json").exists() and (tmp_path / "emb_report.csv").exists()
+
+
+def test_warnings_for_transposed_and_nan_arrays(cli, tmp_path):
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "wide.npy", rng.normal(size=(8, 30)))
+    code, out, err = cli(["score", tmp_path / "wide.npy", "--metrics", "isoscore", "--quiet"])
+    assert code == 0 and "transposed" in err
+    X = rng.normal(size=(100, 5))
+    X[7, 2] = np.inf
+    np.save(tmp_path / "nan.npy", X)
+    code, out, err = cli(["score", tmp_path / "nan.npy", "--metrics", "isoscore", "--json", "--quiet"])
+    assert code == 0 and "NaN/Inf dropped" in err
+    assert json.loads(out)["layers"][0]["dropped"]["nonfinite"] == 1
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--metrics", "isoscore,bogus"], "unknown metric 'bogus'"),
+    (["--zeta", "abc"], "zeta"),
+    (["--zeta", "1.5"], "zeta"),
+    (["--layers", "layer_42"], "not in this run"),
+    (["--workers", "two"], "--workers must be an integer"),
+    (["--outlier-rule", "nope"], "outlier-rule"),
+    (["--shrinkage-target", "layer:missing"], "not in this run"),
+])
+def test_bad_options(cli, run_dir, tmp_path, args, match):
+    code, out, err = cli(["score", run_dir, "--out", tmp_path / "x", "--json", *args])
+    _one_line_error(code, out, err, match)
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_bad_sources(cli, tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "t.txt").write_text("x")
+    np.save(tmp_path / "flat.npy", np.zeros(5))
+    np.save(tmp_path / "cube.npy", np.zeros((3, 4, 5)))
+    np.save(tmp_path / "one.npy", np.zeros((1, 4)))
+    cases = [
+        (tmp_path / "d", "not a geomscope run directory"),
+        (tmp_path / "t.txt", "neither a run directory nor an array"),
+        (tmp_path / "nope", "does not exist"),
+        (tmp_path / "flat.npy", "2-D (N, D)"),
+        (tmp_path / "cube.npy", "2-D (N, D)"),
+        (tmp_path / "one.npy", "at least 2 rows"),
+    ]
+    for path, match in cases:
+        code, out, err = cli(["score", path, "--json"])
+        _one_line_error(code, out, err, match)
+
+
+def test_h5_dataset_choice(cli, tmp_path):
+    import h5py
+
+    with h5py.File(tmp_path / "two.h5", "w") as f:
+        f.create_dataset("a", data=np.zeros((4, 3)))
+        f.create_dataset("b", data=np.ones((5, 3)))
+    code, out, err = cli(["score", tmp_path / "two.h5", "--json"])
+    _one_line_error(code, out, err, "--dataset")
+    code, out, err = cli(["score", tmp_path / "two.h5", "--dataset", "c", "--json"])
+    _one_line_error(code, out, err, "no dataset 'c'")
+
+
+def test_incomplete_and_corrupt_runs_keep_old_report(cli, tmp_path):
+    make_run(tmp_path / "r", n_shards=2, rows=100, finalize=False)
+    code, out, err = cli(["score", tmp_path / "r", "--json"])
+    _one_line_error(code, out, err, "--partial")
+    code, out, err = cli(["score", tmp_path / "r", "--partial", "--metrics", "isoscore", "--quiet"])
+    assert code == 0 and "incomplete" in err
+    before = (tmp_path / "r" / "report.json").read_bytes()
+    shard = tmp_path / "r" / "shard-00001.h5"
+    shard.write_bytes(shard.read_bytes()[:2000])
+    code, out, err = cli(["score", tmp_path / "r", "--partial", "--metrics", "isoscore", "--json"])
+    _one_line_error(code, out, err, "shard-00001.h5")
+    assert (tmp_path / "r" / "report.json").read_bytes() == before  # nothing already written is lost
+
+
+def test_too_few_rows(cli, tmp_path):
+    make_run(tmp_path / "r", n_shards=1, rows=10, doc_len=1)
+    code, out, err = cli(["score", tmp_path / "r", "--exclude-special", "--json"])
+    _one_line_error(code, out, err, "at least 2")
