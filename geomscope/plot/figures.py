@@ -9,6 +9,7 @@ logs); for an output directory every kind the inputs support.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from collections.abc import Sequence
@@ -120,12 +121,11 @@ def close_figure(fig: Figure) -> None:
 
 def _training_module():
     try:
-        from geomscope.plot import training
+        return importlib.import_module("geomscope.plot.training")
     except ModuleNotFoundError as e:
         if e.name != "geomscope.plot.training":
             raise
         return None
-    return training
 
 
 def looks_like_training_log(path: str | os.PathLike) -> bool:
