@@ -37,7 +37,7 @@ def test_json_stdout_is_pure_and_files_written(cli, run_dir, tmp_path):
     assert [tuple(e) for e in rep["layers"]] == [LAYER_KEYS] * 3
     assert (tmp_path / "rep.json").exists() and (tmp_path / "rep.csv").exists()
     assert json.loads((tmp_path / "rep.json").read_text())["layers"] == rep["layers"]
-    assert "isoscore" in err and "wrote" in err  # the table and the paths go to stderr
+    assert "IsoScore" in err and "wrote" in err  # the table and the paths go to stderr
 
 
 def test_default_output_in_run_dir_and_csv_columns(cli, run_dir):
