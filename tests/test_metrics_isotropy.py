@@ -209,6 +209,13 @@ def test_bad_input_numpy(fn):
         fn(np.ones(5))
 
 
+@pytest.mark.parametrize("n", [100, 3])  # the Moments path and the N < D Gram path
+def test_overflow_is_reported_not_silent(n):
+    x = np.random.default_rng(0).standard_normal((n, 5)) * 1e200
+    with pytest.raises(DataError, match="overflow"):
+        isoscore(x)
+
+
 def test_bad_input_cov_and_parameters():
     with pytest.raises(DataError, match="zero total variance"):
         isoscore_from_cov(np.zeros((3, 3)))

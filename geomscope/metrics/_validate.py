@@ -48,17 +48,18 @@ def nonfinite_message(bad: int, n: int, name: str = "X") -> str:
             "before computing statistics")
 
 
-def check_points(a: np.ndarray, name: str = "X") -> None:
-    """N >= 2, D >= 2 and every value finite, else DataError (one line)."""
+def check_points(a: np.ndarray, name: str = "X", finite: bool = True) -> None:
+    """N >= 2, D >= 2 and (if ``finite``) every value finite, else DataError (one line)."""
     n, d = a.shape
     if n < 2:
         raise DataError(f"{name} has {n} row(s); at least 2 points are needed")
     if d < 2:
         raise DataError(f"{name} has {d} column(s); at least 2 dimensions are needed "
                         "(rows are points: shape (N, D))")
-    bad = count_nonfinite_rows(a)
-    if bad:
-        raise DataError(nonfinite_message(bad, n, name))
+    if finite:
+        bad = count_nonfinite_rows(a)
+        if bad:
+            raise DataError(nonfinite_message(bad, n, name))
 
 
 def as_square(c, name: str = "C") -> np.ndarray:
@@ -81,8 +82,10 @@ def variance_is_zero(total_variance: float, mean: np.ndarray | None, dim: int) -
     if mean is None:
         return False
     scale = float(np.max(np.abs(mean))) if mean.size else 0.0
-    return total_variance <= dim * (_ZERO_VAR_REL * scale) ** 2
+    return np.sqrt(total_variance / dim) <= _ZERO_VAR_REL * scale
 
 
-ZERO_VARIANCE_MESSAGE = ("{name} has zero total variance (all rows identical); "
+OVERFLOW_MESSAGE = "the covariance of {name} overflows float64; rescale the data"
+
+ZERO_VARIANCE_MESSAGE = ("{name} has zero total variance (all rows identical, or below float64 resolution); "
                          "{what} is undefined for it -- check the layer or the row selection")

@@ -62,6 +62,8 @@ def _check_zeta(zeta) -> float:
 
 def _score(tr: float, fro2: float, d: int) -> float:
     """(PR - 1)/(D - 1), clipped to [0, 1] against rounding (PR is in [1, D] for a PSD matrix)."""
+    if not (np.isfinite(tr) and np.isfinite(fro2) and fro2 > 0):
+        raise DataError("the covariance overflows float64 or is zero; rescale the data")
     return min(1.0, max(0.0, (tr * tr / fro2 - 1.0) / (d - 1)))
 
 
@@ -80,6 +82,7 @@ def _scatter(a: np.ndarray) -> tuple[float, float, Moments | None]:
     N < D uses the N x N Gram matrix of the centred rows (same trace and Frobenius norm)."""
     n, d = a.shape
     if n < d:
+        check_points(a)
         xc = np.asarray(a, dtype=np.float64)
         mean = xc.mean(axis=0)
         xc = xc - mean
@@ -100,7 +103,7 @@ def _scatter(a: np.ndarray) -> tuple[float, float, Moments | None]:
 def isoscore(X) -> float:
     """IsoScore of points X (N, D) (numpy or torch), via the covariance (ddof=1) in float64."""
     a = as_rows(X)
-    check_points(a)
+    check_points(a, finite=False)  # finiteness is checked block-wise while accumulating
     tr, fro2, _ = _scatter(a)
     return _score(tr, fro2, a.shape[1])
 
@@ -138,7 +141,7 @@ def isoscore_star(X, zeta, target="trace") -> float:
     """IsoScore* of points X (N, D); see ``isoscore_star_from_cov``. X must have non-zero variance."""
     _check_zeta(zeta)
     a = as_rows(X)
-    check_points(a)
+    check_points(a, finite=False)  # finiteness is checked block-wise while accumulating
     d = a.shape[1]
     m = Moments(d, extras=False).update(a)
     m.check_variance("X", "IsoScore*")

@@ -25,6 +25,7 @@ import numpy as np
 
 from geomscope.errors import DataError, InputError
 from geomscope.metrics._validate import (
+    OVERFLOW_MESSAGE,
     ZERO_VARIANCE_MESSAGE,
     as_rows,
     count_nonfinite_rows,
@@ -134,15 +135,18 @@ class Moments:
             xb = a[i:i + rows]
             m = xb.shape[0]
             b = buf[:m]
-            np.copyto(b, xb)
-            sq = np.einsum("ij,ij->i", b, b)
-            _check_block(sq, a)
             blk = self._like()
             blk.n = m
             if self.extras:
+                np.copyto(b, xb)
+                sq = np.einsum("ij,ij->i", b, b)
+                _check_block(sq, a)
                 blk._extras_from_block(xb, b, sq, work[:m])
-            blk.mean = np.ones(m) @ b / m
-            b -= blk.mean
+            # block mean in float64 straight from the input dtype, then centre while converting
+            blk.mean = np.add.reduce(xb, axis=0, dtype=np.float64) / m
+            if not self.extras:
+                _check_block(blk.mean, a)  # a NaN/Inf anywhere in the block makes its column mean non-finite
+            np.subtract(xb, blk.mean, out=b)
             blk._m2 = blas.dsyrk(1.0, b.T, trans=0, lower=0)
             blk._m2_filled = False
             part.merge(blk)
@@ -250,7 +254,10 @@ class Moments:
         self._need(1)
         if self.dim < 2:
             raise DataError(f"{name} has {self.dim} column(s); at least 2 dimensions are needed")
-        if variance_is_zero(self.total_variance(), self.mean, self.dim):
+        total = self.total_variance()
+        if not np.isfinite(total) or not np.isfinite(self._m2).all():
+            raise DataError(OVERFLOW_MESSAGE.format(name=name))
+        if variance_is_zero(total, self.mean, self.dim):
             raise DataError(ZERO_VARIANCE_MESSAGE.format(name=name, what=what))
 
     def _need_extras(self, what: str) -> None:
