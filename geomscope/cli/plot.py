@@ -18,7 +18,7 @@ def _split(values: Optional[List[str]]) -> list[str]:
 
 @app.command("plot")
 def plot_cmd(
-    inputs: List[str] = typer.Argument(..., metavar="REPORT...",
+    inputs: List[str] = typer.Argument(..., metavar="REPORT",
                                        help="Score report JSON files (or finetune output dirs / steps.jsonl)."),
     out: str = typer.Option(..., "--out", "-o",
                             help="FILE.png|svg|pdf for one figure, or DIR/ for one file per kind."),
@@ -35,7 +35,7 @@ def plot_cmd(
     normalise: bool = typer.Option(False, "--normalise",
                                    help="Spectrum: explained-variance ratio against index / D."),
     top_k: int = typer.Option(40, "--top-k", help="Outliers: show at most this many dimensions."),
-    as_json: bool = typer.Option(False, "--json", help='Print {"figures": [paths], "kinds": [...]} to stdout.'),
+    as_json: bool = typer.Option(False, "--json", help='Print one JSON object {"figures": list of paths, "kinds": list of kinds} to stdout.'),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not list the written files on stderr."),
 ) -> None:
     """Draw metric-by-layer curves, eigenspectra, outlier-dimension heat maps, checkpoint trajectories

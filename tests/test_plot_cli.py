@@ -1,0 +1,166 @@
+"""CLI tests of `geomscope plot`: files written, --json, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+from matplotlib.figure import Figure
+from test_plot_factory import make_report, pythia_reports, write_report
+
+SMALL = {"n_layers": 4, "hidden": 32}
+FAST = ["--dpi", "40"]
+
+
+@pytest.fixture
+def reports(tmp_path):
+    a = write_report(tmp_path / "a.json", make_report(**SMALL))
+    b = write_report(tmp_path / "b.json", make_report(name="bert", revision="v2", seed=3, **SMALL))
+    return a, b
+
+
+def _one_line_error(code, out, err, *needles):
+    assert code != 0, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err and out == ""
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+def test_plot_one_file(cli, reports, tmp_path):
+    out = tmp_path / "fig.png"
+    code, stdout, err = cli(["plot", *reports, "--out", out, *FAST])
+    assert code == 0, err
+    assert out.read_bytes().startswith(b"\x89PNG")
+    assert stdout == "" and f"wrote layers: {out}" in err
+
+
+def test_plot_directory_json_and_format(cli, reports, tmp_path):
+    outdir = tmp_path / "figs"
+    code, stdout, err = cli(["plot", *reports, "--out", f"{outdir}/", "--format", "svg", "--json", *FAST])
+    assert code == 0, err
+    res = json.loads(stdout)
+    assert res["kinds"] == ["layers", "spectrum", "outliers"]
+    assert res["figures"] == [str(outdir / f"{k}.svg") for k in res["kinds"]]
+    for p in res["figures"]:
+        with open(p, "rb") as fh:
+            assert fh.read(5) == b"<?xml"
+
+
+@pytest.mark.parametrize("ext, magic", [("pdf", b"%PDF"), ("svg", b"<?xml")])
+def test_plot_extension_picks_format(cli, reports, tmp_path, ext, magic):
+    out = tmp_path / "sub" / f"spec.{ext}"
+    code, _, err = cli(["plot", reports[0], "--out", out, "--kind", "spectrum", "--normalise", "-q", *FAST])
+    assert code == 0, err
+    assert out.read_bytes().startswith(magic) and err == ""
+
+
+def test_plot_kinds_metrics_and_trajectory(cli, tmp_path):
+    paths = [write_report(tmp_path / f"s{i}.json", r) for i, r in enumerate(pythia_reports(**SMALL))]
+    outdir = tmp_path / "out"
+    code, stdout, err = cli(["plot", *paths, "--out", f"{outdir}/", "-k", "trajectory,layers", "--log-x",
+                             "--metrics", "isoscore,avgcos_centred", "--layers", "0,layer_03", "--json", *FAST])
+    assert code == 0, err
+    assert json.loads(stdout)["kinds"] == ["trajectory", "layers"]
+    assert (outdir / "trajectory.png").stat().st_size > 0 and (outdir / "layers.png").stat().st_size > 0
+    # auto with one file and a trajectory's worth of checkpoints draws the trajectory
+    code, stdout, err = cli(["plot", *paths, "--out", tmp_path / "t.png", "--json", *FAST])
+    assert code == 0 and json.loads(stdout)["kinds"] == ["trajectory"]
+
+
+def _bad(tmp_path):
+    (tmp_path / "corrupt.json").write_text('{"format": "geomscope-report", "layers": [')
+    (tmp_path / "other.json").write_text(json.dumps({"format": "something", "rows": 3}))
+    write_report(tmp_path / "good.json", make_report(**SMALL))
+    write_report(tmp_path / "main.json", make_report(revision="main", **SMALL))
+    write_report(tmp_path / "s0.json", make_report(revision="step0", **SMALL))
+    write_report(tmp_path / "blk.json", make_report(layer_prefix="blk", seed=2, **SMALL))
+    write_report(tmp_path / "nospec.json", make_report(spectrum=False, **SMALL))
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["missing.json"], ["not found", "missing.json"]),
+        (["other.json"], ["not a geomscope report"]),
+        (["corrupt.json"], ["not valid JSON"]),
+        (["good.json", "--metrics", "isoscore,bogus"], ["unknown metric 'bogus'", "available:", "isoscore_star"]),
+        (["s0.json", "main.json", "--kind", "trajectory"], ["no training step", "main.json"]),
+        (["good.json", "blk.json"], ["share no layer"]),
+        (["nospec.json", "--kind", "spectrum"], ["no eigenvalues"]),
+        (["good.json", "--kind", "layers", "--kind", "spectrum"], ["one figure kind"]),
+        (["good.json", "--kind", "bars"], ["unknown figure kind 'bars'"]),
+        (["good.json", "--format", "svg"], ["contradicts"]),
+        (["good.json", "--layers", "layer_77"], ["layer 'layer_77'"]),
+        (["good.json", "--dpi", "0"], ["--dpi"]),
+    ],
+)
+def test_plot_bad_input(cli, tmp_path, args, needles):
+    _bad(tmp_path)
+    target = tmp_path / "existing.png"
+    target.write_bytes(b"old figure")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    args = [str(tmp_path / a) if a.endswith(".json") else a for a in args]
+    code, out, err = cli(["plot", *args, "--out", target])
+    _one_line_error(code, out, err, *needles)
+    assert target.read_bytes() == b"old figure"  # nothing already written is lost
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing half-written
+
+
+@pytest.mark.parametrize("out", ["fig.jpg", "fig"])
+def test_plot_unsupported_extension(cli, reports, tmp_path, out):
+    code, stdout, err = cli(["plot", *reports, "--out", tmp_path / out])
+    _one_line_error(code, stdout, err, "unsupported extension", ".png, .svg or .pdf")
+    assert not (tmp_path / out).exists()
+
+
+def _fake_training_module(calls):
+    mod = types.ModuleType("geomscope.plot.training")
+
+    def is_training_log(path):
+        from pathlib import Path
+
+        p = Path(path)
+        return p.name == "steps.jsonl" or (p / "steps.jsonl").is_file()
+
+    def plot_training_log(log_paths, out):
+        calls.append((list(log_paths), str(out)))
+        fig = Figure()
+        fig.add_subplot().plot([0, 1], [2.0, 1.0], label="loss")
+        return fig
+
+    mod.is_training_log, mod.plot_training_log = is_training_log, plot_training_log
+    return mod
+
+
+def test_training_logs_are_delegated(cli, tmp_path, monkeypatch, reports):
+    run = tmp_path / "ft"
+    run.mkdir()
+    (run / "steps.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+    calls = []
+    monkeypatch.setitem(sys.modules, "geomscope.plot.training", _fake_training_module(calls))
+    code, stdout, err = cli(["plot", run, "--out", f"{tmp_path}/figs/", "--json", *FAST])
+    assert code == 0, err
+    assert json.loads(stdout) == {"figures": [str(tmp_path / "figs" / "training.png")], "kinds": ["training"]}
+    assert calls == [([str(run)], str(tmp_path / "figs" / "training.png"))]
+    assert (tmp_path / "figs" / "training.png").read_bytes().startswith(b"\x89PNG")
+    # mixing a training log with a score report, or asking a report kind of a log, is refused
+    code, out, err = cli(["plot", run, reports[0], "--out", tmp_path / "x.png"])
+    _one_line_error(code, out, err, "cannot mix training logs and score reports")
+    code, out, err = cli(["plot", run / "steps.jsonl", "--kind", "spectrum", "--out", tmp_path / "x.png"])
+    _one_line_error(code, out, err, "--kind spectrum needs score reports")
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_training_logs_without_the_training_plotter(cli, tmp_path, monkeypatch):
+    run = tmp_path / "ft"
+    run.mkdir()
+    (run / "steps.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+    monkeypatch.setitem(sys.modules, "geomscope.plot.training", None)  # as if not installed
+    code, out, err = cli(["plot", run, "--out", tmp_path / "t.png"])
+    _one_line_error(code, out, err, "geomscope.plot.training")
+    assert not (tmp_path / "t.png").exists()
