@@ -1,0 +1,115 @@
+"""geomscope.report: paths, JSON/CSV round trip, atomic replacement, loading errors, the rich table."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+
+from geomscope.errors import InputError
+from geomscope.report import (
+    CSV_METRICS,
+    LAYER_KEYS,
+    load_report,
+    report_paths,
+    report_table,
+    save_report,
+    to_csv,
+)
+
+
+def _report(n_layers=2, extra_id=False):
+    layers = []
+    for i in range(n_layers):
+        e = dict.fromkeys(LAYER_KEYS)
+        e.update(layer=f"layer_{i:02d}", index=i, n_rows=100 + i, isoscore=0.1 * (i + 1), avgcos=np.float64(0.5),
+                 pr=float("nan"), outliers=[3, 7], se={"isoscore": 0.01, "avgcos": 0.002},
+                 eigenvalues=np.array([2.0, 1.0]), outlier_statistic=[], outlier_support=[], flags=[],
+                 notes={"pr": "undefined"}, dropped={"nonfinite": 0, "special": 0, "not_sampled": 0})
+        if extra_id:
+            e["id_mle"] = 7.5
+            e["se"]["id_mle"] = 0.3
+        layers.append(e)
+    return {"format": "geomscope-report", "format_version": 1, "geomscope_version": "0.1.0", "created": "now",
+            "source": {"kind": "run", "path": "/x", "dataset": None},
+            "model": {"name": "m", "revision": "step1000", "commit": None, "hidden_size": 2}, "run": None,
+            "params": {"metrics": ["isoscore", "avgcos"], "uncertainty": {"moments": "jackknife"}},
+            "layers": layers, "embeddings": None, "notes": {}}
+
+
+def test_paths(tmp_path):
+    assert report_paths(tmp_path) == (tmp_path / "report.json", tmp_path / "report.csv")
+    assert report_paths(str(tmp_path / "new") + "/") == (tmp_path / "new" / "report.json",
+                                                          tmp_path / "new" / "report.csv")
+    assert report_paths(tmp_path / "a" / "pre") == (tmp_path / "a" / "pre.json", tmp_path / "a" / "pre.csv")
+    assert report_paths(tmp_path / "r.json") == (tmp_path / "r.json", tmp_path / "r.csv")
+
+
+def test_round_trip_and_nan_to_null(tmp_path):
+    j, c = save_report(_report(), tmp_path / "sub" / "pre")
+    assert j.exists() and c.exists() and not list((tmp_path / "sub").glob(".*.tmp"))
+    rep = load_report(j)
+    assert rep["layers"][0]["pr"] is None  # NaN is written as null, never as an invalid JSON token
+    assert rep["layers"][0]["eigenvalues"] == [2.0, 1.0] and rep["layers"][1]["avgcos"] == 0.5
+    assert load_report(tmp_path / "sub" / "pre.json") == rep
+    save_report(_report(), tmp_path)
+    assert load_report(tmp_path)["model"]["revision"] == "step1000"  # a directory reads its report.json
+
+
+def test_csv_columns_and_cells(tmp_path):
+    rows = list(csv.reader(to_csv(_report(extra_id=True)).splitlines()))
+    metrics = [*CSV_METRICS, "id_mle"]
+    assert rows[0] == ["layer", "index", "n_rows", *metrics, "outliers", *[f"se_{m}" for m in metrics]]
+    r = dict(zip(rows[0], rows[1], strict=True))
+    assert r["layer"] == "layer_00" and r["n_rows"] == "100" and float(r["isoscore"]) == 0.1
+    assert r["pr"] == "" and r["outliers"] == "3 7" and float(r["se_avgcos"]) == 0.002
+    assert float(r["id_mle"]) == 7.5 and float(r["se_id_mle"]) == 0.3 and r["se_pr"] == ""
+
+
+def test_failed_save_keeps_old_report(tmp_path):
+    save_report(_report(), tmp_path)
+    before = (tmp_path / "report.json").read_text()
+    bad = _report()
+    bad["layers"][0]["isoscore"] = object()  # not serialisable: fails before anything is replaced
+    with pytest.raises(TypeError):
+        save_report(bad, tmp_path)
+    assert (tmp_path / "report.json").read_text() == before
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(InputError, match="not found"):
+        load_report(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(InputError, match="not valid JSON"):
+        load_report(tmp_path / "bad.json")
+    (tmp_path / "other.json").write_text(json.dumps({"format": "something"}))
+    with pytest.raises(InputError, match="not a geomscope report"):
+        load_report(tmp_path / "other.json")
+    future = _report()
+    future["format_version"] = 2
+    (tmp_path / "future.json").write_text(json.dumps(future, default=lambda o: None))
+    with pytest.raises(InputError, match="format_version 2"):
+        load_report(tmp_path / "future.json")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(InputError, match="is a file"):
+        save_report(_report(), tmp_path / "file" / "pre")
+
+
+def test_table(tmp_path):
+    from rich.console import Console
+
+    rep = json.loads(json.dumps(_report(), default=lambda o: o.tolist() if hasattr(o, "tolist") else None))
+    for e in rep["layers"]:
+        e["pr"] = None if isinstance(e["pr"], float) and math.isnan(e["pr"]) else e["pr"]
+    t = report_table(rep)
+    assert t.row_count == 2
+    headers = [c.header for c in t.columns]
+    assert headers[:2] == ["layer", "rows"] and "IsoScore" in headers and "cos" in headers
+    assert "PR" not in headers  # a metric that is null everywhere gets no column
+    con = Console(record=True, width=120)
+    con.print(t)
+    text = con.export_text()
+    assert "m@step1000" in text and "±0.01" in text and "3 7" in text
