@@ -102,7 +102,7 @@ def _prepare(Xt, chunk: int):
     x32 = torch.empty((n, d), dtype=torch.float32, device=dev)
     n32 = torch.empty(n, dtype=torch.float32, device=dev)
     for s in range(0, n, chunk):
-        c = Xt[s:s + chunk].double().sub_(mean).mul_(scale)
+        c = (Xt[s:s + chunk].double() - mean).mul_(scale)  # a new tensor: X itself is never modified
         x32[s:s + chunk] = c
         n32[s:s + chunk] = (c * c).sum(1)
     return mean, scale, x32, n32
@@ -155,11 +155,12 @@ def _exact_pairs(Xt, rows, cols, chunk: int):
         diff = Xt[rows[s:s + chunk]].double() - Xt[cols[s:s + chunk]].double()
         sq = (diff * diff).sum(1)
         res = torch.sqrt(sq)
-        bad = ((sq < 1e-280) & (sq > 0)) | torch.isinf(sq)  # under/overflow of the squares
+        bad = (sq < 1e-280) | torch.isinf(sq)  # possible under/overflow of the squares
         if bool(bad.any()):
             db = diff[bad]
             mx = db.abs().amax(1, keepdim=True)
-            res[bad] = torch.sqrt(((db / mx) ** 2).sum(1)) * mx[:, 0]
+            safe = torch.where(mx > 0, mx, torch.ones_like(mx))
+            res[bad] = torch.sqrt(((db / safe) ** 2).sum(1)) * mx[:, 0]
         out[s:s + chunk] = res
     return out
 
@@ -174,8 +175,8 @@ def _exact_candidates(Xt, idx, chunk: int):
         diff = Xt[idx[s:s + chunk]].double() - Xt[s:s + chunk, None, :].double()
         sq = diff.square_().sum(2)
         res = torch.sqrt(sq)
-        bad = ((sq < 1e-280) & (sq > 0)) | torch.isinf(sq)
-        if bool(bad.any()):  # under/overflow of the squares: recompute those pairs rescaled
+        bad = (sq < 1e-280) | torch.isinf(sq)
+        if bool(bad.any()):  # possible under/overflow of the squares: recompute those pairs rescaled
             rr, cc = bad.nonzero(as_tuple=True)
             res[rr, cc] = _exact_pairs(Xt, rr + s, idx[s:s + chunk][rr, cc], chunk)
         out[s:s + chunk] = res
@@ -249,7 +250,7 @@ def two_nearest(X, block_size: int | None = None, device=None, refine: bool = Tr
         raise InputError(f"block_size must be >= 1; got {block_size}")
     block = min(block, n)
     Xt = torch.from_numpy(np.ascontiguousarray(a)).to(dev)
-    chunk = max(1, min(n, memory_budget // (16 * max(d, 1))))
+    chunk = max(1, memory_budget // (16 * d))  # rows per float64 chunk in the passes over X
     mean, scale, x32, n32 = _prepare(Xt, chunk)
     k = min(K_CANDIDATES, n - 1)
     info = {"block_size": block, "k": k, "n_flagged": 0, "n_rescreen_pairs": 0, "device": str(dev)}
@@ -262,7 +263,7 @@ def two_nearest(X, block_size: int | None = None, device=None, refine: bool = Tr
         out = (r[:, 0].copy(), r[:, 1].copy(), idx[:, 0].copy(), idx[:, 1].copy())
         return out + (dict(info, refined=False),) if return_info else out
     del x32
-    dist = _exact_candidates(Xt, best_i, max(1, chunk // (2 * k)))
+    dist = _exact_candidates(Xt, best_i, max(1, chunk // (2 * k)))  # (rows, k, D) float64 chunks
     # two smallest exact candidates per row, ties broken by the smaller index
     o = best_i.argsort(1)
     dist_s, idx_s = dist.gather(1, o), best_i.gather(1, o)
@@ -279,7 +280,7 @@ def two_nearest(X, block_size: int | None = None, device=None, refine: bool = Tr
         if flagged.numel():
             ub2 = (r2[flagged] * scale) ** 2
             pr, pc = _rescreen(Xt, flagged, mean, scale, ub2, 256,
-                               max(64, memory_budget // (8 * 256 * 2)))
+                               max(64, memory_budget // (16 * (d + 256))))
             info["n_rescreen_pairs"] = int(pr.numel())
             pd = _exact_pairs(Xt, pr, pc, max(1, chunk // 2))
             fr, d1, j1, d2, j2 = _best_two(pr.cpu().numpy(), pc.cpu().numpy(), pd.cpu().numpy())
