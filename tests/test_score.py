@@ -25,7 +25,7 @@ TOL = 1e-8
 
 # ------------------------------------------------------------------------------ synthetic runs
 def make_run(run_dir, n_shards=3, rows=400, dim=D, layers=LAYERS, dtype="float32", seed=0, nan_rows=None,
-             finalize=True, doc_len=20, dup_rows=0):
+             finalize=True, doc_len=20, dup_rows=0, model_name="toy"):
     """Write a run; return {"X": {layer: (N, D) float64 of the stored values}, "doc", "special", "keys"}.
 
     Layer i: normal rows scaled per dimension (dimension 3 of layer_01 x6: a variance outlier), offset i.
@@ -33,7 +33,7 @@ def make_run(run_dir, n_shards=3, rows=400, dim=D, layers=LAYERS, dtype="float32
     repeat row 0 of the shard (exact duplicates for TwoNN).
     """
     rng = np.random.default_rng(seed)
-    ident = {"model": {"name": "toy", "hidden_size": dim, "revision": "step7"},
+    ident = {"model": {"name": model_name, "hidden_size": dim, "revision": "step7"},
              "layers": [{"name": n, "index": i} for i, n in enumerate(layers)]}
     X = {n: [] for n in layers}
     docs, special, keys = [], [], []

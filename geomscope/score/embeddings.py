@@ -44,8 +44,12 @@ def find_checkpoint(model: dict | None, identity: dict | None = None) -> Path | 
     return None
 
 
+OUTPUT_ALIASES = ("lm_head.weight", "embed_out.weight", "cls.predictions.decoder.weight", "output.weight",
+                  "decoder.weight", "proj_out.weight")
+
+
 def _param_names(ckpt: Path):
-    """(input name, output name | None, tied, base prefix) from the model class on the meta device."""
+    """(input names, output names, tied, base prefix, shapes) from the model class on the meta device."""
     import torch
     import transformers
 
@@ -53,9 +57,8 @@ def _param_names(ckpt: Path):
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     if cls is None:
-        cls = transformers.AutoModel
         with torch.device("meta"):
-            model = cls.from_config(config)
+            model = transformers.AutoModel.from_config(config)
     else:
         with torch.device("meta"):
             model = cls(config)
@@ -66,7 +69,8 @@ def _param_names(ckpt: Path):
     out_names = [] if emb_out is None else [n for n, p in params.items() if p is emb_out.weight]
     tied = emb_out is not None and emb_out.weight is emb_in.weight
     prefix = getattr(model, "base_model_prefix", "") or ""
-    return in_names, out_names, tied, prefix
+    shapes = {"input": tuple(emb_in.weight.shape), "output": None if emb_out is None else tuple(emb_out.weight.shape)}
+    return in_names, out_names, tied, prefix, shapes
 
 
 class _Weights:
@@ -92,7 +96,10 @@ class _Weights:
         else:
             raise DataError(f"{ckpt} holds no model.safetensors or pytorch_model.bin")
 
-    def find(self, names: list[str], prefix: str) -> str | None:
+    def find(self, names: list[str], prefix: str, shape=None, aliases=(), exclude=None) -> str | None:
+        """The checkpoint key of a parameter: its name (with or without the base-model prefix), else
+        a known alias with the same shape (checkpoints may name it differently, e.g. Pythia's
+        ``embed_out.weight`` for ``lm_head.weight``)."""
         for n in names:
             cands = [n]
             if prefix and n.startswith(prefix + "."):
@@ -102,7 +109,18 @@ class _Weights:
             for c in cands:
                 if c in self.files:
                     return c
-        return None
+        hits = [k for k in self.files if k != exclude and any(k == a or k.endswith("." + a) for a in aliases)
+                and (shape is None or self.shape(k) == tuple(shape))]
+        return hits[0] if len(hits) == 1 else None
+
+    def shape(self, key: str) -> tuple:
+        f = self.files[key]
+        if f.suffix == ".bin":
+            return tuple(self._bin[key].shape)
+        from safetensors import safe_open
+
+        with safe_open(f, framework="pt") as fh:
+            return tuple(fh.get_slice(key).get_shape())
 
     def get(self, key: str) -> np.ndarray:
         f = self.files[key]
@@ -126,12 +144,15 @@ def embedding_isotropy(src: SourceInfo) -> tuple[dict | None, str]:
     """(embeddings section of the report, "") or (None, why it is null)."""
     if src.kind != "run":
         return None, "an array has no model checkpoint"
-    ident = getattr(src.run_obj, "identity", {}) or {}
-    ckpt = find_checkpoint(src.model, ident)
+    ident = dict(getattr(src.run_obj, "identity", {}) or {})
+    manifest = getattr(src.run_obj, "manifest", {}) or {}
+    source = manifest.get("model_source") if isinstance(manifest.get("model_source"), dict) else {}
+    ckpt = find_checkpoint({**(ident.get("model") or {}), **{k: v for k, v in source.items() if k == "path"}},
+                           ident)
     if ckpt is None:
         return None, "the model checkpoint recorded in the manifest is not at hand (no local directory or cache)"
     try:
-        in_names, out_names, tied, prefix = _param_names(ckpt)
+        in_names, out_names, tied, prefix, shapes = _param_names(ckpt)
         weights = _Weights(ckpt)
         k_in = weights.find(in_names, prefix)
         if k_in is None:
@@ -139,7 +160,8 @@ def embedding_isotropy(src: SourceInfo) -> tuple[dict | None, str]:
         w_in = weights.get(k_in)
         out = {"input": _iso(w_in), "output": None, "tied": bool(tied), "checkpoint": str(ckpt),
                "input_key": k_in, "output_key": None, "note": ""}
-        k_out = weights.find(out_names, prefix) if out_names else None
+        k_out = (weights.find(out_names, prefix, shapes["output"], OUTPUT_ALIASES, exclude=k_in)
+                 if out_names else None)
         if tied or k_out == k_in:
             out["tied"] = True
             out["output"] = dict(out["input"])
