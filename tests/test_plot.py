@@ -67,8 +67,17 @@ def test_read_report_rejects_bad_files(tmp_path, content, match):
 def test_read_report_missing_and_directory(tmp_path):
     with pytest.raises(InputError, match="not found"):
         read_report(tmp_path / "nope.json")
-    with pytest.raises(InputError, match="is a directory"):
-        read_report(tmp_path)
+    with pytest.raises(InputError, match="not found"):
+        read_report(tmp_path)  # a directory without report.json
+    write_report(tmp_path / "report.json", make_report(**SMALL))  # `geomscope score --out DIR/` layout
+    assert read_report(tmp_path)["layers"][0]["layer"] == "layer_00"
+
+
+def test_read_report_refuses_newer_format(tmp_path):
+    rep = make_report(**SMALL)
+    rep["format_version"] = 2
+    with pytest.raises(InputError, match="format_version 2"):
+        read_report(write_report(tmp_path / "r.json", rep))
 
 
 @pytest.mark.parametrize(
@@ -150,6 +159,22 @@ def test_layers_metrics_choice_and_null_values():
     assert axes[2].get_title() == "top-5 variance share"
     y = axes[1].get_lines()[0].get_ydata()
     assert np.isnan(y[2]) and np.isfinite(np.delete(y, 2)).all()
+
+
+def test_layers_titles_follow_the_estimator_params():
+    a = make_report(**SMALL)
+    a["params"]["twonn_fit"] = "mle"
+    a["params"]["uncertainty"]["id_mle"] = "decimation into 5 parts"
+    for lay in a["layers"]:
+        lay["id_mle"], lay["se"]["id_mle"] = 12.0, 0.5
+        lay["dropped"] = {"nonfinite": 0, "special": 3, "not_sampled": 0}
+    assert "dropped" not in available_metrics([a]) and "id_mle" in available_metrics([a])
+    fig = plot_layers([a], ["twonn", "id_mle"])
+    axes = _panels(fig)
+    assert axes[0].get_title() == "TwoNN intrinsic dimension\n(MLE, sample 2000)"
+    assert axes[1].get_title() == "mle intrinsic dimension (sample 2000)"
+    assert "mle intrinsic dimension: decimation into 5 parts" in fig.get_supxlabel()
+    assert "moment metrics" not in fig.get_supxlabel()
 
 
 def test_layers_without_se_draws_no_errorbars():
@@ -253,9 +278,21 @@ def test_outlier_heatmap_shape_topk_and_marks():
     # default colouring: statistic relative to its layer's mean over all D dimensions
     full = np.asarray(a["layers"][3]["outlier_statistic"])
     np.testing.assert_allclose(im.get_array()[3], full[dims] / full.mean())
-    assert "statistic / layer mean" in _colorbars(fig)[0]._colorbar.ax.get_ylabel()
-    assert "rule=variance, threshold=5" in _colorbars(fig)[0]._colorbar.ax.get_ylabel()
+    cax = _colorbars(fig)[0]
+    assert "variance / layer mean" in cax.get_ylabel() and "rule=variance, threshold=5" in cax.get_ylabel()
+    assert [ln.get_ydata()[0] for ln in cax.get_lines()] == [5.0, 5.0]  # the rule's k on the colorbar
     np.testing.assert_allclose(stat[3], full[dims])
+
+
+def test_outlier_magnitude_rule_is_drawn_raw():
+    a = make_report(n_layers=3, hidden=16)
+    a["params"].update(outlier_rule="magnitude", outlier_threshold=6.0)
+    for lay in a["layers"]:
+        lay["outlier_statistic"] = [min(1.0, v / 10) for v in lay["outlier_statistic"]]
+    fig = plot_outliers([a])
+    im = [c for c in _panels(fig)[0].get_children() if isinstance(c, AxesImage)][0]
+    np.testing.assert_allclose(im.get_array()[2], a["layers"][2]["outlier_statistic"])
+    assert _colorbars(fig)[0].get_ylabel().startswith("fraction of tokens over threshold\n(rule=magnitude")
 
 
 def test_outlier_heatmap_small_d_shows_all_dims_raw():

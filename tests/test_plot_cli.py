@@ -146,7 +146,7 @@ def test_training_logs_are_delegated(cli, tmp_path, monkeypatch, reports):
     code, stdout, err = cli(["plot", run, "--out", f"{tmp_path}/figs/", "--json", *FAST])
     assert code == 0, err
     assert json.loads(stdout) == {"figures": [str(tmp_path / "figs" / "training.png")], "kinds": ["training"]}
-    assert calls == [([str(run)], str(tmp_path / "figs" / "training.png"))]
+    assert calls == [([str(run)], "None")]  # the figure comes back; plot writes it atomically
     assert (tmp_path / "figs" / "training.png").read_bytes().startswith(b"\x89PNG")
     # mixing a training log with a score report, or asking a report kind of a log, is refused
     code, out, err = cli(["plot", run, reports[0], "--out", tmp_path / "x.png"])
@@ -164,3 +164,15 @@ def test_training_logs_without_the_training_plotter(cli, tmp_path, monkeypatch):
     code, out, err = cli(["plot", run, "--out", tmp_path / "t.png"])
     _one_line_error(code, out, err, "geomscope.plot.training")
     assert not (tmp_path / "t.png").exists()
+
+
+def test_training_log_with_the_real_plotter(cli, tmp_path):
+    run = tmp_path / "istar"
+    run.mkdir()
+    (run / "steps.jsonl").write_text("".join(
+        json.dumps({"step": s, "epoch": 0, "task_loss": 1.0 / s, "penalty": 0.5, "isoscore_star": 0.4}) + "\n"
+        for s in range(1, 6)))
+    code, stdout, err = cli(["plot", run / "steps.jsonl", "--out", tmp_path / "train.svg", "--json", *FAST])
+    assert code == 0, err
+    assert json.loads(stdout)["kinds"] == ["training"]
+    assert (tmp_path / "train.svg").read_bytes().startswith(b"<?xml")

@@ -6,20 +6,18 @@ A *report* here is the dict of a score report JSON (``/tmp/team/REPORT_SCHEMA.md
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 from collections.abc import Sequence
 
 from geomscope.errors import InputError
-
-REPORT_FORMAT = "geomscope-report"
+from geomscope.report import load_report
 
 #: per-layer keys that are not metrics (counts, identity, bookkeeping)
 NON_METRIC_KEYS = frozenset(
     {"layer", "index", "n_rows", "twonn_n_used", "twonn_duplicates_removed", "outliers", "se",
-     "eigenvalues", "outlier_statistic", "flags", "notes"}
+     "eigenvalues", "outlier_statistic", "outlier_support", "dropped", "flags", "notes"}
 )
 
 #: the metrics drawn when the user names none (those present in the reports, in this order)
@@ -29,33 +27,14 @@ _STEP_RE = re.compile(r"^(?:step|checkpoint)[_-]?(\d+)$", re.IGNORECASE)
 
 
 def read_report(path: str | os.PathLike) -> dict:
-    """Load one score report JSON and check that it is one (``format == "geomscope-report"``).
+    """Load one score report with :func:`geomscope.report.load_report` (a report JSON, or a directory
+    holding ``report.json``) and check that it has named layers to plot.
 
-    Uses :func:`geomscope.report.load_report` when the report module is installed, else reads the
-    JSON here.  Raises :class:`InputError` with one line for a missing file, a directory, corrupt
-    JSON or a JSON document that is not a geomscope report.
+    Raises :class:`InputError` with one line for a missing file, corrupt JSON, a JSON document that
+    is not a geomscope report, or a report without layers.  The path is kept under ``"_path"``.
     """
     p = os.fspath(path)
-    if not os.path.exists(p):
-        raise InputError(f"report not found: {p}")
-    if os.path.isdir(p):
-        raise InputError(f"{p} is a directory; give the report JSON file written by `geomscope score`")
-    try:
-        from geomscope.report import load_report
-    except ImportError:
-        load_report = None
-    if load_report is not None:
-        rep = load_report(p)
-    else:
-        try:
-            with open(p, encoding="utf-8") as fh:
-                rep = json.load(fh)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise InputError(f"{p} is not valid JSON ({e.__class__.__name__}: {e}); "
-                             "give a report written by `geomscope score`") from None
-    if not isinstance(rep, dict) or rep.get("format") != REPORT_FORMAT:
-        raise InputError(f"{p} is not a geomscope report (no \"format\": \"{REPORT_FORMAT}\"); "
-                         "give a report written by `geomscope score`")
+    rep = load_report(p)
     if not isinstance(rep.get("layers"), list) or not rep["layers"]:
         raise InputError(f"{p} is a geomscope report without layers; rescore the run")
     for i, lay in enumerate(rep["layers"]):

@@ -105,6 +105,8 @@ def metric_name(metric: str) -> str:
     """Human name of a metric (without parameters)."""
     if metric in _NAMES:
         return _NAMES[metric]
+    if metric.startswith("id_") and len(metric) > 3:
+        return f"{metric[3:]} intrinsic dimension"
     if metric.startswith("top") and metric.endswith("_share") and metric[3:-6].isdigit():
         return f"top-{metric[3:-6]} variance share"
     return metric
@@ -119,11 +121,13 @@ def metric_variant(metric: str, params: dict | None) -> str:
             parts.append(f"ζ={float(p['zeta']):g}")
         if p.get("target") is not None:
             parts.append(f"target={_short_target(p['target'])}")
-    elif metric == "twonn":
-        est = p.get("id_estimator")
-        if est and est != "twonn":
-            parts.append(str(est))
-        if p.get("discard_fraction") is not None:
+    elif metric == "twonn" or metric.startswith("id_"):
+        fit = p.get("twonn_fit") if metric == "twonn" else None
+        if fit == "mle":
+            parts.append("MLE")
+        elif fit is not None:
+            parts.append(f"{fit} fit")
+        if metric == "twonn" and fit != "mle" and p.get("discard_fraction") is not None:
             parts.append(f"discard {_pct(p['discard_fraction'])}")
         if p.get("id_sample") is not None:
             parts.append(f"sample {p['id_sample']}")
@@ -136,18 +140,23 @@ def metric_title(metric: str, params: dict | None) -> str:
     return wrap_title(f"{metric_name(metric)} ({var})" if var else metric_name(metric))
 
 
+def _is_id(metric: str) -> bool:
+    return metric == "twonn" or metric.startswith("id_")
+
+
 def uncertainty_caption(reports: Sequence[dict], metrics: Sequence[str]) -> str:
-    """One caption line saying what the error bars are, from ``params.uncertainty``."""
+    """One caption line saying what the error bars are, from ``params.uncertainty`` (key
+    ``moments`` for the moment-based metrics, the metric's own key for intrinsic dimensions)."""
     methods = []
     for rep in reports:
         unc = (rep.get("params") or {}).get("uncertainty") or {}
-        for key in ("moments", "twonn"):
-            if key == "twonn" and "twonn" not in metrics:
-                continue
-            if key == "moments" and not any(m != "twonn" for m in metrics):
-                continue
+        keys = (["moments"] if any(not _is_id(m) for m in metrics) else []) + [m for m in metrics if _is_id(m)]
+        for key in keys:
             if unc.get(key):
-                text = f"{'TwoNN' if key == 'twonn' else 'moment metrics'}: {unc[key]}"
+                name = "moment metrics" if key == "moments" else metric_name(key).split(" (")[0]
+                if key == "twonn":
+                    name = "TwoNN"
+                text = f"{name}: {unc[key]}"
                 if text not in methods:
                     methods.append(text)
     body = "; ".join(methods) if methods else "method not recorded in the report"

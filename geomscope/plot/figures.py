@@ -182,7 +182,7 @@ def plot_files(
             raise InputError(f"input not found: {p}")
     logs = [looks_like_training_log(p) for p in inputs]
     if any(logs):
-        figs = _training_figures(inputs, logs, kinds, out_path, to_dir, fmt)
+        figs = _training_figures(inputs, logs, kinds)
     else:
         reports = [read_report(p) for p in inputs]
         figs = make_figures(reports, kinds, single=not to_dir, metrics=metrics, layers=layers,
@@ -198,7 +198,7 @@ def plot_files(
     return written
 
 
-def _training_figures(inputs, logs, kinds, out_path: Path, to_dir: bool, fmt: str) -> dict[str, Figure]:
+def _training_figures(inputs, logs, kinds) -> dict[str, Figure]:
     if not all(logs):
         first = next(p for p, is_log in zip(inputs, logs, strict=True) if not is_log)
         raise InputError(f"cannot mix training logs and score reports in one plot ({first} is not a training "
@@ -210,6 +210,5 @@ def _training_figures(inputs, logs, kinds, out_path: Path, to_dir: bool, fmt: st
     if mod is None:
         raise GeomscopeError("plotting training logs needs geomscope.plot.training, which this install lacks; "
                              "update geomscope")
-    target = out_path / f"training.{fmt}" if to_dir else out_path
-    target.parent.mkdir(parents=True, exist_ok=True)
-    return {"training": mod.plot_training_log([str(p) for p in inputs], target)}
+    # out=None: the figure comes back and is written here, atomically, like every other kind
+    return {"training": mod.plot_training_log([str(p) for p in inputs], None)}

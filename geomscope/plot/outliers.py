@@ -60,6 +60,18 @@ def outlier_matrix(
     return shown, [lay["layer"] for _, lay in rows], dims, flagged_full[:, dims]
 
 
+_STAT_NAMES = {"variance": "variance", "zscore": "statistic", "quantile": "median |x_d|",
+               "magnitude": "fraction of tokens over threshold"}
+
+
+def _relative_for(rep: dict, relative: bool | None) -> bool:
+    """Per-layer normalisation: as asked, else on except for the ``magnitude`` rule (whose statistic,
+    a fraction of tokens, is already comparable across layers)."""
+    if relative is not None:
+        return relative
+    return (rep.get("params") or {}).get("outlier_rule") != "magnitude"
+
+
 def _rule_text(params: dict | None) -> str:
     p = params or {}
     rule, thr = p.get("outlier_rule"), p.get("outlier_threshold")
@@ -74,14 +86,15 @@ def plot_outliers(
     layers: Sequence[str] | None = None,
     labels: Sequence[str] | None = None,
     top_k: int | None = 40,
-    relative: bool = True,
+    relative: bool | None = None,
 ) -> Figure:
     """Heat map of ``layers[].outlier_statistic`` (rows: layers, columns: dimensions), one panel per
     report, with the dimensions in ``layers[].outliers`` marked by a dot.  When the hidden size
-    exceeds ``top_k`` only the top-K dimensions are shown, and the panel title says so.  By default
-    (``relative``) each layer's statistic is divided by its mean over all dimensions, so layers of
-    different scale share one colour scale; raw values get a log colour scale when positive and
-    spanning more than two decades.
+    exceeds ``top_k`` only the top-K dimensions are shown, and the panel title says so.  With
+    ``relative`` (default: every rule but ``magnitude``) each layer's statistic is divided by its
+    mean over all dimensions, so layers of different scale share one colour scale (for the
+    ``variance`` rule the threshold k is marked on the colorbar); raw values get a log colour scale
+    when positive and spanning more than two decades.
     """
     reports = select_layers(reports, layers)
     missing = [report_name(r) for r in reports if not has_outlier_statistic(r)]
@@ -90,12 +103,13 @@ def plot_outliers(
     if top_k is not None and top_k < 1:
         raise InputError(f"--top-k must be at least 1, got {top_k}")
     labels = list(labels) if labels is not None else report_labels(reports)
-    mats = [outlier_matrix(r, top_k, relative=relative) for r in reports]
+    rel = [_relative_for(r, relative) for r in reports]
+    mats = [outlier_matrix(r, top_k, relative=q) for r, q in zip(reports, rel, strict=True)]
     width = min(13.0, max(6.0, 0.2 * max(m[2].size for m in mats) + 3.0))
     heights = [max(1.6, 0.24 * m[0].shape[0] + 1.3) for m in mats]
     fig = new_figure(width, sum(heights) + 0.7)
     axes = fig.subplots(len(reports), 1, squeeze=False, height_ratios=heights)[:, 0]
-    for ax, rep, lab, (stat, names, dims, flagged) in zip(axes, reports, labels, mats, strict=True):
+    for ax, rep, lab, relative, (stat, names, dims, flagged) in zip(axes, reports, labels, rel, mats, strict=True):
         finite = stat[np.isfinite(stat)]
         pos = finite[finite > 0]
         if not relative and finite.size and pos.size == finite.size and finite.max() / finite.min() > 100:
@@ -117,8 +131,15 @@ def plot_outliers(
             else f"all {d_total} dimensions"
         ax.set_title(f"{lab}: {shown}")
         cbar = fig.colorbar(im, ax=ax, pad=0.01, fraction=0.04)
-        what = "statistic / layer mean" if relative else "outlier statistic"
-        cbar.set_label(f"{what}\n({_rule_text(rep.get('params'))})", fontsize=8)
+        params = rep.get("params") or {}
+        stat_name = _STAT_NAMES.get(params.get("outlier_rule"), "outlier statistic")
+        what = f"{stat_name} / layer mean" if relative else stat_name
+        cbar.set_label(f"{what}\n({_rule_text(params)})", fontsize=8)
+        thr = params.get("outlier_threshold")
+        if relative and params.get("outlier_rule") == "variance" and thr is not None \
+                and norm.vmin <= float(thr) <= norm.vmax:
+            cbar.ax.axhline(float(thr), color="white", linewidth=1.2)
+            cbar.ax.axhline(float(thr), color="black", linewidth=0.6, linestyle="--")
     marker = Line2D([], [], linestyle="none", marker="o", markerfacecolor="white", markeredgecolor="black",
                     markersize=5, label="flagged outlier dimension")
     fig.legend(handles=[marker], loc="outside lower right", frameon=False)
