@@ -10,11 +10,13 @@ Every estimator validates X the same way (rows are points (N, D); finite; D >= 2
 * ``twonn``: geomscope's exact, duplicate-safe TwoNN (:mod:`geomscope.metrics.twonn`).
 * the others wrap scikit-dimension 0.5.0 (``skdim.id.<Class>(**params).fit(X).dimension_``) on the
   de-duplicated points. ESS and PH are left out (about a minute for 1,000 points), KNN too (it
-  returned 1-2 on a 5-d Gaussian).
+  returned 1-2 on a 5-d Gaussian). Estimators with a ``random_state`` get ``seed`` (0 when None), so
+  every result is reproducible.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -103,8 +105,11 @@ class SkdimEstimator(_Base):
         a, n_points, removed, sub = prepare_points(X, self.dedup, self.max_points, self.seed,
                                                    self.expect_dim, self.allow_wide)
         cls = getattr(skdim.id, SKDIM_ESTIMATORS[self.name])
+        kw = dict(self.params)
+        if "random_state" in inspect.signature(cls.__init__).parameters and "random_state" not in kw:
+            kw["random_state"] = 0 if self.seed is None else self.seed  # deterministic by default
         try:
-            est = cls(**self.params)
+            est = cls(**kw)
         except TypeError as e:
             raise InputError(f"bad parameter for {self.name} (skdim.id.{cls.__name__}): {e}") from None
         try:
@@ -115,7 +120,7 @@ class SkdimEstimator(_Base):
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise DataError(f"{self.name} (skdim.id.{cls.__name__}) failed on these points: {msg}; "
                             "try more points or another estimator") from None
-        params = {**self.params, "dedup": self.dedup, "max_points": self.max_points, "seed": self.seed,
+        params = {**kw, "dedup": self.dedup, "max_points": self.max_points, "seed": self.seed,
                   "implementation": f"skdim.id.{cls.__name__}"}
         return self._finish(IDResult(float(est.dimension_), self.name, n_points, int(a.shape[0]), removed,
                                      params, {"subsampled_from": sub}))
