@@ -262,6 +262,24 @@ def test_twonn_on_seeded_sample_with_duplicates(tmp_path):
         assert e["se"]["twonn"] > 0
         assert rep["params"]["duplicates_removed"][e["layer"]] == ref.n_duplicates_removed
     assert "decimation" in rep["params"]["uncertainty"]["twonn"]
+    assert "moments" not in rep["params"]["uncertainty"]
+
+
+def test_more_id_estimators(run):
+    from geomscope.metrics.intrinsic import estimate_id
+    from geomscope.report import LAYER_KEYS
+
+    d, data = run
+    rep = score(d, ScoreOptions(metrics=("mle",), id_estimator=("lpca",), id_sample=200, seed=2, layers=("1",)))
+    assert rep["params"]["id_estimator"] == "mle,lpca" and "twonn" not in rep["params"]["metrics"]
+    order = np.argsort(row_hash(data["keys"], 2, STREAM_ID_SAMPLE))[:200]
+    for e in rep["layers"]:
+        assert tuple(e) == (*LAYER_KEYS, "id_mle", "id_lpca")
+        S = data["X"][e["layer"]][order].astype(np.float32)
+        _close(e["id_mle"], estimate_id(S, "mle").dimension, 1e-9)
+        _close(e["id_lpca"], estimate_id(S, "lpca").dimension, 1e-9)
+        assert e["twonn"] is None and e["se"]["id_mle"] > 0
+    assert "decimation" in rep["params"]["uncertainty"]["id_mle"]
 
 
 def test_shrinkage_targets(tmp_path, run):

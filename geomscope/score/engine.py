@@ -207,9 +207,11 @@ class _Scorer:
 
         o, src = self.opts, self.src
         dup = {e["layer"]: e["twonn_duplicates_removed"] for e in layers}
-        unc = {"moments": (f"delete-one-group jackknife over {self.G} "
-                           + ("document groups (doc_id % G)" if src.kind == "run" else "contiguous row blocks")
-                           if self.G >= 2 else "none (--jackknife-groups 0)")}
+        unc = {}
+        if o.moment_metrics:
+            unc["moments"] = (f"delete-one-group jackknife over {self.G} "
+                              + ("document groups (doc_id % G)" if src.kind == "run" else "contiguous row blocks")
+                              if self.G >= 2 else "none (--jackknife-groups 0)")
         if o.id_names:
             unc.update(idest.uncertainty_methods(o))
         return {
