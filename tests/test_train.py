@@ -85,6 +85,20 @@ def test_cosreg_equals_mean_pairwise_cosine_over_n_squared():
     assert torch.allclose(R, (G.sum() - G.diagonal().sum()) / n**2, atol=1e-12)
 
 
+def test_scatter_backward_and_fp32_penalty():
+    from geomscope.train.regularizers import _Scatter
+
+    x = torch.randn(9, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(_Scatter.apply, (x,))
+    hs, mask = _hidden(B=8, T=9, D=6)
+    p64 = IStar([1, 2], 0.2)(hs, mask)[0]
+    g64 = torch.autograd.grad(p64, hs[1])[0]
+    p32 = IStar([1, 2], 0.2, dtype=torch.float32)(hs, mask)[0]
+    g32 = torch.autograd.grad(p32, hs[1])[0]
+    assert p32.dtype == torch.float64 and abs(float(p32 - p64)) < 1e-5
+    assert torch.allclose(g32, g64, atol=1e-5 * float(g64.abs().max()))
+
+
 def test_batch_covariance_is_stable_under_a_large_offset():
     X = torch.randn(500, 4, generator=torch.Generator().manual_seed(0)).double() + 1e7
     C = batch_covariance(X)

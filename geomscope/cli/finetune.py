@@ -47,6 +47,10 @@ def finetune_cmd(
     seed: int = typer.Option(0, "--seed", help="Seed for the head, shuffling and dropout."),
     precision: str = typer.Option("fp32", "--precision", help="fp32 | fp16 (CUDA) | bf16 (autocast)."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
+    penalty_precision: str = typer.Option(
+        "fp64", "--penalty-precision",
+        help="I-STAR batch covariance arithmetic: fp64 (exact) or fp32 (centred rows, about half the cost; "
+             "for GPUs with slow float64)."),
     include_padding: bool = typer.Option(False, "--include-padding",
                                          help="Count padding positions in the penalties (the official code's "
                                               "behaviour); default: excluded by the attention mask."),
@@ -70,7 +74,8 @@ def finetune_cmd(
         model=model_path, train=str(train), eval=str(eval_), out=str(out), reg=reg.lower(), lam=lam,
         zeta=zeta, c0_points=c0_points, layers=layers, epochs=epochs, lr=lr, batch_size=batch_size,
         max_length=max_length, seed=seed, precision=precision.lower(), device=device.lower(),
-        include_padding=include_padding, text_field=text_field, text_field_2=text_field_2,
+        include_padding=include_padding, penalty_precision=penalty_precision.lower(), text_field=text_field,
+        text_field_2=text_field_2,
         label_field=label_field, resume=resume, extra={"model_arg": model, "model_info": model_info},
     )
     summary = finetune(cfg, quiet=quiet, note=lambda msg: print(msg, file=sys.stderr))

