@@ -1,0 +1,98 @@
+"""Tokenizing a shard's documents, ordering them by length and cutting batches by a token budget.
+
+Within a shard, documents are processed -- and their rows stored -- in descending token length, ties
+broken by ascending ``doc_id``.  That order depends only on the documents, never on the batch size,
+so the stored rows are identical whatever ``batch_tokens`` is.  A batch takes consecutive documents
+of that order while ``n_docs x longest <= batch_tokens`` (a document longer than the budget gets a
+batch of its own), so padding is small and the padded size of every batch is bounded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Doc:
+    """One tokenized document: its id, token ids and special-token flags (both (n,))."""
+
+    doc_id: int
+    ids: np.ndarray
+    special: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def tokenize(tokenizer, items: list[tuple[int, str]], max_length: int | None) -> list[Doc]:
+    """Tokenize ``(doc_id, text)`` pairs with the model's special tokens, truncating to ``max_length``."""
+    if not items:
+        return []
+    texts = [t for _, t in items]
+    kw = {"truncation": True, "max_length": max_length} if max_length else {"truncation": False}
+    enc = tokenizer(texts, add_special_tokens=True, return_special_tokens_mask=True, return_attention_mask=False,
+                    return_token_type_ids=False, **kw)
+    docs = []
+    for (doc_id, _), ids, special in zip(items, enc["input_ids"], enc["special_tokens_mask"], strict=True):
+        docs.append(Doc(doc_id, np.asarray(ids, dtype=np.int64), np.asarray(special, dtype=bool)))
+    return docs
+
+
+def length_order(docs: list[Doc]) -> list[Doc]:
+    """Descending length, ties by ascending doc id (the stored row order within a shard)."""
+    return sorted(docs, key=lambda d: (-len(d), d.doc_id))
+
+
+def plan_batches(docs: list[Doc], batch_tokens: int) -> list[list[Doc]]:
+    """Cut length-ordered docs into batches with ``len(batch) * longest <= batch_tokens``."""
+    batches: list[list[Doc]] = []
+    cur: list[Doc] = []
+    width = 0
+    for d in docs:
+        n = max(1, len(d))
+        if cur and (len(cur) + 1) * max(width, n) > batch_tokens:
+            batches.append(cur)
+            cur, width = [], 0
+        cur.append(d)
+        width = max(width, n)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def pad_right(docs: list[Doc], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(input_ids, attention_mask)`` (B, T) int64, real tokens first, padding on the right.
+
+    Right padding keeps every model's default positions (0, 1, ... for the real tokens) and, in causal
+    models, keeps padding out of every real token's context; so the rows do not depend on the
+    tokenizer's configured padding side.
+    """
+    width = max(len(d) for d in docs)
+    ids = np.full((len(docs), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(docs), width), dtype=np.int64)
+    for b, d in enumerate(docs):
+        ids[b, : len(d)] = d.ids
+        mask[b, : len(d)] = 1
+    return ids, mask
+
+
+def row_meta(docs: list[Doc], *, decoder_start: int | None = None) -> dict[str, np.ndarray]:
+    """Per-row ``token_id``, ``doc_id``, ``position``, ``is_special`` in the batch's row order.
+
+    Row order = the attention mask's real positions in row-major (document, position) order.  With
+    ``decoder_start`` (the decoder stack of an encoder-decoder model) the token of each row is the
+    decoder's input there: the start token, then the document shifted right by one.
+    """
+    if decoder_start is None:
+        token_id = np.concatenate([d.ids for d in docs])
+        special = np.concatenate([d.special for d in docs])
+    else:
+        token_id = np.concatenate([np.concatenate([[decoder_start], d.ids[:-1]]).astype(np.int64) for d in docs])
+        special = np.concatenate([np.concatenate([[True], d.special[:-1]]).astype(bool) for d in docs])
+    lengths = np.array([len(d) for d in docs])
+    doc_id = np.repeat(np.array([d.doc_id for d in docs], dtype=np.int64), lengths)
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    position = np.arange(int(lengths.sum()), dtype=np.int64) - starts
+    return {"token_id": token_id, "doc_id": doc_id, "position": position, "is_special": special}

@@ -1,0 +1,64 @@
+"""Running one batch and keeping the real-token rows of the requested hidden states.
+
+Rows are the positions where the attention mask is 1, in row-major (document, position) order --
+never chosen by comparing token ids (GPT-2's pad token is its eos; a pad id may be 0; a document may
+contain the pad token as text).  On the CPU the selected rows are gathered and cast to the store
+dtype in numpy (single pass, no thread-pool overhead); on an accelerator they are gathered and cast
+there and only the rows in the store dtype are copied to the host.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from geomscope.extract.batching import Doc, pad_right, row_meta
+
+
+class Capture:
+    """``capture(docs) -> (layers, meta)``: ``layers[name]`` (rows, D) in the store dtype, ``meta`` per row."""
+
+    def __init__(self, lm, layers: list[dict], store_dtype: str):
+        import torch
+
+        self.lm = lm
+        self.indices = [int(la["index"]) for la in layers]
+        self.names = [la["name"] for la in layers]
+        self.np_dtype = np.dtype(store_dtype)
+        self.torch_dtype = getattr(torch, store_dtype)
+        tok = lm.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.pad_id = int(pad) if pad is not None else 0  # masked out: its value never matters
+        self.on_cpu = lm.device.type == "cpu"
+        # an "all layers" selection is cheaper as a flag than as a list
+        self.wanted = None if self.indices == list(range(lm.n_hidden_states)) else self.indices
+        self.batches = 0
+
+    def __call__(self, docs: list[Doc]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        import torch
+
+        ids, mask = pad_right(docs, self.pad_id)
+        flat = np.flatnonzero(mask.reshape(-1))
+        dev = self.lm.device
+        with torch.inference_mode():
+            t_ids = torch.from_numpy(ids).to(dev, non_blocking=True)
+            t_mask = torch.from_numpy(mask).to(dev, non_blocking=True)
+            hs = self.lm.hidden_states(t_ids, t_mask, self.wanted)
+            if self.wanted is None:
+                hs = [hs[i] for i in self.indices]
+            out = {}
+            if self.on_cpu:
+                for name, h in zip(self.names, hs, strict=True):
+                    h2 = h.reshape(-1, h.shape[-1])
+                    if h2.dtype == torch.bfloat16:  # numpy has no bfloat16
+                        h2 = h2.float()
+                    rows = np.take(h2.numpy(), flat, axis=0)
+                    with np.errstate(over="ignore", invalid="ignore"):
+                        out[name] = rows.astype(self.np_dtype, copy=False)
+            else:
+                idx = torch.from_numpy(flat).to(dev)
+                for name, h in zip(self.names, hs, strict=True):
+                    rows = h.reshape(-1, h.shape[-1]).index_select(0, idx).to(self.torch_dtype)
+                    out[name] = rows.cpu().numpy()
+        self.batches += 1
+        start = self.lm.decoder_start_token_id if self.lm.stack == "decoder" else None
+        return out, row_meta(docs, decoder_start=start)

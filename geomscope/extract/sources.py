@@ -1,0 +1,289 @@
+"""Text inputs: files, JSON lines, CSV/TSV, ``datasets.save_to_disk`` directories and stdin.
+
+Every input is a sequence of *records*; each record is one document's text.  Records of several
+inputs are numbered in order, across inputs, from 0: that number is the ``doc_id`` stored with
+every row, so a row maps back to its source (``inputs[i].first_doc_id`` + record number).
+
+- ``*.txt`` and any other file: one document per line (UTF-8; the line break is not part of it);
+- ``*.jsonl`` / ``*.ndjson`` / ``*.json``: one JSON object per line, the text in ``text_field``
+  (dotted for nesting: ``meta.body``); blank lines are not records; ``null`` is an empty document;
+- ``*.csv`` / ``*.tsv``: a header row, the text in ``text_column``;
+- a directory written by ``datasets.save_to_disk`` (one split): the text in ``text_field``;
+- ``-``: standard input, one document per line (spooled to a temporary file so it can be hashed
+  and read twice).
+``.gz`` files are read decompressed.  Documents whose text is empty or only whitespace are skipped
+(and counted) by the extraction.  Nothing is held in memory beyond the current record.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import hashlib
+import io
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from geomscope.errors import InputError
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+CSV_SUFFIXES = {".csv": ",", ".tsv": "\t", ".tab": "\t"}
+
+
+@dataclass
+class InputFile:
+    """One input: what the user gave, where it is, what kind, its content hash."""
+
+    arg: str
+    path: Path
+    kind: str  # "text" | "jsonl" | "csv" | "tsv" | "dataset" | "stdin"
+    gzip: bool = False
+    sha256: str | None = None
+    bytes: int = 0
+    first_doc_id: int = 0
+    records: int = 0
+
+    def identity(self) -> dict:
+        return {"path": "-" if self.kind == "stdin" else str(self.path), "kind": self.kind, "sha256": self.sha256,
+                "bytes": self.bytes}
+
+
+def _kind_of(path: Path) -> tuple[str, bool]:
+    name = path.name.lower()
+    gz = name.endswith(".gz")
+    if gz:
+        name = name[:-3]
+    suffix = os.path.splitext(name)[1]
+    if suffix in JSONL_SUFFIXES:
+        return "jsonl", gz
+    if suffix in CSV_SUFFIXES:
+        return ("csv" if CSV_SUFFIXES[suffix] == "," else "tsv"), gz
+    return "text", gz
+
+
+def _is_dataset_dir(path: Path) -> bool:
+    return any((path / n).exists() for n in ("dataset_info.json", "state.json", "dataset_dict.json"))
+
+
+def open_inputs(args: list[str], *, stdin=None) -> list[InputFile]:
+    """Check that every input exists and is readable, decide its kind; spool ``-`` to a temp file."""
+    if not args:
+        raise InputError("no input given; pass text files, .jsonl, .csv/.tsv, a saved dataset directory, or -")
+    out = []
+    for a in args:
+        a = str(a)
+        if a == "-":
+            out.append(_spool_stdin(stdin))
+            continue
+        p = Path(a).expanduser()
+        if not p.exists():
+            raise InputError(f"input {a} does not exist; check the path")
+        if p.is_dir():
+            if not _is_dataset_dir(p):
+                raise InputError(f"input {a} is a directory but not a dataset saved by datasets.save_to_disk; "
+                                 "give text files or a saved dataset directory")
+            out.append(InputFile(arg=a, path=p.resolve(), kind="dataset"))
+            continue
+        if not os.access(p, os.R_OK):
+            raise InputError(f"input {a} is not readable (permission denied); fix its permissions")
+        try:
+            with open(p, "rb") as f:
+                f.read(1)
+        except OSError as e:
+            raise InputError(f"input {a} cannot be read ({e.strerror or e}); check the file") from e
+        kind, gz = _kind_of(p)
+        out.append(InputFile(arg=a, path=p.resolve(), kind=kind, gzip=gz))
+    return out
+
+
+def _spool_stdin(stdin) -> InputFile:
+    src = stdin if stdin is not None else sys.stdin
+    buf = getattr(src, "buffer", None)
+    fd, name = tempfile.mkstemp(prefix="geomscope-stdin-", suffix=".txt")
+    with os.fdopen(fd, "wb") as f:
+        while True:
+            chunk = buf.read(1 << 20) if buf is not None else src.read(1 << 20)
+            if not chunk:
+                break
+            f.write(chunk.encode("utf-8") if isinstance(chunk, str) else chunk)
+    return InputFile(arg="-", path=Path(name), kind="stdin")
+
+
+def close_inputs(inputs: list[InputFile]) -> None:
+    """Remove the temporary copy of stdin, if any."""
+    for inp in inputs:
+        if inp.kind == "stdin":
+            try:
+                inp.path.unlink()
+            except OSError:
+                pass
+
+
+def hash_input(inp: InputFile) -> None:
+    """Set ``inp.sha256`` and ``inp.bytes``: of the file's bytes, or of a dataset directory's files."""
+    h = hashlib.sha256()
+    total = 0
+    files = [inp.path] if inp.kind != "dataset" else sorted(p for p in inp.path.rglob("*") if p.is_file())
+    for p in files:
+        if inp.kind == "dataset":
+            h.update(str(p.relative_to(inp.path)).encode() + b"\0")
+        try:
+            with open(p, "rb") as f:
+                while chunk := f.read(8 << 20):
+                    h.update(chunk)
+                    total += len(chunk)
+        except OSError as e:
+            raise InputError(f"input {inp.arg} cannot be read ({e.strerror or e}); check the file") from e
+    inp.sha256, inp.bytes = h.hexdigest(), total
+
+
+def _open_text(inp: InputFile):
+    raw = gzip.open(inp.path, "rb") if inp.gzip else open(inp.path, "rb")
+    return io.TextIOWrapper(raw, encoding="utf-8-sig", errors="strict", newline="")
+
+
+def _lines(inp: InputFile) -> Iterator[tuple[int, str]]:
+    """``(line number, text)``; lines end at ``\\n`` (a ``\\r`` before it is dropped), decoded one by one so
+    that an undecodable byte is reported on its own line."""
+    lineno = 0
+    try:
+        with (gzip.open(inp.path, "rb") if inp.gzip else open(inp.path, "rb")) as f:
+            for lineno, raw in enumerate(f, 1):
+                if raw.endswith(b"\n"):
+                    raw = raw[:-2] if raw.endswith(b"\r\n") else raw[:-1]
+                if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                    raw = raw[3:]
+                try:
+                    yield lineno, raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise InputError(f"input {inp.arg} is not UTF-8 text (undecodable byte on line {lineno}); "
+                                     "convert it to UTF-8 (e.g. iconv -t utf-8)") from None
+    except (OSError, EOFError) as e:  # gzip errors are OSError
+        raise InputError(f"input {inp.arg} cannot be read near line {lineno + 1} ({e}); check the file") from e
+
+
+def _field(obj, field: str):
+    cur = obj
+    for part in field.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return KeyError
+        cur = cur[part]
+    return cur
+
+
+def _jsonl_records(inp: InputFile, field: str) -> Iterator[str]:
+    for lineno, line in _lines(inp):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            hint = " (a JSON array, not JSON lines: write one object per line)" if line.lstrip().startswith("[") else ""
+            raise InputError(f"input {inp.arg} line {lineno} is not valid JSON ({e.msg}){hint}; "
+                             "give one JSON object per line") from None
+        if not isinstance(obj, dict):
+            what = "a JSON array, not JSON lines" if isinstance(obj, list) else f"a JSON {type(obj).__name__}"
+            raise InputError(f"input {inp.arg} line {lineno} is {what}; give one JSON object per line")
+        val = _field(obj, field)
+        if val is KeyError:
+            keys = ", ".join(list(obj)[:8]) or "none"
+            raise InputError(f"input {inp.arg} line {lineno} has no field {field!r} (it has: {keys}); "
+                             "choose the text with --text-field")
+        if val is None:
+            val = ""
+        if not isinstance(val, str):
+            raise InputError(f"input {inp.arg} line {lineno}: field {field!r} holds a {type(val).__name__}, not "
+                             "text; choose the text with --text-field")
+        yield val
+
+
+def _csv_records(inp: InputFile, column: str) -> Iterator[str]:
+    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
+    delim = "," if inp.kind == "csv" else "\t"
+    try:
+        with _open_text(inp) as f:
+            reader = csv.reader(f, delimiter=delim)
+            header = next(reader, None)
+            if header is None:
+                return
+            header = [h.strip() for h in header]
+            if column not in header:
+                raise InputError(f"input {inp.arg} has no column {column!r} (columns: {', '.join(header[:12])}); "
+                                 "choose the text with --text-column")
+            idx = header.index(column)
+            for row in reader:
+                yield row[idx] if idx < len(row) else ""
+    except UnicodeDecodeError as e:
+        raise InputError(f"input {inp.arg} is not UTF-8 text; convert it to UTF-8 (e.g. iconv -t utf-8)") from e
+    except csv.Error as e:
+        raise InputError(f"input {inp.arg} is not valid {inp.kind.upper()} ({e}); check the file") from e
+
+
+def _dataset_records(inp: InputFile, field: str) -> Iterator[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise InputError(f"input {inp.arg} is a saved dataset; install the datasets package "
+                         "(pip install datasets) to read it") from None
+    try:
+        ds = datasets.load_from_disk(str(inp.path))
+    except Exception as e:
+        raise InputError(f"input {inp.arg} cannot be loaded as a saved dataset ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200] if str(e) else ''}); check the directory") from e
+    if isinstance(ds, datasets.DatasetDict):
+        splits = list(ds.keys())
+        raise InputError(f"input {inp.arg} holds several splits ({', '.join(splits)}); give one split's "
+                         f"directory, e.g. {Path(inp.arg) / splits[0]}")
+    if field not in ds.column_names:
+        raise InputError(f"input {inp.arg} has no column {field!r} (columns: {', '.join(ds.column_names[:12])}); "
+                         "choose the text with --text-field")
+    for batch in ds.select_columns([field]).iter(batch_size=1024):
+        for val in batch[field]:
+            if val is None:
+                val = ""
+            if not isinstance(val, str):
+                raise InputError(f"input {inp.arg}: column {field!r} holds {type(val).__name__} values, not text; "
+                                 "choose the text with --text-field")
+            yield val
+
+
+def iter_records(inp: InputFile, *, text_field: str = "text", text_column: str = "text") -> Iterator[str]:
+    """The texts of one input's records, in order (empty ones included)."""
+    if inp.kind in ("text", "stdin"):
+        for _, line in _lines(inp):
+            yield line
+    elif inp.kind == "jsonl":
+        yield from _jsonl_records(inp, text_field)
+    elif inp.kind in ("csv", "tsv"):
+        yield from _csv_records(inp, text_column)
+    else:
+        yield from _dataset_records(inp, text_field)
+
+
+def iter_all(inputs: list[InputFile], *, text_field: str = "text", text_column: str = "text"
+             ) -> Iterator[tuple[int, str]]:
+    """``(doc_id, text)`` over every record of every input in order; ``doc_id`` counts from 0 across inputs.
+
+    Sets each input's ``first_doc_id`` and ``records`` as it goes.
+    """
+    doc_id = 0
+    for inp in inputs:
+        inp.first_doc_id = doc_id
+        inp.records = 0
+        for text in iter_records(inp, text_field=text_field, text_column=text_column):
+            inp.records += 1
+            yield doc_id, text
+            doc_id += 1
+
+
+def uses_field(inputs: list[InputFile]) -> bool:
+    return any(i.kind in ("jsonl", "dataset") for i in inputs)
+
+
+def uses_column(inputs: list[InputFile]) -> bool:
+    return any(i.kind in ("csv", "tsv") for i in inputs)

@@ -1,0 +1,430 @@
+"""geomscope.extract (library): rows and values against plain transformers forwards, invariances, inputs,
+limits, resume, identity, disk, errors.  Tiny random BERT / GPT-2 / GPT-NeoX / T5 + the bundled MiniLM."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from helpers_models import SAMPLE_TEXTS, make_tiny_model, poison_token
+
+from geomscope.errors import DataError, InputError
+from geomscope.extract.layers import parse_layers
+from geomscope.extract.models import load_model
+from geomscope.extract.run import extract
+from geomscope.store import Run, iter_shard
+
+TEXTS = SAMPLE_TEXTS + ["a <|endoftext|> inside the text", "  ", "", "The end."]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models on a shared machine: one intra-op thread avoids OpenMP barrier stalls (restored after)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {k: make_tiny_model(k, root) for k in ("bert", "gpt2", "gpt_neox", "t5")} | {
+        "gpt2-left": make_tiny_model("gpt2", root, padding_side="left"),
+        "bert-left": make_tiny_model("bert", root, padding_side="left")}
+
+
+@pytest.fixture(scope="session")
+def loaded(tiny):
+    cache = {}
+
+    def get(kind, **kw):
+        key = (kind, tuple(sorted(kw.items())))
+        if key not in cache:
+            cache[key] = load_model(str(tiny[kind]), **kw)
+        return cache[key]
+
+    return get
+
+
+def write_lines(path, texts):
+    path.write_text("\n".join(texts) + "\n")
+    return path
+
+
+def read_run(run_dir):
+    """All rows of a run, sorted by (doc_id, position): meta arrays + float32 layers + nonfinite flags."""
+    run = Run(run_dir)
+    parts = []
+    for info in run.shards:
+        for ch in iter_shard(run.shard_path(info)):
+            parts.append(ch)
+    meta = {k: np.concatenate([getattr(c, k) for c in parts]) for k in ("token_id", "doc_id", "position",
+                                                                      "is_special")}
+    order = np.lexsort((meta["position"], meta["doc_id"]))
+    out = {k: v[order] for k, v in meta.items()}
+    out["layers"] = {n: np.concatenate([c.layers[n] for c in parts]).astype(np.float32)[order]
+                     for n in run.layer_names}
+    out["nonfinite"] = {n: np.concatenate([c.nonfinite[n] for c in parts])[order] for n in run.layer_names}
+    out["stored_doc_order"] = np.concatenate([c.doc_id for c in parts])
+    return out
+
+
+def reference(model_dir, texts, *, stack="model", max_length=None):
+    """Plain transformers: each non-empty document alone (no padding), output_hidden_states=True."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModel.from_pretrained(model_dir).eval()
+    rows = {"token_id": [], "doc_id": [], "position": [], "is_special": [], "hs": []}
+    for i, t in enumerate(texts):
+        if not t.strip():
+            continue
+        kw = {"truncation": True, "max_length": max_length} if max_length else {}
+        enc = tok(t, return_special_tokens_mask=True, **kw)
+        ids = torch.tensor([enc["input_ids"]])
+        with torch.no_grad():
+            if stack == "encoder":
+                hs = model.get_encoder()(input_ids=ids, output_hidden_states=True).hidden_states
+            elif stack == "decoder":
+                dec = torch.cat([torch.tensor([[model.config.decoder_start_token_id]]), ids[:, :-1]], 1)
+                hs = model(input_ids=ids, decoder_input_ids=dec, output_hidden_states=True).decoder_hidden_states
+                ids = dec
+            else:
+                hs = model(input_ids=ids, output_hidden_states=True).hidden_states
+        n = ids.shape[1]
+        rows["token_id"].append(ids[0].numpy())
+        rows["doc_id"].append(np.full(n, i))
+        rows["position"].append(np.arange(n))
+        sp = np.array(enc["special_tokens_mask"], bool)
+        rows["is_special"].append(np.concatenate([[True], sp[:-1]]) if stack == "decoder" else sp)
+        rows["hs"].append(np.stack([h[0].numpy() for h in hs]))  # (L, n, D)
+    out = {k: np.concatenate(v) for k, v in rows.items() if k != "hs"}
+    out["hs"] = np.concatenate(rows["hs"], axis=1)
+    return out
+
+
+# ---------------------------------------------------------------- correctness against plain transformers
+@pytest.mark.parametrize("kind,stack", [("bert", "model"), ("gpt2", "model"), ("gpt_neox", "model"),
+                                        ("t5", "encoder"), ("t5", "decoder")])
+def test_rows_and_values_match_plain_forward(tmp_path, tiny, kind, stack):
+    src = write_lines(tmp_path / "in.txt", TEXTS)
+    s = extract(str(tiny[kind]), [src], tmp_path / "run", store_dtype="float32", batch_tokens=40,
+                stack="decoder" if stack == "decoder" else None)
+    got = read_run(tmp_path / "run")
+    ref = reference(tiny[kind], TEXTS, stack=stack)
+    for k in ("token_id", "doc_id", "position", "is_special"):
+        np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
+    names = Run(tmp_path / "run").layer_names
+    assert len(names) == ref["hs"].shape[0] == (4 if stack == "decoder" else 3)
+    for i, n in enumerate(names):
+        np.testing.assert_allclose(got["layers"][n], ref["hs"][i], rtol=1e-4, atol=2e-5, err_msg=n)
+    assert s["rows"] == len(ref["token_id"]) and s["docs_empty"] == 2 and s["docs"] == len(TEXTS) - 2
+    layers = Run(tmp_path / "run").layers
+    assert [la["final_norm"] for la in layers] == [False] * (len(layers) - 1) + [kind != "bert"]
+    assert layers[0]["kind"] == "embeddings" and {la["kind"] for la in layers[1:]} == {"block"}
+    # stored order within the shard: descending length, ties by doc id
+    lengths = np.bincount(got["doc_id"])
+    seen = list(dict.fromkeys(got["stored_doc_order"].tolist()))
+    assert seen == sorted(seen, key=lambda d: (-lengths[d], d))
+
+
+def test_gpt2_pad_equals_eos_rows_kept(tmp_path, tiny, loaded):
+    lm = loaded("gpt2")
+    eos = lm.tokenizer.eos_token_id
+    assert lm.tokenizer.pad_token_id == eos
+    src = write_lines(tmp_path / "in.txt", ["<|endoftext|> hello <|endoftext|>", "the dog", "one two three four"])
+    extract(lm, [src], tmp_path / "run", batch_tokens=64)
+    got = read_run(tmp_path / "run")
+    doc0 = got["token_id"][got["doc_id"] == 0]
+    assert doc0[0] == eos and doc0[-1] == eos and len(doc0) == 3  # eos rows present, nothing dropped or added
+    assert len(got["token_id"]) == 3 + 2 + 4
+
+
+@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+def test_independent_of_batch_size_and_padding_side(tmp_path, tiny, loaded, kind):
+    src = write_lines(tmp_path / "in.txt", TEXTS * 3)
+    runs = {}
+    for label, model, bt in [("big", kind, 4096), ("one-doc", kind, 1), ("small", kind, 37),
+                             ("left", f"{kind}-left", 53)]:
+        extract(loaded(model), [src], tmp_path / label, store_dtype="float32", batch_tokens=bt, shard_docs=7)
+        runs[label] = read_run(tmp_path / label)
+    assert loaded(f"{kind}-left").tokenizer.padding_side == "left"
+    base = runs["big"]
+    for label, r in runs.items():
+        for k in ("token_id", "doc_id", "position", "is_special", "stored_doc_order"):
+            np.testing.assert_array_equal(r[k], base[k], err_msg=f"{label}:{k}")
+        for n, a in r["layers"].items():
+            np.testing.assert_allclose(a, base["layers"][n], rtol=1e-4, atol=1e-5, err_msg=f"{label}:{n}")
+
+
+def test_bundled_minilm_matches_transformers(tmp_path):
+    from transformers import AutoModel, AutoTokenizer
+
+    from geomscope.extract.models import bundled_minilm_dir, resolve_model
+
+    sents = ["A man is playing a guitar.", "The new movie is awesome, and everyone should see it this week.", "Hi"]
+    src = write_lines(tmp_path / "in.txt", sents)
+    s = extract("all-MiniLM-L6-v2", [src], tmp_path / "run", layers="0,6", store_dtype="float32")
+    assert s["model"] == "sentence-transformers/all-MiniLM-L6-v2" and s["layers"] == ["layer_00", "layer_06"]
+    path = bundled_minilm_dir()
+    for alias in ("bundled:minilm", "sentence-transformers/all-MiniLM-L6-v2", "ALL-MINILM-L6-V2"):
+        assert resolve_model(alias)[0] == str(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path).eval()
+    got = read_run(tmp_path / "run")
+    ident = Run(tmp_path / "run").identity
+    assert ident["model"]["hidden_size"] == 384 and ident["model"]["model_type"] == "bert"
+    assert [la["final_norm"] for la in ident["layers"]] == [False, False]  # post-LN BERT: no final norm
+    for i, t in enumerate(sents):
+        enc = tok(t, return_tensors="pt")
+        with torch.no_grad():
+            o = model(**enc)
+        sel = got["doc_id"] == i
+        np.testing.assert_allclose(got["layers"]["layer_06"][sel], o.last_hidden_state[0].numpy(), atol=1e-4, rtol=1e-4)
+        np.testing.assert_array_equal(got["token_id"][sel], enc["input_ids"][0].numpy())
+
+
+# ---------------------------------------------------------------- layers
+def test_parse_layers():
+    assert parse_layers("all", 7) == list(range(7)) and parse_layers(None, 3) == [0, 1, 2]
+    assert parse_layers("0,6", 7) == [0, 6] and parse_layers("4-6", 7) == [4, 5, 6]
+    assert parse_layers("-1", 7) == [6] and parse_layers("0, -2--1", 7) == [0, 5, 6]
+    assert parse_layers([3, "1"], 7) == [1, 3]
+    for bad, msg in [("7", "out of range"), ("-8", "out of range"), ("x", "not a layer index"),
+                     ("5-2", "backwards"), (",", "selects no layer")]:
+        with pytest.raises(InputError, match=msg):
+            parse_layers(bad, 7)
+
+
+def test_layer_subset_and_names(tmp_path, loaded):
+    src = write_lines(tmp_path / "in.txt", TEXTS)
+    s = extract(loaded("gpt_neox"), [src], tmp_path / "run", layers="-1", store_dtype="float32")
+    full = extract(loaded("gpt_neox"), [src], tmp_path / "full", store_dtype="float32")
+    assert s["layers"] == ["layer_02"] and Run(tmp_path / "run").layers[0]["final_norm"] is True
+    np.testing.assert_array_equal(read_run(tmp_path / "run")["layers"]["layer_02"],
+                                  read_run(tmp_path / "full")["layers"]["layer_02"])
+    assert full["bytes"] > s["bytes"]
+
+
+# ---------------------------------------------------------------- inputs
+def test_input_formats_give_identical_runs(tmp_path, loaded):
+    import datasets
+
+    docs = ["first document here", "", "second, with a comma", "third \"quoted\" one", "  ", "fourth"]
+    (tmp_path / "a.txt").write_text("\n".join(docs) + "\n")
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"meta": {"body": d}, "id": i}) for i, d in enumerate(docs)))
+    import csv
+
+    for name, delim in (("a.csv", ","), ("a.tsv", "\t")):
+        with open(tmp_path / name, "w", newline="") as f:
+            w = csv.writer(f, delimiter=delim)
+            w.writerow(["id", "body"])
+            w.writerows([[i, d] for i, d in enumerate(docs)])
+    datasets.Dataset.from_dict({"body": docs}).save_to_disk(str(tmp_path / "ds"))
+    with gzip.open(tmp_path / "a.txt.gz", "wt") as f:
+        f.write("\n".join(docs) + "\n")
+    lm = loaded("bert")
+    base = None
+    for name, kw in [("a.txt", {}), ("a.jsonl", {"text_field": "meta.body"}), ("a.csv", {"text_column": "body"}),
+                     ("a.tsv", {"text_column": "body"}), ("ds", {"text_field": "body"}), ("a.txt.gz", {})]:
+        s = extract(lm, [tmp_path / name], tmp_path / f"run-{name}", **kw)
+        assert (s["docs"], s["docs_empty"], s["records_read"]) == (4, 2, 6), name
+        r = read_run(tmp_path / f"run-{name}")
+        if base is None:
+            base = r
+            continue
+        for k in ("token_id", "doc_id", "position"):
+            np.testing.assert_array_equal(r[k], base[k], err_msg=name)
+        np.testing.assert_array_equal(r["layers"]["layer_02"], base["layers"]["layer_02"], err_msg=name)
+    assert Run(tmp_path / "run-a.jsonl").identity["text_field"] == "meta.body"
+
+
+def test_several_inputs_and_stdin(tmp_path, loaded):
+    import io
+
+    (tmp_path / "a.txt").write_text("one\ntwo three\n")
+    (tmp_path / "b.jsonl").write_text('{"text": "four"}\n\n{"text": null}\n{"text": "five six"}\n')
+    stdin = io.TextIOWrapper(io.BytesIO(b"seven\n\neight nine\n"))
+    s = extract(loaded("gpt2"), [tmp_path / "a.txt", tmp_path / "b.jsonl", "-"], tmp_path / "run", stdin=stdin)
+    got = read_run(tmp_path / "run")
+    # doc ids count records across inputs: a.txt 0,1; b.jsonl 2,3(null),4; stdin 5,6(empty),7
+    assert sorted(set(got["doc_id"].tolist())) == [0, 1, 2, 4, 5, 7]
+    assert s["docs_empty"] == 2 and s["records_read"] == 8
+    ident = Run(tmp_path / "run").identity
+    assert [i["kind"] for i in ident["inputs"]] == ["text", "jsonl", "stdin"] and ident["inputs"][2]["path"] == "-"
+    assert all(len(i["sha256"]) == 64 for i in ident["inputs"])
+
+
+# ---------------------------------------------------------------- limits
+def test_max_docs_max_tokens_max_length(tmp_path, loaded):
+    lm = loaded("bert")
+    src = write_lines(tmp_path / "in.txt", TEXTS)
+    s = extract(lm, [src], tmp_path / "docs", max_docs=3)
+    assert s["docs"] == 3 and set(read_run(tmp_path / "docs")["doc_id"].tolist()) == {0, 1, 2}
+    full = read_run(tmp_path / "docs")
+    s = extract(lm, [src], tmp_path / "tok", max_tokens=25, shard_docs=2, store_dtype="float32")
+    r = read_run(tmp_path / "tok")
+    assert s["rows"] == 25 and s["docs_cut_by_max_tokens"] == 1
+    n0 = int((full["doc_id"] == 0).sum()) + int((full["doc_id"] == 1).sum())
+    last = r["doc_id"] == r["doc_id"].max()
+    assert last.sum() == 25 - n0 and r["position"][last].tolist() == list(range(25 - n0))  # first positions kept
+    s = extract(lm, [src], tmp_path / "len", max_length=8)
+    r = read_run(tmp_path / "len")
+    assert np.bincount(r["doc_id"]).max() == 8 and s["docs_at_max_length"] >= 3
+    assert r["is_special"][r["position"] == 7].all()  # truncation keeps [SEP]
+    assert Run(tmp_path / "len").identity["max_length"] == 8
+    with pytest.raises(InputError, match="exceeds what .* can read \\(64 tokens\\)"):
+        extract(lm, [src], tmp_path / "long", max_length=1000)
+    assert not (tmp_path / "long").exists()
+
+
+# ---------------------------------------------------------------- resume, identity, disk
+def test_resume_after_crash_equals_clean_run(tmp_path, loaded, monkeypatch):
+    from geomscope.extract import capture as cap
+
+    lm = loaded("gpt_neox")
+    src = write_lines(tmp_path / "in.txt", TEXTS * 4)
+    extract(lm, [src], tmp_path / "clean", shard_docs=5, batch_tokens=64)
+    real = cap.Capture.__call__
+    calls = {"n": 0}
+
+    def flaky(self, docs):
+        calls["n"] += 1
+        if calls["n"] == 9:
+            raise KeyboardInterrupt
+        return real(self, docs)
+
+    monkeypatch.setattr(cap.Capture, "__call__", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        extract(lm, [src], tmp_path / "run", shard_docs=5, batch_tokens=64)
+    monkeypatch.setattr(cap.Capture, "__call__", real)
+    partial = Run(tmp_path / "run")
+    assert not partial.complete and 0 < len(partial.shards) < partial.manifest["planned_shards"]
+    assert not list((tmp_path / "run").glob(".*.tmp"))
+    s = extract(lm, [src], tmp_path / "run", shard_docs=5, batch_tokens=999)  # batch size may change
+    assert s["shards_resumed"] == len(partial.shards) and s["shards_written"] > 0
+    a, b = read_run(tmp_path / "clean"), read_run(tmp_path / "run")
+    for k in ("token_id", "doc_id", "position", "is_special", "stored_doc_order"):
+        np.testing.assert_array_equal(a[k], b[k])
+    for n in a["layers"]:
+        np.testing.assert_allclose(a["layers"][n], b["layers"][n], atol=2e-3, rtol=2e-3)  # float16 store
+    assert Run(tmp_path / "run").complete
+    again = extract(lm, [src], tmp_path / "run", shard_docs=5)
+    assert again["shards_written"] == 0 and again["rows"] == s["rows"]
+
+
+def test_other_options_refused_overwrite_starts_over(tmp_path, loaded):
+    lm = loaded("bert")
+    src = write_lines(tmp_path / "in.txt", TEXTS)
+    extract(lm, [src], tmp_path / "run")
+    before = (tmp_path / "run" / "manifest.json").read_text()
+    with pytest.raises(InputError, match=r"different options \(layers"):
+        extract(lm, [src], tmp_path / "run", layers="0,1")
+    with pytest.raises(InputError, match="store_dtype: 'float16' in the run, 'float32' now"):
+        extract(lm, [src], tmp_path / "run", store_dtype="float32")
+    write_lines(src, TEXTS[:3])
+    with pytest.raises(InputError, match="inputs"):
+        extract(lm, [src], tmp_path / "run")
+    assert (tmp_path / "run" / "manifest.json").read_text() == before
+    s = extract(lm, [src], tmp_path / "run", layers="0,1", overwrite=True)
+    assert s["layers"] == ["layer_00", "layer_01"] and s["shards_resumed"] == 0
+
+
+def test_disk_space_refused_before_writing(tmp_path, loaded, monkeypatch):
+    src = write_lines(tmp_path / "in.txt", TEXTS)
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    with pytest.raises(InputError, match="not enough disk space .* needs about .* free"):
+        extract(loaded("bert"), [src], tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- errors
+def test_model_errors(tmp_path, tiny):
+    from helpers_models import hf_cache_with
+
+    src = write_lines(tmp_path / "in.txt", TEXTS)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "empty").mkdir()
+    cases = [(str(tmp_path / "nope"), "does not exist"), ("./also/not/here", "does not exist"),
+             (str(tmp_path / "afile"), "is a file"), (str(tmp_path / "empty"), "no config.json"),
+             ("acme/not-cached", "not in the local Hugging Face cache and offline mode is on")]
+    for name, msg in cases:
+        with pytest.raises(InputError, match=msg):
+            extract(name, [src], tmp_path / "run", cache_dir=str(tmp_path / "hf"))
+    with pytest.raises(InputError, match="--revision applies to hub names"):
+        extract(str(tiny["bert"]), [src], tmp_path / "run", revision="v1")
+    hf_cache_with(tiny["bert"], tmp_path / "hf-noweights", "acme/tiny", weights=False)
+    with pytest.raises(InputError, match="holds its config but not its weights"):
+        extract("acme/tiny", [src], tmp_path / "run", cache_dir=str(tmp_path / "hf-noweights"))
+    assert not (tmp_path / "run").exists()
+    # the same layout with weights loads offline, at a revision, and records the commit
+    commit = "ab" * 20
+    hf_cache_with(tiny["bert"], tmp_path / "hf", "acme/tiny", commit=commit, ref="v1")
+    s = extract("acme/tiny", [src], tmp_path / "run", revision="v1", cache_dir=str(tmp_path / "hf"))
+    m = Run(tmp_path / "run").identity["model"]
+    assert (m["name"], m["revision"], m["commit"], s["commit"]) == ("acme/tiny", "v1", commit, commit)
+    with pytest.raises(InputError, match="offline"):
+        extract("acme/tiny", [src], tmp_path / "run2", revision="v2", cache_dir=str(tmp_path / "hf"))
+    with pytest.raises(InputError, match="--stack decoder applies to encoder-decoder models"):
+        extract(str(tiny["bert"]), [src], tmp_path / "run3", stack="decoder")
+
+
+def test_input_errors_write_nothing(tmp_path, loaded):
+    lm = loaded("bert")
+    good = write_lines(tmp_path / "in.txt", TEXTS)
+    (tmp_path / "blank.txt").write_text("\n  \n\n")
+    (tmp_path / "bad.txt").write_bytes(b"fine line\n\xff\xfe broken \x80\n")
+    (tmp_path / "a.jsonl").write_text('{"body": "x"}\n')
+    (tmp_path / "arr.jsonl").write_text('[{"text": "x"}]\n')
+    (tmp_path / "a.csv").write_text("id,body\n1,x\n")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "bad.gz").write_bytes(b"not gzip at all")
+    cases = [([tmp_path / "missing.txt"], {}, "does not exist"), ([tmp_path / "blank.txt"], {}, "no text in"),
+             ([tmp_path / "bad.txt"], {}, "not UTF-8 text .*on line 2"),
+             ([tmp_path / "a.jsonl"], {}, "line 1 has no field 'text' \\(it has: body\\)"),
+             ([tmp_path / "arr.jsonl"], {}, "JSON array"),
+             ([tmp_path / "a.csv"], {}, "no column 'text' \\(columns: id, body\\)"),
+             ([tmp_path / "dir"], {}, "not a dataset saved by"), ([tmp_path / "bad.gz"], {}, "cannot be read"),
+             ([good], {"layers": "3"}, "layer 3 is out of range"), ([good], {"layers": "-4"}, "out of range"),
+             ([good], {"max_docs": 0}, "--max-docs must be a positive"),
+             ([good], {"store_dtype": "int8"}, "--store-dtype int8"), ([], {}, "no input given")]
+    for inputs, kw, msg in cases:
+        with pytest.raises(InputError, match=msg):
+            extract(lm, inputs, tmp_path / "run", **kw)
+        assert not (tmp_path / "run").exists(), msg
+
+
+def test_nonfinite_activations_flagged_and_reported(tmp_path, tiny):
+    model = make_tiny_model("bert", tmp_path, name="poisoned")
+    poison_token(model, "poison")
+    src = write_lines(tmp_path / "in.txt", ["the dog", "a poison here", "the cat"])
+    with pytest.raises(DataError, match="rows hold NaN/Inf activations") as ei:
+        extract(str(model), [src], tmp_path / "run")
+    s = ei.value.summary
+    run = Run(tmp_path / "run")
+    assert run.complete and s["rows"] == run.total_rows == 4 + 5 + 4
+    got = read_run(tmp_path / "run")
+    bad0 = got["nonfinite"]["layer_00"]
+    assert bad0.sum() == 1 and got["doc_id"][bad0][0] == 1  # the poisoned token itself at the embeddings
+    bad2 = got["nonfinite"]["layer_02"]
+    assert set(got["doc_id"][bad2].tolist()) == {1}  # attention spreads it within document 1 only
+    assert s["nonfinite_by_layer"]["layer_00"] == 1 and s["nonfinite_rows"] == int(bad2.sum())
+    assert np.isfinite(got["layers"]["layer_02"][got["doc_id"] != 1]).all()
+    ok = extract(str(model), [src], tmp_path / "run2", allow_nonfinite=True)
+    assert ok["nonfinite_rows"] == s["nonfinite_rows"]
+
+
+def test_float16_overflow_flagged(tmp_path):
+    model = make_tiny_model("gpt2", tmp_path, name="loud")
+    poison_token(model, "poison", value=1e6)
+    src = write_lines(tmp_path / "in.txt", ["poison", "the dog"])
+    s = extract(str(model), [src], tmp_path / "run", layers="0", allow_nonfinite=True)
+    assert s["nonfinite_rows"] == 1  # 1e6 is finite in float32, Inf in the float16 store
+    s32 = extract(str(model), [src], tmp_path / "run32", layers="0", store_dtype="float32")
+    assert s32["nonfinite_rows"] == 0
