@@ -238,6 +238,18 @@ def test_spectrum_log_scale_one_curve_per_layer_and_colorbar():
     assert ax.get_xlabel() == "eigenvalue index" and "eigenvalue" in ax.get_ylabel()
 
 
+def test_spectrum_numerical_zeros_run_off_the_axis():
+    a = make_report(**SMALL)
+    a["layers"][1]["eigenvalues"][-1] = 1e-17  # e.g. the direction LayerNorm removes
+    fig = plot_spectrum([a])
+    ax = _panels(fig)[0]
+    assert ax.get_lines()[1].get_ydata()[-1] == 1e-17  # kept in the data ...
+    low = min(min(v for v in lay["eigenvalues"] if v > 1e-10) for lay in a["layers"])
+    assert ax.get_ylim()[0] == pytest.approx(low / 2)  # ... below the axis, and said so
+    assert "numerical zeros" in fig.get_supxlabel()
+    assert not plot_spectrum([make_report(**SMALL)]).get_supxlabel()
+
+
 def test_spectrum_normalised_and_relative_depth():
     a = make_report(**SMALL)
     b = make_report(name="bert", n_layers=9, hidden=64, seed=1)
@@ -316,7 +328,7 @@ def test_outliers_need_the_statistic():
 
 def test_trajectory_x_is_the_parsed_steps():
     reps = pythia_reports(steps=(7000, 0, 143000, 1000), **SMALL)  # out of order on purpose
-    fig = plot_trajectory(reps, ["isoscore_star", "avgcos"])
+    fig = plot_trajectory(reps, ["isoscore_star", "avgcos"], log_x=False)
     axes = _panels(fig)
     assert len(axes) == 2
     for ax in axes:
@@ -340,6 +352,11 @@ def test_trajectory_log_x_keeps_step0():
     assert list(ax.get_xticks())[:2] == [0.0, 1000.0]
     fig2 = plot_trajectory(pythia_reports(steps=(10, 1000), **SMALL), ["isoscore"], log_x=True)
     assert _panels(fig2)[0].get_xscale() == "log"
+    # default: log when the positive steps span two decades, else linear
+    auto = plot_trajectory(pythia_reports(steps=(0, 1000, 143000), **SMALL), ["isoscore"])
+    assert _panels(auto)[0].get_xscale() == "symlog" and "step 0–143k" in auto.get_suptitle()
+    auto = plot_trajectory(pythia_reports(steps=(0, 1000, 5000), **SMALL), ["isoscore"])
+    assert _panels(auto)[0].get_xscale() == "linear"
 
 
 def test_trajectory_layers_subset_and_step_key():

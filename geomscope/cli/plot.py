@@ -31,7 +31,9 @@ def plot_cmd(
     layers: Optional[List[str]] = typer.Option(None, "--layers", help="Only these layers (names or indices)."),
     fmt: Optional[str] = typer.Option(None, "--format", help="png|svg|pdf for DIR/ output (default png)."),
     dpi: int = typer.Option(150, "--dpi", help="Resolution of raster output."),
-    log_x: bool = typer.Option(False, "--log-x", help="Trajectory: log training-step axis (step 0 kept)."),
+    log_x: Optional[bool] = typer.Option(
+        None, "--log-x/--linear-x",
+        help="Trajectory: log (step 0 kept) or linear step axis; default log when steps span 2 decades."),
     normalise: bool = typer.Option(False, "--normalise",
                                    help="Spectrum: explained-variance ratio against index / D."),
     top_k: int = typer.Option(40, "--top-k", help="Outliers: show at most this many dimensions."),

@@ -163,6 +163,7 @@ def uncertainty_caption(reports: Sequence[dict], metrics: Sequence[str]) -> str:
     return "Error bars: ±1 standard error (" + body + ")."
 
 
-def add_caption(fig: Figure, text: str, width_chars: int = 140) -> None:
-    """A small wrapped caption under the axes (part of the constrained layout)."""
-    fig.supxlabel("\n".join(textwrap.wrap(text, width_chars)), fontsize=7.5, color="0.3")
+def add_caption(fig: Figure, text: str, width_chars: int | None = None) -> None:
+    """A small caption under the axes (part of the constrained layout), wrapped to the figure width."""
+    width = width_chars or max(40, int(fig.get_figwidth() * 17))
+    fig.supxlabel("\n".join(textwrap.wrap(text, width)), fontsize=7.5, color="0.3")

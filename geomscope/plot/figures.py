@@ -68,7 +68,7 @@ def make_figures(
     single: bool = False,
     metrics: Sequence[str] | None = None,
     layers: Sequence[str] | None = None,
-    log_x: bool = False,
+    log_x: bool | None = None,
     normalise: bool = False,
     top_k: int | None = 40,
 ) -> dict[str, Figure]:
@@ -163,7 +163,7 @@ def plot_files(
     dpi: int = 150,
     metrics: Sequence[str] | None = None,
     layers: Sequence[str] | None = None,
-    log_x: bool = False,
+    log_x: bool | None = None,
     normalise: bool = False,
     top_k: int | None = 40,
 ) -> list[dict]:

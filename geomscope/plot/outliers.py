@@ -138,8 +138,8 @@ def plot_outliers(
         thr = params.get("outlier_threshold")
         if relative and params.get("outlier_rule") == "variance" and thr is not None \
                 and norm.vmin <= float(thr) <= norm.vmax:
-            cbar.ax.axhline(float(thr), color="white", linewidth=1.2)
-            cbar.ax.axhline(float(thr), color="black", linewidth=0.6, linestyle="--")
+            cbar.ax.axhline(float(thr), color="white", linewidth=2.4)
+            cbar.ax.axhline(float(thr), color="black", linewidth=1.2, linestyle=(0, (2, 1)))
     marker = Line2D([], [], linestyle="none", marker="o", markerfacecolor="white", markeredgecolor="black",
                     markersize=5, label="flagged outlier dimension")
     fig.legend(handles=[marker], loc="outside lower right", frameon=False)

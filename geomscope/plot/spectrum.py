@@ -14,7 +14,7 @@ from matplotlib.ticker import MaxNLocator
 
 from geomscope.errors import InputError
 from geomscope.plot._reports import layer_key, report_labels, report_name, select_layers
-from geomscope.plot._style import DEPTH_CMAP, grid_shape, new_figure
+from geomscope.plot._style import DEPTH_CMAP, add_caption, grid_shape, new_figure
 
 
 def has_spectrum(rep: dict) -> bool:
@@ -38,6 +38,17 @@ def spectrum_curve(eigenvalues: Sequence[float], *, normalise: bool = False) -> 
     return x[keep], lam[keep]
 
 
+#: eigenvalues below FLOOR x the largest of their layer are numerical zeros; the y axis stops there
+FLOOR = 1e-7
+
+
+def visible_floor(y: np.ndarray) -> tuple[float, bool]:
+    """(lowest eigenvalue of the curve at or above FLOOR x its largest, whether some are below)."""
+    floor = float(y.max()) * FLOOR
+    kept = y[y >= floor]
+    return (float(kept.min()) if kept.size else floor), bool((y < floor).any())
+
+
 def plot_spectrum(
     reports: Sequence[dict],
     *,
@@ -49,7 +60,8 @@ def plot_spectrum(
     """Covariance eigenspectra per layer (``layers[].eigenvalues``, descending).
 
     One panel per report; one curve per layer, coloured by layer index with a shared colorbar;
-    log-scale y.  ``normalise=True`` draws the explained-variance ratio λ_i/Σλ against i/D so
+    log-scale y, cut at FLOOR x the largest eigenvalue of a layer (numerical zeros stay in the
+    line data but below the axis; a caption says so).  ``normalise=True`` draws the explained-variance ratio λ_i/Σλ against i/D so
     that models of different width and scale compare directly.  ``log_x`` (default) draws the
     index on a log axis too, where a power-law spectrum is a straight line.  When the reports have
     different depths, colour is the relative depth (layer index / last index of that report).
@@ -75,15 +87,23 @@ def plot_spectrum(
     nrows, ncols = grid_shape(len(reports))
     fig = new_figure(4.4 * ncols + 0.8, 3.3 * nrows + 0.5)
     axes = fig.subplots(nrows, ncols, squeeze=False, sharey=normalise)
+    clipped = False
     for i, rep in enumerate(reports):
         ax = axes[i // ncols][i % ncols]
+        lows: list[float] = []
         for pos, lay in enumerate(rep["layers"]):
             ev = lay.get("eigenvalues")
             if not ev:
                 continue
             x, y = spectrum_curve(ev, normalise=normalise)
             ax.plot(x, y, color=cmap(norm(depth(rep, pos))), linewidth=1.1, label=lay["layer"])
+            if y.size:
+                low, cut = visible_floor(y)
+                lows.append(low)
+                clipped |= cut
         ax.set_yscale("log")
+        if lows and ax.get_ylim()[0] < min(lows) / 2:
+            ax.set_ylim(min(lows) / 2, ax.get_ylim()[1])
         if log_x:
             ax.set_xscale("log")
         ax.set_title(labels[i])
@@ -105,4 +125,7 @@ def plot_spectrum(
         cbar.locator = MaxNLocator(integer=True)
         cbar.update_ticks()
     fig.suptitle("Covariance eigenspectra by layer" + (" (normalised)" if normalise else ""), fontsize=11)
+    if clipped:
+        add_caption(fig, f"Eigenvalues below 1e{int(np.log10(FLOOR))} × λ₁ of their layer (numerical zeros, "
+                         "e.g. the direction LayerNorm removes) run off the bottom of the axes.")
     return fig

@@ -24,6 +24,7 @@ from geomscope.plot._reports import (
 )
 from geomscope.plot._style import (
     DEPTH_CMAP,
+    add_caption,
     grid_shape,
     metric_name,
     metric_title,
@@ -70,13 +71,14 @@ def plot_trajectory(
     metrics: Sequence[str] | None = None,
     *,
     layers: Sequence[str] | None = None,
-    log_x: bool = False,
+    log_x: bool | None = None,
 ) -> Figure:
     """Each metric against training step (steps parsed from ``stepN`` revisions or a ``step`` key).
 
     One panel per metric, one line per layer (all, or ``layers``) coloured by depth with a
     colorbar; x values are the steps themselves.  ``log_x`` uses a symmetric-log axis whose linear
-    part ends at the smallest positive step, so step 0 stays on the axis.
+    part ends at the smallest positive step, so step 0 stays on the axis; None (default) chooses it
+    when the positive steps span two decades or more (Pythia's step0, step1000 ... step143000).
     """
     reports = select_layers(reports, layers)
     steps = trajectory_steps(reports)
@@ -85,6 +87,9 @@ def plot_trajectory(
     order = np.argsort(steps, kind="stable")
     reports = [reports[i] for i in order]
     x = np.asarray(sorted(steps), dtype=float)
+    if log_x is None:
+        pos = x[x > 0]
+        log_x = bool(pos.size >= 2 and pos.max() / pos.min() >= 100)
     depth: dict[str, int] = {}
     for rep in reports:
         for pos, lay in enumerate(rep["layers"]):
@@ -127,8 +132,9 @@ def plot_trajectory(
     cbar.locator = MaxNLocator(integer=True)
     cbar.update_ticks()
     model = (reports[0].get("model") or {}).get("name") or "model"
-    fig.suptitle(f"{model} over training ({len(reports)} checkpoints, step {int(x[0])}–{int(x[-1])})", fontsize=11)
-    fig.supxlabel(uncertainty_caption(reports, metrics).replace("Error bars", "Bands"), fontsize=7.5, color="0.3")
+    span = f"step {step_formatter(x[0])}–{step_formatter(x[-1])}"
+    fig.suptitle(f"{model} over training ({len(reports)} checkpoints, {span})", fontsize=11)
+    add_caption(fig, uncertainty_caption(reports, metrics).replace("Error bars", "Bands"))
     return fig
 
 
