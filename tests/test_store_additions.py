@@ -56,3 +56,15 @@ def test_expected_rows_keeps_small_shards_small(tmp_path):
     assert sizes[10] < 50_000 < 2 * 1024 * 1024 < sizes[None]
     chunks = [c.layers["b"] for c in iter_shard(tmp_path / "s10.h5")]
     np.testing.assert_array_equal(np.concatenate(chunks), (-np.arange(320).reshape(10, 32)).astype(np.float16))
+
+
+def test_identity_differences_name_the_entry():
+    from geomscope.store import identity_differences
+
+    old = {"layers": [{"name": "layer_00", "index": 0}, {"name": "layer_06", "index": 6}], "x": {"y": "a" * 200}}
+    new = {"layers": [{"name": "layer_00", "index": 0}], "x": {"y": "b"}}
+    d = identity_differences(old, new)
+    assert d[0] == "layers.count: 2 in the run, 1 now"
+    assert "layers.1.index: 6 in the run, '<absent>' now" in d
+    assert any(x.startswith("x.y: 'aaa") and "... in the run, 'b' now" in x and len(x) < 120 for x in d)
+    assert identity_differences(old, old) == []

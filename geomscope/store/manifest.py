@@ -22,22 +22,36 @@ def shard_name(index: int) -> str:
 
 
 def _flatten(d, prefix=""):
+    """Nested dicts and lists of dicts -> ``{"a.b": v, "layers.1.index": v}`` (other lists stay whole)."""
     out = {}
     if isinstance(d, dict):
         for k, v in d.items():
             out.update(_flatten(v, f"{prefix}{k}."))
+    elif isinstance(d, list) and d and all(isinstance(x, dict) for x in d):
+        out[prefix + "count"] = len(d)
+        for i, v in enumerate(d):
+            out.update(_flatten(v, f"{prefix}{i}."))
     else:
         out[prefix[:-1]] = d
     return out
 
 
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 70 else r[:67] + "..."
+
+
 def identity_differences(old: dict, new: dict) -> list[str]:
-    """Human-readable differences between two identity dicts (``key: old != new``)."""
+    """Human-readable differences between two identity dicts (``key: old in the run, new now``).
+
+    Lists of dicts are compared entry by entry (``layers.count: 7 in the run, 2 now``,
+    ``layers.1.index: 1 in the run, 6 now``); long values are shortened.
+    """
     a, b = _flatten(old), _flatten(new)
     diffs = []
-    for key in sorted(set(a) | set(b)):
+    for key in sorted(set(a) | set(b), key=lambda k: (k.split(".")[0], not k.endswith(".count"), k)):
         if a.get(key, "<absent>") != b.get(key, "<absent>"):
-            diffs.append(f"{key}: {a.get(key, '<absent>')!r} in the run, {b.get(key, '<absent>')!r} now")
+            diffs.append(f"{key}: {_short(a.get(key, '<absent>'))} in the run, {_short(b.get(key, '<absent>'))} now")
     return diffs
 
 
