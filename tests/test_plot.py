@@ -314,6 +314,8 @@ def test_outlier_heatmap_small_d_shows_all_dims_raw():
     shapes = [[c for c in ax.get_children() if isinstance(c, AxesImage)][0].get_array().shape for ax in axes]
     assert shapes == [(4, 16), (3, 16)]
     assert axes[0].get_title().endswith("all 16 dimensions")
+    norms = [[c for c in ax.get_children() if isinstance(c, AxesImage)][0].norm for ax in axes]
+    assert (norms[0].vmin, norms[0].vmax) == (norms[1].vmin, norms[1].vmax)  # one scale: same rule
     im = [c for c in axes[0].get_children() if isinstance(c, AxesImage)][0]
     np.testing.assert_allclose(im.get_array()[1], a["layers"][1]["outlier_statistic"])
 

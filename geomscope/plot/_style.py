@@ -21,6 +21,15 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 #: sequential, perceptually uniform and colour-blind safe: used for depth (layer index)
 DEPTH_CMAP = "viridis"
 
+
+def depth_cmap():
+    """viridis without its palest 8 % (pale yellow lines vanish on white)."""
+    import numpy as np
+    from matplotlib import colormaps
+    from matplotlib.colors import ListedColormap
+
+    return ListedColormap(colormaps[DEPTH_CMAP](np.linspace(0.0, 0.92, 256)), name="viridis_depth")
+
 RC = {
     "font.size": 9,
     "axes.titlesize": 10,

@@ -109,8 +109,11 @@ def plot_outliers(
     heights = [max(1.6, 0.24 * m[0].shape[0] + 1.3) for m in mats]
     fig = new_figure(width, sum(heights) + 0.7)
     axes = fig.subplots(len(reports), 1, squeeze=False, height_ratios=heights)[:, 0]
+    # one colour scale for all panels when they show the same quantity (e.g. checkpoints of a model)
+    rules = {(q, (r.get("params") or {}).get("outlier_rule")) for r, q in zip(reports, rel, strict=True)}
+    pooled = np.concatenate([m[0][np.isfinite(m[0])] for m in mats]) if len(rules) == 1 else None
     for ax, rep, lab, relative, (stat, names, dims, flagged) in zip(axes, reports, labels, rel, mats, strict=True):
-        finite = stat[np.isfinite(stat)]
+        finite = pooled if pooled is not None else stat[np.isfinite(stat)]
         pos = finite[finite > 0]
         if not relative and finite.size and pos.size == finite.size and finite.max() / finite.min() > 100:
             norm = LogNorm(vmin=finite.min(), vmax=finite.max())

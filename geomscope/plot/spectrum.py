@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from matplotlib import colormaps
 from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
@@ -14,7 +13,7 @@ from matplotlib.ticker import MaxNLocator
 
 from geomscope.errors import InputError
 from geomscope.plot._reports import layer_key, report_labels, report_name, select_layers
-from geomscope.plot._style import DEPTH_CMAP, add_caption, grid_shape, new_figure
+from geomscope.plot._style import add_caption, depth_cmap, grid_shape, new_figure
 
 
 def has_spectrum(rep: dict) -> bool:
@@ -83,7 +82,7 @@ def plot_spectrum(
 
     depths = [depth(r, pos) for r in reports for pos in range(len(r["layers"]))]
     norm = Normalize(vmin=min(depths), vmax=max(max(depths), min(depths) + (0.01 if relative else 1)))
-    cmap = colormaps[DEPTH_CMAP]
+    cmap = depth_cmap()
     nrows, ncols = grid_shape(len(reports))
     fig = new_figure(4.4 * ncols + 0.8, 3.3 * nrows + 0.5)
     axes = fig.subplots(nrows, ncols, squeeze=False, sharey=normalise)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from matplotlib import colormaps
 from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
@@ -23,8 +22,8 @@ from geomscope.plot._reports import (
     select_layers,
 )
 from geomscope.plot._style import (
-    DEPTH_CMAP,
     add_caption,
+    depth_cmap,
     grid_shape,
     metric_name,
     metric_title,
@@ -96,7 +95,7 @@ def plot_trajectory(
             depth.setdefault(lay["layer"], layer_key(lay, pos))
     names = sorted(depth, key=lambda n: depth[n])
     norm = Normalize(vmin=min(depth.values()), vmax=max(max(depth.values()), min(depth.values()) + 1))
-    cmap = colormaps[DEPTH_CMAP]
+    cmap = depth_cmap()
     nrows, ncols = grid_shape(len(metrics))
     fig = new_figure(4.6 * ncols + 0.8, 3.0 * nrows + 0.9)
     axes = fig.subplots(nrows, ncols, squeeze=False)
