@@ -412,10 +412,11 @@ def test_make_figures_one_file_takes_one_kind():
 def test_figures_stay_out_of_pyplot():
     import matplotlib.pyplot as plt
 
-    before = plt.get_fignums()
+    before, rc_before = plt.get_fignums(), dict(plt.rcParams)
     figs = make_figures(pythia_reports(steps=(0, 1000), **SMALL), ["auto"])
     assert set(figs) == {"layers", "spectrum", "outliers", "trajectory"}
-    assert plt.get_fignums() == before
+    assert plt.get_fignums() == before and dict(plt.rcParams) == rc_before  # no global state touched
+    assert all(ax.spines["top"].get_visible() is False for ax in _panels(figs["layers"]))  # our style
     assert all(type(f.canvas).__name__ == "FigureCanvasAgg" for f in figs.values())
 
 

@@ -42,7 +42,22 @@ RC = {
     "grid.linewidth": 0.6,
     "axes.spines.top": False,
     "axes.spines.right": False,
+    "legend.frameon": False,
 }
+
+
+def styled(fn):
+    """Run a figure function under :data:`RC` (a local rc_context: the global rcParams are untouched)."""
+    import functools
+
+    from matplotlib import rc_context
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with rc_context(RC):
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def new_figure(width: float, height: float) -> Figure:

@@ -24,6 +24,7 @@ from geomscope.plot._style import (
     metric_variant,
     new_figure,
     series_style,
+    styled,
 )
 
 
@@ -40,6 +41,7 @@ def layer_series(rep: dict, metric: str) -> tuple[np.ndarray, np.ndarray, np.nda
     return np.asarray(xs, float)[order], np.asarray(ys)[order], np.asarray(es)[order]
 
 
+@styled
 def plot_layers(
     reports: Sequence[dict],
     metrics: Sequence[str] | None = None,

@@ -12,7 +12,7 @@ from matplotlib.lines import Line2D
 
 from geomscope.errors import InputError
 from geomscope.plot._reports import layer_key, report_labels, report_name, select_layers
-from geomscope.plot._style import new_figure
+from geomscope.plot._style import new_figure, styled
 
 HEAT_CMAP = "cividis"  # designed for colour-vision deficiency
 
@@ -80,6 +80,7 @@ def _rule_text(params: dict | None) -> str:
     return f"rule={rule}" + (f", threshold={float(thr):g}" if thr is not None else "")
 
 
+@styled
 def plot_outliers(
     reports: Sequence[dict],
     *,

@@ -13,7 +13,7 @@ from matplotlib.ticker import MaxNLocator
 
 from geomscope.errors import InputError
 from geomscope.plot._reports import layer_key, report_labels, report_name, select_layers
-from geomscope.plot._style import add_caption, depth_cmap, grid_shape, new_figure
+from geomscope.plot._style import add_caption, depth_cmap, grid_shape, new_figure, styled
 
 
 def has_spectrum(rep: dict) -> bool:
@@ -48,6 +48,7 @@ def visible_floor(y: np.ndarray) -> tuple[float, bool]:
     return (float(kept.min()) if kept.size else floor), bool((y < floor).any())
 
 
+@styled
 def plot_spectrum(
     reports: Sequence[dict],
     *,

@@ -29,6 +29,7 @@ from geomscope.plot._style import (
     metric_title,
     new_figure,
     step_formatter,
+    styled,
     uncertainty_caption,
 )
 
@@ -65,6 +66,7 @@ def is_trajectory(reports: Sequence[dict]) -> bool:
     return True
 
 
+@styled
 def plot_trajectory(
     reports: Sequence[dict],
     metrics: Sequence[str] | None = None,
