@@ -68,3 +68,15 @@ def test_identity_differences_name_the_entry():
     assert "layers.1.index: 6 in the run, '<absent>' now" in d
     assert any(x.startswith("x.y: 'aaa") and "... in the run, 'b' now" in x and len(x) < 120 for x in d)
     assert identity_differences(old, old) == []
+
+
+def test_manifest_text_round_trips_one_line_per_shard(tmp_path):
+    from geomscope.store.manifest import dumps_manifest
+
+    m = {"format": "geomscope-run", "identity": {"a": [1, {"b": None}], "c": "é"}, "shards": [],
+         "totals": {}, "complete": False}
+    assert json.loads(dumps_manifest(m)) == m
+    m["shards"] = [{"index": i, "file": f"shard-{i:05d}.h5", "stats": {"x": {"y": i}}} for i in range(3)]
+    text = dumps_manifest(m)
+    assert json.loads(text) == m
+    assert sum(1 for line in text.splitlines() if '"index":' in line) == 3  # one line per shard entry

