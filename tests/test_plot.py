@@ -201,6 +201,27 @@ def test_unknown_metric_names_the_available():
         plot_layers([make_report(**SMALL)], ["isocore"])
 
 
+def test_metric_requested_but_not_scored():
+    a = make_report(**SMALL)
+    for lay in a["layers"]:
+        lay["twonn"] = None
+        lay["notes"]["twonn"] = "not requested (--metrics / --avgcos-variants)"
+    with pytest.raises(InputError, match=r"metric 'twonn' has no values in these reports \(rescore"):
+        plot_layers([a], ["twonn"])
+    assert [ax.get_title() for ax in _panels(plot_layers([a]))] == [
+        "IsoScore* (ζ=0.2, target=trace)", "IsoScore", "avg cosine (plain)"]  # default skips it
+
+
+def test_layers_caption_says_why_values_are_missing_and_flags():
+    a = make_report(null_twonn_layer=2, **SMALL)
+    a["layers"][0]["flags"] = ["rank_limited"]
+    a["params"]["exclude_special"] = True
+    cap = plot_layers([a], ["isoscore", "twonn"]).get_supxlabel().replace("\n", " ")
+    assert "No value: twonn at layer_02 (fewer than 3 distinct rows after duplicate removal)" in cap
+    assert "rank_limited (layer_00)" in cap and "duplicates (layer_02)" in cap
+    assert "Special tokens excluded." in cap and "Rows per layer: 4,000–4,040." in cap
+
+
 def test_reports_without_common_layer_are_refused():
     a, b = make_report(**SMALL), make_report(layer_prefix="block", seed=3, **SMALL)
     with pytest.raises(InputError, match="share no layer"):

@@ -111,6 +111,15 @@ def test_plot_bad_input(cli, tmp_path, args, needles):
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing half-written
 
 
+def test_plot_output_folder_blocked_by_a_file(cli, reports, tmp_path):
+    (tmp_path / "taken").write_text("a file")
+    code, out, err = cli(["plot", *reports, "--out", f"{tmp_path}/taken/"])
+    _one_line_error(code, out, err, "cannot create the output folder")
+    code, out, err = cli(["plot", *reports, "--out", tmp_path / "taken" / "f.png"])
+    _one_line_error(code, out, err, "cannot create the output folder")
+    assert (tmp_path / "taken").read_text() == "a file"
+
+
 @pytest.mark.parametrize("out", ["fig.jpg", "fig"])
 def test_plot_unsupported_extension(cli, reports, tmp_path, out):
     code, stdout, err = cli(["plot", *reports, "--out", tmp_path / out])

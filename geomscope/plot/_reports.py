@@ -20,6 +20,10 @@ NON_METRIC_KEYS = frozenset(
      "eigenvalues", "outlier_statistic", "outlier_support", "dropped", "flags", "notes"}
 )
 
+#: the scalar per-layer metrics of the report schema
+SCHEMA_METRICS = ("isoscore", "isoscore_star", "avgcos", "avgcos_centred", "avgcos_standardised", "pr", "erank",
+                  "top1_share", "top5_share", "top10_share", "twonn")
+
 #: the metrics drawn when the user names none (those present in the reports, in this order)
 DEFAULT_METRICS = ("isoscore_star", "isoscore", "avgcos", "twonn")
 
@@ -124,7 +128,11 @@ def choose_metrics(reports: Sequence[dict], metrics: Sequence[str] | None) -> li
     out = []
     for m in metrics:
         if m not in avail:
-            raise InputError(f"unknown metric '{m}' for these reports; available: {', '.join(avail) or 'none'}")
+            names = ", ".join(avail) or "none"
+            if m in SCHEMA_METRICS or m.startswith("id_"):
+                raise InputError(f"metric '{m}' has no values in these reports (rescore with it in --metrics); "
+                                 f"available: {names}")
+            raise InputError(f"unknown metric '{m}'; available: {names}")
         if m not in out:
             out.append(m)
     return out

@@ -187,10 +187,11 @@ def plot_files(
         reports = [read_report(p) for p in inputs]
         figs = make_figures(reports, kinds, single=not to_dir, metrics=metrics, layers=layers,
                             log_x=log_x, normalise=normalise, top_k=top_k)
-    if to_dir:
-        out_path.mkdir(parents=True, exist_ok=True)
-    elif not out_path.parent.exists():
-        out_path.parent.mkdir(parents=True, exist_ok=True)
+    folder = out_path if to_dir else out_path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"cannot create the output folder {folder} ({e.strerror or e}); choose another --out") from None
     written = []
     for kind, fig in figs.items():
         target = out_path / f"{kind}.{fmt}" if to_dir else out_path

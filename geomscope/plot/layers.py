@@ -25,6 +25,7 @@ from geomscope.plot._style import (
     new_figure,
     series_style,
     styled,
+    uncertainty_caption,
 )
 
 
@@ -88,13 +89,12 @@ def plot_layers(
     # the legend heads the figure (its title is the figure title); the caption sits below the panels
     fig.legend(handles=handles, labels=labels, loc="outside upper center", ncols=min(len(reports), 3),
                frameon=False, title="Geometry by layer", title_fontsize=11)
-    add_caption(fig, _caption(reports, metrics))
+    add_caption(fig, _caption(reports, metrics, labels))
     return fig
 
 
-def _caption(reports: Sequence[dict], metrics: Sequence[str]) -> str:
-    from geomscope.plot._style import uncertainty_caption
-
+def _caption(reports: Sequence[dict], metrics: Sequence[str], labels: Sequence[str]) -> str:
+    """Error-bar method, row counts, special tokens, then why values are missing and layer flags."""
     text = uncertainty_caption(reports, metrics)
     rows = sorted({lay.get("n_rows") for r in reports for lay in r["layers"] if is_number(lay.get("n_rows"))})
     if rows:
@@ -102,4 +102,36 @@ def _caption(reports: Sequence[dict], metrics: Sequence[str]) -> str:
     excl = {bool((r.get("params") or {}).get("exclude_special")) for r in reports if r.get("params")}
     if excl == {True}:
         text += " Special tokens excluded."
+    gaps = missing_values(reports, metrics, labels)
+    if gaps:
+        text += " No value: " + "; ".join(gaps[:3]) + ("; …" if len(gaps) > 3 else "") + "."
+    flags: dict[str, list[str]] = {}
+    for rep in reports:
+        for lay in rep["layers"]:
+            for f in lay.get("flags") or []:
+                flags.setdefault(str(f), [])
+                if lay["layer"] not in flags[str(f)]:
+                    flags[str(f)].append(lay["layer"])
+    if flags:
+        text += " Flags: " + "; ".join(f"{f} ({_few(ls)})" for f, ls in flags.items()) + "."
     return text
+
+
+def missing_values(reports: Sequence[dict], metrics: Sequence[str], labels: Sequence[str]) -> list[str]:
+    """``"<metric> at <layers> of <report> (<reason from notes>)"`` for every null value drawn as a gap."""
+    out = []
+    for rep, lab in zip(reports, labels, strict=True):
+        for m in metrics:
+            by_reason: dict[str, list[str]] = {}
+            for lay in rep["layers"]:
+                if not is_number(lay.get(m)):
+                    reason = (lay.get("notes") or {}).get(m) or "no reason recorded"
+                    by_reason.setdefault(reason, []).append(lay["layer"])
+            for reason, names in by_reason.items():
+                where = "all layers" if len(names) == len(rep["layers"]) else _few(names)
+                out.append(f"{m} at {where}" + (f" of {lab}" if len(reports) > 1 else "") + f" ({reason})")
+    return out
+
+
+def _few(names: Sequence[str], k: int = 3) -> str:
+    return ", ".join(names[:k]) + (f" +{len(names) - k} more" if len(names) > k else "")
