@@ -51,7 +51,7 @@ def extract_cmd(
     from geomscope.extract.run import extract
 
     console = Console(stderr=True)
-    log = None if quiet else (lambda msg: console.print(msg, markup=False, highlight=False))
+    log = None if quiet else (lambda msg: console.print(msg, markup=False, highlight=False, soft_wrap=True))
     try:
         summary = extract(
             model, inputs, out, layers=layers, revision=revision, dtype=dtype, store_dtype=store_dtype,

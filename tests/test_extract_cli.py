@@ -1,0 +1,156 @@
+"""`geomscope extract` on the command line: JSON on stdout, messages on stderr, one-line errors, and resume
+after SIGKILL of a real process."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from helpers_models import SAMPLE_TEXTS, make_tiny_model, poison_token
+
+from geomscope.store import Run, iter_shard
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli-models")
+    return {k: make_tiny_model(k, root) for k in ("bert", "gpt_neox")}
+
+
+@pytest.fixture
+def text(tmp_path):
+    p = tmp_path / "in.txt"
+    p.write_text("\n".join(SAMPLE_TEXTS) + "\n")
+    return p
+
+
+def one_line_error(code, err, expect_code=None):
+    lines = [x for x in err.strip().splitlines() if x.strip()]
+    assert code != 0
+    if expect_code is not None:
+        assert code == expect_code, err
+    assert lines and lines[-1].startswith("error: "), err
+    assert "Traceback" not in err
+    return lines[-1]
+
+
+def all_rows(run_dir):
+    run = Run(run_dir)
+    chunks = [c for s in run.shards for c in iter_shard(run.shard_path(s))]
+    meta = np.stack([np.concatenate([getattr(c, k) for c in chunks]) for k in ("doc_id", "position", "token_id")])
+    order = np.lexsort((meta[1], meta[0]))
+    layers = {n: np.concatenate([c.layers[n] for c in chunks])[order] for n in run.layer_names}
+    return meta[:, order], layers
+
+
+def test_json_on_stdout_messages_on_stderr(cli, models, text, tmp_path):
+    code, out, err = cli(["extract", models["bert"], text, "--out", tmp_path / "run", "--layers", "0,-1", "--json"])
+    assert code == 0, err
+    s = json.loads(out)  # exactly one JSON object, nothing else on stdout
+    assert s["layers"] == ["layer_00", "layer_02"] and s["docs"] == len(SAMPLE_TEXTS) and s["complete"]
+    assert "extract:" in err and "on disk" in err and "done:" in err
+    code, out, err = cli(["extract", models["bert"], text, "--out", tmp_path / "run", "--layers", "0,-1", "--quiet"])
+    assert code == 0 and out == "" and err == ""
+
+
+def test_stdin(cli, models, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"the dog\n\nthe cat runs\n")))
+    code, out, err = cli(["extract", models["bert"], "-", "--out", tmp_path / "run", "--json", "--quiet"])
+    assert code == 0, err
+    s = json.loads(out)
+    assert (s["docs"], s["docs_empty"]) == (2, 1)
+
+
+def test_bad_input_one_line_errors(cli, models, text, tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"body": "x"}\n')
+    (tmp_path / "blank.txt").write_text("\n\n")
+    cases = [
+        (["extract", tmp_path / "no-model", text], 2, "does not exist"),
+        (["extract", "acme/not-here", text, "--cache-dir", tmp_path / "hf"], 2, "offline mode is on"),
+        (["extract", models["bert"], text, "--layers", "9"], 2, "layer 9 is out of range"),
+        (["extract", models["bert"], tmp_path / "a.jsonl"], 2, "has no field 'text'"),
+        (["extract", models["bert"], tmp_path / "blank.txt"], 2, "no text in"),
+        (["extract", models["bert"], tmp_path / "missing.txt"], 2, "does not exist"),
+        (["extract", models["bert"], text, "--dtype", "float8"], 2, "--dtype float8"),
+        (["extract", models["bert"], text, "--device", "cuda:7"], 2, "--device cuda:7"),
+    ]
+    for args, exit_code, msg in cases:
+        code, out, err = cli([*args, "--out", tmp_path / "run"])
+        line = one_line_error(code, err, exit_code)
+        assert msg in line, line
+        assert not (tmp_path / "run").exists(), msg
+
+
+def test_other_options_refused_then_overwrite(cli, models, text, tmp_path):
+    base = ["extract", models["bert"], text, "--out", tmp_path / "run", "--quiet"]
+    assert cli(base)[0] == 0
+    before = sorted(p.name for p in (tmp_path / "run").iterdir())
+    code, out, err = cli([*base, "--max-length", "8"])
+    line = one_line_error(code, err, 2)
+    assert "different options" in line and "max_length: 64 in the run, 8 now" in line and "--overwrite" in line
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before and Run(tmp_path / "run").complete
+    code, out, err = cli([*base, "--max-length", "8", "--overwrite", "--json"])
+    assert code == 0 and json.loads(out)["shards_resumed"] == 0
+
+
+def test_nonfinite_exit_code_and_summary(cli, tmp_path, text):
+    model = poison_token(make_tiny_model("bert", tmp_path, name="poisoned"))
+    (tmp_path / "p.txt").write_text("the dog\npoison\n")
+    code, out, err = cli(["extract", model, tmp_path / "p.txt", "--out", tmp_path / "run", "--json", "--quiet"])
+    line = one_line_error(code, err, 3)
+    assert "NaN/Inf" in line and "flagged" in line
+    assert json.loads(out)["nonfinite_rows"] == 3 and Run(tmp_path / "run").complete
+    code, out, err = cli(["extract", model, tmp_path / "p.txt", "--out", tmp_path / "run", "--allow-nonfinite",
+                          "--quiet"])
+    assert code == 0
+
+
+def test_resume_after_sigkill_equals_clean_run(cli, models, tmp_path):
+    texts = [f"{t} {i}" for i in range(10) for t in SAMPLE_TEXTS]  # 120 docs -> 40 shards of 3
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(texts) + "\n")
+    args = [str(models["gpt_neox"]), str(src), "--shard-docs", "3", "--batch-tokens", "32"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "geomscope", "extract", *args, "--out", str(run), "--quiet"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while proc.poll() is None and time.time() < deadline:
+        if not (run / "shard-00000.h5").exists():
+            time.sleep(0.01)  # still importing / loading
+        elif json.loads((run / "manifest.json").read_text())["shards"]:
+            os.kill(proc.pid, signal.SIGKILL)  # the first shard is published and listed: kill mid-run
+            break
+    proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    partial = Run(run)
+    done = len(partial.shards)
+    assert not partial.complete and 1 <= done < 40
+    code, out, err = cli(["extract", *args, "--out", run, "--json", "--quiet"])
+    assert code == 0, err
+    s = json.loads(out)
+    assert s["shards_resumed"] == done and s["shards_written"] == 40 - done and s["shards"] == 40
+    assert not list(run.glob(".*.tmp"))
+    code, out, err = cli(["extract", *args, "--out", tmp_path / "clean", "--quiet"])
+    assert code == 0, err
+    (m1, l1), (m2, l2) = all_rows(tmp_path / "clean"), all_rows(run)
+    np.testing.assert_array_equal(m1, m2)
+    assert m1.shape[1] == Run(run).total_rows == Run(tmp_path / "clean").total_rows
+    for n in l1:
+        np.testing.assert_allclose(l1[n].astype(np.float32), l2[n].astype(np.float32), rtol=1e-3, atol=1e-3)

@@ -1,0 +1,85 @@
+"""describe_run (what `geomscope inspect` shows) on complete, interrupted and damaged runs."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from helpers_models import SAMPLE_TEXTS, make_tiny_model
+
+from geomscope.errors import InputError
+from geomscope.extract.run import extract
+from geomscope.store import Run, describe_run
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A complete run and an interrupted copy of it (last shard dropped, a temp file left behind)."""
+    root = tmp_path_factory.mktemp("inspect")
+    model = make_tiny_model("gpt2", root)
+    src = root / "in.txt"
+    src.write_text("\n".join(SAMPLE_TEXTS + ["", "  "]) + "\n")
+    summary = extract(str(model), [src], root / "run", layers="0,-1", shard_docs=5, store_dtype="float32")
+    part = root / "partial"
+    shutil.copytree(root / "run", part)
+    from geomscope.store.manifest import write_json_atomic
+
+    m = Run(part).manifest
+    dropped = m["shards"].pop()
+    m["complete"] = False
+    write_json_atomic(part / "manifest.json", m)
+    (part / dropped["file"]).unlink()
+    (part / ".shard-00002.h5.tmp").write_bytes(b"half")
+    return {"run": root / "run", "partial": part, "summary": summary, "src": src}
+
+
+def test_complete_run(runs):
+    d = describe_run(runs["run"])
+    s = runs["summary"]
+    assert d["complete"] and d["rows"] == s["rows"] and d["docs"] == s["docs"] == len(SAMPLE_TEXTS)
+    assert d["shards"] == d["planned_shards"] == 3 and d["layers"] == ["layer_00", "layer_02"]
+    assert d["final_norm_layer"] == "layer_02" and d["layer_indices"] == [0, 2]
+    assert d["model"]["model_type"] == "gpt2" and d["model"]["attention"] == "causal" and d["dim"] == 32
+    assert d["store_dtype"] == "float32" and d["docs_empty"] == 2 and d["nonfinite_rows"] == 0
+    files = sum(p.stat().st_size for p in runs["run"].iterdir() if not p.name.startswith(".geomscope"))
+    assert d["bytes_on_disk"] == files
+    assert d["inputs"][0]["path"] == str(runs["src"]) and d["options"]["shard_docs"] == 5
+    assert d["unlisted_shard_files"] == [] and d["interrupted_shard_files"] == []
+    assert "verify" not in d
+    assert describe_run(runs["run"], verify=True)["verify"] == {"checked": 3, "bad": [], "ok": True}
+
+
+def test_interrupted_run(runs):
+    d = describe_run(runs["partial"])
+    assert not d["complete"] and d["shards"] == 2 and d["planned_shards"] == 3
+    assert d["interrupted_shard_files"] == [".shard-00002.h5.tmp"]
+
+
+def test_damaged_shard_found_by_verify(runs, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(runs["run"], run)
+    p = run / "shard-00001.h5"
+    raw = bytearray(p.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # same size, one flipped byte
+    p.write_bytes(bytes(raw))
+    d = describe_run(run, verify=True)
+    assert not d["verify"]["ok"] and [b["file"] for b in d["verify"]["bad"]] == ["shard-00001.h5"]
+    assert "checksum" in d["verify"]["bad"][0]["error"]
+    (run / "shard-00009.h5").write_bytes(b"stray")
+    assert describe_run(run)["unlisted_shard_files"] == ["shard-00009.h5"]
+
+
+def test_not_a_run(tmp_path):
+    with pytest.raises(InputError, match="not a geomscope run directory"):
+        describe_run(tmp_path)
+    with pytest.raises(InputError, match="does not exist"):
+        describe_run(tmp_path / "nope")
