@@ -97,14 +97,19 @@ def _prepare(Xt, chunk: int):
         cmin = torch.minimum(cmin, c.amin(0).double())
         cmax = torch.maximum(cmax, c.amax(0).double())
     mean = total / n
-    maxabs = float(torch.maximum(cmax - mean, mean - cmin).max())
+    # Any constant translation leaves distances unchanged: float32 input is shifted by the mean
+    # rounded to float32, in float32 (one rounding per element, as for float64 input).
+    shift = mean.float() if Xt.dtype == torch.float32 else mean
+    s64 = shift.double()
+    maxabs = float(torch.maximum(cmax - s64, s64 - cmin).max())
     scale = 1.0 if not maxabs > 0 else 2.0 ** (-math.frexp(maxabs)[1])
     x32 = torch.empty((n, d), dtype=torch.float32, device=dev)
     n32 = torch.empty(n, dtype=torch.float32, device=dev)
     for s in range(0, n, chunk):
-        c = (Xt[s:s + chunk].double() - mean).mul_(scale)  # a new tensor: X itself is never modified
+        c = (Xt[s:s + chunk] - shift).mul_(scale)  # a new tensor: X itself is never modified
+        c = c.float() if c.dtype != torch.float32 else c
         x32[s:s + chunk] = c
-        n32[s:s + chunk] = (c * c).sum(1)
+        n32[s:s + chunk] = torch.linalg.vector_norm(c, dim=1, dtype=torch.float64).square()
     return mean, scale, x32, n32
 
 
@@ -146,22 +151,29 @@ def _candidates(x32, n32, k: int, block: int):
     return best_v, best_i
 
 
+def _safe_norm(diff, dim: int):
+    """Euclidean norms of float64 differences along ``dim``, rescaling entries whose squares could
+    underflow or overflow (norm < 1e-140 or inf)."""
+    import torch
+
+    res = torch.linalg.vector_norm(diff, dim=dim)
+    bad = (res < 1e-140) | torch.isinf(res)
+    if bool(bad.any()):
+        db = diff.movedim(dim, -1)[bad]
+        mx = db.abs().amax(-1, keepdim=True)
+        safe = torch.where(mx > 0, mx, torch.ones_like(mx))
+        res[bad] = torch.linalg.vector_norm(db / safe, dim=-1) * mx[:, 0]
+    return res
+
+
 def _exact_pairs(Xt, rows, cols, chunk: int):
     """Exact float64 distances ||X[rows] - X[cols]|| (difference, then norm), chunked over pairs."""
     import torch
 
     out = torch.empty(rows.shape[0], dtype=torch.float64, device=Xt.device)
     for s in range(0, rows.shape[0], chunk):
-        diff = Xt[rows[s:s + chunk]].double() - Xt[cols[s:s + chunk]].double()
-        sq = (diff * diff).sum(1)
-        res = torch.sqrt(sq)
-        bad = (sq < 1e-280) | torch.isinf(sq)  # possible under/overflow of the squares
-        if bool(bad.any()):
-            db = diff[bad]
-            mx = db.abs().amax(1, keepdim=True)
-            safe = torch.where(mx > 0, mx, torch.ones_like(mx))
-            res[bad] = torch.sqrt(((db / safe) ** 2).sum(1)) * mx[:, 0]
-        out[s:s + chunk] = res
+        diff = Xt[cols[s:s + chunk]].double().sub_(Xt[rows[s:s + chunk]])
+        out[s:s + chunk] = _safe_norm(diff, 1)
     return out
 
 
@@ -172,14 +184,8 @@ def _exact_candidates(Xt, idx, chunk: int):
     n, k = idx.shape
     out = torch.empty((n, k), dtype=torch.float64, device=Xt.device)
     for s in range(0, n, chunk):
-        diff = Xt[idx[s:s + chunk]].double() - Xt[s:s + chunk, None, :].double()
-        sq = diff.square_().sum(2)
-        res = torch.sqrt(sq)
-        bad = (sq < 1e-280) | torch.isinf(sq)
-        if bool(bad.any()):  # possible under/overflow of the squares: recompute those pairs rescaled
-            rr, cc = bad.nonzero(as_tuple=True)
-            res[rr, cc] = _exact_pairs(Xt, rr + s, idx[s:s + chunk][rr, cc], chunk)
-        out[s:s + chunk] = res
+        diff = Xt[idx[s:s + chunk]].double().sub_(Xt[s:s + chunk, None, :])
+        out[s:s + chunk] = _safe_norm(diff, 2)
     return out
 
 
