@@ -177,6 +177,32 @@ def test_jackknife_se_matches_direct_jackknife(run):
     assert "jackknife over 10 document groups" in rep["params"]["uncertainty"]["moments"]
 
 
+@pytest.mark.parametrize("standardise", [False, True])
+def test_multi_unit_sum_equals_one_unitsum_per_replicate(standardise):
+    from geomscope.metrics import UnitSum
+    from geomscope.score.multiunit import MultiUnitSum
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(500, 6)) * [1, 2, 0.5, 3, 1, 1] + 5.0
+    X[:, 4] = 7.0  # a constant dimension (scale 0 -> divided by 1)
+    g = rng.integers(0, 4, 500)
+    R = 5
+    shifts = X.mean(0) + rng.normal(scale=0.05, size=(R, 6))
+    scales = X.std(0, ddof=1) * rng.uniform(0.9, 1.1, size=(R, 6)) if standardise else None
+    X[10] = shifts[2]  # a row equal to replicate 2's shift: zero norm there
+    if standardise:
+        scales[:, 4] = 0.0
+    mus = MultiUnitSum(shifts, scales)
+    for a in range(0, 500, 130):  # several updates, merged
+        mus.merge(MultiUnitSum(shifts, scales).update(X[a:a + 130], g[a:a + 130]))
+    for r in range(R):
+        rows = X[g != r] if r < R - 1 else X
+        u = UnitSum(shifts[r], None if scales is None else scales[r]).update(rows)
+        np.testing.assert_allclose(mus.sum_unit[r], u.sum_unit, rtol=1e-10, atol=1e-10)
+        assert mus.n[r] == u.n and mus.n_zero_norm[r] == u.n_zero_norm
+    assert mus.n_zero_norm[2] == (1 if g[10] != 2 else 0)
+
+
 def test_workers_two_equals_one(run):
     d, _ = run
     opts = dict(metrics=("isoscore", "isoscore_star", "avgcos", "spectrum", "outliers", "twonn"), id_sample=300,

@@ -9,8 +9,9 @@ Pass kinds (picklable :class:`PassSpec`):
 - ``"select"``: metadata only; per layer the bottom-k hashes of the eligible rows (--max-rows).
 - ``"moments"``: per layer one :class:`~geomscope.metrics.Moments` per jackknife group, the
   intrinsic-dimension reservoir and the row counts.
-- ``"unit"``: per layer and cosine variant, one :class:`~geomscope.metrics.UnitSum` per jackknife
-  replicate r (rows of every group but r, with replicate r's mean/scale) plus one for all rows.
+- ``"unit"``: per layer and cosine variant, the unit-vector sums of every jackknife replicate r (rows
+  of every group but r, shifted/scaled by replicate r's mean/std) plus all rows
+  (:class:`~geomscope.score.multiunit.MultiUnitSum`).
 
 Results of tasks are merged by the parent in task order, so one worker and many give the same
 numbers (to float64 rounding of the merge tree, which is the same tree either way).
@@ -51,7 +52,7 @@ class LayerPart:
     groups: list | None = None  # Moments per jackknife group
     reservoir: Reservoir | None = None
     select: BottomK | None = None
-    unit: dict | None = None  # variant -> list of UnitSum (R)
+    unit: dict | None = None  # variant -> MultiUnitSum (R replicates)
 
     def merge(self, other: LayerPart) -> LayerPart:
         for k in COUNT_KEYS:
@@ -70,9 +71,8 @@ class LayerPart:
             if self.unit is None:
                 self.unit = other.unit
             else:
-                for v, sums in other.unit.items():
-                    for a, b in zip(self.unit[v], sums, strict=True):
-                        a.merge(b)
+                for v, mus in other.unit.items():
+                    self.unit[v].merge(mus)
         return self
 
 
@@ -121,10 +121,9 @@ def _new_part(spec: PassSpec, dim: int | None) -> LayerPart:
 
 
 def _unit_part(spec: PassSpec, name: str) -> dict:
-    from geomscope.metrics import UnitSum
+    from geomscope.score.multiunit import MultiUnitSum
 
-    return {v: [UnitSum(sh, None if sc is None else sc[r]) for r, sh in enumerate(shifts)]
-            for v, (shifts, sc) in spec.unit[name].items()}
+    return {v: MultiUnitSum(shifts, scales) for v, (shifts, scales) in spec.unit[name].items()}
 
 
 def run_task(task: Task, spec: PassSpec, progress=None) -> dict[str, LayerPart]:
@@ -154,12 +153,14 @@ def run_task(task: Task, spec: PassSpec, progress=None) -> dict[str, LayerPart]:
             keep = _filter(block, name, spec, lp.counts if spec.kind == "moments" else None)
             if not keep.any():
                 continue
-            xs = x[keep]
-            gs = block.group[keep]
+            whole = bool(keep.all())  # the common case: no copy
+            xs = x if whole else x[keep]
+            gs = block.group if whole else block.group[keep]
             if spec.kind == "moments":
                 _update_groups(lp.groups, xs, gs)
                 if lp.reservoir is not None:
-                    lp.reservoir.add(row_hash(block.keys[keep], spec.seed, STREAM_ID_SAMPLE), xs)
+                    keys = block.keys if whole else block.keys[keep]
+                    lp.reservoir.add(row_hash(keys, spec.seed, STREAM_ID_SAMPLE), xs)
             else:
                 _update_units(lp.unit, xs, gs, spec.n_groups)
         if progress:
@@ -184,10 +185,5 @@ def _update_groups(groups: list, xs: np.ndarray, gs: np.ndarray) -> None:
 
 
 def _update_units(unit: dict, xs: np.ndarray, gs: np.ndarray, n_groups: int) -> None:
-    for sums in unit.values():
-        if n_groups > 1:
-            for r in range(n_groups):
-                m = gs != r
-                if m.any():
-                    sums[r].update(xs[m])
-        sums[-1].update(xs)
+    for mus in unit.values():
+        mus.update(xs, gs)

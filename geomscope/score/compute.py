@@ -9,9 +9,9 @@ the G' non-empty groups and theta_r the replicates,
     se = sqrt((G' - 1) / G' * sum_r (theta_r - mean_r theta_r)^2).
 
 The centred / standardised cosine of replicate r uses replicate r's own mean / standard deviation
-(the second streaming pass accumulates one UnitSum per replicate), so the mean's own uncertainty is
-included. A shrinkage target C0 from a reference covariance is held fixed across replicates; the
-trace-matched identity follows each replicate's trace.
+(the second streaming pass accumulates every replicate's unit-vector sum: multiunit.py), so the
+mean's own uncertainty is included. A shrinkage target C0 from a reference covariance is held
+fixed across replicates; the trace-matched identity follows each replicate's trace.
 """
 
 from __future__ import annotations
@@ -113,16 +113,10 @@ def _top_share(sp: dict) -> dict[int, float | None]:
 
 
 def unit_shift_scale(m, variant: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """Shift/scale of the second-pass UnitSum for a cosine variant, from that replicate's Moments."""
+    """Shift/scale of the second-pass unit sums for a cosine variant, from that replicate's Moments."""
     if variant == "centred":
         return m.mean.copy(), None
     return m.mean.copy(), np.sqrt(np.maximum(m.variance(), 0.0))
-
-
-def avgcos_of_unit(u) -> float:
-    from geomscope.metrics import avgcos_from_sum
-
-    return float(avgcos_from_sum(u.sum_unit, u.n_unit()))
 
 
 def resolve_c0(target: str, cov_ref: np.ndarray | None):

@@ -11,7 +11,7 @@ held whole, memory does not depend on the number of rows):
    from these.
 2. Only for the centred / standardised average cosine: their definitions subtract the global mean
    (and divide by the standard deviation), known only after pass 1, so a second pass sums the unit
-   vectors of the shifted rows (one UnitSum per jackknife replicate).
+   vectors of the shifted rows (for every jackknife replicate at once: multiunit.py).
 
 Memory: each layer holds G Moments of D x D float64 (G = jackknife groups) in every process and
 in-flight result; layers are processed in batches so that G * D^2 * 8 bytes * (in-flight + 2) stays
@@ -302,12 +302,16 @@ class _LayerState:
             self.unit_spec = spec
 
     def cosine_variants(self, unit: dict) -> None:
-        for v, sums in unit.items():
+        from geomscope.metrics import avgcos_from_sum
+
+        for v, mus in unit.items():
             key = compute.AVGCOS_KEY[v]
-            self.values[key] = compute._try(lambda s=sums: compute.avgcos_of_unit(s[-1]), self.notes, key)
+            last = mus.replicates - 1
+            self.values[key] = compute._try(
+                lambda m=mus, r=last: float(avgcos_from_sum(m.sum_unit[r], m.n_unit(r))), self.notes, key)
             if self.live:
-                self.reps[key] = [compute._try(lambda r=r, s=sums: compute.avgcos_of_unit(s[r]), {}, key)
-                                  for r in self.live]
+                self.reps[key] = [compute._try(lambda m=mus, r=r: float(avgcos_from_sum(m.sum_unit[r], m.n_unit(r))),
+                                               {}, key) for r in self.live]
 
     def intrinsic(self) -> None:
         o = self.opts

@@ -1,0 +1,197 @@
+"""`geomscope score` (streaming from disk) vs the `isoscore` package on the same rows held in memory.
+
+    python benchmarks/bench_score.py [--quick]
+
+Data (written once to $GEOMSCOPE_BENCH_DIR, default /tmp/geomscope_bench_score, and reused):
+- a run of 200,000 token rows x 384 (float16, one layer, 8 shards, 50-token documents) written with
+  the store (``RunWriter``/``ShardWriter``), anisotropic with a common offset and a rogue dimension;
+- a 50,000 x 768 float32 ``.npy`` array of the same kind.
+
+Rows (throughput in rows/s; ratio = geomscope rows/s / alternative rows/s, > 1 means geomscope is faster):
+- IsoScore: ``score(path, metrics=isoscore)`` -- reads the shards, float64 blocked moments, 10-group
+  jackknife SE, checksum of every shard -- vs ``IsoScore.IsoScore(X)`` on the rows ALREADY in memory
+  as float32 (reading them is not timed for the package).
+- Moment suite: isoscore, isoscore_star, avgcos (plain, centred, standardised: a second pass),
+  spectrum, outliers, all with jackknife SE, vs the package's IsoScore + IsoScore_star (the
+  subset it can compute) on the in-memory rows.
+- Peak RSS (full run only): each side once in a fresh spawned process that imports numpy, torch, the
+  package and geomscope first; geomscope scores the file, the package side loads the rows (as a user
+  must) and scores them. Reported: the peak RSS over the baseline after the imports (sampled every
+  ms; the process's ru_maxrss, dominated by the torch import, in the note).
+- Workers: ``score(--workers 2)`` vs ``--workers 1`` on the run (ratio = speed-up; the machine's
+  core count bounds it).
+Timings alternate the sides (``_common.alternate``), medians of several repeats after a warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+from _common import alternate, peak_rss_mb, print_rows, run_isolated  # noqa: E402
+
+BENCH_DIR = Path(os.environ.get("GEOMSCOPE_BENCH_DIR", "/tmp/geomscope_bench_score"))
+MOMENT_SUITE = ("isoscore", "isoscore_star", "avgcos", "spectrum", "outliers")
+
+
+def _rows(n: int, d: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, d), dtype=np.float32)
+    x *= rng.uniform(0.2, 2.0, d).astype(np.float32)
+    x[:, 7] *= 20.0
+    x += rng.standard_normal(d).astype(np.float32)
+    return x
+
+
+def make_run(rows: int, dim: int = 384, shards: int = 8) -> Path:
+    """The synthetic float16 run (cached by size)."""
+    from geomscope.store import Run, RunWriter
+
+    d = BENCH_DIR / f"run_{rows}x{dim}"
+    try:
+        if Run(d).complete and Run(d).total_rows == rows:
+            return d
+    except Exception:  # not there yet / damaged: rebuild
+        pass
+    ident = {"model": {"name": "synthetic", "hidden_size": dim}, "layers": [{"name": "layer_00", "index": 0}]}
+    per = rows // shards
+    with RunWriter(d, ident, overwrite=True) as w:
+        doc = 0
+        for s in range(shards):
+            n = per if s < shards - 1 else rows - per * (shards - 1)
+            x = _rows(n, dim, seed=s)
+            sw = w.shard_writer(s, layer_names=["layer_00"], dim=dim, store_dtype="float16", expected_rows=n)
+            docs = doc + np.arange(n) // 50
+            sw.append({"layer_00": x}, token_id=np.arange(n), doc_id=docs, position=np.arange(n) % 50,
+                      is_special=np.arange(n) % 50 == 0)
+            w.add_shard(sw.close())
+            doc = int(docs[-1]) + 1
+        w.finalize({"docs": doc})
+    return d
+
+
+def make_array(rows: int, dim: int = 768) -> Path:
+    p = BENCH_DIR / f"array_{rows}x{dim}.npy"
+    if not p.exists():
+        BENCH_DIR.mkdir(parents=True, exist_ok=True)
+        np.save(p, _rows(rows, dim, seed=99))
+    return p
+
+
+def load_rows(path: Path) -> np.ndarray:
+    """All rows of a run's layer_00 (or an array) in memory as float32 -- what the package needs."""
+    if path.suffix == ".npy":
+        return np.load(path).astype(np.float32, copy=False)
+    from geomscope.store import Run, iter_shard
+
+    run = Run(path)
+    return np.concatenate([c.layers["layer_00"].astype(np.float32)
+                           for s in run.shards for c in iter_shard(run.shard_path(s))])
+
+
+def _score(path: Path, metrics, workers: int = 1) -> dict:
+    from geomscope.score import ScoreOptions, score
+
+    return score(path, ScoreOptions(metrics=tuple(metrics), workers=workers))
+
+
+def _package(x: np.ndarray, star: bool = False) -> float:
+    from IsoScore import IsoScore as isp
+
+    v = float(isp.IsoScore(x))
+    if star:
+        isp.IsoScore_star(x, np.eye(x.shape[1], dtype=np.float32), 0.2)
+    return v
+
+
+def _rss_now_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def memory_child(side: str, path: str) -> dict:
+    """Fresh process: import everything, then run one side; peak RSS and peak over the baseline."""
+    import torch  # noqa: F401
+    from IsoScore import IsoScore  # noqa: F401
+
+    import geomscope.report  # noqa: F401
+    import geomscope.score  # noqa: F401
+
+    before = _rss_now_mb()
+    peak = [before]
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_now_mb())
+            time.sleep(0.001)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    if side == "geomscope":
+        value = _score(Path(path), ("isoscore",))["layers"][0]["isoscore"]
+    else:
+        value = _package(load_rows(Path(path)))
+    done.set()
+    th.join()
+    return {"extra_mb": max(peak[0], _rss_now_mb()) - before, "peak_rss_mb": peak_rss_mb(), "value": value}
+
+
+def _throughput_rows(label: str, path: Path, n: int, x: np.ndarray, repeats: int) -> list[dict]:
+    rows = []
+    t = alternate({"g": lambda: _score(path, ("isoscore",)), "p": lambda: _package(x)}, repeats=repeats)
+    g_val = _score(path, ("isoscore",))["layers"][0]["isoscore"]
+    err = abs(g_val - _package(x))
+    rows.append({"benchmark": f"IsoScore, {label}", "geomscope": n / t["g"], "alternative": n / t["p"],
+                 "ratio": t["p"] / t["g"], "target": ">= 1",
+                 "note": f"rows/s, median of {repeats}; geomscope streams from disk (+ jackknife SE, checksums), "
+                         f"package on float32 rows in memory; |difference| {err:.1e}"})
+    t = alternate({"g": lambda: _score(path, MOMENT_SUITE), "p": lambda: _package(x, star=True)}, repeats=repeats)
+    rows.append({"benchmark": f"moment suite, {label}", "geomscope": n / t["g"], "alternative": n / t["p"],
+                 "ratio": t["p"] / t["g"], "target": "report",
+                 "note": "rows/s; geomscope: isoscore, isoscore*, avgcos x3 (2nd pass), spectrum, outliers, all with "
+                         "jackknife SE; package: IsoScore + IsoScore* only"})
+    return rows
+
+
+def run(quick: bool = False) -> list[dict]:
+    n_run, n_arr = (20_000, 5_000) if quick else (200_000, 50_000)
+    repeats = 1 if quick else 3
+    run_dir, arr = make_run(n_run), make_array(n_arr)
+    rows = []
+    x_run = load_rows(run_dir)
+    rows += _throughput_rows(f"run {n_run:,}x384 float16 (8 shards)", run_dir, n_run, x_run, repeats)
+    del x_run
+    x_arr = load_rows(arr)
+    rows += _throughput_rows(f"array {n_arr:,}x768 float32 .npy", arr, n_arr, x_arr, repeats)
+    del x_arr
+    if not quick:  # a fresh process per side: too slow for the quick smoke run
+        for label, path in ((f"run {n_run:,}x384 float16", run_dir), (f"array {n_arr:,}x768 float32", arr)):
+            g = run_isolated(memory_child, "geomscope", str(path))["result"]
+            p = run_isolated(memory_child, "package", str(path))["result"]
+            rows.append({"benchmark": f"peak RSS over the post-import baseline (MiB), IsoScore, {label}",
+                         "geomscope": g["extra_mb"], "alternative": p["extra_mb"],
+                         "ratio": p["extra_mb"] / max(g["extra_mb"], 1e-9), "target": ">= 1",
+                         "note": f"process peak RSS incl. imports: geomscope {g['peak_rss_mb']:.0f} MiB, package "
+                                 f"{p['peak_rss_mb']:.0f} MiB; the package side loads the rows as float32"})
+    t = alternate({"w1": lambda: _score(run_dir, ("isoscore",), 1), "w2": lambda: _score(run_dir, ("isoscore",), 2)},
+                  repeats=repeats)
+    rows.append({"benchmark": f"workers 1 -> 2, IsoScore, run {n_run:,}x384", "geomscope": n_run / t["w2"],
+                 "alternative": n_run / t["w1"], "ratio": t["w1"] / t["w2"], "target": "report",
+                 "note": f"rows/s with 2 workers (geomscope) vs 1 (alternative); {os.cpu_count()} CPUs on this "
+                         "machine, shared"})
+    return rows
+
+
+if __name__ == "__main__":
+    out = run(quick="--quick" in sys.argv)
+    print_rows(out, "score: streaming scorer vs the isoscore package")
+    if "--json" in sys.argv:
+        print(json.dumps(out, indent=1))
