@@ -33,7 +33,8 @@ from geomscope.metrics._validate import (
     variance_is_zero,
 )
 
-BLOCK_ROWS = 4096
+BLOCK_ROWS = 4096  # rows per symmetric rank-k update (and Chan merge)
+SUB_ROWS = 256  # rows per cache-sized pass of the unit-vector / |x| statistics
 
 
 def _unit_stats(b: np.ndarray, sq: np.ndarray, work: np.ndarray):
@@ -53,7 +54,7 @@ def _check_block(sq: np.ndarray, a: np.ndarray, name: str = "X") -> None:
         bad = count_nonfinite_rows(a)
         if bad:
             raise DataError(nonfinite_message(bad, a.shape[0], name))
-        raise DataError("squared row norms overflow float64; rescale the data before computing statistics")
+        raise DataError("values overflow float64 while accumulating; rescale the data before computing statistics")
 
 
 class Moments:
@@ -130,39 +131,56 @@ class Moments:
         part = self._like()
         rows = min(self.block_rows, n)
         buf = np.empty((rows, d))
-        work = np.empty((rows, d)) if self.extras else None
+        sub = min(SUB_ROWS, rows)
+        sbuf = (np.empty((sub, d)), np.empty((sub, d))) if self.extras else None
         for i in range(0, n, rows):
             xb = a[i:i + rows]
             m = xb.shape[0]
-            b = buf[:m]
             blk = self._like()
             blk.n = m
-            if self.extras:
-                np.copyto(b, xb)
-                sq = np.einsum("ij,ij->i", b, b)
-                _check_block(sq, a)
-                blk._extras_from_block(xb, b, sq, work[:m])
-            # block mean in float64 straight from the input dtype, then centre while converting
+            # block mean in float64 straight from the input dtype; NaN/Inf anywhere shows up here
             blk.mean = np.add.reduce(xb, axis=0, dtype=np.float64) / m
-            if not self.extras:
-                _check_block(blk.mean, a)  # a NaN/Inf anywhere in the block makes its column mean non-finite
-            np.subtract(xb, blk.mean, out=b)
+            _check_block(blk.mean, a)
+            if self.extras:
+                blk._extras_from_block(xb, sbuf, a)
+            b = buf[:m]
+            np.subtract(xb, blk.mean, out=b)  # centre while converting to float64
             blk._m2 = blas.dsyrk(1.0, b.T, trans=0, lower=0)
             blk._m2_filled = False
             part.merge(blk)
         return self.merge(part)
 
-    def _extras_from_block(self, xb: np.ndarray, b: np.ndarray, sq: np.ndarray, work: np.ndarray) -> None:
-        self.sum_sq_norm = float(sq.sum())
-        self.sum_unit, self.sum_unit_sq, self.n_zero_norm = _unit_stats(b, sq, work)
-        # |x| in float32 when the input is float32 (exact); otherwise on the float64 copy
-        ab = np.abs(xb) if xb.dtype == np.float32 else np.abs(b, out=work)
-        self.abs_sum = np.add.reduce(ab, axis=0, dtype=np.float64)
-        self.abs_max = ab.max(axis=0).astype(np.float64)
-        self.count_abs_ge = np.zeros(self.dim, dtype=np.int64)
-        cols = np.flatnonzero(self.abs_max >= self.abs_threshold)
-        if cols.size:
-            self.count_abs_ge[cols] = np.count_nonzero(ab[:, cols] >= self.abs_threshold, axis=0)
+    def _extras_from_block(self, xb: np.ndarray, sbuf, a: np.ndarray) -> None:
+        """Unit-vector and |x| statistics of block ``xb``, in cache-sized sub-blocks of SUB_ROWS rows."""
+        d = self.dim
+        thr = self.abs_threshold
+        su, su2, asum = np.zeros(d), np.zeros(d), np.zeros(d)
+        amax = np.zeros(d)
+        cnt = np.zeros(d, dtype=np.int64)
+        nz, ssq = 0, 0.0
+        for j in range(0, xb.shape[0], sbuf[0].shape[0]):
+            xs = xb[j:j + sbuf[0].shape[0]]
+            k = xs.shape[0]
+            b, work = sbuf[0][:k], sbuf[1][:k]
+            np.copyto(b, xs)
+            sq = np.einsum("ij,ij->i", b, b)
+            _check_block(sq, a)
+            ssq += float(sq.sum())
+            u, u2, z = _unit_stats(b, sq, work)
+            su += u
+            su2 += u2
+            nz += z
+            # |x| in float32 when the input is float32 (exact); otherwise on the float64 copy
+            ab = np.abs(xs) if xs.dtype == np.float32 else np.abs(b, out=work)
+            asum += np.add.reduce(ab, axis=0, dtype=np.float64)
+            bmax = ab.max(axis=0)
+            np.maximum(amax, bmax, out=amax)
+            cols = np.flatnonzero(bmax >= thr)
+            if cols.size:
+                cnt[cols] += np.count_nonzero(ab[:, cols] >= thr, axis=0)
+        self.sum_sq_norm, self.n_zero_norm = ssq, nz
+        self.sum_unit, self.sum_unit_sq = su, su2
+        self.abs_sum, self.abs_max, self.count_abs_ge = asum, amax, cnt
 
     def merge(self, other: Moments) -> Moments:
         """Add another accumulator's rows (exact parallel formula). Returns self."""
