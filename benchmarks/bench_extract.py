@@ -1,0 +1,225 @@
+"""Benchmark: `geomscope extract` on the bundled all-MiniLM-L6-v2 (all 7 hidden states, float16 store).
+
+Contenders, alternated on the same sentences (sample_data/sentences.txt repeated and shuffled), model
+loaded once outside the timings:
+
+- geomscope: ``extract()`` end to end -- scan + hash of the input, tokenization, length-bucketed
+  batches, forward, real-token gather, float16 cast, NaN check, chunk-aligned HDF5 appends, fsync,
+  sha256 of every shard, atomic manifest updates;
+- ceiling: a plain forward pass (``model(input_ids, attention_mask)``) over the very same
+  length-sorted padded batches, pre-built, nothing stored;
+- common loop: what most scripts do -- input order, fixed batch of 32 padded to the longest,
+  ``output_hidden_states=True``, every layer to numpy, real tokens written as one HDF5 dataset per batch.
+
+Throughput is real (non-padding) tokens per second.  Peak RSS of ``extract`` is measured in fresh
+processes at 1x and 10x the text (the same sentences, ten times over).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT))
+
+from _common import median, print_rows  # noqa: E402
+
+SENTENCES = ROOT / "sample_data" / "sentences.txt"
+BATCH_TOKENS = 8192
+COMMON_BATCH = 32
+
+
+def make_corpus(n: int, path: Path, seed: int = 0) -> Path:
+    lines = [x for x in SENTENCES.read_text().splitlines() if x.strip()]
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        block = list(lines)
+        rng.shuffle(block)
+        out.extend(block)
+    path.write_text("\n".join(out[:n]) + "\n")
+    return path
+
+
+def ceiling_batches(lm, path: Path, shard_docs: int = 1000):
+    """The padded tensors extract() would run, built ahead of time (same tokenization, order and cuts)."""
+    import torch
+
+    from geomscope.extract.batching import length_order, pad_right, plan_batches, tokenize
+
+    texts = [t for t in path.read_text().splitlines() if t.strip()]
+    pad = lm.tokenizer.pad_token_id or 0
+    out, tokens = [], 0
+    for s in range(0, len(texts), shard_docs):
+        docs = tokenize(lm.tokenizer, list(enumerate(texts[s:s + shard_docs], s)), lm.max_length)
+        for b in plan_batches(length_order(docs), BATCH_TOKENS):
+            ids, mask = pad_right(b, pad)
+            out.append((torch.from_numpy(ids), torch.from_numpy(mask)))
+            tokens += int(mask.sum())
+    return out, tokens
+
+
+def run_ceiling(lm, batches) -> None:
+    import torch
+
+    with torch.inference_mode():
+        for ids, mask in batches:
+            lm.model(input_ids=ids, attention_mask=mask)
+
+
+def run_common(lm, path: Path, h5_path: Path) -> int:
+    """The usual script: input order, fixed batch size, all hidden states to numpy, one write per batch."""
+    import h5py
+    import numpy as np
+    import torch
+
+    texts = [t for t in path.read_text().splitlines() if t.strip()]
+    tokens = 0
+    with h5py.File(h5_path, "w") as f, torch.no_grad():
+        for i in range(0, len(texts), COMMON_BATCH):
+            enc = lm.tokenizer(texts[i:i + COMMON_BATCH], padding=True, truncation=True, max_length=512,
+                               return_tensors="pt")
+            out = lm.model(**enc, output_hidden_states=True)
+            hs = np.stack([h.numpy() for h in out.hidden_states])  # (L, B, T, D)
+            mask = enc["attention_mask"].numpy().astype(bool)
+            f.create_dataset(f"batch_{i // COMMON_BATCH:06d}", data=hs[:, mask].astype(np.float16))
+            tokens += int(mask.sum())
+    return tokens
+
+
+def run_geomscope(lm, path: Path, out: Path, layers: str = "all") -> dict:
+    from geomscope.extract.run import extract
+
+    shutil.rmtree(out, ignore_errors=True)
+    return extract(lm, [path], out, layers=layers, batch_tokens=BATCH_TOKENS)
+
+
+def _vm_hwm_mb() -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def isolated_extract(n_docs: int, workdir: str) -> dict:
+    """In a fresh process: load MiniLM, reset the peak-RSS mark, extract ``n_docs`` sentences.
+
+    Returns the peak RSS of the extraction phase (Linux VmHWM after ``clear_refs``; the parent also
+    gets the whole process's peak, model loading included).
+    """
+    work = Path(workdir)
+    src = make_corpus(n_docs, work / f"rss-{n_docs}.txt")
+    from geomscope.extract.models import load_model
+    from geomscope.extract.run import extract
+
+    lm = load_model("bundled:minilm", device="cpu")
+    loaded = _vm_hwm_mb()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    except OSError:
+        pass
+    s = extract(lm, [src], work / f"rss-run-{n_docs}", batch_tokens=BATCH_TOKENS)
+    shutil.rmtree(work / f"rss-run-{n_docs}", ignore_errors=True)
+    return {"rows": s["rows"], "extract_peak_mb": _vm_hwm_mb(), "after_load_peak_mb": loaded}
+
+
+def run(quick: bool = False) -> list[dict]:
+    import os
+
+    import torch
+    from _common import run_isolated
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from geomscope.extract.models import load_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a shared 2-core machine: multi-threaded kernels would measure barrier stalls
+    n_chunks = 2 if quick else 10
+    chunk_docs = 60 if quick else 300
+    repeats = 1 if quick else 3
+    rss_docs = 30 if quick else 300
+    work = Path(tempfile.mkdtemp(prefix="bench-extract-"))
+    rows: list[dict] = []
+    try:
+        lm = load_model("bundled:minilm", device="cpu")
+        chunks = [make_corpus(chunk_docs, work / f"corpus-{i}.txt", seed=i) for i in range(n_chunks)]
+        prebuilt = [ceiling_batches(lm, c) for c in chunks]
+        warm = make_corpus(32, work / "warm.txt", seed=99)
+        run_geomscope(lm, warm, work / "warm-run")
+        run_ceiling(lm, ceiling_batches(lm, warm)[0])
+        run_common(lm, warm, work / "warm.h5")
+        contenders = ["geomscope", "ceiling", "common"] + ([] if quick else ["layer6"])
+        totals = {k: [] for k in contenders}
+        tokens = {k: 0 for k in contenders}
+        for _ in range(repeats):
+            spent = dict.fromkeys(contenders, 0.0)
+            for k in contenders:
+                tokens[k] = 0
+            # alternate contenders chunk by chunk, so that load from other processes hits all of them alike
+            for c, (batches, n_tok) in zip(chunks, prebuilt, strict=True):
+                for k in contenders:
+                    t0 = time.perf_counter()
+                    if k == "geomscope":
+                        tokens[k] += run_geomscope(lm, c, work / "run")["rows"]
+                    elif k == "layer6":
+                        tokens[k] += run_geomscope(lm, c, work / "run6", layers="6")["rows"]
+                    elif k == "ceiling":
+                        run_ceiling(lm, batches)
+                        tokens[k] += n_tok
+                    else:
+                        tokens[k] += run_common(lm, c, work / "common.h5")
+                    spent[k] += time.perf_counter() - t0
+            for k in contenders:
+                totals[k].append(spent[k])
+        assert len(set(tokens.values())) == 1, tokens
+        n_tok = tokens["geomscope"]
+        tps = {k: n_tok / median(v) for k, v in totals.items()}
+        n_docs = n_chunks * chunk_docs
+        rows.append({"benchmark": f"extract MiniLM, {n_docs} sentences ({n_tok:,} tokens), tokens/s",
+                     "geomscope": round(tps["geomscope"]), "alternative": round(tps["ceiling"]),
+                     "ratio": round(tps["geomscope"] / tps["ceiling"], 3), "target": ">= 0.9",
+                     "note": "alternative = plain forward over the same length-sorted batches (ceiling); all 7 "
+                             f"layers stored float16; 1 torch thread; median of {repeats}"})
+        rows.append({"benchmark": "extract vs the common loop, tokens/s", "geomscope": round(tps["geomscope"]),
+                     "alternative": round(tps["common"]), "ratio": round(tps["geomscope"] / tps["common"], 3),
+                     "target": "> 1", "note": f"input order, batch {COMMON_BATCH} padded, output_hidden_states, "
+                                              "all layers to numpy, one HDF5 write per batch"})
+        if "layer6" in tps:
+            rows.append({"benchmark": "extract one layer (6) vs all 7 layers, tokens/s",
+                         "geomscope": round(tps["layer6"]), "alternative": round(tps["geomscope"]),
+                         "ratio": round(tps["layer6"] / tps["geomscope"], 3), "target": ">= 1",
+                         "note": "output_hidden_states=[6]: the other states are never kept"})
+        small = run_isolated(isolated_extract, rss_docs, str(work))
+        big = run_isolated(isolated_extract, 10 * rss_docs, str(work))
+        a, b = small["result"], big["result"]
+        if a["extract_peak_mb"] and b["extract_peak_mb"]:
+            rows.append({"benchmark": f"extract peak RSS MiB during extraction, {10 * rss_docs} vs {rss_docs} "
+                                      "sentences (10x text)",
+                         "geomscope": round(b["extract_peak_mb"]), "alternative": round(a["extract_peak_mb"]),
+                         "ratio": round(b["extract_peak_mb"] / a["extract_peak_mb"], 3), "target": "<= 1.1",
+                         "note": f"fresh processes, VmHWM reset after model load; rows {a['rows']:,} vs {b['rows']:,}"})
+        rows.append({"benchmark": f"process peak RSS MiB incl. model load, {10 * rss_docs} vs {rss_docs} sentences",
+                     "geomscope": round(big["peak_rss_mb"]), "alternative": round(small["peak_rss_mb"]),
+                     "ratio": round(big["peak_rss_mb"] / small["peak_rss_mb"], 3), "target": "<= 1.1",
+                     "note": "ru_maxrss of the whole child process"})
+    finally:
+        torch.set_num_threads(threads)
+        shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+if __name__ == "__main__":
+    quick = "--quick" in sys.argv
+    rows = run(quick=quick)
+    print_rows(rows, title="extract" + (" (quick)" if quick else ""))

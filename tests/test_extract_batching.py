@@ -1,0 +1,58 @@
+"""Batch planning: every cut respects the token budget, keeps the order, and pads little."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from geomscope.extract.batching import Doc, length_order, pad_right, plan_batches, row_meta
+
+
+def docs_of(lengths):
+    return length_order([Doc(i, np.arange(n, dtype=np.int64) + 5, np.zeros(n, bool)) for i, n in enumerate(lengths)])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=120), st.integers(1, 4096))
+def test_plan_respects_budget_and_order(lengths, budget):
+    docs = docs_of(lengths)
+    batches = plan_batches(docs, budget)
+    assert [d.doc_id for b in batches for d in b] == [d.doc_id for d in docs]  # consecutive, nothing lost
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(len(d) for d in b) <= budget
+
+
+def _padded(batches):
+    return sum(len(b) * max(len(d) for d in b) for b in batches)
+
+
+def test_plan_is_optimal_against_brute_force_and_beats_greedy():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 40, size=12).tolist()
+    docs = docs_of(lengths)
+    budget, c = 120, 10.0
+    got = plan_batches(docs, budget, overhead=c)
+    # brute force over all 2^(n-1) ways to cut the sorted list
+    n = len(docs)
+    best = None
+    for mask in range(1 << (n - 1)):
+        cuts = [0] + [i + 1 for i in range(n - 1) if mask >> i & 1] + [n]
+        bs = [docs[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+        if all(len(b) * len(b[0]) <= budget for b in bs):
+            cost = _padded(bs) + c * len(bs)
+            best = cost if best is None else min(best, cost)
+    assert _padded(got) + c * len(got) == best
+    wide = docs_of([200] + [20] * 300)
+    assert _padded(plan_batches(wide, 8192)) < 1.1 * sum(len(d) for d in wide)  # the long one alone
+
+
+def test_pad_right_and_row_meta():
+    docs = [Doc(7, np.array([1, 2, 3]), np.array([True, False, True])), Doc(3, np.array([9]), np.array([False]))]
+    ids, mask = pad_right(docs, pad_id=0)
+    assert ids.tolist() == [[1, 2, 3], [9, 0, 0]] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    m = row_meta(docs)
+    assert m["doc_id"].tolist() == [7, 7, 7, 3] and m["position"].tolist() == [0, 1, 2, 0]
+    assert m["token_id"].tolist() == [1, 2, 3, 9] and m["is_special"].tolist() == [True, False, True, False]
+    d = row_meta(docs, decoder_start=0)
+    assert d["token_id"].tolist() == [0, 1, 2, 0] and d["is_special"].tolist() == [True, True, False, True]
