@@ -1,11 +1,31 @@
 """The score report: JSON (the full record) and CSV (one row per layer), plus a rich table.
 
-The JSON layout is documented in the README ("Report format"); its top-level keys are
-:data:`REPORT_KEYS`, every layer entry has the keys :data:`LAYER_KEYS` (plus ``id_<name>`` for
-extra intrinsic-dimension estimators). CSV columns: ``layer,index,n_rows``, one column per scalar
-metric (:data:`CSV_METRICS`, then ``id_<name>``), ``outliers`` (space-separated dimensions), then
-``se_<metric>`` for every scalar metric. Missing numbers are empty cells. Non-finite floats are
-written as JSON null.
+JSON (``format: "geomscope-report"``, ``format_version: 1``), top-level keys :data:`REPORT_KEYS`:
+
+- ``source``: ``{kind: "run"|"array", path, dataset}``; ``model`` (runs): ``{name, revision, commit,
+  hidden_size}``; ``run`` (runs): ``{dir, complete, partial, rows, docs}``.
+- ``params``: metrics, zeta, target ("trace" | "identity" | "file:<path>" | "run:<dir>" |
+  "layer:<name>"), avgcos_variants, outlier_rule, outlier_threshold, id_estimator (comma list of the
+  ID estimators that ran), twonn_fit, discard_fraction, id_sample, seed, exclude_special, max_rows,
+  layers, duplicates_removed {layer: n}, uncertainty {moments, twonn, id_<name>: method},
+  jackknife_groups, workers, layer_batch_size, rows_total.
+- ``layers``: one entry per layer in depth order with the keys :data:`LAYER_KEYS` -- layer, index,
+  n_rows (rows the metrics saw); the scalar metrics isoscore, isoscore_star, avgcos,
+  avgcos_centred, avgcos_standardised, pr, erank, top1_share, top5_share, top10_share, twonn
+  (null when not requested or undefined, the reason in ``notes``); outliers (dimensions under
+  params.outlier_rule); se {metric: standard error}; eigenvalues (descending, of the covariance);
+  outlier_statistic (per dimension, the statistic the rule thresholds); outlier_support (per
+  reported dimension, the fraction of jackknife replicates that flag it too); twonn_n_used,
+  twonn_duplicates_removed; dropped {nonfinite, special, not_sampled}; flags (e.g. rank_limited,
+  maybe_transposed, nonfinite_rows_dropped, zero_norm_rows); notes {key: why}. Extra
+  intrinsic-dimension estimators add ``id_<name>`` keys after these.
+- ``embeddings``: partition isotropy I(W) of the checkpoint's matrices, ``{input: {raw, centred},
+  output: {raw, centred} | null, tied, checkpoint, input_key, output_key, note}``, or null with the
+  reason in ``notes.embeddings``.
+
+CSV columns: ``layer,index,n_rows``, one column per scalar metric (:data:`CSV_METRICS`, then
+``id_<name>``), ``outliers`` (space-separated dimensions), then ``se_<metric>`` for every scalar
+metric. Missing numbers are empty cells. Non-finite floats are written as JSON null.
 
 Files are written to a temporary name and renamed, so a crash never leaves half a report and an
 old report is replaced only by a complete new one.
