@@ -180,26 +180,37 @@ class _Scorer:
         parts = self._pass(self.src.tasks, spec, f"moments {label}")
         entries, pending_unit = {}, {}
         for name in batch:
-            lp = parts.get(name)
             c0 = self.c0_fixed if self.c0_fixed is not None else c0_by_layer.get(name)
-            state = _LayerState(name, self.src.indices.get(name), lp, self.src, o, self.G)
-            state.moments(c0 if c0 is not None else self.target)
-            if o.needs_second_pass and state.unit_spec is not None:
-                pending_unit[name] = state
-            entries[name] = state
+            entries[name] = _LayerState(name, self.src.indices.get(name), parts.get(name), self.src, o, self.G,
+                                        c0 if c0 is not None else self.target)
+        self._each(entries.values(), _LayerState.moments)
+        pending_unit = {n: s for n, s in entries.items() if o.needs_second_pass and s.unit_spec is not None}
         if pending_unit:
             spec2 = self._spec("unit", list(pending_unit), thresholds=self.thresholds,
                                unit={n: s.unit_spec for n, s in pending_unit.items()})
             parts2 = self._pass(self.src.tasks, spec2, f"centred cosine {label}")
             for n, s in pending_unit.items():
                 s.cosine_variants(parts2[n].unit)
+        self._each(entries.values(), _LayerState.finish)
         out = {}
         for name, state in entries.items():
-            state.intrinsic()
-            state.outliers_moment()
             extras[name] = state.extra
             out[name] = state.entry()
         return out
+
+    def _each(self, states, method) -> None:
+        """Run ``method(state)`` for every layer; with --workers N in N threads (eigensolvers, BLAS and
+        the neighbour search release the GIL; each layer's numbers do not depend on the others)."""
+        states = list(states)
+        if self.opts.workers <= 1 or len(states) <= 1:
+            for st in states:
+                method(st)
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(self.opts.workers, len(states))) as pool:
+            for f in [pool.submit(method, st) for st in states]:
+                f.result()
 
     # -- report ------------------------------------------------------------------------------
     def _report(self, layers: list[dict], embeddings, top_notes) -> dict:
@@ -240,8 +251,8 @@ class _Scorer:
 class _LayerState:
     """Numbers of one layer as they are computed (see compute.py for the definitions)."""
 
-    def __init__(self, name, index, lp, src: SourceInfo, opts: ScoreOptions, G: int):
-        self.name, self.index, self.lp, self.opts, self.G = name, index, lp, opts, G
+    def __init__(self, name, index, lp, src: SourceInfo, opts: ScoreOptions, G: int, c0):
+        self.name, self.index, self.lp, self.opts, self.G, self.c0 = name, index, lp, opts, G, c0
         self.counts = dict(lp.counts) if lp is not None else {}
         self.n = int(self.counts.get("used", 0))
         self.values: dict = {}
@@ -250,6 +261,8 @@ class _LayerState:
         self.flags: list[str] = list(src.flags)
         self.unit_spec = None
         self.full = None
+        self.live: list[int] = []
+        self.rep_stats: list = []
         self.extra: dict = {}
         self.dim = src.dim
         if self.counts.get("nonfinite"):
@@ -258,8 +271,8 @@ class _LayerState:
     def _groups(self):
         return self.lp.groups if self.lp is not None and self.lp.groups else None
 
-    def moments(self, c0) -> None:
-        o = self.opts
+    def moments(self) -> None:
+        o, c0 = self.opts, self.c0
         groups = self._groups()
         if not o.moment_metrics:
             return
@@ -313,6 +326,10 @@ class _LayerState:
                 self.reps[key] = [compute._try(lambda m=mus, r=r: float(avgcos_from_sum(m.sum_unit[r], m.n_unit(r))),
                                                {}, key) for r in self.live]
 
+    def finish(self) -> None:
+        self.intrinsic()
+        self.outliers_moment()
+
     def intrinsic(self) -> None:
         o = self.opts
         self.sample = None
@@ -325,7 +342,7 @@ class _LayerState:
         self.out = None
         if not o.wants("outliers") or o.outlier_rule == "magnitude":
             return
-        self.out = outliers.layer_outliers(self.full, self.sample, getattr(self, "rep_stats", []), o, self.notes)
+        self.out = outliers.layer_outliers(self.full, self.sample, self.rep_stats, o, self.notes)
 
     def entry(self) -> dict:
         o = self.opts
