@@ -138,9 +138,10 @@ def test_two_nearest_bad_input_and_block_size_rule():
         two_nearest(X)
     with pytest.raises(DataError, match="2-D"):
         two_nearest(np.ones(5))
-    assert default_block_size(100) == 100
+    assert default_block_size(100) == 100 and default_block_size(10**7) == 64
     b = default_block_size(50_000)
-    assert 64 <= b <= 4096 and 2 * b * 50_000 * 4 <= 256 * 2**20
+    assert 64 <= b <= 4096 and b * 50_000 * 4 <= 256 * 2**20
+    assert default_block_size(20_000) == 1250 and default_block_size(2000) == 1024
 
 
 # ---------------------------------------------------------------- dedup

@@ -7,12 +7,14 @@ computes), so r1 == 0 exactly for an exact duplicate and never for distinct rows
 
 Algorithm (torch; the same code on ``device="cpu"`` and ``device="cuda"``):
 
-1. Centre X on its float64 column mean and scale it by a power of two so max |x| < 1 (distances
-   are translation invariant; this removes a common offset before rounding to float32).
+1. Shift X by its column mean (rounded to float32 for float32 X) and scale it by a power of two so
+   max |x| < 1 (distances are translation invariant; this removes a common offset before rounding
+   to float32).
 2. Candidate search in float32: ``d2 = |a|^2 + |b|^2 - 2 a.b`` by GEMM over row strips
    ``X[s:e] @ X[s:].T`` -- only the upper triangle of the distance matrix is computed; each strip
    updates the running top-K (K = 4) of its own rows (row-wise top-k) and of the later rows
-   (column-wise top-k). Memory is one strip of ``block_size x N`` float32 (never N x N).
+   (column-wise top-k). Memory is one strip of ``block_size x N`` float32 (never N x N), plus
+   the float32 copy of X and O(N K) for the candidates.
 3. Exact float64 recompute of the K candidate distances of every row; r1, r2 are the two smallest.
 4. Certification. The float32 value of every pair is within ``err_i = c (|a_i|^2 + max_j |b_j|^2)``
    of the true squared distance, ``c = 1.01 ((D+2)u/(1-(D+2)u) + 2u_in + 24u)`` (u = 2^-24; u_in
@@ -33,7 +35,7 @@ import numpy as np
 from geomscope.errors import DataError, InputError
 from geomscope.metrics._validate import as_rows, count_nonfinite_rows, nonfinite_message
 
-#: Bytes allowed for one strip of candidate distances (float32 strip + one temporary of its size).
+#: Bytes allowed for one strip of float32 candidate distances (and for each float64 chunk).
 DEFAULT_MEMORY_BUDGET = 256 * 2**20
 #: Candidates kept per row by the float32 search (exactly recomputed, then certified).
 K_CANDIDATES = 4
@@ -42,10 +44,13 @@ _U64 = 2.0**-53
 
 
 def default_block_size(n: int, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> int:
-    """Rows per strip: the largest B with ``2 * B * N * 4 bytes <= memory_budget`` (a float32 strip
-    plus one temporary of its size), clamped to [64, 4096] and to N."""
-    b = memory_budget // (8 * max(n, 1))
-    return int(max(1, min(n, max(64, min(4096, b)))))
+    """Rows per strip: ``max(1024, N // 16)`` (strips then compute a fraction 1/2 + B/(2N) of the
+    distance matrix; fewer rows per GEMM lose BLAS efficiency), at most 4096 and at most
+    ``memory_budget / (4 N)`` (one float32 strip; the top-k passes need no strip-sized
+    temporaries), at least 64, at most N."""
+    cap = memory_budget // (4 * max(n, 1))
+    b = min(max(1024, n // 16), 4096, cap)
+    return int(max(1, min(n, max(64, b))))
 
 
 def _resolve_device(device):
@@ -83,7 +88,8 @@ def _as_float_matrix(X) -> np.ndarray:
 
 
 def _prepare(Xt, chunk: int):
-    """Column mean (float64), power-of-two scale, centred+scaled float32 copy and its squared norms."""
+    """Shift (the column mean, rounded to float32 for float32 X), power-of-two scale with
+    max |x - shift| * scale < 1, the float32 copy (x - shift) * scale and its squared norms."""
     import torch
 
     n, d = Xt.shape
@@ -110,7 +116,7 @@ def _prepare(Xt, chunk: int):
         c = c.float() if c.dtype != torch.float32 else c
         x32[s:s + chunk] = c
         n32[s:s + chunk] = torch.linalg.vector_norm(c, dim=1, dtype=torch.float64).square()
-    return mean, scale, x32, n32
+    return shift, scale, x32, n32
 
 
 def _merge(best_v, best_i, lo: int, hi: int, v, i) -> None:
@@ -197,28 +203,34 @@ def _best_two(rows: np.ndarray, cols: np.ndarray, dist: np.ndarray):
     return r[first], d[first], c[first], d[first + 1], c[first + 1]
 
 
-def _rescreen(Xt, rows, mean, scale, ub2, chunk_rows: int, chunk_cols: int):
-    """Pairs (row, j) whose float64 GEMM value cannot exclude d(row, j)^2 <= ub2[row] (scaled)."""
+def _rescreen(Xt, rows, shift, scale, ub2, memory_budget: int):
+    """Pairs (row, j), j != row, that a float64 GEMM screen cannot exclude from d(row, j)^2 <= ub2.
+
+    Points are ``(x - shift) * scale`` in float64 (ub2 is in these units). Each pair's float64
+    value V is within ``c64 (|a|^2 + |b|^2)`` of the true squared distance (c64: twice the float64
+    bound, which also covers the float64 norms), so every pair with V - c64 |b|^2 > ub2 + c64 |a|^2
+    is farther than ub2; all the others are returned for the exact recompute.
+    """
     import torch
 
     n, d = Xt.shape
-    dev = Xt.device
-    c64 = _bound_coefficient(d, _U64, 0.0)
-    norms = torch.empty(n, dtype=torch.float64, device=dev)
-    for s in range(0, n, chunk_cols):
-        c = (Xt[s:s + chunk_cols].double() - mean) * scale
-        norms[s:s + chunk_cols] = (c * c).sum(1)
-    nmax = float(norms.max())
-    out_r, out_c = [], []
+    c64 = 2.0 * _bound_coefficient(d, _U64, 0.0)
+    s64 = shift.double()
+    chunk_rows = max(1, min(rows.shape[0], memory_budget // (32 * d)))
+    chunk_cols = max(64, memory_budget // (16 * (d + chunk_rows)))
+    blocks = []
     for a in range(0, rows.shape[0], chunk_rows):
         r = rows[a:a + chunk_rows]
-        A = (Xt[r].double() - mean) * scale
-        thr = ub2[a:a + chunk_rows] + c64 * (norms[r] + nmax)
-        for s in range(0, n, chunk_cols):
-            B = (Xt[s:s + chunk_cols].double() - mean) * scale
-            V = torch.addmm(norms[s:s + chunk_cols][None, :], A, B.T, alpha=-2.0).add_(norms[r][:, None])
-            hit = V <= thr[:, None]
-            ii, jj = hit.nonzero(as_tuple=True)
+        A = (Xt[r].double() - s64).mul_(scale)
+        na = torch.linalg.vector_norm(A, dim=1).square_()
+        blocks.append((r, A, na, ub2[a:a + chunk_rows] + c64 * na))
+    out_r, out_c = [], []
+    for s in range(0, n, chunk_cols):
+        B = (Xt[s:s + chunk_cols].double() - s64).mul_(scale)
+        nb = torch.linalg.vector_norm(B, dim=1).square_()
+        for r, A, na, thr in blocks:
+            V = torch.addmm((1.0 - c64) * nb[None, :], A, B.T, alpha=-2.0).add_(na[:, None])
+            ii, jj = (V <= thr[:, None]).nonzero(as_tuple=True)
             jj = jj + s
             keep = r[ii] != jj
             out_r.append(r[ii][keep])
@@ -257,7 +269,7 @@ def two_nearest(X, block_size: int | None = None, device=None, refine: bool = Tr
     block = min(block, n)
     Xt = torch.from_numpy(np.ascontiguousarray(a)).to(dev)
     chunk = max(1, memory_budget // (16 * d))  # rows per float64 chunk in the passes over X
-    mean, scale, x32, n32 = _prepare(Xt, chunk)
+    shift, scale, x32, n32 = _prepare(Xt, chunk)
     k = min(K_CANDIDATES, n - 1)
     info = {"block_size": block, "k": k, "n_flagged": 0, "n_rescreen_pairs": 0, "device": str(dev)}
     best_v, best_i = _candidates(x32, n32, k, block)
@@ -285,8 +297,7 @@ def two_nearest(X, block_size: int | None = None, device=None, refine: bool = Tr
         info["n_flagged"] = int(flagged.numel())
         if flagged.numel():
             ub2 = (r2[flagged] * scale) ** 2
-            pr, pc = _rescreen(Xt, flagged, mean, scale, ub2, 256,
-                               max(64, memory_budget // (16 * (d + 256))))
+            pr, pc = _rescreen(Xt, flagged, shift, scale, ub2, memory_budget)
             info["n_rescreen_pairs"] = int(pr.numel())
             pd = _exact_pairs(Xt, pr, pc, max(1, chunk // 2))
             fr, d1, j1, d2, j2 = _best_two(pr.cpu().numpy(), pc.cpu().numpy(), pd.cpu().numpy())
