@@ -483,3 +483,47 @@ def test_report_is_json_serialisable_with_stable_keys(run):
         "twonn_fit", "discard_fraction", "id_sample", "seed", "exclude_special", "max_rows", "layers",
         "duplicates_removed", "uncertainty", "jackknife_groups", "workers", "layer_batch_size", "rows_total"}
     assert back["model"] == {"name": "toy", "revision": "step7", "commit": None, "hidden_size": D}
+
+
+def _write_split(run_dir, X, docs, cuts):
+    ident = {"model": {"name": "toy", "hidden_size": X.shape[1]}, "layers": [{"name": "layer_00", "index": 0}]}
+    with RunWriter(run_dir, ident) as w:
+        for s, (a, b) in enumerate(zip(cuts[:-1], cuts[1:], strict=True)):
+            sw = w.shard_writer(s, layer_names=["layer_00"], dim=X.shape[1], store_dtype="float32")
+            sw.append({"layer_00": X[a:b]}, token_id=np.arange(a, b), doc_id=docs[a:b], position=np.zeros(b - a),
+                      is_special=np.zeros(b - a, bool))
+            w.add_shard(sw.close())
+        w.finalize({"docs": int(docs.max()) + 1})
+
+
+def test_report_does_not_depend_on_how_rows_are_sharded(tmp_path):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    rng = np.random.default_rng(7)
+    X = (rng.normal(size=(300, 5)) * [1, 2, 3, 0.5, 1] + 10).astype(np.float32)
+    docs = np.arange(300) // 7
+    np.save(tmp_path / "x.npy", X)
+    ref = score(tmp_path / "x.npy", ScoreOptions(metrics=MOMENTS_ONLY, jackknife_groups=0))["layers"][0]
+    counter = iter(range(10**6))
+
+    @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.lists(st.integers(1, 299), min_size=0, max_size=6, unique=True), st.integers(16, 200))
+    def check(inner, block):
+        cuts = [0, *sorted(inner), 300]
+        d = tmp_path / f"r{next(counter)}"
+        _write_split(d, X, docs, cuts)
+        e = score(d, ScoreOptions(metrics=MOMENTS_ONLY, jackknife_groups=0, block_rows=block))["layers"][0]
+        for k in SCALARS:
+            _close(e[k], ref[k], 1e-10)
+        assert e["outliers"] == ref["outliers"]
+
+    check()
+
+
+def test_same_inputs_same_report(run):
+    d, _ = run
+    opts = ScoreOptions(metrics=("isoscore", "avgcos", "twonn"), id_sample=200, max_rows=700, seed=5, layers=("0",))
+    a, b = score(d, opts), score(d, opts)
+    a.pop("created"), b.pop("created")
+    assert a == b
