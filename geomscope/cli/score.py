@@ -75,7 +75,9 @@ def score_cmd(
                                          help="Drop special tokens (CLS/SEP/BOS...) before measuring."),
     layers: List[str] = typer.Option([], "--layers", "-l", help="Only these layers (names or indices, comma list)."),
     max_rows: Optional[str] = typer.Option(None, "--max-rows", metavar="INT", help="Seeded uniform sample of rows per layer."),
-    workers: str = typer.Option("1", "--workers", "-w", metavar="INT", help="Processes reading shards in parallel."),
+    workers: str = typer.Option("1", "--workers", "-w", metavar="INT",
+                                help="Processes reading shards (and threads finishing layers) in parallel; "
+                                     "BLAS runs single-threaded in each."),
     jackknife_groups: str = typer.Option("10", "--jackknife-groups", metavar="INT",
                                          help="Document groups of the jackknife SE (0 = off)."),
     memory_mb: str = typer.Option("2048", "--memory-mb", metavar="MIB", help="Memory budget of the per-layer accumulators."),

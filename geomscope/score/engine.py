@@ -16,6 +16,9 @@ held whole, memory does not depend on the number of rows):
 Memory: each layer holds G Moments of D x D float64 (G = jackknife groups) in every process and
 in-flight result; layers are processed in batches so that G * D^2 * 8 bytes * (in-flight + 2) stays
 under ``--memory-mb`` (one layer per batch at least); each batch repeats the passes for its layers.
+
+Parallelism: ``--workers N`` reads shards in N processes (partial accumulators merged in shard order)
+and finishes N layers at a time in threads; BLAS is single-threaded throughout (see executor.py).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import numpy as np
 from geomscope.errors import DataError, InputError
 from geomscope.score import compute, idest, outliers
 from geomscope.score.accumulate import PassSpec
-from geomscope.score.executor import Executor
+from geomscope.score.executor import Executor, one_blas_thread
 from geomscope.score.options import ScoreOptions
 from geomscope.score.progress import Progress
 from geomscope.score.sources import SourceInfo, open_source
@@ -49,7 +52,7 @@ def score(path, options: ScoreOptions | None = None, *, progress: bool = False,
                       block_rows=opts.block_rows)
     for w in src.warnings:
         log(w)
-    with Executor(opts.workers) as ex, Progress(enabled=progress) as prog:
+    with one_blas_thread(), Executor(opts.workers) as ex, Progress(enabled=progress) as prog:
         return _Scorer(src, opts, ex, prog, log).run()
 
 

@@ -5,11 +5,16 @@ buffer; at most ``2 * workers`` tasks are in flight), so memory does not grow wi
 shards and one worker and many build the same merge tree -- the same numbers.
 
 Workers are spawned (not forked): h5py handles and BLAS thread pools do not survive a fork
-safely. Each worker limits its BLAS to one thread so that N workers use N cores.
+safely. BLAS runs on ONE thread in every worker process (and ``score`` limits this process too):
+parallelism comes from ``--workers`` -- processes over shards, threads over layers. The products
+are small (blocks of a few thousand rows x D x D, D x D eigensolves), and multi-threaded OpenBLAS on
+them was 4x (dsyrk) to 100x (eigvalsh of 384 x 384) slower than one thread on a busy 2-core machine;
+N workers use N cores.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -25,8 +30,17 @@ def _init_worker() -> None:
         from threadpoolctl import threadpool_limits
 
         threadpool_limits(1)
-    except ImportError:  # pragma: no cover - threadpoolctl ships with scikit-learn / scipy stacks
+    except ImportError:  # pragma: no cover - threadpoolctl comes with scikit-learn (scikit-dimension)
         pass
+
+
+def one_blas_thread():
+    """A context in which BLAS/OpenMP pools use one thread (no-op without threadpoolctl)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover
+        return contextlib.nullcontext()
+    return threadpool_limits(1)
 
 
 class Executor:
