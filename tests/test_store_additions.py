@@ -80,3 +80,27 @@ def test_manifest_text_round_trips_one_line_per_shard(tmp_path):
     text = dumps_manifest(m)
     assert json.loads(text) == m
     assert sum(1 for line in text.splitlines() if '"index":' in line) == 3  # one line per shard entry
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=12), st.integers(1, 16))
+def test_uneven_appends_round_trip_with_reused_buffers(tmp_path_factory, sizes, chunk):
+    path = tmp_path_factory.mktemp("shard") / "s.h5"
+    sw = ShardWriter(path, index=0, layer_names=["a"], dim=3, store_dtype="float32", expected_rows=chunk)
+    buf = np.empty((64, 3), np.float32)  # one caller-owned buffer, overwritten before every append
+    ids = np.empty(64, np.int64)
+    expect, start = [], 0
+    for n in sizes:
+        buf[:n] = np.arange(start, start + n)[:, None] * [1, 2, 3]
+        ids[:n] = np.arange(start, start + n)
+        sw.append({"a": buf[:n]}, ids[:n], ids[:n], ids[:n], np.zeros(n, bool))
+        expect.append(buf[:n].copy())
+        buf[:] = -1
+        ids[:] = -1
+        start += n
+    info = sw.close()
+    assert info.rows == start
+    got = [c for c in iter_shard(path)]
+    a = np.concatenate([c.layers["a"] for c in got]) if got else np.zeros((0, 3))
+    np.testing.assert_array_equal(a, np.concatenate(expect))
+    np.testing.assert_array_equal(np.concatenate([c.token_id for c in got]) if got else [], np.arange(start))

@@ -142,20 +142,42 @@ class ShardWriter:
                 self.nonfinite_by_layer[name] = self.nonfinite_by_layer.get(name, 0) + int(bad.sum())
         self.nonfinite_rows += int(any_bad.sum())
         self._docs.update(np.unique(batch["doc_id"]).tolist())
-        self._buf.append(batch)
         self._buf_rows += n
         if self._buf_rows >= self.chunk:
+            self._buf.append(batch)
             self._flush(final=False)
+        else:  # kept past this call: own the data (the caller may reuse its arrays)
+            self._buf.append({k: np.array(v, copy=True) for k, v in batch.items()})
 
     def _flush(self, final: bool) -> None:
+        """Write every whole chunk buffered (everything when ``final``), chunk-aligned.
+
+        All buffered pieces but the last hold fewer than ``chunk`` rows together, so only the first
+        chunk is assembled by copying; the rest of the last piece is written straight from it and
+        only its tail (< one chunk) is kept, as a copy.
+        """
         if not self._buf:
             return
-        cat = {k: np.concatenate([b[k] for b in self._buf]) for k in self._buf[0]}
         take = self._buf_rows if final else (self._buf_rows // self.chunk) * self.chunk
         if take == 0:
             return
-        start, stop = self.rows, self.rows + take
-        for key, arr in cat.items():
+        *head, last = self._buf
+        h = sum(len(p["token_id"]) for p in head)
+        if h:
+            k = min(take, self.chunk) - h  # rows of `last` that complete the first chunk
+            self._write({key: np.concatenate([*(p[key] for p in head), last[key][:k]]) for key in last})
+            last = {key: v[k:] for key, v in last.items()}
+            take -= h + k
+        if take:
+            self._write({key: v[:take] for key, v in last.items()})
+            last = {key: v[take:] for key, v in last.items()}
+        self._buf_rows = len(last["token_id"])
+        self._buf = [{key: v.copy() for key, v in last.items()}] if self._buf_rows else []
+
+    def _write(self, arrays: dict) -> None:
+        n = len(arrays["token_id"])
+        start, stop = self.rows, self.rows + n
+        for key, arr in arrays.items():
             if key.startswith("L:"):
                 ds = self._f["layers"][key[2:]]
             elif key.startswith("N:"):
@@ -163,11 +185,8 @@ class ShardWriter:
             else:
                 ds = self._f[key]
             ds.resize(stop, axis=0)
-            ds[start:stop] = arr[:take]
+            ds[start:stop] = arr
         self.rows = stop
-        rest = {k: v[take:] for k, v in cat.items()}
-        self._buf_rows -= take
-        self._buf = [rest] if self._buf_rows else []
 
     def close(self) -> ShardInfo:
         """Flush, fsync and publish the shard under its final name; return its manifest entry."""
