@@ -230,3 +230,27 @@ def hf_cache_with(model_dir: Path, cache_dir: Path, repo_id: str, *, commit: str
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / ref).write_text(commit)
     return Path(cache_dir)
+
+
+def make_tiny_run(dest: Path, kind: str = "bert", texts: list[str] | None = None, *, name: str | None = None,
+                  **extract_kwargs) -> Path:
+    """A finished ``geomscope extract`` run of a tiny ``kind`` model over ``texts`` (default SAMPLE_TEXTS).
+
+    Returns the run directory ``dest/<name>`` (default ``run-<kind>``); built once, reused when present
+    and complete.  ``extract_kwargs`` go to :func:`geomscope.extract.run.extract` (e.g. ``layers="0,-1"``,
+    ``store_dtype="float32"``, ``shard_docs=4``).
+    """
+    import json
+
+    from geomscope.extract.run import extract
+
+    dest = Path(dest)
+    run = dest / (name or f"run-{kind}")
+    manifest = run / "manifest.json"
+    if manifest.exists() and json.loads(manifest.read_text()).get("complete"):
+        return run
+    model = make_tiny_model(kind, dest)
+    src = dest / f"{run.name}.txt"
+    src.write_text("\n".join(SAMPLE_TEXTS if texts is None else texts) + "\n")
+    extract(str(model), [src], run, **extract_kwargs)
+    return run

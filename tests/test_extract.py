@@ -194,7 +194,7 @@ def test_parse_layers():
     assert parse_layers("all", 7) == list(range(7)) and parse_layers(None, 3) == [0, 1, 2]
     assert parse_layers("0,6", 7) == [0, 6] and parse_layers("4-6", 7) == [4, 5, 6]
     assert parse_layers("-1", 7) == [6] and parse_layers("0, -2--1", 7) == [0, 5, 6]
-    assert parse_layers([3, "1"], 7) == [1, 3]
+    assert parse_layers([3, "1"], 7) == [1, 3] and parse_layers("layer_00,layer_02-layer_03", 7) == [0, 2, 3]
     for bad, msg in [("7", "out of range"), ("-8", "out of range"), ("x", "not a layer index"),
                      ("5-2", "backwards"), (",", "selects no layer")]:
         with pytest.raises(InputError, match=msg):
@@ -345,6 +345,15 @@ def test_disk_space_refused_before_writing(tmp_path, loaded, monkeypatch):
 
 
 # ---------------------------------------------------------------- errors
+def test_helpers_make_tiny_run(tmp_path):
+    from helpers_models import make_tiny_run
+
+    run = make_tiny_run(tmp_path, "gpt2", layers="-1", store_dtype="float32")
+    r = Run(run)
+    assert r.complete and r.layer_names == ["layer_02"] and r.total_rows > len(SAMPLE_TEXTS)
+    assert make_tiny_run(tmp_path, "gpt2") == run  # reused
+
+
 def test_model_errors(tmp_path, tiny):
     from helpers_models import hf_cache_with
 
@@ -357,6 +366,8 @@ def test_model_errors(tmp_path, tiny):
     for name, msg in cases:
         with pytest.raises(InputError, match=msg):
             extract(name, [src], tmp_path / "run", cache_dir=str(tmp_path / "hf"))
+    with pytest.raises(InputError, match="bundled:minilm has no revisions"):
+        extract("bundled:minilm", [src], tmp_path / "run", revision="v1")
     with pytest.raises(InputError, match="--revision applies to hub names"):
         extract(str(tiny["bert"]), [src], tmp_path / "run", revision="v1")
     hf_cache_with(tiny["bert"], tmp_path / "hf-noweights", "acme/tiny", weights=False)
@@ -385,12 +396,19 @@ def test_input_errors_write_nothing(tmp_path, loaded):
     (tmp_path / "a.csv").write_text("id,body\n1,x\n")
     (tmp_path / "dir").mkdir()
     (tmp_path / "bad.gz").write_bytes(b"not gzip at all")
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["x"]}).save_to_disk(str(tmp_path / "ds-missing-col"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]}),
+                          "test": datasets.Dataset.from_dict({"text": ["b"]})}).save_to_disk(str(tmp_path / "dd"))
     cases = [([tmp_path / "missing.txt"], {}, "does not exist"), ([tmp_path / "blank.txt"], {}, "no text in"),
              ([tmp_path / "bad.txt"], {}, "not UTF-8 text .*on line 2"),
              ([tmp_path / "a.jsonl"], {}, "line 1 has no field 'text' \\(it has: body\\)"),
              ([tmp_path / "arr.jsonl"], {}, "JSON array"),
              ([tmp_path / "a.csv"], {}, "no column 'text' \\(columns: id, body\\)"),
              ([tmp_path / "dir"], {}, "not a dataset saved by"), ([tmp_path / "bad.gz"], {}, "cannot be read"),
+             ([tmp_path / "dd"], {}, "holds several splits \\(train, test\\); give one split's directory, e.g. .*dd/train"),
+             ([tmp_path / "ds-missing-col"], {"text_field": "body"}, "has no column 'body' \\(columns: text\\)"),
              ([good], {"layers": "3"}, "layer 3 is out of range"), ([good], {"layers": "-4"}, "out of range"),
              ([good], {"max_docs": 0}, "--max-docs must be a positive"),
              ([good], {"store_dtype": "int8"}, "--store-dtype int8"), ([], {}, "no input given")]

@@ -23,7 +23,8 @@ def layer_name(index: int, n_hidden_states: int) -> str:
 
 
 def parse_layers(spec: str | list | tuple | None, n_hidden_states: int) -> list[int]:
-    """Parse ``all`` | ``0,6,12`` | ``4-8`` | ``-1`` | mixtures (``0,4-6,-1``) into sorted unique indices.
+    """Parse ``all`` | ``0,6,12`` | ``4-8`` | ``-1`` | ``layer_06`` | mixtures (``0,4-6,-1``) into sorted unique
+    indices.
 
     Negative indices count from the end (``-1`` = the last hidden state).  Ranges ``a-b`` include both
     ends; negative ends are written ``-3--1``.  Raises InputError for anything out of ``[0, n)``.
@@ -47,7 +48,7 @@ def parse_layers(spec: str | list | tuple | None, n_hidden_states: int) -> list[
         return i % n
 
     for raw in parts:
-        tok = raw.strip()
+        tok = re.sub(r"(?i)layer_0*(\d+)", r"\1", raw.strip())  # stored names: layer_06 -> 6
         if not tok:
             continue
         m = re.fullmatch(r"(-?\d+)\s*-\s*(-?\d+)", tok)

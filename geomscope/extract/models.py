@@ -68,6 +68,9 @@ def resolve_model(name: str, revision: str | None = None) -> tuple[str, dict]:
     raw = str(name).strip()
     if not raw:
         raise InputError("no model given; pass a local model directory, a hub name, or bundled:minilm")
+    if raw.lower() == "bundled:minilm" and revision not in (None, "", "main"):
+        raise InputError(f"bundled:minilm has no revisions; drop --revision, or name the hub repository "
+                         f"{BUNDLED_NAME} to load revision {revision}")
     if raw.lower() in BUNDLED_ALIASES and revision in (None, "", "main"):
         path = bundled_minilm_dir()
         if path is not None:

@@ -18,7 +18,7 @@ import numpy as np
 from geomscope.errors import InputError
 from geomscope.extract.sources import InputFile, iter_all
 
-SAMPLE_DOCS = 256
+SAMPLE_DOCS = 128
 META_BYTES_PER_ROW = 3 * 8 + 1  # token_id, doc_id, position (int64) + is_special
 
 
