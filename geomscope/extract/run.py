@@ -175,7 +175,8 @@ def extract(
         extra = {"model_source": lm.source, "versions": _versions(), "layer_note": LAYER_NOTE, "row_order": ROW_ORDER,
                  "max_length_source": ("option" if max_length is not None else ("model" if eff_len else None))}
         with RunWriter(out, identity, overwrite=overwrite, extra=extra) as writer:
-            writer.update(
+            # saved with the first shard (one fsync pair less per call; nothing depends on it earlier)
+            writer.manifest.update(
                 planned_shards=planned, planned_docs=scan.docs,
                 estimate={"tokens": est_tokens, "bytes": est_bytes},
                 last_invocation={"device": str(lm.device), "batch_tokens": batch_tokens,
