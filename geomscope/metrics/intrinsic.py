@@ -22,7 +22,19 @@ import warnings
 from dataclasses import dataclass, field
 
 from geomscope.errors import DataError, InputError
-from geomscope.metrics.twonn import prepare_points, twonn
+from geomscope.metrics.neighbors import two_nearest
+from geomscope.metrics.twonn import (
+    TwoNN,
+    TwoNNError,
+    TwoNNResult,
+    dedup_rows,
+    prepare_points,
+    twonn,
+    twonn_error,
+)
+
+__all__ = ["ID_ESTIMATORS", "IDResult", "SKDIM_ESTIMATORS", "TwoNN", "TwoNNError", "TwoNNResult", "dedup_rows",
+           "estimate_id", "two_nearest", "twonn", "twonn_error"]
 
 #: registry name -> scikit-dimension class name
 SKDIM_ESTIMATORS = {
