@@ -127,9 +127,15 @@ def _unit_part(spec: PassSpec, name: str) -> dict:
 
 
 def run_task(task: Task, spec: PassSpec, progress=None) -> dict[str, LayerPart]:
-    """Process one task; ``progress(rows)`` is called after each block when given."""
-    if task.kind == "shard":
-        check_shard_file(task, checksum=spec.checksum)
+    """Process one task; ``progress(rows)`` is called after each block when given. A shard's size is
+    checked first, its checksum (``spec.checksum``) while it is read."""
+    finish = check_shard_file(task, checksum=spec.checksum) if task.kind == "shard" else (lambda: None)
+    parts = _run(task, spec, progress)
+    finish()
+    return parts
+
+
+def _run(task: Task, spec: PassSpec, progress) -> dict[str, LayerPart]:
     if spec.kind == "select":
         parts = {n: _new_part(spec, None) for n in spec.layers}
         for block in iter_meta(task, spec.layers, spec.n_groups):

@@ -65,9 +65,13 @@ def _rows_per_block(dim: int, itemsize: int, n_layers: int) -> int:
 
 
 # --------------------------------------------------------------------------------------- runs
-def check_shard_file(task: Task, *, checksum: bool) -> None:
-    """Size (always) and sha256 (``checksum``) of a shard against the manifest; DataError naming it."""
-    from geomscope.store import ShardInfo, verify_shard
+def check_shard_file(task: Task, *, checksum: bool):
+    """Size of a shard against the manifest now; its sha256 (``checksum``) in a background thread
+    while the shard is streamed (hashlib releases the GIL). Returns ``finish()``, which waits for the
+    hash and raises DataError naming the shard if it differs. Missing/short files raise at once."""
+    import threading
+
+    from geomscope.store.shard import file_sha256
 
     p = Path(task.path)
     if not p.exists():
@@ -75,9 +79,27 @@ def check_shard_file(task: Task, *, checksum: bool) -> None:
     if task.nbytes >= 0 and p.stat().st_size != task.nbytes:
         raise DataError(f"shard {p} is corrupt or truncated ({p.stat().st_size} bytes on disk, "
                         f"{task.nbytes} recorded); rerun the same `geomscope extract` command to redo it")
-    if checksum and task.sha256:
-        verify_shard(p, ShardInfo(index=task.index, file=p.name, rows=task.rows, docs=0, doc_start=0,
-                                  doc_stop=0, nonfinite_rows=0, bytes=task.nbytes, sha256=task.sha256))
+    if not (checksum and task.sha256):
+        return lambda: None
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["sha"] = file_sha256(p)
+        except OSError as e:
+            result["error"] = e
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+
+    def finish() -> None:
+        th.join()
+        if "error" in result or result.get("sha") != task.sha256:
+            why = f"cannot read it: {result['error']}" if "error" in result else "checksum differs from the manifest"
+            raise DataError(f"shard {p} is corrupt or truncated ({why}); rerun the same `geomscope extract` "
+                            "command to redo it")
+
+    return finish
 
 
 def _shard_meta(task: Task, layers: list[str], n_groups: int) -> Iterator[Block]:
