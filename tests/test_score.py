@@ -381,6 +381,8 @@ def test_corrupt_shard_is_named(tmp_path):
     p.write_bytes(bytes(raw))
     with pytest.raises(DataError, match="shard-00001.h5"):
         score(tmp_path / "r", ScoreOptions(metrics=("isoscore",)))
+    with pytest.raises(DataError, match="shard-00001.h5.*checksum"):  # raised in a worker process
+        score(tmp_path / "r", ScoreOptions(metrics=("isoscore",), workers=2))
     p.write_bytes(bytes(raw[: len(raw) // 3]))  # truncated
     with pytest.raises(DataError, match="shard-00001.h5.*(corrupt|truncated)"):
         score(tmp_path / "r", ScoreOptions(metrics=("isoscore",), verify=False))

@@ -228,6 +228,8 @@ class _Scorer:
                               if self.G >= 2 else "none (--jackknife-groups 0)")
         if o.id_names:
             unc.update(idest.uncertainty_methods(o))
+        if o.wants("partition"):
+            unc["partition"] = "none: I(W) is an exact function of the checkpoint's weights (no sampling)"
         return {
             "format": "geomscope-report", "format_version": 1, "geomscope_version": __version__,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
