@@ -248,7 +248,8 @@ def test_nonfinite_rows_dropped_and_counted(tmp_path):
     ref = ref_all(X)
     for k in ("isoscore", "avgcos", "avgcos_centred", "avgcos_standardised"):
         _close(e1[k], ref[k])
-    assert e1["se"] == {} and "jackknife off" in e1["notes"]["se"]
+    assert set(e1["se"]) == {"isoscore", "avgcos", "avgcos_centred", "avgcos_standardised"}
+    assert not any(e1["se"].values()) and "jackknife off" in e1["notes"]["se"]
 
 
 def test_exclude_special(run):
@@ -529,3 +530,10 @@ def test_same_inputs_same_report(run):
     a, b = score(d, opts), score(d, opts)
     a.pop("created"), b.pop("created")
     assert a == b
+
+
+def test_one_document_has_no_jackknife_se(tmp_path):
+    make_run(tmp_path / "r", n_shards=1, rows=100, doc_len=100)  # all rows in document 0: one group
+    e = score(tmp_path / "r", ScoreOptions(metrics=("isoscore", "avgcos")))["layers"][0]
+    assert e["isoscore"] is not None and e["se"]["isoscore"] is None and e["se"]["avgcos_centred"] is None
+    assert "1 jackknife group" in e["notes"]["se"]

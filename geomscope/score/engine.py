@@ -267,6 +267,7 @@ class _LayerState:
         self.unit_spec = None
         self.full = None
         self.live: list[int] = []
+        self.n_live = 0
         self.rep_stats: list = []
         self.extra: dict = {}
         self.dim = src.dim
@@ -296,6 +297,9 @@ class _LayerState:
         self.extra["count_abs_ge"] = [g.count_abs_ge for g in groups] if full.extras else None
         self.extra["n_groups"] = [g.n for g in groups]
         live = compute.nonempty(groups) if self.G >= 2 else []
+        self.n_live = len(live)
+        if len(live) < 2:  # leaving out the only group leaves nothing: no replicates
+            live = []
         self.live = live
         shifts = {v: [] for v in o.avgcos_variants if v != "plain"} if o.needs_second_pass else {}
         self.rep_stats = []
@@ -318,6 +322,7 @@ class _LayerState:
                 sc = None if v == "centred" else np.stack([b for _, b in rows])
                 spec[v] = (sh, sc)
             self.unit_spec = spec
+        self.lp.groups = None  # every number needing them is computed: free G x D x D floats now
 
     def cosine_variants(self, unit: dict) -> None:
         from geomscope.metrics import avgcos_from_sum
@@ -353,13 +358,21 @@ class _LayerState:
         o = self.opts
         v = self.values
         se = {}
-        for k in _scalar_keys(o):
+        for k in _scalar_keys(o):  # every requested scalar metric has an se entry (null: see notes)
             if k in self.reps:
                 se[k] = compute.jackknife_se(self.reps[k])
-            elif k in self.id_info.get("se", {}):
-                se[k] = self.id_info["se"][k]
+            else:
+                se[k] = self.id_info.get("se", {}).get(k)
         if self.G < 2 and o.moment_metrics:
             self.notes.setdefault("se", "jackknife off (--jackknife-groups 0): no standard errors for moment metrics")
+        elif o.moment_metrics and self.full is not None and self.n_live < 2:
+            self.notes.setdefault("se", f"rows fall in {self.n_live} jackknife group(s); at least 2 are needed "
+                                        "for standard errors of moment metrics")
+        for k in _scalar_keys(o):
+            general = "se" in self.notes and k not in self.id_info.get("se", {})
+            if not general and se[k] is None and v.get(k, self.id_info.get("values", {}).get(k)) is not None:
+                self.notes.setdefault(f"se.{k}", "standard error undefined: a replicate has no value or too "
+                                                 "few groups/points")
         e = {
             "layer": self.name, "index": self.index, "n_rows": self.n,
             "isoscore": v.get("isoscore"), "isoscore_star": v.get("isoscore_star"),
