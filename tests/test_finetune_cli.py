@@ -48,6 +48,11 @@ def test_finetune_json_outputs_and_plot(cli, data, tmp_path):
     code, stdout, err = cli(["plot", out, "--out", tmp_path / "train.png"])
     assert code == 0, err
     assert (tmp_path / "train.png").stat().st_size > 1000
+    # the fine-tuned directory is a model `geomscope extract` reads
+    code, stdout, err = cli(["extract", out, data["eval"], "--text-column", "sentence", "--out", tmp_path / "ext",
+                             "--device", "cpu", "--quiet"])
+    assert code == 0, err
+    assert json.loads((tmp_path / "ext" / "manifest.json").read_text())
 
 
 def test_finetune_cosreg_and_none_and_pairs(cli, data, tmp_path):

@@ -208,6 +208,22 @@ def _prepare_out(cfg: FinetuneConfig, out: Path) -> dict | None:
     return None
 
 
+def _on_main(fn, d: dd.Dist):
+    """Run ``fn`` on rank 0 only; every rank returns its result or raises its GeomscopeError."""
+    from geomscope.errors import GeomscopeError
+
+    res = err = None
+    if d.is_main:
+        try:
+            res = fn()
+        except GeomscopeError as e:
+            err = e
+    res, err = dd.broadcast_object((res, err), d)
+    if err is not None:
+        raise err
+    return res
+
+
 def finetune(cfg: FinetuneConfig, *, quiet: bool = False, note=None) -> dict:
     """Run the fine-tuning described by ``cfg``; return the summary (also written to summary.json)."""
     note = note or (lambda msg: print(msg, file=sys.stderr))
@@ -228,7 +244,7 @@ def _run(cfg: FinetuneConfig, d: dd.Dist, quiet: bool, note) -> dict:
 
     out = Path(cfg.out)
     autocast = make_autocast(cfg.precision, d.device)
-    state = _prepare_out(cfg, out)
+    state = _on_main(lambda: _prepare_out(cfg, out), d)  # rank 0 decides, before anyone writes
     train_t = load_table(cfg.train, cfg.text_field, cfg.label_field, cfg.text_field_2)
     eval_t = load_table(cfg.eval, cfg.text_field, cfg.label_field, cfg.text_field_2)
     label2id = build_label_map(train_t) if state is None else state["label2id"]
@@ -249,8 +265,13 @@ def _run(cfg: FinetuneConfig, d: dd.Dist, quiet: bool, note) -> dict:
                              f"resume with the same options or choose another --out")
         minfo["head_added"] = state.get("head_added", False)
     model.to(d.device)
-    train_enc = Encoded(tokenizer, train_t, label2id, cfg.max_length)
-    eval_enc = Encoded(tokenizer, eval_t, label2id, cfg.max_length)
+    max_length = cfg.max_length
+    n_pos = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(n_pos, int) and max_length > n_pos:
+        note(f"note: --max-length {max_length} exceeds the model's {n_pos} positions; truncating to {n_pos}")
+        max_length = n_pos
+    train_enc = Encoded(tokenizer, train_t, label2id, max_length)
+    eval_enc = Encoded(tokenizer, eval_t, label2id, max_length)
     if len(train_enc) < d.world_size:
         raise DataError(f"{cfg.train} has {len(train_enc)} rows, fewer than the {d.world_size} processes")
 
@@ -271,7 +292,8 @@ def _run(cfg: FinetuneConfig, d: dd.Dist, quiet: bool, note) -> dict:
     reg = make_regularizer(cfg, layers, d)
     from geomscope.train.regularizers import IStar
 
-    monitor = IStar(layers, cfg.zeta, None, cfg.include_padding, d.reg_group) if (
+    # the logged batch IsoScore* of cosreg / none runs: no gradient, float32 scatter (a log value)
+    monitor = IStar(layers, cfg.zeta, None, cfg.include_padding, d.reg_group, torch.float32) if (
         cfg.monitor and cfg.reg != "istar") else None
     steps_path, eval_path = out / "steps.jsonl", out / "eval.jsonl"
     if d.is_main:
