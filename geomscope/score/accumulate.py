@@ -126,35 +126,35 @@ def _unit_part(spec: PassSpec, name: str) -> dict:
     return {v: MultiUnitSum(shifts, scales) for v, (shifts, scales) in spec.unit[name].items()}
 
 
-def run_task(task: Task, spec: PassSpec, progress=None) -> dict[str, LayerPart]:
+def run_task(task: Task, spec: PassSpec, progress=None, into: dict | None = None) -> dict[str, LayerPart]:
     """Process one task; ``progress(rows)`` is called after each block when given. A shard's size is
-    checked first, its checksum (``spec.checksum``) while it is read."""
+    checked first, its checksum (``spec.checksum``) while it is read. ``into``: accumulate into these
+    parts (in place: one set of accumulators when tasks run in this process) instead of new ones."""
     finish = check_shard_file(task, checksum=spec.checksum) if task.kind == "shard" else (lambda: None)
-    parts = _run(task, spec, progress)
+    parts = _run(task, spec, progress, {} if into is None else into)
     finish()
     return parts
 
 
-def _run(task: Task, spec: PassSpec, progress) -> dict[str, LayerPart]:
+def _run(task: Task, spec: PassSpec, progress, parts: dict) -> dict[str, LayerPart]:
+    for name in spec.layers:
+        if name not in parts:
+            parts[name] = _new_part(spec, None)
+            if spec.kind == "unit":
+                parts[name].unit = _unit_part(spec, name)
     if spec.kind == "select":
-        parts = {n: _new_part(spec, None) for n in spec.layers}
+        flt = PassSpec("select", [], exclude_special=spec.exclude_special)
         for block in iter_meta(task, spec.layers, spec.n_groups):
             for name in spec.layers:
                 lp = parts[name]
-                keep = _filter(block, name, PassSpec("select", [], exclude_special=spec.exclude_special),
-                               lp.counts)
+                keep = _filter(block, name, flt, lp.counts)
                 lp.select.add(row_hash(block.keys[keep], spec.seed, STREAM_MAX_ROWS))
             if progress:
                 progress(len(block.keys))
         return parts
-    parts: dict[str, LayerPart] = {}
     for block in iter_blocks(task, spec.layers, spec.n_groups, spec.block_rows):
         for name in spec.layers:
             x = block.layers[name]
-            if name not in parts:
-                parts[name] = _new_part(spec, x.shape[1])
-                if spec.kind == "unit":
-                    parts[name].unit = _unit_part(spec, name)
             lp = parts[name]
             keep = _filter(block, name, spec, lp.counts if spec.kind == "moments" else None)
             if not keep.any():
@@ -171,23 +171,17 @@ def _run(task: Task, spec: PassSpec, progress) -> dict[str, LayerPart]:
                 _update_units(lp.unit, xs, gs, spec.n_groups)
         if progress:
             progress(len(block.keys))
-    for name in spec.layers:  # a task whose every row was dropped still reports its counts
-        parts.setdefault(name, LayerPart())
     return parts
 
 
 def _update_groups(groups: list, xs: np.ndarray, gs: np.ndarray) -> None:
+    """Each group's rows into its Moments (one group's rows copied at a time: small peak memory)."""
     if len(groups) == 1:
         groups[0].update(xs)
         return
-    order = np.argsort(gs, kind="stable")
-    gs_sorted = gs[order]
-    bounds = np.searchsorted(gs_sorted, np.arange(len(groups) + 1))
-    xo = xs[order]
-    for g in range(len(groups)):
-        a, b = bounds[g], bounds[g + 1]
-        if b > a:
-            groups[g].update(xo[a:b])
+    present = np.bincount(gs, minlength=len(groups))
+    for g in np.flatnonzero(present):
+        groups[g].update(xs if present[g] == len(gs) else xs[gs == g])
 
 
 def _update_units(unit: dict, xs: np.ndarray, gs: np.ndarray, n_groups: int) -> None:

@@ -125,7 +125,7 @@ class _Scorer:
 
     def _batches(self) -> list[list[str]]:
         o = self.opts
-        in_flight = 1 if o.workers <= 1 else 2 * o.workers
+        in_flight = 0 if o.workers <= 1 else 2 * o.workers  # task results held besides the accumulator
         per_layer = self.G * self.src.dim ** 2 * 8 * (in_flight + 2) if o.moment_metrics else 0
         budget = int(o.memory_mb * 1024 * 1024)
         size = len(self.src.layers) if per_layer == 0 else max(1, budget // per_layer)

@@ -1,8 +1,10 @@
 """Run tasks in this process or a process pool; merge their partial accumulators in task order.
 
-Results are merged in task order as they become available (out-of-order results wait in a small
-buffer; at most ``2 * workers`` tasks are in flight), so memory does not grow with the number of
-shards and one worker and many build the same merge tree -- the same numbers.
+In this process (``--workers 1``) every task accumulates into one set of accumulators. With a pool,
+each task returns its partial accumulators, merged in task order as they become available
+(out-of-order results wait in a small buffer; at most ``2 * workers`` tasks are in flight), so
+memory does not grow with the number of shards and the numbers do not depend on timing; they equal
+one worker's to float64 rounding (a different but exact merge order).
 
 Workers are spawned (not forked): h5py handles and BLAS thread pools do not survive a fork
 safely. BLAS runs on ONE thread in every worker process (and ``score`` limits this process too):
@@ -73,7 +75,7 @@ class Executor:
         if self.workers <= 1 or len(tasks) <= 1:
             acc: dict = {}
             for t in tasks:
-                acc = merge_parts([acc, run_task(t, spec, advance)])
+                run_task(t, spec, advance, into=acc)
             return acc
         pool = self._get_pool()
         window = 2 * self.workers

@@ -332,7 +332,9 @@ def _open_array(p: Path, dataset: str | None, block_rows: int | None) -> SourceI
         warnings.append(f"{p.name} has fewer rows than columns ({n} x {d}); rows must be points (N, D) -- "
                         "if it is transposed, save X.T instead; covariance metrics are rank-limited")
         flags.append("maybe_transposed")
-    step = block_rows or max(4096, _rows_per_block(d, dtype.itemsize, 1) * 4)
+    # one task = one read block (~32 MiB): each task maps the file afresh, so the pages of a
+    # memory-mapped .npy that count as resident stay bounded by a block, not the whole array
+    step = max(block_rows or 0, _rows_per_block(d, dtype.itemsize, 1))
     tasks = [Task(kind="npy" if p.suffix.lower() == ".npy" else "h5", path=str(p), index=i,
                   start=s, stop=min(n, s + step), n_total=n, dataset=dataset, rows=min(n, s + step) - s)
              for i, s in enumerate(range(0, n, step))]
