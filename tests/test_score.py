@@ -340,7 +340,7 @@ def test_layers_subset_and_memory_batches(run):
     full = score(d, ScoreOptions(metrics=("isoscore", "avgcos", "spectrum"), layers=("-1", "layer_00")))
     assert [e["layer"] for e in full["layers"]] == ["layer_00", "layer_02"]  # depth order
     tiny = score(d, ScoreOptions(metrics=("isoscore", "avgcos", "spectrum"), layers=("-1", "layer_00"),
-                                 memory_mb=0.05, jackknife_groups=10), log=msgs.append)
+                                 memory_mb=0.03, jackknife_groups=10), log=msgs.append)
     assert full["params"]["layer_batch_size"] >= 2 and tiny["params"]["layer_batch_size"] == 1
     assert any("one layer at a time" in m for m in msgs)
     for a, b in zip(full["layers"], tiny["layers"], strict=True):
