@@ -537,3 +537,18 @@ def test_one_document_has_no_jackknife_se(tmp_path):
     e = score(tmp_path / "r", ScoreOptions(metrics=("isoscore", "avgcos")))["layers"][0]
     assert e["isoscore"] is not None and e["se"]["isoscore"] is None and e["se"]["avgcos_centred"] is None
     assert "1 jackknife group" in e["notes"]["se"]
+
+
+def test_shard_without_nonfinite_flags_is_checked_here(tmp_path):
+    import h5py
+
+    data = make_run(tmp_path / "r", n_shards=1, rows=200, nan_rows={"layer_00": [3, 70]})
+    p = tmp_path / "r" / "shard-00000.h5"
+    size = p.stat().st_size
+    with h5py.File(p, "a") as f:
+        del f["nonfinite"]["layer_00"]  # a layer without its flags
+    assert p.stat().st_size == size  # HDF5 does not shrink: only the checksum changes
+    e = score(tmp_path / "r", ScoreOptions(metrics=("isoscore",), verify=False))["layers"][0]
+    assert e["dropped"]["nonfinite"] == 2 and e["n_rows"] == 198
+    X = data["X"]["layer_00"]
+    _close(e["isoscore"], ref_iso(ref_cov(X[np.isfinite(X).all(1)])))

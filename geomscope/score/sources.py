@@ -131,12 +131,12 @@ def _shard_blocks(task: Task, layers: list[str], n_groups: int, block_rows: int 
     from geomscope.store import iter_shard
 
     for ch in iter_shard(Path(task.path), layers, chunk_rows=block_rows):
-        nf = {n: ch.nonfinite.get(n, np.zeros(len(ch), bool)) for n in layers}
-        for n in layers:  # never trust a flag alone: values that are not finite are dropped too
-            if not nf[n].any() and ch.layers[n].dtype.kind == "f":
-                bad = ~np.isfinite(ch.layers[n]).all(axis=1)
-                if bad.any():
-                    nf[n] = bad
+        nf = {}
+        for n in layers:
+            if n in ch.nonfinite:  # the store flags every row whose stored values hold NaN/Inf
+                nf[n] = np.asarray(ch.nonfinite[n], bool)
+            else:  # a shard without flags: find those rows here
+                nf[n] = ~np.isfinite(ch.layers[n]).all(axis=1)
         yield Block(keys=run_keys(task.index, ch.start, ch.stop),
                     group=_groups_of_docs(ch.doc_id, n_groups),
                     special=np.asarray(ch.is_special, bool), layers=ch.layers, nonfinite=nf)
