@@ -552,3 +552,48 @@ def test_shard_without_nonfinite_flags_is_checked_here(tmp_path):
     assert e["dropped"]["nonfinite"] == 2 and e["n_rows"] == 198
     X = data["X"]["layer_00"]
     _close(e["isoscore"], ref_iso(ref_cov(X[np.isfinite(X).all(1)])))
+
+
+def test_outlier_rules_against_direct(tmp_path):
+    from geomscope.metrics import outliers_magnitude, outliers_quantile, outliers_zscore
+
+    data = make_run(tmp_path / "r", n_shards=2, rows=300)
+    # magnitude: |x| >= 6 in 10 % of the tokens of dimension 5 in layers 0 and 1 (2 of 3 layers)
+    X = {n: data["X"][n].copy() for n in LAYERS}
+    rep = score(tmp_path / "r", ScoreOptions(metrics=("outliers",), outlier_rule="zscore", outlier_stat="mean_abs",
+                                             outlier_threshold=2.0))
+    for e in rep["layers"]:
+        stat = np.abs(X[e["layer"]]).mean(0)
+        ref = outliers_zscore(stat, z=2.0, stat_name="mean_abs")
+        assert e["outliers"] == ref.dims
+        np.testing.assert_allclose(e["outlier_statistic"], stat, rtol=1e-12)
+    rep = score(tmp_path / "r", ScoreOptions(metrics=("outliers",), outlier_rule="quantile", outlier_threshold=0.9,
+                                             id_sample=250, seed=4))
+    order = np.argsort(row_hash(data["keys"], 4, STREAM_ID_SAMPLE))[:250]
+    for e in rep["layers"]:
+        ref = outliers_quantile(X[e["layer"]][order], q=0.9)
+        assert e["outliers"] == ref.dims and e["outlier_support"] == []
+        np.testing.assert_allclose(e["outlier_statistic"], ref.statistic, rtol=1e-12)
+
+    big = make_run(tmp_path / "m", n_shards=2, rows=300, seed=3)
+    rng = np.random.default_rng(0)
+    rows = rng.choice(600, 60, replace=False)
+    # rewrite the run with dimension 5 boosted in layers 0 and 1
+    Xb = {n: big["X"][n].copy() for n in LAYERS}
+    for n in ("layer_00", "layer_01"):
+        Xb[n][rows, 5] = 9.0
+    ident = {"model": {"name": "toy", "hidden_size": D}, "layers": [{"name": n, "index": i} for i, n in enumerate(LAYERS)]}
+    with RunWriter(tmp_path / "m2", ident) as w:
+        sw = w.shard_writer(0, layer_names=list(LAYERS), dim=D, store_dtype="float32")
+        sw.append({n: Xb[n] for n in LAYERS}, token_id=np.arange(600), doc_id=np.arange(600) // 20,
+                  position=np.arange(600) % 20, is_special=np.zeros(600, bool))
+        w.add_shard(sw.close())
+        w.finalize({"docs": 30})
+    rep = score(tmp_path / "m2", ScoreOptions(metrics=("outliers",), outlier_rule="magnitude"))
+    frac = np.stack([(np.abs(Xb[n]) >= 6).mean(0) for n in LAYERS])
+    ref = outliers_magnitude(frac)
+    assert 5 in ref.dims
+    for e, f in zip(rep["layers"], frac, strict=True):
+        assert e["outliers"] == ref.dims
+        np.testing.assert_allclose(e["outlier_statistic"], f, rtol=1e-12)
+        assert len(e["outlier_support"]) == len(ref.dims)
