@@ -165,7 +165,7 @@ def _throughput_rows(label: str, path: Path, n: int, x: np.ndarray, repeats: int
 
 def run(quick: bool = False) -> list[dict]:
     n_run, n_arr = (20_000, 5_000) if quick else (200_000, 50_000)
-    repeats = 1 if quick else 3
+    repeats = 1 if quick else 5
     run_dir, arr = make_run(n_run), make_array(n_arr)
     rows = []
     x_run = load_rows(run_dir)
