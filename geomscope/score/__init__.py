@@ -5,8 +5,11 @@ Public API::
     from geomscope.score import score, ScoreOptions
     report = score("run_dir", ScoreOptions(metrics=("isoscore", "avgcos"), workers=2))
 
-``score`` returns the report dict described in the README / REPORT_SCHEMA (save it with
-:func:`geomscope.report.save_report`). How it streams, what it samples and how standard errors
+``score`` returns the report dict described in :mod:`geomscope.report` (save it with
+:func:`geomscope.report.save_report`). A run is streamed ONCE through the moment accumulators; a
+second streaming pass happens only for the centred / standardised average cosine, whose
+definitions subtract the global mean (known after the first pass); ``--max-rows`` adds a cheap
+metadata pass. No layer is ever loaded whole. How it streams, what it samples and how standard errors
 are computed: see :mod:`geomscope.score.engine`, :mod:`~geomscope.score.compute`,
 :mod:`~geomscope.score.select` and :mod:`~geomscope.score.idest`.
 """
