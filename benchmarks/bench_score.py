@@ -18,8 +18,8 @@ Rows (throughput in rows/s; ratio = geomscope rows/s / alternative rows/s, > 1 m
   package and geomscope first; geomscope scores the file, the package side loads the rows (as a user
   must) and scores them. Reported: the peak RSS over the baseline after the imports, sampled every
   ms (ru_maxrss is useless here: a spawned child inherits its parent's high-water mark).
-- Workers: ``score(--workers 2)`` vs ``--workers 1`` on the run, IsoScore alone and the moment suite
-  (ratio = speed-up; the machine's free cores bound it).
+- Workers (full run only): ``score(--workers 2)`` vs ``--workers 1`` on the run, IsoScore alone and
+  the moment suite (ratio = speed-up; the machine's free cores bound it).
 Threads: the package runs torch with its default threads; geomscope runs BLAS single-threaded per
 worker (see geomscope/score/executor.py), so ``--workers 1`` uses one core.
 Timings alternate the sides (``_common.alternate``), medians of several repeats after a warm-up.
@@ -183,7 +183,7 @@ def run(quick: bool = False) -> list[dict]:
                          "ratio": p["extra_mb"] / max(g["extra_mb"], 1e-9), "target": ">= 1",
                          "note": "one spawned process per side, RSS sampled every ms minus the RSS after imports; "
                                  "the package side loads the rows as float32 (as it must)"})
-    for what, metrics in (("IsoScore", ("isoscore",)), ("moment suite", MOMENT_SUITE)):
+    for what, metrics in () if quick else (("IsoScore", ("isoscore",)), ("moment suite", MOMENT_SUITE)):
         t = alternate({"w1": lambda m=metrics: _score(run_dir, m, 1), "w2": lambda m=metrics: _score(run_dir, m, 2)},
                       repeats=repeats)
         rows.append({"benchmark": f"workers 1 -> 2, {what}, run {n_run:,}x384", "geomscope": n_run / t["w2"],
