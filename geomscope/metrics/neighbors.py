@@ -7,9 +7,9 @@ computes), so r1 == 0 exactly for an exact duplicate and never for distinct rows
 
 Algorithm (torch; the same code on ``device="cpu"`` and ``device="cuda"``):
 
-1. Shift X by its column mean (rounded to float32 for float32 X) and scale it by a power of two so
-   max |x| < 1 (distances are translation invariant; this removes a common offset before rounding
-   to float32).
+1. Shift X by a column mean (distances are translation invariant; this removes a common offset
+   before rounding to float32), scaled by a power of two only if float32 squares could under- or
+   overflow.
 2. Candidate search in float32: ``d2 = |a|^2 + |b|^2 - 2 a.b`` by GEMM over row strips
    ``X[s:e] @ X[s:].T`` -- only the upper triangle of the distance matrix is computed; each strip
    updates the running top-K (K = 4) of its own rows (row-wise top-k) and of the later rows
@@ -361,15 +361,22 @@ def two_nearest(X, block_size: int | None = None, device=None, refine: bool = Tr
     item, a dict: block_size, k (candidates per row), n_flagged (rows the float32 bound could not
     certify), n_rescreen_pairs (pairs recomputed exactly for them), device.
     """
-    import torch
-
     a = _as_float_matrix(X)
-    n, d = a.shape
+    n = a.shape[0]
     if n < 3:
         raise DataError(f"X has {n} row(s); two nearest neighbours need at least 3 points")
     bad = count_nonfinite_rows(a)
     if bad:
         raise DataError(nonfinite_message(bad, n))
+    return _two_nearest(a, block_size, device, refine, memory_budget, return_info)
+
+
+def _two_nearest(a: np.ndarray, block_size, device, refine, memory_budget, return_info):
+    """:func:`two_nearest` on an already validated float numpy array (N >= 3, finite)."""
+    import torch
+
+    a = a.astype(np.float32) if a.dtype.itemsize < 4 else a
+    n, d = a.shape
     dev = _resolve_device(device)
     block = default_block_size(n, memory_budget) if block_size is None else int(block_size)
     if block < 1:

@@ -24,7 +24,7 @@ import numpy as np
 
 from geomscope.errors import DataError, InputError
 from geomscope.metrics._validate import as_rows, count_nonfinite_rows, nonfinite_message
-from geomscope.metrics.neighbors import two_nearest
+from geomscope.metrics.neighbors import DEFAULT_MEMORY_BUDGET, _two_nearest
 
 F_CONVENTION = "F_i = i/N"
 ESTIMATORS = ("linear", "mle")
@@ -190,7 +190,7 @@ def twonn(X, discard_fraction: float = 0.1, estimator: str = "linear", dedup: bo
     """
     _check_params(discard_fraction, estimator)
     a, n_points, removed, sub = prepare_points(X, dedup, max_points, seed, expect_dim, allow_wide)
-    r1, r2, _, _, info = two_nearest(a, block_size=block_size, device=device, return_info=True)
+    r1, r2, _, _, info = _two_nearest(a, block_size, device, True, DEFAULT_MEMORY_BUDGET, True)
     zero = int(np.count_nonzero(r1 == 0))
     if zero:
         raise DataError(f"{zero} rows have an exact duplicate (r1 = 0); use dedup=True to remove them")
