@@ -43,7 +43,8 @@ def dedup_rows(X):
     """Remove exact duplicate rows, keeping each row's first occurrence in the original order.
 
     Rows are compared byte for byte in one dtype: float64, or float32 when X is float32 or float16
-    (float16 -> float32 is exact), with -0.0 == 0.0 and all NaNs equal. Returns
+    (float16 -> float32 is exact), with -0.0 == 0.0 and all NaNs equal (a sort of the row bytes:
+    no hash collisions to guard against, and faster than hashing with numpy). Returns
     ``(X_unique, n_removed, index)`` with ``X_unique = X[index]`` (ascending indices).
     """
     a = as_rows(X)
