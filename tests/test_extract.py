@@ -446,3 +446,17 @@ def test_float16_overflow_flagged(tmp_path):
     assert s["nonfinite_rows"] == 1  # 1e6 is finite in float32, Inf in the float16 store
     s32 = extract(str(model), [src], tmp_path / "run32", layers="0", store_dtype="float32")
     assert s32["nonfinite_rows"] == 0
+
+
+def test_bfloat16_compute_close_to_float32(tmp_path, tiny):
+    src = write_lines(tmp_path / "in.txt", TEXTS)
+    extract(str(tiny["gpt2"]), [src], tmp_path / "f32", store_dtype="float32")
+    s = extract(str(tiny["gpt2"]), [src], tmp_path / "bf16", dtype="bfloat16", store_dtype="float32", device="auto")
+    assert s["device"] == "cpu" and Run(tmp_path / "bf16").identity["model"]["dtype"] == "bfloat16"
+    a, b = read_run(tmp_path / "f32"), read_run(tmp_path / "bf16")
+    np.testing.assert_array_equal(a["token_id"], b["token_id"])
+    for n in a["layers"]:
+        scale = np.abs(a["layers"][n]).max()
+        assert np.abs(a["layers"][n] - b["layers"][n]).max() < 0.05 * scale
+    with pytest.raises(InputError, match="--stack sideways is not auto, encoder or decoder"):
+        extract(str(tiny["t5"]), [src], tmp_path / "x", stack="sideways")
