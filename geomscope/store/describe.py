@@ -54,7 +54,7 @@ def describe_run(run_dir: Path, *, verify: bool = False) -> dict:
         "bytes_on_disk": size,
         "nonfinite_rows": sum(s.nonfinite_rows for s in shards),
         "nonfinite_by_layer": nonfinite_by_layer,
-        "docs_empty": sum(int(st.get("docs_empty", 0)) for st in stats),
+        "docs_empty": (m.get("totals") or {}).get("docs_empty"),
         "inputs": ident.get("inputs", []),
         "options": {k: ident.get(k) for k in OPTION_KEYS if k in ident},
         "unlisted_shard_files": [f for f in on_disk if f not in listed],
