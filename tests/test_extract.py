@@ -203,7 +203,7 @@ def test_parse_layers():
 
 def test_layer_subset_and_names(tmp_path, loaded):
     src = write_lines(tmp_path / "in.txt", TEXTS)
-    s = extract(loaded("gpt_neox"), [src], tmp_path / "run", layers="-1", store_dtype="float32")
+    s = extract(loaded("gpt_neox"), src, tmp_path / "run", layers="-1", store_dtype="float32")  # one bare input
     full = extract(loaded("gpt_neox"), [src], tmp_path / "full", store_dtype="float32")
     assert s["layers"] == ["layer_02"] and Run(tmp_path / "run").layers[0]["final_norm"] is True
     np.testing.assert_array_equal(read_run(tmp_path / "run")["layers"]["layer_02"],

@@ -79,7 +79,7 @@ def _existing_finished_bytes(out: Path, identity: dict) -> int:
 
 def extract(
     model,
-    inputs: list[str],
+    inputs: list[str] | str,
     out,
     *,
     layers: str | list = "all",
@@ -125,6 +125,8 @@ def extract(
     if store_dtype not in ("float16", "float32"):
         raise InputError(f"--store-dtype {store_dtype} is not float16 or float32")
     t_start = time.perf_counter()
+    if isinstance(inputs, (str, Path)):  # one input given bare
+        inputs = [inputs]
     ins = open_inputs([str(i) for i in inputs], stdin=stdin)
     try:
         scan = scan_inputs(ins, text_field=text_field, text_column=text_column, max_docs=max_docs)
