@@ -22,8 +22,15 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+DEMO := demo_out
+
+# extract -> score -> plot on the bundled real checkpoint and sample_data/ (rerunning resumes)
 demo: $(STAMP)
-	$(BIN)/python -m geomscope.demo
+	$(BIN)/geomscope extract bundled:minilm sample_data/sentences.txt --out $(DEMO)/run
+	$(BIN)/geomscope score $(DEMO)/run --out $(DEMO)/report
+	$(BIN)/geomscope plot $(DEMO)/report.json --out $(DEMO)/figures/
+	@echo "report: $(DEMO)/report.json $(DEMO)/report.csv"
+	@echo "figures: $$(ls $(DEMO)/figures/* | tr '\n' ' ')"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
