@@ -29,3 +29,18 @@ def cli(capsys):
         return code, captured.out, captured.err
 
     return run
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models on a small shared machine: one intra-op thread avoids OpenMP barrier stalls
+    (measured up to 100x slower with 2 threads under load); restored after each module."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

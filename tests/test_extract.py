@@ -21,14 +21,6 @@ from geomscope.store import Run, iter_shard
 TEXTS = SAMPLE_TEXTS + ["a <|endoftext|> inside the text", "  ", "", "The end."]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a shared machine: one intra-op thread avoids OpenMP barrier stalls (restored after)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):

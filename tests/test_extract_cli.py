@@ -13,18 +13,9 @@ import time
 
 import numpy as np
 import pytest
-import torch
 from helpers_models import SAMPLE_TEXTS, make_tiny_model, poison_token
 
 from geomscope.store import Run, iter_shard
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

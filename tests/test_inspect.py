@@ -5,20 +5,11 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
 from helpers_models import SAMPLE_TEXTS, make_tiny_model
 
 from geomscope.errors import InputError
 from geomscope.extract.run import extract
 from geomscope.store import Run, describe_run
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
