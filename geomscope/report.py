@@ -23,7 +23,7 @@ JSON (``format: "geomscope-report"``, ``format_version: 1``), top-level keys :da
   output: {raw, centred} | null, tied, checkpoint, input_key, output_key, note}``, or null with the
   reason in ``notes.embeddings``.
 
-CSV columns: ``layer,index,n_rows``, one column per scalar metric (:data:`CSV_METRICS`, then
+CSV columns: ``layer,index,n_rows``, one column per scalar metric (:data:`geomscope.schema.SCALAR_METRICS`, then
 ``id_<name>``), ``outliers`` (space-separated dimensions), then ``se_<metric>`` for every scalar
 metric. Missing numbers are empty cells. Non-finite floats are written as JSON null.
 
@@ -42,15 +42,19 @@ from pathlib import Path
 
 from geomscope.errors import InputError
 
-REPORT_FORMAT = "geomscope-report"
-REPORT_KEYS = ("format", "format_version", "geomscope_version", "created", "source", "model", "run", "params",
-               "layers", "embeddings", "notes")
-LAYER_KEYS = ("layer", "index", "n_rows", "isoscore", "isoscore_star", "avgcos", "avgcos_centred",
-              "avgcos_standardised", "pr", "erank", "top1_share", "top5_share", "top10_share", "twonn",
-              "outliers", "se", "eigenvalues", "outlier_statistic", "outlier_support", "twonn_n_used",
-              "twonn_duplicates_removed", "dropped", "flags", "notes")
-CSV_METRICS = ("isoscore", "isoscore_star", "avgcos", "avgcos_centred", "avgcos_standardised", "pr", "erank",
-               "top1_share", "top5_share", "top10_share", "twonn")
+from geomscope.schema import (
+    LAYER_KEYS,
+    METRIC_LABELS,
+    REPORT_FORMAT,
+    REPORT_FORMAT_VERSION,
+    REPORT_KEYS,
+    SCALAR_METRIC_NAMES,
+    csv_columns,
+    extra_id_keys,
+)
+
+__all__ = ["LAYER_KEYS", "REPORT_FORMAT", "REPORT_KEYS", "csv_columns", "load_report", "report_paths",
+           "report_table", "save_report", "to_csv", "to_json"]
 
 
 def _plain(v):
@@ -75,12 +79,6 @@ def _plain(v):
 
 def to_json(report: dict) -> str:
     return json.dumps(_plain(report), indent=1, allow_nan=False)
-
-
-def csv_columns(report: dict) -> list[str]:
-    extra = sorted({k for e in report.get("layers", []) for k in e if k.startswith("id_")})
-    metrics = [*CSV_METRICS, *extra]
-    return ["layer", "index", "n_rows", *metrics, "outliers", *[f"se_{m}" for m in metrics]]
 
 
 def to_csv(report: dict) -> str:
@@ -155,14 +153,9 @@ def load_report(path: str | os.PathLike) -> dict:
         raise InputError(f"{p} is not valid JSON ({e}); give a report written by `geomscope score`") from None
     if not isinstance(rep, dict) or rep.get("format") != REPORT_FORMAT:
         raise InputError(f"{p} is not a geomscope report (no \"format\": \"{REPORT_FORMAT}\")")
-    if int(rep.get("format_version", 0)) > 1:
+    if int(rep.get("format_version", 0)) > REPORT_FORMAT_VERSION:
         raise InputError(f"{p} has report format_version {rep.get('format_version')}; upgrade geomscope to read it")
     return rep
-
-
-SHORT = {"isoscore": "IsoScore", "isoscore_star": "IsoScore*", "avgcos": "cos", "avgcos_centred": "cos(c)",
-         "avgcos_standardised": "cos(z)", "pr": "PR", "erank": "erank", "top1_share": "top1",
-         "top5_share": "top5", "top10_share": "top10", "twonn": "TwoNN"}
 
 
 def _fmt(v, se=None) -> str:
@@ -179,8 +172,7 @@ def report_table(report: dict):
     from rich.table import Table
 
     layers = report.get("layers", [])
-    metrics = [m for m in CSV_METRICS if any(e.get(m) is not None for e in layers)]
-    metrics += sorted({k for e in layers for k in e if k.startswith("id_") and e.get(k) is not None})
+    metrics = [m for m in (*SCALAR_METRIC_NAMES, *extra_id_keys(layers)) if any(e.get(m) is not None for e in layers)]
     src = report.get("source", {})
     model = report.get("model") or {}
     title = model.get("name") or Path(str(src.get("path", ""))).name
@@ -191,7 +183,7 @@ def report_table(report: dict):
     t.add_column("layer", no_wrap=True)
     t.add_column("rows", justify="right", no_wrap=True)
     for m in metrics:
-        t.add_column(SHORT.get(m, m), justify="right", no_wrap=True)
+        t.add_column(METRIC_LABELS.get(m, m), justify="right", no_wrap=True)
     show_out = any(e.get("outliers") for e in layers)
     if show_out:
         t.add_column("outliers")

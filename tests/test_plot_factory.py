@@ -13,10 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-LAYER_KEYS = ("layer", "index", "n_rows", "isoscore", "isoscore_star", "avgcos", "avgcos_centred",
-              "avgcos_standardised", "pr", "erank", "top1_share", "top5_share", "top10_share", "twonn",
-              "outliers", "se", "eigenvalues", "outlier_statistic", "twonn_n_used",
-              "twonn_duplicates_removed", "flags", "notes")
+from geomscope.schema import LAYER_KEYS, REPORT_FORMAT, REPORT_FORMAT_VERSION
 
 
 def _pr(lam: np.ndarray) -> float:
@@ -75,8 +72,11 @@ def make_report(
                    "avgcos_centred": 0.001, "avgcos_standardised": 0.002, "pr": 0.3, "erank": 0.5,
                    "twonn": 0.4 + 0.2 * depth},
             "twonn_n_used": 2000, "twonn_duplicates_removed": 3 * i,
+            "outlier_support": [1.0] * len(flagged) if outliers else [],
+            "dropped": {"nonfinite": 0, "special": 0, "not_sampled": 0},
             "flags": [], "notes": {},
         }
+        entry["eigenvalues"] = entry["outlier_statistic"] = None
         if spectrum:
             entry["eigenvalues"] = [float(v) for v in lam]
         if outliers:
@@ -126,9 +126,9 @@ def write_report(path: Path, rep: dict) -> Path:
 
 def test_factory_follows_schema():
     rep = make_report()
-    assert rep["format"] == "geomscope-report" and rep["format_version"] == 1
+    assert rep["format"] == REPORT_FORMAT and rep["format_version"] == REPORT_FORMAT_VERSION
     for lay in rep["layers"]:
-        assert set(LAYER_KEYS) <= set(lay)
+        assert set(lay) == set(LAYER_KEYS)
         lam = np.asarray(lay["eigenvalues"])
         assert np.all(np.diff(lam) <= 0)
         assert len(lay["outlier_statistic"]) == rep["model"]["hidden_size"]

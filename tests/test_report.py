@@ -11,14 +11,14 @@ import pytest
 
 from geomscope.errors import InputError
 from geomscope.report import (
-    CSV_METRICS,
-    LAYER_KEYS,
     load_report,
     report_paths,
     report_table,
     save_report,
     to_csv,
 )
+from geomscope.schema import LAYER_KEYS
+from geomscope.schema import SCALAR_METRIC_NAMES as CSV_METRICS
 
 
 def _report(n_layers=2, extra_id=False):

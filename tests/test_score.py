@@ -127,8 +127,10 @@ def ref_all(X, zeta=0.2):
     return out
 
 
-SCALARS = ("isoscore", "isoscore_star", "avgcos", "avgcos_centred", "avgcos_standardised", "pr", "erank",
-           "top1_share", "top5_share", "top10_share")
+from geomscope.schema import SCALAR_METRICS  # noqa: E402
+
+#: the moment-based scalar metrics (every schema scalar except the nearest-neighbour TwoNN)
+SCALARS = tuple(m.name for m in SCALAR_METRICS if m.group != "twonn")
 MOMENTS_ONLY = ("isoscore", "isoscore_star", "avgcos", "spectrum", "outliers")
 
 
@@ -294,7 +296,7 @@ def test_twonn_on_seeded_sample_with_duplicates(tmp_path):
 
 def test_more_id_estimators(run):
     from geomscope.metrics.intrinsic import estimate_id
-    from geomscope.report import LAYER_KEYS
+    from geomscope.schema import LAYER_KEYS
 
     d, data = run
     rep = score(d, ScoreOptions(metrics=("mle",), id_estimator=("lpca",), id_sample=200, seed=2, layers=("1",)))
@@ -472,7 +474,8 @@ def test_not_a_source(tmp_path):
 
 
 def test_report_is_json_serialisable_with_stable_keys(run):
-    from geomscope.report import LAYER_KEYS, REPORT_KEYS, to_json
+    from geomscope.report import to_json
+    from geomscope.schema import LAYER_KEYS, REPORT_KEYS
 
     d, _ = run
     rep = score(d, ScoreOptions(metrics=("isoscore", "twonn"), id_sample=200))

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from test_score import make_run
 
-from geomscope.report import CSV_METRICS, LAYER_KEYS, REPORT_KEYS
+from geomscope.schema import LAYER_KEYS, REPORT_KEYS
+from geomscope.schema import SCALAR_METRIC_NAMES as CSV_METRICS
 
 
 @pytest.fixture(scope="module")

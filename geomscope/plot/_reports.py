@@ -1,6 +1,6 @@
 """Reading score reports for plotting: loading, labels, training steps, metrics and layers.
 
-A *report* here is the dict of a score report JSON (``/tmp/team/REPORT_SCHEMA.md``, format
+A *report* here is the dict of a score report JSON (:mod:`geomscope.schema`, format
 ``geomscope-report``).  Everything in this module is read-only over those dicts.
 """
 
@@ -13,16 +13,7 @@ from collections.abc import Sequence
 
 from geomscope.errors import InputError
 from geomscope.report import load_report
-
-#: per-layer keys that are not metrics (counts, identity, bookkeeping)
-NON_METRIC_KEYS = frozenset(
-    {"layer", "index", "n_rows", "twonn_n_used", "twonn_duplicates_removed", "outliers", "se",
-     "eigenvalues", "outlier_statistic", "outlier_support", "dropped", "flags", "notes"}
-)
-
-#: the scalar per-layer metrics of the report schema
-SCHEMA_METRICS = ("isoscore", "isoscore_star", "avgcos", "avgcos_centred", "avgcos_standardised", "pr", "erank",
-                  "top1_share", "top5_share", "top10_share", "twonn")
+from geomscope.schema import NON_METRIC_LAYER_KEYS, is_metric_key
 
 #: the metrics drawn when the user names none (those present in the reports, in this order)
 DEFAULT_METRICS = ("isoscore_star", "isoscore", "avgcos", "twonn")
@@ -110,7 +101,7 @@ def available_metrics(reports: Sequence[dict]) -> list[str]:
     for rep in reports:
         for lay in rep["layers"]:
             for k, v in lay.items():
-                if k not in NON_METRIC_KEYS and not k.startswith("_") and is_number(v) and k not in seen:
+                if k not in NON_METRIC_LAYER_KEYS and not k.startswith("_") and is_number(v) and k not in seen:
                     seen.append(k)
     return seen
 
@@ -129,7 +120,7 @@ def choose_metrics(reports: Sequence[dict], metrics: Sequence[str] | None) -> li
     for m in metrics:
         if m not in avail:
             names = ", ".join(avail) or "none"
-            if m in SCHEMA_METRICS or m.startswith("id_"):
+            if is_metric_key(m):
                 raise InputError(f"metric '{m}' has no values in these reports (rescore with it in --metrics); "
                                  f"available: {names}")
             raise InputError(f"unknown metric '{m}'; available: {names}")

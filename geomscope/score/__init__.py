@@ -14,7 +14,8 @@ are computed: see :mod:`geomscope.score.engine`, :mod:`~geomscope.score.compute`
 :mod:`~geomscope.score.select` and :mod:`~geomscope.score.idest`.
 """
 
-from geomscope.score.engine import SCALAR_METRICS, score
+from geomscope.schema import SCALAR_METRIC_NAMES as SCALAR_METRICS
+from geomscope.score.engine import score
 from geomscope.score.options import AVGCOS_VARIANTS, CORE_METRICS, DEFAULT_METRICS, ScoreOptions
 
 __all__ = ["AVGCOS_VARIANTS", "CORE_METRICS", "DEFAULT_METRICS", "SCALAR_METRICS", "ScoreOptions", "score"]

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import numpy as np
 
 from geomscope.errors import DataError, InputError
+from geomscope.schema import EXTRA_ID_PREFIX, REPORT_FORMAT, REPORT_FORMAT_VERSION, SCALAR_METRIC_NAMES
 from geomscope.score import compute, idest, outliers
 from geomscope.score.accumulate import PassSpec
 from geomscope.score.executor import Executor, one_blas_thread
@@ -231,7 +232,7 @@ class _Scorer:
         if o.wants("partition"):
             unc["partition"] = "none: I(W) is an exact function of the checkpoint's weights (no sampling)"
         return {
-            "format": "geomscope-report", "format_version": 1, "geomscope_version": __version__,
+            "format": REPORT_FORMAT, "format_version": REPORT_FORMAT_VERSION, "geomscope_version": __version__,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "source": {"kind": src.kind, "path": src.path, "dataset": src.dataset},
             "model": src.model,
@@ -420,13 +421,9 @@ def _scalar_keys(o: ScoreOptions) -> list[str]:
     return keys
 
 
-SCALAR_METRICS = ("isoscore", "isoscore_star", "avgcos", "avgcos_centred", "avgcos_standardised", "pr", "erank",
-                  "top1_share", "top5_share", "top10_share", "twonn")
-
-
 def _fill_null_notes(e: dict, o: ScoreOptions) -> None:
     wanted = set(_scalar_keys(o))
-    for k in (*SCALAR_METRICS, *[f"id_{n}" for n in o.extra_id]):
+    for k in (*SCALAR_METRIC_NAMES, *[f"{EXTRA_ID_PREFIX}{n}" for n in o.extra_id]):
         if e.get(k) is None and k not in e["notes"]:
             e["notes"][k] = ("not requested (--metrics / --avgcos-variants)" if k not in wanted
                              else "undefined for this layer")
