@@ -41,7 +41,7 @@ import os
 from pathlib import Path
 
 from geomscope.errors import InputError
-
+from geomscope.fileio import write_text_atomic
 from geomscope.schema import (
     LAYER_KEYS,
     METRIC_LABELS,
@@ -114,15 +114,6 @@ def report_paths(out: str | os.PathLike) -> tuple[Path, Path]:
     return p.with_name(p.name + ".json"), p.with_name(p.name + ".csv")
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save_report(report: dict, out: str | os.PathLike) -> tuple[Path, Path]:
     """Write the report as JSON and CSV; return (json_path, csv_path). See :func:`report_paths`."""
     jpath, cpath = report_paths(out)
@@ -132,8 +123,8 @@ def save_report(report: dict, out: str | os.PathLike) -> tuple[Path, Path]:
     try:
         parent.mkdir(parents=True, exist_ok=True)
         jtext, ctext = to_json(report), to_csv(report)
-        _write_atomic(jpath, jtext + "\n")
-        _write_atomic(cpath, ctext)
+        write_text_atomic(jpath, jtext + "\n")
+        write_text_atomic(cpath, ctext)
     except PermissionError as e:
         raise InputError(f"cannot write the report to {parent} ({e.strerror}); choose another --out") from e
     return jpath, cpath

@@ -125,7 +125,7 @@ def test_two_nearest_device_path():
     if torch.cuda.is_available():
         assert_same_neighbours(X, two_nearest(X, device="cuda", block_size=40))
     else:
-        with pytest.raises(InputError, match="CUDA is not available"):
+        with pytest.raises(InputError, match="no CUDA device is available"):
             two_nearest(X, device="cuda")
 
 

@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from geomscope.devices import resolve_device
 from geomscope.errors import InputError
 
 BUNDLED_NAME = "sentence-transformers/all-MiniLM-L6-v2"
@@ -230,23 +231,6 @@ def torch_dtype(name: str):
     if name not in DTYPES:
         raise InputError(f"--dtype {name} is not one of {', '.join(DTYPES)}")
     return getattr(torch, name)
-
-
-def resolve_device(device: str):
-    import torch
-
-    d = (device or "auto").strip().lower()
-    if d == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(d)
-    except (RuntimeError, ValueError):
-        raise InputError(f"--device {device} is not a device; use auto, cpu, cuda or cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"--device {device}: no CUDA device is available here; use --device cpu or auto")
-    if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise InputError(f"--device {device}: MPS is not available here; use --device cpu or auto")
-    return dev
 
 
 def _load_error(exc: Exception, name: str, info: dict, revision: str | None) -> InputError:

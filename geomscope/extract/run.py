@@ -23,8 +23,9 @@ from geomscope.errors import DataError, InputError
 from geomscope.extract.batching import Doc, length_order, plan_batches, tokenize
 from geomscope.extract.layers import LAYER_NOTE, describe_layers, parse_layers
 from geomscope.extract.plan import bytes_per_row, check_disk, estimate_tokens, human_bytes, scan_inputs
-from geomscope.extract.progress import Progress
 from geomscope.extract.sources import close_inputs, hash_input, iter_all, open_inputs, uses_column, uses_field
+from geomscope.progress import Progress
+from geomscope.provenance import package_versions
 
 ROW_ORDER = ("shard k = non-empty documents k*shard_docs .. (k+1)*shard_docs-1 in input order; within a shard, "
              "documents by descending token length (ties by doc_id), positions ascending")
@@ -35,15 +36,6 @@ def _positive(name: str, value, allow_none: bool = True) -> None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise InputError(f"{name} must be a positive whole number, not {value!r}")
-
-
-def _versions() -> dict:
-    import torch
-    import transformers
-
-    from geomscope import __version__
-
-    return {"geomscope": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 def _groups(inputs, text_field, text_column, shard_docs, max_docs, counts):
@@ -174,7 +166,7 @@ def extract(
         say(f"extract: {lm.info['name']} ({lm.info['model_type']}, {lm.stack}, {lm.device}) -> {out}: "
             f"{scan.docs:,} documents in {planned} shards, {len(indices)} layers x {lm.hidden_size} ({store_dtype}); "
             f"about {est_tokens:,} tokens, {human_bytes(est_bytes)} on disk ({human_bytes(free)} free)")
-        extra = {"model_source": lm.source, "versions": _versions(), "layer_note": LAYER_NOTE, "row_order": ROW_ORDER,
+        extra = {"model_source": lm.source, "versions": package_versions(), "layer_note": LAYER_NOTE, "row_order": ROW_ORDER,
                  "max_length_source": ("option" if max_length is not None else ("model" if eff_len else None))}
         with RunWriter(out, identity, overwrite=overwrite, extra=extra) as writer:
             # saved with the first shard (one fsync pair less per call; nothing depends on it earlier)
@@ -222,7 +214,8 @@ def _run_shards(writer, lm, ins, layer_desc, identity, total_docs, text_field, t
     nonfinite_by_layer: dict[str, int] = {}
     total_rows = new_rows = written = resumed = 0
     t0 = time.perf_counter()
-    with Progress(total_docs, progress) as prog:
+    with Progress(progress) as bar:
+        prog = bar.add("extract", total_docs, unit="docs", rate_unit="tok")
         for k, group in enumerate(_groups(ins, text_field, text_column, shard_docs, max_docs, counts)):
             if max_tokens is not None and total_rows >= max_tokens:
                 break
@@ -267,7 +260,7 @@ def _run_shards(writer, lm, ins, layer_desc, identity, total_docs, text_field, t
                 for batch in plan_batches(length_order(kept), batch_tokens):
                     arrays, meta = capture(batch)
                     sw.append(arrays, **meta)
-                    prog.advance(len(batch), len(meta["token_id"]))
+                    prog.advance(len(batch), work=len(meta["token_id"]))
                 info = sw.close()
             except BaseException:
                 sw.abort()

@@ -35,6 +35,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from geomscope.devices import resolve_device
 from geomscope.errors import DataError, InputError
 from geomscope.metrics._validate import as_rows, count_nonfinite_rows, nonfinite_message
 
@@ -54,15 +55,6 @@ def default_block_size(n: int, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> in
     cap = memory_budget // (4 * max(n, 1))
     b = min(max(1024, n // 16), 4096, cap)
     return int(max(1, min(n, max(64, b))))
-
-
-def _resolve_device(device):
-    import torch
-
-    dev = torch.device("cpu" if device is None else device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"device {str(device)!r} requested but CUDA is not available; use device='cpu'")
-    return dev
 
 
 @contextmanager
@@ -377,7 +369,7 @@ def _two_nearest(a: np.ndarray, block_size, device, refine, memory_budget, retur
 
     a = a.astype(np.float32) if a.dtype.itemsize < 4 else a
     n, d = a.shape
-    dev = _resolve_device(device)
+    dev = resolve_device("cpu" if device is None else str(device))
     block = default_block_size(n, memory_budget) if block_size is None else int(block_size)
     if block < 1:
         raise InputError(f"block_size must be >= 1; got {block_size}")

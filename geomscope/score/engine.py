@@ -29,12 +29,12 @@ from collections.abc import Callable
 import numpy as np
 
 from geomscope.errors import DataError, InputError
+from geomscope.progress import Progress
 from geomscope.schema import EXTRA_ID_PREFIX, REPORT_FORMAT, REPORT_FORMAT_VERSION, SCALAR_METRIC_NAMES
 from geomscope.score import compute, idest, outliers
 from geomscope.score.accumulate import PassSpec
 from geomscope.score.executor import Executor, one_blas_thread
 from geomscope.score.options import ScoreOptions
-from geomscope.score.progress import Progress
 from geomscope.score.sources import SourceInfo, open_source
 
 
@@ -70,8 +70,11 @@ class _Scorer:
         if self.checksum_pending and tasks is self.src.tasks:
             spec.checksum = True
             self.checksum_pending = False
-        with self.prog.task(desc, rows if rows is not None else sum(t.rows for t in tasks)) as adv:
-            return self.ex.run(tasks, spec, adv)
+        bar = self.prog.add(desc, rows if rows is not None else sum(t.rows for t in tasks), unit="rows",
+                            rate_unit="rows")
+        parts = self.ex.run(tasks, spec, bar.advance if self.prog.enabled else None)
+        bar.complete()
+        return parts
 
     def _spec(self, kind: str, layers: list[str], **kw) -> PassSpec:
         o = self.opts

@@ -5,12 +5,12 @@ from __future__ import annotations
 import datetime as _dt
 import fcntl
 import json
-import os
 import shutil
 from pathlib import Path
 
 from geomscope.errors import InputError
-from geomscope.store.shard import ShardInfo, ShardWriter, _fsync_dir
+from geomscope.fileio import write_text_atomic
+from geomscope.store.shard import ShardInfo, ShardWriter
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -73,14 +73,8 @@ def dumps_manifest(obj: dict) -> str:
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    text = dumps_manifest(obj) if path.name == MANIFEST_NAME else json.dumps(obj, indent=2) + "\n"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    """The manifest in its own layout (:func:`dumps_manifest`), any other JSON indented."""
+    write_text_atomic(path, dumps_manifest(obj) if path.name == MANIFEST_NAME else json.dumps(obj, indent=2) + "\n")
 
 
 class RunWriter:

@@ -11,6 +11,7 @@ import h5py
 import numpy as np
 
 from geomscope.errors import InputError
+from geomscope.fileio import fsync_dir
 
 CHUNK_BYTES = 2 * 1024 * 1024  # target bytes per (rows, D) chunk of a layer dataset
 META_FIELDS = ("token_id", "doc_id", "position")
@@ -199,7 +200,7 @@ class ShardWriter:
         with open(self.tmp_path, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(self.tmp_path, self.path)
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         return ShardInfo(
             index=self.index,
             file=self.path.name,
@@ -228,15 +229,3 @@ class ShardWriter:
         if exc_type is not None:
             self.abort()
 
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 from geomscope.errors import InputError
+from geomscope.fileio import write_text_atomic
 
 CKPT = "checkpoint"
 
@@ -114,17 +115,9 @@ def export_model(out: Path, model, tokenizer, extra: dict[str, dict]) -> None:
     shutil.rmtree(tmp)
 
 
-def write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name("." + path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
-
-
 def truncate_jsonl(path: Path, keep) -> None:
     """Keep only the JSON lines for which ``keep(record)`` is true (used when resuming)."""
     if not path.exists():
         return
     lines = [ln for ln in path.read_text().splitlines() if ln.strip() and keep(json.loads(ln))]
-    tmp = path.with_name("." + path.name + ".tmp")
-    tmp.write_text("".join(ln + "\n" for ln in lines))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(ln + "\n" for ln in lines))

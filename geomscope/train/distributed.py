@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from geomscope.errors import InputError
+from geomscope.devices import resolve_device
 
 
 @dataclass
@@ -31,19 +31,6 @@ class Dist:
     @property
     def active(self) -> bool:
         return self.world_size > 1
-
-
-def resolve_device(device: str, local_rank: int = 0):
-    """``auto`` = CUDA when available, else CPU; ``cuda`` without a GPU is an InputError."""
-    import torch
-
-    if device not in ("auto", "cpu", "cuda"):
-        raise InputError(f"unknown --device {device!r}; use auto, cpu or cuda")
-    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise InputError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
-        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
-    return torch.device("cpu")
 
 
 def setup(device: str = "auto") -> Dist:

@@ -25,6 +25,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from geomscope.errors import DataError, InputError
+from geomscope.fileio import write_json_atomic
+from geomscope.progress import Progress
+from geomscope.provenance import package_versions
 from geomscope.train import checkpoint as ck
 from geomscope.train import distributed as dd
 from geomscope.train.data import (
@@ -240,7 +243,6 @@ def _run(cfg: FinetuneConfig, d: dd.Dist, quiet: bool, note) -> dict:
 
     from geomscope.train.evaluate import compute_c0, evaluate
     from geomscope.train.model import load_classifier, n_blocks, parse_layers
-    from geomscope.train.progress import TrainProgress
 
     out = Path(cfg.out)
     autocast = make_autocast(cfg.precision, d.device)
@@ -299,7 +301,7 @@ def _run(cfg: FinetuneConfig, d: dd.Dist, quiet: bool, note) -> dict:
     if d.is_main:
         out.mkdir(parents=True, exist_ok=True)
         if state is None:
-            ck.write_json_atomic(out / "run.json", {"config": asdict(cfg), "layers": layers,
+            write_json_atomic(out / "run.json", {"config": asdict(cfg), "layers": layers,
                                                     "world_size": d.world_size, "device": str(d.device),
                                                     "batch_isoscore_target": "C0" if cfg.reg == "istar"
                                                     else "trace-matched identity"})
@@ -311,16 +313,17 @@ def _run(cfg: FinetuneConfig, d: dd.Dist, quiet: bool, note) -> dict:
     per_epoch = len(global_batches(list(range(n_train)), cfg.batch_size, d.world_size))
     t_train, n_steps_timed, c0_used = 0.0, 0, None
     logf = open(steps_path, "a") if d.is_main else None
-    progress = TrainProgress(total=per_epoch * max(cfg.epochs - start_epoch, 0), enabled=d.is_main and not quiet)
+    bar = Progress(enabled=d.is_main and not quiet)
     try:
-        with progress:
+        with bar:
+            progress = bar.add("training", per_epoch * max(cfg.epochs - start_epoch, 0), unit="steps")
             for epoch in range(start_epoch, cfg.epochs):
                 order = epoch_order(n_train, cfg.seed, epoch)
                 if cfg.reg == "istar":
-                    progress.status(f"epoch {epoch + 1}/{cfg.epochs}: C0")
+                    progress.describe(f"epoch {epoch + 1}/{cfg.epochs}: C0")
                     reg.C0, c0_used = compute_c0(model, train_enc, order, layers, cfg.c0_points,
                                                  cfg.batch_size, d, autocast, cfg.include_padding)
-                progress.status(f"epoch {epoch + 1}/{cfg.epochs}")
+                progress.describe(f"epoch {epoch + 1}/{cfg.epochs}")
                 for gb in global_batches(order, cfg.batch_size, d.world_size):
                     t0 = time.perf_counter()
                     rec = train_step(ddp_model, train_enc.collate(rank_slice(gb, d.rank, d.world_size)), len(gb),
@@ -340,8 +343,9 @@ def _run(cfg: FinetuneConfig, d: dd.Dist, quiet: bool, note) -> dict:
                                 if last else "no epoch had finished, so there is no checkpoint")
                         raise DataError(f"loss became NaN/inf at step {step} (epoch {epoch + 1}); training stopped, "
                                         f"{kept}; lower --lr or |--lambda|")
-                    progress.advance(rec)
-                progress.status(f"epoch {epoch + 1}/{cfg.epochs}: eval")
+                    progress.advance()
+                    progress.info(step_line(rec))
+                progress.describe(f"epoch {epoch + 1}/{cfg.epochs}: eval")
                 ev = evaluate(model, eval_enc, layers, cfg.zeta, cfg.batch_size, d, autocast, len(label2id),
                               cfg.include_padding)
                 ev = {"epoch": epoch + 1, "step": step, **ev, "c0_points_used": c0_used}
@@ -352,7 +356,7 @@ def _run(cfg: FinetuneConfig, d: dd.Dist, quiet: bool, note) -> dict:
                     ck.save_checkpoint(out, model, tokenizer, optimizer, scaler,
                                        {"epochs_done": epoch + 1, "global_step": step, "fingerprint": fp,
                                         "label2id": label2id, "head_added": minfo["head_added"]}, rngs)
-                    progress.log_eval(ev)
+                    bar.print(eval_line(ev))
                 dd.barrier(d)
     finally:
         if logf is not None:
@@ -374,9 +378,9 @@ def _run(cfg: FinetuneConfig, d: dd.Dist, quiet: bool, note) -> dict:
             "labels": label2id, "head_added": minfo["head_added"], "resumed": state is not None,
             "mean_step_seconds": (t_train / n_steps_timed) if n_steps_timed else None,
             "final": evals[-1] if evals else None, "evals": evals, "extra": cfg.extra,
-            "eval_isoscore_target": "trace-matched identity", "versions": _versions(),
+            "eval_isoscore_target": "trace-matched identity", "versions": package_versions(),
         })
-        ck.write_json_atomic(out / "summary.json", summary)
+        write_json_atomic(out / "summary.json", summary)
     dd.barrier(d)
     return dd.broadcast_object(summary, d)
 
@@ -391,10 +395,17 @@ def _json_safe(obj):
     return obj
 
 
-def _versions() -> dict:
-    import torch
-    import transformers
+def step_line(rec: dict) -> str:
+    """The running numbers beside the training bar."""
+    line = f"loss {rec['loss']:.4f}"
+    if rec.get("isoscore_star") is not None:
+        line += f"  IsoScore* {rec['isoscore_star']:.4f}"
+    return line
 
-    import geomscope
 
-    return {"geomscope": geomscope.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
+def eval_line(ev: dict) -> str:
+    """One line per epoch evaluation."""
+    iso, cos = ev.get("isoscore_star"), ev.get("avgcos")
+    return (f"epoch {ev['epoch']}: accuracy {ev['accuracy']:.4f}  macro-F1 {ev['macro_f1']:.4f}  "
+            f"eval IsoScore* {'n/a' if iso is None else f'{iso:.4f}'}  "
+            f"avg cosine {'n/a' if cos is None else f'{cos:.4f}'}")

@@ -1,0 +1,96 @@
+"""The one-home helpers: atomic writes, device choice, versions, the progress display."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from geomscope.errors import InputError
+from geomscope.fileio import TEMP_PREFIX, write_json_atomic, write_text_atomic
+
+
+def test_atomic_write_replaces_and_leaves_no_temp(tmp_path):
+    p = tmp_path / "r.json"
+    p.write_text("old")
+    write_json_atomic(p, {"a": 1})
+    assert json.loads(p.read_text()) == {"a": 1}
+    assert [f.name for f in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_atomic_write_never_writes_through_a_link(tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "report.json").symlink_to(outside)
+    write_text_atomic(run / "report.json", "new")
+    assert outside.read_text() == "precious"  # the link itself was replaced, not its target
+    assert not (run / "report.json").is_symlink() and (run / "report.json").read_text() == "new"
+
+
+def test_atomic_write_failure_removes_its_temp(tmp_path, monkeypatch):
+    def boom(*a):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError):
+        write_text_atomic(tmp_path / "x.txt", "data")
+    assert not any(f.name.startswith(TEMP_PREFIX) for f in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("spec", ["cpu", "auto", "CPU", None])
+def test_resolve_device_cpu(spec):
+    from geomscope.devices import resolve_device
+
+    assert resolve_device(spec).type == "cpu"
+
+
+@pytest.mark.parametrize("spec,match", [("cuda:1", "no CUDA device"), ("cuda", "no CUDA device"),
+                                        ("tpu", "not a device|not supported"), ("gpu0", "not a device")])
+def test_resolve_device_refuses_what_is_not_here(spec, match):
+    import torch
+
+    from geomscope.devices import resolve_device
+
+    if torch.cuda.is_available():
+        pytest.skip("this check is about a machine without CUDA")
+    with pytest.raises(InputError, match=match):
+        resolve_device(spec)
+
+
+def test_package_versions():
+    from geomscope import __version__
+    from geomscope.provenance import package_versions
+
+    v = package_versions()
+    assert v["geomscope"] == __version__ and set(v) == {"geomscope", "torch", "transformers"}
+
+
+def test_progress_disabled_is_silent(capsys):
+    from geomscope.progress import Progress
+
+    with Progress(enabled=False) as bar:
+        t = bar.add("x", 10, unit="docs", rate_unit="tok")
+        t.advance(3, work=30)
+        t.skip(2)
+        t.info("i")
+        t.describe("d")
+        t.complete()
+        bar.print("line")
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ""
+
+
+def test_progress_enabled_counts(capsys):
+    from geomscope.progress import Progress
+
+    with Progress(enabled=True) as bar:
+        t = bar.add("x", 10, unit="docs", rate_unit="tok")
+        t.skip(4)
+        t.advance(3, work=30)
+        task = bar._p.tasks[0]
+        assert task.completed == 7 and task.fields["rate"].endswith("tok/s")
+        t.complete()
+        assert task.completed == 10
