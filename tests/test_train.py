@@ -10,6 +10,7 @@ import torch
 from test_train_helpers import SAMPLE, make_checkpoint, synthetic_rows, words_of, write_csv
 
 from geomscope.errors import DataError, GeomscopeError, InputError
+from geomscope.extract.layers import parse_layers
 from geomscope.metrics.isotropy import isoscore_star_torch
 from geomscope.train import FinetuneConfig, finetune
 from geomscope.train import distributed as dd
@@ -21,7 +22,6 @@ from geomscope.train.data import (
     load_table,
     rank_slice,
 )
-from geomscope.train.model import parse_layers
 from geomscope.train.regularizers import CosReg, IStar, batch_covariance, select_tokens
 
 torch.set_num_threads(1)  # 2 shared cores: OpenMP spinning under contention is 100x slower
@@ -173,10 +173,11 @@ def test_global_batches_split_exactly_over_ranks():
 
 
 def test_parse_layers():
-    assert parse_layers(None, 6) == [1, 2, 3, 4, 5, 6]
-    assert parse_layers("0,2-3,-1", 6) == [0, 2, 3, 6]
+    # finetune's default is every block (embedding output excluded); `all` includes it, as in extract
+    assert parse_layers("blocks", 7) == [1, 2, 3, 4, 5, 6] and parse_layers("all", 7) == list(range(7))
+    assert parse_layers("0,2-3,-1", 7) == [0, 2, 3, 6] and parse_layers("layer_02,layer_06", 7) == [2, 6]
     with pytest.raises(InputError):
-        parse_layers("7", 6)
+        parse_layers("7", 7)
 
 
 # -- the loop ------------------------------------------------------------------------------------
@@ -277,8 +278,8 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(tiny, tmp_path,
 
 def test_bad_options_are_input_errors(tiny, tmp_path):
     for kw, msg in ((dict(precision="fp16"), "fp16 needs a CUDA GPU"), (dict(reg="l2"), "unknown --reg"),
-                    (dict(zeta=1.5), "--zeta must lie in"), (dict(layers="9"), "bad --layers"),
-                    (dict(model=str(tmp_path / "nope")), "cannot load model")):
+                    (dict(zeta=1.5), "--zeta must lie in"), (dict(layers="9"), "layer 9 is out of range"),
+                    (dict(model=str(tmp_path / "nope")), "does not exist")):
         with pytest.raises(GeomscopeError, match=msg):
             finetune(_cfg(tiny, tmp_path / "x", **kw), quiet=True, note=lambda m: None)
 

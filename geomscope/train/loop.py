@@ -21,7 +21,7 @@ import random
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from geomscope.errors import DataError, InputError
@@ -227,9 +227,21 @@ def _on_main(fn, d: dd.Dist):
     return res
 
 
+def _resolve_model_alias(cfg: FinetuneConfig) -> FinetuneConfig:
+    """What ``extract`` accepts as MODEL (``bundled:minilm``, a directory, a hub name) -> a loadable
+    path, with the user's name and its resolution recorded in ``extra``."""
+    from geomscope.extract.models import resolve_model
+
+    if "model_arg" in cfg.extra:  # already resolved (a resumed or re-entered config)
+        return cfg
+    path, info = resolve_model(cfg.model)
+    return replace(cfg, model=path, extra={**cfg.extra, "model_arg": cfg.model, "model_info": info})
+
+
 def finetune(cfg: FinetuneConfig, *, quiet: bool = False, note=None) -> dict:
     """Run the fine-tuning described by ``cfg``; return the summary (also written to summary.json)."""
     note = note or (lambda msg: print(msg, file=sys.stderr))
+    cfg = _resolve_model_alias(cfg)
     _validate(cfg)
     d = dd.setup(cfg.device)
     try:
@@ -241,8 +253,9 @@ def finetune(cfg: FinetuneConfig, *, quiet: bool = False, note=None) -> dict:
 def _run(cfg: FinetuneConfig, d: dd.Dist, quiet: bool, note) -> dict:
     import torch
 
+    from geomscope.extract.layers import parse_layers
     from geomscope.train.evaluate import compute_c0, evaluate
-    from geomscope.train.model import load_classifier, n_blocks, parse_layers
+    from geomscope.train.model import load_classifier, n_blocks
 
     out = Path(cfg.out)
     autocast = make_autocast(cfg.precision, d.device)
@@ -257,7 +270,7 @@ def _run(cfg: FinetuneConfig, d: dd.Dist, quiet: bool, note) -> dict:
     _seed_all(cfg.seed)
     src = str(out / ck.CKPT) if state is not None else cfg.model
     model, tokenizer, minfo = load_classifier(src, label2id, note)
-    layers = parse_layers(cfg.layers, n_blocks(model))
+    layers = parse_layers(cfg.layers or "blocks", n_blocks(model) + 1)
     fp = _fingerprint(cfg, layers, d.world_size)
     if state is not None:
         diff = [k for k in fp if state["fingerprint"].get(k) != fp[k]]

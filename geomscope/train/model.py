@@ -1,4 +1,4 @@
-"""Loading a sequence classifier and its tokenizer; the ``--layers`` grammar.
+"""Loading a sequence classifier and its tokenizer.
 
 A checkpoint without a sequence-classification head (a plain encoder such as all-MiniLM-L6-v2)
 gets a freshly initialised head; a head with a different number of labels is replaced.  Both are
@@ -7,47 +7,10 @@ reported through ``note`` (stderr in the CLI), never silently.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from pathlib import Path
 
 from geomscope.errors import InputError
-
-
-def parse_layers(spec: str | None, n_layers: int) -> list[int]:
-    """Hidden-state indices from a ``--layers`` spec.
-
-    Index 0 is the embedding output and ``i`` (1..n_layers) the output of block ``i`` -- the
-    positions in the ``output_hidden_states`` tuple.  ``None``/``all`` = every block (1..n_layers,
-    embedding output excluded).  Otherwise a comma list of indices and ranges (``1,3,5-6``); negative
-    indices count from the end (``-1`` = last block).
-    """
-    if spec is None or spec.strip().lower() in ("", "all"):
-        return list(range(1, n_layers + 1))
-    out: list[int] = []
-    for part in spec.split(","):
-        m = re.fullmatch(r"\s*(-?\d+)\s*(?:-\s*(-?\d+)\s*)?", part)
-        try:
-            if m is None:
-                raise ValueError
-            lo = _index(int(m.group(1)), n_layers)
-            hi = lo if m.group(2) is None else _index(int(m.group(2)), n_layers)
-            if lo > hi:
-                raise ValueError
-            out.extend(range(lo, hi + 1))
-        except ValueError:
-            raise InputError(
-                f"bad --layers {spec!r}: use indices 0..{n_layers} (0 = embedding output), ranges like 1-3, "
-                f"or negatives like -1"
-            ) from None
-    return sorted(set(out))
-
-
-def _index(i: int, n_layers: int) -> int:
-    j = i + n_layers + 1 if i < 0 else i
-    if not 0 <= j <= n_layers:
-        raise ValueError
-    return j
 
 
 def quiet_transformers() -> None:
