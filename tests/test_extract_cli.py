@@ -78,7 +78,7 @@ def test_bad_input_one_line_errors(cli, models, text, tmp_path):
         (["extract", models["bert"], tmp_path / "a.jsonl"], 2, "has no field 'text'"),
         (["extract", models["bert"], tmp_path / "blank.txt"], 2, "no text in"),
         (["extract", models["bert"], tmp_path / "missing.txt"], 2, "does not exist"),
-        (["extract", models["bert"], text, "--dtype", "float8"], 2, "--dtype float8"),
+        (["extract", models["bert"], text, "--dtype", "float8"], 2, "Invalid value for '--dtype': 'float8' is not one of"),
         (["extract", models["bert"], text, "--device", "cuda:7"], 2, "--device cuda:7"),
     ]
     for args, exit_code, msg in cases:

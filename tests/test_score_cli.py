@@ -85,7 +85,9 @@ def test_warnings_for_transposed_and_nan_arrays(cli, tmp_path):
     (["--zeta", "abc"], "zeta"),
     (["--zeta", "1.5"], "zeta"),
     (["--layers", "layer_42"], "not in this run"),
-    (["--workers", "two"], "--workers must be an integer"),
+    (["--workers", "two"], "Invalid value for '--workers'"),
+    (["--seed", "-1"], "Invalid value for '--seed'"),
+    (["--id-sample", "2"], "Invalid value for '--id-sample'"),
     (["--outlier-rule", "nope"], "outlier-rule"),
     (["--shrinkage-target", "layer:missing"], "not in this run"),
 ])

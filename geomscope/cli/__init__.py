@@ -1,42 +1,59 @@
-"""Command-line interface: thin wrappers over the library.
+"""Command-line interface: thin typed wrappers over the library.
 
-Each command lives in its own module and registers itself on :data:`app`.  :func:`main` turns a
-:class:`~geomscope.errors.GeomscopeError` into one ``error: ...`` line on stderr and a non-zero
-exit code (a traceback only with ``geomscope --debug ...``).
+Each command lives in its own module and registers itself on :data:`app`. :func:`main` is the one
+place where failures become what a user sees: a :class:`~geomscope.errors.GeomscopeError` or a
+usage error (bad type, out of range, unknown option, missing argument) becomes one ``error: ...``
+line on stderr and a non-zero exit (2 for bad input and usage, 3 for data that cannot give a
+number); Ctrl-C says that finished work is kept. ``geomscope --debug ...`` shows the traceback.
 """
 
 from __future__ import annotations
 
 import sys
 
+import typer
+
+from geomscope.cli import extract, finetune, inspect, plot, score  # noqa: F401  (registers commands)
 from geomscope.cli._app import app, state
 from geomscope.errors import GeomscopeError
 
-# command modules: importing them registers the commands (they import nothing heavy at top level)
-for _mod in ("extract", "inspect", "score", "plot", "finetune"):
-    try:
-        __import__(f"geomscope.cli.{_mod}")
-    except ModuleNotFoundError as _e:  # a command module not written yet must not break the others
-        if _e.name != f"geomscope.cli.{_mod}":
-            raise
+INTERRUPTED = "error: interrupted; finished work is kept, rerun the same command to resume"
+
+
+def _first_line(text: str, fallback: str) -> str:
+    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
+    return lines[0] if lines else fallback
+
+
+def _usage_error_line(e: Exception) -> str:
+    ctx = getattr(e, "ctx", None)
+    where = ctx.command_path if ctx is not None else "geomscope"
+    message = _first_line(e.format_message(), type(e).__name__).replace("Value error, ", "")
+    return f"error: {message} (see '{where} --help')"
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``geomscope`` console script (and ``python -m geomscope``)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
     try:
-        app(args=args, prog_name="geomscope", standalone_mode=True)
-    except SystemExit:
-        raise
+        code = app(args=args, prog_name="geomscope", standalone_mode=False)
     except GeomscopeError as e:
-        if state["debug"] or "--debug" in args:
+        if debug or state["debug"]:
             raise
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"error: {msg}", file=sys.stderr)
+        print(f"error: {_first_line(str(e), type(e).__name__)}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        print("error: interrupted; finished work is kept, rerun the same command to resume", file=sys.stderr)
+    except (KeyboardInterrupt, typer.Abort):
+        print(INTERRUPTED, file=sys.stderr)
         sys.exit(130)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.TyperException as e:  # click's usage errors (bad value, unknown option, missing argument)
+        if debug:
+            raise
+        print(_usage_error_line(e), file=sys.stderr)
+        sys.exit(2 if getattr(e, "exit_code", 2) in (1, 2) else e.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 __all__ = ["app", "main"]

@@ -8,6 +8,30 @@ so ``geomscope --help`` stays fast.  ``tests/test_cli_help.py`` enforces it.
 from __future__ import annotations
 
 import typer
+from typer import core as _typer_core
+
+
+def _conventional_arguments() -> None:
+    """Show arguments as ``MODEL INPUT...`` in usage and help, as click and most CLIs do.
+
+    Recent Typer prints required arguments as ``{MODEL}`` and appends a type (``<str>``,
+    ``<list[str]>``) that the metavar and help already state; the README reference is generated from
+    this help, so it must read conventionally and stay stable across Typer versions.
+    """
+    arg = getattr(_typer_core, "TyperArgument", None)
+    if arg is None:
+        return
+    if hasattr(arg, "display_type_rich"):
+        arg.display_type_rich = lambda self, ctx: None
+    if hasattr(arg, "_usage_display_name"):
+        def usage_name(self) -> str:
+            name = self.display_name_raw if self.required else f"[{self.display_name_raw}]"
+            return name + ("..." if self.nargs != 1 else "")
+
+        arg._usage_display_name = usage_name
+
+
+_conventional_arguments()
 
 app = typer.Typer(
     name="geomscope",
@@ -19,7 +43,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
+    rich_markup_mode=None,  # plain, conventional help: the README reference is generated from it
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 

@@ -15,44 +15,60 @@ from typing import Optional
 
 import typer
 
+from geomscope import choices
 from geomscope.cli._app import app
+from geomscope.cli._options import (
+    PenaltyPrecision,
+    Precision,
+    Regulariser,
+    choice_metavar,
+    json_option,
+    layers_option,
+    quiet_option,
+    value,
+)
 
 
 @app.command("finetune")
 def finetune_cmd(
-    model: str = typer.Argument(..., help="Checkpoint directory, bundled:minilm (all-MiniLM-L6-v2), or a hub name."),
-    train: Path = typer.Option(..., "--train", help="Training data: .csv, .tsv, .jsonl or a save_to_disk dir."),
-    eval_: Path = typer.Option(..., "--eval", help="Evaluation data, same format and columns as --train."),
-    out: Path = typer.Option(..., "--out", "-o", help="Output directory (model, logs, checkpoint)."),
-    reg: str = typer.Option("istar", "--reg", help="istar | cosreg | none."),
-    lam: float = typer.Option(-5.0, "--lambda",
+    model: str = typer.Argument(..., metavar="MODEL", help="Checkpoint directory, bundled:minilm (all-MiniLM-L6-v2), or a hub name."),
+    train: Path = typer.Option(..., "--train", metavar="FILE", help="Training data: .csv, .tsv, .jsonl or a save_to_disk dir."),
+    eval_: Path = typer.Option(..., "--eval", metavar="FILE", help="Evaluation data, same format and columns as --train."),
+    out: Path = typer.Option(..., "--out", "-o", metavar="DIR", help="Output directory (model, logs, checkpoint)."),
+    reg: Regulariser = typer.Option("istar", "--reg", metavar=choice_metavar(choices.REGULARISERS),
+                                    help="Regulariser: I-STAR, CosReg or none."),
+    lam: float = typer.Option(-5.0, "--lambda", metavar="FLOAT",
                               help="Weight of the penalty. I-STAR: < 0 pushes away from isotropy, > 0 toward it."),
-    zeta: float = typer.Option(0.2, "--zeta", help="IsoScore* shrinkage weight on C0 (0 = plain IsoScore)."),
-    c0_points: int = typer.Option(250_000, "--c0-points", help="Token vectors used for C0 each epoch (at most)."),
-    layers: Optional[str] = typer.Option(
-        None, "--layers", help="Hidden-state indices for I-STAR, e.g. 1-6 or 2,4,-1 (default: every block; "
-                               "0 = embedding output)."),
-    epochs: int = typer.Option(4, "--epochs", help="Training epochs."),
-    lr: float = typer.Option(1e-5, "--lr", help="AdamW learning rate (constant)."),
-    batch_size: int = typer.Option(32, "--batch-size", help="Examples per step per process."),
-    max_length: int = typer.Option(128, "--max-length", help="Truncate inputs to this many tokens."),
-    seed: int = typer.Option(0, "--seed", help="Seed for the head, shuffling and dropout."),
-    precision: str = typer.Option("fp32", "--precision", help="fp32 | fp16 (CUDA) | bf16 (autocast)."),
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
-    penalty_precision: str = typer.Option(
-        "fp64", "--penalty-precision",
+    zeta: float = typer.Option(0.2, "--zeta", min=0.0, max=1.0, metavar="FLOAT", help="IsoScore* shrinkage weight on C0 (0 = plain IsoScore)."),
+    c0_points: int = typer.Option(250_000, "--c0-points", min=2, metavar="N", help="Token vectors used for C0 each epoch (at most)."),
+    layers: Optional[str] = layers_option(
+        None, "Hidden states for I-STAR: blocks | all | 1-6 | 2,4,-1 | layer_03 (default: blocks, every "
+              "block; 0 = embedding output)."),
+    epochs: int = typer.Option(4, "--epochs", min=1, metavar="N", help="Training epochs."),
+    lr: float = typer.Option(1e-5, "--lr", min=0.0, metavar="FLOAT", help="AdamW learning rate (constant)."),
+    batch_size: int = typer.Option(32, "--batch-size", min=1, metavar="N", help="Examples per step per process."),
+    max_length: int = typer.Option(128, "--max-length", min=2, metavar="N", help="Truncate inputs to this many tokens."),
+    seed: int = typer.Option(0, "--seed", min=0, metavar="N", help="Seed for the head, shuffling and dropout."),
+    precision: Precision = typer.Option("fp32", "--precision", metavar=choice_metavar(choices.PRECISIONS),
+                                        help="Training arithmetic: fp32, fp16 (CUDA, gradient scaling) or bf16 "
+                                             "(autocast)."),
+    device: str = typer.Option("auto", "--device", metavar="DEVICE",
+                               help="auto (CUDA when present, else CPU), cpu, cuda, cuda:N or mps."),
+    penalty_precision: PenaltyPrecision = typer.Option(
+        "fp64", "--penalty-precision", metavar=choice_metavar(choices.PENALTY_PRECISIONS),
         help="I-STAR batch covariance arithmetic: fp64 (exact) or fp32 (centred rows, about half the cost; "
              "for GPUs with slow float64)."),
     include_padding: bool = typer.Option(False, "--include-padding",
                                          help="Count padding positions in the penalties (the official code's "
                                               "behaviour); default: excluded by the attention mask."),
-    text_field: str = typer.Option("sentence", "--text-field", help="Column with the text."),
-    text_field_2: Optional[str] = typer.Option(None, "--text-field-2",
+    text_field: str = typer.Option("sentence", "--text-field", metavar="NAME",
+                                   help="Text field (column) of the examples."),
+    text_field_2: Optional[str] = typer.Option(None, "--text-field-2", metavar="NAME",
                                                help="Second text column for sentence pairs (e.g. QNLI)."),
-    label_field: str = typer.Option("label", "--label-field", help="Column with the label."),
+    label_field: str = typer.Option("label", "--label-field", metavar="NAME", help="Column with the label."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the last epoch checkpoint in --out."),
-    as_json: bool = typer.Option(False, "--json", help="Print the run summary as one JSON object on stdout."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    as_json: bool = json_option("the run summary"),
+    quiet: bool = quiet_option("No progress bar."),
 ) -> None:
     """Fine-tune a sequence classifier while shaping its activation geometry (I-STAR or CosReg).
 
@@ -62,10 +78,10 @@ def finetune_cmd(
     from geomscope.train import FinetuneConfig, finetune
 
     cfg = FinetuneConfig(
-        model=model, train=str(train), eval=str(eval_), out=str(out), reg=reg.lower(), lam=lam,
+        model=model, train=str(train), eval=str(eval_), out=str(out), reg=value(reg), lam=lam,
         zeta=zeta, c0_points=c0_points, layers=layers, epochs=epochs, lr=lr, batch_size=batch_size,
-        max_length=max_length, seed=seed, precision=precision.lower(), device=device.lower(),
-        include_padding=include_padding, penalty_precision=penalty_precision.lower(), text_field=text_field,
+        max_length=max_length, seed=seed, precision=value(precision), device=device.lower(),
+        include_padding=include_padding, penalty_precision=value(penalty_precision), text_field=text_field,
         text_field_2=text_field_2,
         label_field=label_field, resume=resume,
     )

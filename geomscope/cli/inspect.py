@@ -7,12 +7,13 @@ from pathlib import Path
 import typer
 
 from geomscope.cli._app import app
+from geomscope.cli._options import json_option
 
 
 @app.command("inspect")
 def inspect_cmd(
-    run_dir: Path = typer.Argument(..., help="A run directory written by `geomscope extract`."),
-    json_out: bool = typer.Option(False, "--json", help="Print the description as one JSON object on stdout."),
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A run directory written by `geomscope extract`."),
+    json_out: bool = json_option("the description"),
     verify: bool = typer.Option(False, "--verify", help="Also check every shard's size and sha256 against the "
                                                         "manifest (reads every byte)."),
 ) -> None:

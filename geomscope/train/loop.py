@@ -24,6 +24,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from geomscope.choices import PENALTY_PRECISIONS, PRECISIONS, REGULARISERS
 from geomscope.errors import DataError, InputError
 from geomscope.fileio import write_json_atomic
 from geomscope.progress import Progress
@@ -40,8 +41,7 @@ from geomscope.train.data import (
     rank_slice,
 )
 
-REGS = ("istar", "cosreg", "none")
-PRECISIONS = ("fp32", "fp16", "bf16")
+REGS = REGULARISERS
 # options that must match to resume a run (epochs may grow; device and verbosity may change)
 _FINGERPRINT = ("model", "train", "eval", "text_field", "text_field_2", "label_field", "reg", "lam", "zeta",
                 "c0_points", "layers", "lr", "batch_size", "max_length", "seed", "precision",
@@ -83,7 +83,7 @@ def _validate(cfg: FinetuneConfig) -> None:
         raise InputError(f"unknown --reg {cfg.reg!r}; use one of {', '.join(REGS)}")
     if cfg.precision not in PRECISIONS:
         raise InputError(f"unknown --precision {cfg.precision!r}; use one of {', '.join(PRECISIONS)}")
-    if cfg.penalty_precision not in ("fp64", "fp32"):
+    if cfg.penalty_precision not in PENALTY_PRECISIONS:
         raise InputError(f"unknown --penalty-precision {cfg.penalty_precision!r}; use fp64 or fp32")
     if not 0.0 <= cfg.zeta <= 1.0:
         raise InputError(f"--zeta must lie in [0, 1], got {cfg.zeta}")

@@ -1,0 +1,24 @@
+"""The closed sets of option values, shared by the library's validation and the CLI's choices.
+
+A light module (no torch, numpy or transformers) so that ``geomscope --help`` can show them.
+"""
+
+from __future__ import annotations
+
+#: extract: the model's computation dtype, and the dtype of the stored shards
+COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
+STORE_DTYPES = ("float16", "float32")
+#: extract: which stack of an encoder-decoder model to read
+STACKS = ("encoder", "decoder")
+#: score: outlier rules (the functions live in geomscope.metrics.outliers.OUTLIER_RULES)
+OUTLIER_RULES = ("variance", "zscore", "quantile", "magnitude")
+OUTLIER_STATS = ("variance", "mean_abs")
+#: score: TwoNN fits (geomscope.metrics.twonn)
+TWONN_FITS = ("linear", "mle")
+#: finetune
+REGULARISERS = ("istar", "cosreg", "none")
+PRECISIONS = ("fp32", "fp16", "bf16")
+PENALTY_PRECISIONS = ("fp64", "fp32")
+#: plot
+FIGURE_FORMATS = ("png", "svg", "pdf")
+PLOT_KINDS = ("auto", "layers", "spectrum", "outliers", "trajectory", "training")

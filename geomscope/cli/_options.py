@@ -1,0 +1,64 @@
+"""What every command shares: choice types, comma lists and the options that must read the same
+everywhere (``--json``, ``--quiet/-q``, ``--layers/-l``, ``--out/-o``, ``--metrics/-m``).
+
+Choices are Enums built from :mod:`geomscope.choices`, so the CLI and the library's validation use
+one list; ``--help`` shows them as ``[a|b|c]``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import typer
+
+from geomscope import choices
+
+
+def _choice_enum(name: str, values: tuple[str, ...]) -> type[enum.Enum]:
+    return enum.Enum(name, {v: v for v in values}, type=str)
+
+
+ComputeDtype = _choice_enum("ComputeDtype", choices.COMPUTE_DTYPES)
+StoreDtype = _choice_enum("StoreDtype", choices.STORE_DTYPES)
+Stack = _choice_enum("Stack", choices.STACKS)
+OutlierRule = _choice_enum("OutlierRule", choices.OUTLIER_RULES)
+OutlierStat = _choice_enum("OutlierStat", choices.OUTLIER_STATS)
+TwoNNFit = _choice_enum("TwoNNFit", choices.TWONN_FITS)
+Regulariser = _choice_enum("Regulariser", choices.REGULARISERS)
+Precision = _choice_enum("Precision", choices.PRECISIONS)
+PenaltyPrecision = _choice_enum("PenaltyPrecision", choices.PENALTY_PRECISIONS)
+FigureFormat = _choice_enum("FigureFormat", choices.FIGURE_FORMATS)
+
+
+def choice_metavar(values: tuple[str, ...]) -> str:
+    return "[" + "|".join(values) + "]"
+
+
+def value(choice) -> str | None:
+    """The plain string of an Enum choice (None stays None)."""
+    return None if choice is None else getattr(choice, "value", choice)
+
+
+def split_list(values) -> list[str]:
+    """Repeated options and comma-separated lists alike -> one flat list of non-empty items."""
+    if values is None:
+        return []
+    if isinstance(values, str):
+        values = [values]
+    return [v.strip() for item in values for v in str(item).split(",") if v.strip()]
+
+
+def json_option(what: str = "the result"):
+    return typer.Option(False, "--json", help=f"Print {what} as one JSON object on stdout (nothing else there).")
+
+
+def quiet_option(what: str = "No progress bar or messages."):
+    return typer.Option(False, "--quiet", "-q", help=what)
+
+
+def layers_option(default, help: str):
+    return typer.Option(default, "--layers", "-l", metavar="LIST", help=help)
+
+
+def metrics_option(default, help: str):
+    return typer.Option(default, "--metrics", "-m", metavar="LIST", help=help)
