@@ -10,7 +10,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test bench lint clean
+.PHONY: install demo test bench lint docs clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,6 +37,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
+
+# the README's command reference, regenerated from --help
+docs: $(STAMP)
+	$(BIN)/python -m geomscope.cli.reference --write README.md
 
 lint: $(STAMP)
 	$(BIN)/ruff check geomscope tests benchmarks

@@ -44,3 +44,21 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def assert_one_line_error(code, out, err, *needles, exit_code=None) -> str:
+    """The CLI's failure contract: a non-zero exit (``exit_code`` when given), exactly one
+    ``error:`` line on stderr and it is the last line, no traceback, and nothing on stdout (pass
+    ``out=None`` where a command may print a partial JSON summary). Returns the error line."""
+    assert code != 0, err
+    if exit_code is not None:
+        assert code == exit_code, (code, err)
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], err
+    assert "Traceback" not in err and "╭" not in err, err
+    if out is not None:
+        assert out == "", out
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]

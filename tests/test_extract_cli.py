@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import assert_one_line_error
 from helpers_models import SAMPLE_TEXTS, make_tiny_model, poison_token
 
 from geomscope.store import Run, iter_shard
@@ -29,16 +30,6 @@ def text(tmp_path):
     p = tmp_path / "in.txt"
     p.write_text("\n".join(SAMPLE_TEXTS) + "\n")
     return p
-
-
-def one_line_error(code, err, expect_code=None):
-    lines = [x for x in err.strip().splitlines() if x.strip()]
-    assert code != 0
-    if expect_code is not None:
-        assert code == expect_code, err
-    assert lines and lines[-1].startswith("error: "), err
-    assert "Traceback" not in err
-    return lines[-1]
 
 
 def all_rows(run_dir):
@@ -83,7 +74,7 @@ def test_bad_input_one_line_errors(cli, models, text, tmp_path):
     ]
     for args, exit_code, msg in cases:
         code, out, err = cli([*args, "--out", tmp_path / "run"])
-        line = one_line_error(code, err, exit_code)
+        line = assert_one_line_error(code, None, err, exit_code=exit_code)
         assert msg in line, line
         assert not (tmp_path / "run").exists(), msg
 
@@ -93,7 +84,7 @@ def test_other_options_refused_then_overwrite(cli, models, text, tmp_path):
     assert cli(base)[0] == 0
     before = sorted(p.name for p in (tmp_path / "run").iterdir())
     code, out, err = cli([*base, "--max-length", "8"])
-    line = one_line_error(code, err, 2)
+    line = assert_one_line_error(code, None, err, exit_code=2)
     assert "different options" in line and "max_length: 64 in the run, 8 now" in line and "--overwrite" in line
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before and Run(tmp_path / "run").complete
     code, out, err = cli([*base, "--max-length", "8", "--overwrite", "--json"])
@@ -104,7 +95,7 @@ def test_nonfinite_exit_code_and_summary(cli, tmp_path, text):
     model = poison_token(make_tiny_model("bert", tmp_path, name="poisoned"))
     (tmp_path / "p.txt").write_text("the dog\npoison\n")
     code, out, err = cli(["extract", model, tmp_path / "p.txt", "--out", tmp_path / "run", "--json", "--quiet"])
-    line = one_line_error(code, err, 3)
+    line = assert_one_line_error(code, None, err, exit_code=3)
     assert "NaN/Inf" in line and "flagged" in line
     assert json.loads(out)["nonfinite_rows"] == 3 and Run(tmp_path / "run").complete
     code, out, err = cli(["extract", model, tmp_path / "p.txt", "--out", tmp_path / "run", "--allow-nonfinite",

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import assert_one_line_error
 from test_train_helpers import make_checkpoint, synthetic_rows, words_of, write_csv
 
 torch.set_num_threads(1)
@@ -22,13 +23,6 @@ def data(tmp_path_factory):
 def _args(data, out, *extra, train=None, ev=None, model=None):
     return ["finetune", model or data["model"], "--train", train or data["train"], "--eval", ev or data["eval"],
             "--out", out, "--epochs", "1", "--batch-size", "8", "--lr", "1e-3", "--device", "cpu", *extra]
-
-
-def _one_line_error(code, out, err, expect_code, pattern):
-    assert code == expect_code, (code, err)
-    lines = [ln for ln in err.strip().splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1 and pattern in lines[0], err
-    assert "Traceback" not in err and out == ""
 
 
 def test_finetune_json_outputs_and_plot(cli, data, tmp_path):
@@ -103,7 +97,7 @@ def test_bad_input_one_line_errors(cli, data, tmp_path, case, code, pattern):
         extra = ["--resume"]
     elif case == "nan":
         extra = ["--lr", "1e20"]
-    _one_line_error(*cli(_args(data, out, *extra, **kw)), code, pattern)
+    assert_one_line_error(*cli(_args(data, out, *extra, **kw)), pattern, exit_code=code)
     if case == "nan":  # the failing step is logged, nothing is exported as if finished
         assert not (out / "summary.json").exists() and not (out / "model.safetensors").exists()
     else:
@@ -114,7 +108,7 @@ def test_existing_run_is_not_overwritten(cli, data, tmp_path):
     out = tmp_path / "run"
     assert cli(_args(data, out, "--quiet"))[0] == 0
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    _one_line_error(*cli(_args(data, out)), 2, "already holds a finetune run")
+    assert_one_line_error(*cli(_args(data, out)), "already holds a finetune run", exit_code=2)
     assert before == {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     # --resume with more epochs continues from the checkpoint
     code, stdout, err = cli(_args(data, out, "--epochs", "2", "--resume", "--json", "--quiet"))  # last wins

@@ -7,6 +7,7 @@ import sys
 import types
 
 import pytest
+from conftest import assert_one_line_error
 from matplotlib.figure import Figure
 from test_plot_factory import make_report, pythia_reports, write_report
 
@@ -19,16 +20,6 @@ def reports(tmp_path):
     a = write_report(tmp_path / "a.json", make_report(**SMALL))
     b = write_report(tmp_path / "b.json", make_report(name="bert", revision="v2", seed=3, **SMALL))
     return a, b
-
-
-def _one_line_error(code, out, err, *needles):
-    assert code != 0, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "Traceback" not in err and out == ""
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
 
 
 def test_plot_one_file(cli, reports, tmp_path):
@@ -106,7 +97,7 @@ def test_plot_bad_input(cli, tmp_path, args, needles):
     before = sorted(p.name for p in tmp_path.iterdir())
     args = [str(tmp_path / a) if a.endswith(".json") else a for a in args]
     code, out, err = cli(["plot", *args, "--out", target])
-    _one_line_error(code, out, err, *needles)
+    assert_one_line_error(code, out, err, *needles)
     assert target.read_bytes() == b"old figure"  # nothing already written is lost
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing half-written
 
@@ -114,16 +105,16 @@ def test_plot_bad_input(cli, tmp_path, args, needles):
 def test_plot_output_folder_blocked_by_a_file(cli, reports, tmp_path):
     (tmp_path / "taken").write_text("a file")
     code, out, err = cli(["plot", *reports, "--out", f"{tmp_path}/taken/"])
-    _one_line_error(code, out, err, "cannot create the output folder")
+    assert_one_line_error(code, out, err, "cannot create the output folder")
     code, out, err = cli(["plot", *reports, "--out", tmp_path / "taken" / "f.png"])
-    _one_line_error(code, out, err, "cannot create the output folder")
+    assert_one_line_error(code, out, err, "cannot create the output folder")
     assert (tmp_path / "taken").read_text() == "a file"
 
 
 @pytest.mark.parametrize("out", ["fig.jpg", "fig"])
 def test_plot_unsupported_extension(cli, reports, tmp_path, out):
     code, stdout, err = cli(["plot", *reports, "--out", tmp_path / out])
-    _one_line_error(code, stdout, err, "unsupported extension", ".png, .svg or .pdf")
+    assert_one_line_error(code, stdout, err, "unsupported extension", ".png, .svg or .pdf")
     assert not (tmp_path / out).exists()
 
 
@@ -159,9 +150,9 @@ def test_training_logs_are_delegated(cli, tmp_path, monkeypatch, reports):
     assert (tmp_path / "figs" / "training.png").read_bytes().startswith(b"\x89PNG")
     # mixing a training log with a score report, or asking a report kind of a log, is refused
     code, out, err = cli(["plot", run, reports[0], "--out", tmp_path / "x.png"])
-    _one_line_error(code, out, err, "cannot mix training logs and score reports")
+    assert_one_line_error(code, out, err, "cannot mix training logs and score reports")
     code, out, err = cli(["plot", run / "steps.jsonl", "--kind", "spectrum", "--out", tmp_path / "x.png"])
-    _one_line_error(code, out, err, "--kind spectrum needs score reports")
+    assert_one_line_error(code, out, err, "--kind spectrum needs score reports")
     assert not (tmp_path / "x.png").exists()
 
 
@@ -171,7 +162,7 @@ def test_training_logs_without_the_training_plotter(cli, tmp_path, monkeypatch):
     (run / "steps.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
     monkeypatch.setitem(sys.modules, "geomscope.plot.training", None)  # as if not installed
     code, out, err = cli(["plot", run, "--out", tmp_path / "t.png"])
-    _one_line_error(code, out, err, "geomscope.plot.training")
+    assert_one_line_error(code, out, err, "geomscope.plot.training")
     assert not (tmp_path / "t.png").exists()
 
 

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import assert_one_line_error
 from test_score import make_run
 
 from geomscope.schema import LAYER_KEYS, REPORT_KEYS
@@ -18,15 +19,6 @@ def run_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("score_cli") / "run"
     make_run(d, n_shards=2, rows=300)
     return d
-
-
-def _one_line_error(code, out, err, match):
-    assert code != 0
-    assert "Traceback" not in err
-    lines = [ln for ln in err.strip().splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1, err
-    assert match in lines[0], err
-    assert out == ""
 
 
 def test_json_stdout_is_pure_and_files_written(cli, run_dir, tmp_path):
@@ -93,7 +85,7 @@ def test_warnings_for_transposed_and_nan_arrays(cli, tmp_path):
 ])
 def test_bad_options(cli, run_dir, tmp_path, args, match):
     code, out, err = cli(["score", run_dir, "--out", tmp_path / "x", "--json", *args])
-    _one_line_error(code, out, err, match)
+    assert_one_line_error(code, out, err, match)
     assert not (tmp_path / "x.json").exists()
 
 
@@ -113,7 +105,7 @@ def test_bad_sources(cli, tmp_path):
     ]
     for path, match in cases:
         code, out, err = cli(["score", path, "--json"])
-        _one_line_error(code, out, err, match)
+        assert_one_line_error(code, out, err, match)
 
 
 def test_h5_dataset_choice(cli, tmp_path):
@@ -123,26 +115,26 @@ def test_h5_dataset_choice(cli, tmp_path):
         f.create_dataset("a", data=np.zeros((4, 3)))
         f.create_dataset("b", data=np.ones((5, 3)))
     code, out, err = cli(["score", tmp_path / "two.h5", "--json"])
-    _one_line_error(code, out, err, "--dataset")
+    assert_one_line_error(code, out, err, "--dataset")
     code, out, err = cli(["score", tmp_path / "two.h5", "--dataset", "c", "--json"])
-    _one_line_error(code, out, err, "no dataset 'c'")
+    assert_one_line_error(code, out, err, "no dataset 'c'")
 
 
 def test_incomplete_and_corrupt_runs_keep_old_report(cli, tmp_path):
     make_run(tmp_path / "r", n_shards=2, rows=100, finalize=False)
     code, out, err = cli(["score", tmp_path / "r", "--json"])
-    _one_line_error(code, out, err, "--partial")
+    assert_one_line_error(code, out, err, "--partial")
     code, out, err = cli(["score", tmp_path / "r", "--partial", "--metrics", "isoscore", "--quiet"])
     assert code == 0 and "incomplete" in err
     before = (tmp_path / "r" / "report.json").read_bytes()
     shard = tmp_path / "r" / "shard-00001.h5"
     shard.write_bytes(shard.read_bytes()[:2000])
     code, out, err = cli(["score", tmp_path / "r", "--partial", "--metrics", "isoscore", "--json"])
-    _one_line_error(code, out, err, "shard-00001.h5")
+    assert_one_line_error(code, out, err, "shard-00001.h5")
     assert (tmp_path / "r" / "report.json").read_bytes() == before  # nothing already written is lost
 
 
 def test_too_few_rows(cli, tmp_path):
     make_run(tmp_path / "r", n_shards=1, rows=10, doc_len=1)
     code, out, err = cli(["score", tmp_path / "r", "--exclude-special", "--json"])
-    _one_line_error(code, out, err, "at least 2")
+    assert_one_line_error(code, out, err, "at least 2")

@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(_usage_error_line(e), file=sys.stderr)
         sys.exit(2 if getattr(e, "exit_code", 2) in (1, 2) else e.exit_code)
+    if code == 130:  # Typer turns Ctrl-C inside a command into exit code 130
+        print(INTERRUPTED, file=sys.stderr)
     sys.exit(code if isinstance(code, int) else 0)
 
 

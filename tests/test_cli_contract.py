@@ -1,0 +1,82 @@
+"""The CLI's shared contract: usage errors are one `error:` line (exit 2) on every command, Ctrl-C
+keeps finished work and says so, and shared options read the same on every command."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import assert_one_line_error
+
+BAD_USAGE = [
+    (["extract", "m", "t.txt", "--out", "r", "--max-docs", "abc"], "'--max-docs'"),
+    (["extract", "m", "t.txt", "--out", "r", "--max-docs", "0"], "'--max-docs'"),
+    (["extract", "m", "t.txt", "--out", "r", "--store-dtype", "int8"], "'--store-dtype'"),
+    (["extract", "m"], "Missing argument 'INPUT'"),
+    (["score", "x.npy", "--seed", "abc"], "'--seed'"),
+    (["score", "x.npy", "--zeta", "2"], "'--zeta'"),
+    (["score", "x.npy", "--twonn-fit", "cubic"], "'--twonn-fit'"),
+    (["plot", "r.json", "--out", "f.png", "--dpi", "many"], "'--dpi'"),
+    (["plot", "r.json"], "Missing option '--out'"),
+    (["finetune", "m", "--train", "a.csv", "--eval", "b.csv", "--out", "o", "--epochs", "0"], "'--epochs'"),
+    (["finetune", "m", "--train", "a.csv", "--eval", "b.csv", "--out", "o", "--reg", "l2"], "'--reg'"),
+    (["inspect"], "Missing argument 'RUN_DIR'"),
+    (["score", "x.npy", "--no-such-option"], "No such option"),
+    (["extrakt"], "No such command"),
+]
+
+
+@pytest.mark.parametrize("args, needle", BAD_USAGE, ids=[" ".join(a[:1] + a[-2:]) for a, _ in BAD_USAGE])
+def test_usage_errors_are_one_line(cli, tmp_path, monkeypatch, args, needle):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli(args)
+    line = assert_one_line_error(code, out, err, needle, exit_code=2)
+    assert "--help" in line  # says where to look
+
+
+def test_ctrl_c_keeps_work_and_says_so(cli, tmp_path, monkeypatch):
+    import geomscope.extract.run as run
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "extract", interrupted)
+    code, out, err = cli(["extract", "bundled:minilm", tmp_path / "t.txt", "--out", tmp_path / "r"])
+    assert code == 130 and out == ""
+    assert err.strip() == "error: interrupted; finished work is kept, rerun the same command to resume"
+
+
+def _options(command: str) -> dict[str, tuple[str, ...]]:
+    """{option name: all its spellings} of one command, from the click command object."""
+    import typer.main
+
+    from geomscope.cli import app
+
+    group = typer.main.get_command(app)
+    cmd = group.commands[command]
+    return {p.name: tuple(sorted(p.opts)) for p in cmd.params if p.opts and p.opts[0].startswith("-")}
+
+
+@pytest.mark.parametrize("flag, spellings", [
+    ("json", ("--json",)), ("quiet", ("--quiet", "-q")), ("layers", ("--layers", "-l")),
+])
+def test_shared_options_read_the_same(flag, spellings):
+    commands = ("extract", "score", "plot", "finetune", "inspect")
+    seen = {c: _options(c) for c in commands}
+    for c, opts in seen.items():
+        names = {k: v for k, v in opts.items() if flag in v[-1] or flag in "".join(v)}
+        if any(s in sum(opts.values(), ()) for s in spellings):
+            key = next(k for k, v in opts.items() if spellings[0] in v)
+            assert set(opts[key]) == set(spellings), (c, opts[key])
+        assert names is not None
+    for c in ("extract", "score", "plot", "finetune"):
+        assert any(spellings[0] in v for v in seen[c].values()), (c, flag)
+
+
+def test_text_field_is_one_name():
+    for c in ("extract", "finetune"):
+        assert any("--text-field" in v for v in _options(c).values())
+    import typer.main
+
+    from geomscope.cli import app
+
+    hidden = [p for p in typer.main.get_command(app).commands["extract"].params if "--text-column" in p.opts]
+    assert hidden and hidden[0].hidden  # the old spelling still works, but is not advertised
