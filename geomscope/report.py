@@ -59,19 +59,16 @@ __all__ = ["LAYER_KEYS", "REPORT_FORMAT", "REPORT_KEYS", "csv_columns", "load_re
 
 def _plain(v):
     """JSON-safe: numpy scalars/arrays to Python, non-finite floats to None."""
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover
-        np = None
+    import numpy as np
+
     if isinstance(v, dict):
         return {str(k): _plain(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
-    if np is not None:
-        if isinstance(v, np.ndarray):
-            return _plain(v.tolist())
-        if isinstance(v, np.generic):
-            v = v.item()
+    if isinstance(v, np.ndarray):
+        return _plain(v.tolist())
+    if isinstance(v, np.generic):
+        v = v.item()
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
-import types
 
 import pytest
 from conftest import assert_one_line_error
@@ -118,8 +116,9 @@ def test_plot_unsupported_extension(cli, reports, tmp_path, out):
     assert not (tmp_path / out).exists()
 
 
-def _fake_training_module(calls):
-    mod = types.ModuleType("geomscope.plot.training")
+def _fake_training_plotter(monkeypatch, calls):
+    """Replace the training-log plotter's two entry points, recording what plot hands it."""
+    import geomscope.plot.training as mod
 
     def is_training_log(path):
         from pathlib import Path
@@ -133,8 +132,8 @@ def _fake_training_module(calls):
         fig.add_subplot().plot([0, 1], [2.0, 1.0], label="loss")
         return fig
 
-    mod.is_training_log, mod.plot_training_log = is_training_log, plot_training_log
-    return mod
+    monkeypatch.setattr(mod, "is_training_log", is_training_log)
+    monkeypatch.setattr(mod, "plot_training_log", plot_training_log)
 
 
 def test_training_logs_are_delegated(cli, tmp_path, monkeypatch, reports):
@@ -142,7 +141,7 @@ def test_training_logs_are_delegated(cli, tmp_path, monkeypatch, reports):
     run.mkdir()
     (run / "steps.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
     calls = []
-    monkeypatch.setitem(sys.modules, "geomscope.plot.training", _fake_training_module(calls))
+    _fake_training_plotter(monkeypatch, calls)
     code, stdout, err = cli(["plot", run, "--out", f"{tmp_path}/figs/", "--json", *FAST])
     assert code == 0, err
     assert json.loads(stdout) == {"figures": [str(tmp_path / "figs" / "training.png")], "kinds": ["training"]}
@@ -154,16 +153,6 @@ def test_training_logs_are_delegated(cli, tmp_path, monkeypatch, reports):
     code, out, err = cli(["plot", run / "steps.jsonl", "--kind", "spectrum", "--out", tmp_path / "x.png"])
     assert_one_line_error(code, out, err, "--kind spectrum needs score reports")
     assert not (tmp_path / "x.png").exists()
-
-
-def test_training_logs_without_the_training_plotter(cli, tmp_path, monkeypatch):
-    run = tmp_path / "ft"
-    run.mkdir()
-    (run / "steps.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
-    monkeypatch.setitem(sys.modules, "geomscope.plot.training", None)  # as if not installed
-    code, out, err = cli(["plot", run, "--out", tmp_path / "t.png"])
-    assert_one_line_error(code, out, err, "geomscope.plot.training")
-    assert not (tmp_path / "t.png").exists()
 
 
 def test_training_log_with_the_real_plotter(cli, tmp_path):

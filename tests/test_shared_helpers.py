@@ -94,3 +94,12 @@ def test_progress_enabled_counts(capsys):
         assert task.completed == 7 and task.fields["rate"].endswith("tok/s")
         t.complete()
         assert task.completed == 10
+
+
+def test_choices_match_the_library_registries():
+    from geomscope import choices
+    from geomscope.metrics.outliers import OUTLIER_RULES
+    from geomscope.plot.figures import KINDS
+
+    assert tuple(OUTLIER_RULES) == choices.OUTLIER_RULES
+    assert set(choices.PLOT_KINDS) == {"auto", *KINDS}

@@ -138,22 +138,6 @@ def _prepare(Xt, chunk: int):
         c = x32[s:s + chunk]
         n32[s:s + chunk] = (c * c).sum(1, dtype=torch.float64)
     return shift, scale, x32, n32
-    total = torch.zeros(d, dtype=torch.float64, device=dev)
-    cmin = torch.full((d,), math.inf, dtype=torch.float64, device=dev)
-    cmax = torch.full((d,), -math.inf, dtype=torch.float64, device=dev)
-    for s in range(0, n, chunk):
-        c = Xt[s:s + chunk]
-        total += c.sum(0)
-        lo, hi = torch.aminmax(c, dim=0)
-        cmin, cmax = torch.minimum(cmin, lo), torch.maximum(cmax, hi)
-    shift = total / n
-    maxabs = float(torch.maximum(cmax - shift, shift - cmin).max())
-    scale = 1.0 if not maxabs > 0 else 2.0 ** (-math.frexp(maxabs)[1])
-    for s in range(0, n, chunk):
-        c = ((Xt[s:s + chunk] - shift).mul_(scale)).float()  # a new tensor: X is never modified
-        x32[s:s + chunk] = c
-        n32[s:s + chunk] = (c * c).sum(1, dtype=torch.float64)
-    return shift, scale, x32, n32
 
 
 def _candidates(x32, n32, k: int, block: int, slots: int = 8):

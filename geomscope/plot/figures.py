@@ -9,7 +9,6 @@ logs); for an output directory every kind the inputs support.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 from collections.abc import Sequence
@@ -17,7 +16,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from geomscope.errors import GeomscopeError, InputError
+from geomscope.errors import InputError
 from geomscope.plot._reports import check_common_layers, read_report, select_layers
 from geomscope.plot.layers import plot_layers
 from geomscope.plot.outliers import has_outlier_statistic, plot_outliers
@@ -119,23 +118,11 @@ def close_figure(fig: Figure) -> None:
         sys.modules["matplotlib.pyplot"].close(fig)
 
 
-def _training_module():
-    try:
-        return importlib.import_module("geomscope.plot.training")
-    except ModuleNotFoundError as e:
-        if e.name != "geomscope.plot.training":
-            raise
-        return None
-
-
 def looks_like_training_log(path: str | os.PathLike) -> bool:
-    """A finetune output directory or its ``steps.jsonl`` (asks :mod:`geomscope.plot.training` when
-    installed)."""
-    mod = _training_module()
-    if mod is not None:
-        return bool(mod.is_training_log(path))
-    p = Path(path)
-    return (p.is_dir() and (p / "steps.jsonl").is_file()) or (p.is_file() and p.suffix == ".jsonl")
+    """A finetune output directory or its ``steps.jsonl``."""
+    from geomscope.plot import training
+
+    return bool(training.is_training_log(path))
 
 
 def _out_paths(out: str | os.PathLike, fmt: str | None) -> tuple[bool, Path, str]:
@@ -207,9 +194,7 @@ def _training_figures(inputs, logs, kinds) -> dict[str, Figure]:
     bad = [k for k in kinds if k not in ("auto", "training")]
     if bad:
         raise InputError(f"--kind {bad[0]} needs score reports; training logs take --kind training (or auto)")
-    mod = _training_module()
-    if mod is None:
-        raise GeomscopeError("plotting training logs needs geomscope.plot.training, which this install lacks; "
-                             "update geomscope")
+    from geomscope.plot import training
+
     # out=None: the figure comes back and is written here, atomically, like every other kind
-    return {"training": mod.plot_training_log([str(p) for p in inputs], None)}
+    return {"training": training.plot_training_log([str(p) for p in inputs], None)}

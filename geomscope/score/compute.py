@@ -119,15 +119,6 @@ def unit_shift_scale(m, variant: str) -> tuple[np.ndarray, np.ndarray | None]:
     return m.mean.copy(), np.sqrt(np.maximum(m.variance(), 0.0))
 
 
-def resolve_c0(target: str, cov_ref: np.ndarray | None):
-    """The C0 argument of isoscore_star_from_cov: "trace"/"identity" or the reference covariance."""
-    if target in ("trace", "identity"):
-        return target
-    if cov_ref is None:
-        raise InputError(f"shrinkage target {target} has no covariance for this layer")
-    return cov_ref
-
-
 def load_cov_file(path: str, dim: int) -> np.ndarray:
     """A (D, D) covariance from a .npy file, checked: square, D matches, finite, symmetric."""
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from geomscope.choices import OUTLIER_RULES
 from geomscope.errors import InputError
 
 MOMENT_METRICS = ("isoscore", "isoscore_star", "avgcos", "spectrum", "outliers")
@@ -17,10 +18,8 @@ DEFAULT_OUTLIER_THRESHOLD = {"variance": 5.0, "zscore": 3.0, "quantile": 0.99, "
 
 def id_estimator_names() -> tuple[str, ...]:
     """Names of the intrinsic-dimension estimators (TwoNN first), from the metrics registry."""
-    try:
-        from geomscope.metrics.intrinsic import ID_ESTIMATORS
-    except ImportError:  # the registry is optional: TwoNN alone
-        return ("twonn",)
+    from geomscope.metrics.intrinsic import ID_ESTIMATORS
+
     names = [str(n) for n in ID_ESTIMATORS]
     return tuple(["twonn"] + [n for n in names if n != "twonn"])
 
@@ -109,7 +108,7 @@ class ScoreOptions:
         if not 0.0 <= zeta <= 1.0:
             raise InputError(f"--zeta must be in [0, 1] (the weight on the shrinkage target); got {self.zeta}")
         rule = str(self.outlier_rule).strip().lower()
-        rules = _outlier_rules()
+        rules = OUTLIER_RULES
         if rule not in rules:
             raise InputError(f"unknown --outlier-rule {rule!r}; choose among {', '.join(rules)}")
         thr = DEFAULT_OUTLIER_THRESHOLD.get(rule) if self.outlier_threshold is None else float(self.outlier_threshold)
@@ -162,14 +161,6 @@ class ScoreOptions:
     @property
     def needs_second_pass(self) -> bool:
         return "avgcos" in self.metrics and any(v != "plain" for v in self.avgcos_variants)
-
-
-def _outlier_rules() -> tuple[str, ...]:
-    try:
-        from geomscope.metrics import OUTLIER_RULES
-    except ImportError:
-        return tuple(DEFAULT_OUTLIER_THRESHOLD)
-    return tuple(OUTLIER_RULES)
 
 
 def normalise_target(t) -> str:
