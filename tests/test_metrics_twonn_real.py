@@ -1,4 +1,4 @@
-"""two_nearest on real all-MiniLM-L6-v2 hidden states: the [CLS] float32 trap (METRICS.md)."""
+"""two_nearest on real all-MiniLM-L6-v2 hidden states: the [CLS] float32 trap (docs/metrics.md)."""
 
 from __future__ import annotations
 

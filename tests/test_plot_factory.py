@@ -1,7 +1,7 @@
-"""A factory of realistic score reports (the /tmp/team/REPORT_SCHEMA.md format) for the plot tests,
+"""A factory of realistic score reports (the format of geomscope/schema.py) for the plot tests,
 and tests that its reports are self-consistent (so the plot tests exercise real-looking input).
 
-Metric values are computed from the synthetic eigenvalues exactly as METRICS.md defines them:
+Metric values are computed from the synthetic eigenvalues exactly as docs/metrics.md defines them:
 PR = (Σλ)²/Σλ², IsoScore = (PR − 1)/(D − 1), IsoScore* = IsoScore of (1 − ζ)λ + ζ·mean(λ)
 (trace-matched identity target), top-k share = Σ_{i≤k} λ_i / Σλ, erank = exp H(λ/Σλ).
 """

@@ -1,6 +1,6 @@
 """IsoScore and IsoScore* (float64), from points or from a covariance, in numpy and torch.
 
-Definitions (METRICS.md). X is (N, D): N rows (points, token vectors), D columns; C its sample
+Definitions (docs/metrics.md). X is (N, D): N rows (points, token vectors), D columns; C its sample
 covariance (ddof=1). The published IsoScore (Rudman et al. 2022) normalises the eigenvalues of C
 to norm sqrt(D), takes the isotropy defect and maps it to a count of "dimensions used" k; that
 algebra reduces exactly to the participation ratio

@@ -1,4 +1,4 @@
-"""Outlier dimensions: four named rules (METRICS.md). Each returns an OutlierResult that carries the
+"""Outlier dimensions: four named rules (docs/metrics.md). Each returns an OutlierResult that carries the
 rule, its threshold and the statistic it thresholded; ``dims`` are sorted by that statistic,
 largest first.
 

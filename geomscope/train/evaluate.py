@@ -13,7 +13,7 @@ its strided shard of the examples, and sum float64 moments over ranks.
   predictions of F1 = 2TP / (2TP + FP + FN)), mean cross-entropy, and the geometry of the eval
   set's token vectors over the chosen layers: IsoScore (zeta = 0) and IsoScore* with the run's zeta
   and the trace-matched identity target, of the union of the chosen layers; the average cosine
-  similarity (all distinct pairs, METRICS.md) of the union, of each chosen layer, and of the last
+  similarity (all distinct pairs, docs/metrics.md) of the union, of each chosen layer, and of the last
   layer (CosReg's layer).
 """
 

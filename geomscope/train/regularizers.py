@@ -1,4 +1,4 @@
-"""I-STAR and CosReg penalties on a mini-batch's hidden states (exact definitions: METRICS.md).
+"""I-STAR and CosReg penalties on a mini-batch's hidden states (exact definitions: docs/metrics.md).
 
 I-STAR (Rudman & Eickhoff, ICLR 2024)::
 
