@@ -13,7 +13,8 @@ from scipy.spatial.distance import cdist
 
 from geomscope.errors import DataError, InputError
 from geomscope.metrics.neighbors import default_block_size, two_nearest
-from geomscope.metrics.twonn import TwoNN, dedup_rows, fit_mu, twonn, twonn_error
+from geomscope.metrics.intrinsic import TwoNN
+from geomscope.metrics.twonn import dedup_rows, fit_mu, twonn, twonn_error
 
 
 def brute(X):

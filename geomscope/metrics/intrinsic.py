@@ -21,10 +21,11 @@ import math
 import warnings
 from dataclasses import dataclass, field
 
+from sklearn.base import BaseEstimator
+
 from geomscope.errors import DataError, InputError
 from geomscope.metrics.neighbors import two_nearest
 from geomscope.metrics.twonn import (
-    TwoNN,
     TwoNNError,
     TwoNNResult,
     dedup_rows,
@@ -33,7 +34,7 @@ from geomscope.metrics.twonn import (
     twonn_error,
 )
 
-__all__ = ["ID_ESTIMATORS", "IDResult", "SKDIM_ESTIMATORS", "TwoNN", "TwoNNError", "TwoNNResult", "dedup_rows",
+__all__ = ["ID_ESTIMATORS", "IDResult", "SKDIM_ESTIMATORS", "SkdimEstimator", "TwoNN", "TwoNNError", "TwoNNResult", "dedup_rows",
            "estimate_id", "two_nearest", "twonn", "twonn_error"]
 
 #: registry name -> scikit-dimension class name
@@ -65,90 +66,133 @@ class IDResult:
                 "params": dict(self.params), **self.details}
 
 
-class _Base:
-    name = ""
+class _IDEstimator(BaseEstimator):
+    """The scikit-learn estimator contract shared by every intrinsic-dimension estimator.
 
-    def __init__(self, dedup: bool = True, max_points: int | None = None, seed: int | None = None,
-                 expect_dim: int | None = None, allow_wide: bool = True, **params):
-        self.dedup, self.max_points, self.seed = dedup, max_points, seed
-        self.expect_dim, self.allow_wide = expect_dim, allow_wide
-        self.params = params
+    Parameters are set in ``__init__`` and stored unchanged (so ``get_params``, ``set_params`` and
+    ``clone`` work); all checking happens in ``fit``, which returns ``self`` and sets
+    ``dimension_``, ``n_duplicates_removed_`` and ``result_`` (an :class:`IDResult`).
+    """
+
+    registry_name = ""
 
     def _finish(self, result: IDResult):
         if not math.isfinite(result.dimension):
-            raise DataError(f"{self.name} returned {result.dimension} on these points; "
+            raise DataError(f"{result.estimator} returned {result.dimension} on these points; "
                             "check for degenerate data or try another estimator")
         self.result_ = result
         self.dimension_ = result.dimension
         self.n_duplicates_removed_ = result.n_duplicates_removed
         return self
 
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.requires_fit = True
+        tags.non_deterministic = False
+        return tags
 
-class TwoNNEstimator(_Base):
-    """``twonn``: params discard_fraction (0.1), estimator ("linear" | "mle"), block_size, device."""
 
-    name = "twonn"
+class TwoNN(_IDEstimator):
+    """geomscope's exact, duplicate-safe TwoNN (:func:`geomscope.metrics.twonn.twonn`).
 
-    def fit(self, X, y=None):
-        p = {"discard_fraction": 0.1, "estimator": "linear", **self.params}
-        unknown = set(p) - {"discard_fraction", "estimator", "block_size", "device"}
-        if unknown:
-            raise InputError(f"unknown twonn parameter(s) {sorted(unknown)}; "
-                             "use discard_fraction, estimator, block_size, device")
-        r = twonn(X, dedup=self.dedup, seed=self.seed, max_points=self.max_points,
-                  expect_dim=self.expect_dim, allow_wide=self.allow_wide, **p)
+    ``TwoNN(discard_fraction=0.1, estimator="linear").fit(X).dimension_``; ``result_.details``
+    holds the number of ratios fitted.
+    """
+
+    registry_name = "twonn"
+
+    def __init__(self, discard_fraction: float = 0.1, estimator: str = "linear", dedup: bool = True,
+                 max_points: int | None = None, seed: int | None = None, expect_dim: int | None = None,
+                 allow_wide: bool = True, block_size: int | None = None, device=None):
+        self.discard_fraction = discard_fraction
+        self.estimator = estimator
+        self.dedup = dedup
+        self.max_points = max_points
+        self.seed = seed
+        self.expect_dim = expect_dim
+        self.allow_wide = allow_wide
+        self.block_size = block_size
+        self.device = device
+
+    def fit(self, X, y=None) -> TwoNN:
+        r = twonn(X, discard_fraction=self.discard_fraction, estimator=self.estimator, dedup=self.dedup,
+                  block_size=self.block_size, device=self.device, seed=self.seed, max_points=self.max_points,
+                  expect_dim=self.expect_dim, allow_wide=self.allow_wide)
         params = {"discard_fraction": r.discard_fraction, "estimator": r.estimator,
                   "f_convention": r.f_convention, "dedup": self.dedup, "max_points": self.max_points,
                   "seed": self.seed}
-        return self._finish(IDResult(r.dimension, self.name, r.n_points, r.n_used, r.n_duplicates_removed,
-                                     params, {"n_fit": r.n_fit}))
+        return self._finish(IDResult(r.dimension, self.registry_name, r.n_points, r.n_used,
+                                     r.n_duplicates_removed, params, {"n_fit": r.n_fit}))
 
 
-class SkdimEstimator(_Base):
-    """A scikit-dimension estimator; ``params`` go to its constructor unchanged."""
+class SkdimEstimator(_IDEstimator):
+    """A scikit-dimension estimator (``skdim.id.<Class>(**params)``) on the de-duplicated points.
 
-    def __init__(self, name: str, **kw):
+    ``name`` is its registry name (``mle``, ``lpca`` ...); ``params`` go to its constructor
+    unchanged; one with a ``random_state`` gets ``seed`` (0 when None), so results are reproducible.
+    """
+
+    def __init__(self, name: str = "mle", params: dict | None = None, dedup: bool = True,
+                 max_points: int | None = None, seed: int | None = None, expect_dim: int | None = None,
+                 allow_wide: bool = True):
         self.name = name
-        super().__init__(**kw)
+        self.params = params
+        self.dedup = dedup
+        self.max_points = max_points
+        self.seed = seed
+        self.expect_dim = expect_dim
+        self.allow_wide = allow_wide
 
-    def fit(self, X, y=None):
+    def _skdim_estimator(self):
         import skdim
 
-        a, n_points, removed, sub = prepare_points(X, self.dedup, self.max_points, self.seed,
-                                                   self.expect_dim, self.allow_wide)
+        if self.name not in SKDIM_ESTIMATORS:
+            raise InputError(f"unknown scikit-dimension estimator {self.name!r}; "
+                             f"choose from {', '.join(SKDIM_ESTIMATORS)}")
         cls = getattr(skdim.id, SKDIM_ESTIMATORS[self.name])
-        kw = dict(self.params)
+        kw = dict(self.params or {})
         if "random_state" in inspect.signature(cls.__init__).parameters and "random_state" not in kw:
             kw["random_state"] = 0 if self.seed is None else self.seed  # deterministic by default
         try:
-            est = cls(**kw)
+            return cls(**kw), kw
         except TypeError as e:
             raise InputError(f"bad parameter for {self.name} (skdim.id.{cls.__name__}): {e}") from None
+
+    def fit(self, X, y=None) -> SkdimEstimator:
+        est, kw = self._skdim_estimator()
+        a, n_points, removed, sub = prepare_points(X, self.dedup, self.max_points, self.seed,
+                                                   self.expect_dim, self.allow_wide)
+        implementation = f"skdim.id.{type(est).__name__}"
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 est.fit(a.astype("float64", copy=False))
         except (ValueError, ZeroDivisionError, FloatingPointError, IndexError) as e:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise DataError(f"{self.name} (skdim.id.{cls.__name__}) failed on these points: {msg}; "
+            raise DataError(f"{self.name} ({implementation}) failed on these points: {msg}; "
                             "try more points or another estimator") from None
         params = {**kw, "dedup": self.dedup, "max_points": self.max_points, "seed": self.seed,
-                  "implementation": f"skdim.id.{cls.__name__}"}
+                  "implementation": implementation}
         return self._finish(IDResult(float(est.dimension_), self.name, n_points, int(a.shape[0]), removed,
                                      params, {"subsampled_from": sub}))
 
 
+#: parameters every estimator takes; the rest are the estimator's own
+COMMON_PARAMS = ("dedup", "max_points", "seed", "expect_dim", "allow_wide")
+
+
 def _skdim_factory(name: str):
-    def make(**params):
-        return SkdimEstimator(name, **params)
+    def make(**params) -> SkdimEstimator:
+        common = {k: params.pop(k) for k in COMMON_PARAMS if k in params}
+        return SkdimEstimator(name, params, **common)
 
     make.__name__ = f"make_{name}"
     make.__doc__ = f"skdim.id.{SKDIM_ESTIMATORS[name]} behind the geomscope interface"
     return make
 
 
-#: name -> factory(**params) -> estimator with fit(X) -> self, dimension_, result_ (IDResult)
-ID_ESTIMATORS = {"twonn": TwoNNEstimator, **{n: _skdim_factory(n) for n in SKDIM_ESTIMATORS}}
+#: name -> factory(**params) -> a scikit-learn estimator with fit(X) -> self, dimension_, result_
+ID_ESTIMATORS = {"twonn": TwoNN, **{n: _skdim_factory(n) for n in SKDIM_ESTIMATORS}}
 
 
 def estimate_id(X, name: str = "twonn", **params) -> IDResult:
@@ -163,4 +207,8 @@ def estimate_id(X, name: str = "twonn", **params) -> IDResult:
     except KeyError:
         raise InputError(f"unknown intrinsic-dimension estimator {name!r}; "
                          f"choose from {', '.join(ID_ESTIMATORS)}") from None
-    return factory(**params).fit(X).result_
+    try:
+        estimator = factory(**params)
+    except TypeError as e:
+        raise InputError(f"bad parameter for {name}: {e}") from None
+    return estimator.fit(X).result_

@@ -254,25 +254,3 @@ def twonn_error(X, method: str = "bootstrap", n_repeats: int = 200, n_splits: in
     else:
         raise InputError(f"unknown error method {method!r}; use 'bootstrap' or 'decimation'")
     return TwoNNError(float(res.dimension), se, desc)
-
-
-class TwoNN:
-    """scikit-learn style TwoNN: ``TwoNN(discard_fraction, estimator, dedup).fit(X)``.
-
-    After fit: ``dimension_``, ``n_duplicates_removed_``, ``result_`` (:class:`TwoNNResult`).
-    """
-
-    def __init__(self, discard_fraction: float = 0.1, estimator: str = "linear", dedup: bool = True,
-                 block_size: int | None = None, device=None):
-        self.discard_fraction = discard_fraction
-        self.estimator = estimator
-        self.dedup = dedup
-        self.block_size = block_size
-        self.device = device
-
-    def fit(self, X, y=None) -> TwoNN:
-        self.result_ = twonn(X, self.discard_fraction, self.estimator, self.dedup,
-                             self.block_size, self.device)
-        self.dimension_ = self.result_.dimension
-        self.n_duplicates_removed_ = self.result_.n_duplicates_removed
-        return self

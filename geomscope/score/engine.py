@@ -46,7 +46,7 @@ def _log_default(msg: str) -> None:
 
 def score(path, options: ScoreOptions | None = None, *, progress: bool = False,
           log: Callable[[str], None] | None = None) -> dict:
-    """Score a run directory or an (N, D) array file; return the report dict (REPORT_SCHEMA)."""
+    """Score a run directory or an (N, D) array file; return the report dict (keys: geomscope.schema)."""
     opts = (options or ScoreOptions()).validate()
     log = log or _log_default
     src = open_source(path, dataset=opts.dataset, layers=opts.layers, partial=opts.partial,
