@@ -71,18 +71,20 @@ def extract_cmd(
     from rich.console import Console
 
     from geomscope.errors import GeomscopeError
+    from geomscope.extract.options import ExtractOptions
     from geomscope.extract.run import extract
 
     console = Console(stderr=True)
     log = None if quiet else (lambda msg: console.print(msg, markup=False, highlight=False, soft_wrap=True))
     try:
-        summary = extract(
-            model, inputs, out, layers=layers, revision=revision, dtype=value(dtype), store_dtype=value(store_dtype),
-            device=device, trust_remote_code=trust_remote_code, stack=value(stack), text_field=text_field,
+        options = ExtractOptions(
+            layers=layers, revision=revision, dtype=value(dtype), store_dtype=value(store_dtype), device=device,
+            trust_remote_code=trust_remote_code, stack=value(stack), text_field=text_field,
             text_column=text_column or text_field, max_docs=max_docs, max_tokens=max_tokens, max_length=max_length,
             batch_tokens=batch_tokens, shard_docs=shard_docs, overwrite=overwrite, cache_dir=cache_dir,
-            progress=not quiet, allow_nonfinite=allow_nonfinite, log=log, stdin=sys.stdin,
+            allow_nonfinite=allow_nonfinite,
         )
+        summary = extract(model, inputs, out, options, progress=not quiet, log=log, stdin=sys.stdin)
     except GeomscopeError as e:
         if json_out and getattr(e, "summary", None) is not None:
             typer.echo(json.dumps(e.summary))

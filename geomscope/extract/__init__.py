@@ -6,7 +6,7 @@ importing the package stays light).
 
 from __future__ import annotations
 
-__all__ = ["extract", "load_model", "resolve_model", "parse_layers"]
+__all__ = ["ExtractOptions", "extract", "load_model", "resolve_model", "parse_layers"]
 
 
 def __getattr__(name):
@@ -18,6 +18,10 @@ def __getattr__(name):
         from geomscope.extract import models
 
         return getattr(models, name)
+    if name == "ExtractOptions":
+        from geomscope.extract.options import ExtractOptions
+
+        return ExtractOptions
     if name == "parse_layers":
         from geomscope.extract.layers import parse_layers
 

@@ -17,11 +17,13 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from geomscope.errors import DataError, InputError
 from geomscope.extract.batching import Doc, length_order, plan_batches, tokenize
 from geomscope.extract.layers import LAYER_NOTE, describe_layers, parse_layers
+from geomscope.extract.options import ExtractOptions
 from geomscope.extract.plan import bytes_per_row, check_disk, estimate_tokens, human_bytes, scan_inputs
 from geomscope.extract.sources import close_inputs, hash_input, iter_all, open_inputs, uses_column, uses_field
 from geomscope.progress import Progress
@@ -29,13 +31,6 @@ from geomscope.provenance import package_versions
 
 ROW_ORDER = ("shard k = non-empty documents k*shard_docs .. (k+1)*shard_docs-1 in input order; within a shard, "
              "documents by descending token length (ties by doc_id), positions ascending")
-
-
-def _positive(name: str, value, allow_none: bool = True) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise InputError(f"{name} must be a positive whole number, not {value!r}")
 
 
 def _groups(inputs, text_field, text_column, shard_docs, max_docs, counts):
@@ -69,245 +64,294 @@ def _existing_finished_bytes(out: Path, identity: dict) -> int:
     return sum(int(s.get("bytes", 0)) for s in m.get("shards", []) if (out / s.get("file", "")).exists())
 
 
-def extract(
-    model,
-    inputs: list[str] | str,
-    out,
-    *,
-    layers: str | list = "all",
-    revision: str | None = None,
-    dtype: str = "float32",
-    store_dtype: str = "float16",
-    device: str = "auto",
-    trust_remote_code: bool = False,
-    stack: str | None = None,
-    text_field: str = "text",
-    text_column: str = "text",
-    max_docs: int | None = None,
-    max_tokens: int | None = None,
-    max_length: int | None = None,
-    batch_tokens: int = 8192,
-    shard_docs: int = 1000,
-    overwrite: bool = False,
-    cache_dir: str | None = None,
-    progress: bool = False,
-    allow_nonfinite: bool = False,
-    log=None,
-    stdin=None,
-) -> dict:
+def extract(model, inputs, out, options: ExtractOptions | None = None, *, progress: bool = False, log=None,
+            stdin=None, **overrides) -> dict:
     """Run ``model`` over ``inputs`` and store the requested layers' token rows in the run directory ``out``.
 
-    ``model``: a local directory, a hub name (at ``revision``), ``bundled:minilm``, or a
-    :class:`~geomscope.extract.models.LoadedModel` (then ``revision``, ``dtype``, ``device``, ``stack``
-    and ``trust_remote_code`` are the ones it was loaded with).  ``layers``: ``all`` | ``0,6,12`` |
-    ``4-8`` | ``-1`` (indices into ``output_hidden_states``).  Returns the summary dict that
-    ``geomscope extract --json`` prints.  Raises InputError for bad input (nothing written), and
-    DataError -- after the run is complete, with the summary as ``.summary`` -- when some activations
-    are NaN/Inf, unless ``allow_nonfinite``.
+    ``model``: a local directory, a hub name (at ``options.revision``), ``bundled:minilm``, or a
+    :class:`~geomscope.extract.models.LoadedModel` (then revision, dtype, device, stack and
+    trust_remote_code are the ones it was loaded with). ``options``: an :class:`ExtractOptions`;
+    keyword ``overrides`` replace its fields (``extract(m, [f], out, shard_docs=10)``). Returns the
+    summary dict that ``geomscope extract --json`` prints. Raises InputError for bad input (nothing
+    written), and DataError -- after the run is complete, with the summary as ``.summary`` -- when
+    some activations are NaN/Inf, unless ``allow_nonfinite``.
     """
-    from geomscope.extract.models import LoadedModel, load_model
     from geomscope.store import RunWriter
 
+    opts = replace(options or ExtractOptions(), **overrides).validate()
     say = log or (lambda msg: None)
     out = Path(out)
-    for name, v in (("--max-docs", max_docs), ("--max-tokens", max_tokens), ("--max-length", max_length)):
-        _positive(name, v)
-    _positive("--batch-tokens", batch_tokens, False)
-    _positive("--shard-docs", shard_docs, False)
-    if store_dtype not in ("float16", "float32"):
-        raise InputError(f"--store-dtype {store_dtype} is not float16 or float32")
     t_start = time.perf_counter()
-    if isinstance(inputs, (str, Path)):  # one input given bare
-        inputs = [inputs]
-    ins = open_inputs([str(i) for i in inputs], stdin=stdin)
+    ins = open_inputs([str(i) for i in ([inputs] if isinstance(inputs, (str, Path)) else inputs)], stdin=stdin)
     try:
-        scan = scan_inputs(ins, text_field=text_field, text_column=text_column, max_docs=max_docs)
-        if scan.docs == 0:
-            names = ", ".join(i.arg for i in ins)
-            raise InputError(f"no text in {names}: {scan.records} records, all empty; give inputs with text"
-                             + (" (check --text-field / --text-column)" if scan.records else ""))
-        for inp in ins:
-            hash_input(inp)
-        lm = model if isinstance(model, LoadedModel) else load_model(
-            str(model), revision=revision, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
-            stack=stack, cache_dir=cache_dir)
-        indices = parse_layers(layers, lm.n_hidden_states)
-        layer_desc = describe_layers(indices, lm.n_hidden_states, lm.final_norm)
-        eff_len = lm.max_length
-        if max_length is not None:
-            if lm.max_length is not None and max_length > lm.max_length:
-                raise InputError(f"--max-length {max_length} exceeds what {lm.info['name']} can read "
-                                 f"({lm.max_length} tokens); use at most {lm.max_length}")
-            eff_len = max_length
-        identity = {
-            "model": lm.info,
-            "layers": layer_desc,
-            "store_dtype": store_dtype,
-            "inputs": [i.identity() for i in ins],
-            "dataset": "+".join("stdin" if i.kind == "stdin" else Path(i.arg).name for i in ins),
-            "text_field": text_field if uses_field(ins) else None,
-            "text_column": text_column if uses_column(ins) else None,
-            "max_docs": max_docs,
-            "max_tokens": max_tokens,
-            "max_length": eff_len,
-            "truncation": eff_len is not None,
-            "add_special_tokens": True,
-            "padding": "right",
-            "shard_docs": shard_docs,
-        }
-        try:
-            est_tokens = estimate_tokens(scan, lm.tokenizer, eff_len, max_tokens)
-        except Exception as e:  # a tokenizer that rejects the options (e.g. max_length below its specials)
-            raise InputError(f"the tokenizer of {lm.info['name']} rejects these options ({e}); check --max-length") from e
-        est_bytes = int(est_tokens * bytes_per_row(len(indices), lm.hidden_size, store_dtype) * 1.02) + 65536
-        already = 0 if overwrite else _existing_finished_bytes(out, identity)
-        free = check_disk(out, max(0, est_bytes - already))
-        planned = -(-scan.docs // shard_docs)
-        say(f"extract: {lm.info['name']} ({lm.info['model_type']}, {lm.stack}, {lm.device}) -> {out}: "
-            f"{scan.docs:,} documents in {planned} shards, {len(indices)} layers x {lm.hidden_size} ({store_dtype}); "
-            f"about {est_tokens:,} tokens, {human_bytes(est_bytes)} on disk ({human_bytes(free)} free)")
-        extra = {"model_source": lm.source, "versions": package_versions(), "layer_note": LAYER_NOTE, "row_order": ROW_ORDER,
-                 "max_length_source": ("option" if max_length is not None else ("model" if eff_len else None))}
-        with RunWriter(out, identity, overwrite=overwrite, extra=extra) as writer:
+        scan = _scan(ins, opts)
+        lm = _load(model, opts)
+        plan = _plan(lm, ins, scan, opts, out)
+        say(plan.describe(lm, out, scan.docs))
+        with RunWriter(out, plan.identity, overwrite=opts.overwrite, extra=_manifest_extra(lm, opts)) as writer:
             # saved with the first shard (one fsync pair less per call; nothing depends on it earlier)
             writer.manifest.update(
-                planned_shards=planned, planned_docs=scan.docs,
-                estimate={"tokens": est_tokens, "bytes": est_bytes},
-                last_invocation={"device": str(lm.device), "batch_tokens": batch_tokens,
+                planned_shards=plan.shards, planned_docs=scan.docs,
+                estimate={"tokens": plan.est_tokens, "bytes": plan.est_bytes},
+                last_invocation={"device": str(lm.device), "batch_tokens": opts.batch_tokens,
                                  "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")},
             )
-            summary = _run_shards(writer, lm, ins, layer_desc, identity, scan.docs, text_field, text_column,
-                                  batch_tokens, progress, say)
+            summary = _ShardRun(writer, lm, ins, plan, opts, progress).run()
     finally:
         close_inputs(ins)
     summary["seconds_total"] = round(time.perf_counter() - t_start, 3)
-    summary["estimate"] = {"tokens": est_tokens, "bytes": est_bytes}
+    summary["estimate"] = {"tokens": plan.est_tokens, "bytes": plan.est_bytes}
     say(f"done: {summary['rows']:,} rows of {summary['docs']:,} documents in {summary['shards']} shards "
         f"({summary['shards_resumed']} kept from an earlier run), {human_bytes(summary['bytes'])}, "
         f"{summary['tokens_per_second']:,.0f} tokens/s")
-    if summary["nonfinite_rows"] and not allow_nonfinite:
-        by = ", ".join(f"{k}: {v}" for k, v in summary["nonfinite_by_layer"].items())
-        err = DataError(f"{summary['nonfinite_rows']} of {summary['rows']} rows hold NaN/Inf activations ({by}); "
-                        f"they are stored and flagged in /nonfinite/<layer> of {out}; check the model and --dtype "
-                        "(float16 overflows), or pass --allow-nonfinite to accept them")
-        err.summary = summary
-        raise err
+    _refuse_nonfinite(summary, opts, out)
     return summary
+
+
+def _scan(ins, opts: ExtractOptions):
+    """Count the documents (and refuse inputs without text) and hash every input for the identity."""
+    scan = scan_inputs(ins, text_field=opts.text_field, text_column=opts.text_column, max_docs=opts.max_docs)
+    if scan.docs == 0:
+        names = ", ".join(i.arg for i in ins)
+        raise InputError(f"no text in {names}: {scan.records} records, all empty; give inputs with text"
+                         + (" (check --text-field)" if scan.records else ""))
+    for inp in ins:
+        hash_input(inp)
+    return scan
+
+
+def _load(model, opts: ExtractOptions):
+    from geomscope.extract.models import LoadedModel, load_model
+
+    if isinstance(model, LoadedModel):
+        return model
+    return load_model(str(model), revision=opts.revision, dtype=opts.dtype, device=opts.device,
+                      trust_remote_code=opts.trust_remote_code, stack=opts.stack, cache_dir=opts.cache_dir)
+
+
+@dataclass
+class _Plan:
+    """What will be written: the run's identity, its layers, the token cap and the size estimates."""
+
+    identity: dict
+    layer_desc: list[dict]
+    max_length: int | None
+    est_tokens: int
+    est_bytes: int
+    docs: int
+    shards: int
+    free_bytes: int
+
+    def describe(self, lm, out: Path, docs: int) -> str:
+        return (f"extract: {lm.info['name']} ({lm.info['model_type']}, {lm.stack}, {lm.device}) -> {out}: "
+                f"{docs:,} documents in {self.shards} shards, {len(self.layer_desc)} layers x {lm.hidden_size} "
+                f"({self.identity['store_dtype']}); about {self.est_tokens:,} tokens, "
+                f"{human_bytes(self.est_bytes)} on disk ({human_bytes(self.free_bytes)} free)")
+
+
+def _effective_max_length(lm, opts: ExtractOptions) -> int | None:
+    if opts.max_length is None:
+        return lm.max_length
+    if lm.max_length is not None and opts.max_length > lm.max_length:
+        raise InputError(f"--max-length {opts.max_length} exceeds what {lm.info['name']} can read "
+                         f"({lm.max_length} tokens); use at most {lm.max_length}")
+    return opts.max_length
+
+
+def _identity(lm, ins, opts: ExtractOptions, layer_desc: list[dict], eff_len: int | None) -> dict:
+    """Everything that determines the stored rows and values (not batch size, not device)."""
+    return {
+        "model": lm.info,
+        "layers": layer_desc,
+        "store_dtype": opts.store_dtype,
+        "inputs": [i.identity() for i in ins],
+        "dataset": "+".join("stdin" if i.kind == "stdin" else Path(i.arg).name for i in ins),
+        "text_field": opts.text_field if uses_field(ins) else None,
+        "text_column": opts.text_column if uses_column(ins) else None,
+        "max_docs": opts.max_docs,
+        "max_tokens": opts.max_tokens,
+        "max_length": eff_len,
+        "truncation": eff_len is not None,
+        "add_special_tokens": True,
+        "padding": "right",
+        "shard_docs": opts.shard_docs,
+    }
+
+
+def _plan(lm, ins, scan, opts: ExtractOptions, out: Path) -> _Plan:
+    indices = parse_layers(opts.layers, lm.n_hidden_states)
+    layer_desc = describe_layers(indices, lm.n_hidden_states, lm.final_norm)
+    eff_len = _effective_max_length(lm, opts)
+    identity = _identity(lm, ins, opts, layer_desc, eff_len)
+    try:
+        est_tokens = estimate_tokens(scan, lm.tokenizer, eff_len, opts.max_tokens)
+    except Exception as e:  # a tokenizer that rejects the options (e.g. max_length below its specials)
+        raise InputError(f"the tokenizer of {lm.info['name']} rejects these options ({e}); check --max-length") from e
+    est_bytes = int(est_tokens * bytes_per_row(len(indices), lm.hidden_size, opts.store_dtype) * 1.02) + 65536
+    already = 0 if opts.overwrite else _existing_finished_bytes(out, identity)
+    free = check_disk(out, max(0, est_bytes - already))
+    return _Plan(identity, layer_desc, eff_len, est_tokens, est_bytes, scan.docs, -(-scan.docs // opts.shard_docs),
+                 free)
+
+
+def _manifest_extra(lm, opts: ExtractOptions) -> dict:
+    return {"model_source": lm.source, "versions": package_versions(), "layer_note": LAYER_NOTE,
+            "row_order": ROW_ORDER, "max_length_source": ("option" if opts.max_length is not None
+                                                          else ("model" if lm.max_length else None))}
+
+
+def _refuse_nonfinite(summary: dict, opts: ExtractOptions, out: Path) -> None:
+    if not summary["nonfinite_rows"] or opts.allow_nonfinite:
+        return
+    by = ", ".join(f"{k}: {v}" for k, v in summary["nonfinite_by_layer"].items())
+    err = DataError(f"{summary['nonfinite_rows']} of {summary['rows']} rows hold NaN/Inf activations ({by}); "
+                    f"they are stored and flagged in /nonfinite/<layer> of {out}; check the model and --dtype "
+                    "(float16 overflows), or pass --allow-nonfinite to accept them")
+    err.summary = summary
+    raise err
 
 
 def _cut(d: Doc, n: int) -> Doc:
     return Doc(d.doc_id, d.ids[:n], d.special[:n])
 
 
-def _run_shards(writer, lm, ins, layer_desc, identity, total_docs, text_field, text_column, batch_tokens,
-                progress, say) -> dict:
-    from geomscope.extract.capture import Capture
+_DOC_STATS = ("docs_zero_tokens", "docs_at_max_length", "docs_cut_by_max_tokens")
 
-    capture = Capture(lm, layer_desc, identity["store_dtype"])
-    names = [la["name"] for la in layer_desc]
-    shard_docs, max_docs = identity["shard_docs"], identity["max_docs"]
-    max_tokens, eff_len = identity["max_tokens"], identity["max_length"]
-    finished = writer.finished
-    entries = {s["index"]: s for s in writer.manifest["shards"]}
-    counts = {"records": 0, "docs_empty": 0}
-    agg = {"docs_zero_tokens": 0, "docs_at_max_length": 0, "docs_cut_by_max_tokens": 0}
-    nonfinite_by_layer: dict[str, int] = {}
-    total_rows = new_rows = written = resumed = 0
-    t0 = time.perf_counter()
-    with Progress(progress) as bar:
-        prog = bar.add("extract", total_docs, unit="docs", rate_unit="tok")
-        for k, group in enumerate(_groups(ins, text_field, text_column, shard_docs, max_docs, counts)):
-            if max_tokens is not None and total_rows >= max_tokens:
-                break
-            doc_start, doc_stop = group[0][0], group[-1][0] + 1
-            done = finished.get(k)
-            if done is not None and (done.doc_start, done.doc_stop) == (doc_start, doc_stop):
-                stats = entries[k].get("stats", {})
-                total_rows += done.rows
-                resumed += 1
-                for key in agg:
-                    agg[key] += int(stats.get(key, 0))
-                for key, v in (stats.get("nonfinite_by_layer") or {}).items():
-                    nonfinite_by_layer[key] = nonfinite_by_layer.get(key, 0) + int(v)
-                prog.skip(len(group))
-                continue
-            try:
-                docs = tokenize(lm.tokenizer, group, eff_len)
-            except Exception as e:
-                raise InputError(f"the tokenizer of {lm.info['name']} failed on documents {doc_start}.."
-                                 f"{doc_stop - 1} ({type(e).__name__}: {e}); check --max-length") from e
-            stats = {"docs_zero_tokens": 0, "docs_at_max_length": 0, "docs_cut_by_max_tokens": 0}
-            kept, rows, budget_hit = [], 0, False
-            for d in docs:
-                if len(d) == 0:
-                    stats["docs_zero_tokens"] += 1
+
+class _ShardRun:
+    """Writes the run's shards in order: keeps the finished ones an earlier run left, writes the rest."""
+
+    def __init__(self, writer, lm, ins, plan: _Plan, opts: ExtractOptions, progress: bool):
+        from geomscope.extract.capture import Capture
+
+        self.writer, self.lm, self.ins, self.plan, self.opts, self.progress = writer, lm, ins, plan, opts, progress
+        self.capture = Capture(lm, plan.layer_desc, opts.store_dtype)
+        self.names = [la["name"] for la in plan.layer_desc]
+        self.entries = {s["index"]: s for s in writer.manifest["shards"]}
+        self.counts = {"records": 0, "docs_empty": 0}
+        self.agg = dict.fromkeys(_DOC_STATS, 0)
+        self.nonfinite_by_layer: dict[str, int] = {}
+        self.total_rows = self.new_rows = self.written = self.resumed = 0
+
+    def _budget_spent(self) -> bool:
+        return self.opts.max_tokens is not None and self.total_rows >= self.opts.max_tokens
+
+    def run(self) -> dict:
+        t0 = time.perf_counter()
+        groups = _groups(self.ins, self.opts.text_field, self.opts.text_column, self.opts.shard_docs,
+                         self.opts.max_docs, self.counts)
+        with Progress(self.progress) as bar:
+            prog = bar.add("extract", self.plan.docs, unit="docs", rate_unit="tok")
+            for k, group in enumerate(groups):
+                if self._budget_spent():
+                    break
+                done = self.writer.finished.get(k)
+                if done is not None and (done.doc_start, done.doc_stop) == (group[0][0], group[-1][0] + 1):
+                    self._keep(k, done)
+                    prog.skip(len(group))
                     continue
-                if eff_len is not None and len(d) >= eff_len:
-                    stats["docs_at_max_length"] += 1
-                if max_tokens is not None:
-                    left = max_tokens - total_rows - rows
-                    if left <= 0:
-                        budget_hit = True
-                        break
-                    if len(d) > left:
-                        d = _cut(d, left)
-                        stats["docs_cut_by_max_tokens"] += 1
-                kept.append(d)
-                rows += len(d)
-            sw = writer.shard_writer(k, layer_names=names, dim=lm.hidden_size, store_dtype=identity["store_dtype"],
-                                     doc_start=doc_start, doc_stop=doc_stop, expected_rows=max(1, rows))
-            try:
-                for batch in plan_batches(length_order(kept), batch_tokens):
-                    arrays, meta = capture(batch)
-                    sw.append(arrays, **meta)
-                    prog.advance(len(batch), work=len(meta["token_id"]))
-                info = sw.close()
-            except BaseException:
-                sw.abort()
-                raise
-            if sw.nonfinite_by_layer:
-                stats["nonfinite_by_layer"] = dict(sw.nonfinite_by_layer)
-            writer.add_shard(info, stats=stats)
-            prog.skip(len(group) - len(kept))
-            for key in agg:
-                agg[key] += stats[key]
-            for key, v in sw.nonfinite_by_layer.items():
-                nonfinite_by_layer[key] = nonfinite_by_layer.get(key, 0) + v
-            total_rows += info.rows
-            new_rows += info.rows
-            written += 1
-            if budget_hit or (max_tokens is not None and total_rows >= max_tokens):
-                break
-    seconds = time.perf_counter() - t0
-    shards = writer.manifest["shards"]
-    totals = {"rows": sum(s["rows"] for s in shards), "docs": sum(s["docs"] for s in shards),
-              "records_read": counts["records"], "docs_empty": counts["docs_empty"], **agg,
-              "nonfinite_by_layer": nonfinite_by_layer}
-    writer.finalize(totals)
-    t = writer.manifest["totals"]
-    return {
-        "run_dir": str(writer.dir),
-        "complete": True,
-        "model": lm.info["name"],
-        "revision": lm.info["revision"],
-        "commit": lm.info["commit"],
-        "device": str(lm.device),
-        "layers": [la["name"] for la in layer_desc],
-        "hidden_size": lm.hidden_size,
-        "store_dtype": identity["store_dtype"],
-        "rows": t["rows"],
-        "docs": t["docs"],
-        "records_read": counts["records"],
-        "docs_empty": counts["docs_empty"],
-        **agg,
-        "shards": t["shards"],
-        "shards_written": written,
-        "shards_resumed": resumed,
-        "bytes": t["bytes"],
-        "nonfinite_rows": t["nonfinite_rows"],
-        "nonfinite_by_layer": nonfinite_by_layer,
-        "rows_this_run": new_rows,
-        "seconds": round(seconds, 3),
-        "tokens_per_second": round(new_rows / seconds, 1) if seconds > 0 else 0.0,
-        "batch_tokens": batch_tokens,
-    }
+                budget_hit = self._write(k, group, prog)
+                if budget_hit or self._budget_spent():
+                    break
+        return self._finish(time.perf_counter() - t0)
+
+    def _add_stats(self, stats: dict) -> None:
+        for key in _DOC_STATS:
+            self.agg[key] += int(stats.get(key, 0))
+        for key, v in (stats.get("nonfinite_by_layer") or {}).items():
+            self.nonfinite_by_layer[key] = self.nonfinite_by_layer.get(key, 0) + int(v)
+
+    def _keep(self, k: int, done) -> None:
+        """A shard an earlier run finished with the same documents: count it, do not redo it."""
+        self.total_rows += done.rows
+        self.resumed += 1
+        self._add_stats(self.entries[k].get("stats", {}))
+
+    def _select(self, docs) -> tuple[list, int, bool, dict]:
+        """The tokenized documents to store (empty ones dropped, the last one cut at --max-tokens)."""
+        stats = dict.fromkeys(_DOC_STATS, 0)
+        kept, rows, budget_hit = [], 0, False
+        eff_len, max_tokens = self.plan.max_length, self.opts.max_tokens
+        for d in docs:
+            if len(d) == 0:
+                stats["docs_zero_tokens"] += 1
+                continue
+            if eff_len is not None and len(d) >= eff_len:
+                stats["docs_at_max_length"] += 1
+            if max_tokens is not None:
+                left = max_tokens - self.total_rows - rows
+                if left <= 0:
+                    budget_hit = True
+                    break
+                if len(d) > left:
+                    d = _cut(d, left)
+                    stats["docs_cut_by_max_tokens"] += 1
+            kept.append(d)
+            rows += len(d)
+        return kept, rows, budget_hit, stats
+
+    def _write(self, k: int, group, prog) -> bool:
+        """Tokenize, run and store shard ``k``; return whether --max-tokens was reached inside it."""
+        doc_start, doc_stop = group[0][0], group[-1][0] + 1
+        try:
+            docs = tokenize(self.lm.tokenizer, group, self.plan.max_length)
+        except Exception as e:
+            raise InputError(f"the tokenizer of {self.lm.info['name']} failed on documents {doc_start}.."
+                             f"{doc_stop - 1} ({type(e).__name__}: {e}); check --max-length") from e
+        kept, rows, budget_hit, stats = self._select(docs)
+        sw = self.writer.shard_writer(k, layer_names=self.names, dim=self.lm.hidden_size,
+                                      store_dtype=self.opts.store_dtype, doc_start=doc_start, doc_stop=doc_stop,
+                                      expected_rows=max(1, rows))
+        try:
+            for batch in plan_batches(length_order(kept), self.opts.batch_tokens):
+                arrays, meta = self.capture(batch)
+                sw.append(arrays, **meta)
+                prog.advance(len(batch), work=len(meta["token_id"]))
+            info = sw.close()
+        except BaseException:
+            sw.abort()
+            raise
+        if sw.nonfinite_by_layer:
+            stats["nonfinite_by_layer"] = dict(sw.nonfinite_by_layer)
+        self.writer.add_shard(info, stats=stats)
+        prog.skip(len(group) - len(kept))
+        self._add_stats(stats)
+        self.total_rows += info.rows
+        self.new_rows += info.rows
+        self.written += 1
+        return budget_hit
+
+    def _finish(self, seconds: float) -> dict:
+        shards = self.writer.manifest["shards"]
+        totals = {"rows": sum(s["rows"] for s in shards), "docs": sum(s["docs"] for s in shards),
+                  "records_read": self.counts["records"], "docs_empty": self.counts["docs_empty"], **self.agg,
+                  "nonfinite_by_layer": self.nonfinite_by_layer}
+        self.writer.finalize(totals)
+        t = self.writer.manifest["totals"]
+        lm = self.lm
+        return {
+            "run_dir": str(self.writer.dir),
+            "complete": True,
+            "model": lm.info["name"],
+            "revision": lm.info["revision"],
+            "commit": lm.info["commit"],
+            "device": str(lm.device),
+            "layers": self.names,
+            "hidden_size": lm.hidden_size,
+            "store_dtype": self.opts.store_dtype,
+            "rows": t["rows"],
+            "docs": t["docs"],
+            "records_read": self.counts["records"],
+            "docs_empty": self.counts["docs_empty"],
+            **self.agg,
+            "shards": t["shards"],
+            "shards_written": self.written,
+            "shards_resumed": self.resumed,
+            "bytes": t["bytes"],
+            "nonfinite_rows": t["nonfinite_rows"],
+            "nonfinite_by_layer": self.nonfinite_by_layer,
+            "rows_this_run": self.new_rows,
+            "seconds": round(seconds, 3),
+            "tokens_per_second": round(self.new_rows / seconds, 1) if seconds > 0 else 0.0,
+            "batch_tokens": self.opts.batch_tokens,
+        }

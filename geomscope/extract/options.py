@@ -1,0 +1,63 @@
+"""``ExtractOptions``: everything ``extract`` needs besides the model, the inputs and the run directory."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from geomscope.choices import COMPUTE_DTYPES, STACKS, STORE_DTYPES
+from geomscope.errors import InputError
+
+
+@dataclass(frozen=True)
+class ExtractOptions:
+    """See ``geomscope extract --help``; the field names are the CLI's options (``--max-docs`` ...).
+
+    ``layers``: ``all`` | ``blocks`` | ``0,6,12`` | ``4-8`` | ``-1`` | ``layer_06`` (indices into
+    ``output_hidden_states``). ``text_field`` names the text of .jsonl records and datasets,
+    ``text_column`` that of .csv/.tsv files (the CLI's ``--text-field`` sets both).
+    """
+
+    layers: str | list | tuple = "all"
+    revision: str | None = None
+    dtype: str = "float32"
+    store_dtype: str = "float16"
+    device: str = "auto"
+    trust_remote_code: bool = False
+    stack: str | None = None
+    text_field: str = "text"
+    text_column: str = "text"
+    max_docs: int | None = None
+    max_tokens: int | None = None
+    max_length: int | None = None
+    batch_tokens: int = 8192
+    shard_docs: int = 1000
+    overwrite: bool = False
+    cache_dir: str | None = None
+    allow_nonfinite: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def validate(self) -> ExtractOptions:
+        """Self, checked; InputError (one line) naming the option otherwise."""
+        for option, value in (("--max-docs", self.max_docs), ("--max-tokens", self.max_tokens),
+                              ("--max-length", self.max_length)):
+            if value is not None:
+                _positive(option, value)
+        _positive("--batch-tokens", self.batch_tokens)
+        _positive("--shard-docs", self.shard_docs)
+        _one_of("--dtype", self.dtype, COMPUTE_DTYPES)
+        _one_of("--store-dtype", self.store_dtype, STORE_DTYPES)
+        if self.stack not in (None, "auto"):
+            _one_of("--stack", self.stack, STACKS)
+        return self
+
+
+def _positive(option: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InputError(f"{option} must be a positive whole number, not {value!r}")
+
+
+def _one_of(option: str, value, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise InputError(f"{option} {value} is not one of {', '.join(allowed)}")
