@@ -19,12 +19,14 @@ whether ``output_hidden_states=[i, ...]`` may be used to keep only the requested
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from geomscope.choices import COMPUTE_DTYPES
+from geomscope.choices import COMPUTE_DTYPES, STACKS
 from geomscope.devices import resolve_device
 from geomscope.errors import InputError
 
@@ -272,10 +274,9 @@ def load_model(name: str, *, revision: str | None = None, dtype: str = "float32"
     """Load a checkpoint and its tokenizer, choose the stack, probe it (see the module docstring).
 
     ``stack``: None/"auto" (the model; the encoder of an encoder-decoder model), "encoder", "decoder".
+    ``trust_remote_code`` is passed explicitly to every transformers call (False: a model's own code
+    never runs, and transformers never asks).
     """
-    import transformers
-    from transformers.utils import logging as hf_logging
-
     tdtype = torch_dtype(dtype)
     dev = resolve_device(device)
     target, info = resolve_model(name, revision)
@@ -284,99 +285,124 @@ def load_model(name: str, *, revision: str | None = None, dtype: str = "float32"
         if snap is not None and offline_mode():
             info["path"] = str(snap)
     load_from = info["path"] if info.get("path") else target
-    kw = {"trust_remote_code": trust_remote_code}
+    kw = {"trust_remote_code": bool(trust_remote_code)}
     if info["source"] == "hub" and not info.get("path"):
         kw.update(revision=revision or None, cache_dir=cache_dir)
+    with _quiet_transformers():
+        config, tok, model = _load_parts(load_from, kw, tdtype, info, revision)
+    if info["source"] == "hub" and not info.get("path"):
+        snap = _cached_snapshot(target, revision, cache_dir)
+        info["path"] = str(snap) if snap else None
+    model.eval()
+    model.to(dev)
+    chosen = _choose_stack(stack, config, model, info["name"])
+    lm = LoadedModel(model=model, tokenizer=tok, info=info, stack=chosen, device=dev)
+    if chosen == "decoder":
+        lm.decoder_start_token_id = _decoder_start(config, model, info["name"])
+    if "use_cache" in inspect.signature(model.forward).parameters and chosen != "encoder":
+        lm._forward_kwargs["use_cache"] = False
+    lm.max_length = _model_max_length(config, tok)
+    _probe(lm)
+    lm.info = _model_info(lm, info, config, tok, revision, dtype)
+    lm.source = {k: v for k, v in info.items() if k in ("source", "path", "package")}
+    return lm
+
+
+@contextmanager
+def _quiet_transformers():
+    """No download bars or load reports from transformers while loading (restored after)."""
+    from transformers.utils import logging as hf_logging
+
     bar_was_on = hf_logging.is_progress_bar_enabled()
     verbosity = hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     try:
-        try:
-            config = transformers.AutoConfig.from_pretrained(load_from, **kw)
-            tok = transformers.AutoTokenizer.from_pretrained(load_from, **kw)
-        except (OSError, ValueError, KeyError) as e:
-            raise _load_error(e, info["name"], info, revision) from e
-        model = None
-        errors = []
-        for auto in ("AutoModel", "AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM"):
-            try:
-                model = getattr(transformers, auto).from_pretrained(load_from, config=config,
-                                                                   **{_transformers_dtype_kw(): tdtype}, **kw)
-                break
-            except ValueError as e:  # this auto class does not know the architecture: try the next one
-                if "Unrecognized configuration class" not in str(e):
-                    raise _load_error(e, info["name"], info, revision) from e
-                errors.append(e)
-            except OSError as e:
-                raise _load_error(e, info["name"], info, revision) from e
-        if model is None:
-            raise InputError(f"model {info['name']} ({config.model_type}) has no architecture transformers can "
-                             "load for its hidden states; give an encoder, decoder or encoder-decoder model")
+        yield
     finally:
         if bar_was_on:
             hf_logging.enable_progress_bar()
         hf_logging.set_verbosity(verbosity)
-    if info["source"] == "hub" and not info.get("path"):
-        snap = _cached_snapshot(target, revision, cache_dir)
-        info["path"] = str(snap) if snap else None
-    commit = None
+
+
+def _load_parts(load_from: str, kw: dict, tdtype, info: dict, revision: str | None):
+    """(config, tokenizer, model): the first auto class that knows the architecture loads the model."""
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(load_from, **kw)
+        tok = transformers.AutoTokenizer.from_pretrained(load_from, **kw)
+    except (OSError, ValueError, KeyError) as e:
+        raise _load_error(e, info["name"], info, revision) from e
+    for auto in ("AutoModel", "AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM"):
+        try:
+            model = getattr(transformers, auto).from_pretrained(load_from, config=config,
+                                                               **{_transformers_dtype_kw(): tdtype}, **kw)
+            return config, tok, model
+        except ValueError as e:  # this auto class does not know the architecture: try the next one
+            if "Unrecognized configuration class" not in str(e):
+                raise _load_error(e, info["name"], info, revision) from e
+        except OSError as e:
+            raise _load_error(e, info["name"], info, revision) from e
+    raise InputError(f"model {info['name']} ({config.model_type}) has no architecture transformers can "
+                     "load for its hidden states; give an encoder, decoder or encoder-decoder model")
+
+
+def _choose_stack(stack: str | None, config, model, name: str) -> str:
+    """"model" for one-stack models; "encoder" (default) or "decoder" for encoder-decoder ones."""
+    st = (stack or "auto").lower()
+    if st not in ("auto", *STACKS):
+        raise InputError(f"--stack {stack} is not one of {', '.join(STACKS)}")
+    if not getattr(config, "is_encoder_decoder", False):
+        if st != "auto":
+            raise InputError(f"--stack {stack} applies to encoder-decoder models; {name} "
+                             f"({config.model_type}) has one stack (drop --stack)")
+        return "model"
+    chosen = "decoder" if st == "decoder" else "encoder"
+    if chosen == "encoder" and not hasattr(model, "get_encoder"):
+        raise InputError(f"model {name} exposes no encoder; try --stack decoder")
+    return chosen
+
+
+def _decoder_start(config, model, name: str) -> int:
+    start = getattr(config, "decoder_start_token_id", None)
+    if start is None:
+        start = getattr(getattr(model, "generation_config", None), "decoder_start_token_id", None)
+    if start is None:
+        start = getattr(config, "pad_token_id", None)
+    if start is None:
+        raise InputError(f"model {name} names no decoder start token; --stack decoder cannot feed it")
+    return int(start)
+
+
+def _commit(info: dict, revision: str | None) -> str | None:
+    """The hub commit the weights came from: the snapshot directory's name, or a commit-hash revision."""
     if info.get("path"):
         m = re.search(r"/snapshots/([0-9a-f]{40})/?$", info["path"])
-        commit = m.group(1) if m else None
-    if commit is None and revision and re.fullmatch(r"[0-9a-f]{40}", revision):
-        commit = revision
-    model.eval()
-    model.to(dev)
+        if m:
+            return m.group(1)
+    if revision and re.fullmatch(r"[0-9a-f]{40}", revision):
+        return revision
+    return None
 
-    enc_dec = bool(getattr(config, "is_encoder_decoder", False))
-    st = (stack or "auto").lower()
-    if st not in ("auto", "encoder", "decoder"):
-        raise InputError(f"--stack {stack} is not auto, encoder or decoder")
-    if not enc_dec:
-        if st != "auto":
-            raise InputError(f"--stack {stack} applies to encoder-decoder models; {info['name']} "
-                             f"({config.model_type}) has one stack (drop --stack)")
-        chosen = "model"
-    else:
-        chosen = "decoder" if st == "decoder" else "encoder"
-        if chosen == "encoder" and not hasattr(model, "get_encoder"):
-            raise InputError(f"model {info['name']} exposes no encoder; try --stack decoder")
-    lm = LoadedModel(model=model, tokenizer=tok, info=info, stack=chosen, device=dev)
-    if chosen == "decoder":
-        start = getattr(config, "decoder_start_token_id", None)
-        if start is None:
-            gen = getattr(model, "generation_config", None)
-            start = getattr(gen, "decoder_start_token_id", None)
-        if start is None:
-            start = getattr(config, "pad_token_id", None)
-        if start is None:
-            raise InputError(f"model {info['name']} names no decoder start token; --stack decoder cannot feed it")
-        lm.decoder_start_token_id = int(start)
-    import inspect
 
-    params = inspect.signature(model.forward).parameters
-    if "use_cache" in params and chosen != "encoder":
-        lm._forward_kwargs["use_cache"] = False
-    lm.max_length = _model_max_length(config, tok)
-    _probe(lm)
-    lm.info = {
+def _model_info(lm: LoadedModel, info: dict, config, tok, revision: str | None, dtype: str) -> dict:
+    path = Path(info["path"]) if info.get("path") else None
+    return {
         "name": info["name"],
         "revision": revision or None,
-        "commit": commit,
+        "commit": _commit(info, revision),
         "model_type": config.model_type,
-        "architecture": type(model).__name__,
+        "architecture": type(lm.model).__name__,
         "hidden_size": lm.hidden_size,
         "num_hidden_states": lm.n_hidden_states,
-        "stack": chosen,
+        "stack": lm.stack,
         "attention": lm.attention,
         "dtype": dtype,
-        "weights_sha256": weights_fingerprint(Path(info["path"])) if info.get("path") else None,
-        "tokenizer_sha256": tokenizer_fingerprint(Path(info["path"])) if info.get("path") else None,
+        "weights_sha256": weights_fingerprint(path) if path else None,
+        "tokenizer_sha256": tokenizer_fingerprint(path) if path else None,
         "tokenizer_class": type(tok).__name__,
     }
-    lm.source = {k: v for k, v in info.items() if k in ("source", "path", "package")}
-    return lm
 
 
 def _model_max_length(config, tok) -> int | None:
