@@ -251,151 +251,222 @@ def finetune(cfg: FinetuneConfig, *, quiet: bool = False, note=None) -> dict:
 
 
 def _run(cfg: FinetuneConfig, d: dd.Dist, quiet: bool, note) -> dict:
-    import torch
+    return _Trainer(cfg, d, note).setup().train(quiet).finish()
 
-    from geomscope.extract.layers import parse_layers
-    from geomscope.train.evaluate import compute_c0, evaluate
-    from geomscope.train.model import load_classifier, n_blocks
 
-    out = Path(cfg.out)
-    autocast = make_autocast(cfg.precision, d.device)
-    state = _on_main(lambda: _prepare_out(cfg, out), d)  # rank 0 decides, before anyone writes
-    train_t = load_table(cfg.train, cfg.text_field, cfg.label_field, cfg.text_field_2)
-    eval_t = load_table(cfg.eval, cfg.text_field, cfg.label_field, cfg.text_field_2)
-    label2id = build_label_map(train_t) if state is None else state["label2id"]
-    if state is not None and set(label2id) != set(train_t.labels):
-        raise InputError(f"the training labels of {cfg.train} changed since the checkpoint in {out}; use a new --out")
-    check_eval_labels(eval_t, label2id)
+class _Trainer:
+    """One fine-tuning run: ``setup()`` (data, model, optimizer, logs), ``train()`` (the epochs),
+    ``finish()`` (export and summary, on rank 0). State lives on the instance so that each step is a
+    method a reader can hold in mind."""
 
-    _seed_all(cfg.seed)
-    src = str(out / ck.CKPT) if state is not None else cfg.model
-    model, tokenizer, minfo = load_classifier(src, label2id, note)
-    layers = parse_layers(cfg.layers or "blocks", n_blocks(model) + 1)
-    fp = _fingerprint(cfg, layers, d.world_size)
-    if state is not None:
-        diff = [k for k in fp if state["fingerprint"].get(k) != fp[k]]
-        if diff:
-            k = diff[0]
-            raise InputError(f"{out} was trained with {k}={state['fingerprint'].get(k)!r}, not {fp[k]!r}; "
-                             f"resume with the same options or choose another --out")
-        minfo["head_added"] = state.get("head_added", False)
-    model.to(d.device)
-    max_length = cfg.max_length
-    n_pos = getattr(model.config, "max_position_embeddings", None)
-    if isinstance(n_pos, int) and max_length > n_pos:
-        note(f"note: --max-length {max_length} exceeds the model's {n_pos} positions; truncating to {n_pos}")
-        max_length = n_pos
-    train_enc = Encoded(tokenizer, train_t, label2id, max_length)
-    eval_enc = Encoded(tokenizer, eval_t, label2id, max_length)
-    if len(train_enc) < d.world_size:
-        raise DataError(f"{cfg.train} has {len(train_enc)} rows, fewer than the {d.world_size} processes")
+    def __init__(self, cfg: FinetuneConfig, d: dd.Dist, note):
+        self.cfg, self.d, self.note = cfg, d, note
+        self.out = Path(cfg.out)
+        self.autocast = make_autocast(cfg.precision, d.device)
+        self.start_epoch = self.step = 0
+        self.t_train, self.n_steps_timed, self.c0_used = 0.0, 0, None
 
-    ddp_model = model
-    if d.active:
-        from torch.nn.parallel import DistributedDataParallel
+    # -- set-up ------------------------------------------------------------------------------
+    def setup(self) -> _Trainer:
+        cfg, d = self.cfg, self.d
+        self.state = _on_main(lambda: _prepare_out(cfg, self.out), d)  # rank 0 decides, before anyone writes
+        self._load_data()
+        _seed_all(cfg.seed)
+        self._load_model()
+        self._make_optimizer()
+        self._make_regularisers()
+        self._prepare_logs()
+        return self
 
-        ddp_model = DistributedDataParallel(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
-    start_epoch, step = 0, 0
-    if state is not None:
-        ck.load_trainer_state(out, optimizer, scaler, d.rank)
-        start_epoch, step = state["epochs_done"], state["global_step"]
-    else:
-        torch.manual_seed(cfg.seed + 7919 * d.rank)  # dropout stream per rank
+    def _load_data(self) -> None:
+        cfg = self.cfg
+        self.train_t = load_table(cfg.train, cfg.text_field, cfg.label_field, cfg.text_field_2)
+        self.eval_t = load_table(cfg.eval, cfg.text_field, cfg.label_field, cfg.text_field_2)
+        self.label2id = build_label_map(self.train_t) if self.state is None else self.state["label2id"]
+        if self.state is not None and set(self.label2id) != set(self.train_t.labels):
+            raise InputError(f"the training labels of {cfg.train} changed since the checkpoint in {self.out}; "
+                             "use a new --out")
+        check_eval_labels(self.eval_t, self.label2id)
 
-    reg = make_regularizer(cfg, layers, d)
-    from geomscope.train.regularizers import IStar
+    def _load_model(self) -> None:
+        from geomscope.extract.layers import parse_layers
+        from geomscope.train.model import load_classifier, n_blocks
 
-    # the logged batch IsoScore* of cosreg / none runs: no gradient, float32 scatter (a log value)
-    monitor = IStar(layers, cfg.zeta, None, cfg.include_padding, d.reg_group, torch.float32) if (
-        cfg.monitor and cfg.reg != "istar") else None
-    steps_path, eval_path = out / "steps.jsonl", out / "eval.jsonl"
-    if d.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        if state is None:
-            write_json_atomic(out / "run.json", {"config": asdict(cfg), "layers": layers,
-                                                    "world_size": d.world_size, "device": str(d.device),
-                                                    "batch_isoscore_target": "C0" if cfg.reg == "istar"
-                                                    else "trace-matched identity"})
-        ck.truncate_jsonl(steps_path, lambda r: r["step"] <= step)
-        ck.truncate_jsonl(eval_path, lambda r: r["epoch"] <= start_epoch)
-    dd.barrier(d)
+        cfg, d, state = self.cfg, self.d, self.state
+        src = str(self.out / ck.CKPT) if state is not None else cfg.model
+        self.model, self.tokenizer, self.minfo = load_classifier(src, self.label2id, self.note)
+        self.layers = parse_layers(cfg.layers or "blocks", n_blocks(self.model) + 1)
+        self.fp = _fingerprint(cfg, self.layers, d.world_size)
+        if state is not None:
+            diff = [k for k in self.fp if state["fingerprint"].get(k) != self.fp[k]]
+            if diff:
+                k = diff[0]
+                raise InputError(f"{self.out} was trained with {k}={state['fingerprint'].get(k)!r}, not "
+                                 f"{self.fp[k]!r}; resume with the same options or choose another --out")
+            self.minfo["head_added"] = state.get("head_added", False)
+        self.model.to(d.device)
+        max_length = self._max_length()
+        self.train_enc = Encoded(self.tokenizer, self.train_t, self.label2id, max_length)
+        self.eval_enc = Encoded(self.tokenizer, self.eval_t, self.label2id, max_length)
+        if len(self.train_enc) < d.world_size:
+            raise DataError(f"{cfg.train} has {len(self.train_enc)} rows, fewer than the {d.world_size} processes")
 
-    n_train = len(train_enc)
-    per_epoch = len(global_batches(list(range(n_train)), cfg.batch_size, d.world_size))
-    t_train, n_steps_timed, c0_used = 0.0, 0, None
-    logf = open(steps_path, "a") if d.is_main else None
-    bar = Progress(enabled=d.is_main and not quiet)
-    try:
-        with bar:
-            progress = bar.add("training", per_epoch * max(cfg.epochs - start_epoch, 0), unit="steps")
-            for epoch in range(start_epoch, cfg.epochs):
-                order = epoch_order(n_train, cfg.seed, epoch)
-                if cfg.reg == "istar":
-                    progress.describe(f"epoch {epoch + 1}/{cfg.epochs}: C0")
-                    reg.C0, c0_used = compute_c0(model, train_enc, order, layers, cfg.c0_points,
-                                                 cfg.batch_size, d, autocast, cfg.include_padding)
-                progress.describe(f"epoch {epoch + 1}/{cfg.epochs}")
-                for gb in global_batches(order, cfg.batch_size, d.world_size):
-                    t0 = time.perf_counter()
-                    rec = train_step(ddp_model, train_enc.collate(rank_slice(gb, d.rank, d.world_size)), len(gb),
-                                     reg, cfg.lam, optimizer, scaler, autocast, d, monitor)
-                    dt = time.perf_counter() - t0
-                    step += 1
-                    t_train += dt
-                    n_steps_timed += 1
-                    finite = rec.pop("finite")
-                    rec = {"step": step, "epoch": epoch + 1, **rec, "seconds": round(dt, 5)}
-                    if logf is not None:
-                        logf.write(json.dumps(_json_safe(rec)) + "\n")
-                        logf.flush()
-                    if not finite:
-                        last = ck.read_state(out)
-                        kept = (f"the last good checkpoint (epoch {last['epochs_done']}) is kept in {out / ck.CKPT}"
-                                if last else "no epoch had finished, so there is no checkpoint")
-                        raise DataError(f"loss became NaN/inf at step {step} (epoch {epoch + 1}); training stopped, "
-                                        f"{kept}; lower --lr or |--lambda|")
-                    progress.advance()
-                    progress.info(step_line(rec))
-                progress.describe(f"epoch {epoch + 1}/{cfg.epochs}: eval")
-                ev = evaluate(model, eval_enc, layers, cfg.zeta, cfg.batch_size, d, autocast, len(label2id),
-                              cfg.include_padding)
-                ev = {"epoch": epoch + 1, "step": step, **ev, "c0_points_used": c0_used}
-                rngs = dd.gather_objects(ck.rng_state(), d)
-                if d.is_main:
-                    with open(eval_path, "a") as f:
-                        f.write(json.dumps(_json_safe(ev)) + "\n")
-                    ck.save_checkpoint(out, model, tokenizer, optimizer, scaler,
-                                       {"epochs_done": epoch + 1, "global_step": step, "fingerprint": fp,
-                                        "label2id": label2id, "head_added": minfo["head_added"]}, rngs)
-                    bar.print(eval_line(ev))
-                dd.barrier(d)
-    finally:
-        if logf is not None:
-            logf.close()
+    def _max_length(self) -> int:
+        """--max-length, clamped to the model's positions (with a note)."""
+        n_pos = getattr(self.model.config, "max_position_embeddings", None)
+        if isinstance(n_pos, int) and self.cfg.max_length > n_pos:
+            self.note(f"note: --max-length {self.cfg.max_length} exceeds the model's {n_pos} positions; "
+                      f"truncating to {n_pos}")
+            return n_pos
+        return self.cfg.max_length
 
-    summary = None
-    if d.is_main:
-        evals = [json.loads(ln) for ln in eval_path.read_text().splitlines() if ln.strip()]
-        label_map = {"label2id": label2id, "id2label": {str(i): lab for lab, i in label2id.items()}}
-        ck.export_model(out, model, tokenizer, {"label_map.json": label_map})
-        summary = _json_safe({
-            "out": str(out), "model": cfg.model, "reg": cfg.reg, "lambda": cfg.lam, "zeta": cfg.zeta,
-            "layers": layers, "include_padding": cfg.include_padding, "c0_points": cfg.c0_points,
-            "c0_points_used": c0_used, "epochs": cfg.epochs, "steps": step, "lr": cfg.lr,
+    def _make_optimizer(self) -> None:
+        import torch
+
+        cfg, d = self.cfg, self.d
+        self.ddp_model = self.model
+        if d.active:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.ddp_model = DistributedDataParallel(
+                self.model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
+        self.scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
+        if self.state is not None:
+            ck.load_trainer_state(self.out, self.optimizer, self.scaler, d.rank)
+            self.start_epoch, self.step = self.state["epochs_done"], self.state["global_step"]
+        else:
+            torch.manual_seed(cfg.seed + 7919 * d.rank)  # dropout stream per rank
+
+    def _make_regularisers(self) -> None:
+        import torch
+
+        from geomscope.train.regularizers import IStar
+
+        cfg = self.cfg
+        self.reg = make_regularizer(cfg, self.layers, self.d)
+        # the logged batch IsoScore* of cosreg / none runs: no gradient, float32 scatter (a log value)
+        self.monitor = IStar(self.layers, cfg.zeta, None, cfg.include_padding, self.d.reg_group, torch.float32) if (
+            cfg.monitor and cfg.reg != "istar") else None
+
+    def _prepare_logs(self) -> None:
+        """run.json on a new run; on resume, the logs cut back to the checkpoint."""
+        cfg, d = self.cfg, self.d
+        self.steps_path, self.eval_path = self.out / "steps.jsonl", self.out / "eval.jsonl"
+        if d.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            if self.state is None:
+                write_json_atomic(self.out / "run.json", {
+                    "config": asdict(cfg), "layers": self.layers, "world_size": d.world_size,
+                    "device": str(d.device),
+                    "batch_isoscore_target": "C0" if cfg.reg == "istar" else "trace-matched identity"})
+            ck.truncate_jsonl(self.steps_path, lambda r: r["step"] <= self.step)
+            ck.truncate_jsonl(self.eval_path, lambda r: r["epoch"] <= self.start_epoch)
+        dd.barrier(d)
+
+    # -- training ----------------------------------------------------------------------------
+    def train(self, quiet: bool) -> _Trainer:
+        cfg, d = self.cfg, self.d
+        per_epoch = len(global_batches(list(range(len(self.train_enc))), cfg.batch_size, d.world_size))
+        self.logf = open(self.steps_path, "a") if d.is_main else None
+        bar = Progress(enabled=d.is_main and not quiet)
+        try:
+            with bar:
+                progress = bar.add("training", per_epoch * max(cfg.epochs - self.start_epoch, 0), unit="steps")
+                for epoch in range(self.start_epoch, cfg.epochs):
+                    self._epoch(epoch, progress)
+                    ev = self._end_epoch(epoch, progress)
+                    if ev is not None:
+                        bar.print(eval_line(ev))
+                    dd.barrier(d)
+        finally:
+            if self.logf is not None:
+                self.logf.close()
+        return self
+
+    def _epoch(self, epoch: int, progress) -> None:
+        from geomscope.train.evaluate import compute_c0
+
+        cfg, d = self.cfg, self.d
+        order = epoch_order(len(self.train_enc), cfg.seed, epoch)
+        if cfg.reg == "istar":
+            progress.describe(f"epoch {epoch + 1}/{cfg.epochs}: C0")
+            self.reg.C0, self.c0_used = compute_c0(self.model, self.train_enc, order, self.layers, cfg.c0_points,
+                                                   cfg.batch_size, d, self.autocast, cfg.include_padding)
+        progress.describe(f"epoch {epoch + 1}/{cfg.epochs}")
+        for gb in global_batches(order, cfg.batch_size, d.world_size):
+            t0 = time.perf_counter()
+            rec = train_step(self.ddp_model, self.train_enc.collate(rank_slice(gb, d.rank, d.world_size)), len(gb),
+                             self.reg, cfg.lam, self.optimizer, self.scaler, self.autocast, d, self.monitor)
+            dt = time.perf_counter() - t0
+            self.step += 1
+            self.t_train += dt
+            self.n_steps_timed += 1
+            finite = rec.pop("finite")
+            rec = {"step": self.step, "epoch": epoch + 1, **rec, "seconds": round(dt, 5)}
+            self._log_step(rec, finite, epoch)
+            progress.advance()
+            progress.info(step_line(rec))
+
+    def _log_step(self, rec: dict, finite: bool, epoch: int) -> None:
+        """Append the step to steps.jsonl; stop on a non-finite loss, keeping the last good checkpoint."""
+        if self.logf is not None:
+            self.logf.write(json.dumps(_json_safe(rec)) + "\n")
+            self.logf.flush()
+        if not finite:
+            last = ck.read_state(self.out)
+            kept = (f"the last good checkpoint (epoch {last['epochs_done']}) is kept in {self.out / ck.CKPT}"
+                    if last else "no epoch had finished, so there is no checkpoint")
+            raise DataError(f"loss became NaN/inf at step {self.step} (epoch {epoch + 1}); training stopped, "
+                            f"{kept}; lower --lr or |--lambda|")
+
+    def _end_epoch(self, epoch: int, progress) -> dict | None:
+        """Evaluate, log and checkpoint; return the evaluation on rank 0."""
+        from geomscope.train.evaluate import evaluate
+
+        cfg, d = self.cfg, self.d
+        progress.describe(f"epoch {epoch + 1}/{cfg.epochs}: eval")
+        ev = evaluate(self.model, self.eval_enc, self.layers, cfg.zeta, cfg.batch_size, d, self.autocast,
+                      len(self.label2id), cfg.include_padding)
+        ev = {"epoch": epoch + 1, "step": self.step, **ev, "c0_points_used": self.c0_used}
+        rngs = dd.gather_objects(ck.rng_state(), d)
+        if not d.is_main:
+            return None
+        with open(self.eval_path, "a") as f:
+            f.write(json.dumps(_json_safe(ev)) + "\n")
+        ck.save_checkpoint(self.out, self.model, self.tokenizer, self.optimizer, self.scaler,
+                           {"epochs_done": epoch + 1, "global_step": self.step, "fingerprint": self.fp,
+                            "label2id": self.label2id, "head_added": self.minfo["head_added"]}, rngs)
+        return ev
+
+    # -- the end -----------------------------------------------------------------------------
+    def finish(self) -> dict:
+        summary = None
+        if self.d.is_main:
+            label_map = {"label2id": self.label2id, "id2label": {str(i): lab for lab, i in self.label2id.items()}}
+            ck.export_model(self.out, self.model, self.tokenizer, {"label_map.json": label_map})
+            summary = self._summary()
+            write_json_atomic(self.out / "summary.json", summary)
+        dd.barrier(self.d)
+        return dd.broadcast_object(summary, self.d)
+
+    def _summary(self) -> dict:
+        cfg, d = self.cfg, self.d
+        evals = [json.loads(ln) for ln in self.eval_path.read_text().splitlines() if ln.strip()]
+        return _json_safe({
+            "out": str(self.out), "model": cfg.model, "reg": cfg.reg, "lambda": cfg.lam, "zeta": cfg.zeta,
+            "layers": self.layers, "include_padding": cfg.include_padding, "c0_points": cfg.c0_points,
+            "c0_points_used": self.c0_used, "epochs": cfg.epochs, "steps": self.step, "lr": cfg.lr,
             "batch_size": cfg.batch_size, "world_size": d.world_size, "global_batch": cfg.batch_size * d.world_size,
             "precision": cfg.precision, "penalty_precision": cfg.penalty_precision, "device": str(d.device),
             "seed": cfg.seed, "max_length": cfg.max_length,
-            "train_examples": n_train, "train_tokens": train_enc.n_tokens, "eval_examples": len(eval_enc),
-            "labels": label2id, "head_added": minfo["head_added"], "resumed": state is not None,
-            "mean_step_seconds": (t_train / n_steps_timed) if n_steps_timed else None,
+            "train_examples": len(self.train_enc), "train_tokens": self.train_enc.n_tokens,
+            "eval_examples": len(self.eval_enc), "labels": self.label2id, "head_added": self.minfo["head_added"],
+            "resumed": self.state is not None,
+            "mean_step_seconds": (self.t_train / self.n_steps_timed) if self.n_steps_timed else None,
             "final": evals[-1] if evals else None, "evals": evals, "extra": cfg.extra,
             "eval_isoscore_target": "trace-matched identity", "versions": package_versions(),
         })
-        write_json_atomic(out / "summary.json", summary)
-    dd.barrier(d)
-    return dd.broadcast_object(summary, d)
 
 
 def _json_safe(obj):
