@@ -1,0 +1,186 @@
+"""A layer's report entry: from its merged accumulators and sample to the numbers, SEs and notes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from geomscope.schema import EXTRA_ID_PREFIX, SCALAR_METRIC_NAMES
+from geomscope.score import compute, idest, outliers
+from geomscope.score.options import ScoreOptions
+from geomscope.score.sources import SourceInfo
+
+
+class LayerResult:
+    """One layer's numbers as they are computed, and its report entry (:meth:`entry`).
+
+    The scoring passes fill it in order: :meth:`moments` (every moment metric and its jackknife
+    replicates), :meth:`cosine_variants` (the second pass's centred/standardised cosine), then
+    :meth:`finish` (intrinsic dimension and outliers on the sample). compute.py, outliers.py and
+    idest.py hold the arithmetic; this class is where a layer's parts become its entry.
+    """
+
+    def __init__(self, name, index, lp, src: SourceInfo, opts: ScoreOptions, G: int, c0):
+        self.name, self.index, self.lp, self.opts, self.G, self.c0 = name, index, lp, opts, G, c0
+        self.counts = dict(lp.counts) if lp is not None else {}
+        self.n = int(self.counts.get("used", 0))
+        self.values: dict = {}
+        self.reps: dict[str, list] = {}
+        self.notes: dict[str, str] = {}
+        self.flags: list[str] = list(src.flags)
+        self.unit_spec = None
+        self.full = None
+        self.live: list[int] = []
+        self.n_live = 0
+        self.rep_stats: list = []
+        self.extra: dict = {}
+        self.dim = src.dim
+        if self.counts.get("nonfinite"):
+            self.flags.append("nonfinite_rows_dropped")
+
+    def _groups(self):
+        return self.lp.groups if self.lp is not None and self.lp.groups else None
+
+    def moments(self) -> None:
+        o, c0 = self.opts, self.c0
+        groups = self._groups()
+        if not o.moment_metrics:
+            return
+        if groups is None or self.n < 2:
+            why = f"{self.n} usable row(s); at least 2 are needed"
+            for k in _moment_keys(o):
+                self.values[k] = None
+                self.notes.setdefault(k, why)
+            return
+        self.full = full = compute.merged(groups)
+        self.values = compute.moment_values(full, o, c0, self.notes, full=True)
+        if full.n <= full.dim and (o.wants("isoscore") or o.wants("isoscore_star") or o.wants("spectrum")):
+            self.flags.append("rank_limited")
+        if o.wants("avgcos") and full.n_zero_norm:
+            self.flags.append("zero_norm_rows")
+        self.extra["count_abs_ge"] = [g.count_abs_ge for g in groups] if full.extras else None
+        self.extra["n_groups"] = [g.n for g in groups]
+        live = compute.nonempty(groups) if self.G >= 2 else []
+        self.n_live = len(live)
+        if len(live) < 2:  # leaving out the only group leaves nothing: no replicates
+            live = []
+        self.live = live
+        shifts = {v: [] for v in o.avgcos_variants if v != "plain"} if o.needs_second_pass else {}
+        self.rep_stats = []
+        for r in live:
+            m = compute.merged(groups, skip=r)
+            vals = compute.moment_values(m, o, c0, {}, full=False)
+            for k, v in vals.items():
+                self.reps.setdefault(k, []).append(v)
+            self.rep_stats.append(outliers.replicate_statistic(m, o))
+            for v in shifts:
+                shifts[v].append(compute.unit_shift_scale(m, v))
+        if shifts:
+            spec = {}
+            for v, lst in shifts.items():
+                sh_full, sc_full = compute.unit_shift_scale(full, v)
+                by_r = dict(zip(live, lst, strict=True))
+                rows = [by_r.get(r, (sh_full, sc_full)) for r in range(self.G if self.G >= 2 else 0)]
+                rows.append((sh_full, sc_full))
+                sh = np.stack([a for a, _ in rows])
+                sc = None if v == "centred" else np.stack([b for _, b in rows])
+                spec[v] = (sh, sc)
+            self.unit_spec = spec
+        self.lp.groups = None  # every number needing them is computed: free G x D x D floats now
+
+    def cosine_variants(self, unit: dict) -> None:
+        from geomscope.metrics import avgcos_from_sum
+
+        for v, mus in unit.items():
+            key = compute.AVGCOS_KEY[v]
+            last = mus.replicates - 1
+            self.values[key] = compute._try(
+                lambda m=mus, r=last: float(avgcos_from_sum(m.sum_unit[r], m.n_unit(r))), self.notes, key)
+            if self.live:
+                self.reps[key] = [compute._try(lambda m=mus, r=r: float(avgcos_from_sum(m.sum_unit[r], m.n_unit(r))),
+                                               {}, key) for r in self.live]
+
+    def finish(self) -> None:
+        self.intrinsic()
+        self.outliers_moment()
+
+    def intrinsic(self) -> None:
+        o = self.opts
+        self.sample = None
+        if self.lp is not None and self.lp.reservoir is not None:
+            self.sample = self.lp.reservoir.sample()
+        self.id_info = idest.estimate(self.sample, o, self.notes) if o.id_names else {}
+
+    def outliers_moment(self) -> None:
+        o = self.opts
+        self.out = None
+        if not o.wants("outliers") or o.outlier_rule == "magnitude":
+            return
+        self.out = outliers.layer_outliers(self.full, self.sample, self.rep_stats, o, self.notes)
+
+    def entry(self) -> dict:
+        o = self.opts
+        v = self.values
+        se = {}
+        for k in _scalar_keys(o):  # every requested scalar metric has an se entry (null: see notes)
+            if k in self.reps:
+                se[k] = compute.jackknife_se(self.reps[k])
+            else:
+                se[k] = self.id_info.get("se", {}).get(k)
+        if self.G < 2 and o.moment_metrics:
+            self.notes.setdefault("se", "jackknife off (--jackknife-groups 0): no standard errors for moment metrics")
+        elif o.moment_metrics and self.full is not None and self.n_live < 2:
+            self.notes.setdefault("se", f"rows fall in {self.n_live} jackknife group(s); at least 2 are needed "
+                                        "for standard errors of moment metrics")
+        for k in _scalar_keys(o):
+            general = "se" in self.notes and k not in self.id_info.get("se", {})
+            if not general and se[k] is None and v.get(k, self.id_info.get("values", {}).get(k)) is not None:
+                self.notes.setdefault(f"se.{k}", "standard error undefined: a replicate has no value or too "
+                                                 "few groups/points")
+        id_values = self.id_info.get("values", {})
+        e = {
+            "layer": self.name, "index": self.index, "n_rows": self.n,
+            **{m: id_values.get(m) if m == "twonn" else v.get(m) for m in SCALAR_METRIC_NAMES},
+            "outliers": self.out["dims"] if self.out else [],
+            "se": se,
+            "eigenvalues": v.get("eigenvalues", []),
+            "outlier_statistic": self.out["statistic"] if self.out else [],
+            "outlier_support": self.out["support"] if self.out else [],
+            "twonn_n_used": self.id_info.get("n_used", 0),
+            "twonn_duplicates_removed": self.id_info.get("duplicates_removed", 0),
+            "dropped": {k: int(self.counts.get(k, 0)) for k in ("nonfinite", "special", "not_sampled")},
+            "flags": sorted(set(self.flags)),
+            "notes": self.notes,
+        }
+        for name in o.extra_id:
+            e[f"{EXTRA_ID_PREFIX}{name}"] = id_values.get(f"{EXTRA_ID_PREFIX}{name}")
+        _fill_null_notes(e, o)
+        return e
+
+
+def _moment_keys(o: ScoreOptions) -> list[str]:
+    keys = []
+    if o.wants("isoscore"):
+        keys.append("isoscore")
+    if o.wants("isoscore_star"):
+        keys.append("isoscore_star")
+    if o.wants("avgcos"):
+        keys += [compute.AVGCOS_KEY[v] for v in o.avgcos_variants]
+    if o.wants("spectrum"):
+        keys += list(compute.SPECTRUM_KEYS)
+    return keys
+
+
+def _scalar_keys(o: ScoreOptions) -> list[str]:
+    keys = _moment_keys(o)
+    if "twonn" in o.id_names:
+        keys.append("twonn")
+    keys += [f"id_{n}" for n in o.extra_id]
+    return keys
+
+
+def _fill_null_notes(e: dict, o: ScoreOptions) -> None:
+    wanted = set(_scalar_keys(o))
+    for k in (*SCALAR_METRIC_NAMES, *[f"{EXTRA_ID_PREFIX}{n}" for n in o.extra_id]):
+        if e.get(k) is None and k not in e["notes"]:
+            e["notes"][k] = ("not requested (--metrics / --avgcos-variants)" if k not in wanted
+                             else "undefined for this layer")
