@@ -104,27 +104,14 @@ def check_shard_file(task: Task, *, checksum: bool):
 
 def _shard_meta(task: Task, layers: list[str], n_groups: int) -> Iterator[Block]:
     """Metadata (keys, groups, special, non-finite flags) of a shard, without activations."""
-    import h5py
+    from geomscope.store import iter_shard
 
-    p = Path(task.path)
-    try:
-        with h5py.File(p, "r") as f:
-            n = int(f["token_id"].shape[0])
-            step = 1 << 20
-            for s in range(0, n, step):
-                e = min(n, s + step)
-                nf = {}
-                for name in layers:
-                    if "nonfinite" in f and name in f["nonfinite"]:
-                        nf[name] = f["nonfinite"][name][s:e]
-                    else:
-                        nf[name] = np.zeros(e - s, bool)
-                yield Block(keys=run_keys(task.index, s, e),
-                            group=_groups_of_docs(f["doc_id"][s:e], n_groups),
-                            special=np.asarray(f["is_special"][s:e], bool), nonfinite=nf)
-    except (OSError, KeyError) as e:
-        raise DataError(f"shard {p} is corrupt or truncated ({str(e).split('(')[0].strip()}); "
-                        "rerun the same `geomscope extract` command to redo it") from e
+    for ch in iter_shard(Path(task.path), layers, chunk_rows=1 << 20, activations=False):
+        n = ch.stop - ch.start
+        nf = {name: np.asarray(ch.nonfinite[name], bool) if name in ch.nonfinite else np.zeros(n, bool)
+              for name in layers}
+        yield Block(keys=run_keys(task.index, ch.start, ch.stop), group=_groups_of_docs(ch.doc_id, n_groups),
+                    special=np.asarray(ch.is_special, bool), nonfinite=nf)
 
 
 def _shard_blocks(task: Task, layers: list[str], n_groups: int, block_rows: int | None) -> Iterator[Block]:
@@ -277,10 +264,9 @@ def _open_run(p: Path, layers: list[str] | None, partial: bool) -> SourceInfo:
             indices[lay["name"]] = lay.get("index")
     dim = run.dim
     if dim is None:
-        import h5py
+        from geomscope.store import shard_dim
 
-        with h5py.File(run.shard_path(shards[0]), "r") as f:
-            dim = int(f["layers"][names[0]].shape[1])
+        dim = shard_dim(run.shard_path(shards[0]), names[0])
     tasks = [Task(kind="shard", path=str(run.shard_path(s)), index=s.index, rows=s.rows, nbytes=s.bytes,
                   sha256=s.sha256) for s in sorted(shards, key=lambda s: s.index)]
     ident = run.identity

@@ -22,7 +22,7 @@ from geomscope.store.manifest import (
     identity_differences,
     shard_name,
 )
-from geomscope.store.reader import Run, ShardChunk, iter_shard, read_shard_index, verify_shard
+from geomscope.store.reader import Run, ShardChunk, iter_shard, read_shard_index, shard_dim, verify_shard
 from geomscope.store.shard import ShardInfo, ShardWriter, nonfinite_rows
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "describe_run",
     "identity_differences",
     "iter_shard",
+    "shard_dim",
     "nonfinite_rows",
     "read_shard_index",
     "shard_name",

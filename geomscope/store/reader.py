@@ -64,10 +64,24 @@ def read_shard_index(path: Path) -> dict[str, np.ndarray]:
             raise _corrupt(path, str(e)) from e
 
 
+def shard_dim(path: Path, layer: str) -> int:
+    """The width D of ``layer`` in one shard."""
+    path = Path(path)
+    with _open(path) as f:
+        try:
+            return int(f["layers"][layer].shape[1])
+        except (OSError, KeyError) as e:
+            raise _corrupt(path, str(e).split("(")[0].strip()) from e
+
+
 def iter_shard(
-    path: Path, layers: list[str] | None = None, *, chunk_rows: int | None = None
+    path: Path, layers: list[str] | None = None, *, chunk_rows: int | None = None, activations: bool = True
 ) -> Iterator[ShardChunk]:
-    """Stream a shard in chunks of rows; memory is bounded by ``chunk_rows`` x D x len(layers)."""
+    """Stream a shard in chunks of rows; memory is bounded by ``chunk_rows`` x D x len(layers).
+
+    ``activations=False`` reads only the row index and the non-finite flags of ``layers`` (a chunk's
+    ``layers`` is then empty): the metadata pass of ``score --max-rows``.
+    """
     path = Path(path)
     with _open(path) as f:
         names = list(f["layers"].keys()) if layers is None else list(layers)
@@ -76,7 +90,7 @@ def iter_shard(
                 raise InputError(f"layer {n!r} is not in {path.name} (it has {', '.join(f['layers'].keys())})")
         try:
             n_rows = int(f["token_id"].shape[0])
-            if names:
+            if names and activations:
                 d = f["layers"][names[0]].shape[1]
                 item = f["layers"][names[0]].dtype.itemsize
                 default = max(1024, READ_CHUNK_BYTES // max(1, d * item * len(names)))
@@ -92,7 +106,7 @@ def iter_shard(
                 yield ShardChunk(
                     start=start,
                     stop=stop,
-                    layers={n: f["layers"][n][start:stop] for n in names},
+                    layers={n: f["layers"][n][start:stop] for n in names} if activations else {},
                     nonfinite={n: f["nonfinite"][n][start:stop] for n in names if n in f["nonfinite"]},
                     token_id=meta["token_id"],
                     doc_id=meta["doc_id"],
