@@ -600,3 +600,24 @@ def test_outlier_rules_against_direct(tmp_path):
         assert e["outliers"] == ref.dims
         np.testing.assert_allclose(e["outlier_statistic"], f, rtol=1e-12)
         assert len(e["outlier_support"]) == len(ref.dims)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(zeta="0.2"), "--zeta must be a number"), (dict(zeta=1.5), r"--zeta must be in \[0, 1\]"),
+    (dict(discard_fraction=1.0), r"--discard-fraction must be in \[0, 1\)"), (dict(workers=0), "--workers must be >= 1"),
+    (dict(seed=1.5), "--seed must be a whole number"), (dict(jackknife_groups=1), "0 \\(off\\) or >= 2"),
+    (dict(memory_mb=0), r"--memory-mb must be in \(0, inf\)"), (dict(twonn_fit="cubic"), "--twonn-fit must be one of"),
+    (dict(outlier_rule="mad"), "--outlier-rule must be one of"), (dict(outlier_stat="max"), "--outlier-stat"),
+    (dict(max_rows=1), "--max-rows must be >= 2"), (dict(metrics=("nope",)), "unknown metric"),
+])
+def test_score_options_reject_library_callers_bad_values(kw, match):
+    with pytest.raises(InputError, match=match):
+        ScoreOptions(**kw).validate()
+
+
+def test_score_options_all_means_the_core_metrics():
+    from geomscope.score import CORE_METRICS
+
+    o = ScoreOptions(metrics=("all",)).validate()
+    assert o.metrics == CORE_METRICS and o.zeta == 0.2 and isinstance(o.zeta, float)
+    assert ScoreOptions(metrics=("all", "mle")).validate().extra_id == ("mle",)

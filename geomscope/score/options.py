@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from geomscope.choices import OUTLIER_RULES
+from geomscope.choices import OUTLIER_RULES, OUTLIER_STATS, TWONN_FITS
 from geomscope.errors import InputError
 
 MOMENT_METRICS = ("isoscore", "isoscore_star", "avgcos", "spectrum", "outliers")
@@ -64,86 +64,23 @@ class ScoreOptions:
         return asdict(self)
 
     def validate(self) -> ScoreOptions:
-        """A normalised copy; InputError (one line) for anything out of range or unknown."""
-        ids = id_estimator_names()
-        known = (*CORE_METRICS, *[n for n in ids if n != "twonn"])
-        metrics = []
-        for m in self.metrics:
-            m = str(m).strip().lower()
-            if not m:
-                continue
-            if m == "all":
-                metrics.extend(CORE_METRICS)
-                continue
-            if m not in known:
-                raise InputError(f"unknown metric {m!r}; choose among {', '.join(known)}")
-            metrics.append(m)
-        metrics = list(dict.fromkeys(metrics))
-        if not metrics:
-            raise InputError("--metrics is empty; name at least one metric, e.g. --metrics isoscore")
-        est = []
-        for e in self.id_estimator:
-            e = str(e).strip().lower()
-            if e and e not in ids:
-                raise InputError(f"unknown --id-estimator {e!r}; choose among {', '.join(ids)}")
-            if e:
-                est.append(e)
-        run_ids = [m for m in metrics if m in ids] + est
-        if "twonn" in run_ids and "twonn" not in metrics:
-            metrics.append("twonn")
-        extra = [e for e in dict.fromkeys(run_ids) if e != "twonn"]
-        variants = []
-        for v in self.avgcos_variants:
-            v = _VARIANT_ALIASES.get(str(v).strip().lower(), str(v).strip().lower())
-            if v not in AVGCOS_VARIANTS:
-                raise InputError(f"unknown --avgcos-variants entry {v!r}; "
-                             f"choose among {', '.join(AVGCOS_VARIANTS)}")
-            variants.append(v)
-        if "avgcos" in metrics and not variants:
-            raise InputError("--avgcos-variants is empty; give plain, centred and/or standardised")
-        try:
-            zeta = float(self.zeta)
-        except (TypeError, ValueError):
-            raise InputError(f"--zeta must be a number in [0, 1]; got {self.zeta!r}") from None
-        if not 0.0 <= zeta <= 1.0:
-            raise InputError(f"--zeta must be in [0, 1] (the weight on the shrinkage target); got {self.zeta}")
-        rule = str(self.outlier_rule).strip().lower()
-        rules = OUTLIER_RULES
-        if rule not in rules:
-            raise InputError(f"unknown --outlier-rule {rule!r}; choose among {', '.join(rules)}")
-        thr = DEFAULT_OUTLIER_THRESHOLD.get(rule) if self.outlier_threshold is None else float(self.outlier_threshold)
-        if thr is None or not thr == thr:
-            raise InputError("--outlier-threshold must be a number")
-        if rule == "quantile" and not 0.0 < thr < 1.0:
-            raise InputError(f"--outlier-threshold for the quantile rule is a quantile in (0, 1); got {thr}")
-        if rule != "quantile" and thr <= 0:
-            raise InputError(f"--outlier-threshold must be > 0; got {thr}")
-        if self.outlier_stat not in ("variance", "mean_abs"):
-            raise InputError(f"--outlier-stat must be variance or mean_abs; got {self.outlier_stat!r}")
-        if not 0.0 <= float(self.discard_fraction) < 1.0:
-            raise InputError(f"--discard-fraction must be in [0, 1); got {self.discard_fraction}")
-        if int(self.id_sample) < 3:
-            raise InputError(f"--id-sample must be at least 3 points; got {self.id_sample}")
-        if self.max_rows is not None and int(self.max_rows) < 2:
-            raise InputError(f"--max-rows must be at least 2; got {self.max_rows}")
-        if int(self.workers) < 1:
-            raise InputError(f"--workers must be >= 1; got {self.workers}")
-        if int(self.jackknife_groups) < 0 or int(self.jackknife_groups) == 1:
-            raise InputError(f"--jackknife-groups must be 0 (off) or >= 2; got {self.jackknife_groups}")
-        if not float(self.memory_mb) > 0:
-            raise InputError(f"--memory-mb must be > 0; got {self.memory_mb}")
-        if self.twonn_fit not in ("linear", "mle"):
-            raise InputError(f"--twonn-fit must be linear or mle; got {self.twonn_fit!r}")
-        if int(self.id_repeats) < 2:
-            raise InputError(f"--id-repeats must be >= 2; got {self.id_repeats}")
-        if int(self.seed) < 0:
-            raise InputError(f"--seed must be >= 0; got {self.seed}")
-        return replace(self, metrics=tuple(metrics), zeta=zeta, avgcos_variants=tuple(dict.fromkeys(variants)),
-                       outlier_rule=rule, outlier_threshold=float(thr), id_estimator=tuple(est),
-                       extra_id=tuple(extra), jackknife_groups=int(self.jackknife_groups),
-                       max_rows=None if self.max_rows is None else int(self.max_rows),
-                       layers=tuple(self.layers) if self.layers else None,
-                       shrinkage_target=normalise_target(self.shrinkage_target))
+        """A normalised copy; InputError (one line) for anything out of range, unknown or mistyped."""
+        metrics, est, extra = _checked_metrics(self.metrics, self.id_estimator)
+        variants = _checked_variants(self.avgcos_variants, "avgcos" in metrics)
+        rule, threshold = _checked_outlier_rule(self.outlier_rule, self.outlier_threshold, self.outlier_stat)
+        n = _Numbers(self)
+        return replace(
+            self, metrics=metrics, zeta=n.real("zeta", lo=0.0, hi=1.0), avgcos_variants=variants,
+            outlier_rule=rule, outlier_threshold=threshold, id_estimator=est, extra_id=extra,
+            discard_fraction=n.real("discard_fraction", lo=0.0, hi=1.0, hi_open=True),
+            id_sample=n.whole("id_sample", lo=3), max_rows=n.whole("max_rows", lo=2, optional=True),
+            workers=n.whole("workers", lo=1),
+            jackknife_groups=_checked_groups(n.whole("jackknife_groups", lo=0)),
+            memory_mb=n.real("memory_mb", lo=0.0, lo_open=True), id_repeats=n.whole("id_repeats", lo=2),
+            seed=n.whole("seed", lo=0), twonn_fit=_one_of("--twonn-fit", self.twonn_fit, TWONN_FITS),
+            layers=tuple(self.layers) if self.layers else None,
+            shrinkage_target=normalise_target(self.shrinkage_target),
+        )
 
     # -- convenience -------------------------------------------------------------------------
     def wants(self, metric: str) -> bool:
@@ -161,6 +98,116 @@ class ScoreOptions:
     @property
     def needs_second_pass(self) -> bool:
         return "avgcos" in self.metrics and any(v != "plain" for v in self.avgcos_variants)
+
+
+def _one_of(option: str, value, allowed: tuple[str, ...]) -> str:
+    v = str(value).strip().lower()
+    if v not in allowed:
+        raise InputError(f"{option} must be one of {', '.join(allowed)}; got {value!r}")
+    return v
+
+
+def _checked_metrics(names, id_estimators) -> tuple[tuple, tuple, tuple]:
+    """(metrics, --id-estimator names, extra estimators run besides TwoNN); ``all`` = the core seven."""
+    ids = id_estimator_names()
+    known = (*CORE_METRICS, *[n for n in ids if n != "twonn"])
+    metrics = []
+    for m in (str(x).strip().lower() for x in names):
+        if m == "all":
+            metrics.extend(CORE_METRICS)
+        elif m and m not in known:
+            raise InputError(f"unknown metric {m!r}; choose among {', '.join(known)}")
+        elif m:
+            metrics.append(m)
+    metrics = list(dict.fromkeys(metrics))
+    if not metrics:
+        raise InputError("--metrics is empty; name at least one metric, e.g. --metrics isoscore")
+    est = [e for e in (str(x).strip().lower() for x in id_estimators) if e]
+    for e in est:
+        if e not in ids:
+            raise InputError(f"unknown --id-estimator {e!r}; choose among {', '.join(ids)}")
+    run_ids = [m for m in metrics if m in ids] + est
+    if "twonn" in run_ids and "twonn" not in metrics:
+        metrics.append("twonn")
+    extra = [e for e in dict.fromkeys(run_ids) if e != "twonn"]
+    return tuple(metrics), tuple(est), tuple(extra)
+
+
+def _checked_variants(names, wanted: bool) -> tuple[str, ...]:
+    variants = []
+    for v in names:
+        v = _VARIANT_ALIASES.get(str(v).strip().lower(), str(v).strip().lower())
+        if v not in AVGCOS_VARIANTS:
+            raise InputError(f"unknown --avgcos-variants entry {v!r}; "
+                             f"choose among {', '.join(AVGCOS_VARIANTS)}")
+        variants.append(v)
+    if wanted and not variants:
+        raise InputError("--avgcos-variants is empty; give plain, centred and/or standardised")
+    return tuple(dict.fromkeys(variants))
+
+
+def _checked_outlier_rule(rule, threshold, stat) -> tuple[str, float]:
+    """(rule, threshold): the rule's default threshold when none is given; quantiles lie in (0, 1)."""
+    rule = _one_of("--outlier-rule", rule, OUTLIER_RULES)
+    _one_of("--outlier-stat", stat, OUTLIER_STATS)
+    if threshold is None:
+        thr = DEFAULT_OUTLIER_THRESHOLD[rule]
+    else:
+        thr = _Numbers.as_real("--outlier-threshold", threshold)
+    if not thr == thr:
+        raise InputError("--outlier-threshold must be a number")
+    if rule == "quantile" and not 0.0 < thr < 1.0:
+        raise InputError(f"--outlier-threshold for the quantile rule is a quantile in (0, 1); got {thr}")
+    if rule != "quantile" and thr <= 0:
+        raise InputError(f"--outlier-threshold must be > 0; got {thr}")
+    return rule, float(thr)
+
+
+def _checked_groups(groups: int) -> int:
+    if groups == 1:
+        raise InputError("--jackknife-groups must be 0 (off) or >= 2; got 1")
+    return groups
+
+
+class _Numbers:
+    """Typed, range-checked numeric fields of a ScoreOptions (library callers get the CLI's messages)."""
+
+    def __init__(self, opts: ScoreOptions):
+        self.opts = opts
+
+    @staticmethod
+    def option(field_name: str) -> str:
+        return "--" + field_name.replace("_", "-")
+
+    @staticmethod
+    def as_real(option: str, value) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InputError(f"{option} must be a number; got {value!r}")
+        return float(value)
+
+    def real(self, name: str, *, lo: float, hi: float | None = None, lo_open: bool = False,
+             hi_open: bool = False) -> float:
+        option = self.option(name)
+        v = self.as_real(option, getattr(self.opts, name))
+        too_low = v <= lo if lo_open else v < lo
+        too_high = hi is not None and (v >= hi if hi_open else v > hi)
+        if too_low or too_high or v != v:
+            left = "(" if lo_open else "["
+            right = ")" if hi_open or hi is None else "]"
+            span = f"{left}{lo:g}, {'inf' if hi is None else f'{hi:g}'}{right}"
+            raise InputError(f"{option} must be in {span}; got {v}")
+        return v
+
+    def whole(self, name: str, *, lo: int, optional: bool = False) -> int | None:
+        option = self.option(name)
+        v = getattr(self.opts, name)
+        if v is None and optional:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise InputError(f"{option} must be a whole number; got {v!r}")
+        if v < lo:
+            raise InputError(f"{option} must be >= {lo}; got {v}")
+        return v
 
 
 def normalise_target(t) -> str:
