@@ -194,12 +194,7 @@ def _jsonl_records(inp: InputFile, field: str) -> Iterator[str]:
             keys = ", ".join(list(obj)[:8]) or "none"
             raise InputError(f"input {inp.arg} line {lineno} has no field {field!r} (it has: {keys}); "
                              "choose the text with --text-field")
-        if val is None:
-            val = ""
-        if not isinstance(val, str):
-            raise InputError(f"input {inp.arg} line {lineno}: field {field!r} holds a {type(val).__name__}, not "
-                             "text; choose the text with --text-field")
-        yield val
+        yield _as_text(val, f"input {inp.arg} line {lineno}: field {field!r}")
 
 
 def _csv_records(inp: InputFile, column: str) -> Iterator[str]:
@@ -224,6 +219,15 @@ def _csv_records(inp: InputFile, column: str) -> Iterator[str]:
         raise InputError(f"input {inp.arg} is not valid {inp.kind.upper()} ({e}); check the file") from e
 
 
+def _as_text(val, where: str) -> str:
+    """A record's text: None is an empty document; anything else that is not a string is refused."""
+    if val is None:
+        return ""
+    if not isinstance(val, str):
+        raise InputError(f"{where} holds a {type(val).__name__}, not text; choose the text with --text-field")
+    return val
+
+
 def _dataset_records(inp: InputFile, field: str) -> Iterator[str]:
     try:
         import datasets
@@ -244,12 +248,7 @@ def _dataset_records(inp: InputFile, field: str) -> Iterator[str]:
                          "choose the text with --text-field")
     for batch in ds.select_columns([field]).iter(batch_size=1024):
         for val in batch[field]:
-            if val is None:
-                val = ""
-            if not isinstance(val, str):
-                raise InputError(f"input {inp.arg}: column {field!r} holds {type(val).__name__} values, not text; "
-                                 "choose the text with --text-field")
-            yield val
+            yield _as_text(val, f"input {inp.arg}: column {field!r}")
 
 
 def iter_records(inp: InputFile, *, text_field: str = "text", text_column: str = "text") -> Iterator[str]:
