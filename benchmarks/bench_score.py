@@ -71,8 +71,13 @@ def make_run(rows: int, dim: int = 384, shards: int = 8) -> Path:
             x = _rows(n, dim, seed=s)
             sw = w.shard_writer(s, layer_names=["layer_00"], dim=dim, store_dtype="float16", expected_rows=n)
             docs = doc + np.arange(n) // 50
-            sw.append({"layer_00": x}, token_id=np.arange(n), doc_id=docs, position=np.arange(n) % 50,
-                      is_special=np.arange(n) % 50 == 0)
+            sw.append(
+                {"layer_00": x},
+                token_id=np.arange(n),
+                doc_id=docs,
+                position=np.arange(n) % 50,
+                is_special=np.arange(n) % 50 == 0,
+            )
             w.add_shard(sw.close())
             doc = int(docs[-1]) + 1
         w.finalize({"docs": doc})
@@ -94,8 +99,9 @@ def load_rows(path: Path) -> np.ndarray:
     from geomscope.store import Run, iter_shard
 
     run = Run(path)
-    return np.concatenate([c.layers["layer_00"].astype(np.float32)
-                           for s in run.shards for c in iter_shard(run.shard_path(s))])
+    return np.concatenate(
+        [c.layers["layer_00"].astype(np.float32) for s in run.shards for c in iter_shard(run.shard_path(s))]
+    )
 
 
 def _score(path: Path, metrics, workers: int = 1) -> dict:
@@ -151,15 +157,32 @@ def _throughput_rows(label: str, path: Path, n: int, x: np.ndarray, repeats: int
     t = alternate({"g": lambda: _score(path, ("isoscore",)), "p": lambda: _package(x)}, repeats=repeats)
     g_val = _score(path, ("isoscore",))["layers"][0]["isoscore"]
     err = abs(g_val - _package(x))
-    rows.append({"benchmark": f"IsoScore, {label}", "geomscope": n / t["g"], "alternative": n / t["p"],
-                 "ratio": t["p"] / t["g"], "target": ">= 1",
-                 "note": f"rows/s, median of {repeats}; geomscope streams from disk (+ jackknife SE, checksums), "
-                         f"package on float32 rows in memory; |difference| {err:.1e}"})
-    t = alternate({"g": lambda: _score(path, MOMENT_SUITE), "p": lambda: _package(x, star=True)}, repeats=repeats)
-    rows.append({"benchmark": f"moment suite, {label}", "geomscope": n / t["g"], "alternative": n / t["p"],
-                 "ratio": t["p"] / t["g"], "target": "report",
-                 "note": "rows/s; geomscope: isoscore, isoscore*, avgcos x3 (2nd pass), spectrum, outliers, all with "
-                         "jackknife SE; package: IsoScore + IsoScore* only"})
+    rows.append(
+        {
+            "benchmark": f"IsoScore, {label}",
+            "geomscope": n / t["g"],
+            "alternative": n / t["p"],
+            "ratio": t["p"] / t["g"],
+            "target": ">= 1",
+            "note": f"rows/s, median of {repeats}; geomscope streams from disk (+ jackknife SE, checksums), "
+            f"package on float32 rows in memory; |difference| {err:.1e}",
+        }
+    )
+    t = alternate(
+        {"g": lambda: _score(path, MOMENT_SUITE), "p": lambda: _package(x, star=True)}, repeats=repeats
+    )
+    rows.append(
+        {
+            "benchmark": f"moment suite, {label}",
+            "geomscope": n / t["g"],
+            "alternative": n / t["p"],
+            "ratio": t["p"] / t["g"],
+            "target": "report",
+            "note": "rows/s; geomscope: isoscore, isoscore*, avgcos x3 (2nd pass), spectrum, outliers, "
+            "all with "
+            "jackknife SE; package: IsoScore + IsoScore* only",
+        }
+    )
     return rows
 
 
@@ -178,18 +201,33 @@ def run(quick: bool = False) -> list[dict]:
         for label, path in ((f"run {n_run:,}x384 float16", run_dir), (f"array {n_arr:,}x768 float32", arr)):
             g = run_isolated(memory_child, "geomscope", str(path))["result"]
             p = run_isolated(memory_child, "package", str(path))["result"]
-            rows.append({"benchmark": f"peak RSS over the post-import baseline (MiB), IsoScore, {label}",
-                         "geomscope": g["extra_mb"], "alternative": p["extra_mb"],
-                         "ratio": p["extra_mb"] / max(g["extra_mb"], 1e-9), "target": ">= 1",
-                         "note": "one spawned process per side, RSS sampled every ms minus the RSS after imports; "
-                                 "the package side loads the rows as float32 (as it must)"})
+            rows.append(
+                {
+                    "benchmark": f"peak RSS over the post-import baseline (MiB), IsoScore, {label}",
+                    "geomscope": g["extra_mb"],
+                    "alternative": p["extra_mb"],
+                    "ratio": p["extra_mb"] / max(g["extra_mb"], 1e-9),
+                    "target": ">= 1",
+                    "note": "one spawned process per side, RSS sampled every ms minus the RSS after imports; "
+                    "the package side loads the rows as float32 (as it must)",
+                }
+            )
     for what, metrics in () if quick else (("IsoScore", ("isoscore",)), ("moment suite", MOMENT_SUITE)):
-        t = alternate({"w1": lambda m=metrics: _score(run_dir, m, 1), "w2": lambda m=metrics: _score(run_dir, m, 2)},
-                      repeats=repeats)
-        rows.append({"benchmark": f"workers 1 -> 2, {what}, run {n_run:,}x384", "geomscope": n_run / t["w2"],
-                     "alternative": n_run / t["w1"], "ratio": t["w1"] / t["w2"], "target": "report",
-                     "note": f"rows/s with --workers 2 (geomscope column) vs 1 (alternative column); includes "
-                             f"~0.7 s to spawn the pool; {os.cpu_count()} CPUs on this machine, shared"})
+        t = alternate(
+            {"w1": lambda m=metrics: _score(run_dir, m, 1), "w2": lambda m=metrics: _score(run_dir, m, 2)},
+            repeats=repeats,
+        )
+        rows.append(
+            {
+                "benchmark": f"workers 1 -> 2, {what}, run {n_run:,}x384",
+                "geomscope": n_run / t["w2"],
+                "alternative": n_run / t["w1"],
+                "ratio": t["w1"] / t["w2"],
+                "target": "report",
+                "note": f"rows/s with --workers 2 (geomscope column) vs 1 (alternative column); includes "
+                f"~0.7 s to spawn the pool; {os.cpu_count()} CPUs on this machine, shared",
+            }
+        )
     return rows
 
 

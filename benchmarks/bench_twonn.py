@@ -105,23 +105,43 @@ def run(quick: bool = False) -> list[dict]:
         if sk is not None:
             if n == 20000:
                 skdim_20k = t["skdim"]
-            rows.append({
-                "benchmark": f"{tag} vs skdim 0.5.0", "geomscope": t["geomscope"], "alternative": t["skdim"],
-                "ratio": t["skdim"] / t["geomscope"], "target": ">= 15x at 20,000" if n == 20000 else "-",
-                "note": f"seconds (median of {repeats}); d = {ours:.4f} vs {sk:.4f} "
-                        f"(rel. diff {abs(ours / sk - 1):.1e}, target < 1e-2){load}"})
+            rows.append(
+                {
+                    "benchmark": f"{tag} vs skdim 0.5.0",
+                    "geomscope": t["geomscope"],
+                    "alternative": t["skdim"],
+                    "ratio": t["skdim"] / t["geomscope"],
+                    "target": ">= 15x at 20,000" if n == 20000 else "-",
+                    "note": f"seconds (median of {repeats}); d = {ours:.4f} vs {sk:.4f} "
+                    f"(rel. diff {abs(ours / sk - 1):.1e}, target < 1e-2){load}",
+                }
+            )
         else:
             extra = ""
             if skdim_20k is not None:
                 est = skdim_20k * (n / 20000) ** 2 * math.log(n) / math.log(20000)
                 extra = f"; skdim skipped (~{est / 60:.0f} min extrapolated as N^2 log N from 20,000)"
-            rows.append({
-                "benchmark": f"{tag} vs skdim 0.5.0", "geomscope": t["geomscope"], "alternative": None,
-                "ratio": None, "target": "-", "note": f"geomscope d = {ours:.4f}{extra}{load}"})
-        rows.append({
-            "benchmark": f"{tag} vs cdist+topk blocks", "geomscope": t["geomscope"], "alternative": t["cdist"],
-            "ratio": t["cdist"] / t["geomscope"], "target": "> 1",
-            "note": f"seconds (median of {repeats}); d = {ours:.4f} vs {alt:.4f} (float32 distances){load}"})
+            rows.append(
+                {
+                    "benchmark": f"{tag} vs skdim 0.5.0",
+                    "geomscope": t["geomscope"],
+                    "alternative": None,
+                    "ratio": None,
+                    "target": "-",
+                    "note": f"geomscope d = {ours:.4f}{extra}{load}",
+                }
+            )
+        rows.append(
+            {
+                "benchmark": f"{tag} vs cdist+topk blocks",
+                "geomscope": t["geomscope"],
+                "alternative": t["cdist"],
+                "ratio": t["cdist"] / t["geomscope"],
+                "target": "> 1",
+                "note": f"seconds (median of {repeats}); d = {ours:.4f} vs {alt:.4f} "
+                f"(float32 distances){load}",
+            }
+        )
     return rows
 
 

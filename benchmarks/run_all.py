@@ -31,7 +31,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     ap.add_argument("--only", default="", help="comma list of areas: " + ",".join(AREAS))
-    ap.add_argument("--json", type=Path, default=None, help="also write all rows and the machine to this file")
+    ap.add_argument(
+        "--json", type=Path, default=None, help="also write all rows and the machine to this file"
+    )
     args = ap.parse_args(argv)
     areas = [a.strip() for a in args.only.split(",") if a.strip()] or AREAS
     rows, failed = [], []
@@ -58,7 +60,9 @@ def main(argv=None) -> int:
     info = machine_info()
     print("\nMachine: " + ", ".join(f"{k}={v}" for k, v in info.items()))
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "machine": info, "quick": args.quick}, indent=2, default=str))
+        args.json.write_text(
+            json.dumps({"rows": rows, "machine": info, "quick": args.quick}, indent=2, default=str)
+        )
     if failed:
         print(f"\nFailed: {', '.join(failed)}", file=sys.stderr)
         return 1

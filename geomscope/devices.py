@@ -30,7 +30,9 @@ def resolve_device(device: str | None, local_rank: int = 0):
         count = torch.cuda.device_count()
         index = local_rank % count if dev.index is None else dev.index
         if index >= count:
-            raise InputError(f"--device {device}: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
+            raise InputError(
+                f"--device {device}: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})"
+            )
         return torch.device("cuda", index)
     if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise InputError(f"--device {device}: MPS is not available here; use --device cpu or auto")

@@ -23,7 +23,8 @@ JSON (``format: "geomscope-report"``, ``format_version: 1``), top-level keys :da
   output: {raw, centred} | null, tied, checkpoint, input_key, output_key, note}``, or null with the
   reason in ``notes.embeddings``.
 
-CSV columns: ``layer,index,n_rows``, one column per scalar metric (:data:`geomscope.schema.SCALAR_METRICS`, then
+CSV columns: ``layer,index,n_rows``, one column per scalar metric
+(:data:`geomscope.schema.SCALAR_METRICS`, then
 ``id_<name>``), ``outliers`` (space-separated dimensions), then ``se_<metric>`` for every scalar
 metric. Missing numbers are empty cells. Non-finite floats are written as JSON null.
 
@@ -53,8 +54,18 @@ from geomscope.schema import (
     extra_id_keys,
 )
 
-__all__ = ["LAYER_KEYS", "REPORT_FORMAT", "REPORT_KEYS", "csv_columns", "load_report", "report_paths",
-           "report_table", "save_report", "to_csv", "to_json"]
+__all__ = [
+    "LAYER_KEYS",
+    "REPORT_FORMAT",
+    "REPORT_KEYS",
+    "csv_columns",
+    "load_report",
+    "report_paths",
+    "report_table",
+    "save_report",
+    "to_csv",
+    "to_json",
+]
 
 
 def _plain(v):
@@ -140,9 +151,11 @@ def load_report(path: str | os.PathLike) -> dict:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InputError(f"{p} is not valid JSON ({e}); give a report written by `geomscope score`") from None
     if not isinstance(rep, dict) or rep.get("format") != REPORT_FORMAT:
-        raise InputError(f"{p} is not a geomscope report (no \"format\": \"{REPORT_FORMAT}\")")
+        raise InputError(f'{p} is not a geomscope report (no "format": "{REPORT_FORMAT}")')
     if int(rep.get("format_version", 0)) > REPORT_FORMAT_VERSION:
-        raise InputError(f"{p} has report format_version {rep.get('format_version')}; upgrade geomscope to read it")
+        raise InputError(
+            f"{p} has report format_version {rep.get('format_version')}; upgrade geomscope to read it"
+        )
     return rep
 
 
@@ -160,14 +173,21 @@ def report_table(report: dict):
     from rich.table import Table
 
     layers = report.get("layers", [])
-    metrics = [m for m in (*SCALAR_METRIC_NAMES, *extra_id_keys(layers)) if any(e.get(m) is not None for e in layers)]
+    metrics = [
+        m for m in (*SCALAR_METRIC_NAMES, *extra_id_keys(layers)) if any(e.get(m) is not None for e in layers)
+    ]
     src = report.get("source", {})
     model = report.get("model") or {}
     title = model.get("name") or Path(str(src.get("path", ""))).name
     if model.get("revision"):
         title += f"@{model['revision']}"
-    t = Table(title=f"geomscope score: {title}", caption=_caption(report), header_style="bold",
-              pad_edge=False, padding=(0, 1))
+    t = Table(
+        title=f"geomscope score: {title}",
+        caption=_caption(report),
+        header_style="bold",
+        pad_edge=False,
+        padding=(0, 1),
+    )
     t.add_column("layer", no_wrap=True)
     t.add_column("rows", justify="right", no_wrap=True)
     for m in metrics:

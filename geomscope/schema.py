@@ -13,8 +13,19 @@ REPORT_FORMAT = "geomscope-report"
 REPORT_FORMAT_VERSION = 1
 
 #: top-level keys of a report, in the order they are written
-REPORT_KEYS = ("format", "format_version", "geomscope_version", "created", "source", "model", "run", "params",
-               "layers", "embeddings", "notes")
+REPORT_KEYS = (
+    "format",
+    "format_version",
+    "geomscope_version",
+    "created",
+    "source",
+    "model",
+    "run",
+    "params",
+    "layers",
+    "embeddings",
+    "notes",
+)
 
 
 @dataclass(frozen=True)
@@ -53,9 +64,20 @@ EXTRA_ID_PREFIX = "id_"
 
 #: keys of one ``layers[]`` entry, in the order they are written (extra ``id_<name>`` keys follow)
 LAYER_KEYS: tuple[str, ...] = (
-    "layer", "index", "n_rows", *SCALAR_METRIC_NAMES,
-    "outliers", "se", "eigenvalues", "outlier_statistic", "outlier_support", "twonn_n_used",
-    "twonn_duplicates_removed", "dropped", "flags", "notes",
+    "layer",
+    "index",
+    "n_rows",
+    *SCALAR_METRIC_NAMES,
+    "outliers",
+    "se",
+    "eigenvalues",
+    "outlier_statistic",
+    "outlier_support",
+    "twonn_n_used",
+    "twonn_duplicates_removed",
+    "dropped",
+    "flags",
+    "notes",
 )
 
 #: layer-entry keys that are not metrics (identity, counts, lists, bookkeeping)

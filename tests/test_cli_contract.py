@@ -55,9 +55,14 @@ def _options(command: str) -> dict[str, tuple[str, ...]]:
     return {p.name: tuple(sorted(p.opts)) for p in cmd.params if p.opts and p.opts[0].startswith("-")}
 
 
-@pytest.mark.parametrize("flag, spellings", [
-    ("json", ("--json",)), ("quiet", ("--quiet", "-q")), ("layers", ("--layers", "-l")),
-])
+@pytest.mark.parametrize(
+    "flag, spellings",
+    [
+        ("json", ("--json",)),
+        ("quiet", ("--quiet", "-q")),
+        ("layers", ("--layers", "-l")),
+    ],
+)
 def test_shared_options_read_the_same(flag, spellings):
     commands = ("extract", "score", "plot", "finetune", "inspect")
     seen = {c: _options(c) for c in commands}

@@ -13,7 +13,7 @@ def test_readme_reference_matches_help():
     text = README.read_text(encoding="utf-8")
     start, end = text.find(BEGIN), text.find(END)
     assert 0 <= start < end, "README.md lost its CLI reference markers"
-    assert text[start:end + len(END)] == reference(), "README's command reference is stale: run `make docs`"
+    assert text[start : end + len(END)] == reference(), "README's command reference is stale: run `make docs`"
 
 
 def test_every_command_is_in_the_reference():

@@ -21,13 +21,13 @@ from geomscope.store import Run, iter_shard
 TEXTS = SAMPLE_TEXTS + ["a <|endoftext|> inside the text", "  ", "", "The end."]
 
 
-
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     return {k: make_tiny_model(k, root) for k in ("bert", "gpt2", "gpt_neox", "t5")} | {
         "gpt2-left": make_tiny_model("gpt2", root, padding_side="left"),
-        "bert-left": make_tiny_model("bert", root, padding_side="left")}
+        "bert-left": make_tiny_model("bert", root, padding_side="left"),
+    }
 
 
 @pytest.fixture(scope="session")
@@ -55,12 +55,15 @@ def read_run(run_dir):
     for info in run.shards:
         for ch in iter_shard(run.shard_path(info)):
             parts.append(ch)
-    meta = {k: np.concatenate([getattr(c, k) for c in parts]) for k in ("token_id", "doc_id", "position",
-                                                                      "is_special")}
+    meta = {
+        k: np.concatenate([getattr(c, k) for c in parts])
+        for k in ("token_id", "doc_id", "position", "is_special")
+    }
     order = np.lexsort((meta["position"], meta["doc_id"]))
     out = {k: v[order] for k, v in meta.items()}
-    out["layers"] = {n: np.concatenate([c.layers[n] for c in parts]).astype(np.float32)[order]
-                     for n in run.layer_names}
+    out["layers"] = {
+        n: np.concatenate([c.layers[n] for c in parts]).astype(np.float32)[order] for n in run.layer_names
+    }
     out["nonfinite"] = {n: np.concatenate([c.nonfinite[n] for c in parts])[order] for n in run.layer_names}
     out["stored_doc_order"] = np.concatenate([c.doc_id for c in parts])
     return out
@@ -84,7 +87,9 @@ def reference(model_dir, texts, *, stack="model", max_length=None):
                 hs = model.get_encoder()(input_ids=ids, output_hidden_states=True).hidden_states
             elif stack == "decoder":
                 dec = torch.cat([torch.tensor([[model.config.decoder_start_token_id]]), ids[:, :-1]], 1)
-                hs = model(input_ids=ids, decoder_input_ids=dec, output_hidden_states=True).decoder_hidden_states
+                hs = model(
+                    input_ids=ids, decoder_input_ids=dec, output_hidden_states=True
+                ).decoder_hidden_states
                 ids = dec
             else:
                 hs = model(input_ids=ids, output_hidden_states=True).hidden_states
@@ -101,12 +106,20 @@ def reference(model_dir, texts, *, stack="model", max_length=None):
 
 
 # ---------------------------------------------------------------- correctness against plain transformers
-@pytest.mark.parametrize("kind,stack", [("bert", "model"), ("gpt2", "model"), ("gpt_neox", "model"),
-                                        ("t5", "encoder"), ("t5", "decoder")])
+@pytest.mark.parametrize(
+    "kind,stack",
+    [("bert", "model"), ("gpt2", "model"), ("gpt_neox", "model"), ("t5", "encoder"), ("t5", "decoder")],
+)
 def test_rows_and_values_match_plain_forward(tmp_path, tiny, kind, stack):
     src = write_lines(tmp_path / "in.txt", TEXTS)
-    s = extract(str(tiny[kind]), [src], tmp_path / "run", store_dtype="float32", batch_tokens=40,
-                stack="decoder" if stack == "decoder" else None)
+    s = extract(
+        str(tiny[kind]),
+        [src],
+        tmp_path / "run",
+        store_dtype="float32",
+        batch_tokens=40,
+        stack="decoder" if stack == "decoder" else None,
+    )
     got = read_run(tmp_path / "run")
     ref = reference(tiny[kind], TEXTS, stack=stack)
     for k in ("token_id", "doc_id", "position", "is_special"):
@@ -129,7 +142,9 @@ def test_gpt2_pad_equals_eos_rows_kept(tmp_path, tiny, loaded):
     lm = loaded("gpt2")
     eos = lm.tokenizer.eos_token_id
     assert lm.tokenizer.pad_token_id == eos
-    src = write_lines(tmp_path / "in.txt", ["<|endoftext|> hello <|endoftext|>", "the dog", "one two three four"])
+    src = write_lines(
+        tmp_path / "in.txt", ["<|endoftext|> hello <|endoftext|>", "the dog", "one two three four"]
+    )
     extract(lm, [src], tmp_path / "run", batch_tokens=64)
     got = read_run(tmp_path / "run")
     doc0 = got["token_id"][got["doc_id"] == 0]
@@ -141,8 +156,12 @@ def test_gpt2_pad_equals_eos_rows_kept(tmp_path, tiny, loaded):
 def test_independent_of_batch_size_and_padding_side(tmp_path, tiny, loaded, kind):
     src = write_lines(tmp_path / "in.txt", TEXTS * 3)
     runs = {}
-    for label, model, bt in [("big", kind, 4096), ("one-doc", kind, 1), ("small", kind, 37),
-                             ("left", f"{kind}-left", 53)]:
+    for label, model, bt in [
+        ("big", kind, 4096),
+        ("one-doc", kind, 1),
+        ("small", kind, 37),
+        ("left", f"{kind}-left", 53),
+    ]:
         extract(loaded(model), [src], tmp_path / label, store_dtype="float32", batch_tokens=bt, shard_docs=7)
         runs[label] = read_run(tmp_path / label)
     assert loaded(f"{kind}-left").tokenizer.padding_side == "left"
@@ -159,7 +178,11 @@ def test_bundled_minilm_matches_transformers(tmp_path):
 
     from geomscope.extract.models import bundled_minilm_dir, resolve_model
 
-    sents = ["A man is playing a guitar.", "The new movie is awesome, and everyone should see it this week.", "Hi"]
+    sents = [
+        "A man is playing a guitar.",
+        "The new movie is awesome, and everyone should see it this week.",
+        "Hi",
+    ]
     src = write_lines(tmp_path / "in.txt", sents)
     s = extract("all-MiniLM-L6-v2", [src], tmp_path / "run", layers="0,6", store_dtype="float32")
     assert s["model"] == "sentence-transformers/all-MiniLM-L6-v2" and s["layers"] == ["layer_00", "layer_06"]
@@ -177,7 +200,9 @@ def test_bundled_minilm_matches_transformers(tmp_path):
         with torch.no_grad():
             o = model(**enc)
         sel = got["doc_id"] == i
-        np.testing.assert_allclose(got["layers"]["layer_06"][sel], o.last_hidden_state[0].numpy(), atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(
+            got["layers"]["layer_06"][sel], o.last_hidden_state[0].numpy(), atol=1e-4, rtol=1e-4
+        )
         np.testing.assert_array_equal(got["token_id"][sel], enc["input_ids"][0].numpy())
 
 
@@ -187,19 +212,27 @@ def test_parse_layers():
     assert parse_layers("0,6", 7) == [0, 6] and parse_layers("4-6", 7) == [4, 5, 6]
     assert parse_layers("-1", 7) == [6] and parse_layers("0, -2--1", 7) == [0, 5, 6]
     assert parse_layers([3, "1"], 7) == [1, 3] and parse_layers("layer_00,layer_02-layer_03", 7) == [0, 2, 3]
-    for bad, msg in [("7", "out of range"), ("-8", "out of range"), ("x", "not a layer index"),
-                     ("5-2", "backwards"), (",", "selects no layer")]:
+    for bad, msg in [
+        ("7", "out of range"),
+        ("-8", "out of range"),
+        ("x", "not a layer index"),
+        ("5-2", "backwards"),
+        (",", "selects no layer"),
+    ]:
         with pytest.raises(InputError, match=msg):
             parse_layers(bad, 7)
 
 
 def test_layer_subset_and_names(tmp_path, loaded):
     src = write_lines(tmp_path / "in.txt", TEXTS)
-    s = extract(loaded("gpt_neox"), src, tmp_path / "run", layers="-1", store_dtype="float32")  # one bare input
+    s = extract(
+        loaded("gpt_neox"), src, tmp_path / "run", layers="-1", store_dtype="float32"
+    )  # one bare input
     full = extract(loaded("gpt_neox"), [src], tmp_path / "full", store_dtype="float32")
     assert s["layers"] == ["layer_02"] and Run(tmp_path / "run").layers[0]["final_norm"] is True
-    np.testing.assert_array_equal(read_run(tmp_path / "run")["layers"]["layer_02"],
-                                  read_run(tmp_path / "full")["layers"]["layer_02"])
+    np.testing.assert_array_equal(
+        read_run(tmp_path / "run")["layers"]["layer_02"], read_run(tmp_path / "full")["layers"]["layer_02"]
+    )
     assert full["bytes"] > s["bytes"]
 
 
@@ -207,9 +240,11 @@ def test_layer_subset_and_names(tmp_path, loaded):
 def test_input_formats_give_identical_runs(tmp_path, loaded):
     import datasets
 
-    docs = ["first document here", "", "second, with a comma", "third \"quoted\" one", "  ", "fourth"]
+    docs = ["first document here", "", "second, with a comma", 'third "quoted" one', "  ", "fourth"]
     (tmp_path / "a.txt").write_text("\n".join(docs) + "\n")
-    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"meta": {"body": d}, "id": i}) for i, d in enumerate(docs)))
+    (tmp_path / "a.jsonl").write_text(
+        "\n".join(json.dumps({"meta": {"body": d}, "id": i}) for i, d in enumerate(docs))
+    )
     import csv
 
     for name, delim in (("a.csv", ","), ("a.tsv", "\t")):
@@ -222,8 +257,14 @@ def test_input_formats_give_identical_runs(tmp_path, loaded):
         f.write("\n".join(docs) + "\n")
     lm = loaded("bert")
     base = None
-    for name, kw in [("a.txt", {}), ("a.jsonl", {"text_field": "meta.body"}), ("a.csv", {"text_column": "body"}),
-                     ("a.tsv", {"text_column": "body"}), ("ds", {"text_field": "body"}), ("a.txt.gz", {})]:
+    for name, kw in [
+        ("a.txt", {}),
+        ("a.jsonl", {"text_field": "meta.body"}),
+        ("a.csv", {"text_column": "body"}),
+        ("a.tsv", {"text_column": "body"}),
+        ("ds", {"text_field": "body"}),
+        ("a.txt.gz", {}),
+    ]:
         s = extract(lm, [tmp_path / name], tmp_path / f"run-{name}", **kw)
         assert (s["docs"], s["docs_empty"], s["records_read"]) == (4, 2, 6), name
         r = read_run(tmp_path / f"run-{name}")
@@ -242,13 +283,17 @@ def test_several_inputs_and_stdin(tmp_path, loaded):
     (tmp_path / "a.txt").write_text("one\ntwo three\n")
     (tmp_path / "b.jsonl").write_text('{"text": "four"}\n\n{"text": null}\n{"text": "five six"}\n')
     stdin = io.TextIOWrapper(io.BytesIO(b"seven\n\neight nine\n"))
-    s = extract(loaded("gpt2"), [tmp_path / "a.txt", tmp_path / "b.jsonl", "-"], tmp_path / "run", stdin=stdin)
+    s = extract(
+        loaded("gpt2"), [tmp_path / "a.txt", tmp_path / "b.jsonl", "-"], tmp_path / "run", stdin=stdin
+    )
     got = read_run(tmp_path / "run")
     # doc ids count records across inputs: a.txt 0,1; b.jsonl 2,3(null),4; stdin 5,6(empty),7
     assert sorted(set(got["doc_id"].tolist())) == [0, 1, 2, 4, 5, 7]
     assert s["docs_empty"] == 2 and s["records_read"] == 8
     ident = Run(tmp_path / "run").identity
-    assert [i["kind"] for i in ident["inputs"]] == ["text", "jsonl", "stdin"] and ident["inputs"][2]["path"] == "-"
+    assert [i["kind"] for i in ident["inputs"]] == ["text", "jsonl", "stdin"] and ident["inputs"][2][
+        "path"
+    ] == "-"
     assert all(len(i["sha256"]) == 64 for i in ident["inputs"])
 
 
@@ -264,7 +309,9 @@ def test_max_docs_max_tokens_max_length(tmp_path, loaded):
     assert s["rows"] == 25 and s["docs_cut_by_max_tokens"] == 1
     n0 = int((full["doc_id"] == 0).sum()) + int((full["doc_id"] == 1).sum())
     last = r["doc_id"] == r["doc_id"].max()
-    assert last.sum() == 25 - n0 and r["position"][last].tolist() == list(range(25 - n0))  # first positions kept
+    assert last.sum() == 25 - n0 and r["position"][last].tolist() == list(
+        range(25 - n0)
+    )  # first positions kept
     s = extract(lm, [src], tmp_path / "len", max_length=8)
     r = read_run(tmp_path / "len")
     assert np.bincount(r["doc_id"]).max() == 8 and s["docs_at_max_length"] >= 3
@@ -352,9 +399,13 @@ def test_model_errors(tmp_path, tiny):
     src = write_lines(tmp_path / "in.txt", TEXTS)
     (tmp_path / "afile").write_text("x")
     (tmp_path / "empty").mkdir()
-    cases = [(str(tmp_path / "nope"), "does not exist"), ("./also/not/here", "does not exist"),
-             (str(tmp_path / "afile"), "is a file"), (str(tmp_path / "empty"), "no config.json"),
-             ("acme/not-cached", "not in the local Hugging Face cache and offline mode is on")]
+    cases = [
+        (str(tmp_path / "nope"), "does not exist"),
+        ("./also/not/here", "does not exist"),
+        (str(tmp_path / "afile"), "is a file"),
+        (str(tmp_path / "empty"), "no config.json"),
+        ("acme/not-cached", "not in the local Hugging Face cache and offline mode is on"),
+    ]
     for name, msg in cases:
         with pytest.raises(InputError, match=msg):
             extract(name, [src], tmp_path / "run", cache_dir=str(tmp_path / "hf"))
@@ -391,19 +442,33 @@ def test_input_errors_write_nothing(tmp_path, loaded):
     import datasets
 
     datasets.Dataset.from_dict({"text": ["x"]}).save_to_disk(str(tmp_path / "ds-missing-col"))
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]}),
-                          "test": datasets.Dataset.from_dict({"text": ["b"]})}).save_to_disk(str(tmp_path / "dd"))
-    cases = [([tmp_path / "missing.txt"], {}, "does not exist"), ([tmp_path / "blank.txt"], {}, "no text in"),
-             ([tmp_path / "bad.txt"], {}, "not UTF-8 text .*on line 2"),
-             ([tmp_path / "a.jsonl"], {}, "line 1 has no field 'text' \\(it has: body\\)"),
-             ([tmp_path / "arr.jsonl"], {}, "JSON array"),
-             ([tmp_path / "a.csv"], {}, "no column 'text' \\(columns: id, body\\)"),
-             ([tmp_path / "dir"], {}, "not a dataset saved by"), ([tmp_path / "bad.gz"], {}, "cannot be read"),
-             ([tmp_path / "dd"], {}, "holds several splits \\(train, test\\); give one split's directory, e.g. .*dd/train"),
-             ([tmp_path / "ds-missing-col"], {"text_field": "body"}, "has no column 'body' \\(columns: text\\)"),
-             ([good], {"layers": "3"}, "layer 3 is out of range"), ([good], {"layers": "-4"}, "out of range"),
-             ([good], {"max_docs": 0}, "--max-docs must be a positive"),
-             ([good], {"store_dtype": "int8"}, "--store-dtype int8"), ([], {}, "no input given")]
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": ["a"]}),
+            "test": datasets.Dataset.from_dict({"text": ["b"]}),
+        }
+    ).save_to_disk(str(tmp_path / "dd"))
+    cases = [
+        ([tmp_path / "missing.txt"], {}, "does not exist"),
+        ([tmp_path / "blank.txt"], {}, "no text in"),
+        ([tmp_path / "bad.txt"], {}, "not UTF-8 text .*on line 2"),
+        ([tmp_path / "a.jsonl"], {}, "line 1 has no field 'text' \\(it has: body\\)"),
+        ([tmp_path / "arr.jsonl"], {}, "JSON array"),
+        ([tmp_path / "a.csv"], {}, "no column 'text' \\(columns: id, body\\)"),
+        ([tmp_path / "dir"], {}, "not a dataset saved by"),
+        ([tmp_path / "bad.gz"], {}, "cannot be read"),
+        (
+            [tmp_path / "dd"],
+            {},
+            "holds several splits \\(train, test\\); give one split's directory, e.g. .*dd/train",
+        ),
+        ([tmp_path / "ds-missing-col"], {"text_field": "body"}, "has no column 'body' \\(columns: text\\)"),
+        ([good], {"layers": "3"}, "layer 3 is out of range"),
+        ([good], {"layers": "-4"}, "out of range"),
+        ([good], {"max_docs": 0}, "--max-docs must be a positive"),
+        ([good], {"store_dtype": "int8"}, "--store-dtype int8"),
+        ([], {}, "no input given"),
+    ]
     for inputs, kw, msg in cases:
         with pytest.raises(InputError, match=msg):
             extract(lm, inputs, tmp_path / "run", **kw)
@@ -443,7 +508,9 @@ def test_float16_overflow_flagged(tmp_path):
 def test_bfloat16_compute_close_to_float32(tmp_path, tiny):
     src = write_lines(tmp_path / "in.txt", TEXTS)
     extract(str(tiny["gpt2"]), [src], tmp_path / "f32", store_dtype="float32")
-    s = extract(str(tiny["gpt2"]), [src], tmp_path / "bf16", dtype="bfloat16", store_dtype="float32", device="auto")
+    s = extract(
+        str(tiny["gpt2"]), [src], tmp_path / "bf16", dtype="bfloat16", store_dtype="float32", device="auto"
+    )
     assert s["device"] == "cpu" and Run(tmp_path / "bf16").identity["model"]["dtype"] == "bfloat16"
     a, b = read_run(tmp_path / "f32"), read_run(tmp_path / "bf16")
     np.testing.assert_array_equal(a["token_id"], b["token_id"])

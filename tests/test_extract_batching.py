@@ -10,7 +10,9 @@ from geomscope.extract.batching import Doc, length_order, pad_right, plan_batche
 
 
 def docs_of(lengths):
-    return length_order([Doc(i, np.arange(n, dtype=np.int64) + 5, np.zeros(n, bool)) for i, n in enumerate(lengths)])
+    return length_order(
+        [Doc(i, np.arange(n, dtype=np.int64) + 5, np.zeros(n, bool)) for i, n in enumerate(lengths)]
+    )
 
 
 @settings(max_examples=80, deadline=None)
@@ -48,7 +50,10 @@ def test_plan_is_optimal_against_brute_force_and_beats_greedy():
 
 
 def test_pad_right_and_row_meta():
-    docs = [Doc(7, np.array([1, 2, 3]), np.array([True, False, True])), Doc(3, np.array([9]), np.array([False]))]
+    docs = [
+        Doc(7, np.array([1, 2, 3]), np.array([True, False, True])),
+        Doc(3, np.array([9]), np.array([False])),
+    ]
     ids, mask = pad_right(docs, pad_id=0)
     assert ids.tolist() == [[1, 2, 3], [9, 0, 0]] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
     m = row_meta(docs)

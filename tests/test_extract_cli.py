@@ -35,19 +35,25 @@ def text(tmp_path):
 def all_rows(run_dir):
     run = Run(run_dir)
     chunks = [c for s in run.shards for c in iter_shard(run.shard_path(s))]
-    meta = np.stack([np.concatenate([getattr(c, k) for c in chunks]) for k in ("doc_id", "position", "token_id")])
+    meta = np.stack(
+        [np.concatenate([getattr(c, k) for c in chunks]) for k in ("doc_id", "position", "token_id")]
+    )
     order = np.lexsort((meta[1], meta[0]))
     layers = {n: np.concatenate([c.layers[n] for c in chunks])[order] for n in run.layer_names}
     return meta[:, order], layers
 
 
 def test_json_on_stdout_messages_on_stderr(cli, models, text, tmp_path):
-    code, out, err = cli(["extract", models["bert"], text, "--out", tmp_path / "run", "--layers", "0,-1", "--json"])
+    code, out, err = cli(
+        ["extract", models["bert"], text, "--out", tmp_path / "run", "--layers", "0,-1", "--json"]
+    )
     assert code == 0, err
     s = json.loads(out)  # exactly one JSON object, nothing else on stdout
     assert s["layers"] == ["layer_00", "layer_02"] and s["docs"] == len(SAMPLE_TEXTS) and s["complete"]
     assert "extract:" in err and "on disk" in err and "done:" in err
-    code, out, err = cli(["extract", models["bert"], text, "--out", tmp_path / "run", "--layers", "0,-1", "--quiet"])
+    code, out, err = cli(
+        ["extract", models["bert"], text, "--out", tmp_path / "run", "--layers", "0,-1", "--quiet"]
+    )
     assert code == 0 and out == "" and err == ""
 
 
@@ -69,7 +75,11 @@ def test_bad_input_one_line_errors(cli, models, text, tmp_path):
         (["extract", models["bert"], tmp_path / "a.jsonl"], 2, "has no field 'text'"),
         (["extract", models["bert"], tmp_path / "blank.txt"], 2, "no text in"),
         (["extract", models["bert"], tmp_path / "missing.txt"], 2, "does not exist"),
-        (["extract", models["bert"], text, "--dtype", "float8"], 2, "Invalid value for '--dtype': 'float8' is not one of"),
+        (
+            ["extract", models["bert"], text, "--dtype", "float8"],
+            2,
+            "Invalid value for '--dtype': 'float8' is not one of",
+        ),
         (["extract", models["bert"], text, "--device", "cuda:7"], 2, "--device cuda:7"),
     ]
     for args, exit_code, msg in cases:
@@ -85,7 +95,9 @@ def test_other_options_refused_then_overwrite(cli, models, text, tmp_path):
     before = sorted(p.name for p in (tmp_path / "run").iterdir())
     code, out, err = cli([*base, "--max-length", "8"])
     line = assert_one_line_error(code, None, err, exit_code=2)
-    assert "different options" in line and "max_length: 64 in the run, 8 now" in line and "--overwrite" in line
+    assert (
+        "different options" in line and "max_length: 64 in the run, 8 now" in line and "--overwrite" in line
+    )
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before and Run(tmp_path / "run").complete
     code, out, err = cli([*base, "--max-length", "8", "--overwrite", "--json"])
     assert code == 0 and json.loads(out)["shards_resumed"] == 0
@@ -94,12 +106,15 @@ def test_other_options_refused_then_overwrite(cli, models, text, tmp_path):
 def test_nonfinite_exit_code_and_summary(cli, tmp_path, text):
     model = poison_token(make_tiny_model("bert", tmp_path, name="poisoned"))
     (tmp_path / "p.txt").write_text("the dog\npoison\n")
-    code, out, err = cli(["extract", model, tmp_path / "p.txt", "--out", tmp_path / "run", "--json", "--quiet"])
+    code, out, err = cli(
+        ["extract", model, tmp_path / "p.txt", "--out", tmp_path / "run", "--json", "--quiet"]
+    )
     line = assert_one_line_error(code, None, err, exit_code=3)
     assert "NaN/Inf" in line and "flagged" in line
     assert json.loads(out)["nonfinite_rows"] == 3 and Run(tmp_path / "run").complete
-    code, out, err = cli(["extract", model, tmp_path / "p.txt", "--out", tmp_path / "run", "--allow-nonfinite",
-                          "--quiet"])
+    code, out, err = cli(
+        ["extract", model, tmp_path / "p.txt", "--out", tmp_path / "run", "--allow-nonfinite", "--quiet"]
+    )
     assert code == 0
 
 
@@ -110,8 +125,12 @@ def test_resume_after_sigkill_equals_clean_run(cli, models, tmp_path):
     args = [str(models["gpt_neox"]), str(src), "--shard-docs", "3", "--batch-tokens", "32"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "geomscope", "extract", *args, "--out", str(run), "--quiet"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "geomscope", "extract", *args, "--out", str(run), "--quiet"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.time() + 120
     while proc.poll() is None and time.time() < deadline:
         if not (run / "shard-00000.h5").exists():

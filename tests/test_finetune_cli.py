@@ -15,27 +15,70 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     d = tmp_path_factory.mktemp("cli")
-    return {"model": make_checkpoint(d / "m", words_of([])),
-            "train": write_csv(d / "train.csv", synthetic_rows(32, 0)),
-            "eval": write_csv(d / "dev.csv", synthetic_rows(12, 1)), "dir": d}
+    return {
+        "model": make_checkpoint(d / "m", words_of([])),
+        "train": write_csv(d / "train.csv", synthetic_rows(32, 0)),
+        "eval": write_csv(d / "dev.csv", synthetic_rows(12, 1)),
+        "dir": d,
+    }
 
 
 def _args(data, out, *extra, train=None, ev=None, model=None):
-    return ["finetune", model or data["model"], "--train", train or data["train"], "--eval", ev or data["eval"],
-            "--out", out, "--epochs", "1", "--batch-size", "8", "--lr", "1e-3", "--device", "cpu", *extra]
+    return [
+        "finetune",
+        model or data["model"],
+        "--train",
+        train or data["train"],
+        "--eval",
+        ev or data["eval"],
+        "--out",
+        out,
+        "--epochs",
+        "1",
+        "--batch-size",
+        "8",
+        "--lr",
+        "1e-3",
+        "--device",
+        "cpu",
+        *extra,
+    ]
 
 
 def test_finetune_json_outputs_and_plot(cli, data, tmp_path):
     out = tmp_path / "run"
-    code, stdout, err = cli(_args(data, out, "--reg", "istar", "--lambda", "-2", "--zeta", "0.1", "--layers", "1-2",
-                                  "--json", "--quiet"))
+    code, stdout, err = cli(
+        _args(
+            data,
+            out,
+            "--reg",
+            "istar",
+            "--lambda",
+            "-2",
+            "--zeta",
+            "0.1",
+            "--layers",
+            "1-2",
+            "--json",
+            "--quiet",
+        )
+    )
     assert code == 0, err
     s = json.loads(stdout)  # exactly one JSON object on stdout
     assert s["reg"] == "istar" and s["lambda"] == -2.0 and s["zeta"] == 0.1 and s["layers"] == [1, 2]
     assert s["steps"] == 4 and s["final"]["epoch"] == 1 and 0 <= s["final"]["accuracy"] <= 1
     assert "no sequence-classification head" in err and "added" in err
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "label_map.json", "steps.jsonl", "eval.jsonl",
-                 "summary.json", "run.json", "checkpoint/state.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "label_map.json",
+        "steps.jsonl",
+        "eval.jsonl",
+        "summary.json",
+        "run.json",
+        "checkpoint/state.json",
+    ):
         assert (out / name).exists(), name
     assert json.loads((out / "summary.json").read_text()) == s
     assert len((out / "steps.jsonl").read_text().splitlines()) == 4
@@ -43,18 +86,50 @@ def test_finetune_json_outputs_and_plot(cli, data, tmp_path):
     assert code == 0, err
     assert (tmp_path / "train.png").stat().st_size > 1000
     # the fine-tuned directory is a model `geomscope extract` reads
-    code, stdout, err = cli(["extract", out, data["eval"], "--text-column", "sentence", "--out", tmp_path / "ext",
-                             "--device", "cpu", "--quiet"])
+    code, stdout, err = cli(
+        [
+            "extract",
+            out,
+            data["eval"],
+            "--text-column",
+            "sentence",
+            "--out",
+            tmp_path / "ext",
+            "--device",
+            "cpu",
+            "--quiet",
+        ]
+    )
     assert code == 0, err
     assert json.loads((tmp_path / "ext" / "manifest.json").read_text())
 
 
 def test_finetune_cosreg_and_none_and_pairs(cli, data, tmp_path):
-    pairs = write_csv(tmp_path / "pairs.tsv", [(s, s.split()[0], y) for s, y in synthetic_rows(16)],
-                      header=("question", "sentence", "gold"), delimiter="\t")
-    code, stdout, err = cli(_args(data, tmp_path / "c", "--reg", "cosreg", "--lambda", "1", "--text-field",
-                                  "question", "--text-field-2", "sentence", "--label-field", "gold", "--json",
-                                  train=pairs, ev=pairs))
+    pairs = write_csv(
+        tmp_path / "pairs.tsv",
+        [(s, s.split()[0], y) for s, y in synthetic_rows(16)],
+        header=("question", "sentence", "gold"),
+        delimiter="\t",
+    )
+    code, stdout, err = cli(
+        _args(
+            data,
+            tmp_path / "c",
+            "--reg",
+            "cosreg",
+            "--lambda",
+            "1",
+            "--text-field",
+            "question",
+            "--text-field-2",
+            "sentence",
+            "--label-field",
+            "gold",
+            "--json",
+            train=pairs,
+            ev=pairs,
+        )
+    )
     assert code == 0, err
     s = json.loads(stdout)
     steps = [json.loads(ln) for ln in (tmp_path / "c" / "steps.jsonl").read_text().splitlines()]
@@ -64,17 +139,20 @@ def test_finetune_cosreg_and_none_and_pairs(cli, data, tmp_path):
     assert "wrote" in err  # the one-line result on stderr when not --quiet
 
 
-@pytest.mark.parametrize("case,code,pattern", [
-    ("missing_label", 2, "no label column 'label'"),
-    ("single_class", 3, "single class"),
-    ("empty", 2, "is empty"),
-    ("unseen", 2, "not seen in training: 'neutral'"),
-    ("fp16_cpu", 2, "fp16 needs a CUDA GPU"),
-    ("bad_layers", 2, "layer 3 is out of range"),
-    ("no_model", 2, "does not exist"),
-    ("resume_nothing", 2, "nothing to resume"),
-    ("nan", 3, "NaN/inf at step 2 (epoch 1)"),
-])
+@pytest.mark.parametrize(
+    "case,code,pattern",
+    [
+        ("missing_label", 2, "no label column 'label'"),
+        ("single_class", 3, "single class"),
+        ("empty", 2, "is empty"),
+        ("unseen", 2, "not seen in training: 'neutral'"),
+        ("fp16_cpu", 2, "fp16 needs a CUDA GPU"),
+        ("bad_layers", 2, "layer 3 is out of range"),
+        ("no_model", 2, "does not exist"),
+        ("resume_nothing", 2, "nothing to resume"),
+        ("nan", 3, "NaN/inf at step 2 (epoch 1)"),
+    ],
+)
 def test_bad_input_one_line_errors(cli, data, tmp_path, case, code, pattern):
     out = tmp_path / "o"
     extra, kw = [], {}

@@ -27,7 +27,14 @@ def run_dir(tmp_path_factory):
 def test_table_on_stderr(cli, run_dir):
     code, out, err = cli(["inspect", run_dir])
     assert code == 0 and out == ""
-    for word in ("complete", "tiny-bert", "layer_00, layer_01, layer_02", "stored float16", "size on disk", "shards"):
+    for word in (
+        "complete",
+        "tiny-bert",
+        "layer_00, layer_01, layer_02",
+        "stored float16",
+        "size on disk",
+        "shards",
+    ):
         assert word in err, word
 
 

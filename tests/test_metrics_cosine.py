@@ -57,8 +57,13 @@ def test_formula_equals_pairs(variant, n, d, seed):
 
 
 @settings(max_examples=30, deadline=None)
-@given(n=st.integers(2, 30), d=st.integers(1, 8), seed=st.integers(0, 10_000),
-       variant=st.sampled_from(COSINE_VARIANTS), scale=st.floats(1e-3, 1e3))
+@given(
+    n=st.integers(2, 30),
+    d=st.integers(1, 8),
+    seed=st.integers(0, 10_000),
+    variant=st.sampled_from(COSINE_VARIANTS),
+    scale=st.floats(1e-3, 1e3),
+)
 def test_formula_property(n, d, seed, variant, scale):
     x = _cone(n, d, seed) * scale
     assert avgcos(x, variant) == pytest.approx(avgcos_pairs(x, variant), abs=1e-10)
@@ -82,14 +87,14 @@ def test_streaming_equals_in_memory(variant):
     x = _cone(600, 12, 5)
     m = Moments(block_rows=64)
     for i in range(0, 600, 100):
-        m.update(x[i:i + 100])
+        m.update(x[i : i + 100])
     if variant == "plain":
         s, n = m.sum_unit, m.n_unit()
     else:
         scale = np.sqrt(m.variance()) if variant == "standardised" else None
         u = UnitSum(m.mean, scale)
         for i in range(0, 600, 250):
-            u.update(x[i:i + 250])
+            u.update(x[i : i + 250])
         s, n = u.sum_unit, u.n_unit()
     assert avgcos_from_sum(s, n) == pytest.approx(avgcos(x, variant), abs=1e-12)
 

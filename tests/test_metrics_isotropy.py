@@ -40,9 +40,13 @@ def _cloud(n, d, seed, kind="aniso"):
     raise ValueError(kind)
 
 
-CASES = [(n, d, s, k) for s, (n, d) in enumerate([(200, 10), (50, 80), (7, 30), (1000, 64), (3, 5),
-                                                     (120, 120), (40, 8), (2, 4)])
-         for k in ("iso", "aniso", "outlier")]  # 24 cases, 9 with N <= D
+CASES = [
+    (n, d, s, k)
+    for s, (n, d) in enumerate(
+        [(200, 10), (50, 80), (7, 30), (1000, 64), (3, 5), (120, 120), (40, 8), (2, 4)]
+    )
+    for k in ("iso", "aniso", "outlier")
+]  # 24 cases, 9 with N <= D
 
 
 @pytest.mark.parametrize("n,d,seed,kind", CASES)
@@ -69,7 +73,9 @@ def test_isoscore_star_agrees_with_package(n, d, seed, kind, zeta):
         assert ours == pytest.approx(isoscore_star_from_cov(c, zeta, target), abs=1e-12)
         t0 = None if isinstance(target, str) and target == "trace" else torch.tensor(c0_pkg)
         assert ours == pytest.approx(isoscore_star_torch(torch.tensor(x), zeta, t0).item(), abs=1e-12)
-        assert ours == pytest.approx(isoscore_star_from_cov_torch(torch.tensor(c), zeta, t0).item(), abs=1e-12)
+        assert ours == pytest.approx(
+            isoscore_star_from_cov_torch(torch.tensor(c), zeta, t0).item(), abs=1e-12
+        )
     assert isoscore_star(x, 0.0) == pytest.approx(isoscore(x), abs=1e-13)
 
 
@@ -116,8 +122,14 @@ def _orth(d, seed):
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(3, 40), d=st.integers(2, 12), seed=st.integers(0, 10_000),
-       scale=st.floats(1e-3, 1e3), shift=st.floats(-1e3, 1e3), zeta=st.floats(0.0, 1.0))
+@given(
+    n=st.integers(3, 40),
+    d=st.integers(2, 12),
+    seed=st.integers(0, 10_000),
+    scale=st.floats(1e-3, 1e3),
+    shift=st.floats(-1e3, 1e3),
+    zeta=st.floats(0.0, 1.0),
+)
 def test_invariances(n, d, seed, scale, shift, zeta):
     x = _cloud(n, d, seed, "aniso")
     base = isoscore(x)

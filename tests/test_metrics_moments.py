@@ -26,9 +26,15 @@ def _direct_extras(x, thr=6.0):
     nz = norms > 0
     u = x[nz] / norms[nz, None]
     a = np.abs(x)
-    return dict(sum_unit=u.sum(0), sum_unit_sq=(u**2).sum(0), n_zero_norm=int((~nz).sum()),
-                abs_sum=a.sum(0), abs_max=a.max(0), count_abs_ge=(a >= thr).sum(0),
-                sum_sq_norm=float((norms**2).sum()))
+    return dict(
+        sum_unit=u.sum(0),
+        sum_unit_sq=(u**2).sum(0),
+        n_zero_norm=int((~nz).sum()),
+        abs_sum=a.sum(0),
+        abs_max=a.max(0),
+        count_abs_ge=(a >= thr).sum(0),
+        sum_sq_norm=float((norms**2).sum()),
+    )
 
 
 def _assert_matches(m, x, rtol=1e-10):
@@ -57,7 +63,7 @@ def test_many_updates_and_symmetric_m2():
     x = _data(n=513, d=9, seed=1)
     m = Moments(9, block_rows=50)
     for i in range(0, len(x), 37):
-        m.update(x[i:i + 37])
+        m.update(x[i : i + 37])
     _assert_matches(m, x)
     np.testing.assert_array_equal(m.M2, m.M2.T)
 
@@ -89,7 +95,7 @@ def test_large_common_offset_loses_nothing():
 
 def test_merge_is_exact_and_tree_order_free():
     x = _data(n=1000, d=10, seed=5)
-    parts = [Moments().update(x[i:i + 130]) for i in range(0, 1000, 130)]
+    parts = [Moments().update(x[i : i + 130]) for i in range(0, 1000, 130)]
     tree = parts[0]
     for p in parts[1:]:
         tree.merge(p)
@@ -174,7 +180,7 @@ def test_unitsum_centred_and_standardised():
     sd = np.sqrt(m.variance())
     u = UnitSum(m.mean, sd)
     for i in range(0, 400, 99):
-        u.update(x[i:i + 99])
+        u.update(x[i : i + 99])
     z = (x - x.mean(0)) / np.where(x.std(0, ddof=1) > 1e-12, x.std(0, ddof=1), 1.0)
     ref = _direct_extras(z)
     np.testing.assert_allclose(u.sum_unit, ref["sum_unit"], rtol=1e-8, atol=1e-9)

@@ -46,7 +46,8 @@ def test_common_offset_lowers_raw_isotropy_but_not_centred():
     shifted = w + 2.0 * rng.standard_normal(8)
     assert partition_isotropy(shifted)["I"] < 0.01 * partition_isotropy(w)["I"]
     assert partition_isotropy(shifted, centred=True)["I"] == pytest.approx(
-        partition_isotropy(w, centred=True)["I"], rel=1e-9)
+        partition_isotropy(w, centred=True)["I"], rel=1e-9
+    )
 
 
 def test_large_norm_does_not_overflow():

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from scipy.spatial.distance import cdist
 
 from geomscope.errors import DataError, InputError
-from geomscope.metrics.neighbors import default_block_size, two_nearest
 from geomscope.metrics.intrinsic import TwoNN
+from geomscope.metrics.neighbors import default_block_size, two_nearest
 from geomscope.metrics.twonn import dedup_rows, fit_mu, twonn, twonn_error
 
 
@@ -62,8 +62,8 @@ def test_two_nearest_equals_brute_force(block_size, dtype):
 def test_two_nearest_with_exact_duplicates_gives_exact_zero():
     rng = np.random.default_rng(1)
     X = rng.normal(size=(300, 24)).astype(np.float32)
-    X[200:260] = X[:60]          # duplicated pairs
-    X[260:270] = X[0]            # and a bigger group of copies of row 0
+    X[200:260] = X[:60]  # duplicated pairs
+    X[260:270] = X[0]  # and a bigger group of copies of row 0
     r1, r2, i1, i2 = two_nearest(X, block_size=50)
     b1, b2, _, _ = brute(X)
     np.testing.assert_allclose(r1, b1, rtol=1e-12, atol=0)
@@ -209,7 +209,7 @@ def test_twonn_not_fooled_by_duplicates_where_scikit_dimension_is():
     rng = np.random.default_rng(9)
     n, dup = 2000, 400  # 20 % duplicated rows, 10-d subspace of R^64
     X = embed(rng.normal(size=(n, 10)), 64, rng)
-    X[n - dup:] = X[:dup]
+    X[n - dup :] = X[:dup]
     X = X[rng.permutation(n)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -245,8 +245,14 @@ def test_twonn_recovers_dimension_of_flat_manifolds():
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), n=st.integers(30, 160), d=st.integers(2, 12),
-       shift=st.floats(-50, 50), log2_scale=st.integers(-20, 20), scale=st.floats(0.01, 100))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n=st.integers(30, 160),
+    d=st.integers(2, 12),
+    shift=st.floats(-50, 50),
+    log2_scale=st.integers(-20, 20),
+    scale=st.floats(0.01, 100),
+)
 def test_twonn_invariances(seed, n, d, shift, log2_scale, scale):
     rng = np.random.default_rng(seed)
     X = rng.normal(size=(n, d))

@@ -37,8 +37,13 @@ def test_estimator_conformance(name):
     # bad input: one-line DataError, never a silent number
     bad = X.copy()
     bad[7, 2] = np.nan
-    for Y, match in [(bad, "NaN or Inf"), (X[:, :1], "D >= 2"), (X[:2], "at least 3"),
-                     (np.repeat(X[:2], 4, axis=0), "distinct"), (X[0], "2-D")]:
+    for Y, match in [
+        (bad, "NaN or Inf"),
+        (X[:, :1], "D >= 2"),
+        (X[:2], "at least 3"),
+        (np.repeat(X[:2], 4, axis=0), "distinct"),
+        (X[0], "2-D"),
+    ]:
         with pytest.raises(DataError, match=match) as info:
             estimate_id(Y, name)
         assert "\n" not in str(info.value)
@@ -91,7 +96,8 @@ def _not_applicable():
         "check_fit2d_1feature": "D >= 2 is required: one dimension has no geometry to measure",
         "check_fit1d": "points are the rows of a 2-D array by contract (a 1-D array is refused)",
         "check_estimators_nan_inf": "refuses NaN/Inf with geomscope's one-line DataError, not ValueError",
-        "check_estimators_empty_data_messages": "refuses empty data with geomscope's DataError, not ValueError",
+        "check_estimators_empty_data_messages": "refuses empty data with geomscope's DataError, "
+        "not ValueError",
         "check_n_features_in": "an intrinsic-dimension estimate does not record n_features_in_",
         "check_n_features_in_after_fitting": "an intrinsic-dimension estimate does not record n_features_in_",
         "check_complex_data": "refuses complex data with geomscope's InputError, not ValueError",
@@ -114,6 +120,11 @@ def test_twonn_passes_scikit_learns_estimator_checks():
     passed = [r["check_name"] for r in results if r["status"] == "passed"]
     assert not failed, [(r["check_name"], str(r["exception"])[:200]) for r in failed]
     # the contract checks that matter here really ran
-    for name in ("check_no_attributes_set_in_init", "check_get_params_invariance", "check_set_params",
-                 "check_parameters_default_constructible", "check_do_not_raise_errors_in_init_or_set_params"):
+    for name in (
+        "check_no_attributes_set_in_init",
+        "check_get_params_invariance",
+        "check_set_params",
+        "check_parameters_default_constructible",
+        "check_do_not_raise_errors_in_init_or_set_params",
+    ):
         assert name in passed, name

@@ -54,7 +54,7 @@ def test_read_report_roundtrip(tmp_path):
         (json.dumps({"format": "something-else", "layers": []}), "not a geomscope report"),
         (json.dumps([1, 2, 3]), "not a geomscope report"),
         (json.dumps({"format": "geomscope-report", "layers": []}), "without layers"),
-        (json.dumps({"format": "geomscope-report", "layers": [{"index": 0}]}), "no \"layer\" name"),
+        (json.dumps({"format": "geomscope-report", "layers": [{"index": 0}]}), 'no "layer" name'),
     ],
 )
 def test_read_report_rejects_bad_files(tmp_path, content, match):
@@ -82,9 +82,18 @@ def test_read_report_refuses_newer_format(tmp_path):
 
 @pytest.mark.parametrize(
     "revision, extra, step",
-    [("step0", {}, 0), ("step143000", {}, 143000), ("STEP_7000", {}, 7000), ("checkpoint-500", {}, 500),
-     ("main", {}, None), (None, {"step": 42}, 42), ("main", {"step": 3}, 3), (None, {}, None),
-     (None, {"step": True}, None), (None, {"step": -1}, None)],
+    [
+        ("step0", {}, 0),
+        ("step143000", {}, 143000),
+        ("STEP_7000", {}, 7000),
+        ("checkpoint-500", {}, 500),
+        ("main", {}, None),
+        (None, {"step": 42}, 42),
+        ("main", {"step": 3}, 3),
+        (None, {}, None),
+        (None, {"step": True}, None),
+        (None, {"step": -1}, None),
+    ],
 )
 def test_parse_step(revision, extra, step):
     rep = make_report(revision=revision, **SMALL)
@@ -105,8 +114,10 @@ def test_labels_model_revision_and_disambiguation():
     b = make_report(name=None, **SMALL)
     assert report_labels([a, b]) == ["sentence-transformers/all-MiniLM-L6-v2@step1000", "0"]
     c, d = make_report(dataset="wiki", **SMALL), make_report(dataset="news", **SMALL)
-    assert report_labels([c, d]) == ["sentence-transformers/all-MiniLM-L6-v2 [wiki]",
-                                     "sentence-transformers/all-MiniLM-L6-v2 [news]"]
+    assert report_labels([c, d]) == [
+        "sentence-transformers/all-MiniLM-L6-v2 [wiki]",
+        "sentence-transformers/all-MiniLM-L6-v2 [news]",
+    ]
     e, f = make_report(dataset=None, **SMALL), make_report(dataset=None, **SMALL)
     assert report_labels([e, f])[0].endswith("(1)") and report_labels([e, f])[1].endswith("(2)")
 
@@ -117,7 +128,9 @@ def test_available_metrics_skips_counts_and_nulls():
         lay["twonn"] = None
     avail = available_metrics([rep])
     assert "twonn" not in avail and "n_rows" not in avail and "twonn_n_used" not in avail
-    assert {"isoscore", "isoscore_star", "avgcos", "avgcos_centred", "pr", "erank", "top5_share"} <= set(avail)
+    assert {"isoscore", "isoscore_star", "avgcos", "avgcos_centred", "pr", "erank", "top5_share"} <= set(
+        avail
+    )
 
 
 # ---------------------------------------------------------------- metric against layer
@@ -140,7 +153,9 @@ def test_layers_one_line_per_report_with_errorbars():
         assert ax.get_xlabel() == "layer index" and ax.get_ylabel()
     legend = fig.legends[0]
     assert [t.get_text() for t in legend.get_texts()] == [
-        "sentence-transformers/all-MiniLM-L6-v2", "EleutherAI/pythia-70m@step1000"]
+        "sentence-transformers/all-MiniLM-L6-v2",
+        "EleutherAI/pythia-70m@step1000",
+    ]
     # the data: x = layer index, y = the report's values, bars = ±se
     line = axes[0].get_lines()[1]
     np.testing.assert_array_equal(line.get_xdata(), np.arange(5))
@@ -192,7 +207,9 @@ def test_layers_different_variants_go_into_the_legend():
     ax = _panels(fig)[0]
     assert ax.get_title() == "IsoScore*"
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
-        "ζ=0.2, target=trace", "ζ=0.5, target=file:c0.npy"]
+        "ζ=0.2, target=trace",
+        "ζ=0.5, target=file:c0.npy",
+    ]
     assert _panels(fig)[1].get_legend() is None
 
 
@@ -209,7 +226,10 @@ def test_metric_requested_but_not_scored():
     with pytest.raises(InputError, match=r"metric 'twonn' has no values in these reports \(rescore"):
         plot_layers([a], ["twonn"])
     assert [ax.get_title() for ax in _panels(plot_layers([a]))] == [
-        "IsoScore* (ζ=0.2, target=trace)", "IsoScore", "avg cosine (plain)"]  # default skips it
+        "IsoScore* (ζ=0.2, target=trace)",
+        "IsoScore",
+        "avg cosine (plain)",
+    ]  # default skips it
 
 
 def test_layers_caption_says_why_values_are_missing_and_flags():
@@ -306,7 +326,9 @@ def test_outlier_heatmap_shape_topk_and_marks():
     assert list(dims) == sorted(dims)
     # the dots sit exactly on the flagged (layer, dim) cells
     offsets = {(int(x), int(y)) for x, y in ax.collections[0].get_offsets()}
-    expected = {(int(np.nonzero(dims == d)[0][0]), r) for r, lay in enumerate(a["layers"]) for d in lay["outliers"]}
+    expected = {
+        (int(np.nonzero(dims == d)[0][0]), r) for r, lay in enumerate(a["layers"]) for d in lay["outliers"]
+    }
     assert offsets == expected and flagged.sum() == len(expected)
     # default colouring: statistic relative to its layer's mean over all D dimensions
     full = np.asarray(a["layers"][3]["outlier_statistic"])
@@ -361,8 +383,10 @@ def test_trajectory_x_is_the_parsed_steps():
         assert ax.get_xlabel() == "training step" and ax.get_xscale() == "linear"
     # values come from the report at that step
     by_step = {parse_step(r): r for r in reps}
-    np.testing.assert_allclose(axes[1].get_lines()[2].get_ydata(),
-                               [by_step[s]["layers"][2]["avgcos"] for s in (0, 1000, 7000, 143000)])
+    np.testing.assert_allclose(
+        axes[1].get_lines()[2].get_ydata(),
+        [by_step[s]["layers"][2]["avgcos"] for s in (0, 1000, 7000, 143000)],
+    )
     assert [ln.get_label() for ln in axes[0].get_lines()] == [f"layer_{i:02d}" for i in range(5)]
     assert len(_colorbars(fig)) == 1 and len(axes[0].collections) == 5  # se bands
     assert "pythia-70m" in fig.get_suptitle()
@@ -393,13 +417,19 @@ def test_trajectory_layers_subset_and_step_key():
 @pytest.mark.parametrize(
     "reps, match",
     [
-        (lambda: [make_report(revision="step0", **SMALL), make_report(revision="main", **SMALL)],
-         r"has no training step \(revision 'main'"),
-        (lambda: pythia_reports(steps=(0,), **SMALL) + [make_report(revision="step5", **SMALL)],
-         "one model"),
+        (
+            lambda: [make_report(revision="step0", **SMALL), make_report(revision="main", **SMALL)],
+            r"has no training step \(revision 'main'",
+        ),
+        (lambda: pythia_reports(steps=(0,), **SMALL) + [make_report(revision="step5", **SMALL)], "one model"),
         (lambda: pythia_reports(steps=(0, 0), **SMALL), "two reports are at step 0"),
-        (lambda: [make_report(name="m", revision="step0", **SMALL),
-                  make_report(name="m", revision="step1", layer_prefix="blk", **SMALL)], "share no layer"),
+        (
+            lambda: [
+                make_report(name="m", revision="step0", **SMALL),
+                make_report(name="m", revision="step1", layer_prefix="blk", **SMALL),
+            ],
+            "share no layer",
+        ),
     ],
 )
 def test_trajectory_bad_input(reps, match):

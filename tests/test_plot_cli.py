@@ -51,8 +51,23 @@ def test_plot_extension_picks_format(cli, reports, tmp_path, ext, magic):
 def test_plot_kinds_metrics_and_trajectory(cli, tmp_path):
     paths = [write_report(tmp_path / f"s{i}.json", r) for i, r in enumerate(pythia_reports(**SMALL))]
     outdir = tmp_path / "out"
-    code, stdout, err = cli(["plot", *paths, "--out", f"{outdir}/", "-k", "trajectory,layers", "--log-x",
-                             "--metrics", "isoscore,avgcos_centred", "--layers", "0,layer_03", "--json", *FAST])
+    code, stdout, err = cli(
+        [
+            "plot",
+            *paths,
+            "--out",
+            f"{outdir}/",
+            "-k",
+            "trajectory,layers",
+            "--log-x",
+            "--metrics",
+            "isoscore,avgcos_centred",
+            "--layers",
+            "0,layer_03",
+            "--json",
+            *FAST,
+        ]
+    )
     assert code == 0, err
     assert json.loads(stdout)["kinds"] == ["trajectory", "layers"]
     assert (outdir / "trajectory.png").stat().st_size > 0 and (outdir / "layers.png").stat().st_size > 0
@@ -77,7 +92,10 @@ def _bad(tmp_path):
         (["missing.json"], ["not found", "missing.json"]),
         (["other.json"], ["not a geomscope report"]),
         (["corrupt.json"], ["not valid JSON"]),
-        (["good.json", "--metrics", "isoscore,bogus"], ["unknown metric 'bogus'", "available:", "isoscore_star"]),
+        (
+            ["good.json", "--metrics", "isoscore,bogus"],
+            ["unknown metric 'bogus'", "available:", "isoscore_star"],
+        ),
         (["s0.json", "main.json", "--kind", "trajectory"], ["no training step", "main.json"]),
         (["good.json", "blk.json"], ["share no layer"]),
         (["nospec.json", "--kind", "spectrum"], ["no eigenvalues"]),
@@ -158,9 +176,13 @@ def test_training_logs_are_delegated(cli, tmp_path, monkeypatch, reports):
 def test_training_log_with_the_real_plotter(cli, tmp_path):
     run = tmp_path / "istar"
     run.mkdir()
-    (run / "steps.jsonl").write_text("".join(
-        json.dumps({"step": s, "epoch": 0, "task_loss": 1.0 / s, "penalty": 0.5, "isoscore_star": 0.4}) + "\n"
-        for s in range(1, 6)))
+    (run / "steps.jsonl").write_text(
+        "".join(
+            json.dumps({"step": s, "epoch": 0, "task_loss": 1.0 / s, "penalty": 0.5, "isoscore_star": 0.4})
+            + "\n"
+            for s in range(1, 6)
+        )
+    )
     code, stdout, err = cli(["plot", run / "steps.jsonl", "--out", tmp_path / "train.svg", "--json", *FAST])
     assert code == 0, err
     assert json.loads(stdout)["kinds"] == ["training"]

@@ -59,22 +59,37 @@ def make_report(
         flagged = [int(d) for d in np.nonzero(var >= 5 * var.mean())[0]]
         n_rows = 4000 + 10 * i
         entry = {
-            "layer": f"{layer_prefix}{i:02d}", "index": i, "n_rows": n_rows,
+            "layer": f"{layer_prefix}{i:02d}",
+            "index": i,
+            "n_rows": n_rows,
             "isoscore": (pr - 1) / (hidden - 1),
             "isoscore_star": (_pr(shrunk) - 1) / (hidden - 1),
             "avgcos": 0.05 + 0.6 * depth * (0.4 + 0.6 * progress) + rng.normal(0, 0.01),
-            "avgcos_centred": 0.01 + 0.05 * depth, "avgcos_standardised": 0.02 + 0.1 * depth,
-            "pr": pr, "erank": float(np.exp(-(p * np.log(p)).sum())),
-            "top1_share": float(p[:1].sum()), "top5_share": float(p[:5].sum()), "top10_share": float(p[:10].sum()),
+            "avgcos_centred": 0.01 + 0.05 * depth,
+            "avgcos_standardised": 0.02 + 0.1 * depth,
+            "pr": pr,
+            "erank": float(np.exp(-(p * np.log(p)).sum())),
+            "top1_share": float(p[:1].sum()),
+            "top5_share": float(p[:5].sum()),
+            "top10_share": float(p[:10].sum()),
             "twonn": 18.0 - 8.0 * depth + rng.normal(0, 0.3),
             "outliers": flagged if outliers else [],
-            "se": {"isoscore": 0.002 + 0.001 * depth, "isoscore_star": 0.003, "avgcos": 0.004 + 0.01 * depth,
-                   "avgcos_centred": 0.001, "avgcos_standardised": 0.002, "pr": 0.3, "erank": 0.5,
-                   "twonn": 0.4 + 0.2 * depth},
-            "twonn_n_used": 2000, "twonn_duplicates_removed": 3 * i,
+            "se": {
+                "isoscore": 0.002 + 0.001 * depth,
+                "isoscore_star": 0.003,
+                "avgcos": 0.004 + 0.01 * depth,
+                "avgcos_centred": 0.001,
+                "avgcos_standardised": 0.002,
+                "pr": 0.3,
+                "erank": 0.5,
+                "twonn": 0.4 + 0.2 * depth,
+            },
+            "twonn_n_used": 2000,
+            "twonn_duplicates_removed": 3 * i,
             "outlier_support": [1.0] * len(flagged) if outliers else [],
             "dropped": {"nonfinite": 0, "special": 0, "not_sampled": 0},
-            "flags": [], "notes": {},
+            "flags": [],
+            "notes": {},
         }
         entry["eigenvalues"] = entry["outlier_statistic"] = None
         if spectrum:
@@ -88,21 +103,34 @@ def make_report(
             entry["notes"] = {"twonn": "fewer than 3 distinct rows after duplicate removal"}
         layers.append(entry)
     rep = {
-        "format": "geomscope-report", "format_version": 1, "geomscope_version": "0.1.0",
+        "format": "geomscope-report",
+        "format_version": 1,
+        "geomscope_version": "0.1.0",
         "created": "2025-01-01T00:00:00+00:00",
         "source": {"kind": "run", "path": f"/runs/{seed}", "dataset": dataset},
-        "model": None if name is None else {"name": name, "revision": revision, "commit": None,
-                                             "hidden_size": hidden},
+        "model": None
+        if name is None
+        else {"name": name, "revision": revision, "commit": None, "hidden_size": hidden},
         "run": {"dir": f"/runs/{seed}", "complete": True, "partial": False, "rows": 28000, "docs": 300},
         "params": {
             "metrics": ["isoscore", "isoscore_star", "avgcos", "spectrum", "outliers", "twonn"],
-            "zeta": zeta, "target": target, "avgcos_variants": ["plain", "centred", "standardised"],
-            "outlier_rule": "variance", "outlier_threshold": 5.0, "id_estimator": "twonn",
-            "discard_fraction": 0.1, "id_sample": 2000, "seed": 0, "exclude_special": False,
-            "max_rows": None, "layers": [x["layer"] for x in layers],
+            "zeta": zeta,
+            "target": target,
+            "avgcos_variants": ["plain", "centred", "standardised"],
+            "outlier_rule": "variance",
+            "outlier_threshold": 5.0,
+            "id_estimator": "twonn",
+            "discard_fraction": 0.1,
+            "id_sample": 2000,
+            "seed": 0,
+            "exclude_special": False,
+            "max_rows": None,
+            "layers": [x["layer"] for x in layers],
             "duplicates_removed": {x["layer"]: x["twonn_duplicates_removed"] for x in layers},
-            "uncertainty": {"moments": "delete-one-group jackknife over 10 document groups",
-                            "twonn": "repeated decimation (10 halves)"},
+            "uncertainty": {
+                "moments": "delete-one-group jackknife over 10 document groups",
+                "twonn": "repeated decimation (10 halves)",
+            },
             "workers": 1,
         },
         "layers": layers,
@@ -115,8 +143,10 @@ def make_report(
 
 def pythia_reports(steps=(0, 1000, 7000, 143000), **kw) -> list[dict]:
     """Reports of one model at several ``stepN`` revisions (Pythia style)."""
-    return [make_report(name="EleutherAI/pythia-70m", revision=f"step{s}", seed=10 + k, **kw)
-            for k, s in enumerate(steps)]
+    return [
+        make_report(name="EleutherAI/pythia-70m", revision=f"step{s}", seed=10 + k, **kw)
+        for k, s in enumerate(steps)
+    ]
 
 
 def write_report(path: Path, rep: dict) -> Path:

@@ -25,25 +25,47 @@ def _report(n_layers=2, extra_id=False):
     layers = []
     for i in range(n_layers):
         e = dict.fromkeys(LAYER_KEYS)
-        e.update(layer=f"layer_{i:02d}", index=i, n_rows=100 + i, isoscore=0.1 * (i + 1), avgcos=np.float64(0.5),
-                 pr=float("nan"), outliers=[3, 7], se={"isoscore": 0.01, "avgcos": 0.002},
-                 eigenvalues=np.array([2.0, 1.0]), outlier_statistic=[], outlier_support=[], flags=[],
-                 notes={"pr": "undefined"}, dropped={"nonfinite": 0, "special": 0, "not_sampled": 0})
+        e.update(
+            layer=f"layer_{i:02d}",
+            index=i,
+            n_rows=100 + i,
+            isoscore=0.1 * (i + 1),
+            avgcos=np.float64(0.5),
+            pr=float("nan"),
+            outliers=[3, 7],
+            se={"isoscore": 0.01, "avgcos": 0.002},
+            eigenvalues=np.array([2.0, 1.0]),
+            outlier_statistic=[],
+            outlier_support=[],
+            flags=[],
+            notes={"pr": "undefined"},
+            dropped={"nonfinite": 0, "special": 0, "not_sampled": 0},
+        )
         if extra_id:
             e["id_mle"] = 7.5
             e["se"]["id_mle"] = 0.3
         layers.append(e)
-    return {"format": "geomscope-report", "format_version": 1, "geomscope_version": "0.1.0", "created": "now",
-            "source": {"kind": "run", "path": "/x", "dataset": None},
-            "model": {"name": "m", "revision": "step1000", "commit": None, "hidden_size": 2}, "run": None,
-            "params": {"metrics": ["isoscore", "avgcos"], "uncertainty": {"moments": "jackknife"}},
-            "layers": layers, "embeddings": None, "notes": {}}
+    return {
+        "format": "geomscope-report",
+        "format_version": 1,
+        "geomscope_version": "0.1.0",
+        "created": "now",
+        "source": {"kind": "run", "path": "/x", "dataset": None},
+        "model": {"name": "m", "revision": "step1000", "commit": None, "hidden_size": 2},
+        "run": None,
+        "params": {"metrics": ["isoscore", "avgcos"], "uncertainty": {"moments": "jackknife"}},
+        "layers": layers,
+        "embeddings": None,
+        "notes": {},
+    }
 
 
 def test_paths(tmp_path):
     assert report_paths(tmp_path) == (tmp_path / "report.json", tmp_path / "report.csv")
-    assert report_paths(str(tmp_path / "new") + "/") == (tmp_path / "new" / "report.json",
-                                                          tmp_path / "new" / "report.csv")
+    assert report_paths(str(tmp_path / "new") + "/") == (
+        tmp_path / "new" / "report.json",
+        tmp_path / "new" / "report.csv",
+    )
     assert report_paths(tmp_path / "a" / "pre") == (tmp_path / "a" / "pre.json", tmp_path / "a" / "pre.csv")
     assert report_paths(tmp_path / "r.json") == (tmp_path / "r.json", tmp_path / "r.csv")
 

@@ -24,8 +24,20 @@ TOL = 1e-8
 
 
 # ------------------------------------------------------------------------------ synthetic runs
-def make_run(run_dir, n_shards=3, rows=400, dim=D, layers=LAYERS, dtype="float32", seed=0, nan_rows=None,
-             finalize=True, doc_len=20, dup_rows=0, model_name="toy"):
+def make_run(
+    run_dir,
+    n_shards=3,
+    rows=400,
+    dim=D,
+    layers=LAYERS,
+    dtype="float32",
+    seed=0,
+    nan_rows=None,
+    finalize=True,
+    doc_len=20,
+    dup_rows=0,
+    model_name="toy",
+):
     """Write a run; return {"X": {layer: (N, D) float64 of the stored values}, "doc", "special", "keys"}.
 
     Layer i: normal rows scaled per dimension (dimension 3 of layer_01 x6: a variance outlier), offset i.
@@ -33,8 +45,10 @@ def make_run(run_dir, n_shards=3, rows=400, dim=D, layers=LAYERS, dtype="float32
     repeat row 0 of the shard (exact duplicates for TwoNN).
     """
     rng = np.random.default_rng(seed)
-    ident = {"model": {"name": model_name, "hidden_size": dim, "revision": "step7"},
-             "layers": [{"name": n, "index": i} for i, n in enumerate(layers)]}
+    ident = {
+        "model": {"name": model_name, "hidden_size": dim, "revision": "step7"},
+        "layers": [{"name": n, "index": i} for i, n in enumerate(layers)],
+    }
     X = {n: [] for n in layers}
     docs, special, keys = [], [], []
     doc = 0
@@ -49,7 +63,7 @@ def make_run(run_dir, n_shards=3, rows=400, dim=D, layers=LAYERS, dtype="float32
                     scale[3] = 12.0
                 a = rng.normal(size=(rows, dim)) * scale + i + 0.5 * rng.normal(size=dim)
                 if dup_rows:
-                    a[1:1 + dup_rows] = a[0]
+                    a[1 : 1 + dup_rows] = a[0]
                 for r in (nan_rows or {}).get(n, []):
                     if g0 <= r < g0 + rows:
                         a[r - g0, r % dim] = np.nan
@@ -59,8 +73,13 @@ def make_run(run_dir, n_shards=3, rows=400, dim=D, layers=LAYERS, dtype="float32
             sp = pos == 0
             for a0 in range(0, rows, 150):  # uneven appends
                 b0 = min(rows, a0 + 150)
-                sw.append({n: lay[n][a0:b0] for n in layers}, token_id=np.arange(a0, b0), doc_id=d[a0:b0],
-                          position=pos[a0:b0], is_special=sp[a0:b0])
+                sw.append(
+                    {n: lay[n][a0:b0] for n in layers},
+                    token_id=np.arange(a0, b0),
+                    doc_id=d[a0:b0],
+                    position=pos[a0:b0],
+                    is_special=sp[a0:b0],
+                )
             w.add_shard(sw.close())
             for n in layers:
                 X[n].append(lay[n].astype(dtype).astype(np.float64))
@@ -71,8 +90,12 @@ def make_run(run_dir, n_shards=3, rows=400, dim=D, layers=LAYERS, dtype="float32
             g0 += rows
         if finalize:
             w.finalize({"docs": doc})
-    return {"X": {n: np.concatenate(v) for n, v in X.items()}, "doc": np.concatenate(docs),
-            "special": np.concatenate(special), "keys": np.concatenate(keys)}
+    return {
+        "X": {n: np.concatenate(v) for n, v in X.items()},
+        "doc": np.concatenate(docs),
+        "special": np.concatenate(special),
+        "keys": np.concatenate(keys),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -114,14 +137,25 @@ def ref_spectrum(C):
     lam = np.clip(lam, 0, None)
     p = lam / lam.sum()
     pp = p[p > 0]
-    return {"eigenvalues": lam, "pr": lam.sum() ** 2 / (lam ** 2).sum(), "erank": np.exp(-(pp * np.log(pp)).sum()),
-            "top1_share": p[:1].sum(), "top5_share": p[:5].sum(), "top10_share": p[:10].sum()}
+    return {
+        "eigenvalues": lam,
+        "pr": lam.sum() ** 2 / (lam**2).sum(),
+        "erank": np.exp(-(pp * np.log(pp)).sum()),
+        "top1_share": p[:1].sum(),
+        "top5_share": p[:5].sum(),
+        "top10_share": p[:10].sum(),
+    }
 
 
 def ref_all(X, zeta=0.2):
     C = ref_cov(X)
-    out = {"isoscore": ref_iso(C), "isoscore_star": ref_star(C, zeta), "avgcos": ref_avgcos(X, "plain"),
-           "avgcos_centred": ref_avgcos(X, "centred"), "avgcos_standardised": ref_avgcos(X, "standardised")}
+    out = {
+        "isoscore": ref_iso(C),
+        "isoscore_star": ref_star(C, zeta),
+        "avgcos": ref_avgcos(X, "plain"),
+        "avgcos_centred": ref_avgcos(X, "centred"),
+        "avgcos_standardised": ref_avgcos(X, "standardised"),
+    }
     sp = ref_spectrum(C)
     out.update({k: sp[k] for k in ("pr", "erank", "top1_share", "top5_share", "top10_share")})
     return out
@@ -151,7 +185,9 @@ def test_matches_numpy_every_moment_metric(run):
             _close(e[k], ref[k])
         # the published algorithm (SVD) from the metrics library, as a second reference
         _close(e["isoscore"], isoscore_published(X))
-        np.testing.assert_allclose(e["eigenvalues"], ref_spectrum(ref_cov(X))["eigenvalues"], rtol=1e-8, atol=1e-10)
+        np.testing.assert_allclose(
+            e["eigenvalues"], ref_spectrum(ref_cov(X))["eigenvalues"], rtol=1e-8, atol=1e-10
+        )
         var = X.var(0, ddof=1)
         want = [int(i) for i in np.argsort(-var) if var[i] >= 5 * var.mean()]
         assert e["outliers"] == want
@@ -196,7 +232,7 @@ def test_multi_unit_sum_equals_one_unitsum_per_replicate(standardise):
         scales[:, 4] = 0.0
     mus = MultiUnitSum(shifts, scales)
     for a in range(0, 500, 130):  # several updates, merged
-        mus.merge(MultiUnitSum(shifts, scales).update(X[a:a + 130], g[a:a + 130]))
+        mus.merge(MultiUnitSum(shifts, scales).update(X[a : a + 130], g[a : a + 130]))
     for r in range(R):
         rows = X[g != r] if r < R - 1 else X
         u = UnitSum(shifts[r], None if scales is None else scales[r]).update(rows)
@@ -207,8 +243,11 @@ def test_multi_unit_sum_equals_one_unitsum_per_replicate(standardise):
 
 def test_workers_two_equals_one(run):
     d, _ = run
-    opts = dict(metrics=("isoscore", "isoscore_star", "avgcos", "spectrum", "outliers", "twonn"), id_sample=300,
-                max_rows=900)
+    opts = dict(
+        metrics=("isoscore", "isoscore_star", "avgcos", "spectrum", "outliers", "twonn"),
+        id_sample=300,
+        max_rows=900,
+    )
     a = score(d, ScoreOptions(workers=1, **opts))
     b = score(d, ScoreOptions(workers=2, **opts))
     for ea, eb in zip(a["layers"], b["layers"], strict=True):
@@ -222,10 +261,18 @@ def test_workers_two_equals_one(run):
 
 def test_max_rows_is_a_seeded_bottom_k_sample(run):
     d, data = run
-    a = score(d, ScoreOptions(metrics=("isoscore", "avgcos"), avgcos_variants=("plain",), max_rows=500, seed=3))
-    b = score(d, ScoreOptions(metrics=("isoscore", "avgcos"), avgcos_variants=("plain",), max_rows=500, seed=3,
-                              block_rows=64))
-    c = score(d, ScoreOptions(metrics=("isoscore", "avgcos"), avgcos_variants=("plain",), max_rows=500, seed=4))
+    a = score(
+        d, ScoreOptions(metrics=("isoscore", "avgcos"), avgcos_variants=("plain",), max_rows=500, seed=3)
+    )
+    b = score(
+        d,
+        ScoreOptions(
+            metrics=("isoscore", "avgcos"), avgcos_variants=("plain",), max_rows=500, seed=3, block_rows=64
+        ),
+    )
+    c = score(
+        d, ScoreOptions(metrics=("isoscore", "avgcos"), avgcos_variants=("plain",), max_rows=500, seed=4)
+    )
     h = row_hash(data["keys"], 3, STREAM_MAX_ROWS)
     pick = np.sort(np.argsort(h)[:500])
     for ea, eb, ec in zip(a["layers"], b["layers"], c["layers"], strict=True):
@@ -299,7 +346,9 @@ def test_more_id_estimators(run):
     from geomscope.schema import LAYER_KEYS
 
     d, data = run
-    rep = score(d, ScoreOptions(metrics=("mle",), id_estimator=("lpca",), id_sample=200, seed=2, layers=("1",)))
+    rep = score(
+        d, ScoreOptions(metrics=("mle",), id_estimator=("lpca",), id_sample=200, seed=2, layers=("1",))
+    )
     assert rep["params"]["id_estimator"] == "mle,lpca" and "twonn" not in rep["params"]["metrics"]
     order = np.argsort(row_hash(data["keys"], 2, STREAM_ID_SAMPLE))[:200]
     for e in rep["layers"]:
@@ -324,7 +373,9 @@ def test_shrinkage_targets(tmp_path, run):
         _close(e["isoscore_star"], ref_star(ref_cov(data["X"][e["layer"]]), z, np.eye(D)))
     c0 = np.diag(np.linspace(1, 3, D))
     np.save(tmp_path / "c0.npy", c0)
-    rep = score(d, ScoreOptions(metrics=("isoscore_star",), zeta=z, shrinkage_target=str(tmp_path / "c0.npy")))
+    rep = score(
+        d, ScoreOptions(metrics=("isoscore_star",), zeta=z, shrinkage_target=str(tmp_path / "c0.npy"))
+    )
     assert rep["params"]["target"] == f"file:{tmp_path / 'c0.npy'}"
     for e in rep["layers"]:
         _close(e["isoscore_star"], ref_star(ref_cov(data["X"][e["layer"]]), z, c0))
@@ -341,8 +392,16 @@ def test_layers_subset_and_memory_batches(run):
     msgs = []
     full = score(d, ScoreOptions(metrics=("isoscore", "avgcos", "spectrum"), layers=("-1", "layer_00")))
     assert [e["layer"] for e in full["layers"]] == ["layer_00", "layer_02"]  # depth order
-    tiny = score(d, ScoreOptions(metrics=("isoscore", "avgcos", "spectrum"), layers=("-1", "layer_00"),
-                                 memory_mb=0.03, jackknife_groups=10), log=msgs.append)
+    tiny = score(
+        d,
+        ScoreOptions(
+            metrics=("isoscore", "avgcos", "spectrum"),
+            layers=("-1", "layer_00"),
+            memory_mb=0.03,
+            jackknife_groups=10,
+        ),
+        log=msgs.append,
+    )
     assert full["params"]["layer_batch_size"] >= 2 and tiny["params"]["layer_batch_size"] == 1
     assert any("one layer at a time" in m for m in msgs)
     for a, b in zip(full["layers"], tiny["layers"], strict=True):
@@ -372,7 +431,11 @@ def test_partial_run(tmp_path):
     with pytest.raises(InputError, match="incomplete run.*--partial"):
         score(tmp_path / "r", ScoreOptions(metrics=("isoscore",)))
     rep = score(tmp_path / "r", ScoreOptions(metrics=("isoscore",), partial=True), log=lambda m: None)
-    assert rep["run"]["partial"] is True and rep["run"]["complete"] is False and rep["layers"][0]["n_rows"] == 800
+    assert (
+        rep["run"]["partial"] is True
+        and rep["run"]["complete"] is False
+        and rep["layers"][0]["n_rows"] == 800
+    )
 
 
 def test_corrupt_shard_is_named(tmp_path):
@@ -380,7 +443,7 @@ def test_corrupt_shard_is_named(tmp_path):
     p = tmp_path / "r" / "shard-00001.h5"
     raw = bytearray(p.read_bytes())
     mid = len(raw) // 2
-    raw[mid: mid + 64] = bytes(b ^ 0xFF for b in raw[mid: mid + 64])  # same size, different bytes
+    raw[mid : mid + 64] = bytes(b ^ 0xFF for b in raw[mid : mid + 64])  # same size, different bytes
     p.write_bytes(bytes(raw))
     with pytest.raises(DataError, match="shard-00001.h5"):
         score(tmp_path / "r", ScoreOptions(metrics=("isoscore",)))
@@ -391,16 +454,19 @@ def test_corrupt_shard_is_named(tmp_path):
         score(tmp_path / "r", ScoreOptions(metrics=("isoscore",), verify=False))
 
 
-@pytest.mark.parametrize("opts, match", [
-    (dict(metrics=("isoscore", "nope")), "unknown metric 'nope'"),
-    (dict(zeta=1.5), "zeta"),
-    (dict(zeta="abc"), "zeta"),
-    (dict(layers=("layer_09",)), "not in this run"),
-    (dict(outlier_rule="weird"), "outlier-rule"),
-    (dict(shrinkage_target="layer:nope"), "not in this run"),
-    (dict(shrinkage_target="bogus"), "shrinkage-target"),
-    (dict(max_rows=1), "max-rows"),
-])
+@pytest.mark.parametrize(
+    "opts, match",
+    [
+        (dict(metrics=("isoscore", "nope")), "unknown metric 'nope'"),
+        (dict(zeta=1.5), "zeta"),
+        (dict(zeta="abc"), "zeta"),
+        (dict(layers=("layer_09",)), "not in this run"),
+        (dict(outlier_rule="weird"), "outlier-rule"),
+        (dict(shrinkage_target="layer:nope"), "not in this run"),
+        (dict(shrinkage_target="bogus"), "shrinkage-target"),
+        (dict(max_rows=1), "max-rows"),
+    ],
+)
 def test_bad_options(run, opts, match):
     d, _ = run
     with pytest.raises(GeomscopeError, match=match):
@@ -427,7 +493,11 @@ def test_arrays_npy_and_h5(tmp_path):
         f.create_dataset("labels", data=np.arange(3000))
     Xd = X.astype(np.float64)
     ref = ref_all(Xd)
-    for path, ds in ((tmp_path / "x.npy", None), (tmp_path / "x.h5", None), (tmp_path / "x.h5", "emb/vectors")):
+    for path, ds in (
+        (tmp_path / "x.npy", None),
+        (tmp_path / "x.h5", None),
+        (tmp_path / "x.h5", "emb/vectors"),
+    ):
         rep = score(path, ScoreOptions(metrics=MOMENTS_ONLY, dataset=ds, block_rows=700))
         (e,) = rep["layers"]
         assert rep["source"]["kind"] == "array" and rep["model"] is None and rep["run"] is None
@@ -438,7 +508,9 @@ def test_arrays_npy_and_h5(tmp_path):
     # jackknife over contiguous blocks, directly
     g = np.arange(3000) * 10 // 3000
     reps = [ref_iso(ref_cov(Xd[g != r])) for r in range(10)]
-    _close(rep["layers"][0]["se"]["isoscore"], np.sqrt(0.9 * ((np.array(reps) - np.mean(reps)) ** 2).sum()), 1e-6)
+    _close(
+        rep["layers"][0]["se"]["isoscore"], np.sqrt(0.9 * ((np.array(reps) - np.mean(reps)) ** 2).sum()), 1e-6
+    )
 
 
 def test_array_bad_shapes_and_nan(tmp_path):
@@ -485,19 +557,45 @@ def test_report_is_json_serialisable_with_stable_keys(run):
         assert tuple(e) == LAYER_KEYS
         assert e["avgcos"] is None and "not requested" in e["notes"]["avgcos"]
     assert set(back["params"]) == {
-        "metrics", "zeta", "target", "avgcos_variants", "outlier_rule", "outlier_threshold", "id_estimator",
-        "twonn_fit", "discard_fraction", "id_sample", "seed", "exclude_special", "max_rows", "layers",
-        "duplicates_removed", "uncertainty", "jackknife_groups", "workers", "layer_batch_size", "rows_total"}
+        "metrics",
+        "zeta",
+        "target",
+        "avgcos_variants",
+        "outlier_rule",
+        "outlier_threshold",
+        "id_estimator",
+        "twonn_fit",
+        "discard_fraction",
+        "id_sample",
+        "seed",
+        "exclude_special",
+        "max_rows",
+        "layers",
+        "duplicates_removed",
+        "uncertainty",
+        "jackknife_groups",
+        "workers",
+        "layer_batch_size",
+        "rows_total",
+    }
     assert back["model"] == {"name": "toy", "revision": "step7", "commit": None, "hidden_size": D}
 
 
 def _write_split(run_dir, X, docs, cuts):
-    ident = {"model": {"name": "toy", "hidden_size": X.shape[1]}, "layers": [{"name": "layer_00", "index": 0}]}
+    ident = {
+        "model": {"name": "toy", "hidden_size": X.shape[1]},
+        "layers": [{"name": "layer_00", "index": 0}],
+    }
     with RunWriter(run_dir, ident) as w:
         for s, (a, b) in enumerate(zip(cuts[:-1], cuts[1:], strict=True)):
             sw = w.shard_writer(s, layer_names=["layer_00"], dim=X.shape[1], store_dtype="float32")
-            sw.append({"layer_00": X[a:b]}, token_id=np.arange(a, b), doc_id=docs[a:b], position=np.zeros(b - a),
-                      is_special=np.zeros(b - a, bool))
+            sw.append(
+                {"layer_00": X[a:b]},
+                token_id=np.arange(a, b),
+                doc_id=docs[a:b],
+                position=np.zeros(b - a),
+                is_special=np.zeros(b - a, bool),
+            )
             w.add_shard(sw.close())
         w.finalize({"docs": int(docs.max()) + 1})
 
@@ -529,7 +627,9 @@ def test_report_does_not_depend_on_how_rows_are_sharded(tmp_path):
 
 def test_same_inputs_same_report(run):
     d, _ = run
-    opts = ScoreOptions(metrics=("isoscore", "avgcos", "twonn"), id_sample=200, max_rows=700, seed=5, layers=("0",))
+    opts = ScoreOptions(
+        metrics=("isoscore", "avgcos", "twonn"), id_sample=200, max_rows=700, seed=5, layers=("0",)
+    )
     a, b = score(d, opts), score(d, opts)
     a.pop("created"), b.pop("created")
     assert a == b
@@ -563,15 +663,23 @@ def test_outlier_rules_against_direct(tmp_path):
     data = make_run(tmp_path / "r", n_shards=2, rows=300)
     # magnitude: |x| >= 6 in 10 % of the tokens of dimension 5 in layers 0 and 1 (2 of 3 layers)
     X = {n: data["X"][n].copy() for n in LAYERS}
-    rep = score(tmp_path / "r", ScoreOptions(metrics=("outliers",), outlier_rule="zscore", outlier_stat="mean_abs",
-                                             outlier_threshold=2.0))
+    rep = score(
+        tmp_path / "r",
+        ScoreOptions(
+            metrics=("outliers",), outlier_rule="zscore", outlier_stat="mean_abs", outlier_threshold=2.0
+        ),
+    )
     for e in rep["layers"]:
         stat = np.abs(X[e["layer"]]).mean(0)
         ref = outliers_zscore(stat, z=2.0, stat_name="mean_abs")
         assert e["outliers"] == ref.dims
         np.testing.assert_allclose(e["outlier_statistic"], stat, rtol=1e-12)
-    rep = score(tmp_path / "r", ScoreOptions(metrics=("outliers",), outlier_rule="quantile", outlier_threshold=0.9,
-                                             id_sample=250, seed=4))
+    rep = score(
+        tmp_path / "r",
+        ScoreOptions(
+            metrics=("outliers",), outlier_rule="quantile", outlier_threshold=0.9, id_sample=250, seed=4
+        ),
+    )
     order = np.argsort(row_hash(data["keys"], 4, STREAM_ID_SAMPLE))[:250]
     for e in rep["layers"]:
         ref = outliers_quantile(X[e["layer"]][order], q=0.9)
@@ -585,11 +693,19 @@ def test_outlier_rules_against_direct(tmp_path):
     Xb = {n: big["X"][n].copy() for n in LAYERS}
     for n in ("layer_00", "layer_01"):
         Xb[n][rows, 5] = 9.0
-    ident = {"model": {"name": "toy", "hidden_size": D}, "layers": [{"name": n, "index": i} for i, n in enumerate(LAYERS)]}
+    ident = {
+        "model": {"name": "toy", "hidden_size": D},
+        "layers": [{"name": n, "index": i} for i, n in enumerate(LAYERS)],
+    }
     with RunWriter(tmp_path / "m2", ident) as w:
         sw = w.shard_writer(0, layer_names=list(LAYERS), dim=D, store_dtype="float32")
-        sw.append({n: Xb[n] for n in LAYERS}, token_id=np.arange(600), doc_id=np.arange(600) // 20,
-                  position=np.arange(600) % 20, is_special=np.zeros(600, bool))
+        sw.append(
+            {n: Xb[n] for n in LAYERS},
+            token_id=np.arange(600),
+            doc_id=np.arange(600) // 20,
+            position=np.arange(600) % 20,
+            is_special=np.zeros(600, bool),
+        )
         w.add_shard(sw.close())
         w.finalize({"docs": 30})
     rep = score(tmp_path / "m2", ScoreOptions(metrics=("outliers",), outlier_rule="magnitude"))
@@ -602,14 +718,23 @@ def test_outlier_rules_against_direct(tmp_path):
         assert len(e["outlier_support"]) == len(ref.dims)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(zeta="0.2"), "--zeta must be a number"), (dict(zeta=1.5), r"--zeta must be in \[0, 1\]"),
-    (dict(discard_fraction=1.0), r"--discard-fraction must be in \[0, 1\)"), (dict(workers=0), "--workers must be >= 1"),
-    (dict(seed=1.5), "--seed must be a whole number"), (dict(jackknife_groups=1), "0 \\(off\\) or >= 2"),
-    (dict(memory_mb=0), r"--memory-mb must be in \(0, inf\)"), (dict(twonn_fit="cubic"), "--twonn-fit must be one of"),
-    (dict(outlier_rule="mad"), "--outlier-rule must be one of"), (dict(outlier_stat="max"), "--outlier-stat"),
-    (dict(max_rows=1), "--max-rows must be >= 2"), (dict(metrics=("nope",)), "unknown metric"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(zeta="0.2"), "--zeta must be a number"),
+        (dict(zeta=1.5), r"--zeta must be in \[0, 1\]"),
+        (dict(discard_fraction=1.0), r"--discard-fraction must be in \[0, 1\)"),
+        (dict(workers=0), "--workers must be >= 1"),
+        (dict(seed=1.5), "--seed must be a whole number"),
+        (dict(jackknife_groups=1), "0 \\(off\\) or >= 2"),
+        (dict(memory_mb=0), r"--memory-mb must be in \(0, inf\)"),
+        (dict(twonn_fit="cubic"), "--twonn-fit must be one of"),
+        (dict(outlier_rule="mad"), "--outlier-rule must be one of"),
+        (dict(outlier_stat="max"), "--outlier-stat"),
+        (dict(max_rows=1), "--max-rows must be >= 2"),
+        (dict(metrics=("nope",)), "unknown metric"),
+    ],
+)
 def test_score_options_reject_library_callers_bad_values(kw, match):
     with pytest.raises(InputError, match=match):
         ScoreOptions(**kw).validate()

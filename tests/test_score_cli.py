@@ -22,8 +22,19 @@ def run_dir(tmp_path_factory):
 
 
 def test_json_stdout_is_pure_and_files_written(cli, run_dir, tmp_path):
-    code, out, err = cli(["score", run_dir, "--json", "--metrics", "isoscore,avgcos,twonn", "--id-sample", "200",
-                          "--out", tmp_path / "rep"])
+    code, out, err = cli(
+        [
+            "score",
+            run_dir,
+            "--json",
+            "--metrics",
+            "isoscore,avgcos,twonn",
+            "--id-sample",
+            "200",
+            "--out",
+            tmp_path / "rep",
+        ]
+    )
     assert code == 0, err
     rep = json.loads(out)  # the whole of stdout is one JSON document
     assert tuple(rep) == REPORT_KEYS
@@ -72,17 +83,20 @@ def test_warnings_for_transposed_and_nan_arrays(cli, tmp_path):
     assert json.loads(out)["layers"][0]["dropped"]["nonfinite"] == 1
 
 
-@pytest.mark.parametrize("args, match", [
-    (["--metrics", "isoscore,bogus"], "unknown metric 'bogus'"),
-    (["--zeta", "abc"], "zeta"),
-    (["--zeta", "1.5"], "zeta"),
-    (["--layers", "layer_42"], "not in this run"),
-    (["--workers", "two"], "Invalid value for '--workers'"),
-    (["--seed", "-1"], "Invalid value for '--seed'"),
-    (["--id-sample", "2"], "Invalid value for '--id-sample'"),
-    (["--outlier-rule", "nope"], "outlier-rule"),
-    (["--shrinkage-target", "layer:missing"], "not in this run"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--metrics", "isoscore,bogus"], "unknown metric 'bogus'"),
+        (["--zeta", "abc"], "zeta"),
+        (["--zeta", "1.5"], "zeta"),
+        (["--layers", "layer_42"], "not in this run"),
+        (["--workers", "two"], "Invalid value for '--workers'"),
+        (["--seed", "-1"], "Invalid value for '--seed'"),
+        (["--id-sample", "2"], "Invalid value for '--id-sample'"),
+        (["--outlier-rule", "nope"], "outlier-rule"),
+        (["--shrinkage-target", "layer:missing"], "not in this run"),
+    ],
+)
 def test_bad_options(cli, run_dir, tmp_path, args, match):
     code, out, err = cli(["score", run_dir, "--out", tmp_path / "x", "--json", *args])
     assert_one_line_error(code, out, err, match)

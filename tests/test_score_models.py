@@ -39,8 +39,15 @@ def _stored(run_dir):
 def test_real_extract_end_to_end(tiny_bert_run):
     run_dir, model = tiny_bert_run
     X, special = _stored(run_dir)
-    rep = score(run_dir, ScoreOptions(metrics=("isoscore", "avgcos", "twonn", "partition"), id_sample=400,
-                                      exclude_special=True, workers=2))
+    rep = score(
+        run_dir,
+        ScoreOptions(
+            metrics=("isoscore", "avgcos", "twonn", "partition"),
+            id_sample=400,
+            exclude_special=True,
+            workers=2,
+        ),
+    )
     assert rep["model"]["name"] == str(model) and rep["source"]["dataset"] == "t.txt"
     assert rep["run"]["complete"] and rep["run"]["rows"] == len(special)
     for e in rep["layers"]:

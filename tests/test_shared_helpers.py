@@ -47,8 +47,15 @@ def test_resolve_device_cpu(spec):
     assert resolve_device(spec).type == "cpu"
 
 
-@pytest.mark.parametrize("spec,match", [("cuda:1", "no CUDA device"), ("cuda", "no CUDA device"),
-                                        ("tpu", "not a device|not supported"), ("gpu0", "not a device")])
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ("cuda:1", "no CUDA device"),
+        ("cuda", "no CUDA device"),
+        ("tpu", "not a device|not supported"),
+        ("gpu0", "not a device"),
+    ],
+)
 def test_resolve_device_refuses_what_is_not_here(spec, match):
     import torch
 

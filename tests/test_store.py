@@ -10,8 +10,10 @@ import pytest
 from geomscope.errors import DataError, InputError
 from geomscope.store import Run, RunWriter, iter_shard, read_shard_index, verify_shard
 
-IDENT = {"model": {"name": "toy", "hidden_size": 8}, "layers": [{"name": "layer_00", "index": 0},
-                                                                  {"name": "layer_01", "index": 1}]}
+IDENT = {
+    "model": {"name": "toy", "hidden_size": 8},
+    "layers": [{"name": "layer_00", "index": 0}, {"name": "layer_01", "index": 1}],
+}
 
 
 def _write(run_dir, n_shards=2, rows=(1000, 37), dtype="float16", ident=IDENT):
@@ -26,8 +28,13 @@ def _write(run_dir, n_shards=2, rows=(1000, 37), dtype="float16", ident=IDENT):
             b[5, 3] = np.nan
             for s in range(0, r, 300):  # several appends of uneven size
                 e = min(r, s + 300)
-                sw.append({"layer_00": a[s:e], "layer_01": b[s:e]}, token_id=np.arange(s, e),
-                          doc_id=np.full(e - s, i), position=np.arange(e - s), is_special=np.zeros(e - s, bool))
+                sw.append(
+                    {"layer_00": a[s:e], "layer_01": b[s:e]},
+                    token_id=np.arange(s, e),
+                    doc_id=np.full(e - s, i),
+                    position=np.arange(e - s),
+                    is_special=np.zeros(e - s, bool),
+                )
             w.add_shard(sw.close())
             data[i] = (a, b)
         w.finalize({"docs": n_shards})

@@ -11,12 +11,20 @@ from hypothesis.extra.numpy import arrays
 
 from geomscope.store import Run, RunWriter, ShardWriter, iter_shard, nonfinite_rows
 
-IDENT = {"model": {"name": "toy", "hidden_size": 4}, "layers": [{"name": "a", "index": 0}, {"name": "b", "index": 1}]}
+IDENT = {
+    "model": {"name": "toy", "hidden_size": 4},
+    "layers": [{"name": "a", "index": 0}, {"name": "b", "index": 1}],
+}
 
 
 @settings(max_examples=60, deadline=None)
-@given(arrays(np.float16, st.tuples(st.integers(1, 9), st.integers(1, 6)),
-              elements=st.floats(width=16, allow_nan=True, allow_infinity=True)))
+@given(
+    arrays(
+        np.float16,
+        st.tuples(st.integers(1, 9), st.integers(1, 6)),
+        elements=st.floats(width=16, allow_nan=True, allow_infinity=True),
+    )
+)
 def test_float16_bit_check_equals_isfinite(a):
     np.testing.assert_array_equal(nonfinite_rows(a), ~np.isfinite(a).all(axis=1))
 
@@ -49,19 +57,26 @@ def test_float32_store_keeps_large_values(tmp_path):
 def test_expected_rows_keeps_small_shards_small(tmp_path):
     sizes = {}
     for expected in (None, 10):
-        sw = ShardWriter(tmp_path / f"s{expected}.h5", index=0, layer_names=["a", "b"], dim=32, expected_rows=expected)
+        sw = ShardWriter(
+            tmp_path / f"s{expected}.h5", index=0, layer_names=["a", "b"], dim=32, expected_rows=expected
+        )
         x = np.arange(320, dtype=np.float32).reshape(10, 32)
         sw.append({"a": x, "b": -x}, np.arange(10), np.zeros(10), np.arange(10), np.zeros(10, bool))
         sizes[expected] = sw.close().bytes
     assert sizes[10] < 50_000 < 2 * 1024 * 1024 < sizes[None]
     chunks = [c.layers["b"] for c in iter_shard(tmp_path / "s10.h5")]
-    np.testing.assert_array_equal(np.concatenate(chunks), (-np.arange(320).reshape(10, 32)).astype(np.float16))
+    np.testing.assert_array_equal(
+        np.concatenate(chunks), (-np.arange(320).reshape(10, 32)).astype(np.float16)
+    )
 
 
 def test_identity_differences_name_the_entry():
     from geomscope.store import identity_differences
 
-    old = {"layers": [{"name": "layer_00", "index": 0}, {"name": "layer_06", "index": 6}], "x": {"y": "a" * 200}}
+    old = {
+        "layers": [{"name": "layer_00", "index": 0}, {"name": "layer_06", "index": 6}],
+        "x": {"y": "a" * 200},
+    }
     new = {"layers": [{"name": "layer_00", "index": 0}], "x": {"y": "b"}}
     d = identity_differences(old, new)
     assert d[0] == "layers.count: 2 in the run, 1 now"
@@ -73,8 +88,13 @@ def test_identity_differences_name_the_entry():
 def test_manifest_text_round_trips_one_line_per_shard(tmp_path):
     from geomscope.store.manifest import dumps_manifest
 
-    m = {"format": "geomscope-run", "identity": {"a": [1, {"b": None}], "c": "é"}, "shards": [],
-         "totals": {}, "complete": False}
+    m = {
+        "format": "geomscope-run",
+        "identity": {"a": [1, {"b": None}], "c": "é"},
+        "shards": [],
+        "totals": {},
+        "complete": False,
+    }
     assert json.loads(dumps_manifest(m)) == m
     m["shards"] = [{"index": i, "file": f"shard-{i:05d}.h5", "stats": {"x": {"y": i}}} for i in range(3)]
     text = dumps_manifest(m)

@@ -38,6 +38,7 @@ def _hidden(seed=0, B=3, T=5, D=6, L=3, scale=None):
 
 # -- penalties ----------------------------------------------------------------------------------
 
+
 def test_istar_equals_isoscore_star_of_union_of_real_tokens():
     hs, mask = _hidden()
     keep = mask.bool()
@@ -107,28 +108,36 @@ def test_batch_covariance_is_stable_under_a_large_offset():
 
 # -- data and batching ---------------------------------------------------------------------------
 
+
 def test_tables_in_every_format_agree(tmp_path):
     rows = synthetic_rows(12)
     a = load_table(write_csv(tmp_path / "d.csv", rows))
     b = load_table(write_csv(tmp_path / "d.tsv", rows, delimiter="\t"))
-    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"sentence": s, "label": y}) + "\n" for s, y in rows))
+    (tmp_path / "d.jsonl").write_text(
+        "".join(json.dumps({"sentence": s, "label": y}) + "\n" for s, y in rows)
+    )
     c = load_table(tmp_path / "d.jsonl")
     import datasets
 
-    datasets.Dataset.from_dict({"sentence": [r[0] for r in rows], "label": [r[1] for r in rows]}).save_to_disk(
-        str(tmp_path / "ds"))
+    datasets.Dataset.from_dict(
+        {"sentence": [r[0] for r in rows], "label": [r[1] for r in rows]}
+    ).save_to_disk(str(tmp_path / "ds"))
     d = load_table(tmp_path / "ds")
     for t in (b, c, d):
         assert t.texts == a.texts and t.labels == a.labels
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"sentence": ["x"], "label": [0]})}).save_to_disk(
-        str(tmp_path / "dd"))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict({"sentence": ["x"], "label": [0]})}
+    ).save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(InputError, match="DatasetDict with splits train"):
         load_table(tmp_path / "dd")
 
 
 def test_label_map_numeric_order_and_pairs(tmp_path):
-    p = write_csv(tmp_path / "p.csv", [("q one", "a b", 10), ("q two", "c", 2), ("q3", "d", 2)],
-                  header=("question", "sentence", "label"))
+    p = write_csv(
+        tmp_path / "p.csv",
+        [("q one", "a b", 10), ("q two", "c", 2), ("q3", "d", 2)],
+        header=("question", "sentence", "label"),
+    )
     t = load_table(p, "question", "label", "sentence")
     assert t.texts2 == ["a b", "c", "d"]
     assert build_label_map(t) == {"2": 0, "10": 1}
@@ -182,18 +191,32 @@ def test_parse_layers():
 
 # -- the loop ------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
     train = write_csv(d / "train.csv", synthetic_rows(48, 0))
     dev = write_csv(d / "dev.csv", synthetic_rows(16, 1))
-    return {"dir": d, "train": str(train), "eval": str(dev),
-            "model": str(make_checkpoint(d / "m", words_of([])))}
+    return {
+        "dir": d,
+        "train": str(train),
+        "eval": str(dev),
+        "model": str(make_checkpoint(d / "m", words_of([]))),
+    }
 
 
 def _cfg(tiny, out, **kw):
-    base = dict(model=tiny["model"], train=tiny["train"], eval=tiny["eval"], out=str(out), epochs=2, lr=2e-3,
-                batch_size=8, device="cpu", lam=-1.0)
+    base = dict(
+        model=tiny["model"],
+        train=tiny["train"],
+        eval=tiny["eval"],
+        out=str(out),
+        epochs=2,
+        lr=2e-3,
+        batch_size=8,
+        device="cpu",
+        lam=-1.0,
+    )
     base.update(kw)
     return FinetuneConfig(**base)
 
@@ -226,8 +249,11 @@ def test_finetune_outputs_and_head_note(tiny, tmp_path):
     finetune(_cfg(tiny, tmp_path / "o2", model=str(out), epochs=1, reg="none"), quiet=True, note=notes.append)
     assert notes == []
     three = write_csv(tmp_path / "three.csv", synthetic_rows(12) + [("so so film", "mixed")] * 4)
-    finetune(_cfg(tiny, tmp_path / "o3", model=str(out), train=str(three), eval=str(three), epochs=1),
-             quiet=True, note=notes.append)
+    finetune(
+        _cfg(tiny, tmp_path / "o3", model=str(out), train=str(three), eval=str(three), epochs=1),
+        quiet=True,
+        note=notes.append,
+    )
     assert any("replaced it" in n for n in notes)
 
 
@@ -238,7 +264,9 @@ def test_resume_reproduces_an_uninterrupted_run(tiny, tmp_path):
     with pytest.raises(InputError, match="already holds a finetune run"):
         finetune(_cfg(tiny, tmp_path / "part", epochs=2), quiet=True, note=lambda m: None)
     with pytest.raises(InputError, match="trained with lr=0.002, not 0.001"):
-        finetune(_cfg(tiny, tmp_path / "part", epochs=2, lr=1e-3, resume=True), quiet=True, note=lambda m: None)
+        finetune(
+            _cfg(tiny, tmp_path / "part", epochs=2, lr=1e-3, resume=True), quiet=True, note=lambda m: None
+        )
     res = finetune(_cfg(tiny, tmp_path / "part", epochs=2, resume=True), quiet=True, note=lambda m: None)
     assert res["resumed"] and res["steps"] == full["steps"]
     a, b = _steps(tmp_path / "full"), _steps(tmp_path / "part")
@@ -277,9 +305,13 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(tiny, tmp_path,
 
 
 def test_bad_options_are_input_errors(tiny, tmp_path):
-    for kw, msg in ((dict(precision="fp16"), "fp16 needs a CUDA GPU"), (dict(reg="l2"), "unknown --reg"),
-                    (dict(zeta=1.5), "--zeta must lie in"), (dict(layers="9"), "layer 9 is out of range"),
-                    (dict(model=str(tmp_path / "nope")), "does not exist")):
+    for kw, msg in (
+        (dict(precision="fp16"), "fp16 needs a CUDA GPU"),
+        (dict(reg="l2"), "unknown --reg"),
+        (dict(zeta=1.5), "--zeta must lie in"),
+        (dict(layers="9"), "layer 9 is out of range"),
+        (dict(model=str(tmp_path / "nope")), "does not exist"),
+    ):
         with pytest.raises(GeomscopeError, match=msg):
             finetune(_cfg(tiny, tmp_path / "x", **kw), quiet=True, note=lambda m: None)
 
@@ -292,16 +324,30 @@ def test_bf16_autocast_on_cpu_runs(tiny, tmp_path):
 
 # -- the effect is real ----------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def sample_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("sample")
-    return str(make_checkpoint(d / "m", words_of([SAMPLE / "train.csv", SAMPLE / "dev.csv"]), hidden=32,
-                               layers=2, seed=0))
+    return str(
+        make_checkpoint(
+            d / "m", words_of([SAMPLE / "train.csv", SAMPLE / "dev.csv"]), hidden=32, layers=2, seed=0
+        )
+    )
 
 
 def _sample_run(model, out, **kw):
-    cfg = FinetuneConfig(model=model, train=str(SAMPLE / "train.csv"), eval=str(SAMPLE / "dev.csv"), out=str(out),
-                         epochs=3, lr=2e-3, batch_size=32, device="cpu", seed=0, **kw)
+    cfg = FinetuneConfig(
+        model=model,
+        train=str(SAMPLE / "train.csv"),
+        eval=str(SAMPLE / "dev.csv"),
+        out=str(out),
+        epochs=3,
+        lr=2e-3,
+        batch_size=32,
+        device="cpu",
+        seed=0,
+        **kw,
+    )
     return finetune(cfg, quiet=True, note=lambda m: None)["final"]
 
 

@@ -27,7 +27,7 @@ def _global_batch(seed=0, B=8, T=6, D=5):
     x = torch.randn(B, T, D, generator=g).double()
     mask = torch.ones(B, T, dtype=torch.long)
     for b in range(B):
-        mask[b, 2 + b % 4:] = 0  # ragged lengths
+        mask[b, 2 + b % 4 :] = 0  # ragged lengths
     lin = torch.nn.Linear(D, D).double()
     with torch.no_grad():
         lin.weight.copy_(torch.randn(D, D, generator=g))
@@ -94,10 +94,24 @@ def test_two_processes_match_one(tmp_path):
     train = write_csv(tmp_path / "train.csv", synthetic_rows(36, 0))
     dev = write_csv(tmp_path / "dev.csv", synthetic_rows(12, 1))
     model = str(make_checkpoint(tmp_path / "m", words_of([]), dropout=0.0))
-    cfg = dict(model=model, train=str(train), eval=str(dev), out=str(tmp_path / "ddp"), epochs=2, lr=2e-3,
-               batch_size=4, device="cpu", lam=-1.0, c0_points=10**6)
-    mp.spawn(_worker, args=(str(tmp_path), {"cfg": cfg, "train": str(train), "model": model}), nprocs=WORLD,
-             join=True)
+    cfg = dict(
+        model=model,
+        train=str(train),
+        eval=str(dev),
+        out=str(tmp_path / "ddp"),
+        epochs=2,
+        lr=2e-3,
+        batch_size=4,
+        device="cpu",
+        lam=-1.0,
+        c0_points=10**6,
+    )
+    mp.spawn(
+        _worker,
+        args=(str(tmp_path), {"cfg": cfg, "train": str(train), "model": model}),
+        nprocs=WORLD,
+        join=True,
+    )
     r = [torch.load(tmp_path / f"rank{i}.pt", weights_only=False) for i in range(WORLD)]
 
     # (1) penalties and DDP-averaged gradients equal the single-process ones of the global batch
@@ -125,8 +139,11 @@ def test_two_processes_match_one(tmp_path):
     assert n1 == r[0]["C0_n"] and torch.allclose(C0_1, r[0]["C0"], rtol=1e-5, atol=1e-7)
 
     # (3) the 2-process run equals one process with the doubled batch (no dropout)
-    single = finetune(FinetuneConfig(**{**cfg, "out": str(tmp_path / "one"), "batch_size": 8}), quiet=True,
-                      note=lambda s: None)
+    single = finetune(
+        FinetuneConfig(**{**cfg, "out": str(tmp_path / "one"), "batch_size": 8}),
+        quiet=True,
+        note=lambda s: None,
+    )
     ddp = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     assert ddp["world_size"] == 2 and ddp["global_batch"] == 8 and ddp["steps"] == single["steps"]
     for a, b in zip(_steps(tmp_path / "ddp"), _steps(tmp_path / "one"), strict=True):

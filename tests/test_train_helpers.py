@@ -15,8 +15,28 @@ SAMPLE = ROOT / "sample_data" / "sentiment"
 
 POS = ["good", "great", "lovely", "wonderful", "superb", "delightful", "charming", "brilliant"]
 NEG = ["bad", "awful", "dull", "terrible", "boring", "clumsy", "tedious", "weak"]
-FILL = ["the", "film", "was", "a", "story", "and", "acting", "plot", "really", "quite", "very", "with",
-        "music", "ending", "cast", "this", "movie", "it", "is", "so"]
+FILL = [
+    "the",
+    "film",
+    "was",
+    "a",
+    "story",
+    "and",
+    "acting",
+    "plot",
+    "really",
+    "quite",
+    "very",
+    "with",
+    "music",
+    "ending",
+    "cast",
+    "this",
+    "movie",
+    "it",
+    "is",
+    "so",
+]
 
 
 def synthetic_rows(n: int, seed: int = 0) -> list[tuple[str, str]]:
@@ -48,8 +68,17 @@ def words_of(paths) -> list[str]:
     return sorted(vocab)
 
 
-def make_checkpoint(path: Path, words=None, *, head: bool = False, hidden: int = 32, layers: int = 2,
-                    dropout: float = 0.1, seed: int = 0, num_labels: int = 2) -> Path:
+def make_checkpoint(
+    path: Path,
+    words=None,
+    *,
+    head: bool = False,
+    hidden: int = 32,
+    layers: int = 2,
+    dropout: float = 0.1,
+    seed: int = 0,
+    num_labels: int = 2,
+) -> Path:
     """save_pretrained a random tiny BERT (+ its WordPiece tokenizer) into ``path``."""
     import torch
     from transformers import BertConfig, BertForSequenceClassification, BertModel, BertTokenizer
@@ -57,9 +86,17 @@ def make_checkpoint(path: Path, words=None, *, head: bool = False, hidden: int =
     path.mkdir(parents=True, exist_ok=True)
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sorted(set(words or words_of([])))
     tok = BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True)
-    cfg = BertConfig(vocab_size=len(vocab), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
-                     intermediate_size=2 * hidden, max_position_embeddings=128, hidden_dropout_prob=dropout,
-                     attention_probs_dropout_prob=dropout, num_labels=num_labels)
+    cfg = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=128,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        num_labels=num_labels,
+    )
     torch.manual_seed(seed)
     model = BertForSequenceClassification(cfg) if head else BertModel(cfg)
     model.save_pretrained(path)

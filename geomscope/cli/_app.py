@@ -24,6 +24,7 @@ def _conventional_arguments() -> None:
     if hasattr(arg, "display_type_rich"):
         arg.display_type_rich = lambda self, ctx: None
     if hasattr(arg, "_usage_display_name"):
+
         def usage_name(self) -> str:
             name = self.display_name_raw if self.required else f"[{self.display_name_raw}]"
             return name + ("..." if self.nargs != 1 else "")

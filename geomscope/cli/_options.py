@@ -49,7 +49,9 @@ def split_list(values) -> list[str]:
 
 
 def json_option(what: str = "the result"):
-    return typer.Option(False, "--json", help=f"Print {what} as one JSON object on stdout (nothing else there).")
+    return typer.Option(
+        False, "--json", help=f"Print {what} as one JSON object on stdout (nothing else there)."
+    )
 
 
 def quiet_option(what: str = "No progress bar or messages."):

@@ -1,4 +1,5 @@
-"""``geomscope extract MODEL INPUT... --out RUN_DIR``: a thin wrapper over :func:`geomscope.extract.run.extract`."""
+"""``geomscope extract MODEL INPUT... --out RUN_DIR``: a thin wrapper over
+:func:`geomscope.extract.run.extract`."""
 
 from __future__ import annotations
 
@@ -23,44 +24,93 @@ from geomscope.cli._options import (
 
 @app.command("extract")
 def extract_cmd(
-    model: str = typer.Argument(..., metavar="MODEL", help="Local model directory, hub name (org/name), or "
-                                "bundled:minilm (the packaged all-MiniLM-L6-v2)."),
-    inputs: list[str] = typer.Argument(..., metavar="INPUT", help="Text files (one document per line), "
-                                       ".jsonl, .csv/.tsv, a datasets.save_to_disk directory, or - for stdin."),
-    out: Path = typer.Option(..., "--out", "-o", metavar="RUN_DIR",
-                             help="Run directory to write (rerun the same command to resume)."),
-    layers: str = layers_option("all", "all | blocks | 0,6,12 | 4-8 | -1 | layer_06: hidden states to keep "
-                                       "(0 = embeddings, i = block i)."),
-    revision: Optional[str] = typer.Option(None, "--revision", metavar="REV",
-                                           help="Hub revision: tag, branch or commit."),
-    dtype: ComputeDtype = typer.Option("float32", "--dtype", metavar=choice_metavar(choices.COMPUTE_DTYPES),
-                                       help="Model computation dtype."),
-    store_dtype: StoreDtype = typer.Option("float16", "--store-dtype", metavar=choice_metavar(choices.STORE_DTYPES),
-                                           help="Shard dtype."),
-    device: str = typer.Option("auto", "--device", metavar="DEVICE",
-                               help="auto (CUDA when present, else CPU), cpu, cuda, cuda:N or mps."),
+    model: str = typer.Argument(
+        ...,
+        metavar="MODEL",
+        help="Local model directory, hub name (org/name), or bundled:minilm (the packaged all-MiniLM-L6-v2).",
+    ),
+    inputs: list[str] = typer.Argument(
+        ...,
+        metavar="INPUT",
+        help="Text files (one document per line), "
+        ".jsonl, .csv/.tsv, a datasets.save_to_disk directory, or - for stdin.",
+    ),
+    out: Path = typer.Option(
+        ...,
+        "--out",
+        "-o",
+        metavar="RUN_DIR",
+        help="Run directory to write (rerun the same command to resume).",
+    ),
+    layers: str = layers_option(
+        "all",
+        "all | blocks | 0,6,12 | 4-8 | -1 | layer_06: hidden states to keep (0 = embeddings, i = block i).",
+    ),
+    revision: Optional[str] = typer.Option(
+        None, "--revision", metavar="REV", help="Hub revision: tag, branch or commit."
+    ),
+    dtype: ComputeDtype = typer.Option(
+        "float32", "--dtype", metavar=choice_metavar(choices.COMPUTE_DTYPES), help="Model computation dtype."
+    ),
+    store_dtype: StoreDtype = typer.Option(
+        "float16", "--store-dtype", metavar=choice_metavar(choices.STORE_DTYPES), help="Shard dtype."
+    ),
+    device: str = typer.Option(
+        "auto",
+        "--device",
+        metavar="DEVICE",
+        help="auto (CUDA when present, else CPU), cpu, cuda, cuda:N or mps.",
+    ),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the model's own code."),
-    stack: Optional[Stack] = typer.Option(None, "--stack", metavar=choice_metavar(choices.STACKS),
-                                          help="Encoder-decoder models: the encoder (default) or the decoder "
-                                               "(teacher-forced on the document)."),
-    text_field: str = typer.Option("text", "--text-field", metavar="NAME",
-                                   help="Text field of .jsonl records and datasets, or column of .csv/.tsv files."),
-    text_column: Optional[str] = typer.Option(None, "--text-column", hidden=True,
-                                              help="Deprecated spelling of --text-field for .csv/.tsv files."),
-    max_docs: Optional[int] = typer.Option(None, "--max-docs", min=1, metavar="N",
-                                           help="Use only the first N non-empty documents."),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1, metavar="N",
-                                             help="Stop after N rows (tokens); the last document is cut."),
-    max_length: Optional[int] = typer.Option(None, "--max-length", min=1, metavar="N",
-                                             help="Truncate documents to N tokens (default: the model's limit)."),
-    batch_tokens: int = typer.Option(8192, "--batch-tokens", min=1, metavar="N",
-                                     help="Padded tokens per batch (memory knob; does not change the stored rows)."),
-    shard_docs: int = typer.Option(1000, "--shard-docs", min=1, metavar="N",
-                                   help="Documents per shard (the unit of resume)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Delete an existing run in --out and start over."),
-    cache_dir: Optional[str] = typer.Option(None, "--cache-dir", metavar="DIR", help="Hugging Face cache directory."),
-    allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="Exit 0 even if activations hold "
-                                                                          "NaN/Inf (they are flagged either way)."),
+    stack: Optional[Stack] = typer.Option(
+        None,
+        "--stack",
+        metavar=choice_metavar(choices.STACKS),
+        help="Encoder-decoder models: the encoder (default) or the decoder (teacher-forced on the document).",
+    ),
+    text_field: str = typer.Option(
+        "text",
+        "--text-field",
+        metavar="NAME",
+        help="Text field of .jsonl records and datasets, or column of .csv/.tsv files.",
+    ),
+    text_column: Optional[str] = typer.Option(
+        None, "--text-column", hidden=True, help="Deprecated spelling of --text-field for .csv/.tsv files."
+    ),
+    max_docs: Optional[int] = typer.Option(
+        None, "--max-docs", min=1, metavar="N", help="Use only the first N non-empty documents."
+    ),
+    max_tokens: Optional[int] = typer.Option(
+        None, "--max-tokens", min=1, metavar="N", help="Stop after N rows (tokens); the last document is cut."
+    ),
+    max_length: Optional[int] = typer.Option(
+        None,
+        "--max-length",
+        min=1,
+        metavar="N",
+        help="Truncate documents to N tokens (default: the model's limit).",
+    ),
+    batch_tokens: int = typer.Option(
+        8192,
+        "--batch-tokens",
+        min=1,
+        metavar="N",
+        help="Padded tokens per batch (memory knob; does not change the stored rows).",
+    ),
+    shard_docs: int = typer.Option(
+        1000, "--shard-docs", min=1, metavar="N", help="Documents per shard (the unit of resume)."
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Delete an existing run in --out and start over."
+    ),
+    cache_dir: Optional[str] = typer.Option(
+        None, "--cache-dir", metavar="DIR", help="Hugging Face cache directory."
+    ),
+    allow_nonfinite: bool = typer.Option(
+        False,
+        "--allow-nonfinite",
+        help="Exit 0 even if activations hold NaN/Inf (they are flagged either way).",
+    ),
     json_out: bool = json_option("the summary"),
     quiet: bool = quiet_option(),
 ) -> None:
@@ -78,10 +128,22 @@ def extract_cmd(
     log = None if quiet else (lambda msg: console.print(msg, markup=False, highlight=False, soft_wrap=True))
     try:
         options = ExtractOptions(
-            layers=layers, revision=revision, dtype=value(dtype), store_dtype=value(store_dtype), device=device,
-            trust_remote_code=trust_remote_code, stack=value(stack), text_field=text_field,
-            text_column=text_column or text_field, max_docs=max_docs, max_tokens=max_tokens, max_length=max_length,
-            batch_tokens=batch_tokens, shard_docs=shard_docs, overwrite=overwrite, cache_dir=cache_dir,
+            layers=layers,
+            revision=revision,
+            dtype=value(dtype),
+            store_dtype=value(store_dtype),
+            device=device,
+            trust_remote_code=trust_remote_code,
+            stack=value(stack),
+            text_field=text_field,
+            text_column=text_column or text_field,
+            max_docs=max_docs,
+            max_tokens=max_tokens,
+            max_length=max_length,
+            batch_tokens=batch_tokens,
+            shard_docs=shard_docs,
+            overwrite=overwrite,
+            cache_dir=cache_dir,
             allow_nonfinite=allow_nonfinite,
         )
         summary = extract(model, inputs, out, options, progress=not quiet, log=log, stdin=sys.stdin)

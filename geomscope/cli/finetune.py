@@ -31,40 +31,88 @@ from geomscope.cli._options import (
 
 @app.command("finetune")
 def finetune_cmd(
-    model: str = typer.Argument(..., metavar="MODEL", help="Checkpoint directory, bundled:minilm (all-MiniLM-L6-v2), or a hub name."),
-    train: Path = typer.Option(..., "--train", metavar="FILE", help="Training data: .csv, .tsv, .jsonl or a save_to_disk dir."),
-    eval_: Path = typer.Option(..., "--eval", metavar="FILE", help="Evaluation data, same format and columns as --train."),
-    out: Path = typer.Option(..., "--out", "-o", metavar="DIR", help="Output directory (model, logs, checkpoint)."),
-    reg: Regulariser = typer.Option("istar", "--reg", metavar=choice_metavar(choices.REGULARISERS),
-                                    help="Regulariser: I-STAR, CosReg or none."),
-    lam: float = typer.Option(-5.0, "--lambda", metavar="FLOAT",
-                              help="Weight of the penalty. I-STAR: < 0 pushes away from isotropy, > 0 toward it."),
-    zeta: float = typer.Option(0.2, "--zeta", min=0.0, max=1.0, metavar="FLOAT", help="IsoScore* shrinkage weight on C0 (0 = plain IsoScore)."),
-    c0_points: int = typer.Option(250_000, "--c0-points", min=2, metavar="N", help="Token vectors used for C0 each epoch (at most)."),
+    model: str = typer.Argument(
+        ..., metavar="MODEL", help="Checkpoint directory, bundled:minilm (all-MiniLM-L6-v2), or a hub name."
+    ),
+    train: Path = typer.Option(
+        ..., "--train", metavar="FILE", help="Training data: .csv, .tsv, .jsonl or a save_to_disk dir."
+    ),
+    eval_: Path = typer.Option(
+        ..., "--eval", metavar="FILE", help="Evaluation data, same format and columns as --train."
+    ),
+    out: Path = typer.Option(
+        ..., "--out", "-o", metavar="DIR", help="Output directory (model, logs, checkpoint)."
+    ),
+    reg: Regulariser = typer.Option(
+        "istar",
+        "--reg",
+        metavar=choice_metavar(choices.REGULARISERS),
+        help="Regulariser: I-STAR, CosReg or none.",
+    ),
+    lam: float = typer.Option(
+        -5.0,
+        "--lambda",
+        metavar="FLOAT",
+        help="Weight of the penalty. I-STAR: < 0 pushes away from isotropy, > 0 toward it.",
+    ),
+    zeta: float = typer.Option(
+        0.2,
+        "--zeta",
+        min=0.0,
+        max=1.0,
+        metavar="FLOAT",
+        help="IsoScore* shrinkage weight on C0 (0 = plain IsoScore).",
+    ),
+    c0_points: int = typer.Option(
+        250_000, "--c0-points", min=2, metavar="N", help="Token vectors used for C0 each epoch (at most)."
+    ),
     layers: Optional[str] = layers_option(
-        None, "Hidden states for I-STAR: blocks | all | 1-6 | 2,4,-1 | layer_03 (default: blocks, every "
-              "block; 0 = embedding output)."),
+        None,
+        "Hidden states for I-STAR: blocks | all | 1-6 | 2,4,-1 | layer_03 (default: blocks, every "
+        "block; 0 = embedding output).",
+    ),
     epochs: int = typer.Option(4, "--epochs", min=1, metavar="N", help="Training epochs."),
     lr: float = typer.Option(1e-5, "--lr", min=0.0, metavar="FLOAT", help="AdamW learning rate (constant)."),
-    batch_size: int = typer.Option(32, "--batch-size", min=1, metavar="N", help="Examples per step per process."),
-    max_length: int = typer.Option(128, "--max-length", min=2, metavar="N", help="Truncate inputs to this many tokens."),
-    seed: int = typer.Option(0, "--seed", min=0, metavar="N", help="Seed for the head, shuffling and dropout."),
-    precision: Precision = typer.Option("fp32", "--precision", metavar=choice_metavar(choices.PRECISIONS),
-                                        help="Training arithmetic: fp32, fp16 (CUDA, gradient scaling) or bf16 "
-                                             "(autocast)."),
-    device: str = typer.Option("auto", "--device", metavar="DEVICE",
-                               help="auto (CUDA when present, else CPU), cpu, cuda, cuda:N or mps."),
+    batch_size: int = typer.Option(
+        32, "--batch-size", min=1, metavar="N", help="Examples per step per process."
+    ),
+    max_length: int = typer.Option(
+        128, "--max-length", min=2, metavar="N", help="Truncate inputs to this many tokens."
+    ),
+    seed: int = typer.Option(
+        0, "--seed", min=0, metavar="N", help="Seed for the head, shuffling and dropout."
+    ),
+    precision: Precision = typer.Option(
+        "fp32",
+        "--precision",
+        metavar=choice_metavar(choices.PRECISIONS),
+        help="Training arithmetic: fp32, fp16 (CUDA, gradient scaling) or bf16 (autocast).",
+    ),
+    device: str = typer.Option(
+        "auto",
+        "--device",
+        metavar="DEVICE",
+        help="auto (CUDA when present, else CPU), cpu, cuda, cuda:N or mps.",
+    ),
     penalty_precision: PenaltyPrecision = typer.Option(
-        "fp64", "--penalty-precision", metavar=choice_metavar(choices.PENALTY_PRECISIONS),
+        "fp64",
+        "--penalty-precision",
+        metavar=choice_metavar(choices.PENALTY_PRECISIONS),
         help="I-STAR batch covariance arithmetic: fp64 (exact) or fp32 (centred rows, about half the cost; "
-             "for GPUs with slow float64)."),
-    include_padding: bool = typer.Option(False, "--include-padding",
-                                         help="Count padding positions in the penalties (the official code's "
-                                              "behaviour); default: excluded by the attention mask."),
-    text_field: str = typer.Option("sentence", "--text-field", metavar="NAME",
-                                   help="Text field (column) of the examples."),
-    text_field_2: Optional[str] = typer.Option(None, "--text-field-2", metavar="NAME",
-                                               help="Second text column for sentence pairs (e.g. QNLI)."),
+        "for GPUs with slow float64).",
+    ),
+    include_padding: bool = typer.Option(
+        False,
+        "--include-padding",
+        help="Count padding positions in the penalties (the official code's "
+        "behaviour); default: excluded by the attention mask.",
+    ),
+    text_field: str = typer.Option(
+        "sentence", "--text-field", metavar="NAME", help="Text field (column) of the examples."
+    ),
+    text_field_2: Optional[str] = typer.Option(
+        None, "--text-field-2", metavar="NAME", help="Second text column for sentence pairs (e.g. QNLI)."
+    ),
     label_field: str = typer.Option("label", "--label-field", metavar="NAME", help="Column with the label."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the last epoch checkpoint in --out."),
     as_json: bool = json_option("the run summary"),
@@ -78,12 +126,28 @@ def finetune_cmd(
     from geomscope.train import FinetuneConfig, finetune
 
     cfg = FinetuneConfig(
-        model=model, train=str(train), eval=str(eval_), out=str(out), reg=value(reg), lam=lam,
-        zeta=zeta, c0_points=c0_points, layers=layers, epochs=epochs, lr=lr, batch_size=batch_size,
-        max_length=max_length, seed=seed, precision=value(precision), device=device.lower(),
-        include_padding=include_padding, penalty_precision=value(penalty_precision), text_field=text_field,
+        model=model,
+        train=str(train),
+        eval=str(eval_),
+        out=str(out),
+        reg=value(reg),
+        lam=lam,
+        zeta=zeta,
+        c0_points=c0_points,
+        layers=layers,
+        epochs=epochs,
+        lr=lr,
+        batch_size=batch_size,
+        max_length=max_length,
+        seed=seed,
+        precision=value(precision),
+        device=device.lower(),
+        include_padding=include_padding,
+        penalty_precision=value(penalty_precision),
+        text_field=text_field,
         text_field_2=text_field_2,
-        label_field=label_field, resume=resume,
+        label_field=label_field,
+        resume=resume,
     )
     summary = finetune(cfg, quiet=quiet, note=lambda msg: print(msg, file=sys.stderr))
     if os.environ.get("RANK", "0") != "0":  # non-main rank of a torchrun / accelerate run: rank 0 reports
@@ -91,8 +155,11 @@ def finetune_cmd(
     fin = summary.get("final") or {}
     if not quiet:
         iso, acc = fin.get("isoscore_star"), fin.get("accuracy")
-        typer.echo(f"wrote {out}: {summary['steps']} steps, eval accuracy "
-                   f"{'n/a' if acc is None else f'{acc:.4f}'}, eval IsoScore* "
-                   f"{'n/a' if iso is None else f'{iso:.4f}'}", err=True)
+        typer.echo(
+            f"wrote {out}: {summary['steps']} steps, eval accuracy "
+            f"{'n/a' if acc is None else f'{acc:.4f}'}, eval IsoScore* "
+            f"{'n/a' if iso is None else f'{iso:.4f}'}",
+            err=True,
+        )
     if as_json:
         typer.echo(json.dumps(summary))

@@ -12,10 +12,15 @@ from geomscope.cli._options import json_option
 
 @app.command("inspect")
 def inspect_cmd(
-    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A run directory written by `geomscope extract`."),
+    run_dir: Path = typer.Argument(
+        ..., metavar="RUN_DIR", help="A run directory written by `geomscope extract`."
+    ),
     json_out: bool = json_option("the description"),
-    verify: bool = typer.Option(False, "--verify", help="Also check every shard's size and sha256 against the "
-                                                        "manifest (reads every byte)."),
+    verify: bool = typer.Option(
+        False,
+        "--verify",
+        help="Also check every shard's size and sha256 against the manifest (reads every byte).",
+    ),
 ) -> None:
     """Show a run's model, revision, layers, rows, documents, shards, dtype, size on disk and completeness."""
     import json
@@ -38,25 +43,43 @@ def inspect_cmd(
         if m.get("commit"):
             rev += f" (commit {m['commit'][:12]})"
         planned = d.get("planned_shards")
-        status = "complete" if d["complete"] else (
-            f"INCOMPLETE ({d['shards']} of {planned} shards); rerun the same `geomscope extract` command to resume")
+        status = (
+            "complete"
+            if d["complete"]
+            else (
+                f"INCOMPLETE ({d['shards']} of {planned} shards); "
+                "rerun the same `geomscope extract` command to resume"
+            )
+        )
         rows = [
             ("run", d["run_dir"]),
             ("status", status),
-            ("model", f"{m.get('name')} ({m.get('model_type')}, {m.get('architecture')}, {m.get('stack')} stack, "
-                      f"{m.get('attention')})"),
+            (
+                "model",
+                f"{m.get('name')} ({m.get('model_type')}, {m.get('architecture')}, {m.get('stack')} stack, "
+                f"{m.get('attention')})",
+            ),
             ("revision", rev),
-            ("layers", f"{len(d['layers'])}: {', '.join(d['layers'])}"
-                       + (f"  ({d['final_norm_layer']} is after the final norm)" if d["final_norm_layer"] else "")),
+            (
+                "layers",
+                f"{len(d['layers'])}: {', '.join(d['layers'])}"
+                + (f"  ({d['final_norm_layer']} is after the final norm)" if d["final_norm_layer"] else ""),
+            ),
             ("dim", str(d["dim"])),
             ("dtype", f"model {m.get('dtype')}, stored {d['store_dtype']}"),
             ("rows", f"{d['rows']:,}"),
             ("documents", f"{d['docs']:,}"),
             ("shards", f"{d['shards']}" + (f" of {planned}" if planned and not d["complete"] else "")),
             ("size on disk", _human(d["bytes_on_disk"])),
-            ("nonfinite rows", f"{d['nonfinite_rows']:,}" + (
-                " (" + ", ".join(f"{k}: {v}" for k, v in d["nonfinite_by_layer"].items()) + ")"
-                if d["nonfinite_by_layer"] else "")),
+            (
+                "nonfinite rows",
+                f"{d['nonfinite_rows']:,}"
+                + (
+                    " (" + ", ".join(f"{k}: {v}" for k, v in d["nonfinite_by_layer"].items()) + ")"
+                    if d["nonfinite_by_layer"]
+                    else ""
+                ),
+            ),
             ("inputs", ", ".join(f"{i.get('path')} ({i.get('kind')})" for i in d["inputs"]) or "-"),
             ("options", ", ".join(f"{k}={v}" for k, v in d["options"].items())),
         ]
@@ -64,16 +87,25 @@ def inspect_cmd(
             rows.append(("interrupted", ", ".join(d["interrupted_shard_files"]) + " (redone on resume)"))
         if "verify" in d:
             v = d["verify"]
-            rows.append(("verify", "all shards match their checksums" if v["ok"] else
-                         f"{len(v['bad'])} of {v['checked']} shards damaged: " + ", ".join(b["file"] for b in v["bad"])))
+            rows.append(
+                (
+                    "verify",
+                    "all shards match their checksums"
+                    if v["ok"]
+                    else f"{len(v['bad'])} of {v['checked']} shards damaged: "
+                    + ", ".join(b["file"] for b in v["bad"]),
+                )
+            )
         for k, v in rows:
             t.add_row(k, v)
         Console(stderr=True).print(t)
     if verify and not d["verify"]["ok"]:
         bad = d["verify"]["bad"]
-        raise DataError(f"{len(bad)} of {d['verify']['checked']} shards of {run_dir} are damaged "
-                        f"({', '.join(b['file'] for b in bad[:5])}); delete them and rerun the same "
-                        "`geomscope extract` command to redo them")
+        raise DataError(
+            f"{len(bad)} of {d['verify']['checked']} shards of {run_dir} are damaged "
+            f"({', '.join(b['file'] for b in bad[:5])}); delete them and rerun the same "
+            "`geomscope extract` command to redo them"
+        )
 
 
 def _human(n: float) -> str:

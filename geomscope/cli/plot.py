@@ -24,25 +24,45 @@ from geomscope.cli._options import (
 
 @app.command("plot")
 def plot_cmd(
-    inputs: List[str] = typer.Argument(..., metavar="REPORT...",
-                                       help="Score report JSON files (or finetune output dirs / steps.jsonl)."),
-    out: str = typer.Option(..., "--out", "-o", metavar="FILE|DIR/",
-                            help="FILE.png|svg|pdf for one figure, or DIR/ for one file per kind."),
+    inputs: List[str] = typer.Argument(
+        ..., metavar="REPORT...", help="Score report JSON files (or finetune output dirs / steps.jsonl)."
+    ),
+    out: str = typer.Option(
+        ...,
+        "--out",
+        "-o",
+        metavar="FILE|DIR/",
+        help="FILE.png|svg|pdf for one figure, or DIR/ for one file per kind.",
+    ),
     kind: Optional[List[str]] = typer.Option(
-        None, "--kind", "-k", metavar="LIST",
-        help=f"{'|'.join(choices.PLOT_KINDS)} (repeat or comma-separate; default auto)."),
+        None,
+        "--kind",
+        "-k",
+        metavar="LIST",
+        help=f"{'|'.join(choices.PLOT_KINDS)} (repeat or comma-separate; default auto).",
+    ),
     metrics: Optional[List[str]] = metrics_option(
-        None, "Metrics to draw (comma list); default isoscore_star,isoscore,avgcos,twonn where present."),
+        None, "Metrics to draw (comma list); default isoscore_star,isoscore,avgcos,twonn where present."
+    ),
     layers: Optional[List[str]] = layers_option(None, "Only these layers (names or indices, comma list)."),
-    fmt: Optional[FigureFormat] = typer.Option(None, "--format", metavar=choice_metavar(choices.FIGURE_FORMATS),
-                                               help="Image format for DIR/ output (default png)."),
+    fmt: Optional[FigureFormat] = typer.Option(
+        None,
+        "--format",
+        metavar=choice_metavar(choices.FIGURE_FORMATS),
+        help="Image format for DIR/ output (default png).",
+    ),
     dpi: int = typer.Option(150, "--dpi", min=10, max=1200, metavar="N", help="Resolution of raster output."),
     log_x: Optional[bool] = typer.Option(
-        None, "--log-x/--linear-x",
-        help="Trajectory: log (step 0 kept) or linear step axis; default log when steps span 2 decades."),
-    normalise: bool = typer.Option(False, "--normalise",
-                                   help="Spectrum: explained-variance ratio against index / D."),
-    top_k: int = typer.Option(40, "--top-k", min=1, metavar="N", help="Outliers: show at most this many dimensions."),
+        None,
+        "--log-x/--linear-x",
+        help="Trajectory: log (step 0 kept) or linear step axis; default log when steps span 2 decades.",
+    ),
+    normalise: bool = typer.Option(
+        False, "--normalise", help="Spectrum: explained-variance ratio against index / D."
+    ),
+    top_k: int = typer.Option(
+        40, "--top-k", min=1, metavar="N", help="Outliers: show at most this many dimensions."
+    ),
     as_json: bool = json_option('{"figures": [paths], "kinds": [kinds]}'),
     quiet: bool = quiet_option("Do not list the written files on stderr."),
 ) -> None:
@@ -51,11 +71,21 @@ def plot_cmd(
     from geomscope.plot import plot_files
 
     written = plot_files(
-        inputs, out, kinds=split_list(kind) or ["auto"], fmt=value(fmt), dpi=dpi, metrics=split_list(metrics) or None,
-        layers=split_list(layers) or None, log_x=log_x, normalise=normalise, top_k=top_k,
+        inputs,
+        out,
+        kinds=split_list(kind) or ["auto"],
+        fmt=value(fmt),
+        dpi=dpi,
+        metrics=split_list(metrics) or None,
+        layers=split_list(layers) or None,
+        log_x=log_x,
+        normalise=normalise,
+        top_k=top_k,
     )
     if not quiet:
         for w in written:
             typer.echo(f"wrote {w['kind']}: {w['path']}", err=True)
     if as_json:
-        typer.echo(json.dumps({"figures": [w["path"] for w in written], "kinds": [w["kind"] for w in written]}))
+        typer.echo(
+            json.dumps({"figures": [w["path"] for w in written], "kinds": [w["kind"] for w in written]})
+        )

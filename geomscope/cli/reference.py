@@ -54,7 +54,7 @@ def replace_block(text: str, block: str) -> str:
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
         raise SystemExit(f"the README has no '{BEGIN}' ... '{END}' block to replace")
-    return text[:start] + block + text[end + len(END):]
+    return text[:start] + block + text[end + len(END) :]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -42,63 +42,122 @@ def _default_out(source: str) -> str:
 
 @app.command("score")
 def score_cmd(
-    source: str = typer.Argument(..., metavar="RUN_DIR|FILE.npy|FILE.h5",
-                                 help="A run directory written by `geomscope extract`, or an (N, D) array."),
-    dataset: Optional[str] = typer.Option(None, "--dataset", metavar="PATH",
-                                          help="Dataset path inside an .h5 array file."),
+    source: str = typer.Argument(
+        ...,
+        metavar="RUN_DIR|FILE.npy|FILE.h5",
+        help="A run directory written by `geomscope extract`, or an (N, D) array.",
+    ),
+    dataset: Optional[str] = typer.Option(
+        None, "--dataset", metavar="PATH", help="Dataset path inside an .h5 array file."
+    ),
     metrics: List[str] = metrics_option(
         [CORE_METRICS],
         "Comma list of isoscore, isoscore_star, avgcos, spectrum, outliers, twonn, partition and "
         "scikit-dimension estimators (e.g. mle, lpca); 'all' = those seven core metrics (the estimators "
-        "only when named)."),
-    zeta: float = typer.Option(0.2, "--zeta", min=0.0, max=1.0, metavar="FLOAT",
-                               help="IsoScore* weight on the shrinkage target (0 = plain IsoScore)."),
+        "only when named).",
+    ),
+    zeta: float = typer.Option(
+        0.2,
+        "--zeta",
+        min=0.0,
+        max=1.0,
+        metavar="FLOAT",
+        help="IsoScore* weight on the shrinkage target (0 = plain IsoScore).",
+    ),
     shrinkage_target: str = typer.Option(
-        "trace", "--shrinkage-target", metavar="TARGET",
+        "trace",
+        "--shrinkage-target",
+        metavar="TARGET",
         help="trace (trace-matched identity), identity, FILE.npy (a D x D covariance), RUN_DIR (that run's "
-             "covariance of the same layer) or layer:NAME (this run's layer, the paper's practice)."),
-    avgcos_variants: List[str] = typer.Option(["plain,centred,standardised"], "--avgcos-variants", metavar="LIST",
-                                              help="Average cosine variants: plain, centred, standardised."),
-    outlier_rule: OutlierRule = typer.Option("variance", "--outlier-rule",
-                                             metavar=choice_metavar(choices.OUTLIER_RULES),
-                                             help="Rule that flags outlier dimensions."),
+        "covariance of the same layer) or layer:NAME (this run's layer, the paper's practice).",
+    ),
+    avgcos_variants: List[str] = typer.Option(
+        ["plain,centred,standardised"],
+        "--avgcos-variants",
+        metavar="LIST",
+        help="Average cosine variants: plain, centred, standardised.",
+    ),
+    outlier_rule: OutlierRule = typer.Option(
+        "variance",
+        "--outlier-rule",
+        metavar=choice_metavar(choices.OUTLIER_RULES),
+        help="Rule that flags outlier dimensions.",
+    ),
     outlier_threshold: Optional[float] = typer.Option(
-        None, "--outlier-threshold", metavar="FLOAT",
-        help="variance: k x mean variance (5); zscore: z (3); quantile: q (0.99); magnitude: |x| (6)."),
-    outlier_stat: OutlierStat = typer.Option("variance", "--outlier-stat",
-                                             metavar=choice_metavar(choices.OUTLIER_STATS),
-                                             help="Statistic of the zscore rule."),
-    discard_fraction: float = typer.Option(0.1, "--discard-fraction", min=0.0, metavar="FLOAT",
-                                           help="TwoNN: fraction of the largest ratios dropped, in [0, 1)."),
-    id_sample: int = typer.Option(5000, "--id-sample", min=3, metavar="N",
-                                  help="Rows per layer sampled for intrinsic dimension."),
-    id_estimator: List[str] = typer.Option([], "--id-estimator", metavar="LIST",
-                                           help="More intrinsic-dimension estimators (comma list)."),
-    twonn_fit: TwoNNFit = typer.Option("linear", "--twonn-fit", metavar=choice_metavar(choices.TWONN_FITS),
-                                       help="TwoNN fit: linear (Facco et al.) or maximum likelihood."),
-    id_repeats: int = typer.Option(4, "--id-repeats", min=2, metavar="N",
-                                   help="Parts of the ID sample for the decimation SE."),
-    seed: int = typer.Option(0, "--seed", min=0, metavar="N",
-                             help="Seed of every sample (rows, ID sample, decimation)."),
-    exclude_special: bool = typer.Option(False, "--exclude-special",
-                                         help="Drop special tokens (CLS/SEP/BOS...) before measuring."),
+        None,
+        "--outlier-threshold",
+        metavar="FLOAT",
+        help="variance: k x mean variance (5); zscore: z (3); quantile: q (0.99); magnitude: |x| (6).",
+    ),
+    outlier_stat: OutlierStat = typer.Option(
+        "variance",
+        "--outlier-stat",
+        metavar=choice_metavar(choices.OUTLIER_STATS),
+        help="Statistic of the zscore rule.",
+    ),
+    discard_fraction: float = typer.Option(
+        0.1,
+        "--discard-fraction",
+        min=0.0,
+        metavar="FLOAT",
+        help="TwoNN: fraction of the largest ratios dropped, in [0, 1).",
+    ),
+    id_sample: int = typer.Option(
+        5000, "--id-sample", min=3, metavar="N", help="Rows per layer sampled for intrinsic dimension."
+    ),
+    id_estimator: List[str] = typer.Option(
+        [], "--id-estimator", metavar="LIST", help="More intrinsic-dimension estimators (comma list)."
+    ),
+    twonn_fit: TwoNNFit = typer.Option(
+        "linear",
+        "--twonn-fit",
+        metavar=choice_metavar(choices.TWONN_FITS),
+        help="TwoNN fit: linear (Facco et al.) or maximum likelihood.",
+    ),
+    id_repeats: int = typer.Option(
+        4, "--id-repeats", min=2, metavar="N", help="Parts of the ID sample for the decimation SE."
+    ),
+    seed: int = typer.Option(
+        0, "--seed", min=0, metavar="N", help="Seed of every sample (rows, ID sample, decimation)."
+    ),
+    exclude_special: bool = typer.Option(
+        False, "--exclude-special", help="Drop special tokens (CLS/SEP/BOS...) before measuring."
+    ),
     layers: List[str] = layers_option([], "Only these layers (names or indices, comma list)."),
-    max_rows: Optional[int] = typer.Option(None, "--max-rows", min=2, metavar="N",
-                                           help="Seeded uniform sample of rows per layer."),
-    workers: int = typer.Option(1, "--workers", "-w", min=1, metavar="N",
-                                help="Processes reading shards (and threads finishing layers) in parallel; "
-                                     "BLAS runs single-threaded in each."),
-    jackknife_groups: int = typer.Option(10, "--jackknife-groups", min=0, metavar="N",
-                                         help="Document groups of the jackknife SE (0 = off; otherwise >= 2)."),
-    memory_mb: float = typer.Option(2048, "--memory-mb", min=1.0, metavar="MIB",
-                                    help="Memory budget of the per-layer accumulators."),
+    max_rows: Optional[int] = typer.Option(
+        None, "--max-rows", min=2, metavar="N", help="Seeded uniform sample of rows per layer."
+    ),
+    workers: int = typer.Option(
+        1,
+        "--workers",
+        "-w",
+        min=1,
+        metavar="N",
+        help="Processes reading shards (and threads finishing layers) in parallel; "
+        "BLAS runs single-threaded in each.",
+    ),
+    jackknife_groups: int = typer.Option(
+        10,
+        "--jackknife-groups",
+        min=0,
+        metavar="N",
+        help="Document groups of the jackknife SE (0 = off; otherwise >= 2).",
+    ),
+    memory_mb: float = typer.Option(
+        2048, "--memory-mb", min=1.0, metavar="MIB", help="Memory budget of the per-layer accumulators."
+    ),
     partial: bool = typer.Option(False, "--partial", help="Score the finished shards of an incomplete run."),
-    no_verify: bool = typer.Option(False, "--no-verify",
-                                   help="Skip the shard checksum check (size is still checked)."),
+    no_verify: bool = typer.Option(
+        False, "--no-verify", help="Skip the shard checksum check (size is still checked)."
+    ),
     out: Optional[str] = typer.Option(
-        None, "--out", "-o", metavar="DIR|PREFIX",
+        None,
+        "--out",
+        "-o",
+        metavar="DIR|PREFIX",
         help="Directory (report.json + report.csv) or prefix (PREFIX.json + PREFIX.csv). Default: the run "
-             "directory; for an array FILE_report.* next to it."),
+        "directory; for an array FILE_report.* next to it.",
+    ),
     as_json: bool = json_option("the report"),
     quiet: bool = quiet_option("No progress bar and no table (warnings still shown)."),
 ) -> None:
@@ -117,13 +176,28 @@ def score_cmd(
         console.print(f"[yellow]warning:[/yellow] {msg}", highlight=False, markup=True)
 
     opts = ScoreOptions(
-        metrics=tuple(split_list(metrics)), zeta=zeta, shrinkage_target=shrinkage_target,
-        avgcos_variants=tuple(split_list(avgcos_variants)), outlier_rule=value(outlier_rule),
-        outlier_threshold=outlier_threshold, outlier_stat=value(outlier_stat), discard_fraction=discard_fraction,
-        id_sample=id_sample, id_estimator=tuple(split_list(id_estimator)), twonn_fit=value(twonn_fit),
-        id_repeats=id_repeats, seed=seed, exclude_special=exclude_special, layers=tuple(split_list(layers)) or None,
-        max_rows=max_rows, workers=workers, partial=partial, jackknife_groups=jackknife_groups,
-        memory_mb=memory_mb, verify=not no_verify, dataset=dataset,
+        metrics=tuple(split_list(metrics)),
+        zeta=zeta,
+        shrinkage_target=shrinkage_target,
+        avgcos_variants=tuple(split_list(avgcos_variants)),
+        outlier_rule=value(outlier_rule),
+        outlier_threshold=outlier_threshold,
+        outlier_stat=value(outlier_stat),
+        discard_fraction=discard_fraction,
+        id_sample=id_sample,
+        id_estimator=tuple(split_list(id_estimator)),
+        twonn_fit=value(twonn_fit),
+        id_repeats=id_repeats,
+        seed=seed,
+        exclude_special=exclude_special,
+        layers=tuple(split_list(layers)) or None,
+        max_rows=max_rows,
+        workers=workers,
+        partial=partial,
+        jackknife_groups=jackknife_groups,
+        memory_mb=memory_mb,
+        verify=not no_verify,
+        dataset=dataset,
     ).validate()
     report = score(source, opts, progress=not quiet and sys.stderr.isatty(), log=log)
     jpath, cpath = save_report(report, out if out is not None else _default_out(source))

@@ -33,8 +33,14 @@ def tokenize(tokenizer, items: list[tuple[int, str]], max_length: int | None) ->
         return []
     texts = [t for _, t in items]
     kw = {"truncation": True, "max_length": max_length} if max_length else {"truncation": False}
-    enc = tokenizer(texts, add_special_tokens=True, return_special_tokens_mask=True, return_attention_mask=False,
-                    return_token_type_ids=False, **kw)
+    enc = tokenizer(
+        texts,
+        add_special_tokens=True,
+        return_special_tokens_mask=True,
+        return_attention_mask=False,
+        return_token_type_ids=False,
+        **kw,
+    )
     docs = []
     for (doc_id, _), ids, special in zip(items, enc["input_ids"], enc["special_tokens_mask"], strict=True):
         docs.append(Doc(doc_id, np.asarray(ids, dtype=np.int64), np.asarray(special, dtype=bool)))
@@ -47,7 +53,8 @@ def length_order(docs: list[Doc]) -> list[Doc]:
 
 
 def plan_batches(docs: list[Doc], batch_tokens: int, overhead: float | None = None) -> list[list[Doc]]:
-    """Cut length-ordered (descending) docs into consecutive batches with ``len(batch) * longest <= batch_tokens``.
+    """Cut length-ordered (descending) docs into consecutive batches with
+    ``len(batch) * longest <= batch_tokens``.
 
     Among all such cuts, the one with the least ``padded tokens + overhead x batches`` (exact dynamic
     programme over the sorted lengths, O(n x docs-per-batch) in numpy).  ``overhead`` -- the cost of
@@ -73,7 +80,7 @@ def plan_batches(docs: list[Doc], batch_tokens: int, overhead: float | None = No
         best[i], nxt[i] = cost[m], j[m]
     batches, i = [], 0
     while i < n:
-        batches.append(docs[i:int(nxt[i])])
+        batches.append(docs[i : int(nxt[i])])
         i = int(nxt[i])
     return batches
 
@@ -105,7 +112,9 @@ def row_meta(docs: list[Doc], *, decoder_start: int | None = None) -> dict[str, 
         token_id = np.concatenate([d.ids for d in docs])
         special = np.concatenate([d.special for d in docs])
     else:
-        token_id = np.concatenate([np.concatenate([[decoder_start], d.ids[:-1]]).astype(np.int64) for d in docs])
+        token_id = np.concatenate(
+            [np.concatenate([[decoder_start], d.ids[:-1]]).astype(np.int64) for d in docs]
+        )
         special = np.concatenate([np.concatenate([[True], d.special[:-1]]).astype(bool) for d in docs])
     lengths = np.array([len(d) for d in docs])
     doc_id = np.repeat(np.array([d.doc_id for d in docs], dtype=np.int64), lengths)

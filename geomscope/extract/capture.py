@@ -15,7 +15,8 @@ from geomscope.extract.batching import Doc, pad_right, row_meta
 
 
 class Capture:
-    """``capture(docs) -> (layers, meta)``: ``layers[name]`` (rows, D) in the store dtype, ``meta`` per row."""
+    """``capture(docs) -> (layers, meta)``: ``layers[name]`` (rows, D) in the store dtype,
+    ``meta`` per row."""
 
     def __init__(self, lm, layers: list[dict], store_dtype: str):
         import torch

@@ -42,8 +42,14 @@ def find_checkpoint(model: dict | None, identity: dict | None = None) -> Path | 
     return None
 
 
-OUTPUT_ALIASES = ("lm_head.weight", "embed_out.weight", "cls.predictions.decoder.weight", "output.weight",
-                  "decoder.weight", "proj_out.weight")
+OUTPUT_ALIASES = (
+    "lm_head.weight",
+    "embed_out.weight",
+    "cls.predictions.decoder.weight",
+    "output.weight",
+    "decoder.weight",
+    "proj_out.weight",
+)
 
 
 def _param_names(ckpt: Path):
@@ -67,7 +73,10 @@ def _param_names(ckpt: Path):
     out_names = [] if emb_out is None else [n for n, p in params.items() if p is emb_out.weight]
     tied = emb_out is not None and emb_out.weight is emb_in.weight
     prefix = getattr(model, "base_model_prefix", "") or ""
-    shapes = {"input": tuple(emb_in.weight.shape), "output": None if emb_out is None else tuple(emb_out.weight.shape)}
+    shapes = {
+        "input": tuple(emb_in.weight.shape),
+        "output": None if emb_out is None else tuple(emb_out.weight.shape),
+    }
     return in_names, out_names, tied, prefix, shapes
 
 
@@ -89,7 +98,9 @@ class _Weights:
         elif (ckpt / "pytorch_model.bin").exists():
             import torch
 
-            self._bin = torch.load(ckpt / "pytorch_model.bin", map_location="cpu", mmap=True, weights_only=True)
+            self._bin = torch.load(
+                ckpt / "pytorch_model.bin", map_location="cpu", mmap=True, weights_only=True
+            )
             self.files = {k: ckpt / "pytorch_model.bin" for k in self._bin}
         else:
             raise DataError(f"{ckpt} holds no model.safetensors or pytorch_model.bin")
@@ -101,14 +112,19 @@ class _Weights:
         for n in names:
             cands = [n]
             if prefix and n.startswith(prefix + "."):
-                cands.append(n[len(prefix) + 1:])
+                cands.append(n[len(prefix) + 1 :])
             elif prefix:
                 cands.append(f"{prefix}.{n}")
             for c in cands:
                 if c in self.files:
                     return c
-        hits = [k for k in self.files if k != exclude and any(k == a or k.endswith("." + a) for a in aliases)
-                and (shape is None or self.shape(k) == tuple(shape))]
+        hits = [
+            k
+            for k in self.files
+            if k != exclude
+            and any(k == a or k.endswith("." + a) for a in aliases)
+            and (shape is None or self.shape(k) == tuple(shape))
+        ]
         return hits[0] if len(hits) == 1 else None
 
     def shape(self, key: str) -> tuple:
@@ -152,10 +168,15 @@ def read_embedding_matrices(ckpt: Path) -> EmbeddingMatrices | None:
     if k_in is None:
         return None
     w_in = weights.get(k_in)
-    k_out = weights.find(out_names, prefix, shapes["output"], OUTPUT_ALIASES, exclude=k_in) if out_names else None
+    k_out = (
+        weights.find(out_names, prefix, shapes["output"], OUTPUT_ALIASES, exclude=k_in) if out_names else None
+    )
     if tied or k_out == k_in:
-        return EmbeddingMatrices(w_in, None, True, k_in, k_in,
-                                 "output embedding is tied to the input embedding (one matrix)")
+        return EmbeddingMatrices(
+            w_in, None, True, k_in, k_in, "output embedding is tied to the input embedding (one matrix)"
+        )
     if k_out is not None:
         return EmbeddingMatrices(w_in, weights.get(k_out), False, k_in, k_out, "")
-    return EmbeddingMatrices(w_in, None, False, k_in, None, "the checkpoint has no output (LM head) embedding matrix")
+    return EmbeddingMatrices(
+        w_in, None, False, k_in, None, "the checkpoint has no output (LM head) embedding matrix"
+    )

@@ -12,9 +12,11 @@ import re
 
 from geomscope.errors import InputError
 
-LAYER_NOTE = ("index = position in output_hidden_states (0 = embedding output, i = output of block i); "
-              "final_norm = true means that entry went through the model's final norm, so it differs from the "
-              "last block's raw output")
+LAYER_NOTE = (
+    "index = position in output_hidden_states (0 = embedding output, i = output of block i); "
+    "final_norm = true means that entry went through the model's final norm, so it differs from the "
+    "last block's raw output"
+)
 
 
 def layer_name(index: int, n_hidden_states: int) -> str:
@@ -34,8 +36,10 @@ def parse_layers(spec: str | list | tuple | None, n_hidden_states: int) -> list[
     """
     n = int(n_hidden_states)
     last = n - 1
-    hint = (f"this model has {n} hidden states: 0 = embeddings, 1..{last} = blocks (negative indices count "
-            f"from the end); use e.g. --layers all, blocks, 0,{last} or 1-{last}")
+    hint = (
+        f"this model has {n} hidden states: 0 = embeddings, 1..{last} = blocks (negative indices count "
+        f"from the end); use e.g. --layers all, blocks, 0,{last} or 1-{last}"
+    )
     if spec is None or (isinstance(spec, str) and spec.strip().lower() in ("", "all")):
         return list(range(n))
     if isinstance(spec, str) and spec.strip().lower() == "blocks":

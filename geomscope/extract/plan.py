@@ -85,9 +85,11 @@ def check_disk(out: Path, needed: int) -> int:
     """Refuse (InputError) when the file system of ``out`` has fewer than ``needed`` bytes free."""
     free = free_bytes(out)
     if needed > free:
-        raise InputError(f"not enough disk space for {out}: the run needs about {human_bytes(needed)}, "
-                         f"{human_bytes(free)} are free; free space, choose another --out, or store less "
-                         "(--layers, --max-tokens, --max-docs, --store-dtype float16)")
+        raise InputError(
+            f"not enough disk space for {out}: the run needs about {human_bytes(needed)}, "
+            f"{human_bytes(free)} are free; free space, choose another --out, or store less "
+            "(--layers, --max-tokens, --max-docs, --store-dtype float16)"
+        )
     return free
 
 

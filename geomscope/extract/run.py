@@ -29,8 +29,10 @@ from geomscope.extract.sources import close_inputs, hash_input, iter_all, open_i
 from geomscope.progress import Progress
 from geomscope.provenance import package_versions
 
-ROW_ORDER = ("shard k = non-empty documents k*shard_docs .. (k+1)*shard_docs-1 in input order; within a shard, "
-             "documents by descending token length (ties by doc_id), positions ascending")
+ROW_ORDER = (
+    "shard k = non-empty documents k*shard_docs .. (k+1)*shard_docs-1 in input order; within a shard, "
+    "documents by descending token length (ties by doc_id), positions ascending"
+)
 
 
 def _groups(inputs, text_field, text_column, shard_docs, max_docs, counts):
@@ -64,8 +66,17 @@ def _existing_finished_bytes(out: Path, identity: dict) -> int:
     return sum(int(s.get("bytes", 0)) for s in m.get("shards", []) if (out / s.get("file", "")).exists())
 
 
-def extract(model, inputs, out, options: ExtractOptions | None = None, *, progress: bool = False, log=None,
-            stdin=None, **overrides) -> dict:
+def extract(
+    model,
+    inputs,
+    out,
+    options: ExtractOptions | None = None,
+    *,
+    progress: bool = False,
+    log=None,
+    stdin=None,
+    **overrides,
+) -> dict:
     """Run ``model`` over ``inputs`` and store the requested layers' token rows in the run directory ``out``.
 
     ``model``: a local directory, a hub name (at ``options.revision``), ``bundled:minilm``, or a
@@ -82,28 +93,38 @@ def extract(model, inputs, out, options: ExtractOptions | None = None, *, progre
     say = log or (lambda msg: None)
     out = Path(out)
     t_start = time.perf_counter()
-    ins = open_inputs([str(i) for i in ([inputs] if isinstance(inputs, (str, Path)) else inputs)], stdin=stdin)
+    ins = open_inputs(
+        [str(i) for i in ([inputs] if isinstance(inputs, (str, Path)) else inputs)], stdin=stdin
+    )
     try:
         scan = _scan(ins, opts)
         lm = _load(model, opts)
         plan = _plan(lm, ins, scan, opts, out)
         say(plan.describe(lm, out, scan.docs))
-        with RunWriter(out, plan.identity, overwrite=opts.overwrite, extra=_manifest_extra(lm, opts)) as writer:
+        with RunWriter(
+            out, plan.identity, overwrite=opts.overwrite, extra=_manifest_extra(lm, opts)
+        ) as writer:
             # saved with the first shard (one fsync pair less per call; nothing depends on it earlier)
             writer.manifest.update(
-                planned_shards=plan.shards, planned_docs=scan.docs,
+                planned_shards=plan.shards,
+                planned_docs=scan.docs,
                 estimate={"tokens": plan.est_tokens, "bytes": plan.est_bytes},
-                last_invocation={"device": str(lm.device), "batch_tokens": opts.batch_tokens,
-                                 "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")},
+                last_invocation={
+                    "device": str(lm.device),
+                    "batch_tokens": opts.batch_tokens,
+                    "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                },
             )
             summary = _ShardRun(writer, lm, ins, plan, opts, progress).run()
     finally:
         close_inputs(ins)
     summary["seconds_total"] = round(time.perf_counter() - t_start, 3)
     summary["estimate"] = {"tokens": plan.est_tokens, "bytes": plan.est_bytes}
-    say(f"done: {summary['rows']:,} rows of {summary['docs']:,} documents in {summary['shards']} shards "
+    say(
+        f"done: {summary['rows']:,} rows of {summary['docs']:,} documents in {summary['shards']} shards "
         f"({summary['shards_resumed']} kept from an earlier run), {human_bytes(summary['bytes'])}, "
-        f"{summary['tokens_per_second']:,.0f} tokens/s")
+        f"{summary['tokens_per_second']:,.0f} tokens/s"
+    )
     _refuse_nonfinite(summary, opts, out)
     return summary
 
@@ -113,8 +134,10 @@ def _scan(ins, opts: ExtractOptions):
     scan = scan_inputs(ins, text_field=opts.text_field, text_column=opts.text_column, max_docs=opts.max_docs)
     if scan.docs == 0:
         names = ", ".join(i.arg for i in ins)
-        raise InputError(f"no text in {names}: {scan.records} records, all empty; give inputs with text"
-                         + (" (check --text-field)" if scan.records else ""))
+        raise InputError(
+            f"no text in {names}: {scan.records} records, all empty; give inputs with text"
+            + (" (check --text-field)" if scan.records else "")
+        )
     for inp in ins:
         hash_input(inp)
     return scan
@@ -125,8 +148,15 @@ def _load(model, opts: ExtractOptions):
 
     if isinstance(model, LoadedModel):
         return model
-    return load_model(str(model), revision=opts.revision, dtype=opts.dtype, device=opts.device,
-                      trust_remote_code=opts.trust_remote_code, stack=opts.stack, cache_dir=opts.cache_dir)
+    return load_model(
+        str(model),
+        revision=opts.revision,
+        dtype=opts.dtype,
+        device=opts.device,
+        trust_remote_code=opts.trust_remote_code,
+        stack=opts.stack,
+        cache_dir=opts.cache_dir,
+    )
 
 
 @dataclass
@@ -143,18 +173,22 @@ class _Plan:
     free_bytes: int
 
     def describe(self, lm, out: Path, docs: int) -> str:
-        return (f"extract: {lm.info['name']} ({lm.info['model_type']}, {lm.stack}, {lm.device}) -> {out}: "
-                f"{docs:,} documents in {self.shards} shards, {len(self.layer_desc)} layers x {lm.hidden_size} "
-                f"({self.identity['store_dtype']}); about {self.est_tokens:,} tokens, "
-                f"{human_bytes(self.est_bytes)} on disk ({human_bytes(self.free_bytes)} free)")
+        return (
+            f"extract: {lm.info['name']} ({lm.info['model_type']}, {lm.stack}, {lm.device}) -> {out}: "
+            f"{docs:,} documents in {self.shards} shards, {len(self.layer_desc)} layers x {lm.hidden_size} "
+            f"({self.identity['store_dtype']}); about {self.est_tokens:,} tokens, "
+            f"{human_bytes(self.est_bytes)} on disk ({human_bytes(self.free_bytes)} free)"
+        )
 
 
 def _effective_max_length(lm, opts: ExtractOptions) -> int | None:
     if opts.max_length is None:
         return lm.max_length
     if lm.max_length is not None and opts.max_length > lm.max_length:
-        raise InputError(f"--max-length {opts.max_length} exceeds what {lm.info['name']} can read "
-                         f"({lm.max_length} tokens); use at most {lm.max_length}")
+        raise InputError(
+            f"--max-length {opts.max_length} exceeds what {lm.info['name']} can read "
+            f"({lm.max_length} tokens); use at most {lm.max_length}"
+        )
     return opts.max_length
 
 
@@ -186,27 +220,45 @@ def _plan(lm, ins, scan, opts: ExtractOptions, out: Path) -> _Plan:
     try:
         est_tokens = estimate_tokens(scan, lm.tokenizer, eff_len, opts.max_tokens)
     except Exception as e:  # a tokenizer that rejects the options (e.g. max_length below its specials)
-        raise InputError(f"the tokenizer of {lm.info['name']} rejects these options ({e}); check --max-length") from e
+        raise InputError(
+            f"the tokenizer of {lm.info['name']} rejects these options ({e}); check --max-length"
+        ) from e
     est_bytes = int(est_tokens * bytes_per_row(len(indices), lm.hidden_size, opts.store_dtype) * 1.02) + 65536
     already = 0 if opts.overwrite else _existing_finished_bytes(out, identity)
     free = check_disk(out, max(0, est_bytes - already))
-    return _Plan(identity, layer_desc, eff_len, est_tokens, est_bytes, scan.docs, -(-scan.docs // opts.shard_docs),
-                 free)
+    return _Plan(
+        identity,
+        layer_desc,
+        eff_len,
+        est_tokens,
+        est_bytes,
+        scan.docs,
+        -(-scan.docs // opts.shard_docs),
+        free,
+    )
 
 
 def _manifest_extra(lm, opts: ExtractOptions) -> dict:
-    return {"model_source": lm.source, "versions": package_versions(), "layer_note": LAYER_NOTE,
-            "row_order": ROW_ORDER, "max_length_source": ("option" if opts.max_length is not None
-                                                          else ("model" if lm.max_length else None))}
+    return {
+        "model_source": lm.source,
+        "versions": package_versions(),
+        "layer_note": LAYER_NOTE,
+        "row_order": ROW_ORDER,
+        "max_length_source": (
+            "option" if opts.max_length is not None else ("model" if lm.max_length else None)
+        ),
+    }
 
 
 def _refuse_nonfinite(summary: dict, opts: ExtractOptions, out: Path) -> None:
     if not summary["nonfinite_rows"] or opts.allow_nonfinite:
         return
     by = ", ".join(f"{k}: {v}" for k, v in summary["nonfinite_by_layer"].items())
-    err = DataError(f"{summary['nonfinite_rows']} of {summary['rows']} rows hold NaN/Inf activations ({by}); "
-                    f"they are stored and flagged in /nonfinite/<layer> of {out}; check the model and --dtype "
-                    "(float16 overflows), or pass --allow-nonfinite to accept them")
+    err = DataError(
+        f"{summary['nonfinite_rows']} of {summary['rows']} rows hold NaN/Inf activations ({by}); "
+        f"they are stored and flagged in /nonfinite/<layer> of {out}; check the model and --dtype "
+        "(float16 overflows), or pass --allow-nonfinite to accept them"
+    )
     err.summary = summary
     raise err
 
@@ -224,7 +276,14 @@ class _ShardRun:
     def __init__(self, writer, lm, ins, plan: _Plan, opts: ExtractOptions, progress: bool):
         from geomscope.extract.capture import Capture
 
-        self.writer, self.lm, self.ins, self.plan, self.opts, self.progress = writer, lm, ins, plan, opts, progress
+        self.writer, self.lm, self.ins, self.plan, self.opts, self.progress = (
+            writer,
+            lm,
+            ins,
+            plan,
+            opts,
+            progress,
+        )
         self.capture = Capture(lm, plan.layer_desc, opts.store_dtype)
         self.names = [la["name"] for la in plan.layer_desc]
         self.entries = {s["index"]: s for s in writer.manifest["shards"]}
@@ -238,8 +297,14 @@ class _ShardRun:
 
     def run(self) -> dict:
         t0 = time.perf_counter()
-        groups = _groups(self.ins, self.opts.text_field, self.opts.text_column, self.opts.shard_docs,
-                         self.opts.max_docs, self.counts)
+        groups = _groups(
+            self.ins,
+            self.opts.text_field,
+            self.opts.text_column,
+            self.opts.shard_docs,
+            self.opts.max_docs,
+            self.counts,
+        )
         with Progress(self.progress) as bar:
             prog = bar.add("extract", self.plan.docs, unit="docs", rate_unit="tok")
             for k, group in enumerate(groups):
@@ -296,12 +361,20 @@ class _ShardRun:
         try:
             docs = tokenize(self.lm.tokenizer, group, self.plan.max_length)
         except Exception as e:
-            raise InputError(f"the tokenizer of {self.lm.info['name']} failed on documents {doc_start}.."
-                             f"{doc_stop - 1} ({type(e).__name__}: {e}); check --max-length") from e
+            raise InputError(
+                f"the tokenizer of {self.lm.info['name']} failed on documents {doc_start}.."
+                f"{doc_stop - 1} ({type(e).__name__}: {e}); check --max-length"
+            ) from e
         kept, rows, budget_hit, stats = self._select(docs)
-        sw = self.writer.shard_writer(k, layer_names=self.names, dim=self.lm.hidden_size,
-                                      store_dtype=self.opts.store_dtype, doc_start=doc_start, doc_stop=doc_stop,
-                                      expected_rows=max(1, rows))
+        sw = self.writer.shard_writer(
+            k,
+            layer_names=self.names,
+            dim=self.lm.hidden_size,
+            store_dtype=self.opts.store_dtype,
+            doc_start=doc_start,
+            doc_stop=doc_stop,
+            expected_rows=max(1, rows),
+        )
         try:
             for batch in plan_batches(length_order(kept), self.opts.batch_tokens):
                 arrays, meta = self.capture(batch)
@@ -323,9 +396,14 @@ class _ShardRun:
 
     def _finish(self, seconds: float) -> dict:
         shards = self.writer.manifest["shards"]
-        totals = {"rows": sum(s["rows"] for s in shards), "docs": sum(s["docs"] for s in shards),
-                  "records_read": self.counts["records"], "docs_empty": self.counts["docs_empty"], **self.agg,
-                  "nonfinite_by_layer": self.nonfinite_by_layer}
+        totals = {
+            "rows": sum(s["rows"] for s in shards),
+            "docs": sum(s["docs"] for s in shards),
+            "records_read": self.counts["records"],
+            "docs_empty": self.counts["docs_empty"],
+            **self.agg,
+            "nonfinite_by_layer": self.nonfinite_by_layer,
+        }
         self.writer.finalize(totals)
         t = self.writer.manifest["totals"]
         lm = self.lm

@@ -49,8 +49,12 @@ class InputFile:
     records: int = 0
 
     def identity(self) -> dict:
-        return {"path": "-" if self.kind == "stdin" else str(self.path), "kind": self.kind, "sha256": self.sha256,
-                "bytes": self.bytes}
+        return {
+            "path": "-" if self.kind == "stdin" else str(self.path),
+            "kind": self.kind,
+            "sha256": self.sha256,
+            "bytes": self.bytes,
+        }
 
 
 def _kind_of(path: Path) -> tuple[str, bool]:
@@ -73,7 +77,9 @@ def _is_dataset_dir(path: Path) -> bool:
 def open_inputs(args: list[str], *, stdin=None) -> list[InputFile]:
     """Check that every input exists and is readable, decide its kind; spool ``-`` to a temp file."""
     if not args:
-        raise InputError("no input given; pass text files, .jsonl, .csv/.tsv, a saved dataset directory, or -")
+        raise InputError(
+            "no input given; pass text files, .jsonl, .csv/.tsv, a saved dataset directory, or -"
+        )
     out = []
     for a in args:
         a = str(a)
@@ -85,8 +91,10 @@ def open_inputs(args: list[str], *, stdin=None) -> list[InputFile]:
             raise InputError(f"input {a} does not exist; check the path")
         if p.is_dir():
             if not _is_dataset_dir(p):
-                raise InputError(f"input {a} is a directory but not a dataset saved by datasets.save_to_disk; "
-                                 "give text files or a saved dataset directory")
+                raise InputError(
+                    f"input {a} is a directory but not a dataset saved by datasets.save_to_disk; "
+                    "give text files or a saved dataset directory"
+                )
             out.append(InputFile(arg=a, path=p.resolve(), kind="dataset"))
             continue
         if not os.access(p, os.R_OK):
@@ -152,7 +160,7 @@ def _lines(inp: InputFile) -> Iterator[tuple[int, str]]:
     that an undecodable byte is reported on its own line."""
     lineno = 0
     try:
-        with (gzip.open(inp.path, "rb") if inp.gzip else open(inp.path, "rb")) as f:
+        with gzip.open(inp.path, "rb") if inp.gzip else open(inp.path, "rb") as f:
             for lineno, raw in enumerate(f, 1):
                 if raw.endswith(b"\n"):
                     raw = raw[:-2] if raw.endswith(b"\r\n") else raw[:-1]
@@ -161,10 +169,14 @@ def _lines(inp: InputFile) -> Iterator[tuple[int, str]]:
                 try:
                     yield lineno, raw.decode("utf-8")
                 except UnicodeDecodeError:
-                    raise InputError(f"input {inp.arg} is not UTF-8 text (undecodable byte on line {lineno}); "
-                                     "convert it to UTF-8 (e.g. iconv -t utf-8)") from None
+                    raise InputError(
+                        f"input {inp.arg} is not UTF-8 text (undecodable byte on line {lineno}); "
+                        "convert it to UTF-8 (e.g. iconv -t utf-8)"
+                    ) from None
     except (OSError, EOFError) as e:  # gzip errors are OSError
-        raise InputError(f"input {inp.arg} cannot be read near line {lineno + 1} ({e}); check the file") from e
+        raise InputError(
+            f"input {inp.arg} cannot be read near line {lineno + 1} ({e}); check the file"
+        ) from e
 
 
 def _field(obj, field: str):
@@ -183,17 +195,25 @@ def _jsonl_records(inp: InputFile, field: str) -> Iterator[str]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            hint = " (a JSON array, not JSON lines: write one object per line)" if line.lstrip().startswith("[") else ""
-            raise InputError(f"input {inp.arg} line {lineno} is not valid JSON ({e.msg}){hint}; "
-                             "give one JSON object per line") from None
+            hint = (
+                " (a JSON array, not JSON lines: write one object per line)"
+                if line.lstrip().startswith("[")
+                else ""
+            )
+            raise InputError(
+                f"input {inp.arg} line {lineno} is not valid JSON ({e.msg}){hint}; "
+                "give one JSON object per line"
+            ) from None
         if not isinstance(obj, dict):
             what = "a JSON array, not JSON lines" if isinstance(obj, list) else f"a JSON {type(obj).__name__}"
             raise InputError(f"input {inp.arg} line {lineno} is {what}; give one JSON object per line")
         val = _field(obj, field)
         if val is KeyError:
             keys = ", ".join(list(obj)[:8]) or "none"
-            raise InputError(f"input {inp.arg} line {lineno} has no field {field!r} (it has: {keys}); "
-                             "choose the text with --text-field")
+            raise InputError(
+                f"input {inp.arg} line {lineno} has no field {field!r} (it has: {keys}); "
+                "choose the text with --text-field"
+            )
         yield _as_text(val, f"input {inp.arg} line {lineno}: field {field!r}")
 
 
@@ -208,13 +228,17 @@ def _csv_records(inp: InputFile, column: str) -> Iterator[str]:
                 return
             header = [h.strip() for h in header]
             if column not in header:
-                raise InputError(f"input {inp.arg} has no column {column!r} (columns: {', '.join(header[:12])}); "
-                                 "choose the text with --text-column")
+                raise InputError(
+                    f"input {inp.arg} has no column {column!r} (columns: {', '.join(header[:12])}); "
+                    "choose the text with --text-column"
+                )
             idx = header.index(column)
             for row in reader:
                 yield row[idx] if idx < len(row) else ""
     except UnicodeDecodeError as e:
-        raise InputError(f"input {inp.arg} is not UTF-8 text; convert it to UTF-8 (e.g. iconv -t utf-8)") from e
+        raise InputError(
+            f"input {inp.arg} is not UTF-8 text; convert it to UTF-8 (e.g. iconv -t utf-8)"
+        ) from e
     except csv.Error as e:
         raise InputError(f"input {inp.arg} is not valid {inp.kind.upper()} ({e}); check the file") from e
 
@@ -232,20 +256,28 @@ def _dataset_records(inp: InputFile, field: str) -> Iterator[str]:
     try:
         import datasets
     except ImportError:
-        raise InputError(f"input {inp.arg} is a saved dataset; install the datasets package "
-                         "(pip install datasets) to read it") from None
+        raise InputError(
+            f"input {inp.arg} is a saved dataset; install the datasets package "
+            "(pip install datasets) to read it"
+        ) from None
     try:
         ds = datasets.load_from_disk(str(inp.path))
     except Exception as e:
-        raise InputError(f"input {inp.arg} cannot be loaded as a saved dataset ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:200] if str(e) else ''}); check the directory") from e
+        raise InputError(
+            f"input {inp.arg} cannot be loaded as a saved dataset ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else ''}); check the directory"
+        ) from e
     if isinstance(ds, datasets.DatasetDict):
         splits = list(ds.keys())
-        raise InputError(f"input {inp.arg} holds several splits ({', '.join(splits)}); give one split's "
-                         f"directory, e.g. {Path(inp.arg) / splits[0]}")
+        raise InputError(
+            f"input {inp.arg} holds several splits ({', '.join(splits)}); give one split's "
+            f"directory, e.g. {Path(inp.arg) / splits[0]}"
+        )
     if field not in ds.column_names:
-        raise InputError(f"input {inp.arg} has no column {field!r} (columns: {', '.join(ds.column_names[:12])}); "
-                         "choose the text with --text-field")
+        raise InputError(
+            f"input {inp.arg} has no column {field!r} (columns: {', '.join(ds.column_names[:12])}); "
+            "choose the text with --text-field"
+        )
     for batch in ds.select_columns([field]).iter(batch_size=1024):
         for val in batch[field]:
             yield _as_text(val, f"input {inp.arg}: column {field!r}")
@@ -264,8 +296,9 @@ def iter_records(inp: InputFile, *, text_field: str = "text", text_column: str =
         yield from _dataset_records(inp, text_field)
 
 
-def iter_all(inputs: list[InputFile], *, text_field: str = "text", text_column: str = "text"
-             ) -> Iterator[tuple[int, str]]:
+def iter_all(
+    inputs: list[InputFile], *, text_field: str = "text", text_column: str = "text"
+) -> Iterator[tuple[int, str]]:
     """``(doc_id, text)`` over every record of every input in order; ``doc_id`` counts from 0 across inputs.
 
     Sets each input's ``first_doc_id`` and ``records`` as it goes.

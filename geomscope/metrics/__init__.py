@@ -13,6 +13,20 @@ from geomscope.metrics.cosine import (
     cosreg_penalty_torch,
     unit_sum,
 )
+
+# --- intrinsic dimension (twonn engineer adds its import line below this marker) ---
+from geomscope.metrics.intrinsic import (
+    ID_ESTIMATORS,
+    IDResult,
+    TwoNN,
+    TwoNNError,
+    TwoNNResult,
+    dedup_rows,
+    estimate_id,
+    two_nearest,
+    twonn,
+    twonn_error,
+)  # isort: skip
 from geomscope.metrics.isotropy import (
     SHRINKAGE_TARGETS,
     isoscore,
@@ -40,6 +54,3 @@ from geomscope.metrics.outliers import (
 )
 from geomscope.metrics.partition import partition_isotropy, partition_log_z
 from geomscope.metrics.spectrum import effective_rank, eigenvalues, participation_ratio, spectrum
-
-# --- intrinsic dimension (twonn engineer adds its import line below this marker) ---
-from geomscope.metrics.intrinsic import ID_ESTIMATORS, IDResult, TwoNN, TwoNNError, TwoNNResult, dedup_rows, estimate_id, two_nearest, twonn, twonn_error  # isort: skip

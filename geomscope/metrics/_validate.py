@@ -44,8 +44,9 @@ def count_nonfinite_rows(a: np.ndarray) -> int:
 
 
 def nonfinite_message(bad: int, n: int, name: str = "X") -> str:
-    return (f"{bad} of {n} rows of {name} contain NaN or Inf; drop or flag those rows "
-            "before computing statistics")
+    return (
+        f"{bad} of {n} rows of {name} contain NaN or Inf; drop or flag those rows before computing statistics"
+    )
 
 
 def check_points(a: np.ndarray, name: str = "X", finite: bool = True) -> None:
@@ -54,8 +55,9 @@ def check_points(a: np.ndarray, name: str = "X", finite: bool = True) -> None:
     if n < 2:
         raise DataError(f"{name} has {n} row(s); at least 2 points are needed")
     if d < 2:
-        raise DataError(f"{name} has {d} column(s); at least 2 dimensions are needed "
-                        "(rows are points: shape (N, D))")
+        raise DataError(
+            f"{name} has {d} column(s); at least 2 dimensions are needed (rows are points: shape (N, D))"
+        )
     if finite:
         bad = count_nonfinite_rows(a)
         if bad:
@@ -87,5 +89,7 @@ def variance_is_zero(total_variance: float, mean: np.ndarray | None, dim: int) -
 
 OVERFLOW_MESSAGE = "the covariance of {name} overflows float64; rescale the data"
 
-ZERO_VARIANCE_MESSAGE = ("{name} has zero total variance (all rows identical, or below float64 resolution); "
-                         "{what} is undefined for it -- check the layer or the row selection")
+ZERO_VARIANCE_MESSAGE = (
+    "{name} has zero total variance (all rows identical, or below float64 resolution); "
+    "{what} is undefined for it -- check the layer or the row selection"
+)

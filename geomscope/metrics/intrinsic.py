@@ -34,13 +34,33 @@ from geomscope.metrics.twonn import (
     twonn_error,
 )
 
-__all__ = ["ID_ESTIMATORS", "IDResult", "SKDIM_ESTIMATORS", "SkdimEstimator", "TwoNN", "TwoNNError", "TwoNNResult", "dedup_rows",
-           "estimate_id", "two_nearest", "twonn", "twonn_error"]
+__all__ = [
+    "ID_ESTIMATORS",
+    "IDResult",
+    "SKDIM_ESTIMATORS",
+    "SkdimEstimator",
+    "TwoNN",
+    "TwoNNError",
+    "TwoNNResult",
+    "dedup_rows",
+    "estimate_id",
+    "two_nearest",
+    "twonn",
+    "twonn_error",
+]
 
 #: registry name -> scikit-dimension class name
 SKDIM_ESTIMATORS = {
-    "mle": "MLE", "lpca": "lPCA", "danco": "DANCo", "mada": "MADA", "corrint": "CorrInt",
-    "fishers": "FisherS", "mom": "MOM", "tle": "TLE", "mind_ml": "MiND_ML", "gride": "GRIDE",
+    "mle": "MLE",
+    "lpca": "lPCA",
+    "danco": "DANCo",
+    "mada": "MADA",
+    "corrint": "CorrInt",
+    "fishers": "FisherS",
+    "mom": "MOM",
+    "tle": "TLE",
+    "mind_ml": "MiND_ML",
+    "gride": "GRIDE",
 }
 
 
@@ -61,9 +81,15 @@ class IDResult:
     details: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        return {"dimension": float(self.dimension), "estimator": self.estimator, "n_points": self.n_points,
-                "n_used": self.n_used, "n_duplicates_removed": self.n_duplicates_removed,
-                "params": dict(self.params), **self.details}
+        return {
+            "dimension": float(self.dimension),
+            "estimator": self.estimator,
+            "n_points": self.n_points,
+            "n_used": self.n_used,
+            "n_duplicates_removed": self.n_duplicates_removed,
+            "params": dict(self.params),
+            **self.details,
+        }
 
 
 class _IDEstimator(BaseEstimator):
@@ -78,8 +104,10 @@ class _IDEstimator(BaseEstimator):
 
     def _finish(self, result: IDResult):
         if not math.isfinite(result.dimension):
-            raise DataError(f"{result.estimator} returned {result.dimension} on these points; "
-                            "check for degenerate data or try another estimator")
+            raise DataError(
+                f"{result.estimator} returned {result.dimension} on these points; "
+                "check for degenerate data or try another estimator"
+            )
         self.result_ = result
         self.dimension_ = result.dimension
         self.n_duplicates_removed_ = result.n_duplicates_removed
@@ -101,9 +129,18 @@ class TwoNN(_IDEstimator):
 
     registry_name = "twonn"
 
-    def __init__(self, discard_fraction: float = 0.1, estimator: str = "linear", dedup: bool = True,
-                 max_points: int | None = None, seed: int | None = None, expect_dim: int | None = None,
-                 allow_wide: bool = True, block_size: int | None = None, device=None):
+    def __init__(
+        self,
+        discard_fraction: float = 0.1,
+        estimator: str = "linear",
+        dedup: bool = True,
+        max_points: int | None = None,
+        seed: int | None = None,
+        expect_dim: int | None = None,
+        allow_wide: bool = True,
+        block_size: int | None = None,
+        device=None,
+    ):
         self.discard_fraction = discard_fraction
         self.estimator = estimator
         self.dedup = dedup
@@ -115,14 +152,37 @@ class TwoNN(_IDEstimator):
         self.device = device
 
     def fit(self, X, y=None) -> TwoNN:
-        r = twonn(X, discard_fraction=self.discard_fraction, estimator=self.estimator, dedup=self.dedup,
-                  block_size=self.block_size, device=self.device, seed=self.seed, max_points=self.max_points,
-                  expect_dim=self.expect_dim, allow_wide=self.allow_wide)
-        params = {"discard_fraction": r.discard_fraction, "estimator": r.estimator,
-                  "f_convention": r.f_convention, "dedup": self.dedup, "max_points": self.max_points,
-                  "seed": self.seed}
-        return self._finish(IDResult(r.dimension, self.registry_name, r.n_points, r.n_used,
-                                     r.n_duplicates_removed, params, {"n_fit": r.n_fit}))
+        r = twonn(
+            X,
+            discard_fraction=self.discard_fraction,
+            estimator=self.estimator,
+            dedup=self.dedup,
+            block_size=self.block_size,
+            device=self.device,
+            seed=self.seed,
+            max_points=self.max_points,
+            expect_dim=self.expect_dim,
+            allow_wide=self.allow_wide,
+        )
+        params = {
+            "discard_fraction": r.discard_fraction,
+            "estimator": r.estimator,
+            "f_convention": r.f_convention,
+            "dedup": self.dedup,
+            "max_points": self.max_points,
+            "seed": self.seed,
+        }
+        return self._finish(
+            IDResult(
+                r.dimension,
+                self.registry_name,
+                r.n_points,
+                r.n_used,
+                r.n_duplicates_removed,
+                params,
+                {"n_fit": r.n_fit},
+            )
+        )
 
 
 class SkdimEstimator(_IDEstimator):
@@ -132,9 +192,16 @@ class SkdimEstimator(_IDEstimator):
     unchanged; one with a ``random_state`` gets ``seed`` (0 when None), so results are reproducible.
     """
 
-    def __init__(self, name: str = "mle", params: dict | None = None, dedup: bool = True,
-                 max_points: int | None = None, seed: int | None = None, expect_dim: int | None = None,
-                 allow_wide: bool = True):
+    def __init__(
+        self,
+        name: str = "mle",
+        params: dict | None = None,
+        dedup: bool = True,
+        max_points: int | None = None,
+        seed: int | None = None,
+        expect_dim: int | None = None,
+        allow_wide: bool = True,
+    ):
         self.name = name
         self.params = params
         self.dedup = dedup
@@ -147,8 +214,9 @@ class SkdimEstimator(_IDEstimator):
         import skdim
 
         if self.name not in SKDIM_ESTIMATORS:
-            raise InputError(f"unknown scikit-dimension estimator {self.name!r}; "
-                             f"choose from {', '.join(SKDIM_ESTIMATORS)}")
+            raise InputError(
+                f"unknown scikit-dimension estimator {self.name!r}; choose from {', '.join(SKDIM_ESTIMATORS)}"
+            )
         cls = getattr(skdim.id, SKDIM_ESTIMATORS[self.name])
         kw = dict(self.params or {})
         if "random_state" in inspect.signature(cls.__init__).parameters and "random_state" not in kw:
@@ -160,8 +228,9 @@ class SkdimEstimator(_IDEstimator):
 
     def fit(self, X, y=None) -> SkdimEstimator:
         est, kw = self._skdim_estimator()
-        a, n_points, removed, sub = prepare_points(X, self.dedup, self.max_points, self.seed,
-                                                   self.expect_dim, self.allow_wide)
+        a, n_points, removed, sub = prepare_points(
+            X, self.dedup, self.max_points, self.seed, self.expect_dim, self.allow_wide
+        )
         implementation = f"skdim.id.{type(est).__name__}"
         try:
             with warnings.catch_warnings():
@@ -169,12 +238,28 @@ class SkdimEstimator(_IDEstimator):
                 est.fit(a.astype("float64", copy=False))
         except (ValueError, ZeroDivisionError, FloatingPointError, IndexError) as e:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise DataError(f"{self.name} ({implementation}) failed on these points: {msg}; "
-                            "try more points or another estimator") from None
-        params = {**kw, "dedup": self.dedup, "max_points": self.max_points, "seed": self.seed,
-                  "implementation": implementation}
-        return self._finish(IDResult(float(est.dimension_), self.name, n_points, int(a.shape[0]), removed,
-                                     params, {"subsampled_from": sub}))
+            raise DataError(
+                f"{self.name} ({implementation}) failed on these points: {msg}; "
+                "try more points or another estimator"
+            ) from None
+        params = {
+            **kw,
+            "dedup": self.dedup,
+            "max_points": self.max_points,
+            "seed": self.seed,
+            "implementation": implementation,
+        }
+        return self._finish(
+            IDResult(
+                float(est.dimension_),
+                self.name,
+                n_points,
+                int(a.shape[0]),
+                removed,
+                params,
+                {"subsampled_from": sub},
+            )
+        )
 
 
 #: parameters every estimator takes; the rest are the estimator's own
@@ -205,8 +290,9 @@ def estimate_id(X, name: str = "twonn", **params) -> IDResult:
     try:
         factory = ID_ESTIMATORS[name]
     except KeyError:
-        raise InputError(f"unknown intrinsic-dimension estimator {name!r}; "
-                         f"choose from {', '.join(ID_ESTIMATORS)}") from None
+        raise InputError(
+            f"unknown intrinsic-dimension estimator {name!r}; choose from {', '.join(ID_ESTIMATORS)}"
+        ) from None
     try:
         estimator = factory(**params)
     except TypeError as e:

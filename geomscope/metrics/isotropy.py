@@ -117,8 +117,10 @@ def shrinkage_target(C, target="trace") -> np.ndarray:
             return np.eye(d)
         if target == "trace":
             return np.eye(d) * (np.trace(c) / d)
-        raise InputError(f"unknown shrinkage target {target!r}; use one of {', '.join(SHRINKAGE_TARGETS)} "
-                         "or a (D, D) covariance")
+        raise InputError(
+            f"unknown shrinkage target {target!r}; use one of {', '.join(SHRINKAGE_TARGETS)} "
+            "or a (D, D) covariance"
+        )
     c0 = as_square(target, "C0")
     if c0.shape != c.shape:
         raise DataError(f"shrinkage covariance C0 is {c0.shape} but the data covariance is {c.shape}")
@@ -173,6 +175,7 @@ def isoscore_published(X, C0=None, zeta: float = 0.0) -> float:
 
 # -- torch (differentiable) -------------------------------------------------------------------
 
+
 def _out_dtype(t):
     import torch
 
@@ -184,8 +187,10 @@ def _checked(score, check: bool, what: str):
         import torch
 
         if not bool(torch.isfinite(score)):
-            raise DataError(f"{what} is not finite: the batch has zero total variance or holds NaN/Inf "
-                            "-- drop such rows or check the layer")
+            raise DataError(
+                f"{what} is not finite: the batch has zero total variance or holds NaN/Inf "
+                "-- drop such rows or check the layer"
+            )
     return score
 
 

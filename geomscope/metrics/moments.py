@@ -56,7 +56,9 @@ def _check_block(sq: np.ndarray, a: np.ndarray, name: str = "X") -> None:
         bad = count_nonfinite_rows(a)
         if bad:
             raise DataError(nonfinite_message(bad, a.shape[0], name))
-        raise DataError("values overflow float64 while accumulating; rescale the data before computing statistics")
+        raise DataError(
+            "values overflow float64 while accumulating; rescale the data before computing statistics"
+        )
 
 
 class Moments:
@@ -67,8 +69,14 @@ class Moments:
     cosine / |x| attributes are then None.
     """
 
-    def __init__(self, dim: int | None = None, abs_threshold: float = 6.0, *, extras: bool = True,
-                 block_rows: int = BLOCK_ROWS):
+    def __init__(
+        self,
+        dim: int | None = None,
+        abs_threshold: float = 6.0,
+        *,
+        extras: bool = True,
+        block_rows: int = BLOCK_ROWS,
+    ):
         if dim is not None and int(dim) < 1:
             raise InputError(f"Moments dim must be >= 1; got {dim}")
         if block_rows < 1:
@@ -136,7 +144,7 @@ class Moments:
         sub = min(SUB_ROWS, rows)
         sbuf = (np.empty((sub, d)), np.empty((sub, d))) if self.extras else None
         for i in range(0, n, rows):
-            xb = a[i:i + rows]
+            xb = a[i : i + rows]
             m = xb.shape[0]
             blk = self._like()
             blk.n = m
@@ -161,7 +169,7 @@ class Moments:
         cnt = np.zeros(d, dtype=np.int64)
         nz, ssq = 0, 0.0
         for j in range(0, xb.shape[0], sbuf[0].shape[0]):
-            xs = xb[j:j + sbuf[0].shape[0]]
+            xs = xb[j : j + sbuf[0].shape[0]]
             k = xs.shape[0]
             b, work = sbuf[0][:k], sbuf[1][:k]
             np.copyto(b, xs)
@@ -334,7 +342,7 @@ class UnitSum:
         nz = 0
         for i in range(0, n, rows):
             b = buf[: min(rows, n - i)]
-            np.subtract(a[i:i + rows], self.shift, out=b)
+            np.subtract(a[i : i + rows], self.shift, out=b)
             if self.scale is not None:
                 b /= self.scale
             sq = np.einsum("ij,ij->i", b, b)
@@ -352,9 +360,11 @@ class UnitSum:
     def merge(self, other: UnitSum) -> UnitSum:
         if not isinstance(other, UnitSum) or other.dim != self.dim:
             raise InputError("can only merge a UnitSum of the same dimension")
-        if not (np.array_equal(self.shift, other.shift)
-                and (self.scale is None) == (other.scale is None)
-                and (self.scale is None or np.array_equal(self.scale, other.scale))):
+        if not (
+            np.array_equal(self.shift, other.shift)
+            and (self.scale is None) == (other.scale is None)
+            and (self.scale is None or np.array_equal(self.scale, other.scale))
+        ):
             raise InputError("cannot merge UnitSums with different shift/scale")
         self.n += other.n
         self.n_zero_norm += other.n_zero_norm

@@ -121,7 +121,7 @@ def _prepare(Xt, chunk: int):
     lo = torch.full((d,), math.inf, dtype=torch.float64, device=dev)
     hi = torch.full((d,), -math.inf, dtype=torch.float64, device=dev)
     for s in range(0, n, chunk):
-        cmin, cmax = torch.aminmax(Xt[s:s + chunk], dim=0)
+        cmin, cmax = torch.aminmax(Xt[s : s + chunk], dim=0)
         lo, hi = torch.minimum(lo, cmin.double()), torch.maximum(hi, cmax.double())
     s64 = shift.double()
     maxabs = float(torch.maximum(hi - s64, s64 - lo).max())
@@ -134,9 +134,9 @@ def _prepare(Xt, chunk: int):
         torch.sub(Xt, shift, out=x32)  # X itself is never modified
     for s in range(0, n, chunk):
         if not (Xt.dtype == torch.float32 and scale == 1.0):
-            x32[s:s + chunk] = (Xt[s:s + chunk].double() - s64).mul_(scale)  # float64, then rounded
-        c = x32[s:s + chunk]
-        n32[s:s + chunk] = (c * c).sum(1, dtype=torch.float64)
+            x32[s : s + chunk] = (Xt[s : s + chunk].double() - s64).mul_(scale)  # float64, then rounded
+        c = x32[s : s + chunk]
+        n32[s : s + chunk] = (c * c).sum(1, dtype=torch.float64)
     return shift, scale, x32, n32
 
 
@@ -170,15 +170,15 @@ def _candidates(x32, n32, k: int, block: int, slots: int = 8):
         S[:, :bs].diagonal().fill_(math.inf)  # self
         kr = min(k, m)
         rv, ri = S.topk(kr, dim=1, largest=False, sorted=False)
-        torch.add(rv, n32[s:e, None], out=work_v[s:e, lo:lo + kr])
-        torch.add(ri, s, out=work_i[s:e, lo:lo + kr])
+        torch.add(rv, n32[s:e, None], out=work_v[s:e, lo : lo + kr])
+        torch.add(ri, s, out=work_i[s:e, lo : lo + kr])
         if e < n:  # the strip's off-diagonal part, read by column, updates the later rows
             T = S[:, bs:]
             T.add_(n32[s:e, None])
             kc = min(k, bs)
             cv, ci = T.topk(kc, dim=0, largest=False, sorted=False)
-            work_v[e:, lo:lo + kc] = cv.T
-            torch.add(ci.T, s, out=work_i[e:, lo:lo + kc])
+            work_v[e:, lo : lo + kc] = cv.T
+            torch.add(ci.T, s, out=work_i[e:, lo : lo + kc])
         if t % slots == slots - 1:
             flush()
     flush()
@@ -206,8 +206,8 @@ def _exact_pairs(Xt, rows, cols, chunk: int):
 
     out = torch.empty(rows.shape[0], dtype=torch.float64, device=Xt.device)
     for s in range(0, rows.shape[0], chunk):
-        diff = Xt[cols[s:s + chunk]].double().sub_(Xt[rows[s:s + chunk]])
-        out[s:s + chunk] = _safe_norm(diff, 1)
+        diff = Xt[cols[s : s + chunk]].double().sub_(Xt[rows[s : s + chunk]])
+        out[s : s + chunk] = _safe_norm(diff, 1)
     return out
 
 
@@ -218,8 +218,8 @@ def _exact_candidates(Xt, idx, chunk: int):
     n, k = idx.shape
     out = torch.empty((n, k), dtype=torch.float64, device=Xt.device)
     for s in range(0, n, chunk):
-        diff = Xt[idx[s:s + chunk]].double().sub_(Xt[s:s + chunk, None, :])
-        out[s:s + chunk] = _safe_norm(diff, 2)
+        diff = Xt[idx[s : s + chunk]].double().sub_(Xt[s : s + chunk, None, :])
+        out[s : s + chunk] = _safe_norm(diff, 2)
     return out
 
 
@@ -248,9 +248,9 @@ def _rescreen(Xt, x32, n32, rows, shift, scale, ub2, err32, memory_budget: int):
     step = max(1, min(rows.shape[0], memory_budget // (4 * n)))
     cols = []
     for a in range(0, rows.shape[0], step):
-        r = rows[a:a + step]
+        r = rows[a : a + step]
         V = torch.addmm(n32[None, :], x32[r], x32.T, alpha=-2.0).add_(n32[r][:, None])
-        cols.append((V <= thr32[a:a + step, None]).nonzero(as_tuple=True)[1])
+        cols.append((V <= thr32[a : a + step, None]).nonzero(as_tuple=True)[1])
     U = torch.unique(torch.cat(cols))
     c64 = 2.0 * _bound_coefficient(d, _U64, 0.0)
     s64 = shift.double()
@@ -258,13 +258,13 @@ def _rescreen(Xt, x32, n32, rows, shift, scale, ub2, err32, memory_budget: int):
     chunk_cols = max(64, memory_budget // (16 * (d + chunk_rows)))
     blocks = []
     for a in range(0, rows.shape[0], chunk_rows):
-        r = rows[a:a + chunk_rows]
+        r = rows[a : a + chunk_rows]
         A = (Xt[r].double() - s64).mul_(scale)
         na = torch.linalg.vector_norm(A, dim=1).square_()
-        blocks.append((r, A, na, ub2[a:a + chunk_rows] + c64 * na))
+        blocks.append((r, A, na, ub2[a : a + chunk_rows] + c64 * na))
     out_r, out_c = [], []
     for s in range(0, U.shape[0], chunk_cols):
-        u = U[s:s + chunk_cols]
+        u = U[s : s + chunk_cols]
         B = (Xt[u].double() - s64).mul_(scale)
         nb = torch.linalg.vector_norm(B, dim=1).square_()
         for r, A, na, thr in blocks:
@@ -322,8 +322,14 @@ def _refine(Xt, x32, n32, best_v, best_i, shift, scale, memory_budget: int, info
     return r1, r2, i1, i2
 
 
-def two_nearest(X, block_size: int | None = None, device=None, refine: bool = True,
-                memory_budget: int = DEFAULT_MEMORY_BUDGET, return_info: bool = False):
+def two_nearest(
+    X,
+    block_size: int | None = None,
+    device=None,
+    refine: bool = True,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    return_info: bool = False,
+):
     """Exact first and second nearest-neighbour distances of every row (excluding itself).
 
     Parameters: X (N, D) float array (numpy or torch; float16 is computed in float32, ints in

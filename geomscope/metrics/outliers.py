@@ -33,6 +33,7 @@ class OutlierResult:
 
     def to_dict(self) -> dict:
         """JSON-friendly form (numpy scalars/arrays as Python numbers/lists)."""
+
         def plain(v):
             if isinstance(v, np.ndarray):
                 return v.tolist()
@@ -42,14 +43,21 @@ class OutlierResult:
                 return {k: plain(x) for k, x in v.items()}
             return v
 
-        return {"rule": self.rule, "threshold": float(self.threshold), "dims": [int(d) for d in self.dims],
-                "statistic": plain(self.statistic), "details": plain(self.details)}
+        return {
+            "rule": self.rule,
+            "threshold": float(self.threshold),
+            "dims": [int(d) for d in self.dims],
+            "statistic": plain(self.statistic),
+            "details": plain(self.details),
+        }
 
 
 def _vector(v, name: str) -> np.ndarray:
     a = np.asarray(v, dtype=np.float64)
     if a.ndim != 1 or a.size < 2:
-        raise DataError(f"{name} must be a 1-D per-dimension vector with at least 2 entries; got shape {a.shape}")
+        raise DataError(
+            f"{name} must be a 1-D per-dimension vector with at least 2 entries; got shape {a.shape}"
+        )
     if not np.isfinite(a).all():
         raise DataError(f"{name} contains NaN or Inf")
     return a
@@ -69,9 +77,13 @@ def outliers_variance(variance, k: float = 5.0) -> OutlierResult:
     if not mean > 0:
         raise DataError("all per-dimension variances are 0; no outlier dimension is defined")
     cut = k * mean
-    return OutlierResult("variance", float(k), _sorted_dims(v, v >= cut), v,
-                         {"principal": int(np.argmax(v)), "mean_variance": mean, "cutoff": cut,
-                          "ratio_to_mean": v / mean})
+    return OutlierResult(
+        "variance",
+        float(k),
+        _sorted_dims(v, v >= cut),
+        v,
+        {"principal": int(np.argmax(v)), "mean_variance": mean, "cutoff": cut, "ratio_to_mean": v / mean},
+    )
 
 
 def outliers_zscore(stat, z: float = 3.0, stat_name: str = "variance") -> OutlierResult:
@@ -84,8 +96,13 @@ def outliers_zscore(stat, z: float = 3.0, stat_name: str = "variance") -> Outlie
         scores = np.zeros_like(s)
     else:
         scores = (s - mu) / sd
-    return OutlierResult("zscore", float(z), _sorted_dims(s, scores > z), s,
-                         {"stat_name": stat_name, "mean": mu, "std": sd, "cutoff": mu + z * sd, "zscores": scores})
+    return OutlierResult(
+        "zscore",
+        float(z),
+        _sorted_dims(s, scores > z),
+        s,
+        {"stat_name": stat_name, "mean": mu, "std": sd, "cutoff": mu + z * sd, "zscores": scores},
+    )
 
 
 def outliers_quantile(X_sample, q: float = 0.99) -> OutlierResult:
@@ -101,12 +118,14 @@ def outliers_quantile(X_sample, q: float = 0.99) -> OutlierResult:
     ab = np.abs(np.asarray(a, dtype=np.float64))
     cut = float(np.quantile(ab, q))
     med = np.median(ab, axis=0)
-    return OutlierResult("quantile", float(q), _sorted_dims(med, med > cut), med,
-                         {"cutoff": cut, "n_rows": int(a.shape[0])})
+    return OutlierResult(
+        "quantile", float(q), _sorted_dims(med, med > cut), med, {"cutoff": cut, "n_rows": int(a.shape[0])}
+    )
 
 
-def outliers_magnitude(frac_ge, layer_frac: float = 0.25, token_frac: float = 0.06,
-                       abs_threshold: float = 6.0) -> OutlierResult:
+def outliers_magnitude(
+    frac_ge, layer_frac: float = 0.25, token_frac: float = 0.06, abs_threshold: float = 6.0
+) -> OutlierResult:
     """Dimensions with |x| >= abs_threshold in >= token_frac of tokens in >= layer_frac of layers.
 
     ``frac_ge`` (L, D): per layer, the fraction of tokens with |x_d| >= abs_threshold (e.g.
@@ -124,9 +143,18 @@ def outliers_magnitude(frac_ge, layer_frac: float = 0.25, token_frac: float = 0.
         raise InputError("layer_frac and token_frac must be in (0, 1]")
     hit = f >= token_frac
     share = hit.mean(axis=0)
-    return OutlierResult("magnitude", float(abs_threshold), _sorted_dims(share, share >= layer_frac), share,
-                         {"layer_frac": layer_frac, "token_frac": token_frac, "n_layers": int(f.shape[0]),
-                          "layers_hit": hit.sum(axis=0)})
+    return OutlierResult(
+        "magnitude",
+        float(abs_threshold),
+        _sorted_dims(share, share >= layer_frac),
+        share,
+        {
+            "layer_frac": layer_frac,
+            "token_frac": token_frac,
+            "n_layers": int(f.shape[0]),
+            "layers_hit": hit.sum(axis=0),
+        },
+    )
 
 
 OUTLIER_RULES = {

@@ -34,9 +34,9 @@ def partition_log_z(W, centred: bool = False, block: int = 256) -> tuple[np.ndar
     _, vecs = np.linalg.eigh(w.T @ w)
     pos, neg = np.empty(d), np.empty(d)
     for j in range(0, d, block):
-        p = w @ vecs[:, j:j + block]
-        pos[j:j + block] = logsumexp(p, axis=0)
-        neg[j:j + block] = logsumexp(-p, axis=0)
+        p = w @ vecs[:, j : j + block]
+        pos[j : j + block] = logsumexp(p, axis=0)
+        neg[j : j + block] = logsumexp(-p, axis=0)
     return np.concatenate([pos, neg]), vecs
 
 
@@ -44,5 +44,10 @@ def partition_isotropy(W, centred: bool = False) -> dict:
     """I(W) = min Z / max Z; returns {I, log_z_min, log_z_max, n_directions, centred}."""
     log_z, _ = partition_log_z(W, centred)
     lo, hi = float(log_z.min()), float(log_z.max())
-    return {"I": float(np.exp(lo - hi)), "log_z_min": lo, "log_z_max": hi,
-            "n_directions": int(log_z.size), "centred": bool(centred)}
+    return {
+        "I": float(np.exp(lo - hi)),
+        "log_z_min": lo,
+        "log_z_max": hi,
+        "n_directions": int(log_z.size),
+        "centred": bool(centred),
+    }

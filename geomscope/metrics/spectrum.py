@@ -2,7 +2,8 @@
 
 - eigenvalues: of C, descending; small negative values from rounding are set to 0 (reported)
 - explained: lambda_i / sum(lambda)
-- pr (participation ratio): tr(C)^2 / ||C||_F^2 = (sum lambda)^2 / sum lambda^2 (so IsoScore = (pr - 1)/(D - 1))
+- pr (participation ratio): tr(C)^2 / ||C||_F^2 = (sum lambda)^2 / sum lambda^2
+  (so IsoScore = (pr - 1)/(D - 1))
 - erank (effective rank, Roy & Vetterli 2007) of the covariance: exp(H(p)), p = lambda / sum(lambda),
   H = -sum p log p with 0 log 0 = 0. (Of the covariance's eigenvalues, i.e. of the SQUARED singular
   values of the centred data -- not of the singular values themselves.)
@@ -66,7 +67,9 @@ def spectrum(C, top_k=(1, 5, 10)) -> dict:
     d = lam.size
     notes = []
     if info["n_clipped"]:
-        notes.append(f"{info['n_clipped']} negative eigenvalue(s) (min {info['min_raw']:.3g}, rounding) set to 0")
+        notes.append(
+            f"{info['n_clipped']} negative eigenvalue(s) (min {info['min_raw']:.3g}, rounding) set to 0"
+        )
     shares = {}
     for k in top_k:
         k = int(k)

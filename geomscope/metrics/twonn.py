@@ -85,11 +85,17 @@ class TwoNNResult:
     def as_dict(self) -> dict:
         """JSON-friendly record (without the mu array)."""
         return {
-            "dimension": float(self.dimension), "estimator": self.estimator,
-            "discard_fraction": self.discard_fraction, "f_convention": self.f_convention,
-            "n_points": self.n_points, "n_duplicates_removed": self.n_duplicates_removed,
-            "n_used": self.n_used, "n_fit": self.n_fit, "n_dims": self.n_dims,
-            "subsampled_from": self.subsampled_from, "seed": self.seed,
+            "dimension": float(self.dimension),
+            "estimator": self.estimator,
+            "discard_fraction": self.discard_fraction,
+            "f_convention": self.f_convention,
+            "n_points": self.n_points,
+            "n_duplicates_removed": self.n_duplicates_removed,
+            "n_used": self.n_used,
+            "n_fit": self.n_fit,
+            "n_dims": self.n_dims,
+            "subsampled_from": self.subsampled_from,
+            "seed": self.seed,
         }
 
 
@@ -103,11 +109,15 @@ def _check_params(discard_fraction: float, estimator: str) -> None:
 def _n_keep(n: int, discard_fraction: float, estimator: str) -> int:
     k = int(n * (1 - discard_fraction))
     if k < 2:
-        raise DataError(f"only {k} ratio(s) left after discarding {discard_fraction:.0%} of {n} points; "
-                        "use more points or a smaller discard_fraction")
+        raise DataError(
+            f"only {k} ratio(s) left after discarding {discard_fraction:.0%} of {n} points; "
+            "use more points or a smaller discard_fraction"
+        )
     if estimator == "linear" and k >= n:
-        raise InputError("the linear TwoNN fit needs discard_fraction > 1/N (F_N = 1 gives -log 0); "
-                         "use discard_fraction=0.1 or estimator='mle'")
+        raise InputError(
+            "the linear TwoNN fit needs discard_fraction > 1/N (F_N = 1 gives -log 0); "
+            "use discard_fraction=0.1 or estimator='mle'"
+        )
     return k
 
 
@@ -145,8 +155,10 @@ def check_matrix(X, expect_dim: int | None = None, allow_wide: bool = True, min_
     if d < 2:
         raise DataError(f"X has {d} column(s); intrinsic dimension needs D >= 2 (rows are points: (N, D))")
     if not allow_wide and n < d:
-        raise DataError(f"X has fewer rows ({n}) than columns ({d}); rows must be points: pass X.T if "
-                        "it is transposed, or allow_wide=True")
+        raise DataError(
+            f"X has fewer rows ({n}) than columns ({d}); rows must be points: pass X.T if "
+            "it is transposed, or allow_wide=True"
+        )
     bad = count_nonfinite_rows(a)
     if bad:
         raise DataError(nonfinite_message(bad, n))
@@ -155,8 +167,14 @@ def check_matrix(X, expect_dim: int | None = None, allow_wide: bool = True, min_
     return a
 
 
-def prepare_points(X, dedup: bool = True, max_points: int | None = None, seed: int | None = None,
-                   expect_dim: int | None = None, allow_wide: bool = True):
+def prepare_points(
+    X,
+    dedup: bool = True,
+    max_points: int | None = None,
+    seed: int | None = None,
+    expect_dim: int | None = None,
+    allow_wide: bool = True,
+):
     """Validate, optionally subsample (seeded, without replacement) and de-duplicate X.
 
     Returns ``(points, n_points, n_removed, subsampled_from)``; at least 3 distinct points remain.
@@ -173,15 +191,25 @@ def prepare_points(X, dedup: bool = True, max_points: int | None = None, seed: i
     if dedup:
         a, removed, _ = dedup_rows(a)
         if a.shape[0] < 3:
-            raise DataError(f"only {a.shape[0]} distinct point(s) after removing {removed} duplicate rows; "
-                            "at least 3 are needed")
+            raise DataError(
+                f"only {a.shape[0]} distinct point(s) after removing {removed} duplicate rows; "
+                "at least 3 are needed"
+            )
     return a, n_points, removed, sub
 
 
-def twonn(X, discard_fraction: float = 0.1, estimator: str = "linear", dedup: bool = True,
-          block_size: int | None = None, device=None, seed: int | None = None,
-          max_points: int | None = None, expect_dim: int | None = None,
-          allow_wide: bool = True) -> TwoNNResult:
+def twonn(
+    X,
+    discard_fraction: float = 0.1,
+    estimator: str = "linear",
+    dedup: bool = True,
+    block_size: int | None = None,
+    device=None,
+    seed: int | None = None,
+    max_points: int | None = None,
+    expect_dim: int | None = None,
+    allow_wide: bool = True,
+) -> TwoNNResult:
     """TwoNN intrinsic dimension of the points X (N, D) (see the module docstring for definitions).
 
     ``dedup``: remove exact duplicate rows first (default). With ``dedup=False`` a duplicate
@@ -198,10 +226,20 @@ def twonn(X, discard_fraction: float = 0.1, estimator: str = "linear", dedup: bo
         raise DataError(f"{zero} rows have an exact duplicate (r1 = 0); use dedup=True to remove them")
     mu = np.sort(r2 / r1)
     d, k = fit_mu(mu, discard_fraction, estimator)
-    return TwoNNResult(dimension=d, estimator=estimator, discard_fraction=discard_fraction,
-                       n_points=n_points, n_duplicates_removed=removed, n_used=int(mu.size), n_fit=k,
-                       n_dims=int(a.shape[1]), subsampled_from=sub, seed=seed, mu=mu,
-                       neighbor_info=info)
+    return TwoNNResult(
+        dimension=d,
+        estimator=estimator,
+        discard_fraction=discard_fraction,
+        n_points=n_points,
+        n_duplicates_removed=removed,
+        n_used=int(mu.size),
+        n_fit=k,
+        n_dims=int(a.shape[1]),
+        subsampled_from=sub,
+        seed=seed,
+        mu=mu,
+        neighbor_info=info,
+    )
 
 
 class TwoNNError(NamedTuple):
@@ -212,10 +250,19 @@ class TwoNNError(NamedTuple):
     method: str
 
 
-def twonn_error(X, method: str = "bootstrap", n_repeats: int = 200, n_splits: int = 4,
-                discard_fraction: float = 0.1, estimator: str = "linear", dedup: bool = True,
-                seed: int | None = 0, block_size: int | None = None, device=None,
-                expect_dim: int | None = None) -> TwoNNError:
+def twonn_error(
+    X,
+    method: str = "bootstrap",
+    n_repeats: int = 200,
+    n_splits: int = 4,
+    discard_fraction: float = 0.1,
+    estimator: str = "linear",
+    dedup: bool = True,
+    seed: int | None = 0,
+    block_size: int | None = None,
+    device=None,
+    expect_dim: int | None = None,
+) -> TwoNNError:
     """TwoNN estimate with a standard error.
 
     ``method="bootstrap"``: the neighbour search runs once; the N ratios mu are resampled with
@@ -233,11 +280,15 @@ def twonn_error(X, method: str = "bootstrap", n_repeats: int = 200, n_splits: in
         if n_repeats < 2:
             raise InputError(f"n_repeats must be >= 2; got {n_repeats}")
         mu = res.mu
-        reps = [fit_mu(mu[rng.integers(0, mu.size, mu.size)], discard_fraction, estimator)[0]
-                for _ in range(n_repeats)]
+        reps = [
+            fit_mu(mu[rng.integers(0, mu.size, mu.size)], discard_fraction, estimator)[0]
+            for _ in range(n_repeats)
+        ]
         se = float(np.std(reps, ddof=1))
-        desc = (f"bootstrap over points of mu: {n_repeats} resamples with replacement of the "
-                f"{mu.size} ratios (seed={seed}), SE = std(ddof=1) of the refits; {tag}")
+        desc = (
+            f"bootstrap over points of mu: {n_repeats} resamples with replacement of the "
+            f"{mu.size} ratios (seed={seed}), SE = std(ddof=1) of the refits; {tag}"
+        )
     elif method == "decimation":
         if n_splits < 2:
             raise InputError(f"n_splits must be >= 2; got {n_splits}")
@@ -246,11 +297,15 @@ def twonn_error(X, method: str = "bootstrap", n_repeats: int = 200, n_splits: in
         parts = np.array_split(perm, n_splits)
         if min(p.size for p in parts) < 3:
             raise DataError(f"{a.shape[0]} points are too few to split into {n_splits} parts of >= 3")
-        reps = [twonn(a[np.sort(p)], discard_fraction, estimator, False, block_size, device).dimension
-                for p in parts]
+        reps = [
+            twonn(a[np.sort(p)], discard_fraction, estimator, False, block_size, device).dimension
+            for p in parts
+        ]
         se = float(np.std(reps, ddof=1) / np.sqrt(n_splits))
-        desc = (f"decimation: {a.shape[0]} distinct points split at random into {n_splits} disjoint parts "
-                f"(seed={seed}), SE = std(ddof=1)/sqrt({n_splits}) of the part estimates; {tag}")
+        desc = (
+            f"decimation: {a.shape[0]} distinct points split at random into {n_splits} disjoint parts "
+            f"(seed={seed}), SE = std(ddof=1)/sqrt({n_splits}) of the part estimates; {tag}"
+        )
     else:
         raise InputError(f"unknown error method {method!r}; use 'bootstrap' or 'decimation'")
     return TwoNNError(float(res.dimension), se, desc)

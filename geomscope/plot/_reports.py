@@ -34,7 +34,7 @@ def read_report(path: str | os.PathLike) -> dict:
         raise InputError(f"{p} is a geomscope report without layers; rescore the run")
     for i, lay in enumerate(rep["layers"]):
         if not isinstance(lay, dict) or "layer" not in lay:
-            raise InputError(f"{p}: layers[{i}] has no \"layer\" name; the report is damaged, rescore the run")
+            raise InputError(f'{p}: layers[{i}] has no "layer" name; the report is damaged, rescore the run')
     rep.setdefault("_path", p)
     return rep
 
@@ -64,7 +64,9 @@ def report_labels(reports: Sequence[dict]) -> list[str]:
     labels = [base_label(r) for r in reports]
     if len(set(labels)) < len(labels):
         labels = [
-            f"{lab} [{(r.get('source') or {}).get('dataset')}]" if (r.get("source") or {}).get("dataset") else lab
+            f"{lab} [{(r.get('source') or {}).get('dataset')}]"
+            if (r.get("source") or {}).get("dataset")
+            else lab
             for lab, r in zip(labels, reports, strict=True)
         ]
     seen: dict[str, int] = {}
@@ -86,7 +88,12 @@ def parse_step(rep: dict) -> int | None:
             return int(m.group(1))
     for holder in (rep, model, rep.get("run") or {}):
         step = holder.get("step")
-        if isinstance(step, (int, float)) and not isinstance(step, bool) and step >= 0 and float(step).is_integer():
+        if (
+            isinstance(step, (int, float))
+            and not isinstance(step, bool)
+            and step >= 0
+            and float(step).is_integer()
+        ):
             return int(step)
     return None
 
@@ -101,7 +108,12 @@ def available_metrics(reports: Sequence[dict]) -> list[str]:
     for rep in reports:
         for lay in rep["layers"]:
             for k, v in lay.items():
-                if k not in NON_METRIC_LAYER_KEYS and not k.startswith("_") and is_number(v) and k not in seen:
+                if (
+                    k not in NON_METRIC_LAYER_KEYS
+                    and not k.startswith("_")
+                    and is_number(v)
+                    and k not in seen
+                ):
                     seen.append(k)
     return seen
 
@@ -121,8 +133,10 @@ def choose_metrics(reports: Sequence[dict], metrics: Sequence[str] | None) -> li
         if m not in avail:
             names = ", ".join(avail) or "none"
             if is_metric_key(m):
-                raise InputError(f"metric '{m}' has no values in these reports (rescore with it in --metrics); "
-                                 f"available: {names}")
+                raise InputError(
+                    f"metric '{m}' has no values in these reports (rescore with it in --metrics); "
+                    f"available: {names}"
+                )
             raise InputError(f"unknown metric '{m}'; available: {names}")
         if m not in out:
             out.append(m)
@@ -146,7 +160,9 @@ def select_layers(reports: Sequence[dict], layers: Sequence[str] | None) -> list
         for pos, lay in enumerate(rep["layers"]):
             if lay["layer"] in wanted or str(layer_key(lay, pos)) in wanted:
                 keep.append(lay)
-        known = {lay["layer"] for lay in rep["layers"]} | {str(layer_key(x, i)) for i, x in enumerate(rep["layers"])}
+        known = {lay["layer"] for lay in rep["layers"]} | {
+            str(layer_key(x, i)) for i, x in enumerate(rep["layers"])
+        }
         missing = [w for w in wanted if w not in known]
         if missing:
             names = ", ".join(lay["layer"] for lay in rep["layers"])

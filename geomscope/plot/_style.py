@@ -30,6 +30,7 @@ def depth_cmap():
 
     return ListedColormap(colormaps[DEPTH_CMAP](np.linspace(0.0, 0.92, 256)), name="viridis_depth")
 
+
 RC = {
     "font.size": 9,
     "axes.titlesize": 10,
@@ -174,7 +175,9 @@ def uncertainty_caption(reports: Sequence[dict], metrics: Sequence[str]) -> str:
     methods = []
     for rep in reports:
         unc = (rep.get("params") or {}).get("uncertainty") or {}
-        keys = (["moments"] if any(not _is_id(m) for m in metrics) else []) + [m for m in metrics if _is_id(m)]
+        keys = (["moments"] if any(not _is_id(m) for m in metrics) else []) + [
+            m for m in metrics if _is_id(m)
+        ]
         for key in keys:
             if unc.get(key):
                 name = "moment metrics" if key == "moments" else metric_name(key).split(" (")[0]

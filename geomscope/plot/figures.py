@@ -49,14 +49,18 @@ def resolve_kinds(reports: Sequence[dict], kinds: Sequence[str], single: bool) -
         if k not in (*KINDS, "auto"):
             raise InputError(f"unknown figure kind '{k}'; choose from auto, {', '.join(KINDS)}")
         if k == "training":
-            raise InputError("--kind training needs training logs (a finetune output directory or its "
-                             "steps.jsonl), not score reports")
+            raise InputError(
+                "--kind training needs training logs (a finetune output directory or its "
+                "steps.jsonl), not score reports"
+            )
         for kk in auto_kinds(reports, single) if k == "auto" else [k]:
             if kk not in wanted:
                 wanted.append(kk)
     if single and len(wanted) > 1:
-        raise InputError(f"--out FILE takes one figure kind, got {', '.join(wanted)}; "
-                         "give a directory (ending in /) to write one file per kind")
+        raise InputError(
+            f"--out FILE takes one figure kind, got {', '.join(wanted)}; "
+            "give a directory (ending in /) to write one file per kind"
+        )
     return wanted
 
 
@@ -134,8 +138,10 @@ def _out_paths(out: str | os.PathLike, fmt: str | None) -> tuple[bool, Path, str
         return True, Path(s), fmt or "png"
     suffix = Path(s).suffix.lower().lstrip(".")
     if suffix not in FORMATS:
-        raise InputError(f"unsupported extension '{Path(s).suffix}' for --out {s}; use .png, .svg or .pdf, "
-                         "or a directory ending in /")
+        raise InputError(
+            f"unsupported extension '{Path(s).suffix}' for --out {s}; use .png, .svg or .pdf, "
+            "or a directory ending in /"
+        )
     if fmt is not None and fmt != suffix:
         raise InputError(f"--format {fmt} contradicts --out {s}; drop one of them")
     return False, Path(s), suffix
@@ -172,13 +178,23 @@ def plot_files(
         figs = _training_figures(inputs, logs, kinds)
     else:
         reports = [read_report(p) for p in inputs]
-        figs = make_figures(reports, kinds, single=not to_dir, metrics=metrics, layers=layers,
-                            log_x=log_x, normalise=normalise, top_k=top_k)
+        figs = make_figures(
+            reports,
+            kinds,
+            single=not to_dir,
+            metrics=metrics,
+            layers=layers,
+            log_x=log_x,
+            normalise=normalise,
+            top_k=top_k,
+        )
     folder = out_path if to_dir else out_path.parent
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise InputError(f"cannot create the output folder {folder} ({e.strerror or e}); choose another --out") from None
+        raise InputError(
+            f"cannot create the output folder {folder} ({e.strerror or e}); choose another --out"
+        ) from None
     written = []
     for kind, fig in figs.items():
         target = out_path / f"{kind}.{fmt}" if to_dir else out_path
@@ -189,8 +205,10 @@ def plot_files(
 def _training_figures(inputs, logs, kinds) -> dict[str, Figure]:
     if not all(logs):
         first = next(p for p, is_log in zip(inputs, logs, strict=True) if not is_log)
-        raise InputError(f"cannot mix training logs and score reports in one plot ({first} is not a training "
-                         "log); plot them separately")
+        raise InputError(
+            f"cannot mix training logs and score reports in one plot ({first} is not a training "
+            "log); plot them separately"
+        )
     bad = [k for k in kinds if k not in ("auto", "training")]
     if bad:
         raise InputError(f"--kind {bad[0]} needs score reports; training logs take --kind training (or auto)")

@@ -73,9 +73,18 @@ def plot_layers(
         for i, rep in enumerate(reports):
             x, y, se = layer_series(rep, metric)
             lab = labels[i] if same or not variants[i] else variants[i]
-            cont = ax.errorbar(x, y, yerr=None if np.all(np.isnan(se)) else se, label=lab,
-                               markersize=4, linewidth=1.4, capsize=0, elinewidth=1.0, alpha=0.95,
-                               **series_style(i))
+            cont = ax.errorbar(
+                x,
+                y,
+                yerr=None if np.all(np.isnan(se)) else se,
+                label=lab,
+                markersize=4,
+                linewidth=1.4,
+                capsize=0,
+                elinewidth=1.0,
+                alpha=0.95,
+                **series_style(i),
+            )
             if k == 0:
                 handles.append(cont)
         ax.set_title(metric_title(metric, reports[0].get("params")) if same else metric_name(metric))
@@ -87,8 +96,15 @@ def plot_layers(
     for k in range(len(metrics), nrows * ncols):
         axes[k // ncols][k % ncols].set_visible(False)
     # the legend heads the figure (its title is the figure title); the caption sits below the panels
-    fig.legend(handles=handles, labels=labels, loc="outside upper center", ncols=min(len(reports), 3),
-               frameon=False, title="Geometry by layer", title_fontsize=11)
+    fig.legend(
+        handles=handles,
+        labels=labels,
+        loc="outside upper center",
+        ncols=min(len(reports), 3),
+        frameon=False,
+        title="Geometry by layer",
+        title_fontsize=11,
+    )
     add_caption(fig, _caption(reports, metrics, labels))
     return fig
 

@@ -18,7 +18,9 @@ HEAT_CMAP = "cividis"  # designed for colour-vision deficiency
 
 
 def has_outlier_statistic(rep: dict) -> bool:
-    return any(isinstance(lay.get("outlier_statistic"), list) and lay["outlier_statistic"] for lay in rep["layers"])
+    return any(
+        isinstance(lay.get("outlier_statistic"), list) and lay["outlier_statistic"] for lay in rep["layers"]
+    )
 
 
 def outlier_matrix(
@@ -34,14 +36,21 @@ def outlier_matrix(
     by its mean over all D dimensions (for the ``variance`` rule: the multiple of the mean
     variance that the threshold is stated in).
     """
-    rows = [(layer_key(lay, pos), lay) for pos, lay in enumerate(rep["layers"])
-            if isinstance(lay.get("outlier_statistic"), list) and lay["outlier_statistic"]]
+    rows = [
+        (layer_key(lay, pos), lay)
+        for pos, lay in enumerate(rep["layers"])
+        if isinstance(lay.get("outlier_statistic"), list) and lay["outlier_statistic"]
+    ]
     rows.sort(key=lambda t: t[0])
     widths = {len(lay["outlier_statistic"]) for _, lay in rows}
     if len(widths) != 1:
-        raise InputError(f"{report_name(rep)}: outlier_statistic lengths differ across layers {sorted(widths)}; "
-                         "rescore the run")
-    stat = np.array([[np.nan if v is None else float(v) for v in lay["outlier_statistic"]] for _, lay in rows])
+        raise InputError(
+            f"{report_name(rep)}: outlier_statistic lengths differ across layers {sorted(widths)}; "
+            "rescore the run"
+        )
+    stat = np.array(
+        [[np.nan if v is None else float(v) for v in lay["outlier_statistic"]] for _, lay in rows]
+    )
     n_layers, d = stat.shape
     flagged_full = np.zeros_like(stat, dtype=bool)
     for r, (_, lay) in enumerate(rows):
@@ -60,8 +69,12 @@ def outlier_matrix(
     return shown, [lay["layer"] for _, lay in rows], dims, flagged_full[:, dims]
 
 
-_STAT_NAMES = {"variance": "variance", "zscore": "statistic", "quantile": "median |x_d|",
-               "magnitude": "fraction of tokens over threshold"}
+_STAT_NAMES = {
+    "variance": "variance",
+    "zscore": "statistic",
+    "quantile": "median |x_d|",
+    "magnitude": "fraction of tokens over threshold",
+}
 
 
 def _relative_for(rep: dict, relative: bool | None) -> bool:
@@ -100,7 +113,9 @@ def plot_outliers(
     reports = select_layers(reports, layers)
     missing = [report_name(r) for r in reports if not has_outlier_statistic(r)]
     if missing:
-        raise InputError(f"{missing[0]} has no outlier_statistic; rescore it with --metrics including outliers")
+        raise InputError(
+            f"{missing[0]} has no outlier_statistic; rescore it with --metrics including outliers"
+        )
     if top_k is not None and top_k < 1:
         raise InputError(f"--top-k must be at least 1, got {top_k}")
     labels = list(labels) if labels is not None else report_labels(reports)
@@ -113,7 +128,9 @@ def plot_outliers(
     # one colour scale for all panels when they show the same quantity (e.g. checkpoints of a model)
     rules = {(q, (r.get("params") or {}).get("outlier_rule")) for r, q in zip(reports, rel, strict=True)}
     pooled = np.concatenate([m[0][np.isfinite(m[0])] for m in mats]) if len(rules) == 1 else None
-    for ax, rep, lab, relative, (stat, names, dims, flagged) in zip(axes, reports, labels, rel, mats, strict=True):
+    for ax, rep, lab, relative, (stat, names, dims, flagged) in zip(
+        axes, reports, labels, rel, mats, strict=True
+    ):
         finite = pooled if pooled is not None else stat[np.isfinite(stat)]
         pos = finite[finite > 0]
         if not relative and finite.size and pos.size == finite.size and finite.max() / finite.min() > 100:
@@ -125,14 +142,18 @@ def plot_outliers(
         ax.scatter(cc, rr, s=18, marker="o", facecolors="white", edgecolors="black", linewidths=0.8, zorder=3)
         ax.set_yticks(range(len(names)), names)
         step = max(1, int(np.ceil(dims.size / 60)))
-        ax.set_xticks(range(0, dims.size, step), [str(d) for d in dims[::step]],
-                      rotation=90 if dims.size > 12 else 0)
+        ax.set_xticks(
+            range(0, dims.size, step), [str(d) for d in dims[::step]], rotation=90 if dims.size > 12 else 0
+        )
         ax.grid(False)
         ax.set_xlabel("hidden dimension")
         ax.set_ylabel("layer")
         d_total = len(next(lay["outlier_statistic"] for lay in rep["layers"] if lay.get("outlier_statistic")))
-        shown = f"top {dims.size} of {d_total} dimensions by statistic" if dims.size < d_total \
+        shown = (
+            f"top {dims.size} of {d_total} dimensions by statistic"
+            if dims.size < d_total
             else f"all {d_total} dimensions"
+        )
         ax.set_title(f"{lab}: {shown}")
         cbar = fig.colorbar(im, ax=ax, pad=0.01, fraction=0.04)
         params = rep.get("params") or {}
@@ -140,12 +161,24 @@ def plot_outliers(
         what = f"{stat_name} / layer mean" if relative else stat_name
         cbar.set_label(f"{what}\n({_rule_text(params)})", fontsize=8)
         thr = params.get("outlier_threshold")
-        if relative and params.get("outlier_rule") == "variance" and thr is not None \
-                and norm.vmin <= float(thr) <= norm.vmax:
+        if (
+            relative
+            and params.get("outlier_rule") == "variance"
+            and thr is not None
+            and norm.vmin <= float(thr) <= norm.vmax
+        ):
             cbar.ax.axhline(float(thr), color="white", linewidth=2.4)
             cbar.ax.axhline(float(thr), color="black", linewidth=1.2, linestyle=(0, (2, 1)))
-    marker = Line2D([], [], linestyle="none", marker="o", markerfacecolor="white", markeredgecolor="black",
-                    markersize=5, label="flagged outlier dimension")
+    marker = Line2D(
+        [],
+        [],
+        linestyle="none",
+        marker="o",
+        markerfacecolor="white",
+        markeredgecolor="black",
+        markersize=5,
+        label="flagged outlier dimension",
+    )
     fig.legend(handles=[marker], loc="outside lower right", frameon=False)
     fig.suptitle("Outlier dimensions by layer", fontsize=11)
     return fig

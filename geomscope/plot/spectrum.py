@@ -61,7 +61,8 @@ def plot_spectrum(
 
     One panel per report; one curve per layer, coloured by layer index with a shared colorbar;
     log-scale y, cut at FLOOR x the largest eigenvalue of a layer (numerical zeros stay in the
-    line data but below the axis; a caption says so).  ``normalise=True`` draws the explained-variance ratio λ_i/Σλ against i/D so
+    line data but below the axis; a caption says so).  ``normalise=True`` draws the explained-variance
+    ratio λ_i/Σλ against i/D so
     that models of different width and scale compare directly.  ``log_x`` (default) draws the
     index on a log axis too, where a power-law spectrum is a straight line.  When the reports have
     different depths, colour is the relative depth (layer index / last index of that report).
@@ -126,6 +127,9 @@ def plot_spectrum(
         cbar.update_ticks()
     fig.suptitle("Covariance eigenspectra by layer" + (" (normalised)" if normalise else ""), fontsize=11)
     if clipped:
-        add_caption(fig, f"Eigenvalues below 1e{int(np.log10(FLOOR))} × λ₁ of their layer (numerical zeros, "
-                         "e.g. the direction LayerNorm removes) run off the bottom of the axes.")
+        add_caption(
+            fig,
+            f"Eigenvalues below 1e{int(np.log10(FLOOR))} × λ₁ of their layer (numerical zeros, "
+            "e.g. the direction LayerNorm removes) run off the bottom of the axes.",
+        )
     return fig

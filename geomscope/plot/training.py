@@ -57,7 +57,9 @@ def read_training_log(path: str | os.PathLike) -> dict:
     """{"label", "steps": [...], "evals": [...], "run": {...}} of one finetune log."""
     f = _steps_file(path)
     if not is_training_log(path):
-        raise InputError(f"{path} is not a finetune training log (expected a finetune --out directory or steps.jsonl)")
+        raise InputError(
+            f"{path} is not a finetune training log (expected a finetune --out directory or steps.jsonl)"
+        )
     steps = _read_jsonl(f)
     if not steps:
         raise InputError(f"{f} has no logged steps yet; plot it after the first step")
@@ -111,14 +113,26 @@ def plot_training_log(log_paths, out: str | os.PathLike | None = None):
         xs, ys = _series(log["evals"], "accuracy")
         if xs:
             ax_acc.plot(xs, ys, label=f"{label}: accuracy", linestyle=st["linestyle"], **mark)
-            ax_acc.plot(*_series(log["evals"], "macro_f1"), label=f"{label}: macro-F1", linestyle=":",
-                        color=st["color"], marker=st["marker"], markersize=3, alpha=0.6)
+            ax_acc.plot(
+                *_series(log["evals"], "macro_f1"),
+                label=f"{label}: macro-F1",
+                linestyle=":",
+                color=st["color"],
+                marker=st["marker"],
+                markersize=3,
+                alpha=0.6,
+            )
     zeta = logs[0]["run"].get("zeta")
     ax_loss.set_title("task loss (cross-entropy)")
     ax_pen.set_title("penalty R (I-STAR: 1 − IsoScore*; CosReg)")
-    ax_iso.set_title("IsoScore*" + (f" (ζ={zeta:g})" if zeta is not None else "") + ": line batch, marks eval")
-    fig.suptitle("batch IsoScore* target: C0 for I-STAR runs, trace-matched identity otherwise; "
-                 "eval IsoScore*: trace-matched identity", fontsize=7)
+    ax_iso.set_title(
+        "IsoScore*" + (f" (ζ={zeta:g})" if zeta is not None else "") + ": line batch, marks eval"
+    )
+    fig.suptitle(
+        "batch IsoScore* target: C0 for I-STAR runs, trace-matched identity otherwise; "
+        "eval IsoScore*: trace-matched identity",
+        fontsize=7,
+    )
     ax_acc.set_title("eval accuracy / macro-F1 (per epoch)")
     for ax in (ax_iso, ax_acc):
         ax.set_xlabel("optimizer step")
@@ -126,7 +140,9 @@ def plot_training_log(log_paths, out: str | os.PathLike | None = None):
         if ax.has_data():
             ax.legend(fontsize=7, loc="best")
     if not ax_pen.has_data():
-        ax_pen.text(0.5, 0.5, "no regulariser (--reg none)", ha="center", va="center", transform=ax_pen.transAxes)
+        ax_pen.text(
+            0.5, 0.5, "no regulariser (--reg none)", ha="center", va="center", transform=ax_pen.transAxes
+        )
     if out is not None:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -42,13 +42,17 @@ def trajectory_steps(reports: Sequence[dict]) -> list[int]:
         s = parse_step(rep)
         if s is None:
             rev = (rep.get("model") or {}).get("revision")
-            raise InputError(f"{report_name(rep)} has no training step (revision {rev!r}, expected 'stepN' "
-                             "or a \"step\" key); a trajectory needs reports of checkpoints")
+            raise InputError(
+                f"{report_name(rep)} has no training step (revision {rev!r}, expected 'stepN' "
+                'or a "step" key); a trajectory needs reports of checkpoints'
+            )
         steps.append(s)
     names = sorted({str((r.get("model") or {}).get("name")) for r in reports})
     if len(names) > 1:
-        raise InputError(f"a trajectory follows one model, these reports mix {', '.join(names)}; "
-                         "plot each model separately or use --kind layers")
+        raise InputError(
+            f"a trajectory follows one model, these reports mix {', '.join(names)}; "
+            "plot each model separately or use --kind layers"
+        )
     dup = sorted({s for s in steps if steps.count(s) > 1})
     if dup:
         raise InputError(f"two reports are at step {dup[0]}; give one report per checkpoint")

@@ -64,7 +64,9 @@ class LayerPart:
                 for a, b in zip(self.groups, other.groups, strict=True):
                     a.merge(b)
         if other.reservoir is not None:
-            self.reservoir = other.reservoir if self.reservoir is None else self.reservoir.merge(other.reservoir)
+            self.reservoir = (
+                other.reservoir if self.reservoir is None else self.reservoir.merge(other.reservoir)
+            )
         if other.select is not None:
             self.select = other.select if self.select is None else self.select.merge(other.select)
         if other.unit is not None:

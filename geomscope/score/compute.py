@@ -82,8 +82,11 @@ def moment_values(m, opts: ScoreOptions, c0, notes: dict, *, full: bool) -> dict
     if opts.wants("isoscore"):
         out["isoscore"] = None if cov is None else _try(lambda: isoscore_from_cov(cov), nts, "isoscore")
     if opts.wants("isoscore_star"):
-        out["isoscore_star"] = None if cov is None else _try(
-            lambda: isoscore_star_from_cov(cov, opts.zeta, c0), nts, "isoscore_star")
+        out["isoscore_star"] = (
+            None
+            if cov is None
+            else _try(lambda: isoscore_star_from_cov(cov, opts.zeta, c0), nts, "isoscore_star")
+        )
     if opts.wants("avgcos") and "plain" in opts.avgcos_variants:
         out["avgcos"] = _try(lambda: float(avgcos_from_sum(m.sum_unit, m.n_unit())), nts, "avgcos")
     if opts.wants("spectrum"):
@@ -128,7 +131,9 @@ def load_cov_file(path: str, dim: int) -> np.ndarray:
     if c.ndim != 2 or c.shape[0] != c.shape[1]:
         raise InputError(f"--shrinkage-target {path} has shape {c.shape}; a (D, D) covariance is needed")
     if c.shape[0] != dim:
-        raise InputError(f"--shrinkage-target {path} is {c.shape[0]} x {c.shape[0]} but the data has D = {dim}")
+        raise InputError(
+            f"--shrinkage-target {path} is {c.shape[0]} x {c.shape[0]} but the data has D = {dim}"
+        )
     c = np.asarray(c, dtype=np.float64)
     if not np.isfinite(c).all():
         raise InputError(f"--shrinkage-target {path} contains NaN or Inf")

@@ -18,7 +18,10 @@ from geomscope.score.sources import SourceInfo
 def _iso(w: np.ndarray) -> dict:
     from geomscope.metrics import partition_isotropy
 
-    return {"raw": partition_isotropy(w, centred=False)["I"], "centred": partition_isotropy(w, centred=True)["I"]}
+    return {
+        "raw": partition_isotropy(w, centred=False)["I"],
+        "centred": partition_isotropy(w, centred=True)["I"],
+    }
 
 
 def embedding_isotropy(src: SourceInfo) -> tuple[dict | None, str]:
@@ -28,16 +31,27 @@ def embedding_isotropy(src: SourceInfo) -> tuple[dict | None, str]:
     ident = dict(getattr(src.run_obj, "identity", {}) or {})
     manifest = getattr(src.run_obj, "manifest", {}) or {}
     source = manifest.get("model_source") if isinstance(manifest.get("model_source"), dict) else {}
-    ckpt = find_checkpoint({**(ident.get("model") or {}), **{k: v for k, v in source.items() if k == "path"}},
-                           ident)
+    ckpt = find_checkpoint(
+        {**(ident.get("model") or {}), **{k: v for k, v in source.items() if k == "path"}}, ident
+    )
     if ckpt is None:
-        return None, "the model checkpoint recorded in the manifest is not at hand (no local directory or cache)"
+        return (
+            None,
+            "the model checkpoint recorded in the manifest is not at hand (no local directory or cache)",
+        )
     try:
         mats = read_embedding_matrices(ckpt)
         if mats is None:
             return None, f"no input embedding matrix found in {ckpt}"
-        out = {"input": _iso(mats.input), "output": None, "tied": mats.tied, "checkpoint": str(ckpt),
-               "input_key": mats.input_key, "output_key": mats.output_key, "note": mats.note}
+        out = {
+            "input": _iso(mats.input),
+            "output": None,
+            "tied": mats.tied,
+            "checkpoint": str(ckpt),
+            "input_key": mats.input_key,
+            "output_key": mats.output_key,
+            "note": mats.note,
+        }
         if mats.tied:
             out["output"] = dict(out["input"])
         elif mats.output is not None:

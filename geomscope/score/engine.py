@@ -45,13 +45,19 @@ def _log_default(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr)
 
 
-def score(path, options: ScoreOptions | None = None, *, progress: bool = False,
-          log: Callable[[str], None] | None = None) -> dict:
+def score(
+    path,
+    options: ScoreOptions | None = None,
+    *,
+    progress: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> dict:
     """Score a run directory or an (N, D) array file; return the report dict (keys: geomscope.schema)."""
     opts = (options or ScoreOptions()).validate()
     log = log or _log_default
-    src = open_source(path, dataset=opts.dataset, layers=opts.layers, partial=opts.partial,
-                      block_rows=opts.block_rows)
+    src = open_source(
+        path, dataset=opts.dataset, layers=opts.layers, partial=opts.partial, block_rows=opts.block_rows
+    )
     for w in src.warnings:
         log(w)
     with one_blas_thread(), Executor(opts.workers) as ex, Progress(enabled=progress) as prog:
@@ -71,22 +77,30 @@ class _Scorer:
         if self.checksum_pending and tasks is self.src.tasks:
             spec.checksum = True
             self.checksum_pending = False
-        bar = self.prog.add(desc, rows if rows is not None else sum(t.rows for t in tasks), unit="rows",
-                            rate_unit="rows")
+        bar = self.prog.add(
+            desc, rows if rows is not None else sum(t.rows for t in tasks), unit="rows", rate_unit="rows"
+        )
         parts = self.ex.run(tasks, spec, bar.advance if self.prog.enabled else None)
         bar.complete()
         return parts
 
     def _spec(self, kind: str, layers: list[str], **kw) -> PassSpec:
         o = self.opts
-        return PassSpec(kind=kind, layers=list(layers), n_groups=kw.pop("n_groups", self.G),
-                        exclude_special=o.exclude_special, seed=o.seed, block_rows=o.block_rows, **kw)
+        return PassSpec(
+            kind=kind,
+            layers=list(layers),
+            n_groups=kw.pop("n_groups", self.G),
+            exclude_special=o.exclude_special,
+            seed=o.seed,
+            block_rows=o.block_rows,
+            **kw,
+        )
 
     def _parse_target(self):
         t = self.opts.shrinkage_target
         if not t.startswith("layer:"):
             return t, None
-        name = t[len("layer:"):]
+        name = t[len("layer:") :]
         if self.src.kind != "run":
             raise InputError("--shrinkage-target layer:NAME needs a run directory; an array has one layer")
         resolved = self.src.run_obj.resolve_layers([name])[0]
@@ -110,11 +124,16 @@ class _Scorer:
         layers = [entries[n] for n in src.layers]
         for e in layers:
             if e["dropped"]["nonfinite"]:
-                self.log(f"{e['layer']}: {e['dropped']['nonfinite']} row(s) with NaN/Inf dropped (counted in the report)")
+                self.log(
+                    f"{e['layer']}: {e['dropped']['nonfinite']} row(s) with NaN/Inf dropped "
+                    "(counted in the report)"
+                )
         if all(e["n_rows"] < 2 for e in layers):
             n = max(e["n_rows"] for e in layers)
-            raise DataError(f"{src.path}: {n} usable row(s) per layer after dropping non-finite"
-                            f"{', special' if o.exclude_special else ''} rows; at least 2 are needed")
+            raise DataError(
+                f"{src.path}: {n} usable row(s) per layer after dropping non-finite"
+                f"{', special' if o.exclude_special else ''} rows; at least 2 are needed"
+            )
         if o.wants("outliers") and o.outlier_rule == "magnitude":
             outliers.apply_magnitude(layers, extras, o)
         embeddings, top_notes = None, {}
@@ -131,16 +150,18 @@ class _Scorer:
     def _batches(self) -> list[list[str]]:
         o = self.opts
         in_flight = 0 if o.workers <= 1 else 2 * o.workers  # task results held besides the accumulator
-        per_layer = self.G * self.src.dim ** 2 * 8 * (in_flight + 2) if o.moment_metrics else 0
+        per_layer = self.G * self.src.dim**2 * 8 * (in_flight + 2) if o.moment_metrics else 0
         budget = int(o.memory_mb * 1024 * 1024)
         size = len(self.src.layers) if per_layer == 0 else max(1, budget // per_layer)
         if per_layer > budget:
-            self.log(f"one layer's jackknife accumulators need ~{per_layer / 2**20:.0f} MiB "
-                     f"(> --memory-mb {o.memory_mb:g}); scoring one layer at a time "
-                     "(lower --jackknife-groups or --workers to use less)")
+            self.log(
+                f"one layer's jackknife accumulators need ~{per_layer / 2**20:.0f} MiB "
+                f"(> --memory-mb {o.memory_mb:g}); scoring one layer at a time "
+                "(lower --jackknife-groups or --workers to use less)"
+            )
         names = self.src.layers
         self.batch_size = int(size)
-        return [names[i:i + size] for i in range(0, len(names), size)]
+        return [names[i : i + size] for i in range(0, len(names), size)]
 
     def _select_rows(self) -> dict[str, int]:
         layers = list(self.src.layers)
@@ -167,10 +188,14 @@ class _Scorer:
             raise InputError(f"--shrinkage-target {path} is not a run directory")
         missing = [n for n in self.src.layers if n not in other.layers]
         if missing:
-            raise InputError(f"--shrinkage-target run {path} has no layer {missing[0]!r}; "
-                             "use a run of the same model and layers")
+            raise InputError(
+                f"--shrinkage-target run {path} has no layer {missing[0]!r}; "
+                "use a run of the same model and layers"
+            )
         if other.dim != self.src.dim:
-            raise InputError(f"--shrinkage-target run {path} has D = {other.dim}, this data D = {self.src.dim}")
+            raise InputError(
+                f"--shrinkage-target run {path} has D = {other.dim}, this data D = {self.src.dim}"
+            )
         return other
 
     # -- one batch of layers ---------------------------------------------------------------------
@@ -180,22 +205,37 @@ class _Scorer:
         if self.other is not None:
             c0_by_layer = self._reference_cov(self.other, batch, None)
         id_k = o.id_sample if (o.id_names or (o.wants("outliers") and o.outlier_rule == "quantile")) else 0
-        spec = self._spec("moments", batch, thresholds=self.thresholds,
-                          extras=o.wants("avgcos") or o.wants("outliers"),
-                          abs_threshold=o.outlier_threshold if o.outlier_rule == "magnitude" else 6.0,
-                          id_k=id_k)
+        spec = self._spec(
+            "moments",
+            batch,
+            thresholds=self.thresholds,
+            extras=o.wants("avgcos") or o.wants("outliers"),
+            abs_threshold=o.outlier_threshold if o.outlier_rule == "magnitude" else 6.0,
+            id_k=id_k,
+        )
         label = batch[0] if len(batch) == 1 else f"{batch[0]}..{batch[-1]}"
         parts = self._pass(self.src.tasks, spec, f"moments {label}")
         entries, pending_unit = {}, {}
         for name in batch:
             c0 = self.c0_fixed if self.c0_fixed is not None else c0_by_layer.get(name)
-            entries[name] = LayerResult(name, self.src.indices.get(name), parts.get(name), self.src, o, self.G,
-                                        c0 if c0 is not None else self.target)
+            entries[name] = LayerResult(
+                name,
+                self.src.indices.get(name),
+                parts.get(name),
+                self.src,
+                o,
+                self.G,
+                c0 if c0 is not None else self.target,
+            )
         self._each(entries.values(), LayerResult.moments)
         pending_unit = {n: s for n, s in entries.items() if o.needs_second_pass and s.unit_spec is not None}
         if pending_unit:
-            spec2 = self._spec("unit", list(pending_unit), thresholds=self.thresholds,
-                               unit={n: s.unit_spec for n, s in pending_unit.items()})
+            spec2 = self._spec(
+                "unit",
+                list(pending_unit),
+                thresholds=self.thresholds,
+                unit={n: s.unit_spec for n, s in pending_unit.items()},
+            )
             parts2 = self._pass(self.src.tasks, spec2, f"centred cosine {label}")
             for n, s in pending_unit.items():
                 s.cosine_variants(parts2[n].unit)
@@ -228,29 +268,45 @@ class _Scorer:
         dup = {e["layer"]: e["twonn_duplicates_removed"] for e in layers}
         unc = {}
         if o.moment_metrics:
-            unc["moments"] = (f"delete-one-group jackknife over {self.G} "
-                              + ("document groups (doc_id % G)" if src.kind == "run" else "contiguous row blocks")
-                              if self.G >= 2 else "none (--jackknife-groups 0)")
+            unc["moments"] = (
+                f"delete-one-group jackknife over {self.G} "
+                + ("document groups (doc_id % G)" if src.kind == "run" else "contiguous row blocks")
+                if self.G >= 2
+                else "none (--jackknife-groups 0)"
+            )
         if o.id_names:
             unc.update(idest.uncertainty_methods(o))
         if o.wants("partition"):
             unc["partition"] = "none: I(W) is an exact function of the checkpoint's weights (no sampling)"
         return {
-            "format": REPORT_FORMAT, "format_version": REPORT_FORMAT_VERSION, "geomscope_version": __version__,
+            "format": REPORT_FORMAT,
+            "format_version": REPORT_FORMAT_VERSION,
+            "geomscope_version": __version__,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "source": {"kind": src.kind, "path": src.path, "dataset": src.dataset},
             "model": src.model,
             "run": src.run,
             "params": {
-                "metrics": list(o.metrics), "zeta": o.zeta, "target": self.target,
+                "metrics": list(o.metrics),
+                "zeta": o.zeta,
+                "target": self.target,
                 "avgcos_variants": list(o.avgcos_variants),
-                "outlier_rule": o.outlier_rule, "outlier_threshold": o.outlier_threshold,
+                "outlier_rule": o.outlier_rule,
+                "outlier_threshold": o.outlier_threshold,
                 "id_estimator": ",".join(o.id_names) if o.id_names else None,
-                "twonn_fit": o.twonn_fit, "discard_fraction": o.discard_fraction, "id_sample": o.id_sample,
-                "seed": o.seed, "exclude_special": o.exclude_special, "max_rows": o.max_rows,
-                "layers": list(src.layers), "duplicates_removed": dup, "uncertainty": unc,
-                "jackknife_groups": self.G if self.G >= 2 else 0, "workers": o.workers,
-                "layer_batch_size": self.batch_size, "rows_total": self.rows,
+                "twonn_fit": o.twonn_fit,
+                "discard_fraction": o.discard_fraction,
+                "id_sample": o.id_sample,
+                "seed": o.seed,
+                "exclude_special": o.exclude_special,
+                "max_rows": o.max_rows,
+                "layers": list(src.layers),
+                "duplicates_removed": dup,
+                "uncertainty": unc,
+                "jackknife_groups": self.G if self.G >= 2 else 0,
+                "workers": o.workers,
+                "layer_batch_size": self.batch_size,
+                "rows_total": self.rows,
             },
             "layers": layers,
             "embeddings": embeddings,

@@ -67,8 +67,9 @@ class Executor:
         if self._pool is None:
             import multiprocessing as mp
 
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"),
-                                             initializer=_init_worker)
+            self._pool = ProcessPoolExecutor(
+                self.workers, mp_context=mp.get_context("spawn"), initializer=_init_worker
+            )
         return self._pool
 
     def run(self, tasks: list[Task], spec: PassSpec, advance: Callable[[int], None] | None = None) -> dict:

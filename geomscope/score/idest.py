@@ -24,9 +24,11 @@ def uncertainty_methods(o: ScoreOptions) -> dict[str, str]:
     out = {}
     for name in o.id_names:
         key = "twonn" if name == "twonn" else f"id_{name}"
-        out[key] = (f"repeated decimation: the de-duplicated sample split at random into {o.id_repeats} disjoint "
-                    f"parts (seed {o.seed}), the estimator on each, SE = std(ddof=1)/sqrt({o.id_repeats}) of "
-                    "the part estimates; value = the full-sample estimate")
+        out[key] = (
+            f"repeated decimation: the de-duplicated sample split at random into {o.id_repeats} disjoint "
+            f"parts (seed {o.seed}), the estimator on each, SE = std(ddof=1)/sqrt({o.id_repeats}) of "
+            "the part estimates; value = the full-sample estimate"
+        )
     return out
 
 
@@ -66,8 +68,15 @@ def estimate(sample, o: ScoreOptions, notes: dict) -> dict:
             if name == "twonn":
                 from geomscope.metrics.twonn import twonn_error
 
-                res = twonn_error(x, method="decimation", n_splits=o.id_repeats, discard_fraction=o.discard_fraction,
-                                  estimator=o.twonn_fit, dedup=False, seed=o.seed)
+                res = twonn_error(
+                    x,
+                    method="decimation",
+                    n_splits=o.id_repeats,
+                    discard_fraction=o.discard_fraction,
+                    estimator=o.twonn_fit,
+                    dedup=False,
+                    seed=o.seed,
+                )
                 out["values"][key], out["se"][key] = float(res.estimate), float(res.standard_error)
             else:
                 from geomscope.metrics.intrinsic import estimate_id

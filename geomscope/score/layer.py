@@ -94,10 +94,15 @@ class LayerResult:
             key = compute.AVGCOS_KEY[v]
             last = mus.replicates - 1
             self.values[key] = compute._try(
-                lambda m=mus, r=last: float(avgcos_from_sum(m.sum_unit[r], m.n_unit(r))), self.notes, key)
+                lambda m=mus, r=last: float(avgcos_from_sum(m.sum_unit[r], m.n_unit(r))), self.notes, key
+            )
             if self.live:
-                self.reps[key] = [compute._try(lambda m=mus, r=r: float(avgcos_from_sum(m.sum_unit[r], m.n_unit(r))),
-                                               {}, key) for r in self.live]
+                self.reps[key] = [
+                    compute._try(
+                        lambda m=mus, r=r: float(avgcos_from_sum(m.sum_unit[r], m.n_unit(r))), {}, key
+                    )
+                    for r in self.live
+                ]
 
     def finish(self) -> None:
         self.intrinsic()
@@ -127,18 +132,26 @@ class LayerResult:
             else:
                 se[k] = self.id_info.get("se", {}).get(k)
         if self.G < 2 and o.moment_metrics:
-            self.notes.setdefault("se", "jackknife off (--jackknife-groups 0): no standard errors for moment metrics")
+            self.notes.setdefault(
+                "se", "jackknife off (--jackknife-groups 0): no standard errors for moment metrics"
+            )
         elif o.moment_metrics and self.full is not None and self.n_live < 2:
-            self.notes.setdefault("se", f"rows fall in {self.n_live} jackknife group(s); at least 2 are needed "
-                                        "for standard errors of moment metrics")
+            self.notes.setdefault(
+                "se",
+                f"rows fall in {self.n_live} jackknife group(s); at least 2 are needed "
+                "for standard errors of moment metrics",
+            )
         for k in _scalar_keys(o):
             general = "se" in self.notes and k not in self.id_info.get("se", {})
             if not general and se[k] is None and v.get(k, self.id_info.get("values", {}).get(k)) is not None:
-                self.notes.setdefault(f"se.{k}", "standard error undefined: a replicate has no value or too "
-                                                 "few groups/points")
+                self.notes.setdefault(
+                    f"se.{k}", "standard error undefined: a replicate has no value or too few groups/points"
+                )
         id_values = self.id_info.get("values", {})
         e = {
-            "layer": self.name, "index": self.index, "n_rows": self.n,
+            "layer": self.name,
+            "index": self.index,
+            "n_rows": self.n,
             **{m: id_values.get(m) if m == "twonn" else v.get(m) for m in SCALAR_METRIC_NAMES},
             "outliers": self.out["dims"] if self.out else [],
             "se": se,
@@ -182,5 +195,8 @@ def _fill_null_notes(e: dict, o: ScoreOptions) -> None:
     wanted = set(_scalar_keys(o))
     for k in (*SCALAR_METRIC_NAMES, *[f"{EXTRA_ID_PREFIX}{n}" for n in o.extra_id]):
         if e.get(k) is None and k not in e["notes"]:
-            e["notes"][k] = ("not requested (--metrics / --avgcos-variants)" if k not in wanted
-                             else "undefined for this layer")
+            e["notes"][k] = (
+                "not requested (--metrics / --avgcos-variants)"
+                if k not in wanted
+                else "undefined for this layer"
+            )

@@ -46,7 +46,7 @@ class MultiUnitSum:
             s = np.asarray(scales, dtype=np.float64).copy()
             s[~(s > 0)] = 1.0
             self.inv_scale = 1.0 / s  # (R, D)
-            self.w = self.inv_scale ** 2
+            self.w = self.inv_scale**2
         self.sum_unit = np.zeros((r, d))
         self.n = np.zeros(r, dtype=np.int64)
         self.n_zero_norm = np.zeros(r, dtype=np.int64)
@@ -64,7 +64,7 @@ class MultiUnitSum:
         x = np.asarray(x)
         g = np.asarray(groups)
         for i in range(0, x.shape[0], BLOCK_ROWS):
-            self._block(x[i:i + BLOCK_ROWS], g[i:i + BLOCK_ROWS])
+            self._block(x[i : i + BLOCK_ROWS], g[i : i + BLOCK_ROWS])
         return self
 
     def _block(self, xb: np.ndarray, gb: np.ndarray) -> None:

@@ -70,14 +70,23 @@ class ScoreOptions:
         rule, threshold = _checked_outlier_rule(self.outlier_rule, self.outlier_threshold, self.outlier_stat)
         n = _Numbers(self)
         return replace(
-            self, metrics=metrics, zeta=n.real("zeta", lo=0.0, hi=1.0), avgcos_variants=variants,
-            outlier_rule=rule, outlier_threshold=threshold, id_estimator=est, extra_id=extra,
+            self,
+            metrics=metrics,
+            zeta=n.real("zeta", lo=0.0, hi=1.0),
+            avgcos_variants=variants,
+            outlier_rule=rule,
+            outlier_threshold=threshold,
+            id_estimator=est,
+            extra_id=extra,
             discard_fraction=n.real("discard_fraction", lo=0.0, hi=1.0, hi_open=True),
-            id_sample=n.whole("id_sample", lo=3), max_rows=n.whole("max_rows", lo=2, optional=True),
+            id_sample=n.whole("id_sample", lo=3),
+            max_rows=n.whole("max_rows", lo=2, optional=True),
             workers=n.whole("workers", lo=1),
             jackknife_groups=_checked_groups(n.whole("jackknife_groups", lo=0)),
-            memory_mb=n.real("memory_mb", lo=0.0, lo_open=True), id_repeats=n.whole("id_repeats", lo=2),
-            seed=n.whole("seed", lo=0), twonn_fit=_one_of("--twonn-fit", self.twonn_fit, TWONN_FITS),
+            memory_mb=n.real("memory_mb", lo=0.0, lo_open=True),
+            id_repeats=n.whole("id_repeats", lo=2),
+            seed=n.whole("seed", lo=0),
+            twonn_fit=_one_of("--twonn-fit", self.twonn_fit, TWONN_FITS),
             layers=tuple(self.layers) if self.layers else None,
             shrinkage_target=normalise_target(self.shrinkage_target),
         )
@@ -138,8 +147,9 @@ def _checked_variants(names, wanted: bool) -> tuple[str, ...]:
     for v in names:
         v = _VARIANT_ALIASES.get(str(v).strip().lower(), str(v).strip().lower())
         if v not in AVGCOS_VARIANTS:
-            raise InputError(f"unknown --avgcos-variants entry {v!r}; "
-                             f"choose among {', '.join(AVGCOS_VARIANTS)}")
+            raise InputError(
+                f"unknown --avgcos-variants entry {v!r}; choose among {', '.join(AVGCOS_VARIANTS)}"
+            )
         variants.append(v)
     if wanted and not variants:
         raise InputError("--avgcos-variants is empty; give plain, centred and/or standardised")
@@ -185,8 +195,9 @@ class _Numbers:
             raise InputError(f"{option} must be a number; got {value!r}")
         return float(value)
 
-    def real(self, name: str, *, lo: float, hi: float | None = None, lo_open: bool = False,
-             hi_open: bool = False) -> float:
+    def real(
+        self, name: str, *, lo: float, hi: float | None = None, lo_open: bool = False, hi_open: bool = False
+    ) -> float:
         option = self.option(name)
         v = self.as_real(option, getattr(self.opts, name))
         too_low = v <= lo if lo_open else v < lo
@@ -211,14 +222,14 @@ class _Numbers:
 
 
 def normalise_target(t) -> str:
-    """"trace" | "identity" | "file:<path>" | "run:<dir>" | "layer:<name>" (schema's params.target)."""
+    """ "trace" | "identity" | "file:<path>" | "run:<dir>" | "layer:<name>" (schema's params.target)."""
     s = str(t).strip()
     low = s.lower()
     if low in ("trace", "identity"):
         return low
     for prefix in ("layer:", "file:", "run:"):
         if low.startswith(prefix):
-            rest = s[len(prefix):]
+            rest = s[len(prefix) :]
             if not rest:
                 raise InputError(f"--shrinkage-target {s!r} names nothing after {prefix!r}")
             return prefix + rest
@@ -229,5 +240,6 @@ def normalise_target(t) -> str:
         if not p.exists():
             raise InputError(f"--shrinkage-target file {s} does not exist; give a (D, D) covariance .npy")
         return f"file:{s}"
-    raise InputError(f"--shrinkage-target {s!r} is not trace, identity, a .npy covariance, a run directory "
-                     "or layer:NAME")
+    raise InputError(
+        f"--shrinkage-target {s!r} is not trace, identity, a .npy covariance, a run directory or layer:NAME"
+    )

@@ -69,8 +69,11 @@ def layer_outliers(full, sample, rep_sets: list, o: ScoreOptions, notes: dict) -
     except DataError as e:
         notes.setdefault("outliers", str(e))
         return None
-    return {"dims": [int(d) for d in res.dims], "statistic": [float(v) for v in res.statistic],
-            "support": support}
+    return {
+        "dims": [int(d) for d in res.dims],
+        "statistic": [float(v) for v in res.statistic],
+        "support": support,
+    }
 
 
 def apply_magnitude(entries: list[dict], extras: dict, o: ScoreOptions) -> None:
@@ -86,7 +89,9 @@ def apply_magnitude(entries: list[dict], extras: dict, o: ScoreOptions) -> None:
     counts = {n: np.stack(extras[n]["count_abs_ge"]).astype(np.float64) for n in ok}  # (G, D)
     ns = {n: np.asarray(extras[n]["n_groups"], dtype=np.float64) for n in ok}  # (G,)
     frac = np.stack([counts[n].sum(0) / ns[n].sum() for n in ok])
-    res = outliers_magnitude(frac, layer_frac=LAYER_FRAC, token_frac=TOKEN_FRAC, abs_threshold=o.outlier_threshold)
+    res = outliers_magnitude(
+        frac, layer_frac=LAYER_FRAC, token_frac=TOKEN_FRAC, abs_threshold=o.outlier_threshold
+    )
     rep_sets = []
     n_groups = len(next(iter(ns.values())))
     if n_groups >= 2:
@@ -97,12 +102,22 @@ def apply_magnitude(entries: list[dict], extras: dict, o: ScoreOptions) -> None:
             for n in ok:
                 rest = ns[n].sum() - ns[n][r]
                 fr.append((counts[n].sum(0) - counts[n][r]) / rest if rest > 0 else np.zeros(frac.shape[1]))
-            rep_sets.append(set(outliers_magnitude(np.stack(fr), layer_frac=LAYER_FRAC, token_frac=TOKEN_FRAC,
-                                                   abs_threshold=o.outlier_threshold).dims))
+            rep_sets.append(
+                set(
+                    outliers_magnitude(
+                        np.stack(fr),
+                        layer_frac=LAYER_FRAC,
+                        token_frac=TOKEN_FRAC,
+                        abs_threshold=o.outlier_threshold,
+                    ).dims
+                )
+            )
     support = _support(res.dims, rep_sets) if len(rep_sets) >= 2 else []
-    why = (f"magnitude rule over the {len(ok)} scored layers: |x_d| >= {o.outlier_threshold:g} in >= "
-           f"{TOKEN_FRAC:.0%} of a layer's tokens in >= {LAYER_FRAC:.0%} of the layers; statistic = this "
-           "layer's fraction of tokens over the threshold")
+    why = (
+        f"magnitude rule over the {len(ok)} scored layers: |x_d| >= {o.outlier_threshold:g} in >= "
+        f"{TOKEN_FRAC:.0%} of a layer's tokens in >= {LAYER_FRAC:.0%} of the layers; statistic = this "
+        "layer's fraction of tokens over the threshold"
+    )
     for e, n in zip(entries, names, strict=True):
         if n in ok:
             e["outliers"] = [int(d) for d in res.dims]

@@ -77,8 +77,10 @@ def check_shard_file(task: Task, *, checksum: bool):
     if not p.exists():
         raise DataError(f"shard {p} is missing; rerun the same `geomscope extract` command to redo it")
     if task.nbytes >= 0 and p.stat().st_size != task.nbytes:
-        raise DataError(f"shard {p} is corrupt or truncated ({p.stat().st_size} bytes on disk, "
-                        f"{task.nbytes} recorded); rerun the same `geomscope extract` command to redo it")
+        raise DataError(
+            f"shard {p} is corrupt or truncated ({p.stat().st_size} bytes on disk, "
+            f"{task.nbytes} recorded); rerun the same `geomscope extract` command to redo it"
+        )
     if not (checksum and task.sha256):
         return lambda: None
     result: dict = {}
@@ -95,9 +97,15 @@ def check_shard_file(task: Task, *, checksum: bool):
     def finish() -> None:
         th.join()
         if "error" in result or result.get("sha") != task.sha256:
-            why = f"cannot read it: {result['error']}" if "error" in result else "checksum differs from the manifest"
-            raise DataError(f"shard {p} is corrupt or truncated ({why}); rerun the same `geomscope extract` "
-                            "command to redo it")
+            why = (
+                f"cannot read it: {result['error']}"
+                if "error" in result
+                else "checksum differs from the manifest"
+            )
+            raise DataError(
+                f"shard {p} is corrupt or truncated ({why}); rerun the same `geomscope extract` "
+                "command to redo it"
+            )
 
     return finish
 
@@ -108,10 +116,16 @@ def _shard_meta(task: Task, layers: list[str], n_groups: int) -> Iterator[Block]
 
     for ch in iter_shard(Path(task.path), layers, chunk_rows=1 << 20, activations=False):
         n = ch.stop - ch.start
-        nf = {name: np.asarray(ch.nonfinite[name], bool) if name in ch.nonfinite else np.zeros(n, bool)
-              for name in layers}
-        yield Block(keys=run_keys(task.index, ch.start, ch.stop), group=_groups_of_docs(ch.doc_id, n_groups),
-                    special=np.asarray(ch.is_special, bool), nonfinite=nf)
+        nf = {
+            name: np.asarray(ch.nonfinite[name], bool) if name in ch.nonfinite else np.zeros(n, bool)
+            for name in layers
+        }
+        yield Block(
+            keys=run_keys(task.index, ch.start, ch.stop),
+            group=_groups_of_docs(ch.doc_id, n_groups),
+            special=np.asarray(ch.is_special, bool),
+            nonfinite=nf,
+        )
 
 
 def _shard_blocks(task: Task, layers: list[str], n_groups: int, block_rows: int | None) -> Iterator[Block]:
@@ -124,9 +138,13 @@ def _shard_blocks(task: Task, layers: list[str], n_groups: int, block_rows: int 
                 nf[n] = np.asarray(ch.nonfinite[n], bool)
             else:  # a shard without flags: find those rows here
                 nf[n] = ~np.isfinite(ch.layers[n]).all(axis=1)
-        yield Block(keys=run_keys(task.index, ch.start, ch.stop),
-                    group=_groups_of_docs(ch.doc_id, n_groups),
-                    special=np.asarray(ch.is_special, bool), layers=ch.layers, nonfinite=nf)
+        yield Block(
+            keys=run_keys(task.index, ch.start, ch.stop),
+            group=_groups_of_docs(ch.doc_id, n_groups),
+            special=np.asarray(ch.is_special, bool),
+            layers=ch.layers,
+            nonfinite=nf,
+        )
 
 
 # -------------------------------------------------------------------------------------- arrays
@@ -151,8 +169,10 @@ def open_array(path: str, dataset: str | None):
         two_d = [n for n in found if f[n].ndim == 2]
         if len(two_d) != 1:
             f.close()
-            raise InputError(f"{p} holds {len(two_d)} 2-D datasets ({', '.join(two_d[:6]) or 'none'}); "
-                             "name one with --dataset PATH")
+            raise InputError(
+                f"{p} holds {len(two_d)} 2-D datasets ({', '.join(two_d[:6]) or 'none'}); "
+                "name one with --dataset PATH"
+            )
         dataset = two_d[0]
     if dataset not in f or not isinstance(f[dataset], h5py.Dataset):
         f.close()
@@ -171,15 +191,20 @@ def _array_blocks(task: Task, n_groups: int, block_rows: int | None, with_data: 
             if x.dtype.kind != "f":
                 x = x.astype(np.float64)
             bad = ~np.isfinite(x).all(axis=1)
-            yield Block(keys=np.arange(s, e, dtype=np.uint64),
-                        group=_array_groups(s, e, task.n_total, n_groups),
-                        special=np.zeros(e - s, bool),
-                        layers={ARRAY_LAYER: x} if with_data else {}, nonfinite={ARRAY_LAYER: bad})
+            yield Block(
+                keys=np.arange(s, e, dtype=np.uint64),
+                group=_array_groups(s, e, task.n_total, n_groups),
+                special=np.zeros(e - s, bool),
+                layers={ARRAY_LAYER: x} if with_data else {},
+                nonfinite={ARRAY_LAYER: bad},
+            )
     finally:
         close()
 
 
-def iter_blocks(task: Task, layers: list[str], n_groups: int, block_rows: int | None = None) -> Iterator[Block]:
+def iter_blocks(
+    task: Task, layers: list[str], n_groups: int, block_rows: int | None = None
+) -> Iterator[Block]:
     """Stream a task's rows with activations of ``layers``."""
     if task.kind == "shard":
         yield from _shard_blocks(task, layers, n_groups, block_rows)
@@ -222,20 +247,32 @@ def _is_array_path(p: Path) -> bool:
     return p.suffix.lower() in (".npy", ".h5", ".hdf5")
 
 
-def open_source(path, *, dataset: str | None = None, layers: list[str] | None = None,
-                partial: bool = False, block_rows: int | None = None) -> SourceInfo:
+def open_source(
+    path,
+    *,
+    dataset: str | None = None,
+    layers: list[str] | None = None,
+    partial: bool = False,
+    block_rows: int | None = None,
+) -> SourceInfo:
     """Validate ``path`` and describe it as tasks. Raises InputError/DataError with one line."""
     p = Path(path)
     if not p.exists():
-        raise InputError(f"{p} does not exist; give a run directory made by `geomscope extract` "
-                         "or an (N, D) array (.npy or .h5)")
+        raise InputError(
+            f"{p} does not exist; give a run directory made by `geomscope extract` "
+            "or an (N, D) array (.npy or .h5)"
+        )
     if p.is_dir():
         if dataset is not None:
-            raise InputError("--dataset names a dataset inside an .h5 array file; a run directory takes no --dataset")
+            raise InputError(
+                "--dataset names a dataset inside an .h5 array file; a run directory takes no --dataset"
+            )
         return _open_run(p, layers, partial)
     if not _is_array_path(p):
-        raise InputError(f"{p} is neither a run directory nor an array file (.npy, .h5); "
-                         "give the directory `geomscope extract` wrote or an (N, D) array")
+        raise InputError(
+            f"{p} is neither a run directory nor an array file (.npy, .h5); "
+            "give the directory `geomscope extract` wrote or an (N, D) array"
+        )
     if layers:
         raise InputError("--layers applies to run directories; an array file is scored as one layer")
     return _open_array(p, dataset, block_rows)
@@ -249,8 +286,10 @@ def _open_run(p: Path, layers: list[str] | None, partial: bool) -> SourceInfo:
     if not run.complete and not partial:
         planned = run.manifest.get("planned_shards")
         have = f"{len(shards)} of {planned}" if planned else f"{len(shards)}"
-        raise InputError(f"{p} is an incomplete run ({have} shards finished); finish it by rerunning the "
-                         "same `geomscope extract` command, or score the finished shards with --partial")
+        raise InputError(
+            f"{p} is an incomplete run ({have} shards finished); finish it by rerunning the "
+            "same `geomscope extract` command, or score the finished shards with --partial"
+        )
     if not shards:
         raise InputError(f"{p} has no finished shards yet; run `geomscope extract` to fill it")
     names = run.resolve_layers(layers)
@@ -267,20 +306,49 @@ def _open_run(p: Path, layers: list[str] | None, partial: bool) -> SourceInfo:
         from geomscope.store import shard_dim
 
         dim = shard_dim(run.shard_path(shards[0]), names[0])
-    tasks = [Task(kind="shard", path=str(run.shard_path(s)), index=s.index, rows=s.rows, nbytes=s.bytes,
-                  sha256=s.sha256) for s in sorted(shards, key=lambda s: s.index)]
+    tasks = [
+        Task(
+            kind="shard",
+            path=str(run.shard_path(s)),
+            index=s.index,
+            rows=s.rows,
+            nbytes=s.bytes,
+            sha256=s.sha256,
+        )
+        for s in sorted(shards, key=lambda s: s.index)
+    ]
     ident = run.identity
     m = ident.get("model", {}) if isinstance(ident.get("model"), dict) else {}
-    model = {"name": m.get("name") or m.get("path"), "revision": m.get("revision"),
-             "commit": m.get("commit") or m.get("commit_hash"), "hidden_size": m.get("hidden_size", dim)}
+    model = {
+        "name": m.get("name") or m.get("path"),
+        "revision": m.get("revision"),
+        "commit": m.get("commit") or m.get("commit_hash"),
+        "hidden_size": m.get("hidden_size", dim),
+    }
     docs = sum(s.docs for s in shards)
-    run_info = {"dir": str(p), "complete": run.complete, "partial": not run.complete,
-                "rows": sum(s.rows for s in shards), "docs": docs}
+    run_info = {
+        "dir": str(p),
+        "complete": run.complete,
+        "partial": not run.complete,
+        "rows": sum(s.rows for s in shards),
+        "docs": docs,
+    }
     warnings = []
     if not run.complete:
         warnings.append(f"scoring the {len(shards)} finished shards of an incomplete run (--partial)")
-    return SourceInfo(kind="run", path=str(p), layers=names, indices=indices, dim=int(dim), tasks=tasks,
-                      dataset=_run_dataset(ident), model=model, run=run_info, warnings=warnings, run_obj=run)
+    return SourceInfo(
+        kind="run",
+        path=str(p),
+        layers=names,
+        indices=indices,
+        dim=int(dim),
+        tasks=tasks,
+        dataset=_run_dataset(ident),
+        model=model,
+        run=run_info,
+        warnings=warnings,
+        run_obj=run,
+    )
 
 
 def _run_dataset(ident: dict) -> str | None:
@@ -306,8 +374,10 @@ def _open_array(p: Path, dataset: str | None, block_rows: int | None) -> SourceI
     finally:
         close()
     if len(shape) != 2:
-        raise DataError(f"{p} holds an array of shape {shape}; score expects a 2-D (N, D) array "
-                        "(rows = token vectors); reshape it, e.g. X.reshape(-1, X.shape[-1])")
+        raise DataError(
+            f"{p} holds an array of shape {shape}; score expects a 2-D (N, D) array "
+            "(rows = token vectors); reshape it, e.g. X.reshape(-1, X.shape[-1])"
+        )
     if dtype.kind not in "fiu":
         raise DataError(f"{p} holds dtype {dtype}; score expects numbers (float or int)")
     n, d = shape
@@ -315,17 +385,38 @@ def _open_array(p: Path, dataset: str | None, block_rows: int | None) -> SourceI
         raise DataError(f"{p} is {n} x {d}; at least 2 rows (points) and 2 columns (dimensions) are needed")
     warnings, flags = [], []
     if n < d:
-        warnings.append(f"{p.name} has fewer rows than columns ({n} x {d}); rows must be points (N, D) -- "
-                        "if it is transposed, save X.T instead; covariance metrics are rank-limited")
+        warnings.append(
+            f"{p.name} has fewer rows than columns ({n} x {d}); rows must be points (N, D) -- "
+            "if it is transposed, save X.T instead; covariance metrics are rank-limited"
+        )
         flags.append("maybe_transposed")
     # one task = one read block (~32 MiB): each task maps the file afresh, so the pages of a
     # memory-mapped .npy that count as resident stay bounded by a block, not the whole array
     step = max(block_rows or 0, _rows_per_block(d, dtype.itemsize, 1))
-    tasks = [Task(kind="npy" if p.suffix.lower() == ".npy" else "h5", path=str(p), index=i,
-                  start=s, stop=min(n, s + step), n_total=n, dataset=dataset, rows=min(n, s + step) - s)
-             for i, s in enumerate(range(0, n, step))]
-    return SourceInfo(kind="array", path=str(p), layers=[ARRAY_LAYER], indices={ARRAY_LAYER: 0}, dim=int(d),
-                      tasks=tasks, dataset=dataset, warnings=warnings, flags=flags)
+    tasks = [
+        Task(
+            kind="npy" if p.suffix.lower() == ".npy" else "h5",
+            path=str(p),
+            index=i,
+            start=s,
+            stop=min(n, s + step),
+            n_total=n,
+            dataset=dataset,
+            rows=min(n, s + step) - s,
+        )
+        for i, s in enumerate(range(0, n, step))
+    ]
+    return SourceInfo(
+        kind="array",
+        path=str(p),
+        layers=[ARRAY_LAYER],
+        indices={ARRAY_LAYER: 0},
+        dim=int(d),
+        tasks=tasks,
+        dataset=dataset,
+        warnings=warnings,
+        flags=flags,
+    )
 
 
 def warn(msg: str) -> None:

@@ -8,8 +8,16 @@ from geomscope.errors import DataError
 from geomscope.store.manifest import MANIFEST_NAME
 from geomscope.store.reader import Run, verify_shard
 
-OPTION_KEYS = ("store_dtype", "max_docs", "max_tokens", "max_length", "truncation", "text_field", "text_column",
-               "shard_docs")
+OPTION_KEYS = (
+    "store_dtype",
+    "max_docs",
+    "max_tokens",
+    "max_length",
+    "truncation",
+    "text_field",
+    "text_column",
+    "shard_docs",
+)
 
 
 def describe_run(run_dir: Path, *, verify: bool = False) -> dict:
@@ -40,8 +48,21 @@ def describe_run(run_dir: Path, *, verify: bool = False) -> dict:
         "format_version": m.get("format_version"),
         "created": m.get("created"),
         "finished": m.get("finished"),
-        "model": {k: model.get(k) for k in ("name", "revision", "commit", "model_type", "architecture",
-                                              "hidden_size", "num_hidden_states", "stack", "attention", "dtype")},
+        "model": {
+            k: model.get(k)
+            for k in (
+                "name",
+                "revision",
+                "commit",
+                "model_type",
+                "architecture",
+                "hidden_size",
+                "num_hidden_states",
+                "stack",
+                "attention",
+                "dtype",
+            )
+        },
         "layers": [la["name"] for la in layers],
         "layer_indices": [la.get("index") for la in layers],
         "final_norm_layer": final[0] if final else None,

@@ -51,7 +51,9 @@ def identity_differences(old: dict, new: dict) -> list[str]:
     diffs = []
     for key in sorted(set(a) | set(b), key=lambda k: (k.split(".")[0], not k.endswith(".count"), k)):
         if a.get(key, "<absent>") != b.get(key, "<absent>"):
-            diffs.append(f"{key}: {_short(a.get(key, '<absent>'))} in the run, {_short(b.get(key, '<absent>'))} now")
+            diffs.append(
+                f"{key}: {_short(a.get(key, '<absent>'))} in the run, {_short(b.get(key, '<absent>'))} now"
+            )
     return diffs
 
 
@@ -74,7 +76,9 @@ def dumps_manifest(obj: dict) -> str:
 
 def write_json_atomic(path: Path, obj: dict) -> None:
     """The manifest in its own layout (:func:`dumps_manifest`), any other JSON indented."""
-    write_text_atomic(path, dumps_manifest(obj) if path.name == MANIFEST_NAME else json.dumps(obj, indent=2) + "\n")
+    write_text_atomic(
+        path, dumps_manifest(obj) if path.name == MANIFEST_NAME else json.dumps(obj, indent=2) + "\n"
+    )
 
 
 class RunWriter:
@@ -94,8 +98,10 @@ class RunWriter:
         if self.dir.exists() and not self.dir.is_dir():
             raise InputError(f"--out {self.dir} is a file; give a directory for the run")
         existing = self._read_existing()
-        if existing is None and self.dir.exists() and any(
-            p.name not in (LOCK_NAME,) for p in self.dir.iterdir()
+        if (
+            existing is None
+            and self.dir.exists()
+            and any(p.name not in (LOCK_NAME,) for p in self.dir.iterdir())
         ):
             raise InputError(
                 f"--out {self.dir} is not empty and holds no geomscope run; choose a new or empty directory"
@@ -106,7 +112,9 @@ class RunWriter:
             fcntl.flock(self._lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._lock_fh.close()
-            raise InputError(f"another geomscope process is writing {self.dir}; wait for it or choose another --out") from None
+            raise InputError(
+                f"another geomscope process is writing {self.dir}; wait for it or choose another --out"
+            ) from None
         if existing is not None and overwrite:
             self._wipe()
             existing = None
@@ -116,7 +124,8 @@ class RunWriter:
                 self.release()
                 raise InputError(
                     f"{self.dir} holds a run made with different options ({'; '.join(diffs[:3])}"
-                    f"{'; ...' if len(diffs) > 3 else ''}); rerun with --overwrite to start over or choose another --out"
+                    f"{'; ...' if len(diffs) > 3 else ''}); "
+                    "rerun with --overwrite to start over or choose another --out"
                 )
         # leftovers of an interrupted shard are never trusted
         for tmp in self.dir.glob(".shard-*.h5.tmp"):
@@ -167,8 +176,17 @@ class RunWriter:
         return {s["index"]: ShardInfo.from_dict(s) for s in self.manifest["shards"]}
 
     # -- writing -------------------------------------------------------------------------------------
-    def shard_writer(self, index: int, *, layer_names, dim, store_dtype, doc_start=0, doc_stop=0,
-                     expected_rows: int | None = None) -> ShardWriter:
+    def shard_writer(
+        self,
+        index: int,
+        *,
+        layer_names,
+        dim,
+        store_dtype,
+        doc_start=0,
+        doc_stop=0,
+        expected_rows: int | None = None,
+    ) -> ShardWriter:
         return ShardWriter(
             self.dir / shard_name(index),
             index=index,

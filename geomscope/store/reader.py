@@ -87,7 +87,9 @@ def iter_shard(
         names = list(f["layers"].keys()) if layers is None else list(layers)
         for n in names:
             if n not in f["layers"]:
-                raise InputError(f"layer {n!r} is not in {path.name} (it has {', '.join(f['layers'].keys())})")
+                raise InputError(
+                    f"layer {n!r} is not in {path.name} (it has {', '.join(f['layers'].keys())})"
+                )
         try:
             n_rows = int(f["token_id"].shape[0])
             if names and activations:
@@ -139,13 +141,16 @@ class Run:
             raise InputError(f"{self.dir} does not exist; give a run directory made by `geomscope extract`")
         if not mpath.exists():
             raise InputError(
-                f"{self.dir} is not a geomscope run directory (no {MANIFEST_NAME}); run `geomscope extract` first"
+                f"{self.dir} is not a geomscope run directory (no {MANIFEST_NAME}); "
+                "run `geomscope extract` first"
             )
         try:
             with open(mpath) as f:
                 self.manifest = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
-            raise InputError(f"{mpath} is unreadable ({e}); rerun `geomscope extract` into a new --out") from e
+            raise InputError(
+                f"{mpath} is unreadable ({e}); rerun `geomscope extract` into a new --out"
+            ) from e
         if self.manifest.get("format") != "geomscope-run":
             raise InputError(f"{mpath} is not a geomscope manifest")
 
@@ -208,4 +213,7 @@ class Run:
         return out
 
     def __repr__(self) -> str:
-        return f"Run({str(self.dir)!r}, layers={len(self.layer_names)}, rows={self.total_rows}, complete={self.complete})"
+        return (
+            f"Run({str(self.dir)!r}, layers={len(self.layer_names)}, rows={self.total_rows}, "
+            f"complete={self.complete})"
+        )

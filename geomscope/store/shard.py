@@ -98,7 +98,9 @@ class ShardWriter:
             self.chunk = max(1, min(self.chunk, int(expected_rows)))
         self.rows = 0
         self.nonfinite_rows = 0
-        self.nonfinite_by_layer: dict[str, int] = {}  # rows with NaN/Inf per layer (layers without any absent)
+        self.nonfinite_by_layer: dict[
+            str, int
+        ] = {}  # rows with NaN/Inf per layer (layers without any absent)
         self._docs: set[int] = set()
         self._buf: list[dict] = []
         self._buf_rows = 0
@@ -112,20 +114,32 @@ class ShardWriter:
         nf = self._f.create_group("nonfinite")
         for name in self.layer_names:
             g.create_dataset(
-                name, shape=(0, self.dim), maxshape=(None, self.dim), dtype=self.dtype, chunks=(self.chunk, self.dim)
+                name,
+                shape=(0, self.dim),
+                maxshape=(None, self.dim),
+                dtype=self.dtype,
+                chunks=(self.chunk, self.dim),
             )
             nf.create_dataset(name, shape=(0,), maxshape=(None,), dtype=bool, chunks=(self.chunk * 8,))
         for name in META_FIELDS:
-            self._f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=np.int64, chunks=(self.chunk * 4,))
-        self._f.create_dataset("is_special", shape=(0,), maxshape=(None,), dtype=bool, chunks=(self.chunk * 8,))
+            self._f.create_dataset(
+                name, shape=(0,), maxshape=(None,), dtype=np.int64, chunks=(self.chunk * 4,)
+            )
+        self._f.create_dataset(
+            "is_special", shape=(0,), maxshape=(None,), dtype=bool, chunks=(self.chunk * 8,)
+        )
 
     def append(self, layers: dict, token_id, doc_id, position, is_special) -> None:
         """Add rows: ``layers[name]`` is (rows, D) for every layer name; the rest are (rows,)."""
         n = len(token_id)
         if n == 0:
             return
-        batch = {"token_id": np.asarray(token_id, np.int64), "doc_id": np.asarray(doc_id, np.int64),
-                 "position": np.asarray(position, np.int64), "is_special": np.asarray(is_special, bool)}
+        batch = {
+            "token_id": np.asarray(token_id, np.int64),
+            "doc_id": np.asarray(doc_id, np.int64),
+            "position": np.asarray(position, np.int64),
+            "is_special": np.asarray(is_special, bool),
+        }
         any_bad = np.zeros(n, bool)
         for name in self.layer_names:
             a = np.asarray(layers[name])
@@ -228,4 +242,3 @@ class ShardWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.abort()
-

@@ -63,8 +63,10 @@ def save_checkpoint(out: Path, model, tokenizer, optimizer, scaler, state: dict,
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    torch.save({"optimizer": optimizer.state_dict(),
-                "scaler": scaler.state_dict() if scaler is not None else None}, tmp / "trainer.pt")
+    torch.save(
+        {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler is not None else None},
+        tmp / "trainer.pt",
+    )
     torch.save(rng_states, tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps(state, indent=2))
     _replace_dir(tmp, out / CKPT)

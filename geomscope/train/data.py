@@ -67,13 +67,17 @@ def _read_rows(path: Path) -> tuple[list[str], list[dict]]:
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise InputError(f"{path} line {i} is not valid JSON ({e.msg}); expected one object per line") from None
+                    raise InputError(
+                        f"{path} line {i} is not valid JSON ({e.msg}); expected one object per line"
+                    ) from None
                 if not isinstance(obj, dict):
                     raise InputError(f"{path} line {i} is not a JSON object; expected one object per line")
                 rows.append(obj)
         cols = list(dict.fromkeys(k for r in rows for k in r))
         return cols, rows
-    raise InputError(f"unsupported data file {path}: use .csv, .tsv, .jsonl or a datasets save_to_disk directory")
+    raise InputError(
+        f"unsupported data file {path}: use .csv, .tsv, .jsonl or a datasets save_to_disk directory"
+    )
 
 
 def _read_saved_dataset(path: Path) -> tuple[list[str], list[dict]]:
@@ -85,7 +89,9 @@ def _read_saved_dataset(path: Path) -> tuple[list[str], list[dict]]:
     try:
         import datasets
     except ImportError:
-        raise InputError("reading a save_to_disk directory needs the `datasets` package: pip install datasets") from None
+        raise InputError(
+            "reading a save_to_disk directory needs the `datasets` package: pip install datasets"
+        ) from None
     ds = datasets.load_from_disk(str(path))
     return list(ds.column_names), ds.to_list()
 
@@ -99,8 +105,12 @@ def _field(rows: list[dict], cols: list[str], name: str, what: str, path: Path) 
     return [r.get(name) for r in rows]
 
 
-def load_table(path: str | Path, text_field: str = "sentence", label_field: str = "label",
-               text_field_2: str | None = None) -> Table:
+def load_table(
+    path: str | Path,
+    text_field: str = "sentence",
+    label_field: str = "label",
+    text_field_2: str | None = None,
+) -> Table:
     """Read a labelled table; raise a one-line :class:`InputError` on missing columns or values."""
     path = Path(path)
     cols, rows = _read_rows(path)
@@ -117,9 +127,13 @@ def load_table(path: str | Path, text_field: str = "sentence", label_field: str 
     if texts2 is not None:
         for i, t in enumerate(texts2):
             if t is None:
-                raise InputError(f"{path} row {i + 1} has no {text_field_2!r} text; fill it in or drop the row")
+                raise InputError(
+                    f"{path} row {i + 1} has no {text_field_2!r} text; fill it in or drop the row"
+                )
     labels = [_label_str(y) for y in labels]
-    return Table(str(path), [str(t) for t in texts], None if texts2 is None else [str(t) for t in texts2], labels)
+    return Table(
+        str(path), [str(t) for t in texts], None if texts2 is None else [str(t) for t in texts2], labels
+    )
 
 
 def _label_str(y) -> str:
@@ -143,7 +157,9 @@ def build_label_map(train: Table) -> dict[str, int]:
     uniq = set(train.labels)
     if len(uniq) < 2:
         only = next(iter(uniq)) if uniq else "none"
-        raise DataError(f"{train.source} has a single class ({only!r}); a classifier needs at least two labels")
+        raise DataError(
+            f"{train.source} has a single class ({only!r}); a classifier needs at least two labels"
+        )
     order = sorted(uniq, key=int) if all(_is_int(u) for u in uniq) else sorted(uniq)
     return {lab: i for i, lab in enumerate(order)}
 
@@ -163,8 +179,14 @@ class Encoded:
     """Tokenised examples (unpadded id lists) with integer labels."""
 
     def __init__(self, tokenizer, table: Table, label2id: dict[str, int], max_length: int):
-        enc = tokenizer(table.texts, table.texts2, truncation=True, max_length=max_length,
-                        padding=False, return_attention_mask=False)
+        enc = tokenizer(
+            table.texts,
+            table.texts2,
+            truncation=True,
+            max_length=max_length,
+            padding=False,
+            return_attention_mask=False,
+        )
         self.input_ids: list[list[int]] = enc["input_ids"]
         self.token_type_ids: list[list[int]] | None = enc.get("token_type_ids")
         self.labels = [label2id[y] for y in table.labels]
@@ -189,7 +211,11 @@ class Encoded:
             mask[row, : len(seq)] = 1
             if tt is not None:
                 tt[row, : len(seq)] = torch.tensor(self.token_type_ids[i])
-        batch = {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([self.labels[i] for i in idx])}
+        batch = {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "labels": torch.tensor([self.labels[i] for i in idx]),
+        }
         if tt is not None:
             batch["token_type_ids"] = tt
         return batch

@@ -46,8 +46,17 @@ def _merged(m: Moments, d: dd.Dist) -> Moments:
 
 
 @torch.no_grad()
-def compute_c0(model, encoded, order: list[int], layers: list[int], max_points: int, batch_size: int,
-               d: dd.Dist, autocast, include_padding: bool = False) -> tuple[torch.Tensor, int]:
+def compute_c0(
+    model,
+    encoded,
+    order: list[int],
+    layers: list[int],
+    max_points: int,
+    batch_size: int,
+    d: dd.Dist,
+    autocast,
+    include_padding: bool = False,
+) -> tuple[torch.Tensor, int]:
     """(C0 as a (D, D) float64 tensor on ``d.device``, number of points used globally)."""
     was_training = model.training
     model.eval()
@@ -87,8 +96,17 @@ def _avgcos(u_sum: torch.Tensor, n: torch.Tensor) -> float | None:
 
 
 @torch.no_grad()
-def evaluate(model, encoded, layers: list[int], zeta: float, batch_size: int, d: dd.Dist, autocast,
-             n_labels: int, include_padding: bool = False) -> dict:
+def evaluate(
+    model,
+    encoded,
+    layers: list[int],
+    zeta: float,
+    batch_size: int,
+    d: dd.Dist,
+    autocast,
+    n_labels: int,
+    include_padding: bool = False,
+) -> dict:
     """Per-epoch evaluation record (see module docstring); identical on every rank."""
     was_training = model.training
     model.eval()
@@ -98,7 +116,9 @@ def evaluate(model, encoded, layers: list[int], zeta: float, batch_size: int, d:
     conf = torch.zeros(n_labels, n_labels, dtype=torch.float64, device=dev)
     loss_sum = torch.zeros(1, dtype=torch.float64, device=dev)
     union = Moments(D, extras=True)
-    u = torch.zeros(L + 1, D, dtype=torch.float64, device=dev)  # unit-vector sums: each layer, then last layer
+    u = torch.zeros(
+        L + 1, D, dtype=torch.float64, device=dev
+    )  # unit-vector sums: each layer, then last layer
     counts = torch.zeros(2, dtype=torch.float64, device=dev)  # tokens per layer, last-layer tokens
     mine = list(range(d.rank, len(encoded), d.world_size))
     for i in range(0, len(mine), batch_size):
@@ -107,8 +127,11 @@ def evaluate(model, encoded, layers: list[int], zeta: float, batch_size: int, d:
         labels = batch["labels"].to(dev)
         logits = out.logits.float()
         loss_sum += torch.nn.functional.cross_entropy(logits, labels, reduction="sum").double()
-        conf.index_put_((labels, logits.argmax(-1)), torch.ones(len(labels), dtype=torch.float64, device=dev),
-                        accumulate=True)
+        conf.index_put_(
+            (labels, logits.argmax(-1)),
+            torch.ones(len(labels), dtype=torch.float64, device=dev),
+            accumulate=True,
+        )
         X = select_tokens(out.hidden_states, layers + [len(out.hidden_states) - 1], mask, include_padding)
         t = X.shape[0] // (L + 1)
         union.update(X[: L * t])

@@ -43,9 +43,26 @@ from geomscope.train.data import (
 
 REGS = REGULARISERS
 # options that must match to resume a run (epochs may grow; device and verbosity may change)
-_FINGERPRINT = ("model", "train", "eval", "text_field", "text_field_2", "label_field", "reg", "lam", "zeta",
-                "c0_points", "layers", "lr", "batch_size", "max_length", "seed", "precision",
-                "include_padding", "penalty_precision")
+_FINGERPRINT = (
+    "model",
+    "train",
+    "eval",
+    "text_field",
+    "text_field_2",
+    "label_field",
+    "reg",
+    "lam",
+    "zeta",
+    "c0_points",
+    "layers",
+    "lr",
+    "batch_size",
+    "max_length",
+    "seed",
+    "precision",
+    "include_padding",
+    "penalty_precision",
+)
 
 
 @dataclass
@@ -87,8 +104,12 @@ def _validate(cfg: FinetuneConfig) -> None:
         raise InputError(f"unknown --penalty-precision {cfg.penalty_precision!r}; use fp64 or fp32")
     if not 0.0 <= cfg.zeta <= 1.0:
         raise InputError(f"--zeta must lie in [0, 1], got {cfg.zeta}")
-    for name, v, lo in (("epochs", cfg.epochs, 1), ("batch-size", cfg.batch_size, 1),
-                        ("max-length", cfg.max_length, 2), ("c0-points", cfg.c0_points, 2)):
+    for name, v, lo in (
+        ("epochs", cfg.epochs, 1),
+        ("batch-size", cfg.batch_size, 1),
+        ("max-length", cfg.max_length, 2),
+        ("c0-points", cfg.c0_points, 2),
+    ):
         if v < lo:
             raise InputError(f"--{name} must be at least {lo}, got {v}")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
@@ -124,8 +145,9 @@ def make_regularizer(cfg: FinetuneConfig, layers: list[int], d: dd.Dist):
     return None
 
 
-def train_step(model, batch: dict, n_global: int, reg, lam: float, optimizer, scaler, autocast, d: dd.Dist,
-               monitor=None) -> dict:
+def train_step(
+    model, batch: dict, n_global: int, reg, lam: float, optimizer, scaler, autocast, d: dd.Dist, monitor=None
+) -> dict:
     """One optimizer step on this rank's share of a global batch of ``n_global`` examples.
 
     ``reg`` is an :class:`~geomscope.train.regularizers.IStar`, a
@@ -153,7 +175,9 @@ def train_step(model, batch: dict, n_global: int, reg, lam: float, optimizer, sc
         pen = reg(out.hidden_states, inputs["attention_mask"])
     if monitor is not None and iso is None:
         with torch.no_grad():
-            iso = monitor.isoscore_star(tuple(h.detach() for h in out.hidden_states), inputs["attention_mask"])
+            iso = monitor.isoscore_star(
+                tuple(h.detach() for h in out.hidden_states), inputs["attention_mask"]
+            )
     if pen is not None:
         loss = loss + lam * pen
     stats = dd.all_reduce_sum(torch.stack([ce_sum.detach().double()]), d)
@@ -204,10 +228,14 @@ def _prepare_out(cfg: FinetuneConfig, out: Path) -> dict | None:
     state = ck.read_state(out) if out.exists() else None
     if cfg.resume:
         if state is None:
-            raise InputError(f"nothing to resume in {out} (no finished epoch checkpoint); run without --resume")
+            raise InputError(
+                f"nothing to resume in {out} (no finished epoch checkpoint); run without --resume"
+            )
         return state
     if out.exists() and any((out / n).exists() for n in ("run.json", "steps.jsonl", "summary.json", ck.CKPT)):
-        raise InputError(f"{out} already holds a finetune run; pass --resume to continue it or choose another --out")
+        raise InputError(
+            f"{out} already holds a finetune run; pass --resume to continue it or choose another --out"
+        )
     return None
 
 
@@ -284,8 +312,10 @@ class _Trainer:
         self.eval_t = load_table(cfg.eval, cfg.text_field, cfg.label_field, cfg.text_field_2)
         self.label2id = build_label_map(self.train_t) if self.state is None else self.state["label2id"]
         if self.state is not None and set(self.label2id) != set(self.train_t.labels):
-            raise InputError(f"the training labels of {cfg.train} changed since the checkpoint in {self.out}; "
-                             "use a new --out")
+            raise InputError(
+                f"the training labels of {cfg.train} changed since the checkpoint in {self.out}; "
+                "use a new --out"
+            )
         check_eval_labels(self.eval_t, self.label2id)
 
     def _load_model(self) -> None:
@@ -301,22 +331,28 @@ class _Trainer:
             diff = [k for k in self.fp if state["fingerprint"].get(k) != self.fp[k]]
             if diff:
                 k = diff[0]
-                raise InputError(f"{self.out} was trained with {k}={state['fingerprint'].get(k)!r}, not "
-                                 f"{self.fp[k]!r}; resume with the same options or choose another --out")
+                raise InputError(
+                    f"{self.out} was trained with {k}={state['fingerprint'].get(k)!r}, not "
+                    f"{self.fp[k]!r}; resume with the same options or choose another --out"
+                )
             self.minfo["head_added"] = state.get("head_added", False)
         self.model.to(d.device)
         max_length = self._max_length()
         self.train_enc = Encoded(self.tokenizer, self.train_t, self.label2id, max_length)
         self.eval_enc = Encoded(self.tokenizer, self.eval_t, self.label2id, max_length)
         if len(self.train_enc) < d.world_size:
-            raise DataError(f"{cfg.train} has {len(self.train_enc)} rows, fewer than the {d.world_size} processes")
+            raise DataError(
+                f"{cfg.train} has {len(self.train_enc)} rows, fewer than the {d.world_size} processes"
+            )
 
     def _max_length(self) -> int:
         """--max-length, clamped to the model's positions (with a note)."""
         n_pos = getattr(self.model.config, "max_position_embeddings", None)
         if isinstance(n_pos, int) and self.cfg.max_length > n_pos:
-            self.note(f"note: --max-length {self.cfg.max_length} exceeds the model's {n_pos} positions; "
-                      f"truncating to {n_pos}")
+            self.note(
+                f"note: --max-length {self.cfg.max_length} exceeds the model's {n_pos} positions; "
+                f"truncating to {n_pos}"
+            )
             return n_pos
         return self.cfg.max_length
 
@@ -329,7 +365,8 @@ class _Trainer:
             from torch.nn.parallel import DistributedDataParallel
 
             self.ddp_model = DistributedDataParallel(
-                self.model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+                self.model, device_ids=[d.device.index] if d.device.type == "cuda" else None
+            )
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
         self.scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
         if self.state is not None:
@@ -346,8 +383,11 @@ class _Trainer:
         cfg = self.cfg
         self.reg = make_regularizer(cfg, self.layers, self.d)
         # the logged batch IsoScore* of cosreg / none runs: no gradient, float32 scatter (a log value)
-        self.monitor = IStar(self.layers, cfg.zeta, None, cfg.include_padding, self.d.reg_group, torch.float32) if (
-            cfg.monitor and cfg.reg != "istar") else None
+        self.monitor = (
+            IStar(self.layers, cfg.zeta, None, cfg.include_padding, self.d.reg_group, torch.float32)
+            if (cfg.monitor and cfg.reg != "istar")
+            else None
+        )
 
     def _prepare_logs(self) -> None:
         """run.json on a new run; on resume, the logs cut back to the checkpoint."""
@@ -356,10 +396,16 @@ class _Trainer:
         if d.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             if self.state is None:
-                write_json_atomic(self.out / "run.json", {
-                    "config": asdict(cfg), "layers": self.layers, "world_size": d.world_size,
-                    "device": str(d.device),
-                    "batch_isoscore_target": "C0" if cfg.reg == "istar" else "trace-matched identity"})
+                write_json_atomic(
+                    self.out / "run.json",
+                    {
+                        "config": asdict(cfg),
+                        "layers": self.layers,
+                        "world_size": d.world_size,
+                        "device": str(d.device),
+                        "batch_isoscore_target": "C0" if cfg.reg == "istar" else "trace-matched identity",
+                    },
+                )
             ck.truncate_jsonl(self.steps_path, lambda r: r["step"] <= self.step)
             ck.truncate_jsonl(self.eval_path, lambda r: r["epoch"] <= self.start_epoch)
         dd.barrier(d)
@@ -372,7 +418,9 @@ class _Trainer:
         bar = Progress(enabled=d.is_main and not quiet)
         try:
             with bar:
-                progress = bar.add("training", per_epoch * max(cfg.epochs - self.start_epoch, 0), unit="steps")
+                progress = bar.add(
+                    "training", per_epoch * max(cfg.epochs - self.start_epoch, 0), unit="steps"
+                )
                 for epoch in range(self.start_epoch, cfg.epochs):
                     self._epoch(epoch, progress)
                     ev = self._end_epoch(epoch, progress)
@@ -391,13 +439,32 @@ class _Trainer:
         order = epoch_order(len(self.train_enc), cfg.seed, epoch)
         if cfg.reg == "istar":
             progress.describe(f"epoch {epoch + 1}/{cfg.epochs}: C0")
-            self.reg.C0, self.c0_used = compute_c0(self.model, self.train_enc, order, self.layers, cfg.c0_points,
-                                                   cfg.batch_size, d, self.autocast, cfg.include_padding)
+            self.reg.C0, self.c0_used = compute_c0(
+                self.model,
+                self.train_enc,
+                order,
+                self.layers,
+                cfg.c0_points,
+                cfg.batch_size,
+                d,
+                self.autocast,
+                cfg.include_padding,
+            )
         progress.describe(f"epoch {epoch + 1}/{cfg.epochs}")
         for gb in global_batches(order, cfg.batch_size, d.world_size):
             t0 = time.perf_counter()
-            rec = train_step(self.ddp_model, self.train_enc.collate(rank_slice(gb, d.rank, d.world_size)), len(gb),
-                             self.reg, cfg.lam, self.optimizer, self.scaler, self.autocast, d, self.monitor)
+            rec = train_step(
+                self.ddp_model,
+                self.train_enc.collate(rank_slice(gb, d.rank, d.world_size)),
+                len(gb),
+                self.reg,
+                cfg.lam,
+                self.optimizer,
+                self.scaler,
+                self.autocast,
+                d,
+                self.monitor,
+            )
             dt = time.perf_counter() - t0
             self.step += 1
             self.t_train += dt
@@ -415,10 +482,15 @@ class _Trainer:
             self.logf.flush()
         if not finite:
             last = ck.read_state(self.out)
-            kept = (f"the last good checkpoint (epoch {last['epochs_done']}) is kept in {self.out / ck.CKPT}"
-                    if last else "no epoch had finished, so there is no checkpoint")
-            raise DataError(f"loss became NaN/inf at step {self.step} (epoch {epoch + 1}); training stopped, "
-                            f"{kept}; lower --lr or |--lambda|")
+            kept = (
+                f"the last good checkpoint (epoch {last['epochs_done']}) is kept in {self.out / ck.CKPT}"
+                if last
+                else "no epoch had finished, so there is no checkpoint"
+            )
+            raise DataError(
+                f"loss became NaN/inf at step {self.step} (epoch {epoch + 1}); training stopped, "
+                f"{kept}; lower --lr or |--lambda|"
+            )
 
     def _end_epoch(self, epoch: int, progress) -> dict | None:
         """Evaluate, log and checkpoint; return the evaluation on rank 0."""
@@ -426,24 +498,48 @@ class _Trainer:
 
         cfg, d = self.cfg, self.d
         progress.describe(f"epoch {epoch + 1}/{cfg.epochs}: eval")
-        ev = evaluate(self.model, self.eval_enc, self.layers, cfg.zeta, cfg.batch_size, d, self.autocast,
-                      len(self.label2id), cfg.include_padding)
+        ev = evaluate(
+            self.model,
+            self.eval_enc,
+            self.layers,
+            cfg.zeta,
+            cfg.batch_size,
+            d,
+            self.autocast,
+            len(self.label2id),
+            cfg.include_padding,
+        )
         ev = {"epoch": epoch + 1, "step": self.step, **ev, "c0_points_used": self.c0_used}
         rngs = dd.gather_objects(ck.rng_state(), d)
         if not d.is_main:
             return None
         with open(self.eval_path, "a") as f:
             f.write(json.dumps(_json_safe(ev)) + "\n")
-        ck.save_checkpoint(self.out, self.model, self.tokenizer, self.optimizer, self.scaler,
-                           {"epochs_done": epoch + 1, "global_step": self.step, "fingerprint": self.fp,
-                            "label2id": self.label2id, "head_added": self.minfo["head_added"]}, rngs)
+        ck.save_checkpoint(
+            self.out,
+            self.model,
+            self.tokenizer,
+            self.optimizer,
+            self.scaler,
+            {
+                "epochs_done": epoch + 1,
+                "global_step": self.step,
+                "fingerprint": self.fp,
+                "label2id": self.label2id,
+                "head_added": self.minfo["head_added"],
+            },
+            rngs,
+        )
         return ev
 
     # -- the end -----------------------------------------------------------------------------
     def finish(self) -> dict:
         summary = None
         if self.d.is_main:
-            label_map = {"label2id": self.label2id, "id2label": {str(i): lab for lab, i in self.label2id.items()}}
+            label_map = {
+                "label2id": self.label2id,
+                "id2label": {str(i): lab for lab, i in self.label2id.items()},
+            }
             ck.export_model(self.out, self.model, self.tokenizer, {"label_map.json": label_map})
             summary = self._summary()
             write_json_atomic(self.out / "summary.json", summary)
@@ -453,20 +549,42 @@ class _Trainer:
     def _summary(self) -> dict:
         cfg, d = self.cfg, self.d
         evals = [json.loads(ln) for ln in self.eval_path.read_text().splitlines() if ln.strip()]
-        return _json_safe({
-            "out": str(self.out), "model": cfg.model, "reg": cfg.reg, "lambda": cfg.lam, "zeta": cfg.zeta,
-            "layers": self.layers, "include_padding": cfg.include_padding, "c0_points": cfg.c0_points,
-            "c0_points_used": self.c0_used, "epochs": cfg.epochs, "steps": self.step, "lr": cfg.lr,
-            "batch_size": cfg.batch_size, "world_size": d.world_size, "global_batch": cfg.batch_size * d.world_size,
-            "precision": cfg.precision, "penalty_precision": cfg.penalty_precision, "device": str(d.device),
-            "seed": cfg.seed, "max_length": cfg.max_length,
-            "train_examples": len(self.train_enc), "train_tokens": self.train_enc.n_tokens,
-            "eval_examples": len(self.eval_enc), "labels": self.label2id, "head_added": self.minfo["head_added"],
-            "resumed": self.state is not None,
-            "mean_step_seconds": (self.t_train / self.n_steps_timed) if self.n_steps_timed else None,
-            "final": evals[-1] if evals else None, "evals": evals, "extra": cfg.extra,
-            "eval_isoscore_target": "trace-matched identity", "versions": package_versions(),
-        })
+        return _json_safe(
+            {
+                "out": str(self.out),
+                "model": cfg.model,
+                "reg": cfg.reg,
+                "lambda": cfg.lam,
+                "zeta": cfg.zeta,
+                "layers": self.layers,
+                "include_padding": cfg.include_padding,
+                "c0_points": cfg.c0_points,
+                "c0_points_used": self.c0_used,
+                "epochs": cfg.epochs,
+                "steps": self.step,
+                "lr": cfg.lr,
+                "batch_size": cfg.batch_size,
+                "world_size": d.world_size,
+                "global_batch": cfg.batch_size * d.world_size,
+                "precision": cfg.precision,
+                "penalty_precision": cfg.penalty_precision,
+                "device": str(d.device),
+                "seed": cfg.seed,
+                "max_length": cfg.max_length,
+                "train_examples": len(self.train_enc),
+                "train_tokens": self.train_enc.n_tokens,
+                "eval_examples": len(self.eval_enc),
+                "labels": self.label2id,
+                "head_added": self.minfo["head_added"],
+                "resumed": self.state is not None,
+                "mean_step_seconds": (self.t_train / self.n_steps_timed) if self.n_steps_timed else None,
+                "final": evals[-1] if evals else None,
+                "evals": evals,
+                "extra": cfg.extra,
+                "eval_isoscore_target": "trace-matched identity",
+                "versions": package_versions(),
+            }
+        )
 
 
 def _json_safe(obj):
@@ -490,6 +608,8 @@ def step_line(rec: dict) -> str:
 def eval_line(ev: dict) -> str:
     """One line per epoch evaluation."""
     iso, cos = ev.get("isoscore_star"), ev.get("avgcos")
-    return (f"epoch {ev['epoch']}: accuracy {ev['accuracy']:.4f}  macro-F1 {ev['macro_f1']:.4f}  "
-            f"eval IsoScore* {'n/a' if iso is None else f'{iso:.4f}'}  "
-            f"avg cosine {'n/a' if cos is None else f'{cos:.4f}'}")
+    return (
+        f"epoch {ev['epoch']}: accuracy {ev['accuracy']:.4f}  macro-F1 {ev['macro_f1']:.4f}  "
+        f"eval IsoScore* {'n/a' if iso is None else f'{iso:.4f}'}  "
+        f"avg cosine {'n/a' if cos is None else f'{cos:.4f}'}"
+    )

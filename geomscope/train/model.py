@@ -38,12 +38,18 @@ def load_classifier(source: str | Path, label2id: dict[str, int], note: Callable
     try:
         config = AutoConfig.from_pretrained(src)
     except (OSError, ValueError) as e:
-        raise InputError(f"cannot load model {src!r}: {str(e).splitlines()[0]}; give a checkpoint directory") from None
+        raise InputError(
+            f"cannot load model {src!r}: {str(e).splitlines()[0]}; give a checkpoint directory"
+        ) from None
     id2label = {i: lab for lab, i in label2id.items()}
     try:
         model, info = AutoModelForSequenceClassification.from_pretrained(
-            src, num_labels=len(label2id), id2label=id2label, label2id=dict(label2id),
-            ignore_mismatched_sizes=True, output_loading_info=True,
+            src,
+            num_labels=len(label2id),
+            id2label=id2label,
+            label2id=dict(label2id),
+            ignore_mismatched_sizes=True,
+            output_loading_info=True,
         )
     except ValueError as e:
         raise InputError(
@@ -57,11 +63,15 @@ def load_classifier(source: str | Path, label2id: dict[str, int], note: Callable
     head_added = bool(info.get("missing_keys")) or bool(info.get("mismatched_keys"))
     archs = [a for a in (config.architectures or []) if a.endswith("ForSequenceClassification")]
     if info.get("mismatched_keys") and archs:
-        note(f"note: {src} has a classification head for {config.num_labels} labels; replaced it with a new "
-             f"randomly initialised head for {len(label2id)} labels")
+        note(
+            f"note: {src} has a classification head for {config.num_labels} labels; replaced it with a new "
+            f"randomly initialised head for {len(label2id)} labels"
+        )
     elif head_added:
-        note(f"note: {src} has no sequence-classification head ({', '.join(config.architectures or ['?'])}); "
-             f"added a new randomly initialised head for {len(label2id)} labels")
+        note(
+            f"note: {src} has no sequence-classification head ({', '.join(config.architectures or ['?'])}); "
+            f"added a new randomly initialised head for {len(label2id)} labels"
+        )
     pad_added = False
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token is None:

@@ -29,8 +29,13 @@ import torch
 from geomscope.metrics.isotropy import isoscore_star_from_cov_torch
 
 
-def select_tokens(hidden_states, layers: list[int], attention_mask: torch.Tensor | None,
-                  include_padding: bool = False, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def select_tokens(
+    hidden_states,
+    layers: list[int],
+    attention_mask: torch.Tensor | None,
+    include_padding: bool = False,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
     """Concatenate the token vectors of ``layers`` into one (L * n, D) tensor of ``dtype`` (grad kept).
 
     ``hidden_states`` is the tuple from ``output_hidden_states=True``; rows are real tokens only
@@ -110,8 +115,15 @@ class IStar:
     covariance (float64 default; float32 = centred rows, float32 scatter, float64 from there on).
     """
 
-    def __init__(self, layers: list[int], zeta: float, C0: torch.Tensor | None = None,
-                 include_padding: bool = False, group=None, dtype: torch.dtype = torch.float64):
+    def __init__(
+        self,
+        layers: list[int],
+        zeta: float,
+        C0: torch.Tensor | None = None,
+        include_padding: bool = False,
+        group=None,
+        dtype: torch.dtype = torch.float64,
+    ):
         self.dtype = dtype
         self.layers = list(layers)
         self.zeta = float(zeta)
@@ -151,6 +163,7 @@ class CosReg:
         X = select_tokens((h,), [0], attention_mask, self.include_padding)
         U = X / X.norm(dim=1, keepdim=True).clamp_min(1e-30)
         u_sum = _all_reduce_sum(U.sum(0), self.group)
-        n = _all_reduce_sum(torch.tensor([float(U.shape[0])], dtype=torch.float64, device=U.device),
-                            self.group).detach()[0]
+        n = _all_reduce_sum(
+            torch.tensor([float(U.shape[0])], dtype=torch.float64, device=U.device), self.group
+        ).detach()[0]
         return cosreg_from_sum(u_sum, n)
