@@ -9,6 +9,7 @@ logs); for an output directory every kind the inputs support.
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from geomscope.errors import InputError
+from geomscope.fileio import write_bytes_atomic
 from geomscope.plot._reports import check_common_layers, read_report, select_layers
 from geomscope.plot.layers import plot_layers
 from geomscope.plot.outliers import has_outlier_statistic, plot_outliers
@@ -103,15 +105,13 @@ def save_figure(fig: Figure, path: str | os.PathLike, *, dpi: int = 150) -> Path
     fmt = path.suffix.lower().lstrip(".")
     if fmt not in FORMATS:
         raise InputError(f"unsupported extension '{path.suffix}' for {path}; use .png, .svg or .pdf")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    buf = io.BytesIO()
     try:
-        fig.savefig(tmp, format=fmt, dpi=dpi)
-        os.replace(tmp, path)
+        fig.savefig(buf, format=fmt, dpi=dpi)
+        write_bytes_atomic(path, buf.getvalue())
     except OSError as e:
         raise InputError(f"cannot write {path}: {e.strerror or e}; check the --out location") from None
     finally:
-        if tmp.exists():
-            tmp.unlink()
         close_figure(fig)
     return path
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from geomscope.errors import DataError
-from geomscope.store.manifest import MANIFEST_NAME
-from geomscope.store.reader import Run, verify_shard
+from geomscope.store.manifest import MANIFEST_NAME, being_written
+from geomscope.store.reader import Run, shard_counts, verify_shard
 
 OPTION_KEYS = (
     "store_dtype",
@@ -81,12 +81,34 @@ def describe_run(run_dir: Path, *, verify: bool = False) -> dict:
         "unlisted_shard_files": [f for f in on_disk if f not in listed],
         "interrupted_shard_files": sorted(p.name for p in run.dir.glob(".shard-*.tmp")),
     }
+    out["in_progress"] = being_written(run.dir)
     if verify:
-        bad = []
-        for s in shards:
-            try:
-                verify_shard(run.shard_path(s), s)
-            except DataError as e:
-                bad.append({"file": s.file, "error": str(e)})
-        out["verify"] = {"checked": len(shards), "bad": bad, "ok": not bad}
+        out["verify"] = _verify(run, shards)
     return out
+
+
+def _verify(run: Run, shards) -> dict:
+    """Every shard's size and sha256, its stored rows and documents against its manifest entry, and
+    the manifest's totals against the entries (an edited total is caught, not trusted)."""
+    bad = []
+    for s in shards:
+        try:
+            verify_shard(run.shard_path(s), s)
+            rows, docs = shard_counts(run.shard_path(s))
+            if (rows, docs) != (s.rows, s.docs):
+                raise DataError(
+                    f"shard {s.file} stores {rows} rows of {docs} documents; the manifest says "
+                    f"{s.rows} rows of {s.docs}"
+                )
+        except DataError as e:
+            bad.append({"file": s.file, "error": str(e)})
+    totals = run.manifest.get("totals") or {}
+    for key, actual in (
+        ("rows", sum(s.rows for s in shards)),
+        ("docs", sum(s.docs for s in shards)),
+        ("shards", len(shards)),
+    ):
+        if key in totals and totals[key] != actual:
+            why = f"totals.{key} is {totals[key]!r}, the shards hold {actual}"
+            bad.append({"file": MANIFEST_NAME, "error": why})
+    return {"checked": len(shards), "bad": bad, "ok": not bad}

@@ -5,16 +5,127 @@ from __future__ import annotations
 import datetime as _dt
 import fcntl
 import json
-import shutil
+import os
 from pathlib import Path
 
-from geomscope.errors import InputError
-from geomscope.fileio import write_text_atomic
-from geomscope.store.shard import ShardInfo, ShardWriter
+from geomscope.errors import DataError, InputError
+from geomscope.fileio import TEMP_PREFIX, write_text_atomic
+from geomscope.store.shard import SHARD_FILE_RE, SHARD_TEMP_RE, ShardInfo, ShardWriter
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 LOCK_NAME = ".geomscope.lock"
+
+
+_SHARD_FIELDS = {
+    "index": int,
+    "file": str,
+    "rows": int,
+    "docs": int,
+    "doc_start": int,
+    "doc_stop": int,
+    "nonfinite_rows": int,
+    "bytes": int,
+    "sha256": str,
+}
+
+
+def _damaged(path: Path, why: str) -> InputError:
+    return InputError(
+        f"{path} is damaged ({why}); rerun `geomscope extract` with --overwrite, or into a new --out"
+    )
+
+
+def _check_shard_entry(s, i: int, path: Path) -> None:
+    if not isinstance(s, dict):
+        raise _damaged(path, f"shards[{i}] is not an object")
+    for key, kind in _SHARD_FIELDS.items():
+        v = s.get(key)
+        if not isinstance(v, kind) or isinstance(v, bool) or (kind is int and v < 0):
+            raise _damaged(
+                path,
+                f"shards[{i}].{key} is {v!r}, not a{'n' if kind is int else ''} "
+                f"{'non-negative integer' if kind is int else 'string'}",
+            )
+    if not SHARD_FILE_RE.fullmatch(s["file"]):  # never a path: nothing outside the run is read or deleted
+        raise _damaged(path, f"shards[{i}].file {s['file']!r} is not a shard name geomscope writes")
+
+
+def check_manifest(m, path: Path) -> dict:
+    """The manifest's structure, checked before anything trusts it (a run may come from someone else).
+
+    One InputError line names what is wrong: not an object, another format or a newer version, a
+    missing or mistyped identity, layer list, shard entry or total, or a shard ``file`` that is not
+    a plain shard name (a path could make resume delete, or score read, outside the run).
+    """
+    if not isinstance(m, dict) or m.get("format") != "geomscope-run":
+        raise InputError(
+            f"{path} is not a geomscope manifest; choose a run directory made by `geomscope extract`"
+        )
+    version = m.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise _damaged(path, f"format_version is {version!r}")
+    if version > FORMAT_VERSION:
+        raise InputError(f"{path} has run format_version {version}; upgrade geomscope to read it")
+    ident = m.get("identity")
+    if not isinstance(ident, dict):
+        raise _damaged(path, "no identity object")
+    layers = ident.get("layers")
+    named = isinstance(layers, list) and all(
+        isinstance(x, dict) and isinstance(x.get("name"), str) for x in layers
+    )
+    if not named:
+        raise _damaged(path, "identity.layers is not a list of named layers")
+    if not isinstance(ident.get("model", {}), dict):
+        raise _damaged(path, "identity.model is not an object")
+    shards = m.get("shards")
+    if not isinstance(shards, list):
+        raise _damaged(path, "shards is not a list")
+    for i, s in enumerate(shards):
+        _check_shard_entry(s, i, path)
+    if not isinstance(m.get("totals", {}), dict) or not isinstance(m.get("complete", False), bool):
+        raise _damaged(path, "totals or complete has the wrong type")
+    return m
+
+
+def read_manifest(path: Path) -> dict:
+    """Read and check a manifest (InputError, one line, for anything unreadable or malformed)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            m = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(
+            f"{path} is unreadable ({str(e).splitlines()[0]}); rerun `geomscope extract` with "
+            "--overwrite, or into a new --out"
+        ) from e
+    return check_manifest(m, path)
+
+
+def open_lock(run_dir: Path, *, create: bool):
+    """The run's lock file as an fd: never through a link, never truncated (None: absent, not created)."""
+    flags = (os.O_RDWR | os.O_CREAT if create else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(run_dir / LOCK_NAME, flags, 0o644)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise InputError(
+            f"{run_dir / LOCK_NAME} is not a plain file ({e.strerror}); remove it and rerun"
+        ) from None
+
+
+def being_written(run_dir: Path) -> bool:
+    """Whether another process holds the run's lock right now (it is extracting into it)."""
+    fd = open_lock(Path(run_dir), create=False)
+    if fd is None:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def shard_name(index: int) -> str:
@@ -92,6 +203,7 @@ class RunWriter:
     """
 
     def __init__(self, run_dir: Path, identity: dict, *, overwrite: bool = False, extra: dict | None = None):
+        self._lock_fd = None
         self.dir = Path(run_dir)
         self.identity = identity
         self.path = self.dir / MANIFEST_NAME
@@ -107,16 +219,20 @@ class RunWriter:
                 f"--out {self.dir} is not empty and holds no geomscope run; choose a new or empty directory"
             )
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._lock_fh = open(self.dir / LOCK_NAME, "w")
+        self._lock_fd = open_lock(self.dir, create=True)
         try:
-            fcntl.flock(self._lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            self._lock_fh.close()
+            os.close(self._lock_fd)
             raise InputError(
                 f"another geomscope process is writing {self.dir}; wait for it or choose another --out"
             ) from None
         if existing is not None and overwrite:
-            self._wipe()
+            try:
+                self._wipe(existing)
+            except BaseException:
+                self.release()
+                raise
             existing = None
         elif existing is not None:
             diffs = identity_differences(existing.get("identity", {}), identity)
@@ -127,9 +243,10 @@ class RunWriter:
                     f"{'; ...' if len(diffs) > 3 else ''}); "
                     "rerun with --overwrite to start over or choose another --out"
                 )
-        # leftovers of an interrupted shard are never trusted
-        for tmp in self.dir.glob(".shard-*.h5.tmp"):
-            tmp.unlink()
+        # leftovers of an interrupted shard are never trusted (only geomscope's own temporary names)
+        for tmp in self.dir.glob(".shard-*.tmp"):
+            if SHARD_TEMP_RE.fullmatch(tmp.name) and (tmp.is_symlink() or tmp.is_file()):
+                tmp.unlink()
         if existing is None:
             now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
             self.manifest = {
@@ -147,28 +264,31 @@ class RunWriter:
             self.manifest = existing
             if extra:
                 self.manifest.update({k: v for k, v in extra.items() if k not in self.manifest})
-            # keep only shards whose files are present and of the recorded size
-            kept = []
-            for s in self.manifest.get("shards", []):
-                p = self.dir / s["file"]
-                if p.exists() and p.stat().st_size == s["bytes"]:
-                    kept.append(s)
-            self.manifest["shards"] = kept
+            # keep only shards whose files match their size and checksum: the rest are redone
+            self.manifest["shards"] = [s for s in self.manifest["shards"] if self._intact(s)]
             self.manifest["complete"] = False
             self._save()
 
     # -- reading -------------------------------------------------------------------------------------
     def _read_existing(self) -> dict | None:
-        if not self.path.exists():
+        if not self.path.exists() and not self.path.is_symlink():
             return None
+        if self.path.is_symlink() or not self.path.is_file():
+            raise InputError(f"{self.path} is not a plain file; choose another --out")
+        return read_manifest(self.path)
+
+    def _intact(self, entry: dict) -> bool:
+        """A finished shard is kept on resume only if it is a plain file of the recorded size and sha256."""
+        from geomscope.store.reader import verify_shard
+
+        p = self.dir / entry["file"]
+        if p.is_symlink() or not p.is_file():
+            return False
         try:
-            with open(self.path) as f:
-                m = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise InputError(f"{self.path} is unreadable ({e}); rerun with --overwrite to start over") from e
-        if m.get("format") != "geomscope-run":
-            raise InputError(f"{self.path} is not a geomscope manifest; choose another --out")
-        return m
+            verify_shard(p, ShardInfo.from_dict(entry))
+        except DataError:
+            return False
+        return True
 
     @property
     def finished(self) -> dict[int, ShardInfo]:
@@ -236,21 +356,35 @@ class RunWriter:
     def _save(self) -> None:
         write_json_atomic(self.path, self.manifest)
 
-    def _wipe(self) -> None:
-        for p in self.dir.iterdir():
-            if p.name == LOCK_NAME:
-                continue
-            if p.name == MANIFEST_NAME or p.name.startswith(("shard-", ".shard-", ".manifest")):
-                p.unlink()
-            elif p.is_dir() and p.name.startswith("shard"):
-                shutil.rmtree(p)
+    def _wipe(self, existing: dict) -> None:
+        """--overwrite: remove exactly what the manifest lists and geomscope's own temporary files.
+
+        Everything is checked before anything is removed: a listed name that is a directory (not a
+        shard geomscope wrote) is refused, so a failed --overwrite leaves the run as it was.
+        """
+        listed = [self.dir / s["file"] for s in existing["shards"]]
+        temps = [
+            p for p in self.dir.iterdir() if SHARD_TEMP_RE.fullmatch(p.name) or p.name.startswith(TEMP_PREFIX)
+        ]
+        for p in (*listed, *temps):
+            if p.is_dir() and not p.is_symlink():
+                raise InputError(
+                    f"{p} is a directory, not a file geomscope wrote; move it out of {self.dir} "
+                    "and rerun with --overwrite"
+                )
+        for p in (*listed, *temps):
+            p.unlink(missing_ok=True)
+        self.path.unlink(missing_ok=True)
 
     def release(self) -> None:
+        if self._lock_fd is None:
+            return
         try:
-            fcntl.flock(self._lock_fh, fcntl.LOCK_UN)
-            self._lock_fh.close()
-        except (OSError, ValueError):
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        except OSError:
             pass
+        os.close(self._lock_fd)
+        self._lock_fd = None
 
     def __enter__(self) -> RunWriter:
         return self

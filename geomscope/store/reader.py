@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +10,7 @@ import h5py
 import numpy as np
 
 from geomscope.errors import DataError, InputError
-from geomscope.store.manifest import MANIFEST_NAME
+from geomscope.store.manifest import MANIFEST_NAME, read_manifest
 from geomscope.store.shard import META_FIELDS, ShardInfo, file_sha256
 
 READ_CHUNK_BYTES = 64 * 1024 * 1024  # default bytes of one layer read at a time
@@ -119,6 +118,12 @@ def iter_shard(
             raise _corrupt(path, str(e).split("(")[0].strip()) from e
 
 
+def shard_counts(path: Path) -> tuple[int, int]:
+    """(rows, distinct documents) actually stored in a shard."""
+    idx = read_shard_index(path)
+    return int(idx["doc_id"].shape[0]), int(np.unique(idx["doc_id"]).size)
+
+
 def verify_shard(path: Path, info: ShardInfo) -> None:
     """Check size and checksum of a shard against its manifest entry (DataError if they differ)."""
     path = Path(path)
@@ -144,15 +149,7 @@ class Run:
                 f"{self.dir} is not a geomscope run directory (no {MANIFEST_NAME}); "
                 "run `geomscope extract` first"
             )
-        try:
-            with open(mpath) as f:
-                self.manifest = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise InputError(
-                f"{mpath} is unreadable ({e}); rerun `geomscope extract` into a new --out"
-            ) from e
-        if self.manifest.get("format") != "geomscope-run":
-            raise InputError(f"{mpath} is not a geomscope manifest")
+        self.manifest = read_manifest(mpath)
 
     @property
     def identity(self) -> dict:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -11,8 +13,11 @@ import h5py
 import numpy as np
 
 from geomscope.errors import InputError
-from geomscope.fileio import fsync_dir
+from geomscope.fileio import create_exclusive, fsync_dir
 
+#: the only names geomscope gives shards, and their temporary names while being written
+SHARD_FILE_RE = re.compile(r"shard-\d{5,}\.h5")
+SHARD_TEMP_RE = re.compile(r"\.shard-\d{5,}\.h5(\.[0-9a-f]+)?\.tmp")
 CHUNK_BYTES = 2 * 1024 * 1024  # target bytes per (rows, D) chunk of a layer dataset
 META_FIELDS = ("token_id", "doc_id", "position")
 
@@ -85,7 +90,8 @@ class ShardWriter:
         expected_rows: int | None = None,
     ):
         self.path = Path(path)
-        self.tmp_path = self.path.with_name(f".{self.path.name}.tmp")
+        # a fresh name created exclusively (never through a planted link); the next run deletes leftovers
+        self.tmp_path = self.path.with_name(f".{self.path.name}.{secrets.token_hex(6)}.tmp")
         self.index = index
         self.layer_names = list(layer_names)
         self.dim = int(dim)
@@ -104,8 +110,7 @@ class ShardWriter:
         self._docs: set[int] = set()
         self._buf: list[dict] = []
         self._buf_rows = 0
-        if self.tmp_path.exists():
-            self.tmp_path.unlink()
+        os.close(create_exclusive(self.tmp_path))
         self._f = h5py.File(self.tmp_path, "w")
         self._f.attrs["format"] = "geomscope-shard"
         self._f.attrs["shard_index"] = index
