@@ -114,6 +114,9 @@ def finetune_cmd(
         None, "--text-field-2", metavar="NAME", help="Second text column for sentence pairs (e.g. QNLI)."
     ),
     label_field: str = typer.Option("label", "--label-field", metavar="NAME", help="Column with the label."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace a previous finetune output in --out (only the files it wrote)."
+    ),
     resume: bool = typer.Option(False, "--resume", help="Continue from the last epoch checkpoint in --out."),
     as_json: bool = json_option("the run summary"),
     quiet: bool = quiet_option("No progress bar."),
@@ -148,6 +151,7 @@ def finetune_cmd(
         text_field_2=text_field_2,
         label_field=label_field,
         resume=resume,
+        overwrite=overwrite,
     )
     summary = finetune(cfg, quiet=quiet, note=lambda msg: print(msg, file=sys.stderr))
     if os.environ.get("RANK", "0") != "0":  # non-main rank of a torchrun / accelerate run: rank 0 reports

@@ -57,12 +57,12 @@ def _param_names(ckpt: Path):
     import torch
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(ckpt)
+    config = transformers.AutoConfig.from_pretrained(ckpt, trust_remote_code=False)  # never run its code
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     if cls is None:
         with torch.device("meta"):
-            model = transformers.AutoModel.from_config(config)
+            model = transformers.AutoModel.from_config(config, trust_remote_code=False)
     else:
         with torch.device("meta"):
             model = cls(config)

@@ -47,6 +47,15 @@ TOKENIZER_FILES = (
     "sentencepiece.bpe.model",
     "tokenizer.model",
 )
+#: files that carry a tokenizer's vocabulary; a directory with none of them would get an empty tokenizer
+TOKENIZER_VOCAB_FILES = (
+    "tokenizer.json",
+    "vocab.txt",
+    "vocab.json",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tokenizer.model",
+)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _PROBE_TEXT = "The quick brown fox jumps over the lazy dog, and then it runs home."
 #: model types whose learned positions start after the padding index (usable length = table - pad - 1)
@@ -130,6 +139,37 @@ def resolve_model(name: str, revision: str | None = None) -> tuple[str, dict]:
             f"model directory {raw} does not exist; give an existing directory or a hub name like org/name"
         )
     return raw, {"name": raw, "source": "hub", "path": None, "revision": revision or None}
+
+
+def check_model_dir(path: Path, name: str) -> None:
+    """Refuse a model directory that transformers would load wrongly or with a traceback.
+
+    Without tokenizer files transformers builds a tokenizer from the config alone, whose vocabulary
+    is empty, so every token would be read as unknown with exit 0; a damaged safetensors file fails
+    deep inside loading. Both get one line naming the file (used by extract and finetune alike).
+    """
+    path = Path(path)
+    if not any((path / f).is_file() for f in TOKENIZER_VOCAB_FILES):
+        raise InputError(
+            f"{name} has no tokenizer files (none of {', '.join(TOKENIZER_VOCAB_FILES)}); copy the "
+            "checkpoint's tokenizer into it (tokenizer.save_pretrained) and rerun"
+        )
+    for weights in sorted(path.glob("*.safetensors")):
+        _check_safetensors(weights, name)
+
+
+def _check_safetensors(path: Path, name: str) -> None:
+    """Read only the header (the tensor table) of a safetensors file; InputError if it is damaged."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except Exception as e:  # SafetensorError, OSError: the header does not parse or the file is short
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise InputError(
+            f"{path.name} of {name} is damaged ({why}); re-download or re-save the checkpoint"
+        ) from None
 
 
 def offline_mode() -> bool:
@@ -349,6 +389,8 @@ def load_model(
         if snap is not None and offline_mode():
             info["path"] = str(snap)
     load_from = info["path"] if info.get("path") else target
+    if info.get("path"):
+        check_model_dir(Path(info["path"]), info["name"])
     kw = {"trust_remote_code": bool(trust_remote_code)}
     if info["source"] == "hub" and not info.get("path"):
         kw.update(revision=revision or None, cache_dir=cache_dir)

@@ -1,10 +1,16 @@
-"""Epoch checkpoints and atomic output writing for ``finetune``.
+"""Epoch checkpoints, the output directory's ownership, and atomic output writing for ``finetune``.
 
 ``DIR/checkpoint/`` holds the model and tokenizer after the last finished epoch
-(``save_pretrained``, so it is itself a loadable checkpoint), ``trainer.pt`` (optimizer and
-grad-scaler state), ``rng.pt`` (Python, NumPy, torch CPU and CUDA generator states of every rank)
-and ``state.json`` (epochs done, global step, the run fingerprint).  A new checkpoint is written to
+(``save_pretrained``, so it is itself a loadable checkpoint), ``trainer.safetensors`` (the
+optimizer's tensors and every rank's torch/CUDA generator states), ``trainer.json`` (the rest of the
+optimizer and grad-scaler state, and the Python/NumPy generator states) and ``state.json`` (epochs
+done, global step, the run fingerprint). Nothing is pickled, so loading a checkpoint someone else
+made cannot run code; a ``trainer.pt`` (a pickle) is refused. A new checkpoint is written to
 ``DIR/.checkpoint.tmp`` and swapped in by renames, so a crash leaves the previous one intact.
+
+``DIR/.geomscope-finetune.json`` marks a directory as a finetune output and lists what geomscope
+wrote into it: only such a directory is resumed or replaced (``--overwrite``), and only the files it
+lists are removed.
 """
 
 from __future__ import annotations
@@ -16,11 +22,86 @@ import shutil
 from pathlib import Path
 
 from geomscope.errors import InputError
-from geomscope.fileio import write_text_atomic
+from geomscope.fileio import write_json_atomic, write_text_atomic
 
 CKPT = "checkpoint"
+MARKER = ".geomscope-finetune.json"
+#: what a finetune run writes besides the exported model files (listed in the marker)
+RUN_FILES = ("run.json", "steps.jsonl", "eval.jsonl", "summary.json", "label_map.json")
+RUN_DIRS = (CKPT, ".checkpoint.tmp", ".export.tmp", CKPT + ".old")
+_TENSORS, _STATE = "trainer.safetensors", "trainer.json"
 
 
+# ---------------------------------------------------------------------------------- ownership
+def read_marker(out: Path) -> dict | None:
+    p = out / MARKER
+    if not p.is_file() or p.is_symlink():
+        return None
+    try:
+        m = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return m if isinstance(m, dict) and m.get("format") == "geomscope-finetune" else None
+
+
+def check_output(out: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse, with one line, an ``out`` this run may not write (nothing is changed here).
+
+    An absent or empty directory is fine; so is one that a previous finetune wrote (it has the
+    marker) with ``resume`` or ``overwrite``; anything else -- a model directory, a data directory,
+    a user's files -- is refused, whatever the flags.
+    """
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise InputError(f"--out {out} exists and is not a directory; give a new or empty directory")
+    entries = [p.name for p in out.iterdir()] if out.exists() else []
+    marker = read_marker(out)
+    if entries and marker is None:
+        raise InputError(
+            f"--out {out} holds files geomscope did not write ({', '.join(sorted(entries)[:4])}"
+            f"{', ...' if len(entries) > 4 else ''}); choose a new or empty directory"
+        )
+    if marker is not None and not resume and not overwrite:
+        raise InputError(
+            f"{out} already holds a finetune run; pass --resume to continue it, --overwrite to "
+            "replace it, or choose another --out"
+        )
+
+
+def take_output(out: Path, *, resume: bool) -> None:
+    """After every input has been checked: make ``out`` this run's (a previous run it replaces is
+    removed -- only what that run wrote) and mark it as a finetune output."""
+    marker = read_marker(out)
+    if marker is not None and not resume:
+        _remove_previous_output(out, marker)
+        marker = None
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(
+        out / MARKER, {"format": "geomscope-finetune", "files": (marker or {}).get("files", [])}
+    )
+
+
+def _remove_previous_output(out: Path, marker: dict) -> None:
+    """Remove what a previous finetune wrote: the files its marker lists, the run's logs and its own
+    checkpoint directories (nothing else in ``out`` is touched)."""
+    listed = [n for n in marker.get("files", []) if isinstance(n, str) and Path(n).name == n and n != MARKER]
+    for name in (*listed, *RUN_FILES):
+        p = out / name
+        if p.is_symlink() or p.is_file():
+            p.unlink()
+    for name in RUN_DIRS:
+        p = out / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+
+
+def record_outputs(out: Path, names: list[str]) -> None:
+    """Add exported file names to the marker, so that --overwrite removes them and nothing else."""
+    marker = read_marker(out) or {"format": "geomscope-finetune", "files": []}
+    marker["files"] = sorted(set(marker.get("files", [])) | set(names))
+    write_json_atomic(out / MARKER, marker)
+
+
+# ---------------------------------------------------------------------------------- RNG state
 def rng_state() -> dict:
     import numpy as np
     import torch
@@ -42,6 +123,85 @@ def set_rng_state(st: dict) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
+def _split_rng(rank: int, st: dict, tensors: dict) -> dict:
+    """This rank's generator states: tensors into ``tensors``, the rest as JSON."""
+    version, mt, gauss = st["python"]
+    kind, keys, pos, has_gauss, cached = st["numpy"]
+    tensors[f"rng.{rank}.torch"] = st["torch"]
+    for i, t in enumerate(st.get("cuda", [])):
+        tensors[f"rng.{rank}.cuda.{i}"] = t
+    return {
+        "python": [version, list(mt), gauss],
+        "numpy": [kind, [int(k) for k in keys], pos, has_gauss, cached],
+        "cuda": len(st.get("cuda", [])),
+    }
+
+
+def _join_rng(rank: int, st: dict, tensors: dict) -> dict:
+    import numpy as np
+
+    version, mt, gauss = st["python"]
+    kind, keys, pos, has_gauss, cached = st["numpy"]
+    out = {
+        "python": (version, tuple(mt), gauss),
+        "numpy": (kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached),
+        "torch": tensors[f"rng.{rank}.torch"],
+    }
+    if st["cuda"]:
+        out["cuda"] = [tensors[f"rng.{rank}.cuda.{i}"] for i in range(st["cuda"])]
+    return out
+
+
+# ------------------------------------------------------------------------------ trainer state
+def _split_optimizer(sd: dict, tensors: dict) -> dict:
+    """An optimizer state_dict: its tensors into ``tensors`` (``opt.<param>.<name>``), the rest JSON."""
+    import torch
+
+    state = {}
+    for pid, slots in sd["state"].items():
+        state[str(pid)] = {}
+        for name, v in slots.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"opt.{pid}.{name}"] = v.detach().contiguous()
+                state[str(pid)][name] = {"tensor": f"opt.{pid}.{name}"}
+            else:
+                state[str(pid)][name] = {"value": v}
+    return {"state": state, "param_groups": sd["param_groups"]}
+
+
+def _join_optimizer(js: dict, tensors: dict) -> dict:
+    state = {}
+    for pid, slots in js["state"].items():
+        state[int(pid)] = {
+            name: tensors[v["tensor"]] if "tensor" in v else v["value"] for name, v in slots.items()
+        }
+    groups = [{**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in js["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def save_checkpoint(out: Path, model, tokenizer, optimizer, scaler, state: dict, rng_states: list) -> Path:
+    """Write the epoch checkpoint atomically (call on the main rank only)."""
+    from safetensors.torch import save_file
+
+    tmp = out / ".checkpoint.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tensors: dict = {}
+    trainer = {
+        "optimizer": _split_optimizer(optimizer.state_dict(), tensors),
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "rng": [_split_rng(r, st, tensors) for r, st in enumerate(rng_states)],
+    }
+    save_file(tensors, str(tmp / _TENSORS))
+    (tmp / _STATE).write_text(json.dumps(trainer))
+    (tmp / "state.json").write_text(json.dumps(state, indent=2))
+    _replace_dir(tmp, out / CKPT)
+    return out / CKPT
+
+
 def _replace_dir(tmp: Path, final: Path) -> None:
     old = final.with_name(final.name + ".old")
     if old.exists():
@@ -53,53 +213,76 @@ def _replace_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old)
 
 
-def save_checkpoint(out: Path, model, tokenizer, optimizer, scaler, state: dict, rng_states: list) -> Path:
-    """Write the epoch checkpoint atomically (call on the main rank only)."""
-    import torch
-
-    tmp = out / ".checkpoint.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    torch.save(
-        {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler is not None else None},
-        tmp / "trainer.pt",
-    )
-    torch.save(rng_states, tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps(state, indent=2))
-    _replace_dir(tmp, out / CKPT)
-    return out / CKPT
-
-
 def read_state(out: Path) -> dict | None:
     """The checkpoint's state.json, or None when there is no finished checkpoint."""
     p = out / CKPT / "state.json"
     if not p.exists():
         return None
-    return json.loads(p.read_text())
+    try:
+        st = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(
+            f"{p} is damaged ({str(e).splitlines()[0]}); rerun without --resume into a new --out "
+            "(or --overwrite)"
+        ) from None
+    need = {"epochs_done": int, "global_step": int, "fingerprint": dict, "label2id": dict}
+    if not isinstance(st, dict) or any(not isinstance(st.get(k), t) for k, t in need.items()):
+        raise InputError(
+            f"{p} is damaged (missing or mistyped fields); rerun without --resume into a new --out "
+            "(or --overwrite)"
+        )
+    return st
 
 
 def load_trainer_state(out: Path, optimizer, scaler, rank: int) -> None:
-    """Restore optimizer, grad scaler and this rank's RNG states from the checkpoint."""
-    import torch
-
+    """Restore optimizer, grad scaler and this rank's RNG states from the checkpoint (no unpickling)."""
     ck = out / CKPT
-    tr = torch.load(ck / "trainer.pt", map_location="cpu", weights_only=False)
-    optimizer.load_state_dict(tr["optimizer"])
-    if scaler is not None and tr.get("scaler") is not None:
-        scaler.load_state_dict(tr["scaler"])
-    rngs = torch.load(ck / "rng.pt", map_location="cpu", weights_only=False)
-    if rank >= len(rngs):
-        raise InputError(f"{ck} was written by {len(rngs)} processes; resume with the same number")
-    set_rng_state(rngs[rank])
+    if (ck / "trainer.pt").exists():
+        raise InputError(
+            f"{ck} holds trainer.pt, a pickle, which geomscope never loads (it could run code); "
+            "start again without --resume into a new --out (or --overwrite)"
+        )
+    tensors, trainer = _read_trainer_files(ck)
+    try:
+        optimizer.load_state_dict(_join_optimizer(trainer["optimizer"], tensors))
+        if scaler is not None and trainer.get("scaler") is not None:
+            scaler.load_state_dict(trainer["scaler"])
+        rngs = trainer["rng"]
+        if rank >= len(rngs):
+            raise InputError(f"{ck} was written by {len(rngs)} processes; resume with the same number")
+        set_rng_state(_join_rng(rank, rngs[rank], tensors))
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        if isinstance(e, InputError):
+            raise
+        raise InputError(
+            f"the trainer state in {ck} is damaged ({type(e).__name__}: {e}); start again without "
+            "--resume into a new --out (or --overwrite)"
+        ) from None
 
 
+def _read_trainer_files(ck: Path) -> tuple[dict, dict]:
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(ck / _TENSORS))
+        trainer = json.loads((ck / _STATE).read_text(encoding="utf-8"))
+    except Exception as e:  # missing or truncated files: SafetensorError, OSError, JSONDecodeError
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise InputError(
+            f"the trainer state in {ck} is missing or damaged ({why}); start again without "
+            "--resume into a new --out (or --overwrite)"
+        ) from None
+    if not isinstance(trainer, dict):
+        raise InputError(f"the trainer state in {ck} is damaged; start again without --resume")
+    return tensors, trainer
+
+
+# ------------------------------------------------------------------------------------ export
 def export_model(out: Path, model, tokenizer, extra: dict[str, dict]) -> None:
     """save_pretrained the final model and tokenizer into ``out`` (file by file, via renames).
 
-    ``extra`` maps file names to JSON objects written alongside (label map ...).
+    ``extra`` maps file names to JSON objects written alongside (label map ...). Every exported
+    name is recorded in the marker first, so --overwrite can remove exactly these later.
     """
     tmp = out / ".export.tmp"
     if tmp.exists():
@@ -109,11 +292,12 @@ def export_model(out: Path, model, tokenizer, extra: dict[str, dict]) -> None:
     tokenizer.save_pretrained(tmp)
     for name, obj in extra.items():
         (tmp / name).write_text(json.dumps(obj, indent=2))
-    for f in sorted(tmp.rglob("*")):
-        if f.is_file():
-            dest = out / f.relative_to(tmp)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(f, dest)
+    files = [f for f in sorted(tmp.rglob("*")) if f.is_file()]
+    record_outputs(out, [f.relative_to(tmp).parts[0] for f in files])
+    for f in files:
+        dest = out / f.relative_to(tmp)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(f, dest)
     shutil.rmtree(tmp)
 
 

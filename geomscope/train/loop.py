@@ -90,6 +90,7 @@ class FinetuneConfig:
     text_field_2: str | None = None
     label_field: str = "label"
     resume: bool = False
+    overwrite: bool = False  # replace a previous finetune output in out (only what it wrote)
     penalty_precision: str = "fp64"  # arithmetic of the I-STAR batch covariance: fp64 | fp32
     monitor: bool = True  # log batch IsoScore* (identity target) also for cosreg / none
     extra: dict = field(default_factory=dict)  # recorded in run.json / summary.json (e.g. model alias)
@@ -222,21 +223,18 @@ def _fingerprint(cfg: FinetuneConfig, layers: list[int], world: int) -> dict:
 
 
 def _prepare_out(cfg: FinetuneConfig, out: Path) -> dict | None:
-    """Check the output directory; return the checkpoint state when resuming."""
-    if out.exists() and not out.is_dir():
-        raise InputError(f"--out {out} exists and is not a directory")
-    state = ck.read_state(out) if out.exists() else None
-    if cfg.resume:
-        if state is None:
-            raise InputError(
-                f"nothing to resume in {out} (no finished epoch checkpoint); run without --resume"
-            )
-        return state
-    if out.exists() and any((out / n).exists() for n in ("run.json", "steps.jsonl", "summary.json", ck.CKPT)):
+    """Claim the output directory (refusing one geomscope did not write); return the checkpoint state
+    when resuming."""
+    if cfg.resume and cfg.overwrite:
+        raise InputError("--resume continues a run and --overwrite replaces it; pass one of them")
+    state = ck.read_state(out) if cfg.resume and ck.read_marker(out) is not None else None
+    if cfg.resume and state is None:
         raise InputError(
-            f"{out} already holds a finetune run; pass --resume to continue it or choose another --out"
+            f"nothing to resume in {out} (no finished epoch checkpoint of a geomscope finetune run); "
+            "run without --resume"
         )
-    return None
+    ck.check_output(out, resume=cfg.resume, overwrite=cfg.overwrite)
+    return state
 
 
 def _on_main(fn, d: dd.Dist):
@@ -394,7 +392,7 @@ class _Trainer:
         cfg, d = self.cfg, self.d
         self.steps_path, self.eval_path = self.out / "steps.jsonl", self.out / "eval.jsonl"
         if d.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
+            ck.take_output(self.out, resume=self.state is not None)
             if self.state is None:
                 write_json_atomic(
                     self.out / "run.json",

@@ -33,10 +33,14 @@ def load_classifier(source: str | Path, label2id: dict[str, int], note: Callable
     import torch  # noqa: F401  (transformers needs it)
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
+    from geomscope.extract.models import check_model_dir
+
     quiet_transformers()
     src = str(source)
+    if Path(src).is_dir():
+        check_model_dir(Path(src), src)
     try:
-        config = AutoConfig.from_pretrained(src)
+        config = AutoConfig.from_pretrained(src, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise InputError(
             f"cannot load model {src!r}: {str(e).splitlines()[0]}; give a checkpoint directory"
@@ -50,6 +54,7 @@ def load_classifier(source: str | Path, label2id: dict[str, int], note: Callable
             label2id=dict(label2id),
             ignore_mismatched_sizes=True,
             output_loading_info=True,
+            trust_remote_code=False,
         )
     except ValueError as e:
         raise InputError(
@@ -57,7 +62,7 @@ def load_classifier(source: str | Path, label2id: dict[str, int], note: Callable
             f"{str(e).splitlines()[0]}"
         ) from None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(src)
+        tokenizer = AutoTokenizer.from_pretrained(src, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise InputError(f"cannot load the tokenizer of {src!r}: {str(e).splitlines()[0]}") from None
     head_added = bool(info.get("missing_keys")) or bool(info.get("mismatched_keys"))
