@@ -128,13 +128,18 @@ def save_report(report: dict, out: str | os.PathLike) -> tuple[Path, Path]:
     parent = jpath.parent
     if parent.exists() and not parent.is_dir():
         raise InputError(f"--out {out}: {parent} is a file; give a directory or a prefix in a directory")
+    for target in (jpath, cpath):
+        if target.is_dir() and not target.is_symlink():
+            raise InputError(f"--out {out}: {target} is a directory; give another directory or prefix")
+    jtext, ctext = to_json(report), to_csv(report)
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        jtext, ctext = to_json(report), to_csv(report)
         write_text_atomic(jpath, jtext + "\n")
         write_text_atomic(cpath, ctext)
-    except PermissionError as e:
-        raise InputError(f"cannot write the report to {parent} ({e.strerror}); choose another --out") from e
+    except OSError as e:  # permissions, a full disk, a read-only file system ...
+        raise InputError(
+            f"cannot write the report to {parent} ({e.strerror or e}); choose another --out"
+        ) from e
     return jpath, cpath
 
 

@@ -24,9 +24,9 @@ def run_dir(tmp_path_factory):
     return root / "run"
 
 
-def test_table_on_stderr(cli, run_dir):
+def test_table_on_stdout(cli, run_dir):
     code, out, err = cli(["inspect", run_dir])
-    assert code == 0 and out == ""
+    assert code == 0 and err == ""
     for word in (
         "complete",
         "tiny-bert",
@@ -35,7 +35,7 @@ def test_table_on_stderr(cli, run_dir):
         "size on disk",
         "shards",
     ):
-        assert word in err, word
+        assert word in out, word
 
 
 def test_json_and_verify(cli, run_dir):
@@ -67,6 +67,6 @@ def test_incomplete_and_not_a_run(cli, run_dir, tmp_path):
     m["shards"] = m["shards"][:1]
     (part / "manifest.json").write_text(json.dumps(m))
     code, out, err = cli(["inspect", part])
-    assert code == 0 and "INCOMPLETE (1 of 3 shards)" in err and "resume" in err
+    assert code == 0 and "INCOMPLETE (1 of 3 shards)" in out and "resume" in out
     code, out, err = cli(["inspect", tmp_path / "nothing"])
     assert code == 2 and err.strip().startswith("error: ") and "does not exist" in err

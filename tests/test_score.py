@@ -516,9 +516,9 @@ def test_arrays_npy_and_h5(tmp_path):
 def test_array_bad_shapes_and_nan(tmp_path):
     np.save(tmp_path / "one.npy", np.zeros(10))
     np.save(tmp_path / "three.npy", np.zeros((4, 5, 6)))
-    with pytest.raises(DataError, match="2-D"):
+    with pytest.raises(InputError, match="2-D"):
         score(tmp_path / "one.npy")
-    with pytest.raises(DataError, match=r"shape \(4, 5, 6\)"):
+    with pytest.raises(InputError, match=r"shape \(4, 5, 6\)"):
         score(tmp_path / "three.npy")
     rng = np.random.default_rng(0)
     X = rng.normal(size=(200, 8))

@@ -43,14 +43,7 @@ def inspect_cmd(
         if m.get("commit"):
             rev += f" (commit {m['commit'][:12]})"
         planned = d.get("planned_shards")
-        status = (
-            "complete"
-            if d["complete"]
-            else (
-                f"INCOMPLETE ({d['shards']} of {planned} shards); "
-                "rerun the same `geomscope extract` command to resume"
-            )
-        )
+        status = _status(d, planned)
         rows = [
             ("run", d["run_dir"]),
             ("status", status),
@@ -98,7 +91,7 @@ def inspect_cmd(
             )
         for k, v in rows:
             t.add_row(k, v)
-        Console(stderr=True).print(t)
+        Console().print(t)  # the report is the output: stdout, like --json
     if verify and not d["verify"]["ok"]:
         bad = d["verify"]["bad"]
         raise DataError(
@@ -114,3 +107,14 @@ def _human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} TB"
+
+
+def _status(d: dict, planned) -> str:
+    if d["complete"]:
+        return "complete"
+    if d.get("in_progress"):
+        return f"IN PROGRESS ({d['shards']} of {planned} shards so far; another process is writing it)"
+    return (
+        f"INCOMPLETE ({d['shards']} of {planned} shards); "
+        "rerun the same `geomscope extract` command to resume"
+    )

@@ -27,11 +27,51 @@ class Doc:
         return len(self.ids)
 
 
+#: characters of a document read per token kept, before tokenizing (grown while too few tokens come out)
+CHARS_PER_TOKEN = 16
+
+
+def bounded_prefix(text: str, max_length: int | None, chars_per_token: int = CHARS_PER_TOKEN) -> str:
+    """The part of ``text`` that can matter for its first ``max_length`` tokens, so that memory does
+    not grow with a document's length (a 20 MB line would otherwise be tokenized whole to keep 128
+    tokens). The cut falls on whitespace where there is some, so no word is split."""
+    if max_length is None:
+        return text
+    limit = max_length * chars_per_token
+    if len(text) <= limit:
+        return text
+    cut = text.rfind(" ", limit * 3 // 4, limit)
+    return text[: cut if cut > 0 else limit]
+
+
+def _truncated_texts(tokenizer, texts: list[str], max_length: int | None) -> list[str]:
+    """Each text cut to :func:`bounded_prefix`, with a longer prefix wherever a cut one gave fewer than
+    ``max_length`` tokens (so the tokens kept are those of the whole text)."""
+    out = []
+    for text in texts:
+        per_token = CHARS_PER_TOKEN
+        while True:
+            prefix = bounded_prefix(text, max_length, per_token)
+            if len(prefix) == len(text):
+                break
+            n = len(
+                tokenizer(prefix, add_special_tokens=True, truncation=True, max_length=max_length)[
+                    "input_ids"
+                ]
+            )
+            if n >= max_length:
+                break
+            per_token *= 4
+        out.append(prefix)
+    return out
+
+
 def tokenize(tokenizer, items: list[tuple[int, str]], max_length: int | None) -> list[Doc]:
-    """Tokenize ``(doc_id, text)`` pairs with the model's special tokens, truncating to ``max_length``."""
+    """Tokenize ``(doc_id, text)`` pairs with the model's special tokens, truncating to ``max_length``
+    (reading only a bounded prefix of each text: :func:`bounded_prefix`)."""
     if not items:
         return []
-    texts = [t for _, t in items]
+    texts = _truncated_texts(tokenizer, [t for _, t in items], max_length)
     kw = {"truncation": True, "max_length": max_length} if max_length else {"truncation": False}
     enc = tokenizer(
         texts,

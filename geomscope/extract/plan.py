@@ -19,6 +19,7 @@ from geomscope.errors import InputError
 from geomscope.extract.sources import InputFile, iter_all
 
 SAMPLE_DOCS = 128
+SAMPLE_CHARS = 10_000  # characters of each sampled document that are tokenized
 META_BYTES_PER_ROW = 3 * 8 + 1  # token_id, doc_id, position (int64) + is_special
 
 
@@ -47,7 +48,7 @@ def scan_inputs(inputs: list[InputFile], *, text_field: str, text_column: str, m
         s.hist_chars[b] += n
         s.chars += n
         if len(s.sample) < SAMPLE_DOCS:
-            s.sample.append(text)
+            s.sample.append(text[:SAMPLE_CHARS])  # the ratio needs text, not whole huge documents
         if max_docs is not None and s.docs >= max_docs:
             break
     return s
@@ -57,8 +58,7 @@ def estimate_tokens(scan: Scan, tokenizer, max_length: int | None, max_tokens: i
     """Estimated rows: sample tokens per character, applied per length bin, capped by truncation."""
     if scan.docs == 0:
         return 0
-    kw = {"truncation": True, "max_length": max_length} if max_length else {}
-    lens = [len(x) for x in tokenizer(scan.sample, add_special_tokens=True, **kw)["input_ids"]]
+    lens = [len(x) for x in tokenizer(scan.sample, add_special_tokens=True)["input_ids"]]
     specials = len(tokenizer("", add_special_tokens=True)["input_ids"])
     chars = sum(len(t) for t in scan.sample)
     ratio = max(0.0, sum(lens) - specials * len(lens)) / max(1, chars)

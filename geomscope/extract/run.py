@@ -184,6 +184,12 @@ class _Plan:
 def _effective_max_length(lm, opts: ExtractOptions) -> int | None:
     if opts.max_length is None:
         return lm.max_length
+    specials = len(lm.tokenizer("", add_special_tokens=True)["input_ids"])
+    if opts.max_length <= specials:
+        raise InputError(
+            f"--max-length {opts.max_length} leaves no room for text: {lm.info['name']} adds "
+            f"{specials} special token(s) to every document; use at least {specials + 1}"
+        )
     if lm.max_length is not None and opts.max_length > lm.max_length:
         raise InputError(
             f"--max-length {opts.max_length} exceeds what {lm.info['name']} can read "

@@ -75,50 +75,61 @@ def _is_dataset_dir(path: Path) -> bool:
 
 
 def open_inputs(args: list[str], *, stdin=None) -> list[InputFile]:
-    """Check that every input exists and is readable, decide its kind; spool ``-`` to a temp file."""
+    """Check that every input exists and is readable, decide its kind; spool ``-`` to a temp file.
+
+    The spooled copy of stdin is removed on every exit path: by :func:`close_inputs` after the run,
+    or here when a later input is refused (or reading is interrupted).
+    """
     if not args:
         raise InputError(
             "no input given; pass text files, .jsonl, .csv/.tsv, a saved dataset directory, or -"
         )
-    out = []
-    for a in args:
-        a = str(a)
-        if a == "-":
-            out.append(_spool_stdin(stdin))
-            continue
-        p = Path(a).expanduser()
-        if not p.exists():
-            raise InputError(f"input {a} does not exist; check the path")
-        if p.is_dir():
-            if not _is_dataset_dir(p):
-                raise InputError(
-                    f"input {a} is a directory but not a dataset saved by datasets.save_to_disk; "
-                    "give text files or a saved dataset directory"
-                )
-            out.append(InputFile(arg=a, path=p.resolve(), kind="dataset"))
-            continue
-        if not os.access(p, os.R_OK):
-            raise InputError(f"input {a} is not readable (permission denied); fix its permissions")
-        try:
-            with open(p, "rb") as f:
-                f.read(1)
-        except OSError as e:
-            raise InputError(f"input {a} cannot be read ({e.strerror or e}); check the file") from e
-        kind, gz = _kind_of(p)
-        out.append(InputFile(arg=a, path=p.resolve(), kind=kind, gzip=gz))
+    out: list[InputFile] = []
+    try:
+        for a in args:
+            out.append(_spool_stdin(stdin) if str(a) == "-" else _open_input(str(a)))
+    except BaseException:
+        close_inputs(out)
+        raise
     return out
+
+
+def _open_input(a: str) -> InputFile:
+    p = Path(a).expanduser()
+    if not p.exists():
+        raise InputError(f"input {a} does not exist; check the path")
+    if p.is_dir():
+        if not _is_dataset_dir(p):
+            raise InputError(
+                f"input {a} is a directory but not a dataset saved by datasets.save_to_disk; "
+                "give text files or a saved dataset directory"
+            )
+        return InputFile(arg=a, path=p.resolve(), kind="dataset")
+    if not os.access(p, os.R_OK):
+        raise InputError(f"input {a} is not readable (permission denied); fix its permissions")
+    try:
+        with open(p, "rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise InputError(f"input {a} cannot be read ({e.strerror or e}); check the file") from e
+    kind, gz = _kind_of(p)
+    return InputFile(arg=a, path=p.resolve(), kind=kind, gzip=gz)
 
 
 def _spool_stdin(stdin) -> InputFile:
     src = stdin if stdin is not None else sys.stdin
     buf = getattr(src, "buffer", None)
     fd, name = tempfile.mkstemp(prefix="geomscope-stdin-", suffix=".txt")
-    with os.fdopen(fd, "wb") as f:
-        while True:
-            chunk = buf.read(1 << 20) if buf is not None else src.read(1 << 20)
-            if not chunk:
-                break
-            f.write(chunk.encode("utf-8") if isinstance(chunk, str) else chunk)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            while True:
+                chunk = buf.read(1 << 20) if buf is not None else src.read(1 << 20)
+                if not chunk:
+                    break
+                f.write(chunk.encode("utf-8") if isinstance(chunk, str) else chunk)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
     return InputFile(arg="-", path=Path(name), kind="stdin")
 
 
@@ -230,7 +241,7 @@ def _csv_records(inp: InputFile, column: str) -> Iterator[str]:
             if column not in header:
                 raise InputError(
                     f"input {inp.arg} has no column {column!r} (columns: {', '.join(header[:12])}); "
-                    "choose the text with --text-column"
+                    "choose the text with --text-field"
                 )
             idx = header.index(column)
             for row in reader:

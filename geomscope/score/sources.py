@@ -373,13 +373,13 @@ def _open_array(p: Path, dataset: str | None, block_rows: int | None) -> SourceI
             dataset = a.name.lstrip("/")
     finally:
         close()
-    if len(shape) != 2:
-        raise DataError(
+    if len(shape) != 2:  # the wrong kind of input (exit 2), not data that cannot give a number
+        raise InputError(
             f"{p} holds an array of shape {shape}; score expects a 2-D (N, D) array "
             "(rows = token vectors); reshape it, e.g. X.reshape(-1, X.shape[-1])"
         )
     if dtype.kind not in "fiu":
-        raise DataError(f"{p} holds dtype {dtype}; score expects numbers (float or int)")
+        raise InputError(f"{p} holds dtype {dtype}; score expects real numbers (float or int)")
     n, d = shape
     if n < 2 or d < 2:
         raise DataError(f"{p} is {n} x {d}; at least 2 rows (points) and 2 columns (dimensions) are needed")

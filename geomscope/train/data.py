@@ -23,6 +23,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,16 +52,31 @@ def _read_rows(path: Path) -> tuple[list[str], list[dict]]:
     suffix = path.suffix.lower()
     if path.stat().st_size == 0:
         raise InputError(f"data file {path} is empty; it needs a header and at least one labelled row")
+    try:
+        return _read_text_table(path, suffix)
+    except UnicodeDecodeError:
+        raise InputError(
+            f"data file {path} is not UTF-8 text; convert it to UTF-8 (e.g. iconv -t utf-8)"
+        ) from None
+    except csv.Error as e:
+        raise InputError(
+            f"data file {path} is not valid {suffix.lstrip('.').upper()} ({e}); check the file"
+        ) from None
+
+
+def _read_text_table(path: Path, suffix: str) -> tuple[list[str], list[dict]]:
     if suffix in (".csv", ".tsv"):
         delim = "\t" if suffix == ".tsv" else ","
-        with open(path, newline="", encoding="utf-8") as f:
+        csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # long texts are cut to --max-length later
+        # utf-8-sig: a byte-order mark (Excel's habit) must not become part of the first column's name
+        with open(path, newline="", encoding="utf-8-sig") as f:
             reader = csv.DictReader(f, delimiter=delim, quoting=csv.QUOTE_NONE if delim == "\t" else 0)
-            cols = list(reader.fieldnames or [])
-            rows = list(reader)
+            cols = [c.strip() for c in reader.fieldnames or []]
+            rows = [{(k.strip() if isinstance(k, str) else k): v for k, v in r.items()} for r in reader]
         return cols, rows
     if suffix in (".jsonl", ".json"):
         rows = []
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             for i, line in enumerate(f, 1):
                 if not line.strip():
                     continue
