@@ -1,0 +1,473 @@
+"""Hostile and broken inputs, as an adversary would try them: run directories, checkpoints and model
+directories someone else made, huge inputs, interrupted commands. Each case: nothing lost, nothing
+run, nothing written outside what was asked, and one `error:` line where the input is bad."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import assert_one_line_error
+from helpers_models import make_tiny_model
+from test_train_helpers import make_checkpoint, synthetic_rows, words_of, write_csv
+
+from geomscope.errors import InputError
+
+TEXT = "\n".join(f"the quick brown fox number {i} jumps over the lazy dog" for i in range(12)) + "\n"
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    return make_tiny_model("bert", tmp_path_factory.mktemp("models") / "bert")
+
+
+@pytest.fixture
+def text(tmp_path):
+    p = tmp_path / "t.txt"
+    p.write_text(TEXT)
+    return p
+
+
+def _extract(cli, model, text, run, *extra):
+    return cli(["extract", model, text, "--out", run, "--quiet", "--shard-docs", "4", *extra])
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------------------ data loss
+def test_extract_overwrite_removes_only_what_the_manifest_lists(cli, bert, text, tmp_path):
+    run = tmp_path / "run"
+    assert _extract(cli, bert, text, run)[0] == 0
+    (run / "shard-notes.txt").write_text("mine")
+    (run / "shards_backup").mkdir()
+    (run / "shards_backup" / "old.h5").write_text("mine too")
+    code, _, err = _extract(cli, bert, text, run, "--overwrite", "--layers", "0")
+    assert code == 0, err
+    assert (run / "shard-notes.txt").read_text() == "mine"
+    assert (run / "shards_backup" / "old.h5").read_text() == "mine too"
+
+
+def test_extract_overwrite_checks_before_deleting(cli, bert, text, tmp_path):
+    run = tmp_path / "run"
+    assert _extract(cli, bert, text, run)[0] == 0
+    before = _files(run)
+    (run / "shard-00001.h5").unlink()
+    (run / "shard-00001.h5").mkdir()  # a directory where a listed shard should be
+    (run / "shard-00001.h5" / "x").write_text("x")
+    code, out, err = _extract(cli, bert, text, run, "--overwrite")
+    assert_one_line_error(code, out, err, "is a directory, not a file geomscope wrote", exit_code=2)
+    after = _files(run)
+    assert all(after[k] == v for k, v in before.items() if k in after and not k.startswith(".geomscope.lock"))
+    assert (run / "manifest.json").exists() and (run / "shard-00000.h5").exists()  # nothing half-deleted
+    shutil.rmtree(run / "shard-00001.h5")
+    code, _, err = _extract(cli, bert, text, run, "--overwrite")  # once moved away, --overwrite works
+    assert code == 0, err
+
+
+def test_finetune_refuses_an_out_it_did_not_write(cli, tmp_path):
+    model = make_checkpoint(tmp_path / "m", words_of([]))
+    train = write_csv(tmp_path / "train.csv", synthetic_rows(16, 0))
+    before = _files(model)
+    for flags in ([], ["--overwrite"]):
+        code, out, err = cli(["finetune", model, "--train", train, "--eval", train, "--out", model, *flags])
+        assert_one_line_error(code, out, err, "holds files geomscope did not write", exit_code=2)
+    assert _files(model) == before
+
+
+def _finetune(cli, tmp_path, out, *extra):
+    model = tmp_path / "m"
+    if not model.exists():
+        make_checkpoint(model, words_of([]))
+    train = tmp_path / "train.csv"
+    if not train.exists():
+        write_csv(train, synthetic_rows(16, 0))
+    args = ["--epochs", "1", "--batch-size", "8", "--device", "cpu", "--quiet", "--reg", "cosreg"]
+    return cli(["finetune", model, "--train", train, "--eval", train, "--out", out, *args, *extra])
+
+
+def test_finetune_overwrite_replaces_only_its_own_output(cli, tmp_path):
+    out = tmp_path / "ft"
+    code, _, err = _finetune(cli, tmp_path, out)
+    assert code == 0, err
+    (out / "my-notes.txt").write_text("keep")
+    code, o, err = _finetune(cli, tmp_path, out)
+    assert_one_line_error(code, o, err, "already holds a finetune run", exit_code=2)
+    code, _, err = _finetune(cli, tmp_path, out, "--overwrite")
+    assert code == 0, err
+    assert (out / "my-notes.txt").read_text() == "keep" and (out / "model.safetensors").exists()
+
+
+# ------------------------------------------------------------------------------ security
+class _Planted:
+    """A pickle that runs a command when loaded: it must never be loaded."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_resume_never_unpickles_trainer_state(cli, tmp_path):
+    out = tmp_path / "ft"
+    assert _finetune(cli, tmp_path, out)[0] == 0
+    marker = tmp_path / "PWNED"
+    with open(out / "checkpoint" / "trainer.pt", "wb") as f:
+        pickle.dump(_Planted(marker), f)
+    code, o, err = _finetune(cli, tmp_path, out, "--resume", "--epochs", "2")
+    assert_one_line_error(code, o, err, "trainer.pt, a pickle", exit_code=2)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "state-json", "missing"])
+def test_resume_with_damaged_trainer_state_is_one_line(cli, tmp_path, damage):
+    out = tmp_path / "ft"
+    assert _finetune(cli, tmp_path, out)[0] == 0
+    ck = out / "checkpoint"
+    if damage == "truncate":
+        data = (ck / "trainer.safetensors").read_bytes()
+        (ck / "trainer.safetensors").write_bytes(data[: len(data) // 3])
+    elif damage == "state-json":
+        (ck / "state.json").write_text("{not json")
+    else:
+        (ck / "trainer.json").unlink()
+    code, o, err = _finetune(cli, tmp_path, out, "--resume", "--epochs", "2")
+    assert_one_line_error(
+        code, o, err, "damaged" if damage != "missing" else "missing or damaged", exit_code=2
+    )
+
+
+def test_links_in_a_run_directory_are_never_written_through(cli, bert, text, tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".geomscope.lock").symlink_to(outside)  # the lock would be opened (and truncated) through it
+    code, out, err = _extract(cli, bert, text, run)
+    assert_one_line_error(code, out, err, ".geomscope.lock is not a plain file", exit_code=2)
+    assert outside.read_text() == "precious"
+    (run / ".geomscope.lock").unlink()
+    assert _extract(cli, bert, text, run)[0] == 0
+    (run / "report.json").symlink_to(outside)  # score's report would be written through it
+    (run / "report.csv").symlink_to(outside)
+    code, _, err = cli(["score", run, "--metrics", "isoscore", "--quiet"])
+    assert code == 0, err
+    assert outside.read_text() == "precious" and not (run / "report.json").is_symlink()
+    assert json.loads((run / "report.json").read_text())["format"] == "geomscope-report"
+
+
+def test_a_manifest_naming_paths_outside_the_run_is_refused(cli, bert, text, tmp_path):
+    run = tmp_path / "run"
+    assert _extract(cli, bert, text, run)[0] == 0
+    victim = tmp_path / "victim.h5"
+    victim.write_text("keep")
+    m = json.loads((run / "manifest.json").read_text())
+    m["shards"][0]["file"] = "../victim.h5"
+    (run / "manifest.json").write_text(json.dumps(m))
+    for args in (["score", run, "--quiet"], ["inspect", run]):
+        code, out, err = cli(args)
+        assert_one_line_error(code, out, err, "is not a shard name geomscope writes", exit_code=2)
+    code, out, err = _extract(cli, bert, text, run, "--overwrite")
+    assert_one_line_error(code, out, err, "is not a shard name geomscope writes", exit_code=2)
+    assert victim.read_text() == "keep"
+
+
+def _remote_code_model(tmp_path: Path, bert: Path, marker: Path, model_type: str) -> Path:
+    d = tmp_path / f"remote-{model_type}"
+    shutil.copytree(bert, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = model_type
+    cfg["auto_map"] = {
+        "AutoConfig": "evil.EvilConfig",
+        "AutoModel": "evil.EvilModel",
+        "AutoModelForSequenceClassification": "evil.EvilModel",
+    }
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "evil.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
+    return d
+
+
+def test_a_models_own_code_never_runs_unless_asked(cli, bert, text, tmp_path):
+    """A config that points at its own code: a known architecture loads transformers' own class,
+    an unknown one is refused with one line; the model's code never runs."""
+    marker = tmp_path / "RAN"
+    train = write_csv(tmp_path / "train.csv", synthetic_rows(8, 0))
+    known = _remote_code_model(tmp_path, bert, marker, "bert")
+    code, _, err = _extract(cli, known, text, tmp_path / "run-known")
+    assert code == 0, err
+    unknown = _remote_code_model(tmp_path, bert, marker, "evil-arch")
+    code, out, err = _extract(cli, unknown, text, tmp_path / "run")
+    assert_one_line_error(code, out, err, exit_code=2)
+    code, out, err = cli(["finetune", unknown, "--train", train, "--eval", train, "--out", tmp_path / "ft"])
+    assert_one_line_error(code, out, err, exit_code=2)
+    assert not marker.exists()
+
+
+# ------------------------------------------------------------------------------ silent wrong results
+def test_model_directory_without_tokenizer_files_is_refused(cli, bert, text, tmp_path):
+    d = tmp_path / "notok"
+    shutil.copytree(bert, d)
+    for p in d.iterdir():
+        if p.name.startswith(("tokenizer", "vocab", "special")):
+            p.unlink()
+    code, out, err = _extract(cli, d, text, tmp_path / "run")
+    assert_one_line_error(code, out, err, "has no tokenizer files", "tokenizer.json", exit_code=2)
+    train = write_csv(tmp_path / "train.csv", synthetic_rows(8, 0))
+    code, out, err = cli(["finetune", d, "--train", train, "--eval", train, "--out", tmp_path / "ft"])
+    assert_one_line_error(code, out, err, "has no tokenizer files", exit_code=2)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "ft").exists()
+
+
+def test_corrupt_safetensors_is_one_line(cli, bert, text, tmp_path):
+    d = tmp_path / "corrupt"
+    shutil.copytree(bert, d)
+    (d / "model.safetensors").write_bytes(b"\xff" * 64)
+    code, out, err = _extract(cli, d, text, tmp_path / "run")
+    assert_one_line_error(code, out, err, "model.safetensors", "is damaged", exit_code=2)
+    train = write_csv(tmp_path / "train.csv", synthetic_rows(8, 0))
+    code, out, err = cli(["finetune", d, "--train", train, "--eval", train, "--out", tmp_path / "ft"])
+    assert_one_line_error(code, out, err, "model.safetensors", "is damaged", exit_code=2)
+
+
+def test_resume_redoes_a_shard_whose_checksum_fails(cli, bert, text, tmp_path):
+    from geomscope.store import Run, verify_shard
+
+    run = tmp_path / "run"
+    assert _extract(cli, bert, text, run, "--store-dtype", "float32")[0] == 0
+    clean = {p.name: p.read_bytes() for p in run.glob("shard-*.h5")}
+    target = run / "shard-00001.h5"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, different bytes
+    target.write_bytes(bytes(data))
+    code, out, err = cli(
+        [
+            "extract",
+            bert,
+            text,
+            "--out",
+            run,
+            "--quiet",
+            "--shard-docs",
+            "4",
+            "--store-dtype",
+            "float32",
+            "--json",
+        ]
+    )
+    assert code == 0, err
+    s = json.loads(out)
+    assert s["shards_written"] == 1 and s["shards_resumed"] == len(clean) - 1
+    r = Run(run)
+    for info in r.shards:
+        verify_shard(r.shard_path(info), info)
+    assert target.read_bytes() == clean[target.name]  # the redone shard equals the clean one
+
+
+def test_inspect_verify_checks_edited_totals(cli, bert, text, tmp_path):
+    run = tmp_path / "run"
+    assert _extract(cli, bert, text, run)[0] == 0
+    m = json.loads((run / "manifest.json").read_text())
+    m["totals"]["rows"] += 5
+    m["shards"][0]["rows"] += 5  # an entry edited to match a forged total: the shard itself disagrees
+    (run / "manifest.json").write_text(json.dumps(m))
+    code, out, err = cli(["inspect", run, "--verify", "--json"])
+    assert code == 3 and "damaged" in err
+    bad = json.loads(out)["verify"]["bad"]
+    assert any("stores" in b["error"] for b in bad)
+
+
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda m: m.pop("identity"), "no identity object"),
+        (lambda m: m.__setitem__("shards", {"a": 1}), "shards is not a list"),
+        (lambda m: m["shards"][0].__setitem__("rows", "many"), "shards[0].rows"),
+        (lambda m: m.__setitem__("format_version", "1"), "format_version"),
+        (lambda m: m["identity"].__setitem__("layers", "all"), "identity.layers"),
+    ],
+)
+def test_structurally_broken_manifest_is_one_line_everywhere(cli, bert, text, tmp_path, edit, needle):
+    run = tmp_path / "run"
+    assert _extract(cli, bert, text, run)[0] == 0
+    m = json.loads((run / "manifest.json").read_text())
+    edit(m)
+    (run / "manifest.json").write_text(json.dumps(m))
+    for args in (
+        ["score", run, "--quiet"],
+        ["inspect", run],
+        ["extract", bert, text, "--out", run, "--quiet"],
+    ):
+        code, out, err = cli(args)
+        assert_one_line_error(code, out, err, needle, exit_code=2)
+
+
+# ------------------------------------------------------------------------------ resources and leftovers
+def test_a_huge_document_keeps_memory_flat(tmp_path, bert):
+    """A 20 MB line, truncated to 16 tokens: the tokenizer sees a bounded prefix (the original bug took
+    3.4 GB), and the stored tokens are those of the document's start."""
+    big = tmp_path / "big.txt"
+    words = ("lorem ipsum dolor sit amet " * 800_000)[:20_000_000]
+    big.write_text("short first document\n" + words + "\n")
+    code = (
+        "import resource, sys, json\n"
+        "from geomscope.extract.run import extract\n"
+        f"s = extract({str(bert)!r}, [{str(big)!r}], {str(tmp_path / 'run')!r}, max_length=16)\n"
+        "rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024\n"
+        "print(json.dumps({'rss_mb': rss, 'rows': s['rows']}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    from transformers import AutoTokenizer
+
+    short = len(AutoTokenizer.from_pretrained(bert)("short first document")["input_ids"])
+    assert got["rows"] == short + 16  # the short document whole, 16 tokens of the huge one
+    assert got["rss_mb"] < 1500, got  # the whole-line tokenization alone took over 3,000 MB
+
+
+def test_bounded_prefix_gives_the_tokens_of_the_whole_document(bert):
+    from transformers import AutoTokenizer
+
+    from geomscope.extract.batching import tokenize
+
+    tok = AutoTokenizer.from_pretrained(bert)
+    long_doc = " ".join(["the quick brown fox jumps over the lazy dog"] * 5000)
+    [doc] = tokenize(tok, [(0, long_doc)], 64)
+    whole = tok(long_doc, truncation=True, max_length=64)["input_ids"]
+    assert doc.ids.tolist() == whole and len(whole) == 64
+
+
+def test_stdin_copy_is_removed_when_a_later_input_is_bad(tmp_path, monkeypatch, bert):
+    import io
+
+    from geomscope.extract.run import extract
+
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spool))
+    stdin = io.TextIOWrapper(io.BytesIO(TEXT.encode()))
+    with pytest.raises(InputError, match="does not exist"):
+        extract(bert, ["-", str(tmp_path / "missing.txt")], tmp_path / "run", stdin=stdin)
+    assert list(spool.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------ one line, not a traceback
+def test_max_length_below_the_special_tokens(cli, bert, text, tmp_path):
+    code, out, err = _extract(cli, bert, text, tmp_path / "run", "--max-length", "1")
+    assert_one_line_error(code, out, err, "leaves no room for text", exit_code=2)
+    assert not (tmp_path / "run").exists()
+
+
+def test_score_out_onto_a_directory_or_a_failing_disk(cli, tmp_path, monkeypatch):
+    X = np.random.default_rng(0).normal(size=(50, 4))
+    np.save(tmp_path / "x.npy", X)
+    (tmp_path / "p.json").mkdir()
+    code, out, err = cli(["score", tmp_path / "x.npy", "--out", tmp_path / "p", "--quiet"])
+    assert_one_line_error(code, out, err, "is a directory", exit_code=2)
+    import errno
+
+    import geomscope.report as report
+
+    def disk_full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(report, "write_text_atomic", disk_full)  # any write error, e.g. a full disk
+    code, out, err = cli(["score", tmp_path / "x.npy", "--out", tmp_path / "r", "--quiet"])
+    assert_one_line_error(code, out, err, "cannot write the report", "No space left", exit_code=2)
+
+
+def test_finetune_bad_csvs_are_one_line(cli, tmp_path):
+    model = make_checkpoint(tmp_path / "m", words_of([]))
+    latin = tmp_path / "latin1.csv"
+    latin.write_bytes("sentence,label\ncaf\xe9 cr\xe8me,pos\n".encode("latin-1"))
+    huge = tmp_path / "huge.csv"
+    huge.write_text("sentence,label\n" + '"' + "word " * 40_000 + '",pos\n"fine",neg\n')
+    ok = write_csv(tmp_path / "ok.csv", synthetic_rows(8, 0))
+    code, out, err = cli(["finetune", model, "--train", latin, "--eval", ok, "--out", tmp_path / "a"])
+    assert_one_line_error(code, out, err, "is not UTF-8 text", exit_code=2)
+    # a field past the csv module's default limit (131,072 characters) is read, not a traceback
+    code, out, err = cli(
+        [
+            "finetune",
+            model,
+            "--train",
+            huge,
+            "--eval",
+            ok,
+            "--out",
+            tmp_path / "b",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "2",
+            "--device",
+            "cpu",
+            "--quiet",
+            "--reg",
+            "none",
+        ]
+    )
+    assert "Traceback" not in err
+    assert code == 0 or err.strip().startswith("error:"), err
+
+
+# ------------------------------------------------------------------------------ smaller
+def test_csv_byte_order_mark(cli, bert, tmp_path):
+    csv_in = tmp_path / "bom.csv"
+    csv_in.write_bytes(b"\xef\xbb\xbftext,other\nhello there,1\nsecond row,2\n")
+    code, _, err = cli(["extract", bert, csv_in, "--out", tmp_path / "run", "--quiet"])
+    assert code == 0, err
+    from geomscope.train.data import load_table
+
+    ft = tmp_path / "bom-train.csv"
+    ft.write_bytes(b"\xef\xbb\xbfsentence,label\ngood film,pos\nbad film,neg\n")
+    t = load_table(ft)
+    assert list(t.labels) == ["pos", "neg"]
+
+
+def test_a_run_being_written_shows_in_progress(cli, bert, text, tmp_path):
+    from geomscope.store import RunWriter
+
+    run = tmp_path / "run"
+    assert _extract(cli, bert, text, run)[0] == 0
+    ident = json.loads((run / "manifest.json").read_text())["identity"]
+    with RunWriter(run, ident):
+        code, out, _ = cli(["inspect", run])
+        assert code == 0 and "IN PROGRESS" in out
+        code, out, err = _extract(cli, bert, text, run)
+        assert_one_line_error(code, out, err, "another geomscope process is writing", exit_code=2)
+
+
+@pytest.mark.parametrize(
+    "array, needle",
+    [
+        (np.zeros((3, 4, 5)), "shape (3, 4, 5)"),
+        (np.array([["a", "b"], ["c", "d"]]), "dtype <U1"),
+        (np.zeros((10, 4), complex), "dtype complex128"),
+    ],
+)
+def test_score_wrong_array_shape_or_dtype_exits_2(cli, tmp_path, array, needle):
+    np.save(tmp_path / "a.npy", array)
+    code, out, err = cli(["score", tmp_path / "a.npy", "--quiet"])
+    assert_one_line_error(code, out, err, needle, exit_code=2)
+
+
+def test_score_never_unpickles_an_object_array(cli, tmp_path):
+    marker = tmp_path / "PWNED"
+    arr = np.empty((2, 2), dtype=object)
+    arr[0, 0] = _Planted(marker)
+    np.save(tmp_path / "obj.npy", arr, allow_pickle=True)
+    code, out, err = cli(["score", tmp_path / "obj.npy", "--quiet"])
+    assert_one_line_error(code, out, err, exit_code=2)
+    assert not marker.exists()
