@@ -471,3 +471,22 @@ def test_score_never_unpickles_an_object_array(cli, tmp_path):
     code, out, err = cli(["score", tmp_path / "obj.npy", "--quiet"])
     assert_one_line_error(code, out, err, exit_code=2)
     assert not marker.exists()
+
+
+def test_resume_with_a_damaged_log_or_planted_links(cli, tmp_path):
+    out = tmp_path / "ft"
+    assert _finetune(cli, tmp_path, out)[0] == 0
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep")
+    (out / ".checkpoint.tmp").symlink_to(outside, target_is_directory=True)
+    (out / ".export.tmp").symlink_to(outside, target_is_directory=True)
+    code, _, err = _finetune(cli, tmp_path, out, "--resume", "--epochs", "2")
+    assert code == 0, err
+    assert (outside / "keep.txt").read_text() == "keep" and sorted(p.name for p in outside.iterdir()) == [
+        "keep.txt"
+    ]
+    with open(out / "steps.jsonl", "a") as f:
+        f.write("{half a line\n")
+    code, o, err = _finetune(cli, tmp_path, out, "--resume", "--epochs", "3")
+    assert_one_line_error(code, o, err, "steps.jsonl line", "is not JSON", exit_code=2)

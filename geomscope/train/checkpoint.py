@@ -183,10 +183,7 @@ def save_checkpoint(out: Path, model, tokenizer, optimizer, scaler, state: dict,
     """Write the epoch checkpoint atomically (call on the main rank only)."""
     from safetensors.torch import save_file
 
-    tmp = out / ".checkpoint.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp = _fresh_dir(out / ".checkpoint.tmp")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     tensors: dict = {}
@@ -200,6 +197,17 @@ def save_checkpoint(out: Path, model, tokenizer, optimizer, scaler, state: dict,
     (tmp / "state.json").write_text(json.dumps(state, indent=2))
     _replace_dir(tmp, out / CKPT)
     return out / CKPT
+
+
+def _fresh_dir(tmp: Path) -> Path:
+    """An empty working directory of geomscope's own name (a link planted there is removed, never
+    followed)."""
+    if tmp.is_symlink() or tmp.is_file():
+        tmp.unlink()
+    elif tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
 
 
 def _replace_dir(tmp: Path, final: Path) -> None:
@@ -284,10 +292,7 @@ def export_model(out: Path, model, tokenizer, extra: dict[str, dict]) -> None:
     ``extra`` maps file names to JSON objects written alongside (label map ...). Every exported
     name is recorded in the marker first, so --overwrite can remove exactly these later.
     """
-    tmp = out / ".export.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp = _fresh_dir(out / ".export.tmp")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     for name, obj in extra.items():
@@ -305,5 +310,17 @@ def truncate_jsonl(path: Path, keep) -> None:
     """Keep only the JSON lines for which ``keep(record)`` is true (used when resuming)."""
     if not path.exists():
         return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and keep(json.loads(ln))]
-    write_text_atomic(path, "".join(ln + "\n" for ln in lines))
+    kept = []
+    for i, ln in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not ln.strip():
+            continue
+        try:
+            record = json.loads(ln)
+        except json.JSONDecodeError:
+            raise InputError(
+                f"{path} line {i} is not JSON (the log is damaged); start again without --resume "
+                "into a new --out (or --overwrite)"
+            ) from None
+        if isinstance(record, dict) and keep(record):
+            kept.append(ln)
+    write_text_atomic(path, "".join(ln + "\n" for ln in kept))
