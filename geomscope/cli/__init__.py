@@ -13,7 +13,7 @@ import sys
 
 import typer
 
-from geomscope.cli import extract, finetune, inspect, plot, score  # noqa: F401  (registers commands)
+from geomscope.cli import compare, extract, finetune, inspect, plot, score  # noqa: F401  (registers commands)
 from geomscope.cli._app import app, state
 from geomscope.errors import GeomscopeError
 

@@ -64,3 +64,47 @@ def layers_option(default, help: str):
 
 def metrics_option(default, help: str):
     return typer.Option(default, "--metrics", "-m", metavar="LIST", help=help)
+
+
+def _list_parser(convert, what: str):
+    """A typer ``parser`` for a comma list (``-1,-0.1,0``) of ``convert``-ible values."""
+
+    def parse(value):
+        if not isinstance(value, str):
+            return [value]
+        items = [v.strip() for v in value.split(",") if v.strip()]
+        try:
+            return [convert(v) for v in items]
+        except ValueError as e:
+            raise typer.BadParameter(f"{value!r} is not a comma list of {what} ({e})") from None
+
+    return parse
+
+
+def _non_negative_int(v: str) -> int:
+    n = int(v)
+    if n < 0:
+        raise ValueError(f"{n} < 0")
+    return n
+
+
+def _choice_of(allowed: tuple[str, ...]):
+    def convert(v: str) -> str:
+        if v.lower() not in allowed:
+            raise ValueError(f"{v!r} is not one of {', '.join(allowed)}")
+        return v.lower()
+
+    return convert
+
+
+float_list = _list_parser(float, "numbers")
+seed_list = _list_parser(_non_negative_int, "seeds (whole numbers >= 0)")
+regulariser_list = _list_parser(_choice_of(choices.REGULARISERS), "regularisers")
+
+
+def flatten(values) -> list:
+    """Repeated list options -> one flat list (typer hands back one list per occurrence)."""
+    out = []
+    for v in values or []:
+        out.extend(v if isinstance(v, list) else [v])
+    return out

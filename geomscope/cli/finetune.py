@@ -11,7 +11,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -20,11 +20,14 @@ from geomscope.cli._app import app
 from geomscope.cli._options import (
     PenaltyPrecision,
     Precision,
-    Regulariser,
     choice_metavar,
+    flatten,
+    float_list,
     json_option,
     layers_option,
     quiet_option,
+    regulariser_list,
+    seed_list,
     value,
 )
 
@@ -43,17 +46,20 @@ def finetune_cmd(
     out: Path = typer.Option(
         ..., "--out", "-o", metavar="DIR", help="Output directory (model, logs, checkpoint)."
     ),
-    reg: Regulariser = typer.Option(
-        "istar",
+    reg: List[str] = typer.Option(
+        ["istar"],
         "--reg",
-        metavar=choice_metavar(choices.REGULARISERS),
-        help="Regulariser: I-STAR, CosReg or none.",
+        metavar=choice_metavar(choices.REGULARISERS) + "[,...]",
+        parser=regulariser_list,
+        help="Regulariser: I-STAR, CosReg or none; a comma list runs a grid.",
     ),
-    lam: float = typer.Option(
-        -5.0,
+    lam: List[float] = typer.Option(
+        [-5.0],
         "--lambda",
-        metavar="FLOAT",
-        help="Weight of the penalty. I-STAR: < 0 pushes away from isotropy, > 0 toward it.",
+        metavar="FLOAT[,...]",
+        parser=float_list,
+        help="Weight of the penalty (I-STAR: < 0 pushes away from isotropy, > 0 toward it); a comma list "
+        "(e.g. -1,-0.1,0,0.1,1) runs a grid.",
     ),
     zeta: float = typer.Option(
         0.2,
@@ -79,8 +85,12 @@ def finetune_cmd(
     max_length: int = typer.Option(
         128, "--max-length", min=2, metavar="N", help="Truncate inputs to this many tokens."
     ),
-    seed: int = typer.Option(
-        0, "--seed", min=0, metavar="N", help="Seed for the head, shuffling and dropout."
+    seed: List[int] = typer.Option(
+        [0],
+        "--seed",
+        metavar="N[,...]",
+        parser=seed_list,
+        help="Seed for the head, shuffling and dropout; a comma list runs a grid.",
     ),
     precision: Precision = typer.Option(
         "fp32",
@@ -118,23 +128,35 @@ def finetune_cmd(
         False, "--overwrite", help="Replace a previous finetune output in --out (only the files it wrote)."
     ),
     resume: bool = typer.Option(False, "--resume", help="Continue from the last epoch checkpoint in --out."),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Print the grid of runs (with comma lists) and exit."
+    ),
     as_json: bool = json_option("the run summary"),
     quiet: bool = quiet_option("No progress bar."),
 ) -> None:
     """Fine-tune a sequence classifier while shaping its activation geometry (I-STAR or CosReg).
 
     Writes the fine-tuned model and tokenizer (readable by `geomscope extract OUT`), steps.jsonl,
-    eval.jsonl, summary.json and an epoch checkpoint into --out.
+    eval.jsonl, summary.json and an epoch checkpoint into --out. Comma lists in --reg, --lambda and
+    --seed run the grid, each run in --out/<reg>_lambda<L>_seed<S>/ (finished runs are skipped on
+    rerun); `geomscope compare --out` then relates isotropy to accuracy.
     """
+    from geomscope.study.sweep import grid, run_sweep
     from geomscope.train import FinetuneConfig, finetune
+
+    points = grid(flatten(reg), flatten(lam), flatten(seed))
+    if dry_run:
+        for p in points:
+            typer.echo(str(out / p.name) if len(points) > 1 else f"{out}: {p.name}")
+        return
 
     cfg = FinetuneConfig(
         model=model,
         train=str(train),
         eval=str(eval_),
         out=str(out),
-        reg=value(reg),
-        lam=lam,
+        reg=points[0].reg,
+        lam=points[0].lam,
         zeta=zeta,
         c0_points=c0_points,
         layers=layers,
@@ -142,7 +164,7 @@ def finetune_cmd(
         lr=lr,
         batch_size=batch_size,
         max_length=max_length,
-        seed=seed,
+        seed=points[0].seed,
         precision=value(precision),
         device=device.lower(),
         include_padding=include_padding,
@@ -153,6 +175,13 @@ def finetune_cmd(
         resume=resume,
         overwrite=overwrite,
     )
+    if len(points) > 1:
+        results = run_sweep(cfg, points, quiet=quiet, note=lambda msg: print(msg, file=sys.stderr))
+        if as_json:
+            typer.echo(json.dumps({"sweep": str(out), "runs": results}))
+        if any(r["status"] == "failed" for r in results):
+            raise typer.Exit(1)
+        return
     summary = finetune(cfg, quiet=quiet, note=lambda msg: print(msg, file=sys.stderr))
     if os.environ.get("RANK", "0") != "0":  # non-main rank of a torchrun / accelerate run: rank 0 reports
         return

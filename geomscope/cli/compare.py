@@ -1,0 +1,86 @@
+"""``geomscope compare DIR...``: isotropy against accuracy across finetune runs. A thin wrapper over
+:func:`geomscope.study.compare`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from geomscope.cli._app import app
+from geomscope.cli._options import json_option, quiet_option
+
+
+@app.command("compare")
+def compare_cmd(
+    dirs: List[Path] = typer.Argument(
+        ..., metavar="DIR...", help="Finetune outputs: runs, sweeps, or folders of runs."
+    ),
+    out: Optional[Path] = typer.Option(
+        None,
+        "--out",
+        "-o",
+        metavar="DIR",
+        help="Where compare.json, compare.csv and compare.png go (default: the one DIR given).",
+    ),
+    allow_mixed: bool = typer.Option(
+        False, "--allow-mixed", help="Compare runs of different models or eval sets."
+    ),
+    n_boot: int = typer.Option(
+        2000, "--bootstrap", min=100, metavar="N", help="Bootstrap resamples of each interval."
+    ),
+    seed: int = typer.Option(0, "--seed", min=0, metavar="N", help="Seed of the bootstrap."),
+    as_json: bool = json_option("the comparison"),
+    quiet: bool = quiet_option("No table on stderr."),
+) -> None:
+    """Does isotropy go with accuracy? Per-configuration means ± SD over seeds, the Spearman and Pearson
+    correlation of eval IsoScore* with accuracy (bootstrap intervals resampling seeds within
+    configurations), paired differences against lambda = 0, a figure and one plain sentence."""
+    import json
+
+    from geomscope.errors import InputError
+    from geomscope.fileio import write_text_atomic
+    from geomscope.plot.figures import save_figure
+    from geomscope.plot.study import study_figure
+    from geomscope.study.compare import compare, to_csv
+
+    result = compare([str(d) for d in dirs], allow_mixed=allow_mixed, n_boot=n_boot, seed=seed)
+    if out is None and len(dirs) != 1:
+        raise InputError("several DIRs were given: name where the comparison goes with --out DIR")
+    dest = out if out is not None else dirs[0]
+    dest.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(dest / "compare.json", json.dumps(result, indent=1) + "\n")
+    write_text_atomic(dest / "compare.csv", to_csv(result))
+    save_figure(study_figure(result), dest / "compare.png")
+    if not quiet:
+        _print_table(result)
+        typer.echo(f"wrote {dest / 'compare.json'}, compare.csv, compare.png", err=True)
+    if as_json:
+        typer.echo(json.dumps(result))
+
+
+def _fmt(mean, sd) -> str:
+    if mean is None:
+        return "-"
+    return f"{mean:.3f}" + ("" if sd is None else f" ± {sd:.3f}")
+
+
+def _print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="geomscope compare", caption=result["sentence"], header_style="bold")
+    for c in ("reg", "lambda", "n", "accuracy", "macro-F1", "IsoScore*", "IsoScore", "avg cos"):
+        t.add_column(c, justify="right" if c not in ("reg",) else "left")
+    for r in result["table"]:
+        t.add_row(
+            r["reg"],
+            f"{r['lambda']:g}",
+            str(r["n"]),
+            *[
+                _fmt(r[f"{m}_mean"], r[f"{m}_sd"])
+                for m in ("accuracy", "macro_f1", "isoscore_star", "isoscore", "avgcos")
+            ],
+        )
+    Console(stderr=True).print(t)

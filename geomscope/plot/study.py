@@ -1,0 +1,87 @@
+"""The figure of ``geomscope compare``: accuracy against eval IsoScore* (one point per run, colour by
+lambda, marker by regulariser, the fitted line with its bootstrap band), and accuracy and IsoScore*
+against lambda (mean ± SD over seeds per regulariser)."""
+
+from __future__ import annotations
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from geomscope.study import stats
+
+MARKERS = {"istar": "o", "cosreg": "s", "none": "^"}
+
+
+def study_figure(result: dict, ax=None) -> Figure:
+    """Two panels (or, with ``ax`` = a pair of Axes, drawn into the caller's figure)."""
+    if ax is None:
+        fig = Figure(figsize=(10, 4), layout="constrained")
+        ax = fig.subplots(1, 2)
+    else:
+        fig = ax[0].figure
+    _scatter(ax[0], result)
+    _by_lambda(ax[1], result)
+    fig.suptitle(result["sentence"], fontsize=8, wrap=True)
+    return fig
+
+
+def _scatter(ax, result: dict) -> None:
+    runs = [r for r in result["runs"] if r["accuracy"] is not None and r["isoscore_star"] is not None]
+    import matplotlib
+
+    lams = sorted({r["lambda"] for r in runs})
+    cmap = matplotlib.colormaps["coolwarm"]
+    norm = matplotlib.colors.Normalize(min(lams), max(lams)) if len(lams) > 1 else None
+    for reg in sorted({r["reg"] for r in runs}):
+        mine = [r for r in runs if r["reg"] == reg]
+        colours = [cmap(norm(r["lambda"])) if norm else "C0" for r in mine]
+        ax.scatter(
+            [r["isoscore_star"] for r in mine],
+            [r["accuracy"] for r in mine],
+            c=colours,
+            marker=MARKERS.get(reg, "D"),
+            edgecolors="k",
+            linewidths=0.5,
+            label=reg,
+            zorder=3,
+        )
+    x = np.array([r["isoscore_star"] for r in runs])
+    y = np.array([r["accuracy"] for r in runs])
+    grid = np.linspace(x.min(), x.max(), 50) if x.size else x
+    band = stats.line_fit_band(x, y, grid)
+    if band is not None:
+        fit, lo, hi = band
+        ax.plot(grid, fit, color="0.3", lw=1)
+        ax.fill_between(grid, lo, hi, color="0.6", alpha=0.3, lw=0, label="least-squares fit, 95% band")
+    if norm is not None:
+        sm = matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap)
+        ax.figure.colorbar(sm, ax=ax, label="lambda")
+    ax.set_xlabel("eval IsoScore*")
+    ax.set_ylabel("eval accuracy")
+    ax.legend(fontsize=7)
+
+
+def _by_lambda(ax, result: dict) -> None:
+    twin = ax.twinx()
+    for i, reg in enumerate(sorted({r["reg"] for r in result["table"]})):
+        rows = sorted((r for r in result["table"] if r["reg"] == reg), key=lambda r: r["lambda"])
+        lam = [r["lambda"] for r in rows]
+        for axis, metric, style in ((ax, "accuracy", "-"), (twin, "isoscore_star", "--")):
+            mean = np.array([np.nan if r[f"{metric}_mean"] is None else r[f"{metric}_mean"] for r in rows])
+            sd = np.array([0.0 if r[f"{metric}_sd"] is None else r[f"{metric}_sd"] for r in rows])
+            axis.errorbar(
+                lam,
+                mean,
+                yerr=sd,
+                ls=style,
+                marker=MARKERS.get(reg, "D"),
+                color=f"C{i}",
+                capsize=2,
+                label=f"{reg}: {'accuracy' if metric == 'accuracy' else 'IsoScore*'}",
+            )
+    ax.set_xlabel("lambda")
+    ax.set_ylabel("eval accuracy (solid)")
+    twin.set_ylabel("eval IsoScore* (dashed)")
+    lines = ax.get_legend_handles_labels()
+    lines2 = twin.get_legend_handles_labels()
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=7)

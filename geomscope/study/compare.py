@@ -1,0 +1,188 @@
+"""``compare``: does isotropy go with accuracy across fine-tuning runs?
+
+Reads finetune outputs (single runs or sweeps), and reports per configuration (regulariser,
+lambda) the mean ± SD over seeds of eval accuracy, macro-F1, IsoScore*, IsoScore and average
+cosine; the Spearman and Pearson correlation of eval IsoScore* with accuracy across runs, with
+bootstrap intervals that resample seeds within configurations; the per-seed paired difference of
+each lambda against lambda = 0 of the same regulariser; and one plain sentence with the caveat of
+a small n. Statistics: :mod:`geomscope.study.stats`.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from geomscope.errors import InputError
+from geomscope.study import stats
+
+METRICS = ("accuracy", "macro_f1", "isoscore_star", "isoscore", "avgcos")
+SMALL_N = 10  # below this many runs, the sentence says how little a correlation can show
+
+
+@dataclass
+class RunResult:
+    dir: str
+    reg: str
+    lam: float
+    seed: int
+    model: str
+    eval_data: str
+    values: dict
+
+    @property
+    def config(self) -> tuple[str, float]:
+        return (self.reg, self.lam)
+
+
+def _read_run(d: Path) -> RunResult:
+    try:
+        summary = json.loads((d / "summary.json").read_text(encoding="utf-8"))
+        run = json.loads((d / "run.json").read_text(encoding="utf-8"))
+        final = summary.get("final") or {}
+        cfg = run["config"]
+        return RunResult(
+            str(d),
+            str(summary["reg"]),
+            float(summary["lambda"]),
+            int(summary["seed"]),
+            str(cfg.get("model")),
+            str(Path(cfg.get("eval", "")).resolve()),
+            {m: final.get(m) for m in METRICS},
+        )
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise InputError(
+            f"{d} is not a readable finetune output ({type(e).__name__}: {e}); "
+            "give directories written by `geomscope finetune`"
+        ) from None
+
+
+def find_runs(dirs) -> list[RunResult]:
+    """Every finished finetune run in ``dirs`` (a run directory, a sweep, or a folder of runs)."""
+    runs = []
+    for d in map(Path, dirs):
+        if (d / "summary.json").is_file():
+            runs.append(_read_run(d))
+            continue
+        subs = sorted(p for p in d.iterdir() if (p / "summary.json").is_file()) if d.is_dir() else []
+        if not subs:
+            raise InputError(
+                f"{d} is not a finetune output (no summary.json) and holds none; give directories "
+                "written by `geomscope finetune`"
+            )
+        runs.extend(_read_run(p) for p in subs)
+    return runs
+
+
+def _check_comparable(runs: list[RunResult], allow_mixed: bool) -> None:
+    for what, key in (("models", "model"), ("eval sets", "eval_data")):
+        seen = sorted({getattr(r, key) for r in runs})
+        if len(seen) > 1 and not allow_mixed:
+            raise InputError(
+                f"these runs use different {what} ({', '.join(seen[:3])}); compare like with like, "
+                "or pass --allow-mixed"
+            )
+
+
+def _table(runs: list[RunResult]) -> list[dict]:
+    rows = []
+    for reg, lam in sorted({r.config for r in runs}):
+        mine = [r for r in runs if r.config == (reg, lam)]
+        row = {"reg": reg, "lambda": lam, "n": len(mine), "seeds": sorted(r.seed for r in mine)}
+        for m in METRICS:
+            row[f"{m}_mean"], row[f"{m}_sd"], _ = stats.mean_sd(r.values[m] for r in mine)
+        rows.append(row)
+    return rows
+
+
+def _paired(runs: list[RunResult], seed: int) -> list[dict]:
+    """Per seed, each lambda's accuracy and IsoScore* minus those of lambda = 0 (same regulariser)."""
+    out = []
+    base = {(r.reg, r.seed): r for r in runs if r.lam == 0}
+    for reg, lam in sorted({r.config for r in runs if r.lam != 0}):
+        pairs = [(r, base[(reg, r.seed)]) for r in runs if r.config == (reg, lam) and (reg, r.seed) in base]
+        rec = {"reg": reg, "lambda": lam, "n_pairs": len(pairs)}
+        for m in ("accuracy", "isoscore_star"):
+            diffs = [
+                a.values[m] - b.values[m]
+                for a, b in pairs
+                if a.values[m] is not None and b.values[m] is not None
+            ]
+            rec[m] = stats.bootstrap_mean(diffs, seed=seed).to_dict()
+        out.append(rec)
+    return out
+
+
+def _sentence(assoc: dict, n: int) -> str:
+    rho = assoc["spearman"]
+    caveat = (
+        f" With n = {n}, only a strong association could show; treat this as a pilot." if n < SMALL_N else ""
+    )
+    if rho["estimate"] is None:
+        return (
+            f"Across {n} runs, the association between eval IsoScore* and accuracy is undefined "
+            "(one of them is constant)." + caveat
+        )
+    ci = (
+        f"95% interval {rho['low']:.2f} to {rho['high']:.2f}"
+        if rho["low"] is not None
+        else "no interval (too few runs)"
+    )
+    direction = (
+        "higher isotropy went with higher accuracy"
+        if rho["estimate"] > 0
+        else "lower isotropy went with higher accuracy"
+        if rho["estimate"] < 0
+        else "no association"
+    )
+    spans_zero = rho["low"] is not None and rho["low"] <= 0 <= rho["high"]
+    text = f"Across {n} runs, {direction} (Spearman rho = {rho['estimate']:.2f}, {ci})"
+    text += "; the interval includes zero, so these runs cannot tell the sign." if spans_zero else "."
+    return text + caveat
+
+
+def compare(dirs, *, allow_mixed: bool = False, n_boot: int = 2000, seed: int = 0) -> dict:
+    """The comparison of the finetune runs found in ``dirs`` (see the module docstring)."""
+    runs = find_runs(dirs)
+    if len(runs) < 2:
+        raise InputError(
+            f"found {len(runs)} finished run(s) in {', '.join(map(str, dirs))}; compare needs at least 2"
+        )
+    _check_comparable(runs, allow_mixed)
+    usable = [r for r in runs if r.values["accuracy"] is not None and r.values["isoscore_star"] is not None]
+    x = [r.values["isoscore_star"] for r in usable]
+    y = [r.values["accuracy"] for r in usable]
+    groups = [f"{r.reg}|{r.lam}" for r in usable]
+    assoc = {
+        m: stats.bootstrap_correlation(x, y, groups, method=m, n_boot=n_boot, seed=seed).to_dict()
+        for m in ("spearman", "pearson")
+    }
+    return {
+        "format": "geomscope-compare",
+        "runs": [{"dir": r.dir, "reg": r.reg, "lambda": r.lam, "seed": r.seed, **r.values} for r in runs],
+        "table": _table(runs),
+        "association": {
+            "x": "eval isoscore_star",
+            "y": "eval accuracy",
+            "resampling": "seeds within configurations",
+            "n_boot": n_boot,
+            **assoc,
+        },
+        "paired_vs_lambda_0": _paired(runs, seed),
+        "sentence": _sentence(assoc, len(usable)),
+    }
+
+
+def to_csv(result: dict) -> str:
+    """One row per configuration: mean and SD of every metric, with n."""
+    rows = result["table"]
+    cols = ["reg", "lambda", "n"] + [f"{m}_{s}" for m in METRICS for s in ("mean", "sd")]
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(cols)
+    for r in rows:
+        w.writerow(["" if r.get(c) is None else r.get(c) for c in cols])
+    return buf.getvalue()

@@ -1,0 +1,105 @@
+"""A grid of fine-tuning runs: every (regulariser, lambda, seed), each in its own subdirectory.
+
+``DIR/sweep.json`` lists the grid; ``DIR/<name>/`` is an ordinary finetune output named by its
+settings (``istar_lambda-0.1_seed0``). A rerun skips the runs that finished (their
+``summary.json`` exists) and redoes the rest; a run that fails is reported and the others go on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from geomscope.errors import GeomscopeError, InputError
+from geomscope.fileio import write_json_atomic
+
+SWEEP_FILE = "sweep.json"
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    reg: str
+    lam: float
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.reg}_lambda{self.lam:g}_seed{self.seed}"
+
+
+def grid(regs, lams, seeds) -> list[GridPoint]:
+    """Every combination, in a stable order (regulariser, lambda, seed); duplicates dropped."""
+    regs, lams, seeds = list(dict.fromkeys(regs)), list(dict.fromkeys(lams)), list(dict.fromkeys(seeds))
+    if not regs or not lams or not seeds:
+        raise InputError("the grid is empty: give at least one --reg, --lambda and --seed")
+    return [GridPoint(r, float(lam), int(s)) for r in regs for lam in lams for s in seeds]
+
+
+def is_sweep(points) -> bool:
+    return len(points) > 1
+
+
+def _claim(out: Path, points: list[GridPoint]) -> None:
+    """``out`` is new, empty, or a previous sweep (its sweep.json); anything else is refused."""
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is a file; give a directory for the sweep")
+    entries = list(out.iterdir()) if out.exists() else []
+    if entries and not (out / SWEEP_FILE).is_file():
+        raise InputError(
+            f"--out {out} holds files and is not a geomscope sweep; choose a new or empty directory"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(
+        out / SWEEP_FILE,
+        {
+            "format": "geomscope-sweep",
+            "runs": [{"name": p.name, "reg": p.reg, "lambda": p.lam, "seed": p.seed} for p in points],
+        },
+    )
+
+
+def run_sweep(base, points: list[GridPoint], *, quiet: bool = False, note=None) -> list[dict]:
+    """Run every grid point of ``base`` (a FinetuneConfig whose ``out`` is the sweep directory).
+
+    Returns one record per point: ``{name, dir, reg, lambda, seed, status, error}`` with status
+    ``done`` | ``skipped`` (finished earlier) | ``failed`` (one-line reason in ``error``).
+    """
+    from geomscope.progress import Progress
+    from geomscope.train import finetune
+
+    out = Path(base.out)
+    _claim(out, points)
+    say = note or (lambda msg: None)
+    results = []
+    with Progress(enabled=not quiet) as bar:
+        task = bar.add("sweep", len(points), unit="runs")
+        for p in points:
+            run_dir = out / p.name
+            task.describe(f"sweep: {p.name}")
+            rec = {
+                "name": p.name,
+                "dir": str(run_dir),
+                "reg": p.reg,
+                "lambda": p.lam,
+                "seed": p.seed,
+                "status": "done",
+                "error": None,
+            }
+            if (run_dir / "summary.json").is_file():
+                rec["status"] = "skipped"
+            else:
+                resume = (run_dir / "checkpoint" / "state.json").is_file()
+                cfg = replace(base, reg=p.reg, lam=p.lam, seed=p.seed, out=str(run_dir), resume=resume)
+                try:
+                    finetune(cfg, quiet=True, note=lambda msg: None)
+                except GeomscopeError as e:
+                    rec["status"], rec["error"] = "failed", str(e).splitlines()[0]
+                    bar.print(f"failed: {p.name}: {rec['error']}")
+            results.append(rec)
+            task.advance()
+    failed = [r for r in results if r["status"] == "failed"]
+    say(
+        f"sweep: {len(results) - len(failed)} of {len(results)} runs finished"
+        + (f"; failed: {', '.join(r['name'] for r in failed)}" if failed else "")
+    )
+    return results

@@ -1,0 +1,150 @@
+"""The sweep-and-compare study: statistics against scipy and a known distribution, a tiny grid end to
+end through the CLI, and the bad inputs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import assert_one_line_error
+from scipy import stats as sps
+from test_train_helpers import make_checkpoint, synthetic_rows, words_of, write_csv
+
+from geomscope.study import stats
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_correlations_equal_scipy(seed):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=15)
+    y = 0.5 * x + rng.normal(size=15)
+    y[3] = y[7]  # ties
+    assert stats.pearson(x, y) == pytest.approx(sps.pearsonr(x, y)[0], abs=1e-12)
+    assert stats.spearman(x, y) == pytest.approx(sps.spearmanr(x, y)[0], abs=1e-12)
+    assert stats.pearson([1, 1, 1], [1, 2, 3]) is None
+
+
+def test_bootstrap_mean_matches_the_normal_interval():
+    rng = np.random.default_rng(0)
+    a = rng.normal(3.0, 2.0, size=400)
+    iv = stats.bootstrap_mean(a, n_boot=4000, seed=1)
+    half = 1.959964 * a.std(ddof=1) / np.sqrt(a.size)  # the analytic 95% interval of a normal mean
+    assert iv.estimate == pytest.approx(a.mean())
+    assert iv.low == pytest.approx(a.mean() - half, abs=0.1 * half)
+    assert iv.high == pytest.approx(a.mean() + half, abs=0.1 * half)
+
+
+def test_bootstrap_correlation_covers_the_truth_and_keeps_groups():
+    rng = np.random.default_rng(2)
+    cover = 0
+    for rep in range(40):
+        x = rng.normal(size=60)
+        y = 0.6 * x + 0.8 * rng.normal(size=60)  # true Pearson r = 0.6
+        iv = stats.bootstrap_correlation(
+            x, y, np.repeat(np.arange(6), 10), method="pearson", n_boot=400, seed=rep
+        )
+        cover += iv.low <= 0.6 <= iv.high
+    assert cover >= 32  # nominal 95%: at least 80% of 40 intervals cover (a loose, fail-safe bound)
+
+
+def test_mean_sd():
+    assert stats.mean_sd([1.0, 2.0, 3.0]) == (2.0, 1.0, 3)
+    assert stats.mean_sd([5.0, None]) == (5.0, None, 1)
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    d = tmp_path_factory.mktemp("study")
+    model = make_checkpoint(d / "m", words_of([]))
+    train = write_csv(d / "train.csv", synthetic_rows(16, 0))
+    dev = write_csv(d / "dev.csv", synthetic_rows(8, 1))
+    args = [
+        "finetune",
+        model,
+        "--train",
+        train,
+        "--eval",
+        dev,
+        "--out",
+        d / "grid",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "8",
+        "--lr",
+        "1e-3",
+        "--device",
+        "cpu",
+        "--quiet",
+        "--lambda",
+        "-1,0,1",
+        "--seed",
+        "0,1",
+        "--reg",
+        "istar",
+    ]
+    return d, args
+
+
+def test_tiny_grid_and_compare(cli, sweep):
+    d, args = sweep
+    code, out, err = cli([*args, "--dry-run"])
+    assert code == 0 and len(out.split()) == 6
+    code, out, err = cli([*args, "--json"])
+    assert code == 0, err
+    runs = json.loads(out)["runs"]
+    assert [r["status"] for r in runs] == ["done"] * 6
+    assert sorted(p.name for p in (d / "grid").iterdir() if p.is_dir()) == sorted(r["name"] for r in runs)
+    code, out, err = cli([*args, "--json"])  # a rerun skips what finished
+    assert code == 0 and [r["status"] for r in json.loads(out)["runs"]] == ["skipped"] * 6
+    code, out, err = cli(["compare", d / "grid", "--json", "--bootstrap", "200"])
+    assert code == 0, err
+    res = json.loads(out)
+    assert len(res["runs"]) == 6 and [r["n"] for r in res["table"]] == [2, 2, 2]
+    assert {p["lambda"] for p in res["paired_vs_lambda_0"]} == {-1.0, 1.0}
+    x = [r["isoscore_star"] for r in res["runs"]]
+    y = [r["accuracy"] for r in res["runs"]]
+    rho = res["association"]["spearman"]["estimate"]
+    ref = sps.spearmanr(x, y)[0]
+    assert (rho is None and np.isnan(ref)) or rho == pytest.approx(ref, abs=1e-12)
+    assert "runs" in res["sentence"] and "pilot" in res["sentence"]  # n = 6: the caveat is said
+    for name in ("compare.json", "compare.csv", "compare.png"):
+        assert (d / "grid" / name).stat().st_size > 0
+    header = (d / "grid" / "compare.csv").read_text().splitlines()[0].split(",")
+    assert header[:3] == ["reg", "lambda", "n"] and "accuracy_mean" in header
+
+
+def test_compare_bad_inputs(cli, sweep, tmp_path):
+    d, _ = sweep
+    (tmp_path / "not-a-run").mkdir()
+    code, out, err = cli(["compare", tmp_path / "not-a-run"])
+    assert_one_line_error(code, out, err, "not-a-run is not a finetune output", exit_code=2)
+    from geomscope.study import grid, run_sweep
+    from geomscope.train import FinetuneConfig
+
+    model, train, dev = d / "m", d / "train.csv", d / "dev.csv"
+    base = FinetuneConfig(
+        model=str(model),
+        train=str(train),
+        eval=str(dev),
+        out=str(tmp_path / "pair"),
+        epochs=1,
+        batch_size=8,
+        device="cpu",
+        reg="none",
+    )
+    assert all(r["status"] == "done" for r in run_sweep(base, grid(["none"], [0.0], [0, 1]), quiet=True))
+    other = tmp_path / "other"
+    import shutil
+
+    shutil.copytree(tmp_path / "pair" / "none_lambda0_seed0", other)
+    run = json.loads((other / "run.json").read_text())
+    run["config"]["eval"] = str(tmp_path / "another-dev.csv")
+    (other / "run.json").write_text(json.dumps(run))
+    code, out, err = cli(["compare", tmp_path / "pair", other, "--out", tmp_path / "cmp"])
+    assert_one_line_error(code, out, err, "different eval sets", "--allow-mixed", exit_code=2)
+    code, out, err = cli(
+        ["compare", tmp_path / "pair", other, "--out", tmp_path / "cmp", "--allow-mixed", "--quiet"]
+    )
+    assert code == 0, err
