@@ -10,7 +10,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test bench lint docs clean
+.PHONY: install demo test bench lint docs study clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,6 +32,16 @@ demo: $(STAMP)
 	@echo "report: $(DEMO)/report.json $(DEMO)/report.csv"
 	@echo "figures: $$(ls $(DEMO)/figures/* | tr '\n' ' ')"
 
+STUDY := study_out
+
+# does isotropy help? a 3 x 3 grid (I-STAR lambda -1, 0, 1; seeds 0-2) on the bundled MiniLM and the
+# sample sentiment data, then the comparison (about 20 minutes on 2 CPU cores; not part of make test)
+study: $(STAMP)
+	$(BIN)/geomscope finetune bundled:minilm --train sample_data/sentiment/train.csv \
+		--eval sample_data/sentiment/dev.csv --text-field sentence --label-field label \
+		--reg istar --lambda=-1,0,1 --seed 0,1,2 --epochs 2 --lr 3e-5 --out $(STUDY)
+	$(BIN)/geomscope compare $(STUDY)
+
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
@@ -47,4 +57,4 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check geomscope tests benchmarks
 
 clean:
-	rm -rf $(VENV) demo_out .pytest_cache
+	rm -rf $(VENV) demo_out study_out .pytest_cache
