@@ -34,12 +34,12 @@ demo: $(STAMP)
 
 STUDY := study_out
 
-# does isotropy help? a 3 x 3 grid (I-STAR lambda -1, 0, 1; seeds 0-2) on the bundled MiniLM and the
+# does isotropy help? a 3 x 3 grid (I-STAR lambda -1, 0, 1; seeds 0-2; 3 epochs) on the bundled MiniLM and the
 # sample sentiment data, then the comparison (about 20 minutes on 2 CPU cores; not part of make test)
 study: $(STAMP)
 	$(BIN)/geomscope finetune bundled:minilm --train sample_data/sentiment/train.csv \
 		--eval sample_data/sentiment/dev.csv --text-field sentence --label-field label \
-		--reg istar --lambda=-1,0,1 --seed 0,1,2 --epochs 2 --lr 3e-5 --out $(STUDY)
+		--reg istar --lambda=-1,0,1 --seed 0,1,2 --epochs 3 --lr 1e-4 --out $(STUDY)
 	$(BIN)/geomscope compare $(STUDY)
 
 test: $(STAMP)

@@ -108,3 +108,7 @@ def flatten(values) -> list:
     for v in values or []:
         out.extend(v if isinstance(v, list) else [v])
     return out
+
+
+def zeta_option(help: str):
+    return typer.Option(0.2, "--zeta", min=0.0, max=1.0, metavar="FLOAT", help=help)

@@ -29,6 +29,7 @@ from geomscope.cli._options import (
     regulariser_list,
     seed_list,
     value,
+    zeta_option,
 )
 
 
@@ -61,14 +62,7 @@ def finetune_cmd(
         help="Weight of the penalty (I-STAR: < 0 pushes away from isotropy, > 0 toward it); a comma list "
         "(e.g. -1,-0.1,0,0.1,1) runs a grid.",
     ),
-    zeta: float = typer.Option(
-        0.2,
-        "--zeta",
-        min=0.0,
-        max=1.0,
-        metavar="FLOAT",
-        help="IsoScore* shrinkage weight on C0 (0 = plain IsoScore).",
-    ),
+    zeta: float = zeta_option("IsoScore* shrinkage weight on C0 (0 = plain IsoScore)."),
     c0_points: int = typer.Option(
         250_000, "--c0-points", min=2, metavar="N", help="Token vectors used for C0 each epoch (at most)."
     ),

@@ -24,6 +24,7 @@ from geomscope.cli._options import (
     quiet_option,
     split_list,
     value,
+    zeta_option,
 )
 
 CORE_METRICS = "isoscore,isoscore_star,avgcos,spectrum,outliers,twonn,partition"
@@ -56,14 +57,7 @@ def score_cmd(
         "scikit-dimension estimators (e.g. mle, lpca); 'all' = those seven core metrics (the estimators "
         "only when named).",
     ),
-    zeta: float = typer.Option(
-        0.2,
-        "--zeta",
-        min=0.0,
-        max=1.0,
-        metavar="FLOAT",
-        help="IsoScore* weight on the shrinkage target (0 = plain IsoScore).",
-    ),
+    zeta: float = zeta_option("IsoScore* weight on the shrinkage target (0 = plain IsoScore)."),
     shrinkage_target: str = typer.Option(
         "trace",
         "--shrinkage-target",
