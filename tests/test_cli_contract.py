@@ -85,3 +85,8 @@ def test_text_field_is_one_name():
 
     hidden = [p for p in typer.main.get_command(app).commands["extract"].params if "--text-column" in p.opts]
     assert hidden and hidden[0].hidden  # the old spelling still works, but is not advertised
+
+
+def test_bare_command_prints_help(cli):
+    code, out, err = cli([])
+    assert code == 0 and out.startswith("Usage: geomscope") and err == ""

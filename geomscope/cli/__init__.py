@@ -34,7 +34,7 @@ def _usage_error_line(e: Exception) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``geomscope`` console script (and ``python -m geomscope``)."""
-    args = list(sys.argv[1:] if argv is None else argv)
+    args = list(sys.argv[1:] if argv is None else argv) or ["--help"]  # bare `geomscope`: the help
     debug = "--debug" in args
     try:
         code = app(args=args, prog_name="geomscope", standalone_mode=False)
