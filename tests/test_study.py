@@ -148,3 +148,29 @@ def test_compare_bad_inputs(cli, sweep, tmp_path):
         ["compare", tmp_path / "pair", other, "--out", tmp_path / "cmp", "--allow-mixed", "--quiet"]
     )
     assert code == 0, err
+
+
+def test_sweep_restarts_a_run_cut_off_before_its_first_checkpoint(tmp_path):
+    from geomscope.study import grid, run_sweep
+    from geomscope.train import FinetuneConfig
+
+    model = make_checkpoint(tmp_path / "m", words_of([]))
+    train = write_csv(tmp_path / "train.csv", synthetic_rows(16, 0))
+    base = FinetuneConfig(
+        model=str(model),
+        train=str(train),
+        eval=str(train),
+        out=str(tmp_path / "g"),
+        epochs=1,
+        batch_size=8,
+        device="cpu",
+        reg="none",
+    )
+    points = grid(["none"], [0.0], [0, 1])
+    cut = tmp_path / "g" / points[0].name
+    cut.mkdir(parents=True)
+    (cut / ".geomscope-finetune.json").write_text('{"format": "geomscope-finetune", "files": []}')
+    (cut / "run.json").write_text("{}")  # what a run killed during its first epoch leaves
+    (tmp_path / "g" / "sweep.json").write_text('{"format": "geomscope-sweep", "runs": []}')
+    assert [r["status"] for r in run_sweep(base, points, quiet=True)] == ["done", "done"]
+    assert [r["status"] for r in run_sweep(base, points, quiet=True)] == ["skipped", "skipped"]

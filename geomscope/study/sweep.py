@@ -85,11 +85,22 @@ def run_sweep(base, points: list[GridPoint], *, quiet: bool = False, note=None) 
                 "status": "done",
                 "error": None,
             }
-            if (run_dir / "summary.json").is_file():
+            if (run_dir / "summary.json").is_file() and not base.overwrite:
                 rec["status"] = "skipped"
-            else:
-                resume = (run_dir / "checkpoint" / "state.json").is_file()
-                cfg = replace(base, reg=p.reg, lam=p.lam, seed=p.seed, out=str(run_dir), resume=resume)
+            else:  # an interrupted run resumes from its last epoch (with --overwrite everything is redone)
+                resume = (run_dir / "checkpoint" / "state.json").is_file() and not base.overwrite
+                # a run of ours cut off before its first checkpoint is started again (finetune still
+                # refuses a directory it did not write)
+                overwrite = base.overwrite or (run_dir.exists() and not resume)
+                cfg = replace(
+                    base,
+                    reg=p.reg,
+                    lam=p.lam,
+                    seed=p.seed,
+                    out=str(run_dir),
+                    resume=resume,
+                    overwrite=overwrite,
+                )
                 try:
                     finetune(cfg, quiet=True, note=lambda msg: None)
                 except GeomscopeError as e:
