@@ -250,6 +250,16 @@ class TwoNNError(NamedTuple):
     method: str
 
 
+def decimation_se(points: np.ndarray, estimate, n_splits: int, rng) -> float | None:
+    """Standard error by decimation: the points split at random into ``n_splits`` disjoint parts,
+    ``estimate`` on each, SE = std(ddof=1) / sqrt(n_splits). None when a part would have < 3 points."""
+    parts = np.array_split(rng.permutation(points.shape[0]), n_splits)
+    if min(p.size for p in parts) < 3:
+        return None
+    reps = [estimate(points[np.sort(p)]) for p in parts]
+    return float(np.std(reps, ddof=1) / np.sqrt(n_splits))
+
+
 def twonn_error(
     X,
     method: str = "bootstrap",
@@ -293,15 +303,14 @@ def twonn_error(
         if n_splits < 2:
             raise InputError(f"n_splits must be >= 2; got {n_splits}")
         a, _, _, _ = prepare_points(X, dedup, expect_dim=expect_dim)
-        perm = rng.permutation(a.shape[0])
-        parts = np.array_split(perm, n_splits)
-        if min(p.size for p in parts) < 3:
+        se = decimation_se(
+            a,
+            lambda p: twonn(p, discard_fraction, estimator, False, block_size, device).dimension,
+            n_splits,
+            rng,
+        )
+        if se is None:
             raise DataError(f"{a.shape[0]} points are too few to split into {n_splits} parts of >= 3")
-        reps = [
-            twonn(a[np.sort(p)], discard_fraction, estimator, False, block_size, device).dimension
-            for p in parts
-        ]
-        se = float(np.std(reps, ddof=1) / np.sqrt(n_splits))
         desc = (
             f"decimation: {a.shape[0]} distinct points split at random into {n_splits} disjoint parts "
             f"(seed={seed}), SE = std(ddof=1)/sqrt({n_splits}) of the part estimates; {tag}"

@@ -17,13 +17,15 @@ from __future__ import annotations
 import numpy as np
 
 from geomscope.errors import DataError, InputError
+from geomscope.metrics.twonn import decimation_se
+from geomscope.schema import EXTRA_ID_PREFIX
 from geomscope.score.options import ScoreOptions
 
 
 def uncertainty_methods(o: ScoreOptions) -> dict[str, str]:
     out = {}
     for name in o.id_names:
-        key = "twonn" if name == "twonn" else f"id_{name}"
+        key = "twonn" if name == "twonn" else f"{EXTRA_ID_PREFIX}{name}"
         out[key] = (
             f"repeated decimation: the de-duplicated sample split at random into {o.id_repeats} disjoint "
             f"parts (seed {o.seed}), the estimator on each, SE = std(ddof=1)/sqrt({o.id_repeats}) of "
@@ -39,19 +41,10 @@ def _dedup(sample: np.ndarray) -> tuple[np.ndarray, int]:
     return x, removed
 
 
-def _decimation(x: np.ndarray, fn, parts: int, seed: int) -> float | None:
-    rng = np.random.default_rng(seed)
-    split = np.array_split(rng.permutation(x.shape[0]), parts)
-    if min(p.size for p in split) < 3:
-        return None
-    reps = [fn(x[np.sort(p)]) for p in split]
-    return float(np.std(reps, ddof=1) / np.sqrt(parts))
-
-
 def estimate(sample, o: ScoreOptions, notes: dict) -> dict:
     """{"values": {key: float|None}, "se": {key: float|None}, "n_used", "duplicates_removed"}."""
     out = {"values": {}, "se": {}, "n_used": 0, "duplicates_removed": 0}
-    keys = {n: ("twonn" if n == "twonn" else f"id_{n}") for n in o.id_names}
+    keys = {n: ("twonn" if n == "twonn" else f"{EXTRA_ID_PREFIX}{n}") for n in o.id_names}
     if sample is None or len(sample) < 3:
         n = 0 if sample is None else len(sample)
         for k in keys.values():
@@ -82,10 +75,10 @@ def estimate(sample, o: ScoreOptions, notes: dict) -> dict:
                 from geomscope.metrics.intrinsic import estimate_id
 
                 def fn(a, name=name):
-                    return float(_id_value(estimate_id(a, name)))
+                    return float(estimate_id(a, name).dimension)
 
                 out["values"][key] = fn(x)
-                out["se"][key] = _decimation(x, fn, o.id_repeats, o.seed)
+                out["se"][key] = decimation_se(x, fn, o.id_repeats, np.random.default_rng(o.seed))
                 if out["se"][key] is None:
                     notes.setdefault(f"se.{key}", "too few distinct points to split for the standard error")
         except (DataError, InputError, ValueError, np.linalg.LinAlgError) as e:
@@ -93,14 +86,3 @@ def estimate(sample, o: ScoreOptions, notes: dict) -> dict:
             out["se"][key] = None
             notes.setdefault(key, str(e).splitlines()[0] if str(e) else type(e).__name__)
     return out
-
-
-def _id_value(res) -> float:
-    for attr in ("dimension", "dimension_", "estimate"):
-        if hasattr(res, attr):
-            return getattr(res, attr)
-    if isinstance(res, dict):
-        for k in ("dimension", "estimate", "value"):
-            if k in res:
-                return res[k]
-    return res

@@ -187,7 +187,7 @@ def _scalar_keys(o: ScoreOptions) -> list[str]:
     keys = _moment_keys(o)
     if "twonn" in o.id_names:
         keys.append("twonn")
-    keys += [f"id_{n}" for n in o.extra_id]
+    keys += [f"{EXTRA_ID_PREFIX}{n}" for n in o.extra_id]
     return keys
 
 
