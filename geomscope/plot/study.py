@@ -53,6 +53,9 @@ def _scatter(ax, result: dict) -> None:
         fit, lo, hi = band
         ax.plot(grid, fit, color="0.3", lw=1)
         ax.fill_between(grid, lo, hi, color="0.6", alpha=0.3, lw=0, label="least-squares fit, 95% band")
+    if y.size:  # the band may run far past the data where x has few distinct values: show the data's range
+        pad = max(0.02, 0.1 * float(np.ptp(y)))
+        ax.set_ylim(max(0.0, y.min() - pad), min(1.0, y.max() + pad))
     if norm is not None:
         sm = matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap)
         ax.figure.colorbar(sm, ax=ax, label="lambda")
