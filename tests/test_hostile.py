@@ -177,8 +177,10 @@ def test_a_manifest_naming_paths_outside_the_run_is_refused(cli, bert, text, tmp
     for args in (["score", run, "--quiet"], ["inspect", run]):
         code, out, err = cli(args)
         assert_one_line_error(code, out, err, "is not a shard name geomscope writes", exit_code=2)
-    code, out, err = _extract(cli, bert, text, run, "--overwrite")
+    code, out, err = _extract(cli, bert, text, run)  # resume would trust the entries: refused
     assert_one_line_error(code, out, err, "is not a shard name geomscope writes", exit_code=2)
+    code, _, err = _extract(cli, bert, text, run, "--overwrite")  # starts over, deleting by no listed name
+    assert code == 0, err
     assert victim.read_text() == "keep"
 
 
@@ -309,6 +311,11 @@ def test_structurally_broken_manifest_is_one_line_everywhere(cli, bert, text, tm
     ):
         code, out, err = cli(args)
         assert_one_line_error(code, out, err, needle, exit_code=2)
+    code, _, err = _extract(
+        cli, bert, text, run, "--overwrite"
+    )  # ours, though damaged: --overwrite starts over
+    assert code == 0, err
+    assert json.loads((run / "manifest.json").read_text())["complete"] is True
 
 
 # ------------------------------------------------------------------------------ resources and leftovers

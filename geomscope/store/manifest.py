@@ -88,6 +88,15 @@ def check_manifest(m, path: Path) -> dict:
     return m
 
 
+def _names_itself_ours(path: Path) -> bool:
+    """A JSON object that says it is a geomscope manifest (damaged or not): --overwrite may remove it."""
+    try:
+        m = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(m, dict) and m.get("format") == "geomscope-run"
+
+
 def read_manifest(path: Path) -> dict:
     """Read and check a manifest (InputError, one line, for anything unreadable or malformed)."""
     try:
@@ -95,8 +104,8 @@ def read_manifest(path: Path) -> dict:
             m = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InputError(
-            f"{path} is unreadable ({str(e).splitlines()[0]}); rerun `geomscope extract` with "
-            "--overwrite, or into a new --out"
+            f"{path} is unreadable ({str(e).splitlines()[0]}); move it out of the way, or extract "
+            "into a new --out"
         ) from e
     return check_manifest(m, path)
 
@@ -209,7 +218,7 @@ class RunWriter:
         self.path = self.dir / MANIFEST_NAME
         if self.dir.exists() and not self.dir.is_dir():
             raise InputError(f"--out {self.dir} is a file; give a directory for the run")
-        existing = self._read_existing()
+        existing = self._read_existing(overwrite)
         if (
             existing is None
             and self.dir.exists()
@@ -270,12 +279,17 @@ class RunWriter:
             self._save()
 
     # -- reading -------------------------------------------------------------------------------------
-    def _read_existing(self) -> dict | None:
+    def _read_existing(self, overwrite: bool) -> dict | None:
         if not self.path.exists() and not self.path.is_symlink():
             return None
         if self.path.is_symlink() or not self.path.is_file():
             raise InputError(f"{self.path} is not a plain file; choose another --out")
-        return read_manifest(self.path)
+        try:
+            return read_manifest(self.path)
+        except InputError:
+            if overwrite and _names_itself_ours(self.path):
+                return {"shards": []}  # ours but damaged: --overwrite removes it and temporaries, starts over
+            raise
 
     def _intact(self, entry: dict) -> bool:
         """A finished shard is kept on resume only if it is a plain file of the recorded size and sha256."""
