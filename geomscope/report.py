@@ -50,6 +50,7 @@ from geomscope.schema import (
     REPORT_FORMAT_VERSION,
     REPORT_KEYS,
     SCALAR_METRIC_NAMES,
+    TABLE_METRICS,
     csv_columns,
     extra_id_keys,
 )
@@ -173,14 +174,34 @@ def _fmt(v, se=None) -> str:
     return s
 
 
-def report_table(report: dict):
-    """A rich Table: one row per layer, the requested metrics as value over ±standard error."""
+def table_metrics(report: dict, columns=None) -> tuple[list[str], list[str]]:
+    """(metrics to show, all metrics with values): ``columns`` None = the default subset
+    (:data:`geomscope.schema.TABLE_METRICS`, which fits 80 columns), ``["all"]`` = every metric with a
+    value, else the named ones (InputError, one line, for a name without values)."""
+    layers = report.get("layers", [])
+    present = [
+        m for m in (*SCALAR_METRIC_NAMES, *extra_id_keys(layers)) if any(e.get(m) is not None for e in layers)
+    ]
+    if not columns:
+        return [m for m in TABLE_METRICS if m in present] or present[:5], present
+    if list(columns) == ["all"]:
+        return present, present
+    unknown = [c for c in columns if c not in present]
+    if unknown:
+        raise InputError(
+            f"--columns {unknown[0]!r} has no values in this report; choose among {', '.join(present)} or all"
+        )
+    return list(dict.fromkeys(columns)), present
+
+
+def report_table(report: dict, columns=None):
+    """A rich Table: one row per layer, the chosen metrics (:func:`table_metrics`) as value over
+    ±standard error, and a caption naming what is hidden."""
     from rich.table import Table
 
     layers = report.get("layers", [])
-    metrics = [
-        m for m in (*SCALAR_METRIC_NAMES, *extra_id_keys(layers)) if any(e.get(m) is not None for e in layers)
-    ]
+    metrics, present = table_metrics(report, columns)
+    hidden = [m for m in present if m not in metrics]
     src = report.get("source", {})
     model = report.get("model") or {}
     title = model.get("name") or Path(str(src.get("path", ""))).name
@@ -188,7 +209,12 @@ def report_table(report: dict):
         title += f"@{model['revision']}"
     t = Table(
         title=f"geomscope score: {title}",
-        caption=_caption(report),
+        caption=_caption(report)
+        + (
+            f"\n{len(hidden)} more metric(s) in the report ({', '.join(hidden)}): --columns all, or name them"
+            if hidden
+            else ""
+        ),
         header_style="bold",
         pad_edge=False,
         padding=(0, 1),
@@ -197,7 +223,7 @@ def report_table(report: dict):
     t.add_column("rows", justify="right", no_wrap=True)
     for m in metrics:
         t.add_column(METRIC_LABELS.get(m, m), justify="right", no_wrap=True)
-    show_out = any(e.get("outliers") for e in layers)
+    show_out = any(e.get("outliers") for e in layers) and (bool(columns) or not hidden)
     if show_out:
         t.add_column("outliers")
     for e in layers:

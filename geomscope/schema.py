@@ -59,6 +59,9 @@ SCALAR_METRICS: tuple[MetricSpec, ...] = (
 SCALAR_METRIC_NAMES: tuple[str, ...] = tuple(m.name for m in SCALAR_METRICS)
 METRIC_LABELS: dict[str, str] = {m.name: m.label for m in SCALAR_METRICS}
 
+#: the metrics of the terminal table by default: a readable subset that fits 80 columns
+TABLE_METRICS: tuple[str, ...] = ("isoscore_star", "isoscore", "avgcos", "pr", "twonn")
+
 #: prefix of the keys of extra intrinsic-dimension estimators (``id_mle``, ``id_lpca`` ...)
 EXTRA_ID_PREFIX = "id_"
 

@@ -135,3 +135,38 @@ def test_table(tmp_path):
     con.print(t)
     text = con.export_text()
     assert "m@step1000" in text and "±0.01" in text and "3 7" in text
+
+
+def test_terminal_table_fits_80_columns_and_names_what_is_hidden():
+    from rich.console import Console
+
+    from geomscope.schema import LAYER_KEYS, SCALAR_METRIC_NAMES
+
+    layers = []
+    for i in range(12):
+        e = dict.fromkeys(LAYER_KEYS)
+        e.update(
+            layer=f"layer_{i:02d}",
+            index=i,
+            n_rows=123456,
+            se={m: 0.00123 for m in SCALAR_METRIC_NAMES},
+            outliers=[1, 2, 3, 4, 5, 6, 7, 8],
+            notes={},
+            flags=[],
+        )
+        e.update({m: 0.123456 + i for m in SCALAR_METRIC_NAMES})
+        layers.append(e)
+    rep = {**_report(), "layers": layers}
+    c = Console(width=80, record=True, force_terminal=False)
+    c.print(report_table(rep))
+    text = c.export_text()
+    assert "…" not in text and max(map(len, text.splitlines())) <= 80
+    assert all(f"layer_{i:02d}" in text for i in range(12))
+    header = next(ln for ln in text.splitlines() if "IsoScore*" in ln)
+    assert "TwoNN" in header and "top10" not in header
+    assert "--columns all" in text and "top10_share" in text  # the caption names what is hidden
+    wide = Console(width=250, record=True, force_terminal=False)
+    wide.print(report_table(rep, ["all"]))
+    assert "top10" in next(ln for ln in wide.export_text().splitlines() if "IsoScore*" in ln)
+    with pytest.raises(InputError, match="--columns 'nope'"):
+        report_table(rep, ["nope"])

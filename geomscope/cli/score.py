@@ -152,6 +152,13 @@ def score_cmd(
         help="Directory (report.json + report.csv) or prefix (PREFIX.json + PREFIX.csv). Default: the run "
         "directory; for an array FILE_report.* next to it.",
     ),
+    columns: List[str] = typer.Option(
+        [],
+        "--columns",
+        metavar="LIST",
+        help="Metrics in the terminal table: a comma list, or all (default: isoscore_star, isoscore, avgcos, "
+        "pr, twonn, which fit 80 columns). The JSON and CSV always hold every metric.",
+    ),
     as_json: bool = json_option("the report"),
     quiet: bool = quiet_option("No progress bar and no table (warnings still shown)."),
 ) -> None:
@@ -196,7 +203,7 @@ def score_cmd(
     report = score(source, opts, progress=not quiet and sys.stderr.isatty(), log=log)
     jpath, cpath = save_report(report, out if out is not None else _default_out(source))
     if not quiet:
-        console.print(report_table(report))
+        console.print(report_table(report, split_list(columns) or None))
         console.print(f"wrote {jpath}\nwrote {cpath}", highlight=False)
     if as_json:
         sys.stdout.write(to_json(report) + "\n")
