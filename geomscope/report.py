@@ -2,8 +2,9 @@
 
 JSON (``format: "geomscope-report"``, ``format_version: 1``), top-level keys :data:`REPORT_KEYS`:
 
-- ``source``: ``{kind: "run"|"array", path, dataset}``; ``model`` (runs): ``{name, revision, commit,
-  hidden_size}``; ``run`` (runs): ``{dir, complete, partial, rows, docs}``.
+- ``source``: ``{kind: "run"|"array", path, dataset}``, arrays also ``format`` (npy, h5, npz,
+  safetensors, pt, arrow, parquet), ``layers`` (the arrays read) and ``files``; ``model`` (runs):
+  ``{name, revision, commit, hidden_size}``; ``run`` (runs): ``{dir, complete, partial, rows, docs}``.
 - ``params``: metrics, zeta, target ("trace" | "identity" | "file:<path>" | "run:<dir>" |
   "layer:<name>"), avgcos_variants, outlier_rule, outlier_threshold, id_estimator (comma list of the
   ID estimators that ran), twonn_fit, discard_fraction, id_sample, seed, exclude_special, max_rows,
@@ -19,6 +20,7 @@ JSON (``format: "geomscope-report"``, ``format_version: 1``), top-level keys :da
   twonn_duplicates_removed; dropped {nonfinite, special, not_sampled}; flags (e.g. rank_limited,
   maybe_transposed, nonfinite_rows_dropped, zero_norm_rows); notes {key: why}. Extra
   intrinsic-dimension estimators add ``id_<name>`` keys after these.
+- ``command``: the ``geomscope score ...`` command line that wrote the report (null from the library).
 - ``embeddings``: partition isotropy I(W) of the checkpoint's matrices, ``{input: {raw, centred},
   output: {raw, centred} | null, tied, checkpoint, input_key, output_key, note}``, or null with the
   reason in ``notes.embeddings``.
@@ -52,6 +54,7 @@ from geomscope.schema import (
     SCALAR_METRIC_NAMES,
     TABLE_METRICS,
     csv_columns,
+    csv_metric_columns,
     extra_id_keys,
 )
 
@@ -59,7 +62,9 @@ __all__ = [
     "LAYER_KEYS",
     "REPORT_FORMAT",
     "REPORT_KEYS",
+    "Report",
     "csv_columns",
+    "layer_rows",
     "load_report",
     "report_paths",
     "report_table",
@@ -90,25 +95,71 @@ def to_json(report: dict) -> str:
     return json.dumps(_plain(report), indent=1, allow_nan=False)
 
 
-def to_csv(report: dict) -> str:
+def layer_rows(report: dict) -> list[dict]:
+    """One dict per layer with the CSV columns (:func:`csv_columns`) as keys; outliers as a list of
+    dimensions, missing numbers as None."""
     cols = csv_columns(report)
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(cols)
+    rows = []
     for e in report.get("layers", []):
         se = e.get("se") or {}
-        row = []
+        row = {}
         for c in cols:
             if c == "outliers":
-                v = " ".join(str(int(d)) for d in e.get("outliers") or [])
-            elif c.startswith("se_"):
-                v = se.get(c[3:])
+                row[c] = [int(d) for d in e.get("outliers") or []]
             else:
-                v = e.get(c)
-            v = _plain(v)
-            row.append("" if v is None else (repr(v) if isinstance(v, float) else v))
-        w.writerow(row)
+                row[c] = _plain(se.get(c[3:]) if c.startswith("se_") else e.get(c))
+        rows.append(row)
+    return rows
+
+
+def to_csv(report: dict) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(csv_columns(report))
+    for row in layer_rows(report):
+        out = []
+        for c, v in row.items():
+            if c == "outliers":
+                v = " ".join(map(str, v))
+            out.append("" if v is None else (repr(v) if isinstance(v, float) else v))
+        w.writerow(out)
     return buf.getvalue()
+
+
+class Report(dict):
+    """A score report as :func:`load_report` returns it: the JSON's dict (every key of
+    :data:`REPORT_KEYS`), plus :meth:`to_frame` for pandas and a table for Jupyter."""
+
+    def to_frame(self, long: bool = False):
+        """A pandas DataFrame. Wide (default): one row per layer, the CSV's columns (``layer``,
+        ``index``, ``n_rows``, one per scalar metric, ``outliers`` as lists, ``se_<metric>``).
+        ``long=True``: the tidy form, one row per (layer, metric) with ``value`` and ``se``, only
+        metrics with a value in some layer."""
+        import pandas as pd
+
+        rows = layer_rows(self)
+        wide = pd.DataFrame(rows, columns=csv_columns(self))
+        if not long:
+            return wide
+        metrics = [m for m in csv_metric_columns(self) if any(r[m] is not None for r in rows)]
+        tidy = [
+            {
+                "layer": r["layer"],
+                "index": r["index"],
+                "n_rows": r["n_rows"],
+                "metric": m,
+                "value": r[m],
+                "se": r[f"se_{m}"],
+            }
+            for r in rows
+            for m in metrics
+        ]
+        return pd.DataFrame(tidy, columns=["layer", "index", "n_rows", "metric", "value", "se"])
+
+    def _repr_html_(self) -> str:
+        from geomscope.htmlreport import report_table_html
+
+        return report_table_html(self)
 
 
 def report_paths(out: str | os.PathLike) -> tuple[Path, Path]:
@@ -144,8 +195,9 @@ def save_report(report: dict, out: str | os.PathLike) -> tuple[Path, Path]:
     return jpath, cpath
 
 
-def load_report(path: str | os.PathLike) -> dict:
-    """Read a report JSON written by ``geomscope score``; InputError (one line) otherwise."""
+def load_report(path: str | os.PathLike) -> Report:
+    """Read a report JSON written by ``geomscope score`` (or a directory holding ``report.json``)
+    as a :class:`Report`; InputError (one line) otherwise."""
     p = Path(path)
     if p.is_dir():
         p = p / "report.json"
@@ -162,7 +214,7 @@ def load_report(path: str | os.PathLike) -> dict:
         raise InputError(
             f"{p} has report format_version {rep.get('format_version')}; upgrade geomscope to read it"
         )
-    return rep
+    return Report(rep)
 
 
 def _fmt(v, se=None) -> str:

@@ -25,6 +25,7 @@ REPORT_KEYS = (
     "layers",
     "embeddings",
     "notes",
+    "command",
 )
 
 

@@ -539,7 +539,7 @@ def test_not_a_source(tmp_path):
     (tmp_path / "notes.txt").write_text("hi")
     with pytest.raises(InputError, match="not a geomscope run"):
         score(tmp_path / "empty")
-    with pytest.raises(InputError, match="neither a run directory nor an array"):
+    with pytest.raises(InputError, match="not a format score reads"):
         score(tmp_path / "notes.txt")
     with pytest.raises(InputError, match="does not exist"):
         score(tmp_path / "missing")

@@ -111,7 +111,7 @@ def test_bad_sources(cli, tmp_path):
     np.save(tmp_path / "one.npy", np.zeros((1, 4)))
     cases = [
         (tmp_path / "d", "not a geomscope run directory"),
-        (tmp_path / "t.txt", "neither a run directory nor an array"),
+        (tmp_path / "t.txt", "not a format score reads"),
         (tmp_path / "nope", "does not exist"),
         (tmp_path / "flat.npy", "2-D (N, D)"),
         (tmp_path / "cube.npy", "2-D (N, D)"),

@@ -13,7 +13,7 @@ import sys
 
 import typer
 
-from geomscope.cli import compare, extract, finetune, inspect, plot, score  # noqa: F401  (registers commands)
+from geomscope.cli import compare, export, extract, finetune, inspect, plot, report, score  # noqa: F401
 from geomscope.cli._app import app, state
 from geomscope.errors import GeomscopeError
 
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``geomscope`` console script (and ``python -m geomscope``)."""
     args = list(sys.argv[1:] if argv is None else argv) or ["--help"]  # bare `geomscope`: the help
     debug = "--debug" in args
+    state["argv"] = ["geomscope", *args]  # the provenance of what a command writes (score reports)
     try:
         code = app(args=args, prog_name="geomscope", standalone_mode=False)
     except GeomscopeError as e:

@@ -42,13 +42,13 @@ app = typer.Typer(
         "intrinsic dimension per layer, plot them, and fine-tune with I-STAR / CosReg."
     ),
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion (bash, zsh, fish, PowerShell)
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # plain, conventional help: the README reference is generated from it
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-state = {"debug": False}
+state: dict = {"debug": False, "argv": None}
 
 
 def _version(value: bool) -> None:

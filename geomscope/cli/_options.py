@@ -58,12 +58,13 @@ def quiet_option(what: str = "No progress bar or messages."):
     return typer.Option(False, "--quiet", "-q", help=what)
 
 
-def layers_option(default, help: str):
-    return typer.Option(default, "--layers", "-l", metavar="LIST", help=help)
+def layers_option(default, help: str, complete=None):
+    """``--layers/-l``; ``complete`` (geomscope.cli._complete) supplies shell-completion candidates."""
+    return typer.Option(default, "--layers", "-l", metavar="LIST", help=help, autocompletion=complete)
 
 
-def metrics_option(default, help: str):
-    return typer.Option(default, "--metrics", "-m", metavar="LIST", help=help)
+def metrics_option(default, help: str, complete=None):
+    return typer.Option(default, "--metrics", "-m", metavar="LIST", help=help, autocompletion=complete)
 
 
 def _list_parser(convert, what: str):

@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from geomscope import choices
+from geomscope.cli import _complete
 from geomscope.cli._app import app
 from geomscope.cli._options import (
     ComputeDtype,
@@ -45,6 +46,7 @@ def extract_cmd(
     layers: str = layers_option(
         "all",
         "all | blocks | 0,6,12 | 4-8 | -1 | layer_06: hidden states to keep (0 = embeddings, i = block i).",
+        _complete.model_layers,
     ),
     revision: Optional[str] = typer.Option(
         None, "--revision", metavar="REV", help="Hub revision: tag, branch or commit."

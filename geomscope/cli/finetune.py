@@ -16,6 +16,7 @@ from typing import List, Optional
 import typer
 
 from geomscope import choices
+from geomscope.cli import _complete
 from geomscope.cli._app import app
 from geomscope.cli._options import (
     PenaltyPrecision,
@@ -70,6 +71,7 @@ def finetune_cmd(
         None,
         "Hidden states for I-STAR: blocks | all | 1-6 | 2,4,-1 | layer_03 (default: blocks, every "
         "block; 0 = embedding output).",
+        _complete.model_layers,
     ),
     epochs: int = typer.Option(4, "--epochs", min=1, metavar="N", help="Training epochs."),
     lr: float = typer.Option(1e-5, "--lr", min=0.0, metavar="FLOAT", help="AdamW learning rate (constant)."),

@@ -9,6 +9,7 @@ from typing import List, Optional
 import typer
 
 from geomscope import choices
+from geomscope.cli import _complete
 from geomscope.cli._app import app
 from geomscope.cli._options import (
     FigureFormat,
@@ -42,9 +43,13 @@ def plot_cmd(
         help=f"{'|'.join(choices.PLOT_KINDS)} (repeat or comma-separate; default auto).",
     ),
     metrics: Optional[List[str]] = metrics_option(
-        None, "Metrics to draw (comma list); default isoscore_star,isoscore,avgcos,twonn where present."
+        None,
+        "Metrics to draw (comma list); default isoscore_star,isoscore,avgcos,twonn where present.",
+        _complete.plot_metrics,
     ),
-    layers: Optional[List[str]] = layers_option(None, "Only these layers (names or indices, comma list)."),
+    layers: Optional[List[str]] = layers_option(
+        None, "Only these layers (names or indices, comma list).", _complete.report_layers
+    ),
     fmt: Optional[FigureFormat] = typer.Option(
         None,
         "--format",

@@ -12,7 +12,8 @@ from typing import List, Optional
 import typer
 
 from geomscope import choices
-from geomscope.cli._app import app
+from geomscope.cli import _complete
+from geomscope.cli._app import app, state
 from geomscope.cli._options import (
     OutlierRule,
     OutlierStat,
@@ -34,9 +35,12 @@ def _default_out(source: str) -> str:
     import os
     from pathlib import Path
 
+    from geomscope.store import MANIFEST_NAME
+
     p = Path(source)
-    if p.is_dir():
+    if p.is_dir() and (p / MANIFEST_NAME).exists():  # a run: the report lives beside its shards
         return str(p) + os.sep
+    p = p.resolve() if p.name in ("", ".", "..") else p
     prefix = p.with_name(p.stem + "_report")
     return str(prefix) if os.access(p.parent, os.W_OK) else p.stem + "_report"
 
@@ -45,17 +49,27 @@ def _default_out(source: str) -> str:
 def score_cmd(
     source: str = typer.Argument(
         ...,
-        metavar="RUN_DIR|FILE.npy|FILE.h5",
-        help="A run directory written by `geomscope extract`, or an (N, D) array.",
+        metavar="SOURCE",
+        help="A run directory written by `geomscope extract`; an (N, D) array (.npy, .h5); or one "
+        "(N, D) array per layer: .npz, .safetensors, .pt (tensors only), .arrow, .parquet, or a "
+        "directory of them (datasets.save_to_disk, SAELens activation cache).",
     ),
     dataset: Optional[str] = typer.Option(
         None, "--dataset", metavar="PATH", help="Dataset path inside an .h5 array file."
+    ),
+    column: List[str] = typer.Option(
+        [],
+        "--column",
+        metavar="NAME",
+        help="Arrays to score from an .npz, .safetensors, .pt, Arrow or Parquet source "
+        "(members, tensors or columns; comma list or repeated; default: every 2-D numeric one).",
     ),
     metrics: List[str] = metrics_option(
         [CORE_METRICS],
         "Comma list of isoscore, isoscore_star, avgcos, spectrum, outliers, twonn, partition and "
         "scikit-dimension estimators (e.g. mle, lpca); 'all' = those seven core metrics (the estimators "
         "only when named).",
+        _complete.score_metrics,
     ),
     zeta: float = zeta_option("IsoScore* weight on the shrinkage target (0 = plain IsoScore)."),
     shrinkage_target: str = typer.Option(
@@ -117,7 +131,9 @@ def score_cmd(
     exclude_special: bool = typer.Option(
         False, "--exclude-special", help="Drop special tokens (CLS/SEP/BOS...) before measuring."
     ),
-    layers: List[str] = layers_option([], "Only these layers (names or indices, comma list)."),
+    layers: List[str] = layers_option(
+        [], "Only these layers (names or indices, comma list).", _complete.run_layers
+    ),
     max_rows: Optional[int] = typer.Option(
         None, "--max-rows", min=2, metavar="N", help="Seeded uniform sample of rows per layer."
     ),
@@ -199,8 +215,13 @@ def score_cmd(
         memory_mb=memory_mb,
         verify=not no_verify,
         dataset=dataset,
+        columns=tuple(split_list(column)) or None,
     ).validate()
     report = score(source, opts, progress=not quiet and sys.stderr.isatty(), log=log)
+    if state.get("argv"):
+        import shlex
+
+        report["command"] = shlex.join(state["argv"])
     jpath, cpath = save_report(report, out if out is not None else _default_out(source))
     if not quiet:
         console.print(report_table(report, split_list(columns) or None))

@@ -68,6 +68,31 @@ def new_figure(width: float, height: float) -> Figure:
     return fig
 
 
+def panels(ax, n: int, width: float, height: float, *, max_cols: int = 3, rows_only: bool = False, **kw):
+    """The Axes a figure function draws its ``n`` panels on, as ``(figure, 2-D array of Axes, own)``.
+
+    ``ax=None``: a new figure of ``width`` x ``height`` inches with a grid of subplots (one column
+    when ``rows_only``), ``own=True`` -- the function adds its titles, legend and caption.  Otherwise
+    the caller's Axes (one Axes when ``n == 1``, or a sequence of ``n``), in a row, and ``own=False``:
+    the function draws into them and leaves the caller's figure its own title and layout.
+    """
+    import numpy as np
+    from matplotlib.axes import Axes
+
+    from geomscope.errors import InputError
+
+    if ax is None:
+        nrows, ncols = (n, 1) if rows_only else grid_shape(n, max_cols)
+        fig = new_figure(width, height)
+        return fig, fig.subplots(nrows, ncols, squeeze=False, **kw), True
+    given = [ax] if isinstance(ax, Axes) else list(np.asarray(ax, dtype=object).ravel())
+    if len(given) != n or not all(isinstance(a, Axes) for a in given):
+        raise InputError(f"ax: this figure draws {n} panel(s); pass {n} matplotlib Axes (got {len(given)})")
+    out = np.empty((1, n), dtype=object)
+    out[0, :] = given
+    return given[0].figure, out, False
+
+
 def series_style(i: int) -> dict:
     """Colour, line style and marker of the i-th series (distinct for the first 32)."""
     return {

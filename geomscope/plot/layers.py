@@ -22,7 +22,7 @@ from geomscope.plot._style import (
     metric_name,
     metric_title,
     metric_variant,
-    new_figure,
+    panels,
     series_style,
     styled,
     uncertainty_caption,
@@ -49,6 +49,7 @@ def plot_layers(
     *,
     layers: Sequence[str] | None = None,
     labels: Sequence[str] | None = None,
+    ax=None,
 ) -> Figure:
     """Each metric against layer index.
 
@@ -56,15 +57,17 @@ def plot_layers(
     line per report, labelled ``model@revision``; error bars are ±1 ``se`` of the report (absent
     where the report gives none).  Panel titles carry the metric's variant taken from ``params``
     (e.g. ``IsoScore* (ζ=0.2, target=trace)``); when the reports differ in a variant, it goes into
-    the legend labels instead.  Null values leave gaps.
+    the legend labels instead.  Null values leave gaps.  ``ax``: draw into these Axes (one per
+    metric) of the caller's figure instead of a new one, and return that figure.
     """
     reports = select_layers(reports, layers)
     check_common_layers(reports)
     metrics = choose_metrics(reports, metrics)
     labels = list(labels) if labels is not None else report_labels(reports)
     nrows, ncols = grid_shape(len(metrics))
-    fig = new_figure(4.4 * ncols, 3.0 * nrows + 0.7 + 0.2 * ((len(reports) + 2) // 3))
-    axes = fig.subplots(nrows, ncols, squeeze=False)
+    height = 3.0 * nrows + 0.7 + 0.2 * ((len(reports) + 2) // 3)
+    fig, axes, own = panels(ax, len(metrics), 4.4 * ncols, height)
+    nrows, ncols = axes.shape
     handles = []
     for k, metric in enumerate(metrics):
         ax = axes[k // ncols][k % ncols]
@@ -95,6 +98,9 @@ def plot_layers(
             ax.legend(loc="best", frameon=True, framealpha=0.8, fontsize=7, title="variant", title_fontsize=7)
     for k in range(len(metrics), nrows * ncols):
         axes[k // ncols][k % ncols].set_visible(False)
+    if not own:  # the caller's figure: a legend on the first panel, no title or caption
+        axes[0][0].legend(handles=handles, labels=labels, loc="best", fontsize=7)
+        return fig
     # the legend heads the figure (its title is the figure title); the caption sits below the panels
     fig.legend(
         handles=handles,

@@ -12,7 +12,7 @@ from matplotlib.lines import Line2D
 
 from geomscope.errors import InputError
 from geomscope.plot._reports import layer_key, report_labels, report_name, select_layers
-from geomscope.plot._style import new_figure, styled
+from geomscope.plot._style import panels, styled
 
 HEAT_CMAP = "cividis"  # designed for colour-vision deficiency
 
@@ -101,6 +101,7 @@ def plot_outliers(
     labels: Sequence[str] | None = None,
     top_k: int | None = 40,
     relative: bool | None = None,
+    ax=None,
 ) -> Figure:
     """Heat map of ``layers[].outlier_statistic`` (rows: layers, columns: dimensions), one panel per
     report, with the dimensions in ``layers[].outliers`` marked by a dot.  When the hidden size
@@ -108,7 +109,8 @@ def plot_outliers(
     ``relative`` (default: every rule but ``magnitude``) each layer's statistic is divided by its
     mean over all dimensions, so layers of different scale share one colour scale (for the
     ``variance`` rule the threshold k is marked on the colorbar); raw values get a log colour scale
-    when positive and spanning more than two decades.
+    when positive and spanning more than two decades.  ``ax``: draw into these Axes (one per
+    report) of the caller's figure and return that figure.
     """
     reports = select_layers(reports, layers)
     missing = [report_name(r) for r in reports if not has_outlier_statistic(r)]
@@ -123,8 +125,9 @@ def plot_outliers(
     mats = [outlier_matrix(r, top_k, relative=q) for r, q in zip(reports, rel, strict=True)]
     width = min(13.0, max(6.0, 0.2 * max(m[2].size for m in mats) + 3.0))
     heights = [max(1.6, 0.24 * m[0].shape[0] + 1.3) for m in mats]
-    fig = new_figure(width, sum(heights) + 0.7)
-    axes = fig.subplots(len(reports), 1, squeeze=False, height_ratios=heights)[:, 0]
+    extra = {"rows_only": True, "height_ratios": heights} if ax is None else {}
+    fig, grid, own = panels(ax, len(reports), width, sum(heights) + 0.7, **extra)
+    axes = grid.ravel()
     # one colour scale for all panels when they show the same quantity (e.g. checkpoints of a model)
     rules = {(q, (r.get("params") or {}).get("outlier_rule")) for r, q in zip(reports, rel, strict=True)}
     pooled = np.concatenate([m[0][np.isfinite(m[0])] for m in mats]) if len(rules) == 1 else None
@@ -179,6 +182,9 @@ def plot_outliers(
         markersize=5,
         label="flagged outlier dimension",
     )
+    if not own:
+        axes[0].legend(handles=[marker], loc="upper right", fontsize=7)
+        return fig
     fig.legend(handles=[marker], loc="outside lower right", frameon=False)
     fig.suptitle("Outlier dimensions by layer", fontsize=11)
     return fig

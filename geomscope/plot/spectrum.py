@@ -13,7 +13,7 @@ from matplotlib.ticker import MaxNLocator
 
 from geomscope.errors import InputError
 from geomscope.plot._reports import layer_key, report_labels, report_name, select_layers
-from geomscope.plot._style import add_caption, depth_cmap, grid_shape, new_figure, styled
+from geomscope.plot._style import add_caption, depth_cmap, grid_shape, panels, styled
 
 
 def has_spectrum(rep: dict) -> bool:
@@ -56,6 +56,7 @@ def plot_spectrum(
     labels: Sequence[str] | None = None,
     normalise: bool = False,
     log_x: bool = True,
+    ax=None,
 ) -> Figure:
     """Covariance eigenspectra per layer (``layers[].eigenvalues``, descending).
 
@@ -66,6 +67,7 @@ def plot_spectrum(
     that models of different width and scale compare directly.  ``log_x`` (default) draws the
     index on a log axis too, where a power-law spectrum is a straight line.  When the reports have
     different depths, colour is the relative depth (layer index / last index of that report).
+    ``ax``: draw into these Axes (one per report) of the caller's figure and return that figure.
     """
     reports = select_layers(reports, layers)
     missing = [report_name(r) for r in reports if not has_spectrum(r)]
@@ -86,8 +88,8 @@ def plot_spectrum(
     norm = Normalize(vmin=min(depths), vmax=max(max(depths), min(depths) + (0.01 if relative else 1)))
     cmap = depth_cmap()
     nrows, ncols = grid_shape(len(reports))
-    fig = new_figure(4.4 * ncols + 0.8, 3.3 * nrows + 0.5)
-    axes = fig.subplots(nrows, ncols, squeeze=False, sharey=normalise)
+    fig, axes, own = panels(ax, len(reports), 4.4 * ncols + 0.8, 3.3 * nrows + 0.5, sharey=normalise)
+    nrows, ncols = axes.shape
     clipped = False
     for i, rep in enumerate(reports):
         ax = axes[i // ncols][i % ncols]
@@ -125,6 +127,8 @@ def plot_spectrum(
         cbar.set_label("layer index (depth)")
         cbar.locator = MaxNLocator(integer=True)
         cbar.update_ticks()
+    if not own:
+        return fig
     fig.suptitle("Covariance eigenspectra by layer" + (" (normalised)" if normalise else ""), fontsize=11)
     if clipped:
         add_caption(

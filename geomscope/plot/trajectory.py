@@ -27,7 +27,7 @@ from geomscope.plot._style import (
     grid_shape,
     metric_name,
     metric_title,
-    new_figure,
+    panels,
     step_formatter,
     styled,
     uncertainty_caption,
@@ -77,6 +77,7 @@ def plot_trajectory(
     *,
     layers: Sequence[str] | None = None,
     log_x: bool | None = None,
+    ax=None,
 ) -> Figure:
     """Each metric against training step (steps parsed from ``stepN`` revisions or a ``step`` key).
 
@@ -84,6 +85,7 @@ def plot_trajectory(
     colorbar; x values are the steps themselves.  ``log_x`` uses a symmetric-log axis whose linear
     part ends at the smallest positive step, so step 0 stays on the axis; None (default) chooses it
     when the positive steps span two decades or more (Pythia's step0, step1000 ... step143000).
+    ``ax``: draw into these Axes (one per metric) of the caller's figure and return that figure.
     """
     reports = select_layers(reports, layers)
     steps = trajectory_steps(reports)
@@ -103,8 +105,8 @@ def plot_trajectory(
     norm = Normalize(vmin=min(depth.values()), vmax=max(max(depth.values()), min(depth.values()) + 1))
     cmap = depth_cmap()
     nrows, ncols = grid_shape(len(metrics))
-    fig = new_figure(4.6 * ncols + 0.8, 3.0 * nrows + 0.9)
-    axes = fig.subplots(nrows, ncols, squeeze=False)
+    fig, axes, own = panels(ax, len(metrics), 4.6 * ncols + 0.8, 3.0 * nrows + 0.9)
+    nrows, ncols = axes.shape
     for k, metric in enumerate(metrics):
         ax = axes[k // ncols][k % ncols]
         for name in names:
@@ -136,6 +138,8 @@ def plot_trajectory(
     cbar.set_label("layer index (depth)")
     cbar.locator = MaxNLocator(integer=True)
     cbar.update_ticks()
+    if not own:
+        return fig
     model = (reports[0].get("model") or {}).get("name") or "model"
     span = f"step {step_formatter(x[0])}–{step_formatter(x[-1])}"
     fig.suptitle(f"{model} over training ({len(reports)} checkpoints, {span})", fontsize=11)

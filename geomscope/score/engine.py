@@ -56,7 +56,12 @@ def score(
     opts = (options or ScoreOptions()).validate()
     log = log or _log_default
     src = open_source(
-        path, dataset=opts.dataset, layers=opts.layers, partial=opts.partial, block_rows=opts.block_rows
+        path,
+        dataset=opts.dataset,
+        layers=opts.layers,
+        columns=opts.columns,
+        partial=opts.partial,
+        block_rows=opts.block_rows,
     )
     for w in src.warnings:
         log(w)
@@ -270,7 +275,7 @@ class _Scorer:
         if o.moment_metrics:
             unc["moments"] = (
                 f"delete-one-group jackknife over {self.G} "
-                + ("document groups (doc_id % G)" if src.kind == "run" else "contiguous row blocks")
+                + ("document groups (doc_id % G)" if src.groups == "documents" else "contiguous row blocks")
                 if self.G >= 2
                 else "none (--jackknife-groups 0)"
             )
@@ -283,7 +288,7 @@ class _Scorer:
             "format_version": REPORT_FORMAT_VERSION,
             "geomscope_version": __version__,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "source": {"kind": src.kind, "path": src.path, "dataset": src.dataset},
+            "source": src.describe(),
             "model": src.model,
             "run": src.run,
             "params": {
@@ -311,4 +316,5 @@ class _Scorer:
             "layers": layers,
             "embeddings": embeddings,
             "notes": top_notes,
+            "command": None,  # the CLI records its command line here
         }

@@ -57,6 +57,7 @@ class ScoreOptions:
     memory_mb: float = 2048
     verify: bool = True
     dataset: str | None = None
+    columns: tuple[str, ...] | None = None  # arrays of an .npz/.safetensors/.pt/Arrow/Parquet source
     block_rows: int | None = None
     extra_id: tuple[str, ...] = field(default=(), repr=False)  # filled by validate()
 

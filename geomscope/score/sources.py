@@ -1,4 +1,6 @@
-"""What ``score`` reads: a run directory (HDF5 shards) or one (N, D) array (.npy / .h5 dataset).
+"""What ``score`` reads: a run directory (HDF5 shards), one (N, D) array (.npy / .h5 dataset), or
+named (N, D) arrays, one per layer, in another tool's format (formats.py: .npz, .safetensors, .pt,
+Arrow / ``datasets.save_to_disk`` / SAELens caches, Parquet).
 
 A source is cut into picklable :class:`Task` s (one per shard; row blocks of an array) so that a
 process pool can read them independently (h5py handles are opened inside the task).
@@ -6,8 +8,9 @@ process pool can read them independently (h5py handles are opened inside the tas
 stable key (for seeded selection), a jackknife group, the special-token flag and, per layer, the
 activations and a non-finite flag.
 
-Jackknife groups: run rows by document, ``doc_id % G``; array rows (no documents) by contiguous
-blocks, ``row * G // N`` (neighbouring rows of an array usually come from the same text).
+Jackknife groups: run rows by document, ``doc_id % G`` (so are rows of a file with a ``doc_id``
+column, as ``geomscope export`` writes); array rows (no documents) by contiguous blocks,
+``row * G // N`` (neighbouring rows of an array usually come from the same text).
 """
 
 from __future__ import annotations
@@ -30,16 +33,19 @@ READ_BYTES = 32 * 1024 * 1024  # bytes of activations read per block (all layers
 class Task:
     """One independent unit of reading: a shard of a run, or a row range of an array."""
 
-    kind: str  # "shard" | "npy" | "h5"
+    kind: str  # "shard" | "npy" | "h5" | one of formats.FORMATS
     path: str
     index: int  # shard index, or block number of an array
-    start: int = 0  # array rows [start, stop)
+    start: int = 0  # array rows [start, stop) of this file
     stop: int = 0
     n_total: int = 0  # array: total rows (for the contiguous jackknife groups)
     dataset: str | None = None
     rows: int = 0
     nbytes: int = -1  # shard: recorded size (checked before reading)
     sha256: str | None = None
+    offset: int = 0  # formats: the source's global row number of row ``start``
+    meta: tuple[str, ...] = ()  # formats: the optional per-row columns present (doc_id, special)
+    dim: int = 0  # formats: the layers' width (sizes the read blocks)
 
 
 @dataclass
@@ -202,14 +208,40 @@ def _array_blocks(task: Task, n_groups: int, block_rows: int | None, with_data: 
         close()
 
 
+def _format_blocks(
+    task: Task, layers: list[str], n_groups: int, block_rows: int | None, with_data: bool
+) -> Iterator[Block]:
+    from geomscope.score.formats import FilePart, read_rows
+
+    part = FilePart(task.path, task.start, task.stop, task.offset)
+    step = block_rows or _rows_per_block(task.dim, 4, len(layers))
+    for r in read_rows(task.kind, part, layers, step, task.meta):
+        x = {n: (a if a.dtype.kind == "f" else a.astype(np.float64)) for n, a in r.layers.items()}
+        m = next(iter(x.values())).shape[0]
+        groups = (
+            _groups_of_docs(r.doc_id, n_groups)
+            if r.doc_id is not None
+            else _array_groups(r.start, r.start + m, task.n_total, n_groups)
+        )
+        yield Block(
+            keys=np.arange(r.start, r.start + m, dtype=np.uint64),
+            group=groups,
+            special=r.special if r.special is not None else np.zeros(m, bool),
+            layers=x if with_data else {},
+            nonfinite={n: ~np.isfinite(a).all(axis=1) for n, a in x.items()},
+        )
+
+
 def iter_blocks(
     task: Task, layers: list[str], n_groups: int, block_rows: int | None = None
 ) -> Iterator[Block]:
     """Stream a task's rows with activations of ``layers``."""
     if task.kind == "shard":
         yield from _shard_blocks(task, layers, n_groups, block_rows)
-    else:
+    elif task.kind in ("npy", "h5"):
         yield from _array_blocks(task, n_groups, block_rows, with_data=True)
+    else:
+        yield from _format_blocks(task, layers, n_groups, block_rows, with_data=True)
 
 
 def iter_meta(task: Task, layers: list[str], n_groups: int) -> Iterator[Block]:
@@ -220,8 +252,10 @@ def iter_meta(task: Task, layers: list[str], n_groups: int) -> Iterator[Block]:
     """
     if task.kind == "shard":
         yield from _shard_meta(task, layers, n_groups)
-    else:
+    elif task.kind in ("npy", "h5"):
         yield from _array_blocks(task, n_groups, None, with_data=False)
+    else:
+        yield from _format_blocks(task, layers, n_groups, None, with_data=False)
 
 
 # ----------------------------------------------------------------------------------- sources
@@ -241,10 +275,26 @@ class SourceInfo:
     warnings: list[str] = field(default_factory=list)
     flags: list[str] = field(default_factory=list)
     run_obj: object = None
+    format: str | None = None  # arrays: "npy" | "h5" | one of formats.FORMATS
+    groups: str = "contiguous"  # jackknife groups: "documents" (doc_id % G) | "contiguous" row blocks
+    files: int = 1
+
+    def describe(self) -> dict:
+        """The report's ``source``: what was read."""
+        out = {"kind": self.kind, "path": self.path, "dataset": self.dataset}
+        if self.kind == "array":
+            out.update(format=self.format, layers=list(self.layers), files=self.files)
+        return out
 
 
 def _is_array_path(p: Path) -> bool:
     return p.suffix.lower() in (".npy", ".h5", ".hdf5")
+
+
+ACCEPTED = (
+    "a run directory made by `geomscope extract`, an (N, D) array (.npy, .h5), or named (N, D) arrays "
+    "(.npz, .safetensors, .pt, .arrow, .parquet, a datasets.save_to_disk or SAELens cache directory)"
+)
 
 
 def open_source(
@@ -252,30 +302,81 @@ def open_source(
     *,
     dataset: str | None = None,
     layers: list[str] | None = None,
+    columns: list[str] | None = None,
     partial: bool = False,
     block_rows: int | None = None,
 ) -> SourceInfo:
     """Validate ``path`` and describe it as tasks. Raises InputError/DataError with one line."""
+    from geomscope.score.formats import format_of
+    from geomscope.store import MANIFEST_NAME
+
     p = Path(path)
     if not p.exists():
+        raise InputError(f"{p} does not exist; give {ACCEPTED}")
+    fmt = None if (p / MANIFEST_NAME).exists() else format_of(p)
+    if dataset is not None and not (fmt is None and p.is_file() and p.suffix.lower() in (".h5", ".hdf5")):
+        raise InputError("--dataset names a dataset inside an .h5 array file; use --column for other files")
+    if columns and (fmt is None):
         raise InputError(
-            f"{p} does not exist; give a run directory made by `geomscope extract` "
-            "or an (N, D) array (.npy or .h5)"
+            "--column picks arrays of .npz, .safetensors, .pt, Arrow or Parquet sources; "
+            + ("a run takes --layers" if p.is_dir() else "this file holds one array")
         )
+    if layers and (fmt is not None or not p.is_dir()):
+        raise InputError("--layers applies to run directories; name the arrays of a file with --column")
+    if fmt is not None:
+        return _open_format(p, fmt, columns, block_rows)
     if p.is_dir():
-        if dataset is not None:
-            raise InputError(
-                "--dataset names a dataset inside an .h5 array file; a run directory takes no --dataset"
-            )
         return _open_run(p, layers, partial)
     if not _is_array_path(p):
-        raise InputError(
-            f"{p} is neither a run directory nor an array file (.npy, .h5); "
-            "give the directory `geomscope extract` wrote or an (N, D) array"
-        )
-    if layers:
-        raise InputError("--layers applies to run directories; an array file is scored as one layer")
+        raise InputError(f"{p} is not a format score reads; give {ACCEPTED}")
     return _open_array(p, dataset, block_rows)
+
+
+def _open_format(p: Path, fmt: str, columns: list[str] | None, block_rows: int | None) -> SourceInfo:
+    from geomscope.score.formats import describe
+
+    # a bounded first guess of the width sizes the read units; describe() reads headers only
+    probe = describe(p, fmt, columns, block_rows or 1 << 62)
+    n, d, dtype = next(iter(probe.layers.values()))
+    itemsize = 2 if "16" in dtype else 8 if "64" in dtype else 4
+    step = max(block_rows or 0, _rows_per_block(d, itemsize, len(probe.layers)))
+    lay = describe(p, fmt, columns, step) if fmt in ("npz", "safetensors", "pt") else probe
+    names = list(lay.layers)
+    tasks = [
+        Task(
+            kind=fmt,
+            path=part.path,
+            index=i,
+            start=part.start,
+            stop=part.stop,
+            n_total=n,
+            rows=part.stop - part.start,
+            offset=part.offset,
+            meta=lay.meta,
+            dim=d,
+        )
+        for i, part in enumerate(lay.parts)
+    ]
+    warnings, flags = [], []
+    if n < d:
+        warnings.append(
+            f"{p.name} has fewer rows than columns ({n} x {d}); rows must be points (N, D) -- "
+            "if they are transposed, save X.T instead; covariance metrics are rank-limited"
+        )
+        flags.append("maybe_transposed")
+    return SourceInfo(
+        kind="array",
+        path=str(p),
+        layers=names,
+        indices={name: i for i, name in enumerate(names)},
+        dim=int(d),
+        tasks=tasks,
+        warnings=warnings,
+        flags=flags,
+        format=fmt,
+        groups="documents" if "doc_id" in lay.meta else "contiguous",
+        files=lay.files,
+    )
 
 
 def _open_run(p: Path, layers: list[str] | None, partial: bool) -> SourceInfo:
@@ -348,6 +449,7 @@ def _open_run(p: Path, layers: list[str] | None, partial: bool) -> SourceInfo:
         run=run_info,
         warnings=warnings,
         run_obj=run,
+        groups="documents",
     )
 
 
@@ -416,6 +518,7 @@ def _open_array(p: Path, dataset: str | None, block_rows: int | None) -> SourceI
         dataset=dataset,
         warnings=warnings,
         flags=flags,
+        format="npy" if p.suffix.lower() == ".npy" else "h5",
     )
 
 

@@ -1,0 +1,68 @@
+"""``geomscope export RUN --to arrow|npy DIR``: a run in other tools' formats. A thin wrapper over
+:func:`geomscope.export.export_run`."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import List
+
+import typer
+
+from geomscope.cli import _complete
+from geomscope.cli._app import app
+from geomscope.cli._options import json_option, layers_option, quiet_option, split_list
+
+
+class ExportFormat(str, Enum):
+    arrow = "arrow"
+    npy = "npy"
+
+
+@app.command("export")
+def export_cmd(
+    run_dir: Path = typer.Argument(
+        ..., metavar="RUN_DIR", help="A finished run written by `geomscope extract`."
+    ),
+    to: ExportFormat = typer.Option(
+        ...,
+        "--to",
+        help="arrow: a datasets.save_to_disk directory (Arrow IPC files); npy: one .npy per layer.",
+    ),
+    out: Path = typer.Option(
+        ..., "--out", "-o", metavar="DIR", help="A new (or empty) directory to write; never overwritten."
+    ),
+    layers: List[str] = layers_option(
+        [], "Only these layers (names or indices, comma list).", _complete.run_layers
+    ),
+    as_json: bool = json_option("the export summary"),
+    quiet: bool = quiet_option("No progress or summary on stderr."),
+) -> None:
+    """Write a run's rows for other tools, with document id, position, token id and special-token
+    columns beside each layer's vectors (same row order). Streams shard by shard; written to a
+    temporary directory and renamed into place when complete."""
+    import json
+    import sys
+
+    from geomscope.export import export_run
+    from geomscope.progress import Progress
+    from geomscope.store import Run
+
+    total = Run(run_dir).total_rows if not quiet else 0
+    with Progress(enabled=not quiet) as prog:
+        bar = prog.add("exporting", total, unit="rows", rate_unit="rows")
+        summary = export_run(
+            run_dir,
+            to.value,
+            out,
+            layers=split_list(layers) or None,
+            progress=bar.advance if not quiet else None,
+        )
+        bar.complete()
+    if as_json:
+        typer.echo(json.dumps(summary))
+    elif not quiet:
+        print(
+            f"exported {summary['rows']} rows x {len(summary['layers'])} layers to {out} ({to.value})",
+            file=sys.stderr,
+        )

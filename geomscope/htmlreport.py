@@ -1,0 +1,226 @@
+"""One self-contained HTML page for score reports (``geomscope report REPORT... --html FILE``).
+
+The page needs nothing at view time: styles are inline, figures are SVG embedded as ``data:`` URIs
+(an ``<img>`` each, so the ids inside one figure's SVG cannot clash with another's), and there is no
+script. It holds, per report: provenance (model, revision, commit, source, rows, geomscope version,
+date, command line), parameters, the per-layer table of every metric with a value (value ± standard
+error) and the notes that say why a metric is null; then every figure ``plot`` draws for the reports
+together (layers, spectrum, outliers, trajectory -- those the reports support).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from geomscope.schema import METRIC_LABELS, SCALAR_METRIC_NAMES, extra_id_keys
+
+_CSS = """
+body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:2rem auto;max-width:70rem;
+color:#222;line-height:1.4;padding:0 1rem}
+h1{font-size:1.5rem}h2{font-size:1.2rem;margin-top:2rem;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;font-size:.85rem;margin:.5rem 0}
+th,td{padding:.2rem .6rem;border-bottom:1px solid #eee;text-align:right;vertical-align:top}
+th:first-child,td:first-child{text-align:left}
+table.kv td,table.kv th{text-align:left}
+.se{color:#777;font-size:.75rem}
+code{font-size:.8rem;word-break:break-all}
+figure{margin:1.5rem 0}figure img{max-width:100%;height:auto;border:1px solid #eee}
+figcaption{font-size:.85rem;color:#555}
+.notes li{font-size:.85rem}
+""".strip()
+
+
+def _e(v) -> str:
+    return html.escape("" if v is None else str(v))
+
+
+def _num(v) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, (int,)) and not isinstance(v, bool):
+        return f"{v:,}"
+    if isinstance(v, float):
+        return f"{v:.4g}" if v == 0 or abs(v) >= 1e-3 else f"{v:.2e}"
+    return _e(v)
+
+
+def _table_metrics(report: dict) -> list[str]:
+    layers = report.get("layers", [])
+    keys = (*SCALAR_METRIC_NAMES, *extra_id_keys(layers))
+    return [m for m in keys if any(isinstance(e.get(m), (int, float)) for e in layers)]
+
+
+def report_table_html(report: dict) -> str:
+    """The per-layer table: every metric with a value in some layer, value over ± its SE, and the
+    outlier dimensions (the table a notebook shows for a report)."""
+    metrics = _table_metrics(report)
+    layers = report.get("layers", [])
+    head = "".join(f"<th>{_e(METRIC_LABELS.get(m, m))}</th>" for m in metrics)
+    with_out = any(e.get("outliers") for e in layers)
+    out = ["<table class='layers'><thead><tr><th>layer</th><th>rows</th>", head]
+    out.append("<th>outliers</th>" if with_out else "")
+    out.append("</tr></thead><tbody>")
+    for e in layers:
+        se = e.get("se") or {}
+        cells = []
+        for m in metrics:
+            s = se.get(m)
+            cells.append(
+                f"<td>{_num(e.get(m))}"
+                + (f"<br><span class='se'>±{_num(s)}</span>" if s is not None else "")
+                + "</td>"
+            )
+        dims = " ".join(str(d) for d in e.get("outliers") or [])
+        out.append(
+            f"<tr><td>{_e(e.get('layer'))}</td><td>{_num(e.get('n_rows'))}</td>{''.join(cells)}"
+            + (f"<td>{_e(dims)}</td>" if with_out else "")
+            + "</tr>"
+        )
+    out.append("</tbody></table>")
+    return "".join(out)
+
+
+def _title(report: dict) -> str:
+    model = report.get("model") or {}
+    src = report.get("source") or {}
+    name = model.get("name") or Path(str(src.get("path") or "report")).name
+    return name + (f"@{model['revision']}" if model.get("revision") else "")
+
+
+def _provenance(report: dict) -> str:
+    model = report.get("model") or {}
+    src = report.get("source") or {}
+    run = report.get("run") or {}
+    rows = [
+        ("model", model.get("name")),
+        ("revision", model.get("revision")),
+        ("commit", model.get("commit")),
+        (
+            "source",
+            f"{src.get('kind')}"
+            + (f" ({src['format']})" if src.get("format") else "")
+            + f": {src.get('path')}",
+        ),
+        ("data", src.get("dataset")),
+        (
+            "rows / documents",
+            f"{run.get('rows')} / {run.get('docs')}" if run.get("rows") is not None else None,
+        ),
+        ("partition isotropy I(W)", _embeddings(report.get("embeddings"))),
+        ("geomscope", report.get("geomscope_version")),
+        ("created", report.get("created")),
+        ("command", report.get("command")),
+        ("report file", report.get("_path")),
+    ]
+    code = ("command", "commit")
+    body = "".join(
+        f"<tr><th>{_e(k)}</th><td>{f'<code>{_e(v)}</code>' if k in code else _e(v)}</td></tr>"
+        for k, v in rows
+        if v not in (None, "")
+    )
+    return f"<table class='kv'>{body}</table>"
+
+
+def _embeddings(emb) -> str | None:
+    if not isinstance(emb, dict) or not isinstance(emb.get("input"), dict):
+        return None
+    text = f"input: raw {_num(emb['input'].get('raw'))}, centred {_num(emb['input'].get('centred'))}"
+    if emb.get("tied"):
+        return text + " (output tied)"
+    if isinstance(emb.get("output"), dict):
+        text += (
+            f"; output: raw {_num(emb['output'].get('raw'))}, centred {_num(emb['output'].get('centred'))}"
+        )
+    return text
+
+
+def _params(report: dict) -> str:
+    params = report.get("params") or {}
+    body = "".join(
+        f"<tr><th>{_e(k)}</th><td>{_e(v if not isinstance(v, (list, dict)) else _compact(v))}</td></tr>"
+        for k, v in params.items()
+    )
+    return f"<details><summary>parameters</summary><table class='kv'>{body}</table></details>"
+
+
+def _compact(v) -> str:
+    import json
+
+    return json.dumps(v, separators=(", ", ": "))
+
+
+def _notes(report: dict) -> str:
+    items = []
+    for k, why in (report.get("notes") or {}).items():
+        items.append(f"<li><b>{_e(k)}</b>: {_e(why)}</li>")
+    for e in report.get("layers", []):
+        for k, why in (e.get("notes") or {}).items():
+            items.append(f"<li><b>{_e(e.get('layer'))} {_e(k)}</b>: {_e(why)}</li>")
+    if not items:
+        return ""
+    return f"<h3>Notes on null metrics</h3><ul class='notes'>{''.join(items)}</ul>"
+
+
+def _svg_uri(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="svg", metadata={"Date": None})
+    return "data:image/svg+xml;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+_FIGURE_CAPTIONS = {
+    "layers": "Each metric against layer index (error bars: ±1 standard error).",
+    "spectrum": "Covariance eigenspectra by layer.",
+    "outliers": "Outlier dimensions by layer (dots: flagged dimensions).",
+    "trajectory": "Each metric against training step, one line per layer.",
+}
+
+
+def html_page(reports: Sequence[dict], *, kinds: Sequence[str] = ("auto",), title: str | None = None) -> str:
+    """The page for loaded reports (see the module docstring)."""
+    from geomscope.plot.figures import close_figure, make_figures
+
+    figs = make_figures(reports, kinds)
+    figures = []
+    for kind, fig in figs.items():
+        uri = _svg_uri(fig)
+        close_figure(fig)
+        figures.append(
+            f"<figure id='fig-{_e(kind)}'><img src='{uri}' alt='{_e(kind)} figure'>"
+            f"<figcaption>{_e(_FIGURE_CAPTIONS.get(kind, kind))}</figcaption></figure>"
+        )
+    title = title or (
+        "geomscope: " + ", ".join(_title(r) for r in reports[:3]) + (" …" if len(reports) > 3 else "")
+    )
+    sections = []
+    for r in reports:
+        sections.append(
+            f"<section class='report'><h2>{_e(_title(r))}</h2>{_provenance(r)}{_params(r)}"
+            f"{report_table_html(r)}{_notes(r)}</section>"
+        )
+    return (
+        "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
+        "<meta name='viewport' content='width=device-width, initial-scale=1'>"
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>"
+        f"<h1>{_e(title)}</h1>{''.join(sections)}<h2>Figures</h2>{''.join(figures)}</body></html>\n"
+    )
+
+
+def write_html(
+    reports: Sequence[dict],
+    path: str | os.PathLike,
+    *,
+    kinds: Sequence[str] = ("auto",),
+    title: str | None = None,
+) -> Path:
+    """Write :func:`html_page` to ``path`` atomically (a crash never leaves half a page)."""
+    from geomscope.fileio import write_text_atomic
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, html_page(reports, kinds=kinds, title=title))
+    return path

@@ -1,0 +1,585 @@
+"""Activation files of other tools: named 2-D arrays, one per layer, aligned by row.
+
+Every reader answers two questions, without loading a layer whole:
+
+- :func:`describe` -- which layers a path holds (name -> rows, width, dtype) and how it splits into
+  independent read units (:class:`FilePart`: one file, a row range, its first global row);
+- :func:`read_rows` -- the rows ``[start, stop)`` of a part, in blocks of at most ``block_rows``,
+  as ``{layer: (m, D) array}`` plus the optional per-row ``doc_id`` and ``special`` columns.
+
+Formats (``FORMATS``):
+
+- ``npz`` -- one layer per member. Members stored uncompressed are memory-mapped (random access);
+  compressed members are streamed from the start, so such a file is one read unit.
+- ``safetensors`` -- one layer per tensor, read by row slices (memory-mapped by the library).
+- ``pt`` -- ``torch.load(weights_only=True)`` only: a tensor, a dict of tensors or a list/tuple of
+  tensors (named ``layer_0``...). Zip-format files are memory-mapped; nothing is ever unpickled.
+- ``arrow`` -- Arrow IPC files (file or stream format), a ``datasets.save_to_disk`` directory, or a
+  directory of such directories (SAELens' activation cache: one ``shard_i`` dataset per buffer);
+  ``parquet`` -- a Parquet file or a directory of them. A column whose cells are vectors is a
+  layer with one row per cell; a column whose cells are matrices (datasets' ``Array2D``, SAELens:
+  ``context_size x d_in``) is a layer with one row per matrix row. Integer ``doc_id`` and boolean
+  ``special`` columns, when present (``geomscope export`` writes them), give the jackknife
+  document groups and ``--exclude-special`` their meaning.
+
+Layers read together must have the same number of rows (they describe the same tokens) and the same
+width; ``--column`` picks among them.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from geomscope.errors import DataError, InputError
+
+FORMATS = ("npz", "safetensors", "pt", "arrow", "parquet")
+SUFFIX_FORMATS = {
+    ".npz": "npz",
+    ".safetensors": "safetensors",
+    ".pt": "pt",
+    ".pth": "pt",
+    ".arrow": "arrow",
+    ".parquet": "parquet",
+}
+META_COLUMNS = ("doc_id", "special")  # optional per-row columns of arrow/parquet sources
+EXPORT_META_COLUMNS = ("doc_id", "position", "token_id", "special")  # what `geomscope export` adds
+
+
+@dataclass(frozen=True)
+class FilePart:
+    """One independent read unit: rows ``[start, stop)`` of one file, the first being global row
+    ``offset`` of the source."""
+
+    path: str
+    start: int
+    stop: int
+    offset: int
+
+
+@dataclass
+class Layout:
+    """What :func:`describe` finds: layers (name -> (rows, width, dtype name)), the read units, and
+    which optional per-row columns exist."""
+
+    fmt: str
+    layers: dict[str, tuple[int, int, str]]
+    parts: list[FilePart]
+    meta: tuple[str, ...] = ()
+    files: int = 1
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Rows:
+    start: int  # global row of the first row
+    layers: dict[str, np.ndarray]
+    doc_id: np.ndarray | None = None
+    special: np.ndarray | None = None
+
+
+def format_of(path: Path) -> str | None:
+    """The format a path is read as, or None when it is not one of :data:`FORMATS`."""
+    if path.is_dir():
+        return _dir_format(path)
+    return SUFFIX_FORMATS.get(path.suffix.lower())
+
+
+def _dir_format(path: Path) -> str | None:
+    if (path / "state.json").exists() or (path / "dataset_dict.json").exists():
+        return "arrow"
+    if any(path.glob("*.parquet")):
+        return "parquet"
+    if any(path.glob("*.arrow")) or any((d / "state.json").exists() for d in _subdirs(path)):
+        return "arrow"
+    return None
+
+
+def _subdirs(path: Path) -> list[Path]:
+    return sorted((d for d in path.iterdir() if d.is_dir()), key=_natural)
+
+
+def _natural(p: Path):
+    import re
+
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
+
+
+def _check_2d(path: Path, name: str, shape: tuple, kind: str) -> None:
+    if len(shape) != 2:
+        raise InputError(
+            f"{path}: {name!r} has shape {tuple(shape)}; score expects 2-D (N, D) arrays "
+            "(rows = token vectors); save X.reshape(-1, X.shape[-1]) or pick others with --column"
+        )
+    if kind not in "fiu":
+        raise InputError(f"{path}: {name!r} holds {kind!r}-kind numbers; score expects real numbers")
+
+
+def describe(path: Path, fmt: str, columns: list[str] | None, block_rows: int) -> Layout:
+    """The layers of ``path`` (only ``columns`` when given) and its read units; InputError (one
+    line) when the file cannot be read, a named column is missing or is not a 2-D float array, or
+    the layers do not line up."""
+    reader = {
+        "npz": _npz_describe,
+        "safetensors": _st_describe,
+        "pt": _pt_describe,
+        "arrow": _arrow_describe,
+        "parquet": _arrow_describe,
+    }[fmt]
+    lay = reader(path, fmt, columns, block_rows)
+    if not lay.layers:
+        raise InputError(
+            f"{path} holds no 2-D numeric array to score"
+            + (f" among {', '.join(columns)}" if columns else "")
+            + "; save one (N, D) array per layer"
+        )
+    shapes = {(n, d) for n, d, _ in lay.layers.values()}
+    if len(shapes) > 1:
+        listing = ", ".join(f"{k} {n}x{d}" for k, (n, d, _) in lay.layers.items())
+        raise InputError(
+            f"{path}: the layers differ in shape ({listing}); layers scored together describe the same "
+            "tokens -- pick those that match with --column"
+        )
+    n, d = next(iter(shapes))
+    if n < 2 or d < 2:
+        raise DataError(
+            f"{path} is {n} x {d}; at least 2 rows (points) and 2 columns (dimensions) are needed"
+        )
+    return lay
+
+
+def _pick(path: Path, found: dict, columns: list[str] | None, what: str) -> dict:
+    """``found`` restricted to ``columns`` (in that order), with a one-line error naming what exists."""
+    if not columns:
+        return found
+    missing = [c for c in columns if c not in found]
+    if missing:
+        have = ", ".join(list(found)[:12]) or "none"
+        raise InputError(f"{path} has no {what} {missing[0]!r} (it has {have}); name one with --column")
+    return {c: found[c] for c in columns}
+
+
+def _row_parts(path: Path, n: int, block_rows: int, offset: int = 0) -> list[FilePart]:
+    return [FilePart(str(path), s, min(n, s + block_rows), offset + s) for s in range(0, n, block_rows)]
+
+
+# --------------------------------------------------------------------------------------- npz
+def _npy_header(f) -> tuple[tuple, bool, np.dtype]:
+    """(shape, fortran order, dtype) of the .npy stream ``f``, which is left at the data."""
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+        return np.lib.format.read_array_header_1_0(f)
+    return np.lib.format.read_array_header_2_0(f)
+
+
+def _npz_members(path: Path) -> dict[str, tuple[zipfile.ZipInfo, tuple, np.dtype, bool, int]]:
+    """member name -> (zip entry, shape, dtype, fortran order, offset of the data in the zip file
+    (-1 when compressed)), read from the .npy headers only."""
+    out = {}
+    try:
+        zf = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise InputError(f"{path} is not a readable .npz file ({e}); save it with numpy.savez") from e
+    with zf, open(path, "rb") as raw:
+        for info in zf.infolist():
+            if not info.filename.endswith(".npy"):
+                continue
+            with zf.open(info) as f:
+                try:
+                    shape, fortran, dtype = _npy_header(f)
+                except ValueError as e:
+                    raise InputError(f"{path}: member {info.filename} is not a .npy array ({e})") from e
+                header_len = f.tell()
+            if dtype.hasobject:
+                raise InputError(
+                    f"{path}: member {info.filename} holds Python objects; geomscope never unpickles -- "
+                    "save numeric arrays"
+                )
+            data_at = -1
+            if info.compress_type == zipfile.ZIP_STORED:
+                raw.seek(info.header_offset)
+                local = raw.read(30)
+                name_len, extra_len = struct.unpack("<HH", local[26:30])
+                data_at = info.header_offset + 30 + name_len + extra_len + header_len
+            out[info.filename[: -len(".npy")]] = (info, tuple(shape), dtype, fortran, data_at)
+    return out
+
+
+def _npz_describe(path: Path, fmt: str, columns, block_rows: int) -> Layout:
+    members = _pick(path, _npz_members(path), columns, "array")
+    layers = {}
+    for name, (_, shape, dtype, _, _) in members.items():
+        if columns or (len(shape) == 2 and dtype.kind in "fiu"):
+            _check_2d(path, name, shape, dtype.kind)
+            layers[name] = (shape[0], shape[1], dtype.name)
+    n = next(iter(layers.values()))[0] if layers else 0
+    stored = all(members[k][4] >= 0 for k in layers)
+    parts = _row_parts(path, n, block_rows) if stored else [FilePart(str(path), 0, n, 0)]
+    notes = (
+        [] if stored else ["compressed .npz: read in one stream (save with numpy.savez for parallel reads)"]
+    )
+    return Layout(fmt, layers, parts, notes=notes)
+
+
+def _npz_rows(part: FilePart, names: list[str], block_rows: int) -> Iterator[Rows]:
+    members = _npz_members(Path(part.path))
+    mapped, streams = {}, {}
+    zf = zipfile.ZipFile(part.path)
+    try:
+        for n in names:
+            info, shape, dtype, fortran, data_at = members[n]
+            if data_at >= 0:
+                order = "F" if fortran else "C"
+                mapped[n] = np.memmap(part.path, dtype, "r", offset=data_at, shape=shape, order=order)
+            else:  # compressed: stream the member from its start (parts of such files start at 0)
+                f = zf.open(info)
+                _npy_header(f)
+                streams[n] = (f, dtype, shape[1])
+        for s in range(part.start, part.stop, block_rows):
+            e = min(part.stop, s + block_rows)
+            out = {}
+            for n in names:
+                if n in mapped:
+                    out[n] = np.asarray(mapped[n][s:e])
+                else:
+                    f, dtype, d = streams[n]
+                    buf = f.read((e - s) * d * dtype.itemsize)
+                    out[n] = np.frombuffer(buf, dtype=dtype).reshape(e - s, d)
+            yield Rows(part.offset + (s - part.start), out)
+    finally:
+        for f, _, _ in streams.values():
+            f.close()
+        zf.close()
+
+
+# ------------------------------------------------------------------------------- safetensors
+_ST_KINDS = {"F": "f", "B": "f", "I": "i", "U": "u"}  # F16/F32/F64, BF16, I8.., U8..
+
+
+def _st_open(path: Path):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # the library raises its own error types for a bad header
+        raise InputError(f"{path} is not a readable .safetensors file ({e})") from e
+
+
+def _st_describe(path: Path, fmt: str, columns, block_rows: int) -> Layout:
+    with _st_open(path) as f:
+        found = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+    found = _pick(path, found, columns, "tensor")
+    layers = {}
+    for name, (shape, dt) in found.items():
+        kind = _ST_KINDS.get(dt[:1], "?") if dt != "BOOL" else "b"
+        if columns or (len(shape) == 2 and kind in "fiu"):
+            _check_2d(path, name, shape, kind)
+            layers[name] = (shape[0], shape[1], dt.lower())
+    n = next(iter(layers.values()))[0] if layers else 0
+    return Layout(fmt, layers, _row_parts(path, n, block_rows))
+
+
+def _torch_to_numpy(t) -> np.ndarray:
+    import torch
+
+    if t.dtype in (torch.bfloat16, torch.float16):  # numpy has no bfloat16; float16 math is slow
+        t = t.float()
+    return t.numpy()
+
+
+def _st_rows(part: FilePart, names: list[str], block_rows: int) -> Iterator[Rows]:
+    with _st_open(Path(part.path)) as f:
+        slices = {n: f.get_slice(n) for n in names}
+        for s in range(part.start, part.stop, block_rows):
+            e = min(part.stop, s + block_rows)
+            yield Rows(
+                part.offset + (s - part.start), {n: _torch_to_numpy(sl[s:e]) for n, sl in slices.items()}
+            )
+
+
+# ---------------------------------------------------------------------------------------- pt
+def _pt_load(path: Path) -> dict:
+    """name -> tensor, through ``torch.load(weights_only=True)`` (memory-mapped when the file is a
+    zip archive). A file that needs pickle to load is refused, never unpickled."""
+    import pickle
+
+    import torch
+
+    try:
+        try:
+            obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e) and "zip" not in str(e):
+                raise
+            obj = torch.load(str(path), map_location="cpu", weights_only=True)  # legacy format
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(
+            f"{path} needs pickle to load ({first[:120]}); geomscope reads .pt files with "
+            "weights_only=True only -- save tensors (torch.save of a tensor or a dict of tensors), "
+            "or use .safetensors"
+        ) from None
+    except (RuntimeError, OSError, EOFError, ValueError) as e:
+        raise InputError(f"{path} is not a readable .pt file ({str(e).splitlines()[0][:160]})") from None
+    if isinstance(obj, torch.Tensor):
+        return {"array": obj}
+    if isinstance(obj, (list, tuple)):
+        obj = {f"layer_{i}": t for i, t in enumerate(obj)}
+    if not isinstance(obj, dict):
+        raise InputError(f"{path} holds a {type(obj).__name__}; save a tensor, or a dict or list of tensors")
+    return {str(k): v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+
+
+def _pt_describe(path: Path, fmt: str, columns, block_rows: int) -> Layout:
+    import torch
+
+    found = _pick(path, _pt_load(path), columns, "tensor")
+    layers = {}
+    for name, t in found.items():
+        kind = (
+            "f" if t.is_floating_point() else "c" if t.is_complex() else "b" if t.dtype == torch.bool else "i"
+        )
+        if columns or (t.ndim == 2 and kind in "fiu"):
+            _check_2d(path, name, tuple(t.shape), kind)
+            layers[name] = (t.shape[0], t.shape[1], str(t.dtype).removeprefix("torch."))
+    n = next(iter(layers.values()))[0] if layers else 0
+    return Layout(fmt, layers, _row_parts(path, n, block_rows))
+
+
+def _pt_rows(part: FilePart, names: list[str], block_rows: int) -> Iterator[Rows]:
+    tensors = _pt_load(Path(part.path))
+    for s in range(part.start, part.stop, block_rows):
+        e = min(part.stop, s + block_rows)
+        yield Rows(part.offset + (s - part.start), {n: _torch_to_numpy(tensors[n][s:e]) for n in names})
+
+
+# ---------------------------------------------------------------------------- arrow / parquet
+def _pa():
+    try:
+        import pyarrow
+    except ImportError:
+        raise InputError(
+            "reading Arrow/Parquet needs pyarrow: pip install pyarrow (or 'geomscope[formats]')"
+        ) from None
+    return pyarrow
+
+
+def _arrow_files(path: Path, fmt: str) -> list[Path]:
+    """The data files of an arrow/parquet path, in order."""
+    if path.is_file():
+        return [path]
+    if (path / "dataset_dict.json").exists():
+        splits = ", ".join(d.name for d in _subdirs(path))
+        raise InputError(f"{path} is a DatasetDict; give one split's directory ({splits})")
+    if (path / "state.json").exists():
+        try:
+            state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+            names = [d["filename"] for d in state["_data_files"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise InputError(f"{path}/state.json is not a datasets state file ({e})") from None
+        for n in names:  # a file name, never a path out of the directory
+            if not isinstance(n, str) or Path(n).name != n or not (path / n).is_file():
+                raise InputError(f"{path}/state.json names a data file {n!r} that is not in the directory")
+        return [path / n for n in names]
+    suffix = ".parquet" if fmt == "parquet" else ".arrow"
+    files = sorted(path.glob(f"*{suffix}"), key=_natural)
+    if not files and fmt == "arrow":
+        for d in _subdirs(path):
+            if (d / "state.json").exists():
+                files += _arrow_files(d, fmt)
+    if not files:
+        raise InputError(f"{path} holds no {suffix} files")
+    return files
+
+
+class _ArrowFile:
+    """Record batches of one Arrow IPC (file or stream format) or Parquet file, memory-mapped."""
+
+    def __init__(self, path: Path, fmt: str):
+        pa = _pa()
+        self.path, self.fmt = path, fmt
+        try:
+            if fmt == "parquet":
+                import pyarrow.parquet as pq
+
+                self._pq = pq.ParquetFile(str(path))
+                self.schema = self._pq.schema_arrow
+                self.num_rows = self._pq.metadata.num_rows
+            else:
+                source = pa.memory_map(str(path), "r")
+                try:
+                    self._ipc = pa.ipc.open_file(source)
+                    self._batches = [self._ipc.get_batch(i) for i in range(self._ipc.num_record_batches)]
+                except pa.ArrowInvalid:
+                    source.seek(0)
+                    self._batches = list(pa.ipc.open_stream(source))  # zero-copy over the map
+                self.schema = (self._batches[0].schema if self._batches else None) or self._schema(source)
+                self.num_rows = sum(b.num_rows for b in self._batches)
+        except (pa.ArrowException, OSError) as e:
+            raise InputError(
+                f"{path} is not a readable {fmt} file ({str(e).splitlines()[0][:160]})"
+            ) from None
+
+    @staticmethod
+    def _schema(source):
+        source.seek(0)
+        return _pa().ipc.open_stream(source).schema
+
+    def batches(self, columns: list[str], start: int, stop: int, cells: int):
+        """Record batches covering cells [start, stop), at most ``cells`` each."""
+        if self.fmt == "parquet":
+            pos = 0
+            for b in self._pq.iter_batches(batch_size=cells, columns=columns):
+                lo, hi = max(start, pos), min(stop, pos + b.num_rows)
+                if lo < hi:
+                    yield b.slice(lo - pos, hi - lo)
+                pos += b.num_rows
+                if pos >= stop:
+                    return
+            return
+        pos = 0
+        for b in self._batches:
+            lo, hi = max(start, pos), min(stop, pos + b.num_rows)
+            for s in range(lo, hi, cells):
+                yield b.select(columns).slice(s - pos, min(hi, s + cells) - s)
+            pos += b.num_rows
+
+
+def _list_shape(pa, typ):
+    """(nesting depth, width or None when variable, leaf type) of a list-like column type; depth 0
+    when the type is not a list of numbers. Extension types (datasets' Array2D) by their storage."""
+    depth, width = 0, None
+    while True:
+        if isinstance(typ, pa.ExtensionType):
+            typ = typ.storage_type
+        if pa.types.is_fixed_size_list(typ):
+            depth, width, typ = depth + 1, typ.list_size, typ.value_type
+        elif pa.types.is_list(typ) or pa.types.is_large_list(typ):
+            depth, width, typ = depth + 1, None, typ.value_type
+        else:
+            break
+    numeric = pa.types.is_floating(typ) or pa.types.is_integer(typ)
+    return (depth if numeric and depth in (1, 2) else 0), width, typ
+
+
+def _flatten_cells(pa, arr, depth: int, path: str, name: str) -> np.ndarray:
+    """A chunk of a vector (depth 1) or matrix (depth 2) column as an (m, D) array; DataError (one
+    line) for a null or ragged cell."""
+    import pyarrow.compute as pc
+
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    width = None
+    for _ in range(depth):
+        if isinstance(arr, pa.ExtensionArray):
+            arr = arr.storage
+        if arr.null_count:
+            raise DataError(f"{path}: column {name!r} has a null cell; every cell must hold numbers")
+        lengths = pc.list_value_length(arr)
+        lo, hi = pc.min_max(lengths).values()
+        if lo.as_py() != hi.as_py():
+            raise DataError(
+                f"{path}: column {name!r} has cells of different lengths ({lo} to {hi}); "
+                "every row must be a vector of the layer's width"
+            )
+        width = hi.as_py()
+        arr = arr.flatten()
+    vals = arr.to_numpy(zero_copy_only=False)
+    return vals.reshape(-1, width or 0)
+
+
+def _arrow_describe(path: Path, fmt: str, columns, block_rows: int) -> Layout:
+    pa = _pa()
+    files = [_ArrowFile(f, fmt) for f in _arrow_files(path, fmt)]
+    schema = files[0].schema
+    if schema is None:
+        raise InputError(f"{path} holds no record batches")
+    for f in files[1:]:
+        if f.schema is not None and not f.schema.equals(schema, check_metadata=False):
+            raise InputError(
+                f"{f.path} has different columns from {files[0].path}; they cannot be read together"
+            )
+    found = {fld.name: fld.type for fld in schema}
+    shapes = {n: _list_shape(pa, t) for n, t in _pick(path, found, columns, "column").items()}
+    for n, (depth, _, _leaf) in shapes.items():
+        if columns and depth == 0:
+            raise InputError(
+                f"{path}: column {n!r} holds {found[n]}, not a vector of numbers per row (or a matrix, "
+                "as datasets' Array2D); name a 2-D float column with --column"
+            )
+    shapes = {n: s for n, s in shapes.items() if s[0] and n not in EXPORT_META_COLUMNS}
+    depths = {d for d, _, _ in shapes.values()}
+    if len(depths) > 1:
+        raise InputError(
+            f"{path}: some columns hold one vector per row and others a matrix per row; "
+            "pick columns of one kind with --column"
+        )
+    # widths (and the rows per matrix cell) come from the first cell where the type leaves them open
+    layers, per_cell = {}, 1
+    first = next((f for f in files if f.num_rows), None)
+    for n, (depth, width, leaf) in shapes.items():
+        probe = None
+        if first is not None:
+            b = next(first.batches([n], 0, 1, 1))
+            probe = _flatten_cells(pa, b.column(0), depth, str(path), n)
+            if depth == 2:
+                per_cell = probe.shape[0]
+        d = probe.shape[1] if probe is not None else (width or 0)
+        layers[n] = (0, d, str(leaf))
+    n_cells = sum(f.num_rows for f in files)
+    n_rows = n_cells * per_cell
+    layers = {k: (n_rows, d, t) for k, (_, d, t) in layers.items()}
+    meta = tuple(
+        c
+        for c in META_COLUMNS
+        if c in found
+        and depths == {1}
+        and (pa.types.is_integer(found[c]) if c == "doc_id" else pa.types.is_boolean(found[c]))
+    )
+    parts, offset = [], 0
+    for f in files:
+        parts.append(FilePart(str(f.path), 0, f.num_rows * per_cell, offset))
+        offset += f.num_rows * per_cell
+    return Layout(fmt, layers, parts, meta=meta, files=len(files))
+
+
+def _arrow_rows(part: FilePart, names: list[str], block_rows: int, fmt: str, meta) -> Iterator[Rows]:
+    pa = _pa()
+    f = _ArrowFile(Path(part.path), fmt)
+    depth = {n: _list_shape(pa, f.schema.field(n).type)[0] for n in names}
+    per_cell = 1
+    if 2 in depth.values() and f.num_rows:
+        b = next(f.batches([names[0]], 0, 1, 1))
+        per_cell = _flatten_cells(pa, b.column(0), 2, part.path, names[0]).shape[0]
+    cells = max(1, block_rows // per_cell)
+    pos = part.offset
+    cols = list(names) + list(meta)
+    for b in f.batches(cols, part.start // per_cell, -(-part.stop // per_cell), cells):
+        out = {n: _flatten_cells(pa, b.column(n), depth[n], part.path, n) for n in names}
+        m = next(iter(out.values())).shape[0]
+        rows = Rows(pos, out)
+        if "doc_id" in meta:
+            rows.doc_id = b.column("doc_id").to_numpy(zero_copy_only=False).astype(np.int64)
+        if "special" in meta:
+            rows.special = b.column("special").fill_null(False).to_numpy(zero_copy_only=False).astype(bool)
+        pos += m
+        yield rows
+
+
+# ------------------------------------------------------------------------------------ reading
+def read_rows(fmt: str, part: FilePart, names: list[str], block_rows: int, meta=()) -> Iterator[Rows]:
+    """Stream ``part`` in blocks of at most ``block_rows`` rows (whole matrix cells for Array2D)."""
+    if fmt == "npz":
+        yield from _npz_rows(part, names, block_rows)
+    elif fmt == "safetensors":
+        yield from _st_rows(part, names, block_rows)
+    elif fmt == "pt":
+        yield from _pt_rows(part, names, block_rows)
+    else:
+        yield from _arrow_rows(part, names, block_rows, fmt, meta)

@@ -1,0 +1,294 @@
+"""Other tools' activation formats (score/formats.py) and ``geomscope export``.
+
+Every format is checked against the same rows scored from a plain .npy (to 1e-10), read in small
+blocks and large ones; bad and hostile files give one-line errors and nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers_models import make_tiny_run
+
+from geomscope.errors import DataError, InputError
+from geomscope.score import ScoreOptions, score
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+METRICS = ("isoscore", "isoscore_star", "avgcos", "spectrum", "twonn")
+N, D = 240, 12
+
+
+def _layers():
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((N, D)).astype(np.float32)
+    b = (a @ rng.standard_normal((D, D)) + 3.0).astype(np.float32)  # anisotropic, offset
+    return {"l0": a, "l1": b}
+
+
+def _numbers(rep: dict) -> dict:
+    return {
+        e["layer"]: [e[k] for k in ("isoscore", "isoscore_star", "avgcos", "twonn", "pr", "n_rows")]
+        + [e["se"].get("isoscore")]
+        for e in rep["layers"]
+    }
+
+
+def _opts(**kw) -> ScoreOptions:
+    return ScoreOptions(metrics=METRICS, jackknife_groups=4, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ref")
+    out = {}
+    for name, x in _layers().items():
+        np.save(d / f"{name}.npy", x)
+        out[name] = _numbers(score(d / f"{name}.npy", _opts()))["array"]
+    return out
+
+
+def _write(fmt: str, d: Path) -> Path:
+    layers = _layers()
+    if fmt == "npz":
+        np.savez(d / "x.npz", **layers)
+        return d / "x.npz"
+    if fmt == "npz-compressed":
+        np.savez_compressed(d / "x.npz", **layers)
+        return d / "x.npz"
+    if fmt == "safetensors":
+        from safetensors.numpy import save_file
+
+        save_file(layers, str(d / "x.safetensors"))
+        return d / "x.safetensors"
+    if fmt == "pt":
+        import torch
+
+        torch.save({k: torch.from_numpy(v) for k, v in layers.items()}, d / "x.pt")
+        return d / "x.pt"
+    table = pa.table(
+        {
+            "text": pa.array([f"t{i}" for i in range(N)]),  # not a layer: skipped by default
+            "l0": pa.FixedSizeListArray.from_arrays(pa.array(layers["l0"].ravel()), D),
+            "l1": pa.array([list(r) for r in layers["l1"]], type=pa.list_(pa.float32())),
+        }
+    )
+    if fmt == "parquet":
+        pq.write_table(table, d / "x.parquet", row_group_size=50)
+        return d / "x.parquet"
+    if fmt == "arrow-stream":
+        with pa.ipc.new_stream(str(d / "x.arrow"), table.schema) as w:
+            w.write_table(table, max_chunksize=70)
+        return d / "x.arrow"
+    if fmt == "arrow-file":
+        with pa.ipc.new_file(str(d / "x.arrow"), table.schema) as w:
+            w.write_table(table, max_chunksize=33)
+        return d / "x.arrow"
+    if fmt == "parquet-dir":
+        (d / "pq").mkdir()
+        pq.write_table(table.slice(0, 100), d / "pq" / "part-0.parquet")
+        pq.write_table(table.slice(100), d / "pq" / "part-1.parquet")
+        return d / "pq"
+    if fmt == "datasets":
+        datasets = pytest.importorskip("datasets")
+        ds = datasets.Dataset.from_dict({"l0": list(layers["l0"]), "l1": list(layers["l1"])})
+        ds.save_to_disk(str(d / "ds"), num_shards=3)
+        return d / "ds"
+    raise AssertionError(fmt)
+
+
+FORMATS = (
+    "npz",
+    "npz-compressed",
+    "safetensors",
+    "pt",
+    "parquet",
+    "arrow-stream",
+    "arrow-file",
+    "parquet-dir",
+    "datasets",
+)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_format_matches_the_npy_reference(fmt, tmp_path, reference):
+    path = _write(fmt, tmp_path)
+    for block_rows in (None, 17):
+        rep = score(path, _opts(block_rows=block_rows))
+        got = _numbers(rep)
+        assert list(got) == ["l0", "l1"]
+        for name in got:
+            np.testing.assert_allclose(got[name], reference[name], rtol=1e-10, atol=1e-12)
+        assert rep["source"]["format"] == fmt.split("-")[0].replace("datasets", "arrow")
+        assert rep["source"]["layers"] == ["l0", "l1"]
+    one = score(path, _opts(columns=("l1",)))
+    assert [e["layer"] for e in one["layers"]] == ["l1"]
+    np.testing.assert_allclose(_numbers(one)["l1"], reference["l1"], rtol=1e-10, atol=1e-12)
+
+
+def test_saelens_cache_matrix_cells_flatten_to_rows(tmp_path, reference):
+    """SAELens' CacheActivationsRunner: a directory of ``shard_i`` datasets whose column (the hook
+    name) holds a context_size x d_in matrix (datasets' Array2D) per row."""
+    datasets = pytest.importorskip("datasets")
+    x = _layers()["l0"]
+    ctx = 8
+    feats = datasets.Features({"blocks.0.hook_resid_pre": datasets.Array2D((ctx, D), "float32")})
+    cache = tmp_path / "cache"
+    per = N // ctx // 3
+    for i in range(3):
+        cells = x[i * per * ctx : (i + 1) * per * ctx].reshape(per, ctx, D)
+        datasets.Dataset.from_dict({"blocks.0.hook_resid_pre": cells}, features=feats).save_to_disk(
+            str(cache / f"shard_{i}")
+        )
+    rep = score(cache, _opts(block_rows=20))
+    assert rep["source"]["files"] == 3 and rep["layers"][0]["layer"] == "blocks.0.hook_resid_pre"
+    np.testing.assert_allclose(_numbers(rep)["blocks.0.hook_resid_pre"], reference["l0"], rtol=1e-10)
+
+
+# ------------------------------------------------------------------------------ bad input
+def test_bad_columns_are_one_line_errors(tmp_path, cli):
+    from conftest import assert_one_line_error
+
+    path = _write("parquet", tmp_path)
+    for args, needle in (
+        (["--column", "text"], "not a vector of numbers"),
+        (["--column", "nope"], "has no column 'nope'"),
+        (["--layers", "0"], "--column"),
+        (["--dataset", "x"], "--column"),
+    ):
+        code, out, err = cli(["score", path, "-q", "--out", tmp_path / "r", *args])
+        assert_one_line_error(code, out, err, needle, exit_code=2)
+
+
+def test_safetensors_missing_or_not_2d(tmp_path):
+    from safetensors.numpy import save_file
+
+    save_file(
+        {"l0": np.zeros((4, 3, 2), np.float32), "ok": np.ones((5, 2), np.float32)},
+        str(tmp_path / "x.safetensors"),
+    )
+    with pytest.raises(InputError, match="has no tensor 'l9'"):
+        score(tmp_path / "x.safetensors", _opts(columns=("l9",)))
+    with pytest.raises(InputError, match=r"shape \(4, 3, 2\).*reshape"):
+        score(tmp_path / "x.safetensors", _opts(columns=("l0",)))
+
+
+class _Boom:
+    """Unpickling this would create a file: the proof that nothing was unpickled."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_pt_that_needs_pickle_is_refused_and_not_run(tmp_path, cli):
+    import torch
+    from conftest import assert_one_line_error
+
+    marker = tmp_path / "unpickled"
+    torch.save({"l0": torch.zeros(3, 2), "evil": _Boom(str(marker))}, tmp_path / "x.pt")
+    code, out, err = cli(["score", tmp_path / "x.pt", "-q", "--out", tmp_path / "r"])
+    assert_one_line_error(code, out, err, "needs pickle", "weights_only", exit_code=2)
+    assert not marker.exists()
+
+
+def test_npz_with_objects_is_refused(tmp_path):
+    np.savez(tmp_path / "x.npz", l0=np.array([{"a": 1}, None], dtype=object))
+    with pytest.raises(InputError, match="never unpickles"):
+        score(tmp_path / "x.npz", _opts())
+
+
+def test_mismatched_layers_ragged_and_null_cells(tmp_path):
+    np.savez(tmp_path / "m.npz", a=np.zeros((5, 3)), b=np.zeros((6, 3)))
+    with pytest.raises(InputError, match="differ in shape"):
+        score(tmp_path / "m.npz", _opts())
+    ragged = pa.table({"v": pa.array([[1.0, 2.0], [3.0], [4.0, 5.0]])})
+    pq.write_table(ragged, tmp_path / "r.parquet")
+    with pytest.raises(DataError, match="different lengths"):
+        score(tmp_path / "r.parquet", _opts())
+    nulls = pa.table({"v": pa.array([[1.0, 2.0], None, [4.0, 5.0]])})
+    pq.write_table(nulls, tmp_path / "n.parquet")
+    with pytest.raises(DataError, match="null cell"):
+        score(tmp_path / "n.parquet", _opts())
+
+
+def test_datasets_state_cannot_point_outside(tmp_path):
+    d = tmp_path / "ds"
+    d.mkdir()
+    (d / "state.json").write_text(json.dumps({"_data_files": [{"filename": "../x.arrow"}]}))
+    with pytest.raises(InputError, match="not in the directory"):
+        score(d, _opts())
+
+
+# ------------------------------------------------------------------------------------ export
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return make_tiny_run(tmp_path_factory.mktemp("export"), "bert", shard_docs=3, store_dtype="float32")
+
+
+@pytest.mark.parametrize("to", ["npy", "arrow"])
+def test_export_round_trips_the_rows(run, tmp_path, cli, to):
+    from geomscope.store import Run, iter_shard
+
+    code, out, err = cli(["export", run, "--to", to, "--out", tmp_path / "e", "-q", "--json"])
+    assert code == 0, err
+    summary = json.loads(out)
+    r = Run(run)
+    want = {n: [] for n in ("doc_id", "position", "token_id", "special", *r.layer_names)}
+    for s in sorted(r.shards, key=lambda s: s.index):
+        for ch in iter_shard(r.shard_path(s), r.layer_names):
+            want["doc_id"].append(ch.doc_id)
+            want["position"].append(ch.position)
+            want["token_id"].append(ch.token_id)
+            want["special"].append(ch.is_special)
+            for n in r.layer_names:
+                want[n].append(ch.layers[n])
+    want = {k: np.concatenate(v) for k, v in want.items()}
+    assert summary["rows"] == len(want["doc_id"]) and summary["layers"] == r.layer_names
+    if to == "npy":
+        got = {k: np.load(tmp_path / "e" / f"{k}.npy", allow_pickle=False) for k in want}
+    else:
+        datasets = pytest.importorskip("datasets")
+        ds = datasets.load_from_disk(str(tmp_path / "e")).with_format("numpy")
+        got = {k: np.asarray(ds[k]) for k in want}
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_scoring_an_arrow_export_equals_scoring_the_run(run, tmp_path):
+    from geomscope.export import export_run
+
+    export_run(run, "arrow", tmp_path / "e")
+    opts = dict(metrics=("isoscore", "isoscore_star", "avgcos", "spectrum"), jackknife_groups=3)
+    a = score(run, ScoreOptions(**opts, exclude_special=True))
+    b = score(tmp_path / "e", ScoreOptions(**opts, exclude_special=True))
+    assert "document groups" in b["params"]["uncertainty"]["moments"]
+    assert [e["layer"] for e in a["layers"]] == [e["layer"] for e in b["layers"]]
+    for ea, eb in zip(a["layers"], b["layers"], strict=True):
+        assert ea["n_rows"] == eb["n_rows"] and ea["dropped"] == eb["dropped"]
+        for k in ("isoscore", "isoscore_star", "avgcos", "pr"):
+            assert eb[k] == pytest.approx(ea[k], rel=1e-12, abs=1e-14), k
+            assert eb["se"][k] == pytest.approx(ea["se"][k], rel=1e-9, abs=1e-14), k
+
+
+def test_export_never_overwrites_and_needs_a_finished_run(run, tmp_path, cli):
+    from conftest import assert_one_line_error
+
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    code, out, err = cli(["export", run, "--to", "npy", "--out", tmp_path / "full", "-q"])
+    assert_one_line_error(code, out, err, "not an empty directory", exit_code=2)
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full"]  # no temporaries left
+    (tmp_path / "empty").mkdir()
+    code, out, err = cli(["export", run, "--to", "npy", "--out", tmp_path / "empty", "-q", "-l", "0"])
+    assert code == 0, err
+    assert (tmp_path / "empty" / "layer_00.npy").exists() or any((tmp_path / "empty").glob("*.npy"))
+    code, out, err = cli(["export", tmp_path / "full", "--to", "npy", "--out", tmp_path / "x", "-q"])
+    assert_one_line_error(code, out, err, exit_code=2)
