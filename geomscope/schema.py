@@ -7,12 +7,16 @@ names and their order (README, "Report format"), so change them only with ``REPO
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 REPORT_FORMAT = "geomscope-report"
 REPORT_FORMAT_VERSION = 1
 
 #: top-level keys of a report, in the order they are written
+#: a training step in a revision or checkpoint name: ``step143000`` (Pythia), ``checkpoint-500`` (HF Trainer)
+STEP_RE = re.compile(r"^(?:step|checkpoint)[_-]?(\d+)$", re.IGNORECASE)
+
 REPORT_KEYS = (
     "format",
     "format_version",

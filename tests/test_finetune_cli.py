@@ -193,3 +193,37 @@ def test_existing_run_is_not_overwritten(cli, data, tmp_path):
     assert code == 0, err
     s = json.loads(stdout)
     assert s["resumed"] and s["steps"] == 8 and [e["epoch"] for e in s["evals"]] == [1, 2]
+
+
+def test_save_every_checkpoints_feed_a_trajectory(cli, data, tmp_path):
+    """finetune --save-every -> extract --revisions 'OUT/checkpoints/*' -> score DIR -> trajectory.csv;
+    the last snapshot is the exported model, step0 the model before training."""
+    import csv
+
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "ft"
+    code, _, err = cli(_args(data, out, "--reg", "none", "--save-every", "2", "--quiet"))
+    assert code == 0, err
+    snaps = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert snaps == ["step0", "step2", "step4"]  # 32 rows / batch 8 = 4 steps
+    last = load_file(str(out / "checkpoints" / "step4" / "model.safetensors"))
+    final = load_file(str(out / "model.safetensors"))
+    assert all((last[k] == final[k]).all() for k in final)
+    first = load_file(str(out / "checkpoints" / "step0" / "model.safetensors"))
+    assert any((first[k] != final[k]).any() for k in final if k in first)
+    text = tmp_path / "t.txt"
+    text.write_text("good film\nbad plot and dull\n")
+    runs = tmp_path / "runs"
+    code, _, err = cli(
+        ["extract", "ft", text, "--revisions", str(out / "checkpoints" / "*"), "--out", runs, "-q"]
+    )
+    assert code == 0, err
+    code, _, err = cli(["score", runs, "-q", "--metrics", "isoscore,avgcos"])
+    assert code == 0, err
+    rows = list(csv.DictReader((runs / "trajectory.csv").open()))
+    assert [r["step"] for r in rows[:: len(rows) // 3]] == ["0", "2", "4"]
+    # --overwrite removes the snapshots too (they are this run's)
+    code, _, err = cli(_args(data, out, "--reg", "none", "--overwrite", "--quiet"))
+    assert code == 0, err
+    assert not (out / "checkpoints").exists()

@@ -41,7 +41,8 @@ def extract_cmd(
         "--out",
         "-o",
         metavar="RUN_DIR",
-        help="Run directory to write (rerun the same command to resume).",
+        help="Run directory to write (rerun the same command to resume); with --revisions, the "
+        "directory that holds one run per revision.",
     ),
     layers: str = layers_option(
         "all",
@@ -50,6 +51,14 @@ def extract_cmd(
     ),
     revision: Optional[str] = typer.Option(
         None, "--revision", metavar="REV", help="Hub revision: tag, branch or commit."
+    ),
+    revisions: Optional[str] = typer.Option(
+        None,
+        "--revisions",
+        metavar="LIST|FILE|PRESET|GLOB",
+        help="Many checkpoints, one run each in --out/<revision>/: hub revisions (comma list or a "
+        "file, one per line), the preset pythia-mm21 (step0, step7000 ... step143000), or local "
+        "checkpoint directories (a glob, e.g. 'ft_out/checkpoints/*'). Finished runs are skipped.",
     ),
     dtype: ComputeDtype = typer.Option(
         "float32", "--dtype", metavar=choice_metavar(choices.COMPUTE_DTYPES), help="Model computation dtype."
@@ -148,7 +157,24 @@ def extract_cmd(
             cache_dir=cache_dir,
             allow_nonfinite=allow_nonfinite,
         )
-        summary = extract(model, inputs, out, options, progress=not quiet, log=log, stdin=sys.stdin)
+        if revisions is not None:
+            from geomscope.errors import InputError
+            from geomscope.extract.revisions import extract_revisions, resolve_revisions
+
+            if revision is not None:
+                raise InputError("give either --revision (one checkpoint) or --revisions (many), not both")
+            summary = extract_revisions(
+                model,
+                inputs,
+                out,
+                resolve_revisions(model, revisions),
+                options,
+                progress=not quiet,
+                log=log,
+                stdin=sys.stdin,
+            )
+        else:
+            summary = extract(model, inputs, out, options, progress=not quiet, log=log, stdin=sys.stdin)
     except GeomscopeError as e:
         if json_out and getattr(e, "summary", None) is not None:
             typer.echo(json.dumps(e.summary))

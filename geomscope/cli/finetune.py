@@ -67,6 +67,14 @@ def finetune_cmd(
     c0_points: int = typer.Option(
         250_000, "--c0-points", min=2, metavar="N", help="Token vectors used for C0 each epoch (at most)."
     ),
+    save_every: Optional[int] = typer.Option(
+        None,
+        "--save-every",
+        min=1,
+        metavar="STEPS",
+        help="Also keep the model every STEPS optimiser steps (and before the first) as "
+        "DIR/checkpoints/step<N>/, for `extract --revisions 'DIR/checkpoints/*'`.",
+    ),
     layers: Optional[str] = layers_option(
         None,
         "Hidden states for I-STAR: blocks | all | 1-6 | 2,4,-1 | layer_03 (default: blocks, every "
@@ -170,6 +178,7 @@ def finetune_cmd(
         label_field=label_field,
         resume=resume,
         overwrite=overwrite,
+        save_every=save_every,
     )
     if len(points) > 1:
         results = run_sweep(cfg, points, quiet=quiet, note=lambda msg: print(msg, file=sys.stderr))

@@ -26,7 +26,9 @@ from geomscope.cli._options import (
 @app.command("plot")
 def plot_cmd(
     inputs: List[str] = typer.Argument(
-        ..., metavar="REPORT...", help="Score report JSON files (or finetune output dirs / steps.jsonl)."
+        ...,
+        metavar="REPORT...",
+        help="Score report JSON files, a trajectory.csv (or finetune output dirs / steps.jsonl).",
     ),
     out: str = typer.Option(
         ...,

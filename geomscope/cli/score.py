@@ -47,12 +47,13 @@ def _default_out(source: str) -> str:
 
 @app.command("score")
 def score_cmd(
-    source: str = typer.Argument(
+    sources: List[str] = typer.Argument(
         ...,
-        metavar="SOURCE",
+        metavar="SOURCE...",
         help="A run directory written by `geomscope extract`; an (N, D) array (.npy, .h5); or one "
         "(N, D) array per layer: .npz, .safetensors, .pt (tensors only), .arrow, .parquet, or a "
-        "directory of them (datasets.save_to_disk, SAELens activation cache).",
+        "directory of them (datasets.save_to_disk, SAELens activation cache). Several runs, or a "
+        "directory of runs (extract --revisions), are scored one by one and tabled in trajectory.csv.",
     ),
     dataset: Optional[str] = typer.Option(
         None, "--dataset", metavar="PATH", help="Dataset path inside an .h5 array file."
@@ -166,7 +167,8 @@ def score_cmd(
         "-o",
         metavar="DIR|PREFIX",
         help="Directory (report.json + report.csv) or prefix (PREFIX.json + PREFIX.csv). Default: the run "
-        "directory; for an array FILE_report.* next to it.",
+        "directory; for an array FILE_report.* next to it. With several runs: a directory for "
+        "<run>.json/.csv and trajectory.csv (default: each run's own directory, trajectory.csv beside them).",
     ),
     columns: List[str] = typer.Option(
         [],
@@ -217,11 +219,15 @@ def score_cmd(
         dataset=dataset,
         columns=tuple(split_list(column)) or None,
     ).validate()
-    report = score(source, opts, progress=not quiet and sys.stderr.isatty(), log=log)
-    if state.get("argv"):
-        import shlex
+    from geomscope.score.trajectory import runs_in
 
-        report["command"] = shlex.join(state["argv"])
+    expanded = [str(r) for src in sources for r in (runs_in(src) or [src])]
+    if len(expanded) > 1:
+        _score_many(expanded, sources, opts, out, as_json, quiet, console, log)
+        return
+    source = expanded[0]
+    report = score(source, opts, progress=not quiet and sys.stderr.isatty(), log=log)
+    _record_command(report)
     jpath, cpath = save_report(report, out if out is not None else _default_out(source))
     if not quiet:
         console.print(report_table(report, split_list(columns) or None))
@@ -229,3 +235,49 @@ def score_cmd(
     if as_json:
         sys.stdout.write(to_json(report) + "\n")
         sys.stdout.flush()
+
+
+def _record_command(report: dict) -> None:
+    if state.get("argv"):
+        import shlex
+
+        report["command"] = shlex.join(state["argv"])
+
+
+def _score_many(
+    runs: list[str], sources: list[str], opts, out, as_json: bool, quiet: bool, console, log
+) -> None:
+    """Score each run with the same options; reports in each run (or --out DIR/<run>.*), then
+    trajectory.csv beside the runs (or in --out)."""
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    from geomscope.report import save_report
+    from geomscope.score import score
+    from geomscope.score.trajectory import TRAJECTORY_NAME, write_trajectory
+
+    reports, written = [], []
+    for i, run in enumerate(runs, 1):
+        rep = score(run, opts, progress=not quiet and sys.stderr.isatty(), log=log)
+        _record_command(rep)
+        name = Path(run).name
+        dest = str(Path(out) / name) if out is not None else _default_out(run)
+        jpath, _ = save_report(rep, dest)
+        reports.append(rep)
+        written.append(str(jpath))
+        if not quiet:
+            console.print(f"[{i}/{len(runs)}] {run}: wrote {jpath}", highlight=False, markup=False)
+    if out is not None:
+        where = Path(out)
+    elif len(sources) == 1:
+        where = Path(sources[0])
+    else:
+        where = Path(os.path.commonpath([str(Path(r).resolve().parent) for r in runs]))
+    where.mkdir(parents=True, exist_ok=True)
+    traj = write_trajectory(reports, where / TRAJECTORY_NAME)
+    if not quiet:
+        console.print(f"wrote {traj}", highlight=False, markup=False)
+    if as_json:
+        sys.stdout.write(json.dumps({"reports": written, "trajectory": str(traj)}) + "\n")

@@ -322,10 +322,32 @@ def torch_dtype(name: str):
     return getattr(torch, name)
 
 
+def cached_revisions(repo_id: str, cache_dir: str | None = None) -> list[str]:
+    """The refs (branches, tags, ``stepN`` revisions) the local hub cache holds for ``repo_id``."""
+    try:
+        from huggingface_hub import constants
+
+        base = cache_dir or os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE  # env: set after import
+        root = Path(base) / ("models--" + repo_id.replace("/", "--")) / "refs"
+        return sorted((str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()), key=_natural_key)
+    except (OSError, ImportError, ValueError):
+        return []
+
+
+def _natural_key(s: str):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
+
+
 def _load_error(exc: Exception, name: str, info: dict, revision: str | None) -> InputError:
     msg = " ".join(str(exc).split())
     at = f"{name}@{revision}" if revision else name
     if info["source"] == "hub":
+        cached = cached_revisions(name) if revision else []
+        if cached and revision not in cached:
+            shown = ", ".join(cached[:8]) + (f" and {len(cached) - 8} more" if len(cached) > 8 else "")
+            return InputError(
+                f"model {name} has no revision {revision!r} in the local cache (it has {shown})"
+            )
         if offline_mode():
             if "does not appear to have" in msg or "no file named" in msg:
                 return InputError(

@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Sequence
 
 from geomscope.errors import InputError
 from geomscope.report import load_report
-from geomscope.schema import NON_METRIC_LAYER_KEYS, is_metric_key
+from geomscope.schema import NON_METRIC_LAYER_KEYS, STEP_RE, is_metric_key
 
 #: the metrics drawn when the user names none (those present in the reports, in this order)
 DEFAULT_METRICS = ("isoscore_star", "isoscore", "avgcos", "twonn")
 
-_STEP_RE = re.compile(r"^(?:step|checkpoint)[_-]?(\d+)$", re.IGNORECASE)
+_STEP_RE = STEP_RE
 
 
 def read_report(path: str | os.PathLike) -> dict:

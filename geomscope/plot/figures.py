@@ -177,7 +177,14 @@ def plot_files(
     if any(logs):
         figs = _training_figures(inputs, logs, kinds)
     else:
-        reports = [read_report(p) for p in inputs]
+        reports = []
+        for p in inputs:
+            if str(p).lower().endswith(".csv"):  # trajectory.csv of `score DIR`: one report per revision
+                from geomscope.score.trajectory import read_trajectory
+
+                reports += read_trajectory(p)
+            else:
+                reports.append(read_report(p))
         figs = make_figures(
             reports,
             kinds,

@@ -28,7 +28,8 @@ CKPT = "checkpoint"
 MARKER = ".geomscope-finetune.json"
 #: what a finetune run writes besides the exported model files (listed in the marker)
 RUN_FILES = ("run.json", "steps.jsonl", "eval.jsonl", "summary.json", "label_map.json")
-RUN_DIRS = (CKPT, ".checkpoint.tmp", ".export.tmp", CKPT + ".old")
+SNAPSHOTS = "checkpoints"  # --save-every: checkpoints/step<N>/, each a save_pretrained directory
+RUN_DIRS = (CKPT, ".checkpoint.tmp", ".export.tmp", CKPT + ".old", SNAPSHOTS)
 _TENSORS, _STATE = "trainer.safetensors", "trainer.json"
 
 
@@ -304,6 +305,20 @@ def export_model(out: Path, model, tokenizer, extra: dict[str, dict]) -> None:
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.replace(f, dest)
     shutil.rmtree(tmp)
+
+
+def save_snapshot(out: Path, model, tokenizer, step: int) -> Path:
+    """``out/checkpoints/step<step>/``: the model and tokenizer as ``save_pretrained`` writes them
+    (so ``extract --revisions 'out/checkpoints/*'`` reads them), written to a temporary name and
+    renamed whole. An existing snapshot of that step (a resumed run) is kept."""
+    dest = out / SNAPSHOTS / f"step{step}"
+    if dest.is_dir():
+        return dest
+    tmp = _fresh_dir(out / SNAPSHOTS / f".step{step}.tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, dest)
+    return dest
 
 
 def truncate_jsonl(path: Path, keep) -> None:

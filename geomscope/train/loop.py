@@ -93,6 +93,7 @@ class FinetuneConfig:
     overwrite: bool = False  # replace a previous finetune output in out (only what it wrote)
     penalty_precision: str = "fp64"  # arithmetic of the I-STAR batch covariance: fp64 | fp32
     monitor: bool = True  # log batch IsoScore* (identity target) also for cosreg / none
+    save_every: int | None = None  # keep out/checkpoints/step<N>/ every N optimiser steps (and step0)
     extra: dict = field(default_factory=dict)  # recorded in run.json / summary.json (e.g. model alias)
 
 
@@ -119,6 +120,8 @@ def _validate(cfg: FinetuneConfig) -> None:
         raise InputError(f"--lambda must be a finite number, got {cfg.lam}")
     if cfg.eval is None:
         raise InputError("an evaluation file is needed: pass --eval FILE")
+    if cfg.save_every is not None and cfg.save_every < 1:
+        raise InputError(f"--save-every must be at least 1 step, got {cfg.save_every}")
 
 
 def make_autocast(precision: str, device):
@@ -414,6 +417,8 @@ class _Trainer:
         per_epoch = len(global_batches(list(range(len(self.train_enc))), cfg.batch_size, d.world_size))
         self.logf = open(self.steps_path, "a") if d.is_main else None
         bar = Progress(enabled=d.is_main and not quiet)
+        if self.step == 0:
+            self._snapshot(initial=True)  # step0: the model before any update
         try:
             with bar:
                 progress = bar.add(
@@ -470,8 +475,15 @@ class _Trainer:
             finite = rec.pop("finite")
             rec = {"step": self.step, "epoch": epoch + 1, **rec, "seconds": round(dt, 5)}
             self._log_step(rec, finite, epoch)
+            self._snapshot()
             progress.advance()
             progress.info(step_line(rec))
+
+    def _snapshot(self, initial: bool = False) -> None:
+        """--save-every: the model as it is now, for trajectories (rank 0 writes)."""
+        every = self.cfg.save_every
+        if every and self.d.is_main and (initial or self.step % every == 0):
+            ck.save_snapshot(self.out, self.model, self.tokenizer, self.step)
 
     def _log_step(self, rec: dict, finite: bool, epoch: int) -> None:
         """Append the step to steps.jsonl; stop on a non-finite loss, keeping the last good checkpoint."""

@@ -1,0 +1,165 @@
+"""Many checkpoints of one model, one run each: ``extract MODEL INPUT --revisions SPEC --out DIR``.
+
+``SPEC`` is a comma list of hub revisions (``step0,step7000``), a preset (:data:`PRESETS`), a text
+file with one revision per line, or local checkpoint directories (a glob such as
+``ft_out/checkpoints/*``, or a comma list of directories). Each revision is extracted with the same
+options into ``DIR/<name>/`` (the revision, or the checkpoint directory's name), one after another,
+each model freed before the next. A finished run is skipped on rerun (``--overwrite`` redoes them);
+an unfinished one resumes. A revision that fails is reported and the others go on; the call then
+fails naming every failed revision, with the finished runs intact.
+"""
+
+from __future__ import annotations
+
+import gc
+import glob
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from geomscope.errors import GeomscopeError, InputError
+
+#: Machina & Mercer (NAACL 2024), as their released code lists the Pythia revisions:
+#: step0 and step{int(i * 143 / 20)}000 for i = 1..20 (step7000 ... step143000).
+PRESETS = {"pythia-mm21": ("step0", *(f"step{int(i * 143 / 20)}000" for i in range(1, 21)))}
+
+_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+@dataclass(frozen=True)
+class Revision:
+    """One checkpoint to extract: ``model`` at hub ``revision`` (None for a local directory), into
+    the run directory named ``name``."""
+
+    name: str
+    model: str
+    revision: str | None
+
+
+def _safe_name(label: str) -> str:
+    name = _SAFE.sub("_", label).strip("._") or "revision"
+    return name
+
+
+def _is_glob(item: str) -> bool:
+    return any(c in item for c in "*?[")
+
+
+def resolve_revisions(model: str, spec: str) -> list[Revision]:
+    """The checkpoints ``spec`` names (see the module docstring); InputError (one line) for an empty
+    list, a glob that matches no directory, or two revisions that would share a run directory."""
+    spec = (spec or "").strip()
+    if spec in PRESETS:
+        items = list(PRESETS[spec])
+    elif spec and not _is_glob(spec) and "," not in spec and Path(spec).is_file():
+        lines = Path(spec).read_text(encoding="utf-8").splitlines()
+        items = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    else:
+        items = [s.strip() for s in spec.split(",") if s.strip()]
+    out: list[Revision] = []
+    for item in items:
+        if _is_glob(item):
+            dirs = sorted((Path(p) for p in glob.glob(item) if Path(p).is_dir()), key=_natural)
+            if not dirs:
+                raise InputError(f"--revisions {item!r} matches no directory; give checkpoint directories")
+            out += [Revision(_safe_name(d.name), str(d), None) for d in dirs]
+        elif Path(item).is_dir():
+            out.append(Revision(_safe_name(Path(item).name), item, None))
+        else:
+            out.append(Revision(_safe_name(item), model, item))
+    if not out:
+        presets = ", ".join(PRESETS)
+        raise InputError(
+            f"--revisions {spec!r} names no revision; give a comma list, a file, a glob of "
+            f"checkpoint directories, or a preset ({presets})"
+        )
+    seen: dict[str, str] = {}
+    for r in out:
+        label = r.revision or r.model
+        if r.name in seen and seen[r.name] != label:
+            raise InputError(
+                f"--revisions: {seen[r.name]} and {label} would share the run directory {r.name}/; "
+                "give them distinct names"
+            )
+        seen[r.name] = label
+    return list({r.name: r for r in out}.values())
+
+
+def _natural(p: Path):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
+
+
+def _complete(run_dir: Path) -> bool:
+    try:
+        return bool(json.loads((run_dir / "manifest.json").read_text(encoding="utf-8")).get("complete"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _free() -> None:
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def extract_revisions(
+    model, inputs, out, revisions: list[Revision], options, *, progress=False, log=None, stdin=None
+):
+    """Extract every revision into ``out/<name>/`` with the same ``options``; return
+    ``{"runs": [{revision, dir, status: done|skipped|failed, error?, rows?}], "failed": n}``.
+    Raises the first failure's kind of error (one line naming every failed revision) after trying
+    them all, with ``.summary`` set."""
+    from geomscope.extract.run import extract
+
+    say = log or (lambda msg: None)
+    if len(revisions) > 1 and any(str(i) == "-" for i in ([inputs] if isinstance(inputs, str) else inputs)):
+        raise InputError("stdin (-) can be read once; save the text to a file to extract several revisions")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs, failures = [], []
+    for i, rev in enumerate(revisions, 1):
+        run_dir = out / rev.name
+        label = rev.revision or rev.model
+        entry = {"revision": label, "dir": str(run_dir)}
+        if _complete(run_dir) and not options.overwrite:
+            say(f"[{i}/{len(revisions)}] {label}: complete in {run_dir}, skipped")
+            runs.append({**entry, "status": "skipped"})
+            continue
+        say(f"[{i}/{len(revisions)}] {label} -> {run_dir}")
+        try:
+            summary = extract(
+                rev.model,
+                inputs,
+                run_dir,
+                options,
+                revision=rev.revision,
+                progress=progress,
+                log=log,
+                stdin=stdin,
+            )
+            runs.append({**entry, "status": "done", "rows": summary.get("rows")})
+        except GeomscopeError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            say(f"[{i}/{len(revisions)}] {label} failed: {first}")
+            runs.append({**entry, "status": "failed", "error": first})
+            failures.append((label, e))
+        finally:
+            _free()
+    result = {"runs": runs, "failed": len(failures), "out": str(out)}
+    if failures:
+        label, first = failures[0]
+        names = ", ".join(f"{lab} ({str(e).strip().splitlines()[0][:120]})" for lab, e in failures[:3])
+        more = f" and {len(failures) - 3} more" if len(failures) > 3 else ""
+        err = type(first)(
+            f"{len(failures)} of {len(revisions)} revisions failed: {names}{more}; the finished runs in "
+            f"{out} are kept -- fix the cause and rerun the same command to do the rest"
+        )
+        err.summary = result
+        raise err
+    return result

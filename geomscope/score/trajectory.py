@@ -1,0 +1,168 @@
+"""Many runs of one model (checkpoints), scored together: ``score DIR`` on a directory of runs, or
+``score RUN...``, writes beside the per-run reports one tidy table, ``trajectory.csv``.
+
+Columns (:func:`trajectory_columns`): ``model, revision, step, layer, index, n_rows``, every scalar
+metric, its ``se_<metric>``, and the partition isotropy of the checkpoint's embedding matrices
+``iw_input_raw, iw_input_centred, iw_output_raw, iw_output_centred`` (the same on every layer row
+of a revision). One row per (revision, layer), ordered by step; pandas reads it directly
+(``pd.read_csv``). ``revision`` is the hub revision, or the run directory's name for a local
+checkpoint; ``step`` is parsed from it (``stepN``, ``checkpoint-N``), empty when it has none.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+from geomscope.schema import STEP_RE, csv_metric_columns
+
+TRAJECTORY_NAME = "trajectory.csv"
+IW_COLUMNS = ("iw_input_raw", "iw_input_centred", "iw_output_raw", "iw_output_centred")
+
+
+def runs_in(path) -> list[Path]:
+    """The run directories directly inside ``path`` (those holding a manifest), by step then name."""
+    p = Path(path)
+    if not p.is_dir() or (p / "manifest.json").exists():
+        return []
+    runs = [d for d in p.iterdir() if d.is_dir() and (d / "manifest.json").exists()]
+
+    def key(d: Path):
+        m = STEP_RE.match(d.name)
+        return (0, int(m.group(1)), d.name) if m else (1, 0, d.name)
+
+    return sorted(runs, key=key)
+
+
+def revision_of(report: dict) -> str:
+    rev = (report.get("model") or {}).get("revision")
+    if rev:
+        return str(rev)
+    return Path(
+        str((report.get("run") or {}).get("dir") or (report.get("source") or {}).get("path") or "")
+    ).name
+
+
+def step_of(report: dict) -> int | None:
+    m = STEP_RE.match(revision_of(report).strip())
+    if m:
+        return int(m.group(1))
+    step = report.get("step")
+    return int(step) if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+
+
+def trajectory_columns(reports: list[dict]) -> list[str]:
+    metrics: list[str] = []
+    for r in reports:
+        metrics += [m for m in csv_metric_columns(r) if m not in metrics]
+    return [
+        "model",
+        "revision",
+        "step",
+        "layer",
+        "index",
+        "n_rows",
+        *metrics,
+        *[f"se_{m}" for m in metrics],
+        *IW_COLUMNS,
+    ]
+
+
+def _iw(report: dict) -> dict:
+    emb = report.get("embeddings") or {}
+    out = {}
+    for side in ("input", "output"):
+        part = emb.get(side) if isinstance(emb, dict) else None
+        for kind in ("raw", "centred"):
+            out[f"iw_{side}_{kind}"] = part.get(kind) if isinstance(part, dict) else None
+    if isinstance(emb, dict) and emb.get("tied"):
+        out["iw_output_raw"], out["iw_output_centred"] = out["iw_input_raw"], out["iw_input_centred"]
+    return out
+
+
+def trajectory_rows(reports: list[dict]) -> list[dict]:
+    """One dict per (report, layer), reports ordered by step (those without one last)."""
+    order = sorted(reports, key=lambda r: (step_of(r) is None, step_of(r) or 0, revision_of(r)))
+    rows = []
+    for rep in order:
+        head = {
+            "model": (rep.get("model") or {}).get("name") or (rep.get("source") or {}).get("path"),
+            "revision": revision_of(rep),
+            "step": step_of(rep),
+        }
+        iw = _iw(rep)
+        for e in rep.get("layers", []):
+            se = e.get("se") or {}
+            row = {**head, "layer": e.get("layer"), "index": e.get("index"), "n_rows": e.get("n_rows")}
+            for k, v in e.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in row:
+                    row[k] = v
+            row.update({f"se_{k}": v for k, v in se.items()})
+            row.update(iw)
+            rows.append(row)
+    return rows
+
+
+def to_trajectory_csv(reports: list[dict]) -> str:
+    cols = trajectory_columns(reports)
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(cols)
+    for row in trajectory_rows(reports):
+        w.writerow(
+            [
+                "" if row.get(c) is None else (repr(row[c]) if isinstance(row[c], float) else row[c])
+                for c in cols
+            ]
+        )
+    return buf.getvalue()
+
+
+def write_trajectory(reports: list[dict], path) -> Path:
+    from geomscope.fileio import write_text_atomic
+
+    path = Path(path)
+    write_text_atomic(path, to_trajectory_csv(reports))
+    return path
+
+
+def read_trajectory(path) -> list[dict]:
+    """``trajectory.csv`` back as one report-like dict per revision (``model``, ``step``, ``layers``
+    with metrics and ``se``), the form the trajectory figure takes."""
+    from geomscope.errors import InputError
+
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            rows = list(csv.DictReader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise InputError(f"{path} is not a readable trajectory.csv ({e})") from None
+    if not rows or not {"revision", "step", "layer"} <= set(rows[0]):
+        raise InputError(
+            f"{path} is not a trajectory.csv written by `geomscope score` (no revision/step/layer)"
+        )
+    reports: dict[str, dict] = {}
+    for r in rows:
+        rev = r["revision"]
+        rep = reports.setdefault(
+            rev,
+            {
+                "model": {"name": r.get("model"), "revision": rev},
+                "step": int(r["step"]) if r["step"].strip() else None,
+                "params": {},
+                "layers": [],
+            },
+        )
+        entry: dict = {"layer": r["layer"], "se": {}}
+        for k, v in r.items():
+            if k in ("model", "revision", "step", "layer") or k.startswith("iw_") or v is None:
+                continue
+            num = float(v) if v.strip() else None
+            if k.startswith("se_"):
+                entry["se"][k[3:]] = num
+            elif k in ("index", "n_rows"):
+                entry[k] = int(num) if num is not None else None
+            else:
+                entry[k] = num
+        rep["layers"].append(entry)
+    return list(reports.values())

@@ -1,0 +1,101 @@
+"""Many checkpoints, one run each (``extract --revisions``), offline through a hub cache the test
+writes itself, and through a glob of local checkpoint directories; then ``score`` of the directory
+of runs writes ``trajectory.csv`` and ``plot`` draws it."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+from helpers_models import SAMPLE_TEXTS, hf_cache_with, make_tiny_model
+
+from geomscope.extract.revisions import PRESETS, resolve_revisions
+
+REPO = "tiny-org/tiny-neox"
+STEPS = ("step0", "step1000", "step3000")
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """A hub cache holding three revisions of a tiny GPT-NeoX with different weights."""
+    root = tmp_path_factory.mktemp("hub")
+    cache = root / "cache"
+    for i, step in enumerate(STEPS):
+        model = make_tiny_model("gpt_neox", root / step, seed=i)
+        hf_cache_with(model, cache, REPO, commit=f"{i:040x}", ref=step)
+    text = root / "t.txt"
+    text.write_text("\n".join(SAMPLE_TEXTS[:8]) + "\n")
+    return cache, text
+
+
+def test_presets_and_resolution(tmp_path):
+    mm = PRESETS["pythia-mm21"]
+    assert len(mm) == 21 and mm[0] == "step0" and mm[1] == "step7000" and mm[-1] == "step143000"
+    assert mm[10] == "step71000"  # int(10 * 143 / 20) = 71, as the released code computes it
+    (tmp_path / "ckpt" / "step20").mkdir(parents=True)
+    (tmp_path / "ckpt" / "step100").mkdir()
+    revs = resolve_revisions("m", str(tmp_path / "ckpt" / "*"))
+    assert [r.name for r in revs] == ["step20", "step100"] and revs[0].revision is None
+    (tmp_path / "list.txt").write_text("# steps\nstep0\n\nstep5\n")
+    assert [r.revision for r in resolve_revisions("org/m", str(tmp_path / "list.txt"))] == ["step0", "step5"]
+    assert [r.name for r in resolve_revisions("org/m", "refs/pr/1,main")] == ["refs_pr_1", "main"]
+
+
+def test_revisions_offline_then_trajectory(hub, tmp_path, cli, monkeypatch):
+    from conftest import assert_one_line_error
+
+    cache, text = hub
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "traj"
+    args = ["extract", REPO, text, "--revisions", ",".join(STEPS), "--out", out, "--cache-dir", cache, "-q"]
+    code, _, err = cli([*args, "--json"])
+    assert code == 0, err
+    for i, step in enumerate(STEPS):
+        m = json.loads((out / step / "manifest.json").read_text())
+        assert m["complete"] and m["identity"]["model"]["revision"] == step
+        assert m["identity"]["model"]["commit"] == f"{i:040x}"
+    code, out_json, err = cli([*args, "--json"])  # rerun: all skipped, nothing reloaded
+    assert code == 0 and [r["status"] for r in json.loads(out_json)["runs"]] == ["skipped"] * 3
+    # an unknown revision names those the cache holds; the finished runs stay
+    bad = ["extract", REPO, text, "--revisions", "step0,step9", "--out", out, "--cache-dir", cache, "-q"]
+    code, o, err = cli(bad)
+    line = assert_one_line_error(code, o, err, "1 of 2 revisions failed", "step9", exit_code=2)
+    assert "step1000" in line and (out / "step0" / "manifest.json").exists()
+
+    code, _, err = cli(["score", out, "-q", "--metrics", "isoscore,avgcos,partition"])
+    assert code == 0, err
+    rows = list(csv.DictReader((out / "trajectory.csv").open()))
+    assert [r["revision"] for r in rows[:: len(rows) // 3]] == list(STEPS)
+    assert sorted({int(r["step"]) for r in rows}) == [0, 1000, 3000]
+    assert {"model", "revision", "step", "layer", "isoscore", "se_isoscore", "iw_input_raw"} <= set(rows[0])
+    one = json.loads((out / "step1000" / "report.json").read_text())
+    got = [float(r["isoscore"]) for r in rows if r["revision"] == "step1000"]
+    assert got == pytest.approx([e["isoscore"] for e in one["layers"]], rel=1e-12)
+    code, _, err = cli(
+        ["plot", out / "trajectory.csv", "--kind", "trajectory", "--out", tmp_path / "t.png", "-q"]
+    )
+    assert code == 0, err
+    assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_glob_of_local_checkpoints(tmp_path, cli):
+    ckpts = tmp_path / "ft" / "checkpoints"
+    for i, step in enumerate(("step2", "step4")):
+        make_tiny_model("bert", tmp_path / "m", seed=i)
+        import shutil
+
+        shutil.copytree(tmp_path / "m" / "tiny-bert", ckpts / step)
+        shutil.rmtree(tmp_path / "m")
+    text = tmp_path / "t.txt"
+    text.write_text("\n".join(SAMPLE_TEXTS[:5]) + "\n")
+    code, out, err = cli(
+        ["extract", "ft", text, "--revisions", str(ckpts / "*"), "--out", tmp_path / "runs", "-q", "--json"]
+    )
+    assert code == 0, err
+    assert [r["revision"] for r in json.loads(out)["runs"]] == [str(ckpts / "step2"), str(ckpts / "step4")]
+    code, _, err = cli(["score", tmp_path / "runs", "-q", "--metrics", "isoscore"])
+    assert code == 0, err
+    rows = list(csv.DictReader((tmp_path / "runs" / "trajectory.csv").open()))
+    assert sorted({(r["revision"], r["step"]) for r in rows}) == [("step2", "2"), ("step4", "4")]
