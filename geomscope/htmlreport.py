@@ -154,6 +154,13 @@ def _compact(v) -> str:
     return json.dumps(v, separators=(", ", ": "))
 
 
+def _final_norm(report: dict) -> str:
+    from geomscope.report import final_norm_line
+
+    fn = report.get("final_norm")
+    return f"<p class='final-norm'>{_e(final_norm_line(fn))}</p>" if fn else ""
+
+
 def _notes(report: dict) -> str:
     items = []
     for k, why in (report.get("notes") or {}).items():
@@ -200,7 +207,7 @@ def html_page(reports: Sequence[dict], *, kinds: Sequence[str] = ("auto",), titl
     for r in reports:
         sections.append(
             f"<section class='report'><h2>{_e(_title(r))}</h2>{_provenance(r)}{_params(r)}"
-            f"{report_table_html(r)}{_notes(r)}</section>"
+            f"{report_table_html(r)}{_final_norm(r)}{_notes(r)}</section>"
         )
     return (
         "<!doctype html><html lang='en'><head><meta charset='utf-8'>"

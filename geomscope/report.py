@@ -20,6 +20,11 @@ JSON (``format: "geomscope-report"``, ``format_version: 1``), top-level keys :da
   twonn_duplicates_removed; dropped {nonfinite, special, not_sampled}; flags (e.g. rank_limited,
   maybe_transposed, nonfinite_rows_dropped, zero_norm_rows); notes {key: why}. Extra
   intrinsic-dimension estimators add ``id_<name>`` keys after these.
+- ``final_norm``: for a run holding ``layer_N`` and ``final_norm``, the final norm's effect
+  (geomscope.score.finalnorm): ``{before, after, metrics {metric: {before, after, change}}, gain
+  {module, type, spearman_abs_gain_variance, median_abs_gain}, bias {spearman_abs_bias_variance},
+  outliers [{dim, variance_ratio, gain_ratio, effect}]}``; null with the reason in
+  ``notes.final_norm`` otherwise.
 - ``command``: the ``geomscope score ...`` command line that wrote the report (null from the library).
 - ``embeddings``: partition isotropy I(W) of the checkpoint's matrices, ``{input: {raw, centred},
   output: {raw, centred} | null, tied, checkpoint, input_key, output_key, note}``, or null with the
@@ -309,4 +314,25 @@ def _caption(report: dict) -> str:
         elif emb.get("tied"):
             line += " (output tied)"
         bits.append(line)
+    fn = report.get("final_norm")
+    if fn:
+        bits.append(final_norm_line(fn))
     return "\n".join(bits)
+
+
+def final_norm_line(fn: dict) -> str:
+    """One line on the final norm's effect (the table caption and the HTML page)."""
+    parts = []
+    for m in ("isoscore_star", "isoscore", "avgcos"):
+        v = (fn.get("metrics") or {}).get(m)
+        if v and v.get("before") is not None and v.get("after") is not None:
+            parts.append(f"{METRIC_LABELS.get(m, m)} {v['before']:.3g} -> {v['after']:.3g}")
+    line = f"final norm ({fn['before']} -> {fn['after']}): " + (", ".join(parts) or "no metric on both sides")
+    gain = fn.get("gain") or {}
+    if gain.get("spearman_abs_gain_variance") is not None:
+        line += f"; Spearman(|gain|, variance before) {gain['spearman_abs_gain_variance']:.2f}"
+    outs = fn.get("outliers") or []
+    if outs:
+        damped = sum(o["effect"] == "damped" for o in outs)
+        line += f"; outlier dims damped {damped}/{len(outs)}"
+    return line

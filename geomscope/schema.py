@@ -28,6 +28,7 @@ REPORT_KEYS = (
     "params",
     "layers",
     "embeddings",
+    "final_norm",
     "notes",
     "command",
 )

@@ -14,6 +14,8 @@ Kinds (``TINY_KINDS``):
                 eos ``<|endoftext|>`` (as users configure GPT-2), no special tokens added.
 - ``gpt_neox``  GPTNeoXModel (the Pythia architecture: rotary, parallel residual, final norm) + the
                 same GPT-2 style tokenizer, no pad token at all.
+- ``llama``     LlamaModel (RMSNorm, rotary, grouped-query attention, final ``norm``; the Llama /
+                Mistral / Qwen layout) + the same GPT-2 style tokenizer, no pad token.
 - ``t5``        T5Model (encoder-decoder, relative positions, final norm on both stacks; 2 encoder and
                 3 decoder blocks) + a word-level tokenizer that appends ``</s>``; pad = 0 = decoder start.
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-TINY_KINDS = ("bert", "gpt2", "gpt_neox", "t5")
+TINY_KINDS = ("bert", "gpt2", "gpt_neox", "t5", "llama")
 HIDDEN = 32
 
 #: a small English vocabulary shared by every tiny tokenizer (unknown words become sub-words or UNK)
@@ -139,7 +141,15 @@ def _save_bert(dest: Path, seed: int, overrides: dict) -> None:
 
 def _save_gpt(dest: Path, kind: str, seed: int, overrides: dict) -> None:
     import torch
-    from transformers import GPT2Config, GPT2Model, GPTNeoXConfig, GPTNeoXModel, PreTrainedTokenizerFast
+    from transformers import (
+        GPT2Config,
+        GPT2Model,
+        GPTNeoXConfig,
+        GPTNeoXModel,
+        LlamaConfig,
+        LlamaModel,
+        PreTrainedTokenizerFast,
+    )
 
     eos = "<|endoftext|>"
     tk, vocab = _wordlevel_tokenizer([eos, "<unk>"], "<unk>", None)
@@ -159,6 +169,24 @@ def _save_gpt(dest: Path, kind: str, seed: int, overrides: dict) -> None:
         cfg.update(overrides)
         torch.manual_seed(seed)
         model = GPT2Model(GPT2Config(**cfg)).eval()
+    elif kind == "llama":
+        tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=eos, eos_token=eos, unk_token="<unk>")
+        cfg = dict(
+            vocab_size=len(vocab),
+            hidden_size=HIDDEN,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=64,
+            max_position_embeddings=128,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        cfg.update(overrides)
+        torch.manual_seed(seed)
+        model = LlamaModel(LlamaConfig(**cfg)).eval()
+        with torch.no_grad():  # a trained-looking gain (an untrained RMSNorm's gain is all ones)
+            model.norm.weight.uniform_(0.5, 2.0)
     else:  # Pythia: no pad token
         tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=eos, eos_token=eos, unk_token="<unk>")
         cfg = dict(
@@ -232,7 +260,7 @@ def make_tiny_model(
     hf_logging.disable_progress_bar()
     if kind == "bert":
         _save_bert(out, seed, config_overrides)
-    elif kind in ("gpt2", "gpt_neox"):
+    elif kind in ("gpt2", "gpt_neox", "llama"):
         _save_gpt(out, kind, seed, config_overrides)
     else:
         _save_t5(out, seed, config_overrides)

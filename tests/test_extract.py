@@ -24,7 +24,7 @@ TEXTS = SAMPLE_TEXTS + ["a <|endoftext|> inside the text", "  ", "", "The end."]
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    return {k: make_tiny_model(k, root) for k in ("bert", "gpt2", "gpt_neox", "t5")} | {
+    return {k: make_tiny_model(k, root) for k in ("bert", "gpt2", "gpt_neox", "t5", "llama")} | {
         "gpt2-left": make_tiny_model("gpt2", root, padding_side="left"),
         "bert-left": make_tiny_model("bert", root, padding_side="left"),
     }
@@ -69,13 +69,16 @@ def read_run(run_dir):
     return out
 
 
-def reference(model_dir, texts, *, stack="model", max_length=None):
-    """Plain transformers: each non-empty document alone (no padding), output_hidden_states=True."""
+def reference(model_dir, texts, *, stack="model", max_length=None, norm=None):
+    """Plain transformers: each non-empty document alone (no padding), output_hidden_states=True.
+    ``norm``: the final norm's module name, named here per family; its input is hooked into ``pre``."""
     from transformers import AutoModel, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModel.from_pretrained(model_dir).eval()
-    rows = {"token_id": [], "doc_id": [], "position": [], "is_special": [], "hs": []}
+    rows = {"token_id": [], "doc_id": [], "position": [], "is_special": [], "hs": [], "pre": []}
+    if norm is not None:
+        model.get_submodule(norm).register_forward_hook(lambda m, a, o: rows["pre"].append(a[0][0].numpy()))
     for i, t in enumerate(texts):
         if not t.strip():
             continue
@@ -100,15 +103,33 @@ def reference(model_dir, texts, *, stack="model", max_length=None):
         sp = np.array(enc["special_tokens_mask"], bool)
         rows["is_special"].append(np.concatenate([[True], sp[:-1]]) if stack == "decoder" else sp)
         rows["hs"].append(np.stack([h[0].numpy() for h in hs]))  # (L, n, D)
-    out = {k: np.concatenate(v) for k, v in rows.items() if k != "hs"}
+    out = {k: np.concatenate(v) for k, v in rows.items() if k not in ("hs", "pre") or (k == "pre" and v)}
     out["hs"] = np.concatenate(rows["hs"], axis=1)
     return out
+
+
+#: each family's final norm, named here independently of geomscope's own search
+FINAL_NORMS = {
+    ("bert", "model"): None,
+    ("gpt2", "model"): "ln_f",
+    ("gpt_neox", "model"): "final_layer_norm",
+    ("t5", "encoder"): "encoder.final_layer_norm",
+    ("t5", "decoder"): "decoder.final_layer_norm",
+    ("llama", "model"): "norm",
+}
 
 
 # ---------------------------------------------------------------- correctness against plain transformers
 @pytest.mark.parametrize(
     "kind,stack",
-    [("bert", "model"), ("gpt2", "model"), ("gpt_neox", "model"), ("t5", "encoder"), ("t5", "decoder")],
+    [
+        ("bert", "model"),
+        ("gpt2", "model"),
+        ("gpt_neox", "model"),
+        ("t5", "encoder"),
+        ("t5", "decoder"),
+        ("llama", "model"),
+    ],
 )
 def test_rows_and_values_match_plain_forward(tmp_path, tiny, kind, stack):
     src = write_lines(tmp_path / "in.txt", TEXTS)
@@ -121,17 +142,32 @@ def test_rows_and_values_match_plain_forward(tmp_path, tiny, kind, stack):
         stack="decoder" if stack == "decoder" else None,
     )
     got = read_run(tmp_path / "run")
-    ref = reference(tiny[kind], TEXTS, stack=stack)
+    norm = FINAL_NORMS[(kind, stack)]
+    ref = reference(tiny[kind], TEXTS, stack=stack, norm=norm)
     for k in ("token_id", "doc_id", "position", "is_special"):
         np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
     names = Run(tmp_path / "run").layer_names
-    assert len(names) == ref["hs"].shape[0] == (4 if stack == "decoder" else 3)
-    for i, n in enumerate(names):
-        np.testing.assert_allclose(got["layers"][n], ref["hs"][i], rtol=1e-4, atol=2e-5, err_msg=n)
+    n_hs = ref["hs"].shape[0]
+    assert n_hs == (4 if stack == "decoder" else 3)
+    # layer_i = the residual stream after block i; the last one read at the final norm's input,
+    # and final_norm = the norm's output = the last entry of output_hidden_states
+    want = {f"layer_{i:02d}": ref["hs"][i] for i in range(n_hs)}
+    if norm is not None:
+        want[f"layer_{n_hs - 1:02d}"] = ref["pre"]
+        want["final_norm"] = ref["hs"][-1]
+        assert not np.allclose(ref["pre"], ref["hs"][-1])
+    assert names == list(want)
+    for n in names:
+        np.testing.assert_allclose(got["layers"][n], want[n], rtol=1e-4, atol=2e-5, err_msg=n)
     assert s["rows"] == len(ref["token_id"]) and s["docs_empty"] == 2 and s["docs"] == len(TEXTS) - 2
     layers = Run(tmp_path / "run").layers
-    assert [la["final_norm"] for la in layers] == [False] * (len(layers) - 1) + [kind != "bert"]
-    assert layers[0]["kind"] == "embeddings" and {la["kind"] for la in layers[1:]} == {"block"}
+    assert [la["final_norm"] for la in layers] == [False] * n_hs + [True] * (norm is not None)
+    assert [la["kind"] for la in layers] == ["embeddings"] + ["block"] * (n_hs - 1) + ["final_norm"] * (
+        norm is not None
+    )
+    if norm is not None:
+        params = json.loads((tmp_path / "run" / "manifest.json").read_text())["final_norm"]
+        assert params["module"] == norm and len(params["gain"]) == ref["hs"].shape[-1]
     # stored order within the shard: descending length, ties by doc id
     lengths = np.bincount(got["doc_id"])
     seen = list(dict.fromkeys(got["stored_doc_order"].tolist()))
@@ -229,7 +265,10 @@ def test_layer_subset_and_names(tmp_path, loaded):
         loaded("gpt_neox"), src, tmp_path / "run", layers="-1", store_dtype="float32"
     )  # one bare input
     full = extract(loaded("gpt_neox"), [src], tmp_path / "full", store_dtype="float32")
-    assert s["layers"] == ["layer_02"] and Run(tmp_path / "run").layers[0]["final_norm"] is True
+    kept = Run(tmp_path / "run").layers
+    assert s["layers"] == ["layer_02"] and kept[0]["final_norm"] is False  # the norm's input
+    assert "input of the final norm final_layer_norm" in kept[0]["tensor"]
+    assert full["layers"][-2:] == ["layer_02", "final_norm"]  # `all` keeps both sides of the norm
     np.testing.assert_array_equal(
         read_run(tmp_path / "run")["layers"]["layer_02"], read_run(tmp_path / "full")["layers"]["layer_02"]
     )
@@ -519,3 +558,17 @@ def test_bfloat16_compute_close_to_float32(tmp_path, tiny):
         assert np.abs(a["layers"][n] - b["layers"][n]).max() < 0.05 * scale
     with pytest.raises(InputError, match="--stack sideways is not one of encoder, decoder"):
         extract(str(tiny["t5"]), [src], tmp_path / "x", stack="sideways")
+
+
+def test_final_norm_layer_choice(tmp_path, loaded):
+    src = write_lines(tmp_path / "in.txt", TEXTS)
+    s = extract(loaded("gpt2"), [src], tmp_path / "a", layers="final_norm,0", store_dtype="float32")
+    assert s["layers"] == ["layer_00", "final_norm"]
+    assert extract(loaded("gpt2"), [src], tmp_path / "b", layers="blocks")["layers"] == [
+        "layer_01",
+        "layer_02",
+    ]
+    assert extract(loaded("gpt2"), [src], tmp_path / "c", layers="final_norm")["layers"] == ["final_norm"]
+    with pytest.raises(InputError, match="no final norm to store separately.*post-LN"):
+        extract(loaded("bert"), [src], tmp_path / "d", layers="final_norm")
+    assert not (tmp_path / "d").exists()

@@ -38,7 +38,8 @@ def test_complete_run(runs):
     s = runs["summary"]
     assert d["complete"] and d["rows"] == s["rows"] and d["docs"] == s["docs"] == len(SAMPLE_TEXTS)
     assert d["shards"] == d["planned_shards"] == 3 and d["layers"] == ["layer_00", "layer_02"]
-    assert d["final_norm_layer"] == "layer_02" and d["layer_indices"] == [0, 2]
+    assert d["final_norm_layer"] is None and d["layer_indices"] == [0, 2]  # layer_02: the norm's input
+    assert "input of the final norm ln_f" in d["layer_tensors"]["layer_02"]
     assert d["model"]["model_type"] == "gpt2" and d["model"]["attention"] == "causal" and d["dim"] == 32
     assert d["store_dtype"] == "float32" and d["docs_empty"] == 2 and d["nonfinite_rows"] == 0
     files = sum(p.stat().st_size for p in runs["run"].iterdir() if not p.name.startswith(".geomscope"))

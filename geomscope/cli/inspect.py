@@ -55,8 +55,7 @@ def inspect_cmd(
             ("revision", rev),
             (
                 "layers",
-                f"{len(d['layers'])}: {', '.join(d['layers'])}"
-                + (f"  ({d['final_norm_layer']} is after the final norm)" if d["final_norm_layer"] else ""),
+                f"{len(d['layers'])}: {', '.join(d['layers'])}" + _norm_note(d),
             ),
             ("dim", str(d["dim"])),
             ("dtype", f"model {m.get('dtype')}, stored {d['store_dtype']}"),
@@ -118,3 +117,14 @@ def _status(d: dict, planned) -> str:
         f"INCOMPLETE ({d['shards']} of {planned} shards); "
         "rerun the same `geomscope extract` command to resume"
     )
+
+
+def _norm_note(d: dict) -> str:
+    """Which stored layer is on which side of the model's final norm."""
+    name = d.get("final_norm_layer")
+    if not name:
+        return ""
+    before = [n for n, t in (d.get("layer_tensors") or {}).items() if "input of the final norm" in (t or "")]
+    if name == "final_norm":
+        return "  (final_norm: the final norm's output" + (f"; {before[0]}: its input)" if before else ")")
+    return f"  ({name} is after the final norm)"

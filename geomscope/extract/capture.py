@@ -2,9 +2,11 @@
 
 Rows are the positions where the attention mask is 1, in row-major (document, position) order --
 never chosen by comparing token ids (GPT-2's pad token is its eos; a pad id may be 0; a document may
-contain the pad token as text).  Each kept hidden state is cast to the store dtype and gathered by
-torch where it lives (7x faster than numpy's float32 -> float16 cast on the CPU); on an accelerator
-only the gathered rows, in the store dtype, are copied to the host.
+contain the pad token as text).  A model's final norm is hooked when its input (the last block's
+raw output, ``layer_N``) or its output (``final_norm``) is kept: ``output_hidden_states`` gives
+only one of the two, and which one differs by family.  Each kept hidden state is cast to the store
+dtype and gathered by torch where it lives (7x faster than numpy's float32 -> float16 cast on the
+CPU); on an accelerator only the gathered rows, in the store dtype, are copied to the host.
 """
 
 from __future__ import annotations
@@ -22,7 +24,21 @@ class Capture:
         import torch
 
         self.lm = lm
-        self.indices = [int(la["index"]) for la in layers]
+        n = lm.n_hidden_states
+        split = bool(lm.final_norm and lm.final_norm_name)
+        # where each kept layer comes from: ("hs", i) the hidden-states tuple, ("pre"/"post", _) the
+        # final norm's input / output
+        self.sources = []
+        for la in layers:
+            i = int(la["index"])
+            if la.get("kind") == "final_norm":
+                self.sources.append(("post", i))
+            elif split and i == n - 1 and i != 0:
+                self.sources.append(("pre", i))
+            else:
+                self.sources.append(("hs", i))
+        self.hook_norm = any(src != "hs" for src, _ in self.sources)
+        self.indices = sorted({i for src, i in self.sources if src == "hs"})
         self.names = [la["name"] for la in layers]
         self.np_dtype = np.dtype(store_dtype)
         self.torch_dtype = getattr(torch, store_dtype)
@@ -31,7 +47,7 @@ class Capture:
         self.pad_id = int(pad) if pad is not None else 0  # masked out: its value never matters
         self.on_cpu = lm.device.type == "cpu"
         # an "all layers" selection is cheaper as a flag than as a list
-        self.wanted = None if self.indices == list(range(lm.n_hidden_states)) else self.indices
+        self.wanted = None if self.indices == list(range(lm.n_hidden_states)) else (self.indices or [0])
         self.batches = 0
 
     def __call__(self, docs: list[Doc]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -43,12 +59,25 @@ class Capture:
         with torch.inference_mode():
             t_ids = torch.from_numpy(ids).to(dev, non_blocking=True)
             t_mask = torch.from_numpy(mask).to(dev, non_blocking=True)
-            hs = self.lm.hidden_states(t_ids, t_mask, self.wanted)
-            if self.wanted is None:
-                hs = [hs[i] for i in self.indices]
+            grabbed: dict = {}
+            handle = None
+            if self.hook_norm:
+
+                def grab(_module, args, output):
+                    grabbed["pre"] = args[0]
+                    grabbed["post"] = output[0] if isinstance(output, (tuple, list)) else output
+
+                handle = self.lm.final_norm_module().register_forward_hook(grab)
+            try:
+                hs = self.lm.hidden_states(t_ids, t_mask, self.wanted)
+            finally:
+                if handle is not None:
+                    handle.remove()
+            by_index = dict(enumerate(hs)) if self.wanted is None else dict(zip(self.wanted, hs, strict=True))
             idx = torch.from_numpy(flat).to(dev)
             out = {}
-            for name, h in zip(self.names, hs, strict=True):
+            for name, (src, i) in zip(self.names, self.sources, strict=True):
+                h = by_index[i] if src == "hs" else grabbed[src]
                 # cast first (padding is a few %, and the gather then moves 2-byte values), then gather
                 rows = h.reshape(-1, h.shape[-1]).to(self.torch_dtype).index_select(0, idx)
                 out[name] = rows.numpy() if self.on_cpu else rows.cpu().numpy()

@@ -247,7 +247,8 @@ class LoadedModel:
     device: object  # torch.device
     n_hidden_states: int = 0
     hidden_size: int = 0
-    final_norm: bool = False
+    final_norm: bool = False  # the last output_hidden_states entry went through a final norm
+    final_norm_name: str | None = None  # that norm's module (qualified name in ``model``) when hookable
     attention: str = "bidirectional"  # "causal" when no row depends on a later token
     selective: bool = False  # output_hidden_states=[indices] keeps only those (checked exactly)
     max_length: int | None = None  # the model's usable sequence length, when it has one
@@ -261,6 +262,12 @@ class LoadedModel:
         if self.stack == "decoder":
             return self.model.get_decoder()
         return self.model
+
+    def final_norm_module(self):
+        """The final norm module (None when the model has none or it cannot be found by name)."""
+        if self.final_norm_name is None:
+            return None
+        return self.model.get_submodule(self.final_norm_name)
 
     def decoder_inputs(self, input_ids):
         """Teacher forcing on the document itself: the decoder start token, then the tokens shifted right."""
@@ -562,12 +569,26 @@ def _find_blocks(module, n_blocks: int):
     return None
 
 
+#: the final norm's attribute name on the stack, by family: GPT-2 ``ln_f``, GPT-NeoX and T5
+#: ``final_layer_norm``, Llama/Mistral/Qwen ``norm``, Phi ``final_layernorm``
+FINAL_NORM_NAMES = ("ln_f", "norm", "final_layer_norm", "final_layernorm", "ln_final", "final_norm")
+
+
 def _has_final_norm_child(module) -> bool:
-    names = ("ln_f", "norm", "final_layer_norm", "final_layernorm", "ln_final", "final_norm")
     for name, child in module.named_children():
-        if name in names or (type(child).__name__.lower().endswith("norm") and "embed" not in name):
+        is_norm = type(child).__name__.lower().endswith("norm") and "embed" not in name
+        if name in FINAL_NORM_NAMES or is_norm:
             return True
     return False
+
+
+def _final_norm_name(lm: LoadedModel) -> str | None:
+    """The qualified name (in ``lm.model``) of the stack's final norm, found by its attribute name."""
+    stack = lm.stack_module()
+    child = next((c for n, c in stack.named_children() if n in FINAL_NORM_NAMES), None)
+    if child is None:
+        return None
+    return next((q for q, m in lm.model.named_modules() if m is child), None)
 
 
 def _probe(lm: LoadedModel) -> None:
@@ -613,6 +634,8 @@ def _probe(lm: LoadedModel) -> None:
             lm.final_norm = not torch.equal(captured["last"], hs[-1])
         else:
             lm.final_norm = _has_final_norm_child(lm.stack_module())
+        if lm.final_norm:
+            lm.final_norm_name = _final_norm_name(lm)
         scale = float(last[:, :-1].abs().max()) or 1.0
         diff = float((last[0, :-1] - last[1, :-1]).abs().max())
         lm.attention = "causal" if diff <= 1e-5 * scale else "bidirectional"

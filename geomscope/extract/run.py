@@ -22,7 +22,7 @@ from pathlib import Path
 
 from geomscope.errors import DataError, InputError
 from geomscope.extract.batching import Doc, length_order, plan_batches, tokenize
-from geomscope.extract.layers import LAYER_NOTE, describe_layers, parse_layers
+from geomscope.extract.layers import LAYER_NOTE, describe_layers, parse_layers, split_final_norm
 from geomscope.extract.options import ExtractOptions
 from geomscope.extract.plan import bytes_per_row, check_disk, estimate_tokens, human_bytes, scan_inputs
 from geomscope.extract.sources import close_inputs, hash_input, iter_all, open_inputs, uses_column, uses_field
@@ -219,8 +219,8 @@ def _identity(lm, ins, opts: ExtractOptions, layer_desc: list[dict], eff_len: in
 
 
 def _plan(lm, ins, scan, opts: ExtractOptions, out: Path) -> _Plan:
-    indices = parse_layers(opts.layers, lm.n_hidden_states)
-    layer_desc = describe_layers(indices, lm.n_hidden_states, lm.final_norm)
+    indices, with_final = _chosen_layers(lm, opts.layers)
+    layer_desc = describe_layers(indices, lm.n_hidden_states, lm.final_norm, lm.final_norm_name, with_final)
     eff_len = _effective_max_length(lm, opts)
     identity = _identity(lm, ins, opts, layer_desc, eff_len)
     try:
@@ -229,7 +229,9 @@ def _plan(lm, ins, scan, opts: ExtractOptions, out: Path) -> _Plan:
         raise InputError(
             f"the tokenizer of {lm.info['name']} rejects these options ({e}); check --max-length"
         ) from e
-    est_bytes = int(est_tokens * bytes_per_row(len(indices), lm.hidden_size, opts.store_dtype) * 1.02) + 65536
+    est_bytes = (
+        int(est_tokens * bytes_per_row(len(layer_desc), lm.hidden_size, opts.store_dtype) * 1.02) + 65536
+    )
     already = 0 if opts.overwrite else _existing_finished_bytes(out, identity)
     free = check_disk(out, max(0, est_bytes - already))
     return _Plan(
@@ -244,8 +246,46 @@ def _plan(lm, ins, scan, opts: ExtractOptions, out: Path) -> _Plan:
     )
 
 
+def _chosen_layers(lm, spec) -> tuple[list[int], bool]:
+    """(residual-stream indices, whether the final norm's output is stored too) for ``--layers``:
+    ``all`` (the default) includes ``final_norm`` where the model has one; ``final_norm`` names it."""
+    rest, named = split_final_norm(spec)
+    separable = bool(lm.final_norm and lm.final_norm_name)
+    if named and not separable:
+        why = (
+            "a BERT-style post-LN model has none: its last layer is the model's output"
+            if not lm.final_norm
+            else "its final norm module could not be found by name"
+        )
+        raise InputError(
+            f"--layers final_norm: {lm.info['name']} has no final norm to store separately ({why})"
+        )
+    if rest is None:
+        return ([] if named else parse_layers(None, lm.n_hidden_states)), separable
+    everything = rest.strip().lower() == "all"
+    return parse_layers(rest, lm.n_hidden_states), separable and (named or everything)
+
+
+def _final_norm_params(lm) -> dict | None:
+    """The final norm's module, gain and bias (per dimension), recorded with the run so that score
+    can relate them to the per-dimension variance before the norm without the checkpoint."""
+    mod = lm.final_norm_module() if lm.final_norm_name else None
+    if mod is None:
+        return None
+
+    def values(name):
+        t = getattr(mod, name, None)
+        return None if t is None else [float(v) for v in t.detach().float().cpu().reshape(-1)]
+
+    gain = values("weight")
+    if gain is not None and len(gain) != lm.hidden_size:
+        gain = None
+    return {"module": lm.final_norm_name, "type": type(mod).__name__, "gain": gain, "bias": values("bias")}
+
+
 def _manifest_extra(lm, opts: ExtractOptions) -> dict:
     return {
+        "final_norm": _final_norm_params(lm),
         "model_source": lm.source,
         "versions": package_versions(),
         "layer_note": LAYER_NOTE,

@@ -150,7 +150,16 @@ class _Scorer:
                 top_notes["embeddings"] = why
         else:
             top_notes["embeddings"] = "partition not requested (--metrics)"
-        return self._report(layers, embeddings, top_notes)
+        final_norm = None
+        if src.kind == "run":
+            from geomscope.score.finalnorm import final_norm_effect
+
+            final_norm, why = final_norm_effect(layers, extras, src.run_obj.manifest.get("final_norm"))
+            if why:
+                top_notes["final_norm"] = why
+        else:
+            top_notes["final_norm"] = "an array source has no final norm"
+        return self._report(layers, embeddings, top_notes, final_norm)
 
     def _batches(self) -> list[list[str]]:
         o = self.opts
@@ -266,7 +275,7 @@ class _Scorer:
                 f.result()
 
     # -- report ------------------------------------------------------------------------------
-    def _report(self, layers: list[dict], embeddings, top_notes) -> dict:
+    def _report(self, layers: list[dict], embeddings, top_notes, final_norm=None) -> dict:
         from geomscope import __version__
 
         o, src = self.opts, self.src
@@ -315,6 +324,7 @@ class _Scorer:
             },
             "layers": layers,
             "embeddings": embeddings,
+            "final_norm": final_norm,
             "notes": top_notes,
             "command": None,  # the CLI records its command line here
         }

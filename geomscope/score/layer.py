@@ -58,6 +58,7 @@ class LayerResult:
         if o.wants("avgcos") and full.n_zero_norm:
             self.flags.append("zero_norm_rows")
         self.extra["count_abs_ge"] = [g.count_abs_ge for g in groups] if full.extras else None
+        self.extra["variance"] = full.variance() if full.n >= 2 else None  # the final norm's effect
         self.extra["n_groups"] = [g.n for g in groups]
         live = compute.nonempty(groups) if self.G >= 2 else []
         self.n_live = len(live)

@@ -66,6 +66,7 @@ def describe_run(run_dir: Path, *, verify: bool = False) -> dict:
         "layers": [la["name"] for la in layers],
         "layer_indices": [la.get("index") for la in layers],
         "final_norm_layer": final[0] if final else None,
+        "layer_tensors": {la["name"]: la.get("tensor") for la in layers if la.get("tensor")},
         "store_dtype": ident.get("store_dtype"),
         "dim": run.dim,
         "rows": sum(s.rows for s in shards),

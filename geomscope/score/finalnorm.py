@@ -1,0 +1,98 @@
+"""The final norm's effect, for a run that holds the last block's output both before (``layer_N``,
+the norm's input) and after the model's final norm (``final_norm``); see extract/layers.py.
+
+Machina & Mercer (NAACL 2024) argue that large Pythia models tune their final LayerNorm for
+isotropy. The report's ``final_norm`` entry gives what that claim needs:
+
+- ``metrics``: every scalar metric of the two layers, ``{metric: {before, after, change}}`` (change =
+  after - before), with the layers' standard errors left in their own entries.
+- ``gain`` / ``bias``: the norm's per-dimension gain γ and bias β (recorded by ``extract`` from the
+  checkpoint) against the per-dimension variance before the norm, as Spearman rank correlations
+  ``spearman_abs_gain_variance`` and ``spearman_abs_bias_variance`` (a negative correlation: the
+  norm shrinks the dimensions that vary most). A LayerNorm or RMSNorm divides every token by one
+  per-token scale, so dimension d's share of the output variance moves by γ_d² relative to the
+  other dimensions; ``outliers`` lists, for each outlier dimension of the layer before the norm
+  (the report's rule), its variance over the mean variance and ``gain_ratio`` = |γ_d| / median |γ|,
+  with ``damped`` (< 1) or ``amplified`` (> 1).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from geomscope.extract.layers import FINAL_NORM_LAYER
+from geomscope.schema import SCALAR_METRIC_NAMES
+
+
+def _spearman(a: np.ndarray, b: np.ndarray) -> float | None:
+    from scipy.stats import spearmanr
+
+    ok = np.isfinite(a) & np.isfinite(b)
+    if ok.sum() < 3 or np.ptp(a[ok]) == 0 or np.ptp(b[ok]) == 0:
+        return None
+    return float(spearmanr(a[ok], b[ok]).statistic)
+
+
+def final_norm_effect(
+    layers: list[dict], extras: dict, params: dict | None
+) -> tuple[dict | None, str | None]:
+    """(the report's ``final_norm`` entry, None) or (None, why it is null)."""
+    by_name = {e["layer"]: e for e in layers}
+    after = by_name.get(FINAL_NORM_LAYER)
+    if after is None:
+        return None, (
+            "no final_norm layer scored (the run lacks it -- extract with --layers all or name "
+            "final_norm -- or --layers left it out; BERT-style models have no final norm)"
+        )
+    before_idx = (after.get("index") or 0) - 1
+    before = next((e for e in layers if e.get("index") == before_idx and e is not after), None)
+    if before is None:
+        return (
+            None,
+            f"the layer before the final norm (index {before_idx}) was not scored; add it to --layers",
+        )
+    metrics = {}
+    for m in SCALAR_METRIC_NAMES:
+        b, a = before.get(m), after.get(m)
+        if b is None and a is None:
+            continue
+        metrics[m] = {
+            "before": b,
+            "after": a,
+            "change": (a - b) if (a is not None and b is not None) else None,
+        }
+    out = {"before": before["layer"], "after": after["layer"], "metrics": metrics, "gain": None, "bias": None}
+    var = (extras.get(before["layer"]) or {}).get("variance")
+    gain = (params or {}).get("gain")
+    if var is None:
+        out["note"] = "per-dimension variance unavailable (score with a moment metric, e.g. isoscore)"
+        return out, None
+    var = np.asarray(var, float)
+    if gain is None or len(gain) != var.size:
+        out["note"] = "the run does not record the norm's gain (re-extract it with this version)"
+        return out, None
+    g = np.abs(np.asarray(gain, float))
+    out["gain"] = {
+        "module": params.get("module"),
+        "type": params.get("type"),
+        "spearman_abs_gain_variance": _spearman(g, var),
+        "median_abs_gain": float(np.median(g)),
+    }
+    bias = params.get("bias")
+    if bias is not None and len(bias) == var.size:
+        out["bias"] = {"spearman_abs_bias_variance": _spearman(np.abs(np.asarray(bias, float)), var)}
+    med = float(np.median(g)) or 1.0
+    mean_var = float(var.mean()) or 1.0
+    rows = []
+    for d in before.get("outliers") or []:
+        ratio = float(g[d] / med)
+        rows.append(
+            {
+                "dim": int(d),
+                "variance_ratio": float(var[d] / mean_var),
+                "gain_ratio": ratio,
+                "effect": "damped" if ratio < 1 else ("amplified" if ratio > 1 else "unchanged"),
+            }
+        )
+    out["outliers"] = rows
+    return out, None
