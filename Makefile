@@ -10,7 +10,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test bench lint docs study clean
+.PHONY: install demo test bench lint docs study trajectory clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -42,6 +42,22 @@ study: $(STAMP)
 		--reg istar --lambda=-1,0,1 --seed 0,1,2 --epochs 3 --lr 1e-4 --out $(STUDY)
 	$(BIN)/geomscope compare $(STUDY)
 
+TRAJ := trajectory_out
+
+# isotropy over fine-tuning: I-STAR (lambda -1) on the bundled MiniLM with a checkpoint every 5 steps, each
+# checkpoint extracted over sample_data/sentences.txt, scored, and drawn against step (a few minutes on 2 cores)
+trajectory: $(STAMP)
+	test -f $(TRAJ)/ft/summary.json || $(BIN)/geomscope finetune bundled:minilm \
+		--train sample_data/sentiment/train.csv --eval sample_data/sentiment/dev.csv \
+		--text-field sentence --label-field label --reg istar --lambda=-1 --epochs 3 --lr 1e-4 \
+		--save-every 5 --out $(TRAJ)/ft --quiet
+	$(BIN)/geomscope extract minilm-ft sample_data/sentences.txt --revisions '$(TRAJ)/ft/checkpoints/*' \
+		--out $(TRAJ)/runs --quiet
+	$(BIN)/geomscope score $(TRAJ)/runs --metrics isoscore,isoscore_star,avgcos,twonn --quiet
+	$(BIN)/geomscope plot $(TRAJ)/runs/trajectory.csv --kind trajectory \
+		--metrics isoscore_star,avgcos,twonn --out $(TRAJ)/trajectory.png
+	@echo "table: $(TRAJ)/runs/trajectory.csv  figure: $(TRAJ)/trajectory.png"
+
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
@@ -57,4 +73,4 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check geomscope tests benchmarks
 
 clean:
-	rm -rf $(VENV) demo_out study_out .pytest_cache
+	rm -rf $(VENV) demo_out study_out trajectory_out .pytest_cache

@@ -99,3 +99,70 @@ def test_glob_of_local_checkpoints(tmp_path, cli):
     assert code == 0, err
     rows = list(csv.DictReader((tmp_path / "runs" / "trajectory.csv").open()))
     assert sorted({(r["revision"], r["step"]) for r in rows}) == [("step2", "2"), ("step4", "4")]
+
+
+def _fake_hub_repo(root, commits_files: dict[str, dict[str, bytes]]):
+    """A hub cache entry whose snapshots link to content-addressed blobs (as huggingface_hub lays
+    them out): ``{commit: {file: bytes}}``; equal bytes share one blob."""
+    import hashlib
+    import os
+
+    repo = root / "models--org--m"
+    (repo / "blobs").mkdir(parents=True)
+    for commit, files in commits_files.items():
+        snap = repo / "snapshots" / commit
+        snap.mkdir(parents=True)
+        for name, data in files.items():
+            blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+            blob.write_bytes(data)
+            os.symlink(os.path.relpath(blob, snap), snap / name)
+    return repo
+
+
+def test_drop_snapshot_frees_only_unshared_blobs(tmp_path):
+    from geomscope.extract.revisions import drop_snapshot
+
+    repo = _fake_hub_repo(
+        tmp_path,
+        {
+            "a" * 40: {"config.json": b"same", "model.safetensors": b"A" * 1000},
+            "b" * 40: {"config.json": b"same"},
+        },
+    )
+    freed = drop_snapshot(repo / "snapshots" / ("a" * 40))
+    assert freed == 1000 and not (repo / "snapshots" / ("a" * 40)).exists()
+    assert (repo / "snapshots" / ("b" * 40) / "config.json").read_bytes() == b"same"  # shared blob kept
+    assert len(list((repo / "blobs").iterdir())) == 1
+    assert drop_snapshot(tmp_path) == 0 and tmp_path.exists()  # not a hub cache entry: left alone
+
+
+def test_drop_weights_keeps_what_was_cached_and_drops_what_was_downloaded(hub, tmp_path, monkeypatch):
+    import shutil
+
+    from geomscope.extract import revisions as rv
+    from geomscope.extract.options import ExtractOptions
+
+    cache, text = hub
+    mine = tmp_path / "cache"
+    shutil.copytree(cache, mine, symlinks=True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    opts = ExtractOptions(cache_dir=str(mine))
+    revs = rv.resolve_revisions(REPO, "step0,step1000")
+    res = rv.extract_revisions(REPO, [text], tmp_path / "kept", revs, opts, drop_weights=True)
+    assert [r["dropped_bytes"] for r in res["runs"]] == [0, 0]  # in the cache before: never deleted
+    snaps = mine / ("models--" + REPO.replace("/", "--")) / "snapshots"
+    assert len(list(snaps.iterdir())) == 3
+    # as if this call had downloaded step1000 (absent before the run): its snapshot goes once the
+    # run is complete
+    real = rv._snapshot
+    calls = []
+
+    def first_none(rev, cd):
+        calls.append(rev.revision)
+        return None if calls.count(rev.revision) == 1 else real(rev, cd)
+
+    monkeypatch.setattr(rv, "_snapshot", first_none)
+    res = rv.extract_revisions(REPO, [text], tmp_path / "dropped", revs[1:], opts, drop_weights=True)
+    assert res["runs"][0]["dropped_bytes"] > 0
+    assert len(list(snaps.iterdir())) == 2
+    assert json.loads((tmp_path / "dropped" / "step1000" / "manifest.json").read_text())["complete"]

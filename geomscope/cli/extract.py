@@ -60,6 +60,12 @@ def extract_cmd(
         "file, one per line), the preset pythia-mm21 (step0, step7000 ... step143000), or local "
         "checkpoint directories (a glob, e.g. 'ft_out/checkpoints/*'). Finished runs are skipped.",
     ),
+    drop_weights: bool = typer.Option(
+        False,
+        "--drop-weights",
+        help="With --revisions: delete each revision's snapshot from the hub cache once its run is "
+        "complete, if this command downloaded it (disk stays at about one checkpoint).",
+    ),
     dtype: ComputeDtype = typer.Option(
         "float32", "--dtype", metavar=choice_metavar(choices.COMPUTE_DTYPES), help="Model computation dtype."
     ),
@@ -169,11 +175,16 @@ def extract_cmd(
                 out,
                 resolve_revisions(model, revisions),
                 options,
+                drop_weights=drop_weights,
                 progress=not quiet,
                 log=log,
                 stdin=sys.stdin,
             )
         else:
+            if drop_weights:
+                from geomscope.errors import InputError
+
+                raise InputError("--drop-weights applies to --revisions runs")
             summary = extract(model, inputs, out, options, progress=not quiet, log=log, stdin=sys.stdin)
     except GeomscopeError as e:
         if json_out and getattr(e, "summary", None) is not None:

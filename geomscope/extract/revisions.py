@@ -14,7 +14,9 @@ from __future__ import annotations
 import gc
 import glob
 import json
+import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +88,21 @@ def resolve_revisions(model: str, spec: str) -> list[Revision]:
     return list({r.name: r for r in out}.values())
 
 
+def _drop(rev: Revision, cache_dir: str | None, cached_before: Path | None, say, label: str) -> int:
+    """--drop-weights after a complete run: delete the snapshot this call downloaded (never one that
+    was in the cache before it, and never a local checkpoint directory)."""
+    if rev.revision is None:
+        say(f"  {label}: a local checkpoint directory, kept (--drop-weights removes downloads only)")
+        return 0
+    if cached_before is not None:
+        say(f"  {label}: its snapshot was in the cache before this run, kept")
+        return 0
+    snap = _snapshot(rev, cache_dir)
+    freed = drop_snapshot(snap) if snap is not None else 0
+    say(f"  {label}: dropped its downloaded snapshot ({freed / 2**20:.1f} MiB)")
+    return freed
+
+
 def _natural(p: Path):
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
 
@@ -108,8 +125,61 @@ def _free() -> None:
         pass
 
 
+def _snapshot(rev: Revision, cache_dir: str | None) -> Path | None:
+    if rev.revision is None:
+        return None
+    from geomscope.extract.models import _cached_snapshot
+
+    return _cached_snapshot(rev.model, rev.revision, cache_dir)
+
+
+def drop_snapshot(snap: Path) -> int:
+    """Delete one hub-cache snapshot directory and the blobs that no other snapshot of the repository
+    links to; return the bytes freed. Anything that does not look like a hub cache entry
+    (``models--*/snapshots/<commit>``) is left alone and 0 returned."""
+    snap = Path(snap)
+    repo = snap.parent.parent
+    if snap.parent.name != "snapshots" or not repo.name.startswith("models--") or snap.is_symlink():
+        return 0
+    blobs = (repo / "blobs").resolve()
+
+    def targets(root: Path) -> set[Path]:
+        out = set()
+        for f in root.rglob("*"):
+            if f.is_symlink():
+                t = Path(os.path.realpath(f))
+                if t.parent == blobs:
+                    out.add(t)
+        return out
+
+    mine = targets(snap)
+    others: set[Path] = set()
+    for other in (repo / "snapshots").iterdir():
+        if other != snap and other.is_dir() and not other.is_symlink():
+            others |= targets(other)
+    freed = 0
+    for t in mine - others:
+        if t.is_file():
+            freed += t.stat().st_size
+            t.unlink()
+    for f in snap.rglob("*"):  # files stored in the snapshot itself (no blob)
+        if f.is_file() and not f.is_symlink():
+            freed += f.stat().st_size
+    shutil.rmtree(snap)
+    return freed
+
+
 def extract_revisions(
-    model, inputs, out, revisions: list[Revision], options, *, progress=False, log=None, stdin=None
+    model,
+    inputs,
+    out,
+    revisions: list[Revision],
+    options,
+    *,
+    drop_weights: bool = False,
+    progress=False,
+    log=None,
+    stdin=None,
 ):
     """Extract every revision into ``out/<name>/`` with the same ``options``; return
     ``{"runs": [{revision, dir, status: done|skipped|failed, error?, rows?}], "failed": n}``.
@@ -132,6 +202,7 @@ def extract_revisions(
             runs.append({**entry, "status": "skipped"})
             continue
         say(f"[{i}/{len(revisions)}] {label} -> {run_dir}")
+        cached_before = _snapshot(rev, options.cache_dir) if drop_weights else None
         try:
             summary = extract(
                 rev.model,
@@ -144,6 +215,8 @@ def extract_revisions(
                 stdin=stdin,
             )
             runs.append({**entry, "status": "done", "rows": summary.get("rows")})
+            if drop_weights:
+                runs[-1]["dropped_bytes"] = _drop(rev, options.cache_dir, cached_before, say, label)
         except GeomscopeError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             say(f"[{i}/{len(revisions)}] {label} failed: {first}")
