@@ -53,7 +53,7 @@ trajectory: $(STAMP)
 		--save-every 5 --out $(TRAJ)/ft --quiet
 	$(BIN)/geomscope extract minilm-ft sample_data/sentences.txt --revisions '$(TRAJ)/ft/checkpoints/*' \
 		--out $(TRAJ)/runs --quiet
-	$(BIN)/geomscope score $(TRAJ)/runs --metrics isoscore,isoscore_star,avgcos,twonn --quiet
+	$(BIN)/geomscope score $(TRAJ)/runs --metrics isoscore,isoscore_star,avgcos,twonn,partition --quiet
 	$(BIN)/geomscope plot $(TRAJ)/runs/trajectory.csv --kind trajectory \
 		--metrics isoscore_star,avgcos,twonn --out $(TRAJ)/trajectory.png
 	@echo "table: $(TRAJ)/runs/trajectory.csv  figure: $(TRAJ)/trajectory.png"

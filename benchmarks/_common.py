@@ -128,6 +128,39 @@ def machine_info() -> dict:
     return info
 
 
+_LIMITS: dict = {}
+
+
+def machine_limits(quick: bool = False) -> dict:
+    """This machine's own limits, measured in this run (once per process): float32 and float64 GEMM
+    rates (GFLOP/s, numpy's multi-threaded BLAS on square products, best of 3) and the memory
+    bandwidth of a large copy (GB/s counting read + write, best of 3). Each benchmark row states
+    the fraction of the bound it reaches (``of bound``: the hardware's minimum time / measured)."""
+    if _LIMITS:
+        return _LIMITS
+    import numpy as np
+
+    n = 1024 if quick else 2048
+    for name, dt in (("gemm_f32_gflops", np.float32), ("gemm_f64_gflops", np.float64)):
+        a = np.random.default_rng(0).standard_normal((n, n)).astype(dt)
+        a @ a  # warm-up (threads, pages)
+        best = min(timeit(lambda a=a: a @ a, repeats=3))
+        _LIMITS[name] = 2 * n**3 / best / 1e9
+    src = np.ones(64 * 2**20 // 8 * (1 if quick else 4))  # 64 / 256 MiB
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = min(timeit(lambda: np.copyto(dst, src), repeats=3))
+    _LIMITS["bandwidth_gbs"] = 2 * src.nbytes / best / 1e9
+    return _LIMITS
+
+
+def of_bound(bound_seconds: float | None, seconds: float | None) -> float | None:
+    """The fraction of the hardware bound a measured time reaches (1 = at the limit)."""
+    if not bound_seconds or not seconds:
+        return None
+    return bound_seconds / seconds
+
+
 def fmt(x, digits: int = 3) -> str:
     if x is None:
         return "-"
@@ -149,7 +182,7 @@ def markdown_table(rows: list[dict], headers: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
-STANDARD_HEADERS = ["benchmark", "geomscope", "alternative", "ratio", "target", "note"]
+STANDARD_HEADERS = ["benchmark", "geomscope", "alternative", "ratio", "target", "of bound", "note"]
 
 
 def print_rows(rows: list[dict], title: str | None = None) -> None:
@@ -158,3 +191,4 @@ def print_rows(rows: list[dict], title: str | None = None) -> None:
     print(markdown_table(rows, STANDARD_HEADERS))
     print()
     print("machine: " + json.dumps(machine_info()))
+    print("limits: " + json.dumps({k: round(v, 1) for k, v in machine_limits().items()}))

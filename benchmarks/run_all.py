@@ -22,7 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import STANDARD_HEADERS, machine_info, markdown_table  # noqa: E402
+from _common import STANDARD_HEADERS, machine_info, machine_limits, markdown_table  # noqa: E402
 
 AREAS = ["metrics", "twonn", "score", "extract", "finetune"]
 
@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     )
     args = ap.parse_args(argv)
     areas = [a.strip() for a in args.only.split(",") if a.strip()] or AREAS
+    limits = machine_limits(args.quick)  # first, on an idle machine: every row's bound uses it
+    print("[limits] " + ", ".join(f"{k}={v:.1f}" for k, v in limits.items()), file=sys.stderr, flush=True)
     rows, failed = [], []
     for area in areas:
         path = HERE / f"bench_{area}.py"
@@ -59,9 +61,16 @@ def main(argv=None) -> int:
     print(markdown_table(rows, STANDARD_HEADERS))
     info = machine_info()
     print("\nMachine: " + ", ".join(f"{k}={v}" for k, v in info.items()))
+    print(
+        "Limits (measured in this run): "
+        + ", ".join(f"{k}={v:.1f}" for k, v in limits.items())
+        + "; 'of bound' = the hardware's minimum time for the row's work / the measured time"
+    )
     if args.json:
         args.json.write_text(
-            json.dumps({"rows": rows, "machine": info, "quick": args.quick}, indent=2, default=str)
+            json.dumps(
+                {"rows": rows, "machine": info, "limits": limits, "quick": args.quick}, indent=2, default=str
+            )
         )
     if failed:
         print(f"\nFailed: {', '.join(failed)}", file=sys.stderr)

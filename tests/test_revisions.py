@@ -70,6 +70,8 @@ def test_revisions_offline_then_trajectory(hub, tmp_path, cli, monkeypatch):
     assert [r["revision"] for r in rows[:: len(rows) // 3]] == list(STEPS)
     assert sorted({int(r["step"]) for r in rows}) == [0, 1000, 3000]
     assert {"model", "revision", "step", "layer", "isoscore", "se_isoscore", "iw_input_raw"} <= set(rows[0])
+    iw = {r["revision"]: float(r["iw_input_raw"]) for r in rows}  # per revision: its own checkpoint's I(W)
+    assert all(0 < v <= 1 for v in iw.values()) and len(set(iw.values())) == 3
     one = json.loads((out / "step1000" / "report.json").read_text())
     got = [float(r["isoscore"]) for r in rows if r["revision"] == "step1000"]
     assert got == pytest.approx([e["isoscore"] for e in one["layers"]], rel=1e-12)
@@ -99,6 +101,11 @@ def test_glob_of_local_checkpoints(tmp_path, cli):
     assert code == 0, err
     rows = list(csv.DictReader((tmp_path / "runs" / "trajectory.csv").open()))
     assert sorted({(r["revision"], r["step"]) for r in rows}) == [("step2", "2"), ("step4", "4")]
+    assert {r["model"] for r in rows} == {str(ckpts)}  # one fine-tuning run = one trajectory
+    code, _, err = cli(
+        ["plot", tmp_path / "runs" / "trajectory.csv", "-k", "trajectory", "-o", tmp_path / "t.png"]
+    )
+    assert code == 0, err
 
 
 def _fake_hub_repo(root, commits_files: dict[str, dict[str, bytes]]):

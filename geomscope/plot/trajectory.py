@@ -140,11 +140,21 @@ def plot_trajectory(
     cbar.update_ticks()
     if not own:
         return fig
-    model = (reports[0].get("model") or {}).get("name") or "model"
+    model = _short_name((reports[0].get("model") or {}).get("name") or "model")
     span = f"step {step_formatter(x[0])}–{step_formatter(x[-1])}"
     fig.suptitle(f"{model} over training ({len(reports)} checkpoints, {span})", fontsize=11)
     add_caption(fig, uncertainty_caption(reports, metrics).replace("Error bars", "Bands"))
     return fig
+
+
+def _short_name(name: str) -> str:
+    """A hub name as it is; a local path by its last two parts (``ft/checkpoints``)."""
+    import os
+
+    if os.sep in name and (name.startswith((os.sep, ".")) or os.path.exists(name)):
+        parts = [p for p in name.split(os.sep) if p]
+        return os.sep.join(parts[-2:])
+    return name
 
 
 def _log_step_axis(ax, x: np.ndarray) -> None:

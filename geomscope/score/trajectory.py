@@ -4,9 +4,10 @@
 Columns (:func:`trajectory_columns`): ``model, revision, step, layer, index, n_rows``, every scalar
 metric, its ``se_<metric>``, and the partition isotropy of the checkpoint's embedding matrices
 ``iw_input_raw, iw_input_centred, iw_output_raw, iw_output_centred`` (the same on every layer row
-of a revision). One row per (revision, layer), ordered by step; pandas reads it directly
-(``pd.read_csv``). ``revision`` is the hub revision, or the run directory's name for a local
-checkpoint; ``step`` is parsed from it (``stepN``, ``checkpoint-N``), empty when it has none.
+of a revision), then ``uncertainty_<key>``: how the standard errors were computed. One row per
+(revision, layer), ordered by step; pandas reads it directly (``pd.read_csv``). ``revision`` is the
+hub revision, or the run directory's name for a local checkpoint; ``step`` is parsed from it
+(``stepN``, ``checkpoint-N``), empty when it has none.
 """
 
 from __future__ import annotations
@@ -52,21 +53,20 @@ def step_of(report: dict) -> int | None:
     return int(step) if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
 
 
+def _uncertainty_keys(reports: list[dict]) -> list[str]:
+    keys: list[str] = []
+    for r in reports:
+        keys += [k for k in ((r.get("params") or {}).get("uncertainty") or {}) if k not in keys]
+    return keys
+
+
 def trajectory_columns(reports: list[dict]) -> list[str]:
     metrics: list[str] = []
     for r in reports:
         metrics += [m for m in csv_metric_columns(r) if m not in metrics]
-    return [
-        "model",
-        "revision",
-        "step",
-        "layer",
-        "index",
-        "n_rows",
-        *metrics,
-        *[f"se_{m}" for m in metrics],
-        *IW_COLUMNS,
-    ]
+    head = ["model", "revision", "step", "layer", "index", "n_rows"]
+    methods = [f"uncertainty_{k}" for k in _uncertainty_keys(reports)]
+    return [*head, *metrics, *[f"se_{m}" for m in metrics], *IW_COLUMNS, *methods]
 
 
 def _iw(report: dict) -> dict:
@@ -81,17 +81,32 @@ def _iw(report: dict) -> dict:
     return out
 
 
+def model_of(report: dict) -> str | None:
+    """The model a revision belongs to: its name, or for a local checkpoint directory named after
+    its step (``.../checkpoints/step500``) the directory holding the checkpoints, so that the
+    checkpoints of one fine-tuning run form one trajectory."""
+    name = (report.get("model") or {}).get("name") or (report.get("source") or {}).get("path")
+    if name and not (report.get("model") or {}).get("revision"):
+        p = Path(str(name))
+        if STEP_RE.match(p.name) and p.name == revision_of(report):
+            return str(p.parent)
+    return name
+
+
 def trajectory_rows(reports: list[dict]) -> list[dict]:
     """One dict per (report, layer), reports ordered by step (those without one last)."""
     order = sorted(reports, key=lambda r: (step_of(r) is None, step_of(r) or 0, revision_of(r)))
     rows = []
     for rep in order:
         head = {
-            "model": (rep.get("model") or {}).get("name") or (rep.get("source") or {}).get("path"),
+            "model": model_of(rep),
             "revision": revision_of(rep),
             "step": step_of(rep),
         }
         iw = _iw(rep)
+        methods = {
+            f"uncertainty_{k}": v for k, v in ((rep.get("params") or {}).get("uncertainty") or {}).items()
+        }
         for e in rep.get("layers", []):
             se = e.get("se") or {}
             row = {**head, "layer": e.get("layer"), "index": e.get("index"), "n_rows": e.get("n_rows")}
@@ -100,6 +115,7 @@ def trajectory_rows(reports: list[dict]) -> list[dict]:
                     row[k] = v
             row.update({f"se_{k}": v for k, v in se.items()})
             row.update(iw)
+            row.update(methods)
             rows.append(row)
     return rows
 
@@ -155,7 +171,14 @@ def read_trajectory(path) -> list[dict]:
         )
         entry: dict = {"layer": r["layer"], "se": {}}
         for k, v in r.items():
-            if k in ("model", "revision", "step", "layer") or k.startswith("iw_") or v is None:
+            if k.startswith("uncertainty_") and v:
+                rep["params"].setdefault("uncertainty", {})[k[len("uncertainty_") :]] = v
+                continue
+            if (
+                k in ("model", "revision", "step", "layer")
+                or k.startswith(("iw_", "uncertainty_"))
+                or v is None
+            ):
                 continue
             num = float(v) if v.strip() else None
             if k.startswith("se_"):
