@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from geomscope.errors import InputError
-from geomscope.fileio import TEMP_PREFIX, fsync_dir
+from geomscope.fileio import fsync_dir, temp_path
 
 EXPORT_FORMATS = ("arrow", "npy")
 EXPORT_MARKER = "geomscope-export.json"
@@ -47,11 +47,16 @@ def export_run(run_dir, to: str, out_dir, *, layers: list[str] | None = None, pr
         )
     names = run.resolve_layers(layers)
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
         raise InputError(f"{out} exists and is not an empty directory; choose a new --out directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{TEMP_PREFIX}{os.getpid()}-{out.name}")
-    tmp.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temp_path(out)
+        tmp.mkdir()
+    except OSError as e:
+        raise InputError(
+            f"cannot write into {out.parent} ({e.strerror or e}); choose another --out"
+        ) from None
     try:
         shards = sorted(run.shards, key=lambda s: s.index)
         writer = _npy if to == "npy" else _arrow
@@ -70,8 +75,13 @@ def export_run(run_dir, to: str, out_dir, *, layers: list[str] | None = None, pr
             out.rmdir()  # empty (checked above): the rename needs the name free
         os.rename(tmp, out)
         fsync_dir(out.parent)
-    except BaseException:
+    except OSError as e:  # a full disk, permissions ...: nothing half-written is left
         shutil.rmtree(tmp, ignore_errors=True)  # ours alone: made above under a fresh name
+        raise InputError(
+            f"cannot write the export to {out} ({e.strerror or e}); free space or choose another --out"
+        ) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
     return summary
 

@@ -292,3 +292,27 @@ def test_export_never_overwrites_and_needs_a_finished_run(run, tmp_path, cli):
     assert (tmp_path / "empty" / "layer_00.npy").exists() or any((tmp_path / "empty").glob("*.npy"))
     code, out, err = cli(["export", tmp_path / "full", "--to", "npy", "--out", tmp_path / "x", "-q"])
     assert_one_line_error(code, out, err, exit_code=2)
+
+
+def test_truncated_files_are_one_line_errors(tmp_path, cli):
+    from conftest import assert_one_line_error
+
+    for fmt, cut in (("npz", 0.6), ("arrow-stream", 0.6), ("safetensors", 0.6), ("parquet", 0.6)):
+        d = tmp_path / fmt
+        d.mkdir()
+        path = _write(fmt, d)
+        data = path.read_bytes()
+        path.write_bytes(data[: int(len(data) * cut)])
+        code, out, err = cli(["score", path, "-q", "--out", d / "r"])
+        assert_one_line_error(code, out, err)
+        assert code in (2, 3), (fmt, err)
+
+
+def test_export_refuses_a_link_as_out(run, tmp_path, cli):
+    from conftest import assert_one_line_error
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    code, out, err = cli(["export", run, "--to", "npy", "--out", tmp_path / "link", "-q"])
+    assert_one_line_error(code, out, err, "not an empty directory", exit_code=2)
+    assert list((tmp_path / "real").iterdir()) == []

@@ -220,6 +220,11 @@ def _npz_describe(path: Path, fmt: str, columns, block_rows: int) -> Layout:
             _check_2d(path, name, shape, dtype.kind)
             layers[name] = (shape[0], shape[1], dtype.name)
     n = next(iter(layers.values()))[0] if layers else 0
+    size = path.stat().st_size
+    for k in layers:
+        info, shape, dtype, _, data_at = members[k]
+        if data_at >= 0 and data_at + int(np.prod(shape)) * dtype.itemsize > size:
+            raise InputError(f"{path}: member {k!r} is truncated (the file ends before its data does)")
     stored = all(members[k][4] >= 0 for k in layers)
     parts = _row_parts(path, n, block_rows) if stored else [FilePart(str(path), 0, n, 0)]
     notes = (

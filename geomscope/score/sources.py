@@ -208,6 +208,21 @@ def _array_blocks(task: Task, n_groups: int, block_rows: int | None, with_data: 
         close()
 
 
+def _guarded(rows: Iterator, path: str) -> Iterator:
+    """A file that breaks while it is read (truncated, changed, corrupt) ends in one line."""
+    from geomscope.errors import GeomscopeError
+
+    try:
+        yield from rows
+    except GeomscopeError:
+        raise
+    except Exception as e:  # numpy, zipfile, zlib, safetensors and pyarrow each raise their own
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise DataError(
+            f"{path} cannot be read to the end ({first}); is it truncated or still being written?"
+        ) from e
+
+
 def _format_blocks(
     task: Task, layers: list[str], n_groups: int, block_rows: int | None, with_data: bool
 ) -> Iterator[Block]:
@@ -215,7 +230,7 @@ def _format_blocks(
 
     part = FilePart(task.path, task.start, task.stop, task.offset)
     step = block_rows or _rows_per_block(task.dim, 4, len(layers))
-    for r in read_rows(task.kind, part, layers, step, task.meta):
+    for r in _guarded(read_rows(task.kind, part, layers, step, task.meta), task.path):
         x = {n: (a if a.dtype.kind == "f" else a.astype(np.float64)) for n, a in r.layers.items()}
         m = next(iter(x.values())).shape[0]
         groups = (
