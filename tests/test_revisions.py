@@ -173,3 +173,17 @@ def test_drop_weights_keeps_what_was_cached_and_drops_what_was_downloaded(hub, t
     assert res["runs"][0]["dropped_bytes"] > 0
     assert len(list(snaps.iterdir())) == 2
     assert json.loads((tmp_path / "dropped" / "step1000" / "manifest.json").read_text())["complete"]
+
+
+def test_score_several_runs_into_one_out(tmp_path, cli):
+    from helpers_models import make_tiny_run
+
+    a = make_tiny_run(tmp_path / "a", "bert", name="step10")
+    b = make_tiny_run(tmp_path / "b", "bert", name="step20")
+    code, out, err = cli(["score", a, b, "--out", tmp_path / "rep", "-q", "--json", "--metrics", "isoscore"])
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["reports"] == [str(tmp_path / "rep" / "step10.json"), str(tmp_path / "rep" / "step20.json")]
+    rows = list(csv.DictReader(open(got["trajectory"])))
+    assert [r["step"] for r in rows[:: len(rows) // 2]] == ["10", "20"]
+    assert not (a / "report.json").exists()  # --out given: nothing written into the runs
