@@ -16,7 +16,7 @@ from geomscope.metrics import isoscore_published
 from geomscope.metrics.twonn import twonn
 from geomscope.score import ScoreOptions, score
 from geomscope.score.select import STREAM_ID_SAMPLE, STREAM_MAX_ROWS, row_hash, run_keys
-from geomscope.store import RunWriter
+from geomscope.store import Run, RunWriter
 
 LAYERS = ("layer_00", "layer_01", "layer_02")
 D = 16
@@ -85,7 +85,7 @@ def make_run(
                 X[n].append(lay[n].astype(dtype).astype(np.float64))
             docs.append(d)
             special.append(sp)
-            keys.append(run_keys(s, 0, rows))
+            keys.append(run_keys(d, pos))
             doc = int(d.max()) + 1
             g0 += rows
         if finalize:
@@ -746,3 +746,25 @@ def test_score_options_all_means_the_core_metrics():
     o = ScoreOptions(metrics=("all",)).validate()
     assert o.metrics == CORE_METRICS and o.zeta == 0.2 and isinstance(o.zeta, float)
     assert ScoreOptions(metrics=("all", "mle")).validate().extra_id == ("mle",)
+
+
+def test_samples_do_not_depend_on_sharding(tmp_path):
+    """The same texts cut into shards of 3 or of 50 documents: the seeded --max-rows and TwoNN
+    samples are the same rows (keys are (document, position)), so the reports agree -- to float
+    rounding, since the stored values themselves differ at ~1e-6 with the batch composition, while a
+    different sample would move TwoNN by ~1e-2."""
+    from helpers_models import SAMPLE_TEXTS, make_tiny_run
+
+    texts = SAMPLE_TEXTS * 3
+    small = make_tiny_run(tmp_path, "bert", texts, name="small", shard_docs=3, store_dtype="float32")
+    big = make_tiny_run(tmp_path, "bert", texts, name="big", shard_docs=50, store_dtype="float32")
+    assert len(Run(small).shards) > len(Run(big).shards) == 1
+    opts = ScoreOptions(
+        metrics=("isoscore", "avgcos", "twonn"), id_sample=40, max_rows=120, jackknife_groups=4
+    )
+    a, b = score(small, opts), score(big, opts)
+    for ea, eb in zip(a["layers"], b["layers"], strict=True):
+        assert ea["n_rows"] == eb["n_rows"] == 120 and ea["twonn_n_used"] == eb["twonn_n_used"]
+        for k in ("isoscore", "avgcos", "twonn"):
+            assert eb[k] == pytest.approx(ea[k], rel=1e-5), k
+            assert eb["se"][k] == pytest.approx(ea["se"][k], rel=1e-4), k

@@ -1,7 +1,8 @@
 """Seeded, order-independent row selection: hashes, bottom-k thresholds, a bottom-k reservoir.
 
-Every row has a stable 64-bit *key* (run: ``shard_index << 40 | row_in_shard``; array: the row
-number).  ``row_hash(keys, seed, stream)`` maps keys to uniform 64-bit values (splitmix64).  A
+Every row has a stable 64-bit *key* (run: ``doc_id << 24 | position``, the token's identity,
+so that a sample does not depend on how the run was cut into shards or by how many processes it
+was written; array: the row number).  ``row_hash(keys, seed, stream)`` maps keys to uniform 64-bit values (splitmix64).  A
 uniform sample of exactly k rows without replacement is "the k rows with the smallest hash"
 (bottom-k sampling): it depends only on the keys, the seed and the stream -- never on the order in
 which shards are read or on how they are spread over worker processes.
@@ -38,9 +39,14 @@ def row_hash(keys, seed: int, stream: int) -> np.ndarray:
         return _mix(z + _GOLDEN)
 
 
-def run_keys(shard_index: int, start: int, stop: int) -> np.ndarray:
-    """Stable keys of rows ``start:stop`` of shard ``shard_index``."""
-    return (np.uint64(shard_index) << np.uint64(40)) + np.arange(start, stop, dtype=np.uint64)
+POSITION_BITS = 24  # tokens per document up to 16.7 M; document ids up to 2^40
+
+
+def run_keys(doc_id, position) -> np.ndarray:
+    """Stable keys of run rows: their (document id, position), whatever shard holds them."""
+    d = np.asarray(doc_id, dtype=np.uint64)
+    p = np.asarray(position, dtype=np.uint64)
+    return (d << np.uint64(POSITION_BITS)) | p
 
 
 class BottomK:

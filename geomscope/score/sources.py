@@ -127,7 +127,7 @@ def _shard_meta(task: Task, layers: list[str], n_groups: int) -> Iterator[Block]
             for name in layers
         }
         yield Block(
-            keys=run_keys(task.index, ch.start, ch.stop),
+            keys=run_keys(ch.doc_id, ch.position),
             group=_groups_of_docs(ch.doc_id, n_groups),
             special=np.asarray(ch.is_special, bool),
             nonfinite=nf,
@@ -145,7 +145,7 @@ def _shard_blocks(task: Task, layers: list[str], n_groups: int, block_rows: int 
             else:  # a shard without flags: find those rows here
                 nf[n] = ~np.isfinite(ch.layers[n]).all(axis=1)
         yield Block(
-            keys=run_keys(task.index, ch.start, ch.stop),
+            keys=run_keys(ch.doc_id, ch.position),
             group=_groups_of_docs(ch.doc_id, n_groups),
             special=np.asarray(ch.is_special, bool),
             layers=ch.layers,
