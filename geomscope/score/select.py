@@ -3,9 +3,9 @@
 Every row has a stable 64-bit *key* (run: ``doc_id << 24 | position``, the token's identity,
 so that a sample does not depend on how the run was cut into shards or by how many processes it
 was written; array: the row number).  ``row_hash(keys, seed, stream)`` maps keys to uniform 64-bit
-values (splitmix64).  A uniform sample of exactly k rows without replacement is "the k rows with the smallest hash"
-(bottom-k sampling): it depends only on the keys, the seed and the stream -- never on the order in
-which shards are read or on how they are spread over worker processes.
+values (splitmix64).  A uniform sample of exactly k rows without replacement is "the k rows with
+the smallest hash" (bottom-k sampling): it depends only on the keys, the seed and the stream --
+never on the order in which shards are read or on how they are spread over worker processes.
 
 - ``--max-rows k``: a cheap metadata pre-pass finds, per layer, the k-th smallest hash among the
   eligible rows (:class:`BottomK`); the streaming pass then keeps rows whose hash is <= it.
