@@ -45,6 +45,11 @@ def export_run(run_dir, to: str, out_dir, *, layers: list[str] | None = None, pr
         raise InputError(
             f"{run_dir} is an incomplete run; finish it by rerunning the same `geomscope extract` command"
         )
+    if run.identity.get("keep"):
+        raise InputError(
+            f"{run_dir} kept accumulators and a seeded sample (--keep {run.identity['keep']}), not its "
+            "rows; export needs a run of every row: extract again with --keep all"
+        )
     names = run.resolve_layers(layers)
     out = Path(out_dir)
     if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):

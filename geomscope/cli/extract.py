@@ -117,6 +117,23 @@ def extract_cmd(
     shard_docs: int = typer.Option(
         1000, "--shard-docs", min=1, metavar="N", help="Documents per shard (the unit of resume)."
     ),
+    keep: str = typer.Option(
+        "all",
+        "--keep",
+        metavar="all|sample[:N]",
+        help=(
+            "all: store every row. sample:N (sample = sample:5000): store per shard each layer's "
+            "float64 accumulators, measured on the model's device during the forward pass, and the "
+            "seeded sample of N rows that score --id-sample draws; for corpora too large to store."
+        ),
+    ),
+    seed: int = typer.Option(
+        0,
+        "--seed",
+        min=0,
+        metavar="N",
+        help="Seed of the --keep sample (score --seed N draws the same rows).",
+    ),
     overwrite: bool = typer.Option(
         False, "--overwrite", help="Delete an existing run in --out and start over."
     ),
@@ -162,6 +179,8 @@ def extract_cmd(
             overwrite=overwrite,
             cache_dir=cache_dir,
             allow_nonfinite=allow_nonfinite,
+            keep=keep,
+            seed=seed,
         )
         if revisions is not None:
             from geomscope.errors import InputError

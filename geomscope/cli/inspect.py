@@ -59,7 +59,7 @@ def inspect_cmd(
             ),
             ("dim", str(d["dim"])),
             ("dtype", f"model {m.get('dtype')}, stored {d['store_dtype']}"),
-            ("rows", f"{d['rows']:,}"),
+            ("rows", f"{d['rows']:,}" + _keep_note(d)),
             ("documents", f"{d['docs']:,}"),
             ("shards", f"{d['shards']}" + (f" of {planned}" if planned and not d["complete"] else "")),
             ("size on disk", _human(d["bytes_on_disk"])),
@@ -128,3 +128,14 @@ def _norm_note(d: dict) -> str:
     if name == "final_norm":
         return "  (final_norm: the final norm's output" + (f"; {before[0]}: its input)" if before else ")")
     return f"  ({name} is after the final norm)"
+
+
+def _keep_note(d: dict) -> str:
+    keep = d.get("keep") or "all"
+    if keep == "all":
+        return ""
+    n = keep.partition(":")[2]
+    return (
+        f" measured; kept per shard: each layer's accumulators and a seeded sample of {n} rows "
+        f"({d['rows_stored']:,} rows stored, --keep {keep}, seed {d['options'].get('sample_seed', 0)})"
+    )

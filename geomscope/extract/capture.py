@@ -6,7 +6,8 @@ contain the pad token as text).  A model's final norm is hooked when its input (
 raw output, ``layer_N``) or its output (``final_norm``) is kept: ``output_hidden_states`` gives
 only one of the two, and which one differs by family.  Each kept hidden state is cast to the store
 dtype and gathered by torch where it lives (7x faster than numpy's float32 -> float16 cast on the
-CPU); on an accelerator only the gathered rows, in the store dtype, are copied to the host.
+CPU); on an accelerator only the gathered rows, in the store dtype, are copied to the host --
+or none of them, when ``extract --keep sample:N`` measures them where they are (keep.py).
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ class Capture:
         self.batches = 0
 
     def __call__(self, docs: list[Doc]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        rows, meta = self.device_rows(docs)
+        return {k: v.numpy() if self.on_cpu else v.cpu().numpy() for k, v in rows.items()}, meta
+
+    def device_rows(self, docs: list[Doc]) -> tuple[dict, dict[str, np.ndarray]]:
+        """Like calling the capture, but each layer's rows stay a tensor on the model's device."""
         import torch
 
         ids, mask = pad_right(docs, self.pad_id)
@@ -79,8 +85,7 @@ class Capture:
             for name, (src, i) in zip(self.names, self.sources, strict=True):
                 h = by_index[i] if src == "hs" else grabbed[src]
                 # cast first (padding is a few %, and the gather then moves 2-byte values), then gather
-                rows = h.reshape(-1, h.shape[-1]).to(self.torch_dtype).index_select(0, idx)
-                out[name] = rows.numpy() if self.on_cpu else rows.cpu().numpy()
+                out[name] = h.reshape(-1, h.shape[-1]).to(self.torch_dtype).index_select(0, idx)
         self.batches += 1
         start = self.lm.decoder_start_token_id if self.lm.stack == "decoder" else None
         return out, row_meta(docs, decoder_start=start)

@@ -34,6 +34,8 @@ class ExtractOptions:
     overwrite: bool = False
     cache_dir: str | None = None
     allow_nonfinite: bool = False
+    keep: str = "all"  # "all" | "sample" | "sample:N" (keep.py)
+    seed: int = 0  # the --keep sample's seed (score --seed draws the same rows from a full run)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -48,12 +50,22 @@ class ExtractOptions:
             if value is not None:
                 _positive(option, value)
         _positive("--batch-tokens", self.batch_tokens)
+        self.sample_size  # noqa: B018 -- parses --keep (InputError when malformed)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise InputError(f"--seed must be a non-negative whole number, not {self.seed!r}")
         _positive("--shard-docs", self.shard_docs)
         _one_of("--dtype", self.dtype, COMPUTE_DTYPES)
         _one_of("--store-dtype", self.store_dtype, STORE_DTYPES)
         if self.stack not in (None, "auto"):
             _one_of("--stack", self.stack, STACKS)
         return self
+
+    @property
+    def sample_size(self) -> int | None:
+        """Rows of the seeded sample each shard keeps (``--keep sample:N``), or None (every row)."""
+        from geomscope.extract.keep import parse_keep
+
+        return parse_keep(self.keep)
 
 
 def _positive(option: str, value) -> None:

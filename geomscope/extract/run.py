@@ -200,6 +200,9 @@ def _effective_max_length(lm, opts: ExtractOptions) -> int | None:
 
 def _identity(lm, ins, opts: ExtractOptions, layer_desc: list[dict], eff_len: int | None) -> dict:
     """Everything that determines the stored rows and values (not batch size, not device)."""
+    keep = {}
+    if opts.sample_size is not None:  # only then: runs of every row keep the identity they always had
+        keep = {"keep": f"sample:{opts.sample_size}", "sample_seed": opts.seed}
     return {
         "model": lm.info,
         "layers": layer_desc,
@@ -215,6 +218,7 @@ def _identity(lm, ins, opts: ExtractOptions, layer_desc: list[dict], eff_len: in
         "add_special_tokens": True,
         "padding": "right",
         "shard_docs": opts.shard_docs,
+        **keep,
     }
 
 
@@ -229,9 +233,13 @@ def _plan(lm, ins, scan, opts: ExtractOptions, out: Path) -> _Plan:
         raise InputError(
             f"the tokenizer of {lm.info['name']} rejects these options ({e}); check --max-length"
         ) from e
-    est_bytes = (
-        int(est_tokens * bytes_per_row(len(layer_desc), lm.hidden_size, opts.store_dtype) * 1.02) + 65536
-    )
+    if opts.sample_size is not None and opts.sample_size >= est_tokens:
+        raise InputError(
+            f"--keep {opts.keep}: the run has about {est_tokens:,} token rows, so a sample of "
+            f"{opts.sample_size:,} would keep them all; use --keep all, or a smaller sample"
+        )
+    shards = -(-scan.docs // opts.shard_docs)
+    est_bytes = _estimate_bytes(est_tokens, shards, len(layer_desc), lm.hidden_size, opts)
     already = 0 if opts.overwrite else _existing_finished_bytes(out, identity)
     free = check_disk(out, max(0, est_bytes - already))
     return _Plan(
@@ -241,9 +249,21 @@ def _plan(lm, ins, scan, opts: ExtractOptions, out: Path) -> _Plan:
         est_tokens,
         est_bytes,
         scan.docs,
-        -(-scan.docs // opts.shard_docs),
+        shards,
         free,
     )
+
+
+def _estimate_bytes(tokens: int, shards: int, n_layers: int, dim: int, opts: ExtractOptions) -> int:
+    """Bytes on disk: every row, or (``--keep sample:N``) per shard and layer two accumulators and
+    up to 2N sampled rows (the N smallest hashes with and without special tokens)."""
+    per_row = bytes_per_row(n_layers, dim, opts.store_dtype)
+    if opts.sample_size is None:
+        return int(tokens * per_row * 1.02) + 65536
+    from geomscope.store.accumulators import bytes_per_part
+
+    rows = min(tokens, shards * 2 * opts.sample_size)
+    return int(shards * n_layers * 2 * bytes_per_part(dim) + rows * per_row * 1.02) + 65536 * shards
 
 
 def _chosen_layers(lm, spec) -> tuple[list[int], bool]:
@@ -374,7 +394,7 @@ class _ShardRun:
 
     def _keep(self, k: int, done) -> None:
         """A shard an earlier run finished with the same documents: count it, do not redo it."""
-        self.total_rows += done.rows
+        self.total_rows += done.n_tokens
         self.resumed += 1
         self._add_stats(self.entries[k].get("stats", {}))
 
@@ -412,6 +432,7 @@ class _ShardRun:
                 f"{doc_stop - 1} ({type(e).__name__}: {e}); check --max-length"
             ) from e
         kept, rows, budget_hit, stats = self._select(docs)
+        sample = self.opts.sample_size
         sw = self.writer.shard_writer(
             k,
             layer_names=self.names,
@@ -419,13 +440,24 @@ class _ShardRun:
             store_dtype=self.opts.store_dtype,
             doc_start=doc_start,
             doc_stop=doc_stop,
-            expected_rows=max(1, rows),
+            expected_rows=max(1, rows if sample is None else min(rows, 2 * sample)),
         )
         try:
+            keeper = None
+            if sample is not None:
+                from geomscope.extract.keep import SampleKeeper
+
+                keeper = SampleKeeper(self.names, self.lm.hidden_size, self.lm.device, sample, self.opts.seed)
             for batch in plan_batches(length_order(kept), self.opts.batch_tokens):
-                arrays, meta = self.capture(batch)
-                sw.append(arrays, **meta)
+                if keeper is None:
+                    arrays, meta = self.capture(batch)
+                    sw.append(arrays, **meta)
+                else:
+                    arrays, meta = self.capture.device_rows(batch)
+                    keeper.add(arrays, meta)
                 prog.advance(len(batch), work=len(meta["token_id"]))
+            if keeper is not None:
+                sw.keep_accumulators(keeper, sample, self.opts.seed)
             info = sw.close()
         except BaseException:
             sw.abort()
@@ -435,15 +467,17 @@ class _ShardRun:
         self.writer.add_shard(info, stats=stats)
         prog.skip(len(group) - len(kept))
         self._add_stats(stats)
-        self.total_rows += info.rows
-        self.new_rows += info.rows
+        self.total_rows += info.n_tokens
+        self.new_rows += info.n_tokens
         self.written += 1
         return budget_hit
 
     def _finish(self, seconds: float) -> dict:
         shards = self.writer.manifest["shards"]
+        stored = sum(s["rows"] for s in shards)
         totals = {
-            "rows": sum(s["rows"] for s in shards),
+            "rows": sum(s.get("tokens", s["rows"]) for s in shards),
+            **({"rows_stored": stored} if self.opts.sample_size is not None else {}),
             "docs": sum(s["docs"] for s in shards),
             "records_read": self.counts["records"],
             "docs_empty": self.counts["docs_empty"],
@@ -464,6 +498,8 @@ class _ShardRun:
             "hidden_size": lm.hidden_size,
             "store_dtype": self.opts.store_dtype,
             "rows": t["rows"],
+            "keep": "all" if self.opts.sample_size is None else f"sample:{self.opts.sample_size}",
+            **({"rows_stored": t["rows_stored"]} if "rows_stored" in t else {}),
             "docs": t["docs"],
             "records_read": self.counts["records"],
             "docs_empty": self.counts["docs_empty"],

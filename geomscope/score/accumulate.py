@@ -144,6 +144,8 @@ def _run(task: Task, spec: PassSpec, progress, parts: dict) -> dict[str, LayerPa
             parts[name] = _new_part(spec, None)
             if spec.kind == "unit":
                 parts[name].unit = _unit_part(spec, name)
+    if task.accumulated:
+        return _run_accumulated(task, spec, progress, parts)
     if spec.kind == "select":
         flt = PassSpec("select", [], exclude_special=spec.exclude_special)
         for block in iter_meta(task, spec.layers, spec.n_groups):
@@ -189,3 +191,38 @@ def _update_groups(groups: list, xs: np.ndarray, gs: np.ndarray) -> None:
 def _update_units(unit: dict, xs: np.ndarray, gs: np.ndarray, n_groups: int) -> None:
     for mus in unit.values():
         mus.update(xs, gs)
+
+
+def _run_accumulated(task: Task, spec: PassSpec, progress, parts: dict) -> dict[str, LayerPart]:
+    """A ``--keep sample`` shard: its stored accumulators go whole into jackknife group
+    ``shard index % G``, and its sampled rows feed the intrinsic-dimension reservoir, filtered as the
+    rows of a full run would be. Only the "moments" pass can be served (the engine asks no other)."""
+    if spec.kind != "moments":
+        raise AssertionError(f"a {spec.kind!r} pass cannot read a --keep sample shard")
+    from geomscope.store.reader import open_shard, read_accumulated
+
+    with open_shard(task.path) as f:
+        for name in spec.layers:
+            tokens, m, special = read_accumulated(f, name, extras=spec.extras)
+            n_special = special.n if special is not None else 0
+            c = parts[name].counts
+            c["seen"] += tokens
+            c["nonfinite"] += tokens - m.n - n_special
+            if spec.exclude_special:
+                c["special"] += n_special
+            elif special is not None:
+                m.merge(special)
+            c["used"] += m.n
+            parts[name].groups[task.index % spec.n_groups].merge(m)
+    for block in iter_blocks(task, spec.layers, spec.n_groups, spec.block_rows):
+        for name in spec.layers:
+            lp = parts[name]
+            if lp.reservoir is None:
+                continue
+            keep = _filter(block, name, spec, None)
+            lp.reservoir.add(
+                row_hash(block.keys[keep], spec.seed, STREAM_ID_SAMPLE), block.layers[name][keep]
+            )
+    if progress:
+        progress(task.rows)
+    return parts

@@ -37,6 +37,13 @@ from geomscope.score.executor import Executor, one_blas_thread
 from geomscope.score.layer import LayerResult
 from geomscope.score.options import ScoreOptions
 from geomscope.score.sources import SourceInfo, open_source
+from geomscope.store.accumulators import ABS_THRESHOLD as KEPT_ABS_THRESHOLD
+
+GROUPS_TEXT = {
+    "documents": "document groups (doc_id % G)",
+    "contiguous": "contiguous row blocks",
+    "shards": "shard groups (shard index % G: a --keep sample run keeps one accumulator per shard)",
+}
 
 
 def _log_default(msg: str) -> None:
@@ -73,7 +80,9 @@ class _Scorer:
     def __init__(self, src: SourceInfo, opts: ScoreOptions, ex: Executor, prog: Progress, log):
         self.src, self.opts, self.ex, self.prog, self.log = src, opts, ex, prog, log
         self.G = opts.jackknife_groups if opts.jackknife_groups >= 2 else 1
-        self.rows = sum(t.rows for t in src.tasks)
+        if src.sample is not None and len(src.tasks) >= 2:  # shard groups: no more groups than shards
+            self.G = min(self.G, len(src.tasks))
+        self.rows = src.run["rows"] if src.kind == "run" else sum(t.rows for t in src.tasks)
         self.checksum_pending = opts.verify
         self.target, self.target_layer = self._parse_target()
 
@@ -114,6 +123,8 @@ class _Scorer:
     # -- main --------------------------------------------------------------------------------
     def run(self) -> dict:
         o, src = self.opts, self.src
+        if src.sample is not None:
+            self._check_sample_run()
         self.thresholds = self._select_rows() if o.max_rows else None
         self.c0_fixed = None
         if self.target.startswith("file:"):
@@ -160,6 +171,36 @@ class _Scorer:
         else:
             top_notes["final_norm"] = "an array source has no final norm"
         return self._report(layers, embeddings, top_notes, final_norm)
+
+    def _check_sample_run(self) -> None:
+        """What a ``--keep sample:N`` run cannot serve is refused up front, in one line."""
+        o, n = self.opts, self.src.sample
+        redo = "extract with --keep all to score every row"
+        if o.max_rows:
+            raise InputError(
+                f"--max-rows subsamples rows, but {self.src.path} kept accumulators of every row and "
+                f"a sample of {n}, not the rows; drop --max-rows, or {redo}"
+            )
+        needs_sample = bool(o.id_names) or (o.wants("outliers") and o.outlier_rule == "quantile")
+        if needs_sample and o.id_sample > n:
+            raise InputError(
+                f"--id-sample {o.id_sample} is larger than the sample of {n} rows per shard that "
+                f"{self.src.path} kept (--keep sample:{n}); use --id-sample {n} or less"
+            )
+        if needs_sample and o.seed != self.src.sample_seed:
+            raise InputError(
+                f"{self.src.path} kept the sample of seed {self.src.sample_seed}; score it with "
+                f"--seed {self.src.sample_seed}, or extract again with --seed {o.seed}"
+            )
+        if (
+            o.wants("outliers")
+            and o.outlier_rule == "magnitude"
+            and o.outlier_threshold != KEPT_ABS_THRESHOLD
+        ):
+            raise InputError(
+                f"{self.src.path} counted |x| >= {KEPT_ABS_THRESHOLD:g} per dimension while extracting; "
+                f"the magnitude rule can use only --outlier-threshold {KEPT_ABS_THRESHOLD:g} on it, or {redo}"
+            )
 
     def _batches(self) -> list[list[str]]:
         o = self.opts
@@ -243,6 +284,14 @@ class _Scorer:
             )
         self._each(entries.values(), LayerResult.moments)
         pending_unit = {n: s for n, s in entries.items() if o.needs_second_pass and s.unit_spec is not None}
+        if pending_unit and self.src.sample is not None:
+            for s in pending_unit.values():
+                s.cosine_variants_unavailable(
+                    "needs every row (each is shifted by the mean of all rows, and scaled by their std, "
+                    "before it is normalised); this run kept accumulators and a sample "
+                    f"(--keep sample:{self.src.sample}); extract with --keep all for it"
+                )
+            pending_unit = {}
         if pending_unit:
             spec2 = self._spec(
                 "unit",
@@ -283,8 +332,7 @@ class _Scorer:
         unc = {}
         if o.moment_metrics:
             unc["moments"] = (
-                f"delete-one-group jackknife over {self.G} "
-                + ("document groups (doc_id % G)" if src.groups == "documents" else "contiguous row blocks")
+                f"delete-one-group jackknife over {self.G} " + GROUPS_TEXT[src.groups]
                 if self.G >= 2
                 else "none (--jackknife-groups 0)"
             )

@@ -57,7 +57,9 @@ class LayerResult:
             self.flags.append("rank_limited")
         if o.wants("avgcos") and full.n_zero_norm:
             self.flags.append("zero_norm_rows")
-        self.extra["count_abs_ge"] = [g.count_abs_ge for g in groups] if full.extras else None
+        self.extra["count_abs_ge"] = (
+            [g.count_abs_ge if g.n else np.zeros(full.dim, np.int64) for g in groups] if full.extras else None
+        )
         self.extra["variance"] = full.variance() if full.n >= 2 else None  # the final norm's effect
         self.extra["n_groups"] = [g.n for g in groups]
         live = compute.nonempty(groups) if self.G >= 2 else []
@@ -104,6 +106,14 @@ class LayerResult:
                     )
                     for r in self.live
                 ]
+
+    def cosine_variants_unavailable(self, why: str) -> None:
+        """The centred/standardised cosines cannot be served from what the source kept: null, with why."""
+        for v in self.unit_spec or {}:
+            key = compute.AVGCOS_KEY[v]
+            self.values[key] = None
+            self.notes[key] = why
+        self.unit_spec = None
 
     def finish(self) -> None:
         self.intrinsic()

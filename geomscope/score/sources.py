@@ -10,7 +10,8 @@ activations and a non-finite flag.
 
 Jackknife groups: run rows by document, ``doc_id % G`` (so are rows of a file with a ``doc_id``
 column, as ``geomscope export`` writes); array rows (no documents) by contiguous blocks,
-``row * G // N`` (neighbouring rows of an array usually come from the same text).
+``row * G // N`` (neighbouring rows of an array usually come from the same text); the shards of a
+``--keep sample`` run, which keeps one accumulator per shard, by ``shard index % G``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Task:
     offset: int = 0  # formats: the source's global row number of row ``start``
     meta: tuple[str, ...] = ()  # formats: the optional per-row columns present (doc_id, special)
     dim: int = 0  # formats: the layers' width (sizes the read blocks)
+    accumulated: bool = False  # shard of a --keep sample run: accumulators and a sample, not every row
 
 
 @dataclass
@@ -291,14 +293,18 @@ class SourceInfo:
     flags: list[str] = field(default_factory=list)
     run_obj: object = None
     format: str | None = None  # arrays: "npy" | "h5" | one of formats.FORMATS
-    groups: str = "contiguous"  # jackknife groups: "documents" (doc_id % G) | "contiguous" row blocks
+    groups: str = "contiguous"  # jackknife groups: "documents" (doc_id % G) | "contiguous" | "shards"
     files: int = 1
+    sample: int | None = None  # a --keep sample:N run: N, the rows each shard sampled
+    sample_seed: int = 0
 
     def describe(self) -> dict:
         """The report's ``source``: what was read."""
         out = {"kind": self.kind, "path": self.path, "dataset": self.dataset}
         if self.kind == "array":
             out.update(format=self.format, layers=list(self.layers), files=self.files)
+        if self.sample is not None:
+            out.update(keep=f"sample:{self.sample}", sample_seed=self.sample_seed)
         return out
 
 
@@ -422,6 +428,8 @@ def _open_run(p: Path, layers: list[str] | None, partial: bool) -> SourceInfo:
         from geomscope.store import shard_dim
 
         dim = shard_dim(run.shard_path(shards[0]), names[0])
+    ident = run.identity
+    sample = _kept_sample(ident, p)
     tasks = [
         Task(
             kind="shard",
@@ -430,10 +438,10 @@ def _open_run(p: Path, layers: list[str] | None, partial: bool) -> SourceInfo:
             rows=s.rows,
             nbytes=s.bytes,
             sha256=s.sha256,
+            accumulated=sample is not None,
         )
         for s in sorted(shards, key=lambda s: s.index)
     ]
-    ident = run.identity
     m = ident.get("model", {}) if isinstance(ident.get("model"), dict) else {}
     model = {
         "name": m.get("name") or m.get("path"),
@@ -446,7 +454,7 @@ def _open_run(p: Path, layers: list[str] | None, partial: bool) -> SourceInfo:
         "dir": str(p),
         "complete": run.complete,
         "partial": not run.complete,
-        "rows": sum(s.rows for s in shards),
+        "rows": sum(s.n_tokens for s in shards),
         "docs": docs,
     }
     warnings = []
@@ -464,8 +472,21 @@ def _open_run(p: Path, layers: list[str] | None, partial: bool) -> SourceInfo:
         run=run_info,
         warnings=warnings,
         run_obj=run,
-        groups="documents",
+        groups="documents" if sample is None else "shards",
+        sample=sample,
+        sample_seed=int(ident.get("sample_seed", 0) or 0),
     )
+
+
+def _kept_sample(ident: dict, p: Path) -> int | None:
+    """N of a ``--keep sample:N`` run (None for a run of every row)."""
+    keep = ident.get("keep")
+    if keep is None:
+        return None
+    head, _, n = str(keep).partition(":")
+    if head != "sample" or not n.isdigit():
+        raise InputError(f"{p}: the manifest's keep {keep!r} is not one geomscope writes; the run is damaged")
+    return int(n)
 
 
 def _run_dataset(ident: dict) -> str | None:

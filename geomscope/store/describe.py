@@ -17,6 +17,7 @@ OPTION_KEYS = (
     "text_field",
     "text_column",
     "shard_docs",
+    "sample_seed",
 )
 
 
@@ -69,7 +70,9 @@ def describe_run(run_dir: Path, *, verify: bool = False) -> dict:
         "layer_tensors": {la["name"]: la.get("tensor") for la in layers if la.get("tensor")},
         "store_dtype": ident.get("store_dtype"),
         "dim": run.dim,
-        "rows": sum(s.rows for s in shards),
+        "rows": sum(s.n_tokens for s in shards),
+        "keep": ident.get("keep", "all"),
+        "rows_stored": sum(s.rows for s in shards),
         "docs": sum(s.docs for s in shards),
         "shards": len(shards),
         "planned_shards": m.get("planned_shards"),
@@ -96,6 +99,8 @@ def _verify(run: Run, shards) -> dict:
         try:
             verify_shard(run.shard_path(s), s)
             rows, docs = shard_counts(run.shard_path(s))
+            if s.n_tokens != s.rows:  # a --keep sample shard stores a sample of the documents' rows
+                docs = s.docs
             if (rows, docs) != (s.rows, s.docs):
                 raise DataError(
                     f"shard {s.file} stores {rows} rows of {docs} documents; the manifest says "
@@ -105,7 +110,8 @@ def _verify(run: Run, shards) -> dict:
             bad.append({"file": s.file, "error": str(e)})
     totals = run.manifest.get("totals") or {}
     for key, actual in (
-        ("rows", sum(s.rows for s in shards)),
+        ("rows", sum(s.n_tokens for s in shards)),
+        ("rows_stored", sum(s.rows for s in shards)),
         ("docs", sum(s.docs for s in shards)),
         ("shards", len(shards)),
     ):

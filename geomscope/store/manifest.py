@@ -47,6 +47,9 @@ def _check_shard_entry(s, i: int, path: Path) -> None:
                 f"shards[{i}].{key} is {v!r}, not a{'n' if kind is int else ''} "
                 f"{'non-negative integer' if kind is int else 'string'}",
             )
+    tokens = s.get("tokens")
+    if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0):
+        raise _damaged(path, f"shards[{i}].tokens is {tokens!r}, not a non-negative integer")
     if not SHARD_FILE_RE.fullmatch(s["file"]):  # never a path: nothing outside the run is read or deleted
         raise _damaged(path, f"shards[{i}].file {s['file']!r} is not a shard name geomscope writes")
 

@@ -53,6 +53,24 @@ def _open(path: Path) -> h5py.File:
     return f
 
 
+def open_shard(path) -> h5py.File:
+    """A finished shard opened for reading; DataError (one line) when it is missing or not a shard."""
+    return _open(Path(path))
+
+
+def read_accumulated(f: h5py.File, layer: str, *, extras: bool):
+    """``(tokens, regular, special | None)`` of a ``--keep sample`` shard: the rows it measured and
+    the layer's stored Moments (store/accumulators.py); DataError naming the shard when incomplete."""
+    from geomscope.store.accumulators import GROUP, read_moments
+
+    try:
+        lg = f[GROUP][layer]
+        special = read_moments(lg["special"], extras=extras) if "special" in lg else None
+        return int(f.attrs["tokens"]), read_moments(lg["regular"], extras=extras), special
+    except KeyError as e:
+        raise _corrupt(Path(f.filename), f"no accumulators of layer {layer}") from e
+
+
 def read_shard_index(path: Path) -> dict[str, np.ndarray]:
     """The per-row metadata of a shard (token_id, doc_id, position, is_special), no activations."""
     path = Path(path)

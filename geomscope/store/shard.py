@@ -35,13 +35,19 @@ class ShardInfo:
     nonfinite_rows: int
     bytes: int
     sha256: str
+    tokens: int | None = None  # token rows measured (= rows unless the run keeps a sample); None: older runs
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> ShardInfo:
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+    @property
+    def n_tokens(self) -> int:
+        """Token rows this shard measured: its stored rows, or more when it keeps a sample."""
+        return self.rows if self.tokens is None else int(self.tokens)
 
 
 def file_sha256(path: Path, bufsize: int = 8 * 1024 * 1024) -> str:
@@ -108,6 +114,7 @@ class ShardWriter:
             str, int
         ] = {}  # rows with NaN/Inf per layer (layers without any absent)
         self._docs: set[int] = set()
+        self._measured: dict | None = None  # a sample shard's counts over every row it measured
         self._buf: list[dict] = []
         self._buf_rows = 0
         os.close(create_exclusive(self.tmp_path))
@@ -208,6 +215,31 @@ class ShardWriter:
             ds[start:stop] = arr
         self.rows = stop
 
+    def keep_accumulators(self, keeper, sample: int, seed: int) -> None:
+        """Make this a ``--keep sample:N`` shard: store the keeper's sample rows and accumulators
+        (store/accumulators.py) and count every row it measured, not only the stored ones."""
+        from geomscope.store.accumulators import GROUP, write_moments
+
+        acc, rows, meta = keeper.result()
+        self.append(rows, **meta)
+        g = self._f.create_group(GROUP)
+        for name, parts in acc.items():
+            lg = g.create_group(name)
+            for part, m in parts.items():
+                if part == "regular" or m.n:
+                    write_moments(lg, part, m)
+        self._f.attrs["keep"] = "sample"
+        self._f.attrs["sample_size"] = int(sample)
+        self._f.attrs["sample_seed"] = int(seed)
+        self._f.attrs["tokens"] = int(keeper.tokens)
+        self._measured = {
+            "tokens": int(keeper.tokens),
+            "docs": len(keeper.docs),
+            "nonfinite_rows": int(keeper.nonfinite_rows),
+            "nonfinite_by_layer": dict(keeper.nonfinite_by_layer),
+        }
+        self.nonfinite_by_layer = dict(keeper.nonfinite_by_layer)
+
     def close(self) -> ShardInfo:
         """Flush, fsync and publish the shard under its final name; return its manifest entry."""
         self._flush(final=True)
@@ -224,12 +256,13 @@ class ShardWriter:
             index=self.index,
             file=self.path.name,
             rows=self.rows,
-            docs=len(self._docs),
+            docs=self._measured["docs"] if self._measured else len(self._docs),
             doc_start=self.doc_start,
             doc_stop=self.doc_stop,
-            nonfinite_rows=self.nonfinite_rows,
+            nonfinite_rows=self._measured["nonfinite_rows"] if self._measured else self.nonfinite_rows,
             bytes=self.path.stat().st_size,
             sha256=file_sha256(self.path),
+            tokens=self._measured["tokens"] if self._measured else self.rows,
         )
 
     def abort(self) -> None:

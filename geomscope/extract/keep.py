@@ -1,0 +1,152 @@
+"""``extract --keep sample:N``: keep per-shard accumulators and a seeded sample instead of every row.
+
+Every metric but the nearest-neighbour ones is a function of mergeable per-layer statistics
+(``Moments``: count, mean, scatter, unit-vector sums, |x| statistics), and TwoNN and the other
+intrinsic-dimension estimators work on a seeded sample. So a shard of a ``sample:N`` run holds, per
+layer:
+
+- the ``Moments`` of its finite rows of ordinary tokens (``regular``) and, where there are some, of
+  special tokens (``special``), accumulated in float64 on the model's device during the forward
+  pass (moments_torch.py) from the rows cast to the store dtype -- the values a full run stores, so
+  ``score`` gives the full run's moment metrics to float64 rounding;
+- the rows of the sample: for every layer and for both ``--exclude-special`` settings, the N rows
+  with the smallest ``row_hash(run_keys(doc_id, position), seed, STREAM_ID_SAMPLE)`` among those
+  the layer's metrics may use. That is exactly what ``score --id-sample k`` draws from a full run:
+  its k rows (k <= N) with the smallest hashes over the run are among the N smallest of each shard,
+  whatever the sharding, the batch size or the number of processes.
+
+Only the sampled rows are copied off the device: candidates are chosen on the host from the hashes
+and flags of the batch, and a shard's candidates are pruned to the final set as they accumulate
+(memory: about 4N rows of every layer).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from geomscope.errors import InputError
+from geomscope.score.select import STREAM_ID_SAMPLE, BottomK, row_hash, run_keys
+from geomscope.store.accumulators import ABS_THRESHOLD
+
+DEFAULT_SAMPLE = 5000  # score --id-sample's default: `--keep sample` serves a default score
+_META = ("token_id", "doc_id", "position", "is_special")
+
+
+def parse_keep(spec: str) -> int | None:
+    """``all`` -> None (every row); ``sample`` -> DEFAULT_SAMPLE; ``sample:N`` -> N >= 1."""
+    s = str(spec).strip().lower()
+    if s == "all":
+        return None
+    if s == "sample":
+        return DEFAULT_SAMPLE
+    head, _, n = s.partition(":")
+    if head == "sample" and n.strip().isdigit():
+        if int(n) < 1:
+            raise InputError(f"--keep {spec}: the sample needs at least 1 row; e.g. --keep sample:5000")
+        return int(n)
+    raise InputError(f"--keep must be all, sample or sample:N (N rows per shard); got {spec!r}")
+
+
+def _finite_rows(x):
+    """(m,) bool tensor: rows of ``x`` without NaN/Inf. float16 is checked on its bits (exponent all
+    ones), 2.5x faster than ``torch.isfinite`` on the CPU's emulated half floats."""
+    import torch
+
+    if x.dtype == torch.float16:
+        return ((x.view(torch.int16) & 0x7C00) != 0x7C00).all(1)
+    return torch.isfinite(x).all(1)
+
+
+class SampleKeeper:
+    """One shard's accumulators and sample candidates; ``add`` each batch, then ``result``."""
+
+    def __init__(self, names: list[str], dim: int, device, sample: int, seed: int):
+        from geomscope.metrics.moments_torch import device_moments
+
+        self.names, self.dim, self.device = list(names), int(dim), device
+        self.k, self.seed = int(sample), int(seed)
+        self.make = lambda: device_moments(self.dim, device, ABS_THRESHOLD)
+        self.acc: dict[str, dict] = {n: {"regular": self.make()} for n in self.names}
+        # (layer, excluding special tokens) -> the k smallest hashes of the rows that layer may use
+        self.bottom = {(n, ex): BottomK(self.k) for n in self.names for ex in (False, True)}
+        self.buf: list[dict] = []
+        self.buf_rows = 0
+        self.tokens = 0
+        self.docs: set[int] = set()
+        self.nonfinite_rows = 0
+        self.nonfinite_by_layer: dict[str, int] = {}
+
+    def add(self, rows: dict, meta: dict[str, np.ndarray]) -> None:
+        """Fold a batch (``rows[name]``: (m, D) tensors on the device, store dtype) in."""
+        import torch
+
+        special = np.asarray(meta["is_special"], bool)
+        m = len(special)
+        if m == 0:
+            return
+        self.tokens += m
+        self.docs.update(np.unique(meta["doc_id"]).tolist())
+        sp = torch.from_numpy(special).to(self.device)
+        finite, any_bad = {}, np.zeros(m, bool)
+        for name in self.names:
+            x = rows[name]
+            ok = _finite_rows(x)
+            finite[name] = ok.cpu().numpy()
+            bad = ~finite[name]
+            if bad.any():
+                any_bad |= bad
+                self.nonfinite_by_layer[name] = self.nonfinite_by_layer.get(name, 0) + int(bad.sum())
+            whole = bool(finite[name].all()) and not special.any()
+            self.acc[name]["regular"].update(x if whole else x[ok & ~sp])
+            if special.any():
+                self.acc[name].setdefault("special", self.make()).update(x[ok & sp])
+        self.nonfinite_rows += int(any_bad.sum())
+        hashes = row_hash(run_keys(meta["doc_id"], meta["position"]), self.seed, STREAM_ID_SAMPLE)
+        for (name, ex), bk in self.bottom.items():
+            bk.add(hashes[self._eligible(finite[name], special, ex)])
+        take = np.flatnonzero(self._wanted(hashes, finite, special))
+        if take.size == 0:
+            return
+        idx = torch.from_numpy(take).to(self.device)
+        self.buf.append(
+            {
+                "hash": hashes[take],
+                **{key: np.asarray(meta[key])[take] for key in _META},
+                **{"L:" + n: rows[n].index_select(0, idx).cpu().numpy() for n in self.names},
+                **{"F:" + n: finite[n][take] for n in self.names},
+            }
+        )
+        self.buf_rows += take.size
+        if self.buf_rows > 4 * self.k:
+            self._prune()
+
+    @staticmethod
+    def _eligible(finite: np.ndarray, special: np.ndarray, exclude_special: bool) -> np.ndarray:
+        return finite & ~special if exclude_special else finite
+
+    def _wanted(self, hashes, finite: dict, special) -> np.ndarray:
+        """Rows that are, so far, among the k smallest hashes of some (layer, special setting)."""
+        want = np.zeros(len(hashes), bool)
+        for (name, ex), bk in self.bottom.items():
+            want |= self._eligible(finite[name], special, ex) & (hashes <= np.uint64(bk.threshold))
+        return want
+
+    def _prune(self) -> None:
+        b = {key: np.concatenate([p[key] for p in self.buf]) for key in self.buf[0]}
+        keep = self._wanted(b["hash"], {n: b["F:" + n] for n in self.names}, b["is_special"])
+        self.buf = [{key: v[keep] for key, v in b.items()}]
+        self.buf_rows = int(keep.sum())
+
+    def result(self) -> tuple[dict, dict, dict]:
+        """(accumulators {layer: {part: Moments}}, sample rows {layer: (s, D)}, sample meta),
+        the sample in (doc_id, position) order."""
+        acc = {n: {part: tm.to_moments() for part, tm in parts.items()} for n, parts in self.acc.items()}
+        if not self.buf:
+            empty = np.zeros((0, self.dim), np.float16)
+            return acc, {n: empty for n in self.names}, {key: np.zeros(0, np.int64) for key in _META}
+        self._prune()
+        b = self.buf[0]
+        order = np.lexsort((b["position"], b["doc_id"]))
+        rows = {n: b["L:" + n][order] for n in self.names}
+        meta = {key: b[key][order] for key in _META}
+        return acc, rows, meta
