@@ -7,7 +7,10 @@ from __future__ import annotations
 
 #: extract: the model's computation dtype, and the dtype of the stored shards
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
-STORE_DTYPES = ("float16", "float32")
+STORE_DTYPES = ("auto", "float16", "float32")  # auto: float16, or float32 when gradients are stored
+#: extract: what is stored, and the loss whose gradients are (geomscope.extract.gradients)
+CAPTURES = ("activations", "gradients", "activations,gradients")
+LOSSES = ("auto", "causal-lm", "masked-lm", "classification")
 #: extract: which stack of an encoder-decoder model to read
 STACKS = ("encoder", "decoder")
 #: score: outlier rules (the functions live in geomscope.metrics.outliers.OUTLIER_RULES)

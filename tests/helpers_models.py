@@ -274,6 +274,47 @@ def make_tiny_model(
     return out
 
 
+HEADS = {
+    "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "classification": "AutoModelForSequenceClassification",
+}
+
+
+def make_tiny_head_model(kind: str, head: str, dest: Path, *, seed: int = 0, labels=("neg", "pos")) -> Path:
+    """The tiny ``kind`` checkpoint with a head (``HEADS``) on top, under ``dest/tiny-<kind>-<head>``:
+    the base weights of :func:`make_tiny_model` and a random head (seeded); a classifier gets the
+    label names ``labels``. Its config's ``architectures`` names the head class, as a trained one would."""
+    import shutil
+
+    import torch
+    import transformers
+
+    out = Path(dest) / f"tiny-{kind}-{head}"
+    if (out / "config.json").exists():
+        return out
+    base = make_tiny_model(kind, dest, seed=seed)
+    config = transformers.AutoConfig.from_pretrained(base)
+    if head == "classification":
+        config.num_labels = len(labels)
+        config.id2label = dict(enumerate(labels))
+        config.label2id = {name: i for i, name in enumerate(labels)}
+        if config.pad_token_id is None:
+            config.pad_token_id = 0
+    torch.manual_seed(seed + 1)
+    model = getattr(transformers, HEADS[head]).from_config(config).eval()
+    # strict=False: BertForMaskedLM has no pooler; every weight it does have must come from the base
+    got = model.base_model.load_state_dict(
+        transformers.AutoModel.from_pretrained(base).state_dict(), strict=False
+    )
+    assert not got.missing_keys, got.missing_keys
+    model.save_pretrained(out)
+    for f in base.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
 def poison_token(model_dir: Path, word: str = "poison", value: float = float("nan")) -> Path:
     """Set the input embedding row of ``word`` to ``value`` in a saved tiny model (in place).
 

@@ -70,7 +70,10 @@ def extract_cmd(
         "float32", "--dtype", metavar=choice_metavar(choices.COMPUTE_DTYPES), help="Model computation dtype."
     ),
     store_dtype: StoreDtype = typer.Option(
-        "float16", "--store-dtype", metavar=choice_metavar(choices.STORE_DTYPES), help="Shard dtype."
+        "auto",
+        "--store-dtype",
+        metavar=choice_metavar(choices.STORE_DTYPES),
+        help="Shard dtype (auto: float16, or float32 when gradients are stored).",
     ),
     device: str = typer.Option(
         "auto",
@@ -132,7 +135,30 @@ def extract_cmd(
         "--seed",
         min=0,
         metavar="N",
-        help="Seed of the --keep sample (score --seed N draws the same rows).",
+        help="Seed of the --keep sample (score --seed N draws the same rows) and of the masked-lm masks.",
+    ),
+    capture: str = typer.Option(
+        "activations",
+        "--capture",
+        metavar="activations|gradients|activations,gradients",
+        help="What to store per token: the hidden states, and/or the gradient of the loss with "
+        "respect to them (stored as <layer>.grad, one forward and backward pass).",
+    ),
+    loss: str = typer.Option(
+        "auto",
+        "--loss",
+        metavar=choice_metavar(choices.LOSSES),
+        help="The loss of --capture gradients: causal-lm (next token), masked-lm, classification "
+        "(--label-field); auto = the checkpoint's own head. Each document's loss is its mean.",
+    ),
+    mlm_probability: float = typer.Option(
+        0.15,
+        "--mlm-probability",
+        metavar="P",
+        help="masked-lm: chance that a token is masked (seeded by --seed and the document id).",
+    ),
+    label_field: str = typer.Option(
+        "label", "--label-field", metavar="NAME", help="classification: the label field or column."
     ),
     overwrite: bool = typer.Option(
         False, "--overwrite", help="Delete an existing run in --out and start over."
@@ -148,7 +174,8 @@ def extract_cmd(
     json_out: bool = json_option("the summary"),
     quiet: bool = quiet_option(),
 ) -> None:
-    """Run a checkpoint over texts and store every requested layer's token activations as HDF5 shards."""
+    """Run a checkpoint over texts and store every requested layer's token activations (or the loss's
+    gradients with respect to them) as HDF5 shards."""
     import json
     import sys
 
@@ -181,6 +208,10 @@ def extract_cmd(
             allow_nonfinite=allow_nonfinite,
             keep=keep,
             seed=seed,
+            capture=capture,
+            loss=loss,
+            mlm_probability=mlm_probability,
+            label_field=label_field,
         )
         if revisions is not None:
             from geomscope.errors import InputError

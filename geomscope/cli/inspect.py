@@ -58,6 +58,7 @@ def inspect_cmd(
                 f"{len(d['layers'])}: {', '.join(d['layers'])}" + _norm_note(d),
             ),
             ("dim", str(d["dim"])),
+            *([("capture", _capture_note(d))] if d.get("capture", "activations") != "activations" else []),
             ("dtype", f"model {m.get('dtype')}, stored {d['store_dtype']}"),
             ("rows", f"{d['rows']:,}" + _keep_note(d)),
             ("documents", f"{d['docs']:,}"),
@@ -128,6 +129,16 @@ def _norm_note(d: dict) -> str:
     if name == "final_norm":
         return "  (final_norm: the final norm's output" + (f"; {before[0]}: its input)" if before else ")")
     return f"  ({name} is after the final norm)"
+
+
+def _capture_note(d: dict) -> str:
+    loss = d.get("loss") or {}
+    extra = ""
+    if loss.get("kind") == "masked-lm":
+        extra = f", mask probability {loss.get('mlm_probability')}, seed {loss.get('mask_seed')}"
+    elif loss.get("kind") == "classification":
+        extra = f", labels from {loss.get('label_field')!r}"
+    return f"{d['capture']} of the {loss.get('kind')} loss (per-document mean{extra}); layers <name>.grad"
 
 
 def _keep_note(d: dict) -> str:

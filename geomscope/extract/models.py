@@ -261,7 +261,9 @@ class LoadedModel:
             return self.model.get_encoder()
         if self.stack == "decoder":
             return self.model.get_decoder()
-        return self.model
+        # a model with a head (extract --capture gradients): its stack is the base model, so that
+        # layers and the final norm are found where they are in the bare model
+        return getattr(self.model, "base_model", None) or self.model
 
     def final_norm_module(self):
         """The final norm module (None when the model has none or it cannot be found by name)."""
@@ -403,8 +405,13 @@ def load_model(
     trust_remote_code: bool = False,
     stack: str | None = None,
     cache_dir: str | None = None,
+    loss: str | None = None,
 ) -> LoadedModel:
     """Load a checkpoint and its tokenizer, choose the stack, probe it (see the module docstring).
+
+    ``loss`` (``extract --capture gradients``): "auto" or a loss of geomscope.extract.gradients; the
+    model is then loaded with that loss's head, which must be in the checkpoint (``info["loss"]``
+    records the one chosen).
 
     ``stack``: None/"auto" (the model; the encoder of an encoder-decoder model), "encoder", "decoder".
     ``trust_remote_code`` is passed explicitly to every transformers call (False: a model's own code
@@ -424,7 +431,7 @@ def load_model(
     if info["source"] == "hub" and not info.get("path"):
         kw.update(revision=revision or None, cache_dir=cache_dir)
     with _quiet_transformers():
-        config, tok, model = _load_parts(load_from, kw, tdtype, info, revision)
+        config, tok, model, loss = _load_parts(load_from, kw, tdtype, info, revision, loss)
     if info["source"] == "hub" and not info.get("path"):
         snap = _cached_snapshot(target, revision, cache_dir)
         info["path"] = str(snap) if snap else None
@@ -439,6 +446,8 @@ def load_model(
     lm.max_length = _model_max_length(config, tok)
     _probe(lm)
     lm.info = _model_info(lm, info, config, tok, revision, dtype)
+    if loss is not None:
+        lm.info["loss"] = loss
     lm.source = {k: v for k, v in info.items() if k in ("source", "path", "package")}
     return lm
 
@@ -460,8 +469,9 @@ def _quiet_transformers():
         hf_logging.set_verbosity(verbosity)
 
 
-def _load_parts(load_from: str, kw: dict, tdtype, info: dict, revision: str | None):
-    """(config, tokenizer, model): the first auto class that knows the architecture loads the model."""
+def _load_parts(load_from: str, kw: dict, tdtype, info: dict, revision: str | None, loss: str | None = None):
+    """(config, tokenizer, model, loss): the first auto class that knows the architecture loads the
+    model; with ``loss``, the class of that loss's head (and the loss, resolved from ``auto``)."""
     import transformers
 
     try:
@@ -469,12 +479,14 @@ def _load_parts(load_from: str, kw: dict, tdtype, info: dict, revision: str | No
         tok = transformers.AutoTokenizer.from_pretrained(load_from, **kw)
     except (OSError, ValueError, KeyError) as e:
         raise _load_error(e, info["name"], info, revision) from e
+    if loss is not None:
+        return config, tok, *_load_head(load_from, kw, tdtype, info, revision, config, loss)
     for auto in ("AutoModel", "AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM"):
         try:
             model = getattr(transformers, auto).from_pretrained(
                 load_from, config=config, **{_transformers_dtype_kw(): tdtype}, **kw
             )
-            return config, tok, model
+            return config, tok, model, None
         except ValueError as e:  # this auto class does not know the architecture: try the next one
             if "Unrecognized configuration class" not in str(e):
                 raise _load_error(e, info["name"], info, revision) from e
@@ -484,6 +496,36 @@ def _load_parts(load_from: str, kw: dict, tdtype, info: dict, revision: str | No
         f"model {info['name']} ({config.model_type}) has no architecture transformers can "
         "load for its hidden states; give an encoder, decoder or encoder-decoder model"
     )
+
+
+def _load_head(load_from: str, kw: dict, tdtype, info: dict, revision, config, asked: str):
+    """The model with the head of the asked loss (``auto``: the checkpoint's own head)."""
+    import transformers
+
+    from geomscope.extract.gradients import HEAD_CLASSES, check_head, resolve_loss
+
+    loss = resolve_loss(asked, config, info["name"])
+    auto = getattr(transformers, HEAD_CLASSES[loss])
+    try:
+        model, loading = auto.from_pretrained(
+            load_from, config=config, output_loading_info=True, **{_transformers_dtype_kw(): tdtype}, **kw
+        )
+    except ValueError as e:
+        if "Unrecognized configuration class" in str(e):
+            raise InputError(
+                f"{info['name']} ({config.model_type}) has no {loss} head in transformers; "
+                "choose another --loss"
+            ) from None
+        raise _load_error(e, info["name"], info, revision) from e
+    except OSError as e:
+        raise _load_error(e, info["name"], info, revision) from e
+    check_head(loss, loading, info["name"])
+    if loss == "classification" and int(getattr(config, "num_labels", 0) or 0) < 2:
+        raise InputError(
+            f"{info['name']} has a regression head (num_labels = 1); --loss classification needs "
+            "a classifier with at least two labels"
+        )
+    return model, loss
 
 
 def _choose_stack(stack: str | None, config, model, name: str) -> str:

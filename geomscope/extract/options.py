@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
-from geomscope.choices import COMPUTE_DTYPES, STACKS, STORE_DTYPES
+from geomscope.choices import COMPUTE_DTYPES, LOSSES, STACKS, STORE_DTYPES
 from geomscope.errors import InputError
 
 
@@ -20,7 +20,7 @@ class ExtractOptions:
     layers: str | list | tuple = "all"
     revision: str | None = None
     dtype: str = "float32"
-    store_dtype: str = "float16"
+    store_dtype: str = "auto"  # float16; float32 when gradients are stored (they underflow float16)
     device: str = "auto"
     trust_remote_code: bool = False
     stack: str | None = None
@@ -35,13 +35,25 @@ class ExtractOptions:
     cache_dir: str | None = None
     allow_nonfinite: bool = False
     keep: str = "all"  # "all" | "sample" | "sample:N" (keep.py)
-    seed: int = 0  # the --keep sample's seed (score --seed draws the same rows from a full run)
+    seed: int = 0  # the --keep sample's seed (score --seed draws the same rows from a full run); masking's
+    capture: str = "activations"  # "activations" | "gradients" | "activations,gradients" (gradients.py)
+    loss: str = "auto"  # the loss whose gradients are stored: auto (the checkpoint's head) or LOSSES
+    mlm_probability: float = 0.15
+    label_field: str = "label"
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def gradients(self) -> bool:
+        """Whether gradients are captured (``--capture gradients`` or ``activations,gradients``)."""
+        from geomscope.extract.gradients import parse_capture
+
+        return parse_capture(self.capture)[1]
+
     def validate(self) -> ExtractOptions:
-        """Self, checked; InputError (one line) naming the option otherwise."""
+        """A checked copy with ``store_dtype`` resolved (``auto``); InputError (one line) naming the
+        option otherwise."""
         for option, value in (
             ("--max-docs", self.max_docs),
             ("--max-tokens", self.max_tokens),
@@ -58,7 +70,23 @@ class ExtractOptions:
         _one_of("--store-dtype", self.store_dtype, STORE_DTYPES)
         if self.stack not in (None, "auto"):
             _one_of("--stack", self.stack, STACKS)
-        return self
+        self._check_gradients()
+        if self.store_dtype != "auto":
+            return self
+        return replace(self, store_dtype="float32" if self.gradients else "float16")
+
+    def _check_gradients(self) -> None:
+        _one_of("--loss", self.loss, LOSSES)
+        grads = self.gradients  # parses --capture
+        if not (isinstance(self.mlm_probability, (int, float)) and 0 < self.mlm_probability < 1):
+            raise InputError(f"--mlm-probability must be between 0 and 1, not {self.mlm_probability!r}")
+        if grads and self.store_dtype == "float16":
+            raise InputError(
+                "--store-dtype float16 cannot hold gradients (they are mostly below float16's normal "
+                "range, 6e-5); use --store-dtype float32 (the default for gradients)"
+            )
+        if grads and self.sample_size is not None:
+            raise InputError("--keep sample stores activations only; use --keep all with --capture gradients")
 
     @property
     def sample_size(self) -> int | None:

@@ -35,24 +35,28 @@ ROW_ORDER = (
 )
 
 
-def _groups(inputs, text_field, text_column, shard_docs, max_docs, counts):
-    """Lists of ``(doc_id, text)``: consecutive runs of ``shard_docs`` non-empty documents."""
+def _groups(inputs, text_field, text_column, shard_docs, max_docs, counts, labels=None):
+    """``(items, labels)``: consecutive runs of ``shard_docs`` non-empty documents as ``(doc_id, text)``,
+    and (with a ``labels`` iterator over the same records) ``{doc_id: raw label}``."""
     group: list[tuple[int, str]] = []
+    group_labels: dict[int, object] = {}
     n = 0
     for doc_id, text in iter_all(inputs, text_field=text_field, text_column=text_column):
+        label = next(labels, None) if labels is not None else None
         counts["records"] += 1
         if not text.strip():
             counts["docs_empty"] += 1
             continue
         group.append((doc_id, text))
+        group_labels[doc_id] = label
         n += 1
         if len(group) == shard_docs:
-            yield group
-            group = []
+            yield group, group_labels
+            group, group_labels = [], {}
         if max_docs is not None and n >= max_docs:
             break
     if group:
-        yield group
+        yield group, group_labels
 
 
 def _existing_finished_bytes(out: Path, identity: dict) -> int:
@@ -156,6 +160,7 @@ def _load(model, opts: ExtractOptions):
         trust_remote_code=opts.trust_remote_code,
         stack=opts.stack,
         cache_dir=opts.cache_dir,
+        loss=opts.loss if opts.gradients else None,
     )
 
 
@@ -164,7 +169,8 @@ class _Plan:
     """What will be written: the run's identity, its layers, the token cap and the size estimates."""
 
     identity: dict
-    layer_desc: list[dict]
+    layer_desc: list[dict]  # the stored layers (gradient layers included)
+    read_layers: list[dict]  # the hidden states read from the model (activations or not)
     max_length: int | None
     est_tokens: int
     est_bytes: int
@@ -203,6 +209,8 @@ def _identity(lm, ins, opts: ExtractOptions, layer_desc: list[dict], eff_len: in
     keep = {}
     if opts.sample_size is not None:  # only then: runs of every row keep the identity they always had
         keep = {"keep": f"sample:{opts.sample_size}", "sample_seed": opts.seed}
+    if opts.gradients:  # likewise
+        keep.update(capture=opts.capture, loss=_loss_settings(lm, opts))
     return {
         "model": lm.info,
         "layers": layer_desc,
@@ -222,9 +230,67 @@ def _identity(lm, ins, opts: ExtractOptions, layer_desc: list[dict], eff_len: in
     }
 
 
+def _loss_settings(lm, opts: ExtractOptions) -> dict:
+    from geomscope.extract.gradients import REDUCTION
+
+    loss = lm.info.get("loss")
+    out = {"kind": loss, "reduction": REDUCTION}
+    if loss == "masked-lm":
+        out.update(mlm_probability=opts.mlm_probability, mask_seed=opts.seed, masking="mask token only")
+    if loss == "classification":
+        out.update(label_field=opts.label_field, labels=getattr(lm.model.config, "id2label", None))
+    return out
+
+
+def _label_map(lm) -> tuple[dict[str, int], int]:
+    config = lm.model.config
+    return {str(k): int(v) for k, v in (getattr(config, "label2id", None) or {}).items()}, int(
+        config.num_labels
+    )
+
+
+def _check_labels(lm, ins, opts: ExtractOptions) -> None:
+    """Every document's label maps to a class of the model, checked before anything is written."""
+    from geomscope.extract.gradients import label_index
+    from geomscope.extract.sources import iter_labels
+
+    label2id, n_labels = _label_map(lm)
+    labels = iter_labels(ins, opts.label_field)
+    docs = 0
+    for doc_id, text in iter_all(ins, text_field=opts.text_field, text_column=opts.text_column):
+        raw = next(labels, None)
+        if not text.strip():
+            continue
+        label_index(raw, label2id, n_labels, doc_id)
+        docs += 1
+        if opts.max_docs is not None and docs >= opts.max_docs:
+            break
+
+
+def _stored_layers(read_layers: list[dict], opts: ExtractOptions) -> list[dict]:
+    """The layers a run stores: the activations read, and/or their gradients (``<name>.grad``)."""
+    if not opts.gradients:
+        return read_layers
+    from geomscope.extract.gradients import GRAD_SUFFIX, parse_capture
+
+    grads = [
+        {
+            **la,
+            "name": la["name"] + GRAD_SUFFIX,
+            "capture": "gradients",
+            "tensor": f"gradient of the loss with respect to the {la['tensor']}",
+        }
+        for la in read_layers
+    ]
+    return ([*read_layers] if parse_capture(opts.capture)[0] else []) + grads
+
+
 def _plan(lm, ins, scan, opts: ExtractOptions, out: Path) -> _Plan:
     indices, with_final = _chosen_layers(lm, opts.layers)
-    layer_desc = describe_layers(indices, lm.n_hidden_states, lm.final_norm, lm.final_norm_name, with_final)
+    read_layers = describe_layers(indices, lm.n_hidden_states, lm.final_norm, lm.final_norm_name, with_final)
+    layer_desc = _stored_layers(read_layers, opts)
+    if opts.gradients and lm.info.get("loss") == "classification":
+        _check_labels(lm, ins, opts)
     eff_len = _effective_max_length(lm, opts)
     identity = _identity(lm, ins, opts, layer_desc, eff_len)
     try:
@@ -245,6 +311,7 @@ def _plan(lm, ins, scan, opts: ExtractOptions, out: Path) -> _Plan:
     return _Plan(
         identity,
         layer_desc,
+        read_layers,
         eff_len,
         est_tokens,
         est_bytes,
@@ -333,7 +400,7 @@ def _cut(d: Doc, n: int) -> Doc:
     return Doc(d.doc_id, d.ids[:n], d.special[:n])
 
 
-_DOC_STATS = ("docs_zero_tokens", "docs_at_max_length", "docs_cut_by_max_tokens")
+_DOC_STATS = ("docs_zero_tokens", "docs_at_max_length", "docs_cut_by_max_tokens", "docs_without_targets")
 
 
 class _ShardRun:
@@ -350,8 +417,22 @@ class _ShardRun:
             opts,
             progress,
         )
-        self.capture = Capture(lm, plan.layer_desc, opts.store_dtype)
+        if opts.gradients:
+            from geomscope.extract.gradients import GradientCapture, parse_capture
+
+            self.capture = GradientCapture(
+                lm,
+                plan.read_layers,
+                opts.store_dtype,
+                loss=lm.info["loss"],
+                activations=parse_capture(opts.capture)[0],
+                mlm_probability=opts.mlm_probability,
+                seed=opts.seed,
+            )
+        else:
+            self.capture = Capture(lm, plan.read_layers, opts.store_dtype)
         self.names = [la["name"] for la in plan.layer_desc]
+        self.loss_sum, self.loss_docs = 0.0, 0
         self.entries = {s["index"]: s for s in writer.manifest["shards"]}
         self.counts = {"records": 0, "docs_empty": 0}
         self.agg = dict.fromkeys(_DOC_STATS, 0)
@@ -363,6 +444,11 @@ class _ShardRun:
 
     def run(self) -> dict:
         t0 = time.perf_counter()
+        labels = None
+        if self.opts.gradients and self.lm.info.get("loss") == "classification":
+            from geomscope.extract.sources import iter_labels
+
+            labels = iter_labels(self.ins, self.opts.label_field)
         groups = _groups(
             self.ins,
             self.opts.text_field,
@@ -370,10 +456,11 @@ class _ShardRun:
             self.opts.shard_docs,
             self.opts.max_docs,
             self.counts,
+            labels,
         )
         with Progress(self.progress) as bar:
             prog = bar.add("extract", self.plan.docs, unit="docs", rate_unit="tok")
-            for k, group in enumerate(groups):
+            for k, (group, group_labels) in enumerate(groups):
                 if self._budget_spent():
                     break
                 done = self.writer.finished.get(k)
@@ -381,12 +468,26 @@ class _ShardRun:
                     self._keep(k, done)
                     prog.skip(len(group))
                     continue
+                if labels is not None:
+                    self._set_labels(group_labels)
                 budget_hit = self._write(k, group, prog)
                 if budget_hit or self._budget_spent():
                     break
         return self._finish(time.perf_counter() - t0)
 
+    def _set_labels(self, raw: dict) -> None:
+        """The shard's class indices for the classification loss (a bad label: one line, before any work)."""
+        from geomscope.extract.gradients import label_index
+
+        label2id, n_labels = _label_map(self.lm)
+        self.capture.labels = {
+            doc_id: label_index(y, label2id, n_labels, doc_id) for doc_id, y in raw.items()
+        }
+
     def _add_stats(self, stats: dict) -> None:
+        if "loss_sum" in stats:
+            self.loss_sum += float(stats["loss_sum"])
+            self.loss_docs += int(stats["loss_docs"])
         for key in _DOC_STATS:
             self.agg[key] += int(stats.get(key, 0))
         for key, v in (stats.get("nonfinite_by_layer") or {}).items():
@@ -441,6 +542,7 @@ class _ShardRun:
             doc_start=doc_start,
             doc_stop=doc_stop,
             expected_rows=max(1, rows if sample is None else min(rows, 2 * sample)),
+            row_flags=("loss_target",) if self.opts.gradients else (),
         )
         try:
             keeper = None
@@ -464,6 +566,9 @@ class _ShardRun:
             raise
         if sw.nonfinite_by_layer:
             stats["nonfinite_by_layer"] = dict(sw.nonfinite_by_layer)
+        if self.opts.gradients:
+            loss_sum, loss_docs, without = self.capture.reset_totals()
+            stats.update(loss_sum=loss_sum, loss_docs=loss_docs, docs_without_targets=without)
         self.writer.add_shard(info, stats=stats)
         prog.skip(len(group) - len(kept))
         self._add_stats(stats)
@@ -471,6 +576,12 @@ class _ShardRun:
         self.new_rows += info.n_tokens
         self.written += 1
         return budget_hit
+
+    def _gradient_summary(self) -> dict:
+        if not self.opts.gradients:
+            return {}
+        mean = self.loss_sum / self.loss_docs if self.loss_docs else None
+        return {"capture": self.opts.capture, "loss": self.lm.info["loss"], "loss_mean": mean}
 
     def _finish(self, seconds: float) -> dict:
         shards = self.writer.manifest["shards"]
@@ -510,6 +621,7 @@ class _ShardRun:
             "bytes": t["bytes"],
             "nonfinite_rows": t["nonfinite_rows"],
             "nonfinite_by_layer": self.nonfinite_by_layer,
+            **self._gradient_summary(),
             "rows_this_run": self.new_rows,
             "seconds": round(seconds, 3),
             "tokens_per_second": round(self.new_rows / seconds, 1) if seconds > 0 else 0.0,

@@ -330,3 +330,61 @@ def uses_field(inputs: list[InputFile]) -> bool:
 
 def uses_column(inputs: list[InputFile]) -> bool:
     return any(i.kind in ("csv", "tsv") for i in inputs)
+
+
+def _jsonl_labels(inp: InputFile, field: str) -> Iterator[object]:
+    for lineno, line in _lines(inp):
+        if not line.strip():
+            continue
+        val = _field(json.loads(line), field)  # the text pass has already validated every line
+        if val is KeyError:
+            raise InputError(
+                f"input {inp.arg} line {lineno} has no label field {field!r}; give every record a "
+                "label, or choose it with --label-field"
+            )
+        yield val
+
+
+def _csv_labels(inp: InputFile, column: str) -> Iterator[object]:
+    delim = "," if inp.kind == "csv" else "\t"
+    with _open_text(inp) as f:
+        reader = csv.reader(f, delimiter=delim)
+        header = [h.strip() for h in (next(reader, None) or [])]
+        if header and column not in header:
+            raise InputError(
+                f"input {inp.arg} has no label column {column!r} (columns: {', '.join(header[:12])}); "
+                "choose it with --label-field"
+            )
+        idx = header.index(column) if header else 0
+        for row in reader:
+            yield row[idx] if idx < len(row) else None
+
+
+def _dataset_labels(inp: InputFile, field: str) -> Iterator[object]:
+    import datasets
+
+    ds = datasets.load_from_disk(str(inp.path))
+    if field not in ds.column_names:
+        raise InputError(
+            f"input {inp.arg} has no label column {field!r} (columns: {', '.join(ds.column_names[:12])}); "
+            "choose it with --label-field"
+        )
+    for batch in ds.select_columns([field]).iter(batch_size=1024):
+        yield from batch[field]
+
+
+def iter_labels(inputs: list[InputFile], label_field: str) -> Iterator[object]:
+    """Each record's raw label, in the order of :func:`iter_all` (a sequence classifier's loss needs
+    one per document). Plain text has no fields, so it cannot carry labels."""
+    for inp in inputs:
+        if inp.kind in ("text", "stdin"):
+            raise InputError(
+                f"input {inp.arg} is plain text, which has no labels; give .jsonl, .csv/.tsv or a saved "
+                f"dataset with a {label_field!r} field for the classification loss"
+            )
+        if inp.kind == "jsonl":
+            yield from _jsonl_labels(inp, label_field)
+        elif inp.kind in ("csv", "tsv"):
+            yield from _csv_labels(inp, label_field)
+        else:
+            yield from _dataset_labels(inp, label_field)

@@ -457,6 +457,8 @@ def _open_run(p: Path, layers: list[str] | None, partial: bool) -> SourceInfo:
         "rows": sum(s.n_tokens for s in shards),
         "docs": docs,
     }
+    if ident.get("capture"):  # a gradient run (extract --capture gradients): say what was measured
+        run_info.update(capture=ident["capture"], loss=ident.get("loss"))
     warnings = []
     if not run.complete:
         warnings.append(f"scoring the {len(shards)} finished shards of an incomplete run (--partial)")

@@ -72,6 +72,8 @@ def describe_run(run_dir: Path, *, verify: bool = False) -> dict:
         "dim": run.dim,
         "rows": sum(s.n_tokens for s in shards),
         "keep": ident.get("keep", "all"),
+        "capture": ident.get("capture", "activations"),
+        "loss": ident.get("loss"),
         "rows_stored": sum(s.rows for s in shards),
         "docs": sum(s.docs for s in shards),
         "shards": len(shards),

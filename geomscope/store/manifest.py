@@ -323,6 +323,7 @@ class RunWriter:
         doc_start=0,
         doc_stop=0,
         expected_rows: int | None = None,
+        row_flags: tuple[str, ...] = (),
     ) -> ShardWriter:
         return ShardWriter(
             self.dir / shard_name(index),
@@ -333,6 +334,7 @@ class RunWriter:
             doc_start=doc_start,
             doc_stop=doc_stop,
             expected_rows=expected_rows,
+            row_flags=row_flags,
         )
 
     def add_shard(self, info: ShardInfo, stats: dict | None = None) -> None:

@@ -20,6 +20,9 @@ SHARD_FILE_RE = re.compile(r"shard-\d{5,}\.h5")
 SHARD_TEMP_RE = re.compile(r"\.shard-\d{5,}\.h5(\.[0-9a-f]+)?\.tmp")
 CHUNK_BYTES = 2 * 1024 * 1024  # target bytes per (rows, D) chunk of a layer dataset
 META_FIELDS = ("token_id", "doc_id", "position")
+#: optional per-row booleans a shard may hold besides is_special: loss_target = the loss has a
+#: prediction at this row (gradient runs: the next token, or a masked token)
+ROW_FLAGS = ("loss_target",)
 
 
 @dataclass
@@ -94,8 +97,13 @@ class ShardWriter:
         doc_start: int = 0,
         doc_stop: int = 0,
         expected_rows: int | None = None,
+        row_flags: tuple[str, ...] = (),
     ):
         self.path = Path(path)
+        unknown = set(row_flags) - set(ROW_FLAGS)
+        if unknown:
+            raise ValueError(f"unknown row flags {sorted(unknown)}; known: {ROW_FLAGS}")
+        self.row_flags = tuple(row_flags)
         # a fresh name created exclusively (never through a planted link); the next run deletes leftovers
         self.tmp_path = self.path.with_name(f".{self.path.name}.{secrets.token_hex(6)}.tmp")
         self.index = index
@@ -137,20 +145,23 @@ class ShardWriter:
             self._f.create_dataset(
                 name, shape=(0,), maxshape=(None,), dtype=np.int64, chunks=(self.chunk * 4,)
             )
-        self._f.create_dataset(
-            "is_special", shape=(0,), maxshape=(None,), dtype=bool, chunks=(self.chunk * 8,)
-        )
+        for name in ("is_special", *self.row_flags):
+            self._f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=bool, chunks=(self.chunk * 8,))
 
-    def append(self, layers: dict, token_id, doc_id, position, is_special) -> None:
-        """Add rows: ``layers[name]`` is (rows, D) for every layer name; the rest are (rows,)."""
+    def append(self, layers: dict, token_id, doc_id, position, is_special, **flags) -> None:
+        """Add rows: ``layers[name]`` is (rows, D) for every layer name; the rest are (rows,), and
+        ``flags`` gives each of the writer's ``row_flags``."""
         n = len(token_id)
         if n == 0:
             return
+        if set(flags) != set(self.row_flags):
+            raise ValueError(f"row flags {sorted(flags)} given; this shard holds {list(self.row_flags)}")
         batch = {
             "token_id": np.asarray(token_id, np.int64),
             "doc_id": np.asarray(doc_id, np.int64),
             "position": np.asarray(position, np.int64),
             "is_special": np.asarray(is_special, bool),
+            **{k: np.asarray(v, bool) for k, v in flags.items()},
         }
         any_bad = np.zeros(n, bool)
         for name in self.layer_names:
