@@ -1,0 +1,413 @@
+"""Gradient energy in the activation subspace (docs/metrics.md, "Gradient energy in the activation
+subspace"): how much of a layer's backpropagated gradient lies in the top principal directions of its
+activations, against random "normal" subspaces of the same rank.
+
+Bernas et al. 2026 ("Revisiting Anisotropy in Language Transformers: The Geometry of Learning
+Dynamics") fit low-rank "tangent proxies" U_r (top-r PCA directions of the hidden states) and find that
+they hold far more of the gradients' energy than matched-rank random "normal" directions: learning
+moves the representations along the directions in which they already vary. This module measures
+that, per layer and rank, from matrices the score engine has already accumulated in float64:
+
+    S      (D, D)  uncentred gradient second moment sum_t g_t g_t^T (any positive scale)
+    g-bar  (D,)    mean gradient
+    C_act  (D, D)  activation covariance of the same layer (possibly from another run)
+
+U_r = top-r eigenvectors of C_act, V_r = top-r eigenvectors of S (descending eigenvalues).
+
+    energy      E      = tr(U_r^T S U_r) / tr(S)                  in [0, 1]
+    baseline           = r / D                                    (E of an isotropic S, any U_r)
+    energy_max  E_max  = (sum of S's top r eigenvalues) / tr(S)   (Ky Fan: the largest E of any
+                                                                   rank-r subspace, reached at V_r)
+    kappa              = (E - r/D) / (E_max - r/D)                0: no better than chance, 1: the
+                                                                   best any rank-r subspace can do
+    mean_energy e      = ||U_r^T g-bar||^2 / ||g-bar||^2          (the systematic part alone)
+    overlap            = ||U_r^T V_r||_F^2 / r                    (1: U_r = V_r, r/D: chance)
+
+kappa is what makes layers comparable: E alone grows with r/D and with how concentrated S is.
+
+Normal controls: K uniformly random rank-r subspaces Q_k of the (D - r)-dimensional orthogonal
+complement of U_r (a Gaussian D x r matrix, U_r projected out twice, orthonormalised by QR). They
+exist only when r <= D - r. Control k of rank r is the k-th draw of ``np.random.default_rng([seed,
+r])``, so a rank's controls depend on (seed, r) only -- not on which other ranks are asked -- and K
+controls are the first K of any larger K. Exact expectation: Q_k Q_k^T averages to
+P_perp * r/(D - r) (it is a rotation-invariant projector of trace r inside the complement, whose
+projector P_perp = I - U_r U_r^T has trace D - r), so
+
+    E[E_k] = tr(S P_perp) r/(D - r) / tr(S) = r/(D - r) * (1 - E)       (control_energy_expected)
+
+The controls also answer the one-sided permutation-style test p = (1 + #{E_k >= E}) / (K + 1).
+
+Removal test: IsoScore* (Rudman & Eickhoff 2024; geomscope.metrics.isotropy) of the activations with
+a subspace Q projected out, in the (D - r) coordinates of its complement: C' = B^T C_act B with B an
+orthonormal basis of the complement (targets: "trace" -> tr(C')/(D - r) I of C' itself, "identity"
+-> I_{D-r}, a matrix C0 -> B^T C0 B). B is never formed: with P = I - Q Q^T = B B^T and C, C0
+symmetric,
+
+    tr(C')       = tr(C) - tr(Q^T C Q)
+    ||C'||_F^2   = tr(C P C P) = ||C||_F^2 - 2 ||C Q||_F^2 + ||Q^T C Q||_F^2
+    tr(C' C0')   = tr(C P C0 P) = tr(C C0) - 2 tr(Q^T C C0 Q) + tr((Q^T C Q)(Q^T C0 Q))
+
+so each control costs O(D^2 r). For U_r itself (C_act's largest variances, where these differences
+would cancel) P C_act P is formed explicitly with two rank-r updates, also O(D^2 r). Removing U_r
+versus removing a control says whether the anisotropy sits in the directions the gradients use.
+
+Cost: one partial eigendecomposition of C_act and one of S (top max(ranks) + 1 pairs, shared by all
+ranks) and, per control, products of S, C_act (and C0) with D x r blocks.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator, Sequence
+from itertools import islice
+
+import numpy as np
+
+from geomscope.errors import DataError, InputError
+from geomscope.metrics._validate import ZERO_VARIANCE_MESSAGE, as_square, to_numpy
+from geomscope.metrics.isotropy import SHRINKAGE_TARGETS, _check_zeta, isoscore_star_from_cov
+
+# Fractions (E, E_max, r/D, control energies) live in [0, 1]; below this a difference or a control
+# mean is float64 rounding, not signal.
+_TINY = 1e-12
+# Largest |A - A^T| accepted as rounding, relative to max |A|.
+_SYM_TOL = 1e-9
+# Columns of control subspaces multiplied by S and C_act at once (memory: 3 x D x this, float64).
+_BLOCK_COLS = 2048
+
+
+def _symmetric(a, name: str) -> np.ndarray:
+    m = as_square(a, name)
+    scale = float(np.max(np.abs(m)))
+    asym = float(np.max(np.abs(m - m.T)))
+    if asym > _SYM_TOL * scale:
+        raise DataError(
+            f"{name} is not symmetric (|{name} - {name}^T| up to {asym:.3g} for entries up to {scale:.3g}); "
+            "pass the accumulated second-moment/covariance matrix, not a factor of it"
+        )
+    if float(np.min(np.diagonal(m))) < -_SYM_TOL * scale:
+        raise DataError(
+            f"{name} has a negative diagonal entry, so it is not a covariance or second moment; "
+            "check how it was accumulated"
+        )
+    return (m + m.T) / 2.0
+
+
+def _check_ranks(ranks, d: int) -> list[int]:
+    if isinstance(ranks, (int, np.integer)):
+        ranks = [ranks]
+    out = []
+    for r in ranks:
+        try:
+            if isinstance(r, (bool, np.bool_)):
+                raise TypeError
+            r = operator.index(r)
+        except TypeError:
+            raise InputError(f"--rank must be a whole number; got {r!r}") from None
+        if r >= d:
+            raise InputError(f"--rank {r} is not below the hidden size D = {d}; use ranks from 1 to {d - 1}")
+        if r < 1:
+            raise InputError(f"--rank {r} is below 1; use ranks from 1 to {d - 1}")
+        out.append(int(r))
+    if not out:
+        raise InputError("no rank given; pass at least one rank, e.g. 8 32 128")
+    return out
+
+
+def _check_count(controls) -> int:
+    try:
+        if isinstance(controls, (bool, np.bool_)):
+            raise TypeError
+        k = operator.index(controls)
+    except TypeError:
+        raise InputError(f"--controls must be a whole number >= 0; got {controls!r}") from None
+    if k < 0:
+        raise InputError(f"--controls must be >= 0 (0 draws no normal controls); got {k}")
+    return int(k)
+
+
+def _check_seed(seed) -> int:
+    try:
+        if isinstance(seed, (bool, np.bool_)):
+            raise TypeError
+        s = operator.index(seed)
+    except TypeError:
+        raise InputError(f"--seed must be a whole number >= 0; got {seed!r}") from None
+    if s < 0:
+        raise InputError(f"--seed must be >= 0; got {s}")
+    return int(s)
+
+
+def _check_mean(grad_mean, d: int) -> np.ndarray | None:
+    if grad_mean is None:
+        return None
+    g = np.asarray(to_numpy(grad_mean), dtype=np.float64)
+    if g.shape != (d,):
+        raise DataError(f"grad_mean must have shape ({d},) like S's hidden size; got {g.shape}")
+    if not np.isfinite(g).all():
+        raise DataError("grad_mean contains NaN or Inf; check the gradients it was computed from")
+    return g
+
+
+def _check_target(target, d: int) -> np.ndarray | None:
+    """None for the named targets, else the symmetrised (D, D) matrix C0."""
+    if isinstance(target, str):
+        if target not in SHRINKAGE_TARGETS:
+            raise InputError(
+                f"unknown shrinkage target {target!r}; use one of {', '.join(SHRINKAGE_TARGETS)} "
+                "or a (D, D) covariance"
+            )
+        return None
+    c0 = _symmetric(target, "C0")
+    if c0.shape != (d, d):
+        raise DataError(f"shrinkage covariance C0 is {c0.shape} but C_act is {(d, d)}")
+    return c0
+
+
+def _top_eigh(a: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k largest eigenpairs of symmetric ``a``, descending. LAPACK's output is a deterministic
+    function of the input, so tied eigenvalues always split the same way for the same matrix."""
+    from scipy.linalg import eigh
+
+    d = a.shape[0]
+    w, v = eigh(a, subset_by_index=[d - k, d - 1], driver="evr")
+    return w[::-1].copy(), np.ascontiguousarray(v[:, ::-1])
+
+
+def _iter_controls(u: np.ndarray, count: int, seed: int) -> Iterator[np.ndarray]:
+    d, r = u.shape
+    rng = np.random.default_rng([seed, r])
+    for _ in range(count):
+        g = rng.standard_normal((d, r))
+        for _ in range(2):  # project out U_r twice ("twice is enough" against cancellation)
+            g -= u @ (u.T @ g)
+        q, _ = np.linalg.qr(g)
+        yield q
+
+
+def normal_controls(U_r, count: int, seed: int = 0) -> np.ndarray:
+    """The ``count`` normal controls ``gradient_energy`` draws for the subspace U_r (D, r), as an
+    array (count, D, r) of orthonormal bases of uniformly random rank-r subspaces of U_r's
+    orthogonal complement. Control k is the k-th draw of ``np.random.default_rng([seed, r])``."""
+    u = np.asarray(to_numpy(U_r), dtype=np.float64)
+    if u.ndim != 2 or not 1 <= u.shape[1] or 2 * u.shape[1] > u.shape[0]:
+        raise DataError(f"U_r must be (D, r) with 1 <= r <= D/2 for a rank-r complement; got {u.shape}")
+    k, s = _check_count(count), _check_seed(seed)
+    return np.stack(list(_iter_controls(u, k, s))) if k else np.empty((0,) + u.shape)
+
+
+def _project_out(a: np.ndarray, q: np.ndarray, aq: np.ndarray) -> np.ndarray:
+    """P A P (D, D) for symmetric A, P = I - Q Q^T, given A Q: two rank-r updates, O(D^2 r)."""
+    qap = aq.T - (q.T @ aq) @ q.T  # Q^T A P
+    return a - aq @ q.T - q @ qap
+
+
+class _Removal:
+    """IsoScore* of C_act with a subspace Q projected out, in O(D^2 r) (module docstring).
+
+    Controls use the trace identities. U_r holds C_act's largest variances, so there the identities
+    would subtract nearly equal numbers (||C||_F^2 - 2 ||C U_r||_F^2 + ... loses ||C||^2/||C'||^2 of
+    the precision: 1e-6 at a 1e5 eigenvalue ratio); P C P is formed explicitly instead (also
+    O(D^2 r)), whose entries lose only ||C|| / ||C'||.
+    """
+
+    def __init__(self, c: np.ndarray, zeta: float, target, c0: np.ndarray | None):
+        self.z = zeta
+        self.kind = "matrix" if c0 is not None else target
+        self.c, self.c0 = c, c0
+        self.tr, self.fro = float(np.trace(c)), float(np.vdot(c, c))
+        if c0 is not None:
+            self.tr0, self.fro0 = float(np.trace(c0)), float(np.vdot(c0, c0))
+            self.cross = float(np.vdot(c, c0))  # tr(C C0) for symmetric C, C0
+
+    def score(self, q: np.ndarray, cq: np.ndarray, c0q: np.ndarray | None, explicit: bool = False):
+        """IsoScore* of the remainder, or None when fewer than 2 dimensions remain or C_act has no
+        variance left (trace target). ``explicit``: form P C P (and P C0 P) instead of the identities."""
+        d = q.shape[0] - q.shape[1]
+        if d < 2:
+            return None
+        tr0 = fro0 = cross = None
+        if explicit:
+            cp = _project_out(self.c, q, cq)
+            tr, fro = float(np.trace(cp)), float(np.vdot(cp, cp))
+            if self.kind == "matrix":
+                c0p = _project_out(self.c0, q, c0q)
+                tr0, fro0, cross = float(np.trace(c0p)), float(np.vdot(c0p, c0p)), float(np.vdot(cp, c0p))
+        else:
+            qcq = q.T @ cq
+            tr = self.tr - float(np.trace(qcq))
+            fro = self.fro - 2.0 * float(np.vdot(cq, cq)) + float(np.vdot(qcq, qcq))
+            if self.kind == "matrix":
+                qc0q = q.T @ c0q
+                tr0 = self.tr0 - float(np.trace(qc0q))
+                fro0 = self.fro0 - 2.0 * float(np.vdot(c0q, c0q)) + float(np.vdot(qc0q, qc0q))
+                cross = self.cross - 2.0 * float(np.vdot(cq, c0q)) + float(np.vdot(qcq, qc0q))
+        z = self.z
+        if self.kind == "trace":
+            if not tr > _TINY * self.tr:
+                return None
+            tz, fz = tr, (1 - z) ** 2 * fro + (1 - (1 - z) ** 2) * tr * tr / d
+        elif self.kind == "identity":
+            tz, fz = (1 - z) * tr + z * d, (1 - z) ** 2 * fro + 2 * z * (1 - z) * tr + z * z * d
+        else:
+            tz, fz = (1 - z) * tr + z * tr0, (1 - z) ** 2 * fro + 2 * z * (1 - z) * cross + z * z * fro0
+        if not (tz > 0 and fz > 0 and np.isfinite(tz * tz / fz)):
+            return None
+        return min(1.0, max(0.0, (tz * tz / fz - 1.0) / (d - 1)))
+
+
+def _mean_sd(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    a = np.asarray(values, dtype=np.float64)
+    return float(a.mean()), (float(a.std(ddof=1)) if a.size >= 2 else None)
+
+
+def gradient_energy(
+    S,
+    grad_mean,
+    C_act,
+    ranks: Sequence[int],
+    *,
+    controls: int = 20,
+    seed: int = 0,
+    zeta: float = 0.2,
+    target="trace",
+) -> list[dict]:
+    """Share of the gradient second moment S in the top-r activation subspace U_r, per rank.
+
+    S (D, D): uncentred gradient second moment (PSD, any positive scale); grad_mean (D,): mean
+    gradient (None: ``mean_energy`` is None); C_act (D, D): activation covariance of the same layer;
+    ranks: each 1 <= r < D. ``controls`` normal controls per rank (0: none), seeded by (seed, r);
+    ``zeta`` and ``target`` ("trace", "identity" or a (D, D) covariance of the activations) set the
+    removal test's IsoScore*. Definitions and the controls' exact expectation: module docstring.
+
+    Returns one JSON-ready dict per rank, in the order given, with keys: rank, dim, energy, baseline,
+    energy_max, kappa, mean_energy, overlap, activation_share (top-r share of C_act's variance),
+    activation_gap ((lambda_r - lambda_{r+1}) / lambda_r of C_act; near 0, U_r is ill-defined),
+    controls, control_energy_mean, control_energy_sd, control_energy_expected, energy_ratio,
+    p_value, controls_note, isoscore_star (of C_act, nothing removed), removal_isoscore_star,
+    removal_control_isoscore_star_mean, removal_control_isoscore_star_sd, removal_note.
+    None marks an undefined value (kappa of an isotropic S, e of a zero g-bar, control fields
+    without controls or when 2r > D, sd with fewer than 2 controls); the notes say why.
+    """
+    z = _check_zeta(zeta)
+    k = _check_count(controls)
+    seed = _check_seed(seed)
+    s = _symmetric(S, "S")
+    c = _symmetric(C_act, "C_act")
+    if c.shape != s.shape:
+        raise DataError(
+            f"C_act is {c.shape} but S is {s.shape}; both must belong to the same layer (same hidden size D)"
+        )
+    d = s.shape[0]
+    rs = _check_ranks(ranks, d)
+    gbar = _check_mean(grad_mean, d)
+    c0 = _check_target(target, d)
+    tr_s = float(np.trace(s))
+    if not tr_s > 0:
+        raise DataError(
+            "S has zero trace: the gradients are all zero (the loss does not reach this layer, or no "
+            "backward pass was recorded); check that the layer is trainable and gradients were captured"
+        )
+    if not float(np.trace(c)) > 0:
+        raise DataError(ZERO_VARIANCE_MESSAGE.format(name="C_act", what="the activation subspace U_r"))
+
+    rmax = max(rs)
+    lam_c, u_all = _top_eigh(c, rmax + 1)
+    lam_s, v_all = _top_eigh(s, rmax)
+    u_all = u_all[:, :rmax]
+    su, cu = s @ u_all, c @ u_all
+    c0u = c0 @ u_all if c0 is not None else None
+    cum_e = np.cumsum(np.einsum("ij,ij->j", u_all, su)) / tr_s
+    cum_max = np.cumsum(lam_s) / tr_s
+    cum_c = np.cumsum(lam_c) / float(np.trace(c))
+    cross = u_all.T @ v_all
+    if gbar is not None and float(np.vdot(gbar, gbar)) > 0:
+        cum_g = np.cumsum((u_all.T @ gbar) ** 2) / float(np.vdot(gbar, gbar))
+    else:
+        cum_g = None
+    removal = _Removal(c, z, target, c0)
+    star_full = isoscore_star_from_cov(c, z, target if c0 is None else c0)
+
+    out = []
+    for r in rs:
+        e = float(cum_e[r - 1])
+        base = r / d
+        e_max = float(cum_max[r - 1])
+        lam_r, lam_next = float(lam_c[r - 1]), float(lam_c[r])
+        u = u_all[:, :r]
+        rem = removal.score(u, cu[:, :r], None if c0u is None else c0u[:, :r], explicit=True)
+        row = {
+            "rank": r,
+            "dim": d,
+            "energy": e,
+            "baseline": base,
+            "energy_max": e_max,
+            "kappa": (e - base) / (e_max - base) if e_max - base > _TINY else None,
+            "mean_energy": None if cum_g is None else float(cum_g[r - 1]),
+            "overlap": float(np.vdot(cross[:r, :r], cross[:r, :r])) / r,
+            "activation_share": float(cum_c[r - 1]),
+            "activation_gap": (lam_r - lam_next) / lam_r if lam_r > 0 else None,
+            "controls": 0,
+            "control_energy_mean": None,
+            "control_energy_sd": None,
+            "control_energy_expected": None,
+            "energy_ratio": None,
+            "p_value": None,
+            "controls_note": None,
+            "isoscore_star": star_full,
+            "removal_isoscore_star": rem,
+            "removal_control_isoscore_star_mean": None,
+            "removal_control_isoscore_star_sd": None,
+            "removal_note": None,
+        }
+        if rem is None:
+            row["removal_note"] = (
+                f"only D - r = {d - r} dimension(s) remain; IsoScore* needs 2"
+                if d - r < 2
+                else f"C_act has no variance outside U_r (its rank is at most {r}); IsoScore* is undefined"
+            )
+        if 2 * r > d:
+            row["controls_note"] = (
+                f"no rank-{r} subspace fits in the {d - r}-dimensional complement of U_r "
+                f"(needs 2r <= D = {d}); no normal controls"
+            )
+        else:
+            row["control_energy_expected"] = r / (d - r) * (1.0 - e)
+            if k == 0:
+                row["controls_note"] = "controls = 0: no normal controls were drawn"
+            else:
+                row.update(_control_fields(s, c, c0, u, k, seed, tr_s, e, removal))
+        out.append(row)
+    return out
+
+
+def _control_fields(s, c, c0, u, k, seed, tr_s, e, removal) -> dict:
+    r = u.shape[1]
+    per_block = max(1, _BLOCK_COLS // r)
+    energies: list[float] = []
+    removals: list[float] = []
+    it = _iter_controls(u, k, seed)
+    while len(energies) < k:
+        block = list(islice(it, min(per_block, k - len(energies))))
+        qb = np.hstack(block)
+        sq, cq = s @ qb, c @ qb
+        c0q = c0 @ qb if c0 is not None else None
+        for j, q in enumerate(block):
+            cols = slice(j * r, (j + 1) * r)
+            energies.append(float(np.vdot(q, sq[:, cols])) / tr_s)
+            rem = removal.score(q, cq[:, cols], None if c0q is None else c0q[:, cols])
+            if rem is not None:
+                removals.append(rem)
+    mean, sd = _mean_sd(energies)
+    rmean, rsd = _mean_sd(removals)
+    return {
+        "controls": k,
+        "control_energy_mean": mean,
+        "control_energy_sd": sd,
+        "energy_ratio": e / mean if mean > _TINY else None,
+        "p_value": (1 + sum(x >= e for x in energies)) / (k + 1),
+        "removal_control_isoscore_star_mean": rmean,
+        "removal_control_isoscore_star_sd": rsd,
+    }

@@ -1,0 +1,365 @@
+"""Gradient energy in the activation subspace: analytic truths (confined and isotropic gradients, Ky Fan
+maximum, the controls' exact expectation), the removal test against an explicit projection, invariances,
+seeded controls and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.linalg import null_space
+
+from geomscope.errors import DataError, InputError
+from geomscope.metrics.isotropy import isoscore_star_from_cov
+from geomscope.metrics.subspace import gradient_energy, normal_controls
+
+
+def _orthogonal(d, rng):
+    q, r = np.linalg.qr(rng.standard_normal((d, d)))
+    return q * np.sign(np.diagonal(r))
+
+
+def _cov(d, rng, top=5.0, bottom=0.05):
+    """A covariance with distinct, decaying eigenvalues along random directions (no ties)."""
+    q = _orthogonal(d, rng)
+    return (q * np.geomspace(top, bottom, d)) @ q.T
+
+
+def _top(c, r):
+    w, v = np.linalg.eigh(c)
+    return v[:, ::-1][:, :r]
+
+
+def _second_moment(n, d, rng, scales):
+    g = rng.standard_normal((n, d)) * scales @ _orthogonal(d, rng).T
+    return g.T @ g, g.mean(axis=0)
+
+
+def _by_rank(res):
+    return {row["rank"]: row for row in res}
+
+
+# -- analytic truths ---------------------------------------------------------------------------
+
+
+def test_gradients_confined_to_the_activation_subspace():
+    rng = np.random.default_rng(0)
+    d, r, k = 40, 6, 30
+    basis = _orthogonal(d, rng)
+    u, w = basis[:, :r], basis[:, r:]
+    c_act = (u * np.linspace(10, 5, r)) @ u.T + (w * np.linspace(1, 0.1, d - r)) @ w.T  # U_r = u
+    a = rng.standard_normal((r, r))
+    s = u @ (a @ a.T + 0.1 * np.eye(r)) @ u.T  # PSD, full rank r, inside span u
+    gbar = u @ rng.standard_normal(r)
+    (row,) = gradient_energy(s, gbar, c_act, [r], controls=k, seed=3)
+    for key in ("energy", "kappa", "mean_energy", "overlap", "energy_max"):
+        assert row[key] == pytest.approx(1.0, abs=1e-10), key
+    assert row["baseline"] == r / d
+    # control energies are >= 0, so a zero mean (and sd) means every control is 0
+    assert row["control_energy_mean"] == pytest.approx(0.0, abs=1e-10)
+    assert row["control_energy_sd"] == pytest.approx(0.0, abs=1e-10)
+    assert row["control_energy_expected"] == pytest.approx(0.0, abs=1e-10)
+    assert row["energy_ratio"] is None  # E / 0
+    assert row["p_value"] == pytest.approx(1 / (k + 1))
+    assert row["controls"] == k and row["controls_note"] is None
+
+
+def test_isotropic_gradients_hold_r_over_d():
+    # g_t ~ N(0, I_D) independently of U_r (C_act comes from another stream). Then
+    # num = sum_t ||U_r^T g_t||^2 ~ chi2(N r) and the rest ~ chi2(N (D - r)) are independent, so
+    # E = num / (num + rest) ~ Beta(N r / 2, N (D - r) / 2) exactly: mean r/D and
+    # Var = (r/D)(1 - r/D) / (N D / 2 + 1) ~ 2 r (D - r) / (N D^3). 5 SD: fails with p < 1e-6.
+    rng = np.random.default_rng(1)
+    n, d = 20000, 64
+    g = rng.standard_normal((n, d))
+    s = g.T @ g
+    c_act = _cov(d, np.random.default_rng(2))
+    res = _by_rank(gradient_energy(s, g.mean(axis=0), c_act, [1, 8, 32], controls=40, seed=0))
+    for r, row in res.items():
+        sd = np.sqrt((r / d) * (1 - r / d) / (n * d / 2 + 1))
+        assert abs(row["energy"] - r / d) < 5 * sd, r
+        # a control is another fixed rank-r subspace, so the same Beta law holds for each; its mean
+        # over K controls equals the exact conditional expectation r/(D - r) (1 - E) within 5 SE
+        expected = r / (d - r) * (1 - row["energy"])
+        assert row["control_energy_expected"] == pytest.approx(expected, rel=1e-12)
+        assert abs(expected - r / d) < 5 * sd * r / (d - r) + 1e-15
+        se = row["control_energy_sd"] / np.sqrt(row["controls"])
+        assert abs(row["control_energy_mean"] - expected) < 5 * se, r
+        # the mean gradient of isotropic rows is isotropic too: e ~ Beta(r/2, (D - r)/2), loose
+        assert 0.0 <= row["mean_energy"] <= 1.0
+
+
+def test_controls_mean_matches_the_exact_expectation():
+    rng = np.random.default_rng(4)
+    d = 30
+    s, gbar = _second_moment(500, d, rng, np.geomspace(4, 0.2, d))
+    c_act = _cov(d, rng)
+    res = _by_rank(gradient_energy(s, gbar, c_act, [2, 5, 10, 15], controls=200, seed=11))
+    for r in (2, 5, 10):
+        row = res[r]
+        se = row["control_energy_sd"] / np.sqrt(200)
+        assert abs(row["control_energy_mean"] - row["control_energy_expected"]) < 4 * se, r
+        ratio = row["energy"] / row["control_energy_mean"]
+        assert row["energy_ratio"] == pytest.approx(ratio, rel=1e-12)
+    # r = D/2: the only rank-r subspace of the complement is the complement itself, E_k = 1 - E
+    half = res[15]
+    assert half["control_energy_mean"] == pytest.approx(1 - half["energy"], abs=1e-12)
+    assert half["control_energy_sd"] == pytest.approx(0.0, abs=1e-12)
+    assert half["control_energy_expected"] == pytest.approx(1 - half["energy"], abs=1e-15)
+
+
+def test_energy_max_is_the_best_rank_r_subspace():
+    rng = np.random.default_rng(5)
+    d = 24
+    s, gbar = _second_moment(300, d, rng, np.geomspace(3, 0.3, d))
+    c_act = _cov(d, rng)
+    ranks = list(range(1, d))
+    w = np.linalg.eigvalsh(s)[::-1]
+    for row in gradient_energy(s, gbar, c_act, ranks, controls=0):
+        r = row["rank"]
+        assert row["energy_max"] >= row["energy"] - 1e-12
+        assert row["energy_max"] == pytest.approx(w[:r].sum() / w.sum(), rel=1e-12)
+        assert row["kappa"] <= 1 + 1e-12
+        assert row["kappa"] == pytest.approx((row["energy"] - r / d) / (row["energy_max"] - r / d), rel=1e-12)
+    # U_r := V_r (activation covariance = S): E reaches E_max, kappa = overlap = 1
+    for row in gradient_energy(s, gbar, s, ranks, controls=0):
+        assert row["energy"] == pytest.approx(row["energy_max"], rel=1e-12)
+        assert row["kappa"] == pytest.approx(1.0, abs=1e-10)
+        assert row["overlap"] == pytest.approx(1.0, abs=1e-10)
+
+
+def test_overlap_and_mean_energy_from_their_definitions():
+    rng = np.random.default_rng(6)
+    d, r = 20, 4
+    s, _ = _second_moment(200, d, rng, np.geomspace(3, 0.3, d))
+    c_act = _cov(d, rng)
+    u, v = _top(c_act, r), _top(s, r)
+    # g-bar along one top activation direction plus one orthogonal to all of U_r: e = 1/(1 + 4)
+    gbar = u[:, 0] + 2 * null_space(u.T)[:, 0]
+    (row,) = gradient_energy(s, gbar, c_act, [r], controls=0)
+    assert row["mean_energy"] == pytest.approx(0.2, rel=1e-12)
+    assert row["overlap"] == pytest.approx(np.linalg.norm(u.T @ v) ** 2 / r, rel=1e-12)
+    assert row["energy"] == pytest.approx(np.trace(u.T @ s @ u) / np.trace(s), rel=1e-12)
+
+
+# -- removal test against an explicit projection -----------------------------------------------
+
+
+@pytest.mark.parametrize("target_kind", ["trace", "identity", "matrix"])
+def test_removal_matches_explicit_projection(target_kind):
+    rng = np.random.default_rng(7)
+    d, k, seed, zeta = 12, 5, 9, 0.3
+    s, gbar = _second_moment(100, d, rng, np.geomspace(2, 0.5, d))
+    c_act = _cov(d, rng, top=8.0, bottom=0.1)
+    c0 = _cov(d, rng)
+    target = c0 if target_kind == "matrix" else target_kind
+
+    def explicit(q):
+        b = null_space(q.T)  # orthonormal basis of the complement, (D, D - r)
+        assert b.shape == (d, d - q.shape[1])
+        t = b.T @ c0 @ b if target_kind == "matrix" else target_kind
+        return isoscore_star_from_cov(b.T @ c_act @ b, zeta, t)
+
+    kw = {"controls": k, "seed": seed, "zeta": zeta, "target": target}
+    res = _by_rank(gradient_energy(s, gbar, c_act, range(1, d - 1), **kw))
+    assert res[1]["isoscore_star"] == pytest.approx(isoscore_star_from_cov(c_act, zeta, target), abs=1e-12)
+    for r, row in res.items():
+        u = _top(c_act, r)
+        assert row["removal_isoscore_star"] == pytest.approx(explicit(u), abs=1e-12), r
+        if 2 * r > d:
+            assert row["removal_control_isoscore_star_mean"] is None
+            continue
+        vals = [explicit(q) for q in normal_controls(u, k, seed)]
+        assert row["removal_control_isoscore_star_mean"] == pytest.approx(np.mean(vals), abs=1e-12), r
+        assert row["removal_control_isoscore_star_sd"] == pytest.approx(np.std(vals, ddof=1), abs=1e-12), r
+
+
+@pytest.mark.parametrize("target_kind", ["trace", "identity"])
+def test_removal_of_u_r_keeps_precision_on_anisotropic_activations(target_kind):
+    # eigenvalues from 1e3 to 1e-2: removing U_9 leaves ||C'||_F^2 ~ 1e-10 ||C||_F^2, where the
+    # trace identities lose ~1e-7 (measured 9e-8); the explicit P C P keeps ~1e-12
+    rng = np.random.default_rng(7)
+    d = 12
+    s, gbar = _second_moment(50, d, rng, np.ones(d))
+    c_act = _cov(d, rng, top=1e3, bottom=1e-2)
+    res = _by_rank(gradient_energy(s, gbar, c_act, [3, 6, 9], controls=0, zeta=0.3, target=target_kind))
+    for r, row in res.items():
+        b = null_space(_top(c_act, r).T)
+        want = isoscore_star_from_cov(b.T @ c_act @ b, 0.3, target_kind)
+        assert row["removal_isoscore_star"] == pytest.approx(want, abs=1e-10), r
+
+
+def test_removal_undefined_cases():
+    rng = np.random.default_rng(8)
+    d = 10
+    s, gbar = _second_moment(50, d, rng, np.ones(d))
+    # C_act of rank 3: nothing left after removing U_3 (trace target), D - r = 1 for r = 9
+    x = rng.standard_normal((3, d))
+    c_act = x.T @ x
+    res = _by_rank(gradient_energy(s, gbar, c_act, [3, 9], controls=2))
+    assert res[3]["removal_isoscore_star"] is None and "no variance outside U_r" in res[3]["removal_note"]
+    assert res[3]["removal_control_isoscore_star_mean"] is not None  # a control keeps U_3's variance
+    assert res[9]["removal_isoscore_star"] is None and "D - r = 1" in res[9]["removal_note"]
+    # with the identity target the remainder is defined even with C' = 0
+    (row,) = gradient_energy(s, gbar, c_act, [3], controls=0, target="identity")
+    assert row["removal_isoscore_star"] == pytest.approx(1.0)
+
+
+# -- controls: definition, reproducibility, edge cases ------------------------------------------
+
+
+def test_controls_are_the_documented_subspaces():
+    rng = np.random.default_rng(10)
+    d, r, k = 16, 3, 7
+    s, gbar = _second_moment(80, d, rng, np.geomspace(3, 0.3, d))
+    c_act = _cov(d, rng)
+    u = _top(c_act, r)
+    qs = normal_controls(u, k, seed=4)
+    assert qs.shape == (k, d, r)
+    for q in qs:
+        assert np.allclose(q.T @ q, np.eye(r), atol=1e-12)
+        assert np.abs(u.T @ q).max() < 1e-12
+    energies = np.array([np.trace(q.T @ s @ q) / np.trace(s) for q in qs])
+    (row,) = gradient_energy(s, gbar, c_act, [r], controls=k, seed=4)
+    assert row["control_energy_mean"] == pytest.approx(energies.mean(), rel=1e-12)
+    assert row["control_energy_sd"] == pytest.approx(energies.std(ddof=1), rel=1e-10)
+    assert row["p_value"] == (1 + np.sum(energies >= row["energy"])) / (k + 1)
+    # the first K controls of a larger K are the same subspaces
+    assert np.allclose(normal_controls(u, k + 3, seed=4)[:k], qs, atol=1e-14)
+
+
+def test_seeded_controls_are_reproducible_and_independent_of_other_ranks():
+    rng = np.random.default_rng(12)
+    d = 20
+    s, gbar = _second_moment(100, d, rng, np.geomspace(3, 0.3, d))
+    c_act = _cov(d, rng)
+    a = _by_rank(gradient_energy(s, gbar, c_act, [2, 5, 8], controls=6, seed=1))
+    b = _by_rank(gradient_energy(s, gbar, c_act, [5], controls=6, seed=1))
+    c = _by_rank(gradient_energy(s, gbar, c_act, [5], controls=6, seed=2))
+    # equal up to rounding: the eigensolver is asked for max(ranks) + 1 pairs, so its last bits differ
+    assert a[5].keys() == b[5].keys()
+    for key, value in b[5].items():
+        plain = value is None or isinstance(value, str)
+        assert a[5][key] == (value if plain else pytest.approx(value, rel=1e-12)), key
+    again = _by_rank(gradient_energy(s, gbar, c_act, [5], controls=6, seed=1))
+    assert again[5] == b[5]  # bitwise for the same call
+    assert abs(c[5]["control_energy_mean"] - b[5]["control_energy_mean"]) > 1e-6
+    assert c[5]["energy"] == b[5]["energy"]
+
+
+def test_control_fields_when_there_are_none():
+    rng = np.random.default_rng(13)
+    d = 10
+    s, gbar = _second_moment(50, d, rng, np.geomspace(3, 0.3, d))
+    c_act = _cov(d, rng)
+    res = _by_rank(gradient_energy(s, gbar, c_act, [5, 6], controls=1))
+    assert res[5]["controls"] == 1 and res[5]["control_energy_sd"] is None  # sd needs K >= 2
+    assert res[5]["removal_control_isoscore_star_sd"] is None
+    assert res[5]["p_value"] in (0.5, 1.0)
+    no_room = res[6]  # 2r > D: no rank-6 subspace in the 4-dimensional complement
+    assert "2r <= D" in no_room["controls_note"]
+    for key in ("control_energy_mean", "control_energy_expected", "energy_ratio", "p_value"):
+        assert no_room[key] is None, key
+    assert no_room["controls"] == 0
+    (none,) = gradient_energy(s, gbar, c_act, [3], controls=0)
+    assert none["control_energy_mean"] is None and none["p_value"] is None
+    assert none["control_energy_expected"] == pytest.approx(3 / 7 * (1 - none["energy"]))
+    assert "controls = 0" in none["controls_note"]
+
+
+def test_undefined_kappa_and_mean_energy_and_json():
+    rng = np.random.default_rng(14)
+    d = 8
+    c_act = _cov(d, rng)
+    (row,) = gradient_energy(3.0 * np.eye(d), np.zeros(d), c_act, [2], controls=3)
+    assert row["kappa"] is None  # isotropic S: E = E_max = r/D
+    assert row["energy"] == pytest.approx(0.25, rel=1e-12)
+    assert row["mean_energy"] is None
+    (row,) = gradient_energy(3.0 * np.eye(d), None, c_act, [2], controls=3)
+    assert row["mean_energy"] is None
+    assert json.loads(json.dumps(row)) == row
+    assert all(type(v) in (int, float, str, type(None)) for v in row.values())
+
+
+# -- invariances -------------------------------------------------------------------------------
+
+_INVARIANT = ("energy", "energy_max", "kappa", "overlap", "mean_energy", "activation_share")
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), scale=st.floats(1e-6, 1e6), r=st.integers(1, 7))
+def test_invariant_to_scale_of_s_and_to_rotation(seed, scale, r):
+    rng = np.random.default_rng(seed)
+    d = 14
+    s, gbar = _second_moment(60, d, rng, np.geomspace(3, 0.3, d))
+    c_act = _cov(d, rng)
+    (ref,) = gradient_energy(s, gbar, c_act, [r], controls=4, seed=5)
+    (scaled,) = gradient_energy(s * scale, gbar * np.sqrt(scale), c_act, [r], controls=4, seed=5)
+    o = _orthogonal(d, rng)
+    (rot,) = gradient_energy(o @ s @ o.T, o @ gbar, o @ c_act @ o.T, [r], controls=0)
+    for key in _INVARIANT + ("control_energy_mean", "p_value", "removal_isoscore_star"):
+        assert scaled[key] == pytest.approx(ref[key], rel=1e-8, abs=1e-12), key
+    for key in _INVARIANT + ("removal_isoscore_star", "isoscore_star"):
+        assert rot[key] == pytest.approx(ref[key], rel=1e-8, abs=1e-12), key
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def _one_line(excinfo):
+    msg = str(excinfo.value)
+    assert msg and "\n" not in msg
+    return msg
+
+
+def test_bad_input():
+    rng = np.random.default_rng(15)
+    d = 12
+    s, gbar = _second_moment(40, d, rng, np.ones(d))
+    c_act = _cov(d, rng)
+    with pytest.raises(InputError) as e:
+        gradient_energy(s, gbar, c_act, [4, d])
+    assert _one_line(e) == "--rank 12 is not below the hidden size D = 12; use ranks from 1 to 11"
+    with pytest.raises(InputError) as e:
+        gradient_energy(s, gbar, c_act, [0])
+    assert "from 1 to 11" in _one_line(e)
+    for bad in ([], [2.5], [True]):
+        with pytest.raises(InputError) as e:
+            gradient_energy(s, gbar, c_act, bad)
+        _one_line(e)
+    with pytest.raises(DataError) as e:
+        gradient_energy(s, gbar, c_act[:-1, :-1], [2])
+    assert "same layer" in _one_line(e)
+    with pytest.raises(DataError) as e:
+        gradient_energy(s[:, :-1], gbar, c_act, [2])
+    _one_line(e)
+    with pytest.raises(DataError) as e:
+        gradient_energy(s, gbar[:-1], c_act, [2])
+    _one_line(e)
+    with pytest.raises(DataError) as e:
+        gradient_energy(np.zeros((d, d)), np.zeros(d), c_act, [2])
+    assert "gradients are all zero" in _one_line(e)
+    with pytest.raises(DataError) as e:
+        gradient_energy(s, gbar, np.zeros((d, d)), [2])
+    _one_line(e)
+    for name in ("S", "C_act", "grad_mean"):
+        args = {"S": s.copy(), "grad_mean": gbar.copy(), "C_act": c_act.copy()}
+        args[name][0] = np.nan
+        with pytest.raises(DataError) as e:
+            gradient_energy(args["S"], args["grad_mean"], args["C_act"], [2])
+        assert "NaN" in _one_line(e)
+    asym = s.copy()
+    asym[0, 1] += 1.0
+    with pytest.raises(DataError) as e:
+        gradient_energy(asym, gbar, c_act, [2])
+    assert "not symmetric" in _one_line(e)
+    for kwargs in ({"controls": -1}, {"seed": -1}, {"zeta": 1.5}, {"target": "eye"}):
+        with pytest.raises(InputError) as e:
+            gradient_energy(s, gbar, c_act, [2], **kwargs)
+        _one_line(e)
+    with pytest.raises(DataError) as e:
+        gradient_energy(s, gbar, c_act, [2], target=np.eye(d + 1))
+    _one_line(e)
