@@ -25,6 +25,11 @@ JSON (``format: "geomscope-report"``, ``format_version: 1``), top-level keys :da
   {module, type, spearman_abs_gain_variance, median_abs_gain}, bias {spearman_abs_bias_variance},
   outliers [{dim, variance_ratio, gain_ratio, effect}]}``; null with the reason in
   ``notes.final_norm`` otherwise.
+- ``gradient_energy``: with ``score --basis ACTRUN`` (a gradient run), per gradient layer and rank
+  the captured energy of the gradients in the activation subspace, its baseline, maximum, kappa,
+  the normal controls and the removal test (geomscope.score.gradenergy, docs/metrics.md):
+  ``{basis, basis_model, pairs, ranks, controls, seed, removal_zeta, removal_target, layers {layer:
+  [{rank, energy, ...}]}, notes}``; null without --basis.
 - ``command``: the ``geomscope score ...`` command line that wrote the report (null from the library).
 - ``embeddings``: partition isotropy I(W) of the checkpoint's matrices, ``{input: {raw, centred},
   output: {raw, centred} | null, tied, checkpoint, input_key, output_key, note}``, or null with the
@@ -318,6 +323,25 @@ def _caption(report: dict) -> str:
     if fn:
         bits.append(final_norm_line(fn))
     return "\n".join(bits)
+
+
+def gradient_energy_lines(report: dict) -> list[str]:
+    """Terminal lines of ``gradient_energy``: per layer and rank, E against r/D and the controls."""
+    ge = report.get("gradient_energy")
+    if not ge:
+        return []
+    lines = [
+        f"gradient energy in the top-r activation subspace of {ge['basis']} (E vs r/D; controls: mean, p)"
+    ]
+    for layer, ranks in (ge.get("layers") or {}).items():
+        for r in ranks or []:
+            mean, ratio, p = r.get("control_energy_mean"), r.get("energy_ratio"), r.get("p_value")
+            ctrl = f"control {_fmt(mean)}, x{_fmt(ratio)}, p {_fmt(p)}" if mean is not None else "no controls"
+            lines.append(
+                f"  {layer} r={r['rank']}: E {_fmt(r['energy'])} (r/D {_fmt(r['baseline'])}, max "
+                f"{_fmt(r['energy_max'])}, kappa {_fmt(r['kappa'])}); {ctrl}"
+            )
+    return lines
 
 
 def final_norm_line(fn: dict) -> str:

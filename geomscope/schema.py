@@ -29,6 +29,7 @@ REPORT_KEYS = (
     "layers",
     "embeddings",
     "final_norm",
+    "gradient_energy",
     "notes",
     "command",
 )

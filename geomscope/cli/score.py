@@ -177,6 +177,25 @@ def score_cmd(
         help="Metrics in the terminal table: a comma list, or all (default: isoscore_star, isoscore, avgcos, "
         "pr, twonn, which fit 80 columns). The JSON and CSV always hold every metric.",
     ),
+    basis: Optional[str] = typer.Option(
+        None,
+        "--basis",
+        metavar="ACTRUN",
+        help="With a gradient run (extract --capture gradients): the run of activations of the same "
+        "model whose top-r covariance eigenvectors U_r are the subspace; reports, per gradient "
+        "layer and rank, the captured energy tr(U'SU)/tr(S) against r/D, its maximum, kappa, "
+        "random normal controls and the removal test (report key gradient_energy).",
+    ),
+    rank: str = typer.Option(
+        "8,32,128", "--rank", metavar="LIST", help="Ranks r of the --basis subspaces (each below D)."
+    ),
+    controls: int = typer.Option(
+        20,
+        "--controls",
+        min=0,
+        metavar="K",
+        help="Random rank-r subspaces of U_r's complement per rank (seeded by --seed) for --basis.",
+    ),
     as_json: bool = json_option("the report"),
     quiet: bool = quiet_option("No progress bar and no table (warnings still shown)."),
 ) -> None:
@@ -186,7 +205,7 @@ def score_cmd(
 
     from rich.console import Console
 
-    from geomscope.report import report_table, save_report, to_json
+    from geomscope.report import gradient_energy_lines, report_table, save_report, to_json
     from geomscope.score import ScoreOptions, score
 
     console = Console(stderr=True)
@@ -218,6 +237,9 @@ def score_cmd(
         verify=not no_verify,
         dataset=dataset,
         columns=tuple(split_list(column)) or None,
+        basis=basis,
+        ranks=_ranks(rank),
+        controls=controls,
     ).validate()
     from geomscope.score.trajectory import runs_in
 
@@ -231,10 +253,18 @@ def score_cmd(
     jpath, cpath = save_report(report, out if out is not None else _default_out(source))
     if not quiet:
         console.print(report_table(report, split_list(columns) or None))
+        for line in gradient_energy_lines(report):
+            console.print(line, highlight=False, markup=False)
         console.print(f"wrote {jpath}\nwrote {cpath}", highlight=False)
     if as_json:
         sys.stdout.write(to_json(report) + "\n")
         sys.stdout.flush()
+
+
+def _ranks(spec: str) -> tuple:
+    """``--rank 8,32,128`` -> (8, 32, 128); a word that is not a whole number is kept for the
+    library's one-line error."""
+    return tuple(int(x) if x.strip().isdigit() else x for x in split_list([spec]))
 
 
 def _record_command(report: dict) -> None:

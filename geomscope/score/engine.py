@@ -134,6 +134,11 @@ class _Scorer:
         self.other = None
         if self.target.startswith("run:") and o.wants("isoscore_star"):
             self.other = self._open_other_run(self.target[4:])
+        self.basis, self.energy, self.energy_notes = None, {}, {}
+        if o.basis is not None:
+            from geomscope.score.gradenergy import open_basis
+
+            self.basis = open_basis(src, o.basis, o.ranks, o.partial)
         entries, extras = {}, {}
         for batch in self._batches():
             entries.update(self._score_batch(batch, extras))
@@ -283,6 +288,8 @@ class _Scorer:
                 c0 if c0 is not None else self.target,
             )
         self._each(entries.values(), LayerResult.moments)
+        if self.basis is not None:
+            self._gradient_energy(entries)
         pending_unit = {n: s for n, s in entries.items() if o.needs_second_pass and s.unit_spec is not None}
         if pending_unit and self.src.sample is not None:
             for s in pending_unit.values():
@@ -309,6 +316,38 @@ class _Scorer:
             out[name] = state.entry()
         return out
 
+    def _gradient_energy(self, entries: dict) -> None:
+        """Captured gradient energy of this batch's gradient layers (gradenergy.py) in the basis run's
+        activation subspaces, from the moments already merged and one pass over the basis run."""
+        from geomscope.metrics.subspace import gradient_energy
+        from geomscope.score.gradenergy import removal_target, second_moment
+
+        o = self.opts
+        pairs = {n: self.basis.pairs[n] for n in entries if n in self.basis.pairs}
+        if not pairs:
+            return
+        covs = self._reference_cov(self.basis.src, sorted(set(pairs.values())), None)
+
+        def one(name: str) -> None:
+            full = entries[name].full
+            if full is None or full.n < 1:
+                self.energy[name] = None
+                self.energy_notes[name] = "no usable gradient rows"
+                return
+            S, mean = second_moment(full)
+            self.energy[name] = gradient_energy(
+                S,
+                mean,
+                covs[pairs[name]],
+                o.ranks,
+                controls=o.controls,
+                seed=o.seed,
+                zeta=o.zeta,
+                target=removal_target(self.target),
+            )
+
+        self._each(list(pairs), one)
+
     def _each(self, states, method) -> None:
         """Run ``method(state)`` for every layer; with --workers N in N threads (eigensolvers, BLAS and
         the neighbour search release the GIL; each layer's numbers do not depend on the others)."""
@@ -324,6 +363,14 @@ class _Scorer:
                 f.result()
 
     # -- report ------------------------------------------------------------------------------
+    def _energy_section(self) -> dict | None:
+        if self.basis is None:
+            return None
+        from geomscope.score.gradenergy import section
+
+        by_layer = {n: self.energy.get(n) for n in self.src.layers if n in self.basis.pairs}
+        return section(self.basis, self.opts.basis, self.opts, by_layer, self.energy_notes)
+
     def _report(self, layers: list[dict], embeddings, top_notes, final_norm=None) -> dict:
         from geomscope import __version__
 
@@ -373,6 +420,7 @@ class _Scorer:
             "layers": layers,
             "embeddings": embeddings,
             "final_norm": final_norm,
+            "gradient_energy": self._energy_section(),
             "notes": top_notes,
             "command": None,  # the CLI records its command line here
         }

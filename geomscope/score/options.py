@@ -59,6 +59,9 @@ class ScoreOptions:
     dataset: str | None = None
     columns: tuple[str, ...] | None = None  # arrays of an .npz/.safetensors/.pt/Arrow/Parquet source
     block_rows: int | None = None
+    basis: str | None = None  # a run of activations: gradient energy in its top-r subspaces (gradenergy.py)
+    ranks: tuple[int, ...] = (8, 32, 128)
+    controls: int = 20
     extra_id: tuple[str, ...] = field(default=(), repr=False)  # filled by validate()
 
     def to_dict(self) -> dict:
@@ -90,6 +93,8 @@ class ScoreOptions:
             twonn_fit=_one_of("--twonn-fit", self.twonn_fit, TWONN_FITS),
             layers=tuple(self.layers) if self.layers else None,
             shrinkage_target=normalise_target(self.shrinkage_target),
+            ranks=_checked_ranks(self.ranks),
+            controls=n.whole("controls", lo=0),
         )
 
     # -- convenience -------------------------------------------------------------------------
@@ -172,6 +177,17 @@ def _checked_outlier_rule(rule, threshold, stat) -> tuple[str, float]:
     if rule != "quantile" and thr <= 0:
         raise InputError(f"--outlier-threshold must be > 0; got {thr}")
     return rule, float(thr)
+
+
+def _checked_ranks(ranks) -> tuple[int, ...]:
+    out = []
+    for r in ranks:
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise InputError(f"--rank entries must be whole numbers >= 1; got {r!r}")
+        out.append(r)
+    if not out:
+        raise InputError("--rank is empty; give ranks such as 8,32,128")
+    return tuple(sorted(set(out)))
 
 
 def _checked_groups(groups: int) -> int:

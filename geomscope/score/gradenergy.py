@@ -1,0 +1,107 @@
+"""``score GRADRUN --basis ACTRUN``: how much of each layer's gradient energy lies in the top-r
+activation subspace of the same layer (docs/metrics.md, "Gradient energy in the activation subspace").
+
+The gradient run's moments pass already merges, per layer, the float64 count, mean and centred
+scatter of the rows g_t; the uncentred second moment the measure needs is S = M2 + n g-bar g-bar^T,
+so no pass is added over the gradients.  The basis run's covariance of the matching activation layer
+(``layer_06.grad`` -> ``layer_06``) takes one moments pass over that run.  The arithmetic lives in
+geomscope.metrics.subspace; this module pairs the layers, checks the runs and builds the report's
+``gradient_energy`` section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from geomscope.errors import InputError
+from geomscope.extract.gradients import GRAD_SUFFIX
+from geomscope.score.sources import SourceInfo, open_source
+
+
+@dataclass
+class Basis:
+    """The basis run and, for each gradient layer scored, its activation layer there."""
+
+    src: SourceInfo
+    pairs: dict[str, str]  # gradient layer -> activation layer of the basis run
+
+
+def _model_identity(src: SourceInfo) -> dict:
+    m = src.run_obj.identity.get("model") or {}
+    return {"name": m.get("name"), "weights": m.get("weights_sha256"), "hidden_size": m.get("hidden_size")}
+
+
+def open_basis(src: SourceInfo, path: str, ranks, partial: bool) -> Basis:
+    """Open and check ``--basis``; InputError (one line) when it cannot serve the gradient run."""
+    grads = [n for n in src.layers if n.endswith(GRAD_SUFFIX)]
+    if src.kind != "run" or not grads:
+        raise InputError(
+            f"--basis measures gradients in an activation subspace, but {src.path} holds no gradient "
+            "layers (<layer>.grad); give a run of extract --capture gradients"
+        )
+    basis = open_source(path, partial=partial)
+    if basis.kind != "run":
+        raise InputError(
+            f"--basis {path} is not a run directory; give a run of activations of the same model"
+        )
+    if basis.dim != src.dim:
+        raise InputError(
+            f"--basis run {path} has hidden size D = {basis.dim}, the gradients D = {src.dim}; "
+            "give activations of the same model"
+        )
+    ours, theirs = _model_identity(src), _model_identity(basis)
+    same = ours["weights"] == theirs["weights"] if ours["weights"] and theirs["weights"] else None
+    if same is False or (same is None and ours["name"] != theirs["name"]):
+        raise InputError(
+            f"--basis run {path} is of model {theirs['name']}, the gradients of {ours['name']} "
+            "(other weights); extract the basis from the same checkpoint"
+        )
+    pairs = {g: g[: -len(GRAD_SUFFIX)] for g in grads}
+    have = [n for n in basis.layers if not n.endswith(GRAD_SUFFIX)]
+    missing = [a for a in pairs.values() if a not in have]
+    if missing:
+        raise InputError(
+            f"--basis run {path} has no activation layer {missing[0]} (it has {', '.join(have) or 'none'}); "
+            f"extract that layer into it"
+        )
+    too_big = [r for r in ranks if r >= src.dim]
+    if too_big:
+        raise InputError(
+            f"--rank {too_big[0]} is not below the hidden size D = {src.dim}; "
+            f"use ranks from 1 to {src.dim - 1}"
+        )
+    return Basis(basis, pairs)
+
+
+def second_moment(full) -> tuple[np.ndarray, np.ndarray]:
+    """(S = sum_t g_t g_t^T, g-bar) from a merged Moments of the gradient rows (float64)."""
+    mean = np.asarray(full.mean, dtype=np.float64)
+    return full.M2 + full.n * np.outer(mean, mean), mean
+
+
+def removal_target(target) -> str:
+    """The removal test's IsoScore* target: the report's trace/identity; a covariance given for the
+    gradient layers does not describe the activations, so those fall back to trace (recorded)."""
+    return target if target in ("trace", "identity") else "trace"
+
+
+def section(basis: Basis, path: str, opts, by_layer: dict[str, list | None], notes: dict[str, str]) -> dict:
+    """The report's top-level ``gradient_energy``."""
+    return {
+        "basis": path,
+        "basis_model": _model_identity(basis.src)["name"],
+        "pairs": dict(basis.pairs),
+        "ranks": list(opts.ranks),
+        "controls": opts.controls,
+        "seed": opts.seed,
+        "removal_zeta": opts.zeta,
+        "removal_target": removal_target(opts.shrinkage_target),
+        "S": "sum over the gradient rows of g g^T (uncentred), float64",
+        "basis_covariance": (
+            "covariance (ddof=1) of the basis run's activation layer; U_r its top-r eigenvectors"
+        ),
+        "layers": by_layer,
+        "notes": notes,
+    }
