@@ -24,4 +24,4 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 PENALTY_PRECISIONS = ("fp64", "fp32")
 #: plot
 FIGURE_FORMATS = ("png", "svg", "pdf")
-PLOT_KINDS = ("auto", "layers", "spectrum", "outliers", "trajectory", "training")
+PLOT_KINDS = ("auto", "layers", "spectrum", "outliers", "trajectory", "training", "energy")

@@ -42,7 +42,7 @@ def plot_cmd(
         "--kind",
         "-k",
         metavar="LIST",
-        help=f"{'|'.join(choices.PLOT_KINDS)} (repeat or comma-separate; default auto).",
+        help=f"{' | '.join(choices.PLOT_KINDS)} (repeat or comma-separate; default auto).",
     ),
     metrics: Optional[List[str]] = metrics_option(
         None,
@@ -73,8 +73,8 @@ def plot_cmd(
     as_json: bool = json_option('{"figures": [paths], "kinds": [kinds]}'),
     quiet: bool = quiet_option("Do not list the written files on stderr."),
 ) -> None:
-    """Draw metric-by-layer curves, eigenspectra, outlier-dimension heat maps, checkpoint trajectories
-    or training curves."""
+    """Draw metric-by-layer curves, eigenspectra, outlier-dimension heat maps, checkpoint trajectories,
+    gradient energy in the activation subspace or training curves."""
     from geomscope.plot import plot_files
 
     written = plot_files(

@@ -9,6 +9,7 @@ Every function takes loaded reports (dicts in the ``geomscope-report`` format) a
 """
 
 from geomscope.plot._reports import available_metrics, parse_step, read_report, report_labels
+from geomscope.plot.energy import plot_energy
 from geomscope.plot.figures import KINDS, auto_kinds, make_figures, plot_files, save_figure
 from geomscope.plot.layers import plot_layers
 from geomscope.plot.outliers import outlier_matrix, plot_outliers
@@ -22,6 +23,7 @@ __all__ = [
     "make_figures",
     "outlier_matrix",
     "parse_step",
+    "plot_energy",
     "plot_files",
     "plot_layers",
     "plot_outliers",

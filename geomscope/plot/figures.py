@@ -2,9 +2,11 @@
 
 Kinds: ``layers`` (metric against layer), ``spectrum`` (eigenspectra), ``outliers`` (outlier
 dimension heat map), ``trajectory`` (metric against training step), ``training`` (training logs,
-drawn by :mod:`geomscope.plot.training`).  ``auto`` picks: for one output file the main kind
-(``trajectory`` for >= 2 checkpoints of one model, else ``layers``; ``training`` for training
-logs); for an output directory every kind the inputs support.
+drawn by :mod:`geomscope.plot.training`), ``energy`` (gradient energy in the activation subspace,
+from ``score GRADRUN --basis ACTRUN``).  ``auto`` picks: for one output file the main kind
+(``trajectory`` for >= 2 checkpoints of one model, ``energy`` when every report has a
+``gradient_energy`` section, else ``layers``; ``training`` for training logs); for an output
+directory every kind the inputs support (``energy`` for the reports that have the section).
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from matplotlib.figure import Figure
 from geomscope.errors import InputError
 from geomscope.fileio import write_bytes_atomic
 from geomscope.plot._reports import check_common_layers, read_report, select_layers
+from geomscope.plot.energy import has_energy, plot_energy
 from geomscope.plot.layers import plot_layers
 from geomscope.plot.outliers import has_outlier_statistic, plot_outliers
 from geomscope.plot.spectrum import has_spectrum, plot_spectrum
 from geomscope.plot.trajectory import is_trajectory, plot_trajectory
 
-KINDS = ("layers", "spectrum", "outliers", "trajectory", "training")
+KINDS = ("layers", "spectrum", "outliers", "trajectory", "training", "energy")
 FORMATS = ("png", "svg", "pdf")
 
 
@@ -33,6 +36,8 @@ def auto_kinds(reports: Sequence[dict], single: bool) -> list[str]:
     """The kinds ``auto`` means for these reports: one main kind, or every supported kind."""
     traj = is_trajectory(reports)
     if single:
+        if reports and all(has_energy(r) for r in reports):
+            return ["energy"]
         return ["trajectory" if traj else "layers"]
     kinds = ["layers"]
     if all(has_spectrum(r) for r in reports):
@@ -41,6 +46,8 @@ def auto_kinds(reports: Sequence[dict], single: bool) -> list[str]:
         kinds.append("outliers")
     if traj:
         kinds.append("trajectory")
+    if any(has_energy(r) for r in reports):
+        kinds.append("energy")
     return kinds
 
 
@@ -87,7 +94,12 @@ def make_figures(
     check_common_layers(reports)
     figs: dict[str, Figure] = {}
     for kind in resolve_kinds(reports, kinds, single):
-        if kind == "layers":
+        if kind == "energy":
+            # named: every report must have the section; from auto: the reports that have it
+            chosen = reports if "energy" in kinds else [r for r in reports if has_energy(r, layers)]
+            if chosen:
+                figs[kind] = plot_energy(chosen, layers=layers)
+        elif kind == "layers":
             figs[kind] = plot_layers(reports, metrics, layers=layers)
         elif kind == "spectrum":
             figs[kind] = plot_spectrum(reports, layers=layers, normalise=normalise)
