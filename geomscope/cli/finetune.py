@@ -75,6 +75,21 @@ def finetune_cmd(
         help="Also keep the model every STEPS optimiser steps (and before the first) as "
         "DIR/checkpoints/step<N>/, for `extract --revisions 'DIR/checkpoints/*'`.",
     ),
+    log_geometry: Optional[int] = typer.Option(
+        None,
+        "--log-geometry",
+        metavar="EVERY",
+        help="Every EVERY optimiser steps, log per chosen layer (--layers) in steps.jsonl the share of the "
+        "task-loss gradient's energy in the top-r principal subspace of C0 (the epoch's training "
+        "covariance of the chosen layers pooled; computed for cosreg/none too) against r/D, and the "
+        "batch IsoScore*. `geomscope plot DIR` draws it.",
+    ),
+    geometry_rank: str = typer.Option(
+        "8,32",
+        "--geometry-rank",
+        metavar="LIST",
+        help="Ranks r of the C0 subspaces for --log-geometry (each below the hidden size D).",
+    ),
     layers: Optional[str] = layers_option(
         None,
         "Hidden states for I-STAR: blocks | all | 1-6 | 2,4,-1 | layer_03 (default: blocks, every "
@@ -179,6 +194,8 @@ def finetune_cmd(
         resume=resume,
         overwrite=overwrite,
         save_every=save_every,
+        log_geometry=log_geometry,
+        geometry_rank=_ranks(geometry_rank),
     )
     if len(points) > 1:
         results = run_sweep(cfg, points, quiet=quiet, note=lambda msg: print(msg, file=sys.stderr))
@@ -201,3 +218,10 @@ def finetune_cmd(
         )
     if as_json:
         typer.echo(json.dumps(summary))
+
+
+def _ranks(spec: str) -> tuple:
+    """``--geometry-rank 8,32`` -> (8, 32); a word that is not a whole number is kept for the library's
+    one-line error."""
+    items = [x.strip() for x in str(spec).split(",") if x.strip()]
+    return tuple(int(x) if x.lstrip("-").isdigit() else x for x in items)

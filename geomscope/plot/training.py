@@ -6,6 +6,13 @@ figure has four panels against the optimizer step: task loss (cross-entropy), th
 penalty R (I-STAR: 1 - IsoScore*; CosReg: Gao et al.'s R), the batch IsoScore* (with the eval-set
 IsoScore* per epoch as markers), and eval accuracy / macro-F1 per epoch.  Several runs overlay,
 each labelled with its directory name, regulariser and lambda.
+
+Logs written with ``finetune --log-geometry`` (step records with a ``geometry`` entry,
+:mod:`geomscope.train.geometry`) get a third row: the captured gradient energy
+E = tr(U_r^T S U_r) / tr(S) against the step, one line per layer (coloured by depth) at the log's
+largest rank -- or, when every log has a single chosen layer, one line per rank -- with the r/D
+baselines dashed; and the per-layer batch IsoScore*.  Logs without geometry draw the four panels
+alone, as before.
 """
 
 from __future__ import annotations
@@ -86,6 +93,87 @@ def _series(recs: list[dict], key: str) -> tuple[list, list]:
     return xs, ys
 
 
+def _geometry_layers(recs: list[dict]) -> list[str]:
+    """The layer names of a log's geometry records, in first-seen order."""
+    names: list[str] = []
+    for r in recs:
+        for name in r.get("geometry") or {}:
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def _geometry_ranks(recs: list[dict]) -> list[str]:
+    """The ranks (JSON keys) of a log's geometry records, ascending."""
+    ranks: set[str] = set()
+    for r in recs:
+        for layer in (r.get("geometry") or {}).values():
+            ranks.update((layer.get("energy") or {}).keys())
+    return sorted(ranks, key=int)
+
+
+def _geometry_series(recs: list[dict], layer: str, key: str, rank: str | None = None) -> tuple[list, list]:
+    xs, ys = [], []
+    for r in recs:
+        v = ((r.get("geometry") or {}).get(layer) or {}).get(key)
+        if rank is not None:
+            v = (v or {}).get(rank)
+        if v is not None:
+            xs.append(r["step"])
+            ys.append(v)
+    return xs, ys
+
+
+def _plot_geometry(ax_e, ax_i, logs: list[dict]) -> None:
+    """The --log-geometry row: captured energy (with the r/D baselines dashed) and per-layer IsoScore*."""
+    from geomscope.plot._style import LINESTYLES, PALETTE, depth_cmap
+
+    cmap = depth_cmap()
+    per_rank = all(len(_geometry_layers(log["steps"])) <= 1 for log in logs)
+    baselines: dict[str, float] = {}
+    shown_ranks: set[str] = set()
+    for i, log in enumerate(logs):
+        recs = log["steps"]
+        names = _geometry_layers(recs)
+        ranks = _geometry_ranks(recs)
+        if not names or not ranks:
+            continue
+        ls = LINESTYLES[i % len(LINESTYLES)] if len(logs) > 1 else "-"
+        tag = f"{log['label']}: " if len(logs) > 1 else ""
+        for j, name in enumerate(names):
+            colour = cmap(j / max(len(names) - 1, 1))
+            for k, rank in enumerate(ranks if per_rank else ranks[-1:]):
+                c = PALETTE[k % len(PALETTE)] if per_rank else colour
+                xs, ys = _geometry_series(recs, name, "energy", rank)
+                if xs:
+                    ax_e.plot(xs, ys, color=c, linestyle=ls, linewidth=1.0, label=f"{tag}{name}, r={rank}")
+                    shown_ranks.add(rank)
+                for r in recs:
+                    b = (((r.get("geometry") or {}).get(name) or {}).get("baseline") or {}).get(rank)
+                    if b is not None:
+                        baselines.setdefault(rank, b)
+                        break
+            xs, ys = _geometry_series(recs, name, "isoscore_star")
+            if xs:
+                ax_i.plot(xs, ys, color=colour, linestyle=ls, linewidth=1.0, label=f"{tag}{name}")
+    for k, rank in enumerate(sorted(shown_ranks, key=int)):
+        if rank in baselines:
+            ax_e.axhline(
+                baselines[rank],
+                color=PALETTE[k % len(PALETTE)] if per_rank else "0.4",
+                linestyle="--",
+                linewidth=0.8,
+                label=f"r/D = {baselines[rank]:.3g} (r={rank})",
+            )
+    ax_e.set_title("gradient energy in top-r C0 subspace" + ("" if per_rank else " (largest r)"))
+    ax_e.set_ylabel("tr(UᵀSU)/tr(S)")
+    ax_i.set_title("batch IsoScore* per layer")
+    for ax in (ax_e, ax_i):
+        ax.set_xlabel("optimizer step")
+        if ax.has_data():
+            ax.legend(fontsize=6, loc="best")
+
+
 def plot_training_log(log_paths, out: str | os.PathLike | None = None):
     """Figure (matplotlib Figure) of one or more training logs; saved to ``out`` when given."""
     from geomscope.plot._style import new_figure, series_style
@@ -94,9 +182,10 @@ def plot_training_log(log_paths, out: str | os.PathLike | None = None):
     if not paths:
         raise InputError("no training logs given; pass a finetune --out directory or its steps.jsonl")
     logs = [read_training_log(p) for p in paths]
-    fig = new_figure(9.0, 6.0)
-    axes = fig.subplots(2, 2, sharex=True)
-    (ax_loss, ax_pen), (ax_iso, ax_acc) = axes
+    geometry = any(any(r.get("geometry") for r in log["steps"]) for log in logs)
+    fig = new_figure(9.0, 9.0 if geometry else 6.0)
+    axes = fig.subplots(3 if geometry else 2, 2, sharex=True)
+    (ax_loss, ax_pen), (ax_iso, ax_acc) = axes[:2]
     for i, log in enumerate(logs):
         st = series_style(i)
         line = {"color": st["color"], "linestyle": st["linestyle"], "linewidth": 1.0}
@@ -143,6 +232,8 @@ def plot_training_log(log_paths, out: str | os.PathLike | None = None):
         ax_pen.text(
             0.5, 0.5, "no regulariser (--reg none)", ha="center", va="center", transform=ax_pen.transAxes
         )
+    if geometry:
+        _plot_geometry(*axes[2], logs)
     if out is not None:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,9 @@ mean).  AdamW (torch defaults besides ``lr``), no scheduler, as in the released 
 
 Outputs in ``out``: ``run.json`` (the options, written first), ``steps.jsonl`` (one line per
 optimizer step: step, epoch, loss, task_loss, penalty R, weighted_penalty = lambda * R, batch
-isoscore_star, lr, examples, seconds), ``eval.jsonl`` (one line per epoch, see
+isoscore_star, lr, examples, seconds; with ``--log-geometry EVERY`` every EVERY-th step also carries
+``geometry``, the per-layer gradient energy in the top-r subspace of C0 and batch IsoScore*, and
+``geometry_seconds``: :mod:`geomscope.train.geometry`), ``eval.jsonl`` (one line per epoch, see
 :func:`geomscope.train.evaluate.evaluate`), ``checkpoint/`` (last finished epoch), and at the end
 the model and tokenizer (``save_pretrained``), ``label_map.json`` and ``summary.json``.
 """
@@ -94,6 +96,8 @@ class FinetuneConfig:
     penalty_precision: str = "fp64"  # arithmetic of the I-STAR batch covariance: fp64 | fp32
     monitor: bool = True  # log batch IsoScore* (identity target) also for cosreg / none
     save_every: int | None = None  # keep out/checkpoints/step<N>/ every N optimiser steps (and step0)
+    log_geometry: int | None = None  # every N steps: per-layer gradient energy / IsoScore* (train.geometry)
+    geometry_rank: tuple[int, ...] = (8, 32)  # ranks r of the top-r C0 subspaces of --log-geometry
     extra: dict = field(default_factory=dict)  # recorded in run.json / summary.json (e.g. model alias)
 
 
@@ -122,6 +126,12 @@ def _validate(cfg: FinetuneConfig) -> None:
         raise InputError("an evaluation file is needed: pass --eval FILE")
     if cfg.save_every is not None and cfg.save_every < 1:
         raise InputError(f"--save-every must be at least 1 step, got {cfg.save_every}")
+    if cfg.log_geometry is not None:
+        from geomscope.train.geometry import check_ranks
+
+        if cfg.log_geometry < 1:
+            raise InputError(f"--log-geometry must be at least 1 step, got {cfg.log_geometry}")
+        check_ranks(cfg.geometry_rank)  # whole numbers >= 1 here; below D once the model is loaded
 
 
 def make_autocast(precision: str, device):
@@ -150,14 +160,27 @@ def make_regularizer(cfg: FinetuneConfig, layers: list[int], d: dd.Dist):
 
 
 def train_step(
-    model, batch: dict, n_global: int, reg, lam: float, optimizer, scaler, autocast, d: dd.Dist, monitor=None
+    model,
+    batch: dict,
+    n_global: int,
+    reg,
+    lam: float,
+    optimizer,
+    scaler,
+    autocast,
+    d: dd.Dist,
+    monitor=None,
+    geometry=None,
 ) -> dict:
     """One optimizer step on this rank's share of a global batch of ``n_global`` examples.
 
     ``reg`` is an :class:`~geomscope.train.regularizers.IStar`, a
     :class:`~geomscope.train.regularizers.CosReg` or None; ``monitor`` (an IStar, used without
-    gradient) logs the batch IsoScore* when ``reg`` is not I-STAR.  Returns the step record; when
-    the loss is not finite (on any rank) no update is made and ``finite`` is False.
+    gradient) logs the batch IsoScore* when ``reg`` is not I-STAR; ``geometry`` (a
+    :class:`~geomscope.train.geometry.GeometryLog`, on the logged steps only -- the same steps on
+    every rank) adds the ``geometry`` record, from gradients of the task loss taken before the
+    backward pass without touching the parameter gradients.  Returns the step record; when the loss
+    is not finite (on any rank) no update is made and ``finite`` is False.
     """
     import torch
     import torch.nn.functional as F
@@ -167,12 +190,12 @@ def train_step(
     model.train()
     inputs = {k: v.to(d.device, non_blocking=True) for k, v in batch.items() if k != "labels"}
     labels = batch["labels"].to(d.device)
-    need_hidden = reg is not None or monitor is not None
+    need_hidden = reg is not None or monitor is not None or geometry is not None
     with autocast():
         out = model(**inputs, output_hidden_states=need_hidden)
     ce_sum = F.cross_entropy(out.logits.float(), labels, reduction="sum")
-    loss = ce_sum * (d.world_size / n_global)
-    pen = iso = None
+    loss = task_loss = ce_sum * (d.world_size / n_global)
+    pen = iso = geo = None
     if isinstance(reg, IStar):
         pen, iso = reg(out.hidden_states, inputs["attention_mask"])
     elif reg is not None:
@@ -188,6 +211,13 @@ def train_step(
     task = float(stats[0]) / n_global
     pen_v = None if pen is None else float(pen.detach())
     finite = math.isfinite(task) and (pen_v is None or math.isfinite(pen_v))
+    if geometry is not None and finite:  # `finite` is global: every rank takes this branch or none
+        t_geo = time.perf_counter()
+        scale = float(scaler.get_scale()) if scaler is not None else None
+        grads = geometry.hidden_grads(task_loss, out.hidden_states, scale)
+        rec = geometry.record(out.hidden_states, grads, inputs["attention_mask"])
+        del grads
+        geo = {"geometry": rec, "geometry_seconds": round(time.perf_counter() - t_geo, 5)}
     if finite:
         if scaler is not None:
             scaler.scale(loss.float()).backward()
@@ -206,6 +236,7 @@ def train_step(
         "lr": optimizer.param_groups[0]["lr"],
         "examples": n_global,
         "finite": finite,
+        **(geo or {}),
     }
 
 
@@ -326,7 +357,12 @@ class _Trainer:
         cfg, d, state = self.cfg, self.d, self.state
         src = str(self.out / ck.CKPT) if state is not None else cfg.model
         self.model, self.tokenizer, self.minfo = load_classifier(src, self.label2id, self.note)
-        self.layers = parse_layers(cfg.layers or "blocks", n_blocks(self.model) + 1)
+        self.n_hidden = n_blocks(self.model) + 1
+        self.layers = parse_layers(cfg.layers or "blocks", self.n_hidden)
+        if cfg.log_geometry is not None:
+            from geomscope.train.geometry import check_ranks
+
+            check_ranks(cfg.geometry_rank, self.model.config.hidden_size)
         self.fp = _fingerprint(cfg, self.layers, d.world_size)
         if state is not None:
             diff = [k for k in self.fp if state["fingerprint"].get(k) != self.fp[k]]
@@ -383,6 +419,20 @@ class _Trainer:
 
         cfg = self.cfg
         self.reg = make_regularizer(cfg, self.layers, self.d)
+        self.geometry = None
+        if cfg.log_geometry is not None:
+            from geomscope.train.geometry import GeometryLog
+
+            self.geometry = GeometryLog(
+                self.layers,
+                self.n_hidden,
+                self.model.config.hidden_size,
+                cfg.geometry_rank,
+                cfg.zeta,
+                cfg.include_padding,
+                self.d,
+                isoscore_target_c0=cfg.reg == "istar",
+            )
         # the logged batch IsoScore* of cosreg / none runs: no gradient, float32 scatter (a log value)
         self.monitor = (
             IStar(self.layers, cfg.zeta, None, cfg.include_padding, self.d.reg_group, torch.float32)
@@ -405,6 +455,11 @@ class _Trainer:
                         "world_size": d.world_size,
                         "device": str(d.device),
                         "batch_isoscore_target": "C0" if cfg.reg == "istar" else "trace-matched identity",
+                        **(
+                            {"geometry": self.geometry.metadata(cfg.log_geometry)}
+                            if self.geometry is not None
+                            else {}
+                        ),
                     },
                 )
             ck.truncate_jsonl(self.steps_path, lambda r: r["step"] <= self.step)
@@ -440,9 +495,9 @@ class _Trainer:
 
         cfg, d = self.cfg, self.d
         order = epoch_order(len(self.train_enc), cfg.seed, epoch)
-        if cfg.reg == "istar":
+        if cfg.reg == "istar" or self.geometry is not None:  # --log-geometry: C0 for cosreg / none too
             progress.describe(f"epoch {epoch + 1}/{cfg.epochs}: C0")
-            self.reg.C0, self.c0_used = compute_c0(
+            C0, self.c0_used = compute_c0(
                 self.model,
                 self.train_enc,
                 order,
@@ -453,6 +508,10 @@ class _Trainer:
                 self.autocast,
                 cfg.include_padding,
             )
+            if cfg.reg == "istar":
+                self.reg.C0 = C0
+            if self.geometry is not None:
+                self.geometry.set_c0(C0)
         progress.describe(f"epoch {epoch + 1}/{cfg.epochs}")
         for gb in global_batches(order, cfg.batch_size, d.world_size):
             t0 = time.perf_counter()
@@ -467,17 +526,24 @@ class _Trainer:
                 self.autocast,
                 d,
                 self.monitor,
+                self.geometry if self._log_geometry_now() else None,
             )
             dt = time.perf_counter() - t0
             self.step += 1
             self.t_train += dt
             self.n_steps_timed += 1
             finite = rec.pop("finite")
-            rec = {"step": self.step, "epoch": epoch + 1, **rec, "seconds": round(dt, 5)}
+            geo = {k: rec.pop(k) for k in ("geometry", "geometry_seconds") if k in rec}
+            rec = {"step": self.step, "epoch": epoch + 1, **rec, "seconds": round(dt, 5), **geo}
             self._log_step(rec, finite, epoch)
             self._snapshot()
             progress.advance()
             progress.info(step_line(rec))
+
+    def _log_geometry_now(self) -> bool:
+        """--log-geometry EVERY: the step about to run is a multiple of EVERY (the same on every rank)."""
+        every = self.cfg.log_geometry
+        return self.geometry is not None and (self.step + 1) % every == 0
 
     def _snapshot(self, initial: bool = False) -> None:
         """--save-every: the model as it is now, for trajectories (rank 0 writes)."""
@@ -578,6 +644,8 @@ class _Trainer:
                 "global_batch": cfg.batch_size * d.world_size,
                 "precision": cfg.precision,
                 "penalty_precision": cfg.penalty_precision,
+                "log_geometry": cfg.log_geometry,
+                "geometry_rank": list(cfg.geometry_rank) if cfg.log_geometry else None,
                 "device": str(d.device),
                 "seed": cfg.seed,
                 "max_length": cfg.max_length,

@@ -1,0 +1,200 @@
+"""``geomscope finetune --log-geometry``: per-layer gradient energy in the top-r C0 subspace while
+training."""
+
+from __future__ import annotations
+
+import json
+from contextlib import nullcontext
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_one_line_error
+from test_train_helpers import make_checkpoint, synthetic_rows, words_of, write_csv
+
+from geomscope.train import FinetuneConfig, finetune
+
+torch.set_num_threads(1)
+
+RANKS = (4, 16)  # the tiny model's D is 32
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Three 1-epoch runs of 6 steps: I-STAR and none with --log-geometry 1, none without."""
+    d = tmp_path_factory.mktemp("geom")
+    data = {
+        "dir": d,
+        "train": str(write_csv(d / "train.csv", synthetic_rows(48, 0))),
+        "eval": str(write_csv(d / "dev.csv", synthetic_rows(16, 1))),
+        "model": str(make_checkpoint(d / "m", words_of([]))),
+    }
+
+    def run(name, **kw):
+        base = dict(
+            model=data["model"],
+            train=data["train"],
+            eval=data["eval"],
+            out=str(d / name),
+            epochs=1,
+            lr=2e-3,
+            batch_size=8,
+            device="cpu",
+            lam=-1.0,
+        )
+        cfg = FinetuneConfig(**{**base, **kw})
+        return cfg, finetune(cfg, quiet=True, note=lambda m: None)
+
+    data["istar"] = run("istar", reg="istar", log_geometry=1, geometry_rank=RANKS, save_every=100)
+    data["none_geo"] = run("none_geo", reg="none", log_geometry=1, geometry_rank=RANKS)
+    data["none"] = run("none", reg="none")
+    return data
+
+
+def _steps(out):
+    return [json.loads(ln) for ln in (out / "steps.jsonl").read_text().splitlines()]
+
+
+def test_every_step_has_geometry_for_each_layer_and_rank(runs):
+    for key in ("istar", "none_geo"):
+        cfg, summary = runs[key]
+        out = runs["dir"] / key
+        steps = _steps(out)
+        assert len(steps) == summary["steps"] == 6
+        meta = json.loads((out / "run.json").read_text())
+        assert meta["config"]["log_geometry"] == 1 and meta["config"]["geometry_rank"] == list(RANKS)
+        geo_meta = meta["geometry"]
+        assert geo_meta["layers"] == ["layer_01", "layer_02"] and geo_meta["dim"] == 32
+        assert "pooled" in geo_meta["subspace"]
+        assert geo_meta["isoscore_target"] == ("C0" if key == "istar" else "trace-matched identity")
+        for rec in steps:
+            assert set(rec["geometry"]) == {"layer_01", "layer_02"} and rec["geometry_seconds"] >= 0
+            for layer in rec["geometry"].values():
+                assert 0 <= layer["isoscore_star"] <= 1
+                for r in RANKS:
+                    e, m = layer["energy"][str(r)], layer["energy_max"][str(r)]
+                    assert 0 <= e <= m + 1e-12 <= 1 + 1e-12
+                    assert layer["baseline"][str(r)] == r / 32
+                    kappa = layer["kappa"][str(r)]
+                    assert kappa is None or kappa == pytest.approx((e - r / 32) / (m - r / 32))
+    assert all("geometry" not in r for r in _steps(runs["dir"] / "none"))
+    assert "geometry" not in json.loads((runs["dir"] / "none" / "run.json").read_text())
+
+
+def test_step_one_energy_matches_an_independent_recomputation(runs):
+    """Step 1 redone from the step-0 snapshot: autograd of the task loss w.r.t. each hidden state,
+    S from the real tokens, C0 from compute_c0, and metrics.subspace.gradient_energy."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from geomscope.metrics.isotropy import isoscore_star_from_cov
+    from geomscope.metrics.subspace import gradient_energy
+    from geomscope.train import distributed as dd
+    from geomscope.train.data import Encoded, epoch_order, global_batches, load_table
+    from geomscope.train.evaluate import compute_c0
+
+    cfg, _ = runs["istar"]
+    out = runs["dir"] / "istar"
+    snap = out / "checkpoints" / "step0"
+    model = AutoModelForSequenceClassification.from_pretrained(snap)
+    tok = AutoTokenizer.from_pretrained(snap)
+    label2id = json.loads((out / "label_map.json").read_text())["label2id"]
+    enc = Encoded(tok, load_table(cfg.train), label2id, cfg.max_length)
+    order = epoch_order(len(enc), cfg.seed, 0)
+    d = dd.Dist(0, 1, 0, torch.device("cpu"))
+    layers = [1, 2]
+    C0, _ = compute_c0(model, enc, order, layers, cfg.c0_points, cfg.batch_size, d, nullcontext)
+    gb = global_batches(order, cfg.batch_size, 1)[0]
+    batch = enc.collate(gb)
+    torch.manual_seed(cfg.seed)  # the trainer's dropout stream (rank 0) at its first step
+    model.train()
+    o = model(**{k: v for k, v in batch.items() if k != "labels"}, output_hidden_states=True)
+    task = torch.nn.functional.cross_entropy(o.logits.float(), batch["labels"], reduction="sum") / len(gb)
+    step1 = _steps(out)[0]
+    # the same forward as the trainer's first step
+    assert step1["task_loss"] == pytest.approx(float(task.detach()), abs=1e-6)
+    keep = batch["attention_mask"].bool()
+    C0n = C0.numpy()
+    for i, name in zip(layers, ("layer_01", "layer_02"), strict=True):
+        (g,) = torch.autograd.grad(task, o.hidden_states[i], retain_graph=True)
+        G = g[keep].double().numpy()
+        ref = gradient_energy(G.T @ G, None, C0n, RANKS, controls=0)
+        logged = step1["geometry"][name]
+        for row in ref:
+            r = str(row["rank"])
+            assert logged["energy"][r] == pytest.approx(row["energy"], abs=1e-6)
+            assert logged["energy_max"][r] == pytest.approx(row["energy_max"], abs=1e-6)
+            assert logged["baseline"][r] == row["baseline"]
+            if row["kappa"] is not None:
+                assert logged["kappa"][r] == pytest.approx(row["kappa"], abs=1e-5)
+        X = o.hidden_states[i][keep].detach().double().numpy()
+        iso = isoscore_star_from_cov(np.cov(X.T), cfg.zeta, C0n)
+        assert logged["isoscore_star"] == pytest.approx(iso, abs=1e-6)
+
+
+def test_logging_geometry_leaves_training_bitwise_unchanged(runs):
+    from safetensors.torch import load_file
+
+    a, b = _steps(runs["dir"] / "none_geo"), _steps(runs["dir"] / "none")
+    for ra, rb in zip(a, b, strict=True):
+        for k in ("loss", "task_loss", "isoscore_star"):
+            assert ra[k] == rb[k]
+    wa = load_file(str(runs["dir"] / "none_geo" / "model.safetensors"))
+    wb = load_file(str(runs["dir"] / "none" / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_bad_geometry_options_are_one_line_errors(cli, runs, tmp_path):
+    base = [
+        "finetune",
+        runs["model"],
+        "--train",
+        runs["train"],
+        "--eval",
+        runs["eval"],
+        "--epochs",
+        "1",
+        "--device",
+        "cpu",
+    ]
+    for extra, needle in (
+        (["--log-geometry", "1"], "--geometry-rank 32 is not below the model's hidden size D = 32"),
+        (["--log-geometry", "1", "--geometry-rank", "8,40"], "--geometry-rank 40 is not below"),
+        (["--log-geometry", "0"], "--log-geometry must be at least 1"),
+        (["--log-geometry", "2", "--geometry-rank", "8,x"], "comma list of whole numbers"),
+        (["--log-geometry", "2", "--geometry-rank", "0"], "--geometry-rank 0 is below 1"),
+    ):
+        out = tmp_path / "o"
+        assert_one_line_error(*cli([*base, "--out", out, *extra]), needle, exit_code=2)
+        assert not out.exists() or not any(out.iterdir())
+
+
+def test_training_plot_draws_the_geometry_panels(runs, tmp_path, cli):
+    from geomscope.plot.training import plot_training_log
+
+    fig = plot_training_log(runs["dir"] / "none_geo", tmp_path / "geo.png")
+    assert (tmp_path / "geo.png").read_bytes().startswith(b"\x89PNG")
+    axes = fig.get_axes()
+    assert len(axes) == 6
+    ax_e, ax_i = axes[4], axes[5]
+    assert "gradient energy" in ax_e.get_title() and "IsoScore* per layer" in ax_i.get_title()
+    labels = [ln.get_label() for ln in ax_e.get_lines()]
+    assert {"layer_01, r=16", "layer_02, r=16"} <= set(labels)
+    dashed = [ln for ln in ax_e.get_lines() if ln.get_linestyle() == "--"]
+    assert [float(ln.get_ydata()[0]) for ln in dashed] == [16 / 32]
+    assert {ln.get_label() for ln in ax_i.get_lines()} == {"layer_01", "layer_02"}
+    # a log without geometry keeps the four panels; overlaying both works through the CLI
+    assert len(plot_training_log(runs["dir"] / "none").get_axes()) == 4
+    code, _, err = cli(
+        [
+            "plot",
+            runs["dir"] / "istar",
+            runs["dir"] / "none",
+            "--kind",
+            "training",
+            "--out",
+            tmp_path / "t.png",
+        ]
+    )
+    assert code == 0, err
+    assert (tmp_path / "t.png").is_file()
