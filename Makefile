@@ -10,7 +10,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test bench lint docs study trajectory clean
+.PHONY: install demo test bench lint docs study trajectory gradients clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,27 @@ demo: $(STAMP)
 	$(BIN)/geomscope plot $(DEMO)/report.json --out $(DEMO)/figures/
 	@echo "report: $(DEMO)/report.json $(DEMO)/report.csv"
 	@echo "figures: $$(ls $(DEMO)/figures/* | tr '\n' ' ')"
+
+GRAD := gradients_out
+
+# gradient geometry (issue 10): a MiniLM sentiment classifier fine-tuned on sample_data, its loss's gradients
+# w.r.t. every layer captured over the training sentences, and their energy in the activation subspace
+# (about 5 minutes on 2 CPU cores); then the same on a tiny random causal LM (next-token loss)
+gradients: $(STAMP)
+	test -f $(GRAD)/ft/summary.json || $(BIN)/geomscope finetune bundled:minilm \
+		--train sample_data/sentiment/train.csv --eval sample_data/sentiment/dev.csv \
+		--text-field sentence --label-field label --reg none --epochs 2 --lr 1e-4 --out $(GRAD)/ft --quiet
+	$(BIN)/geomscope extract $(GRAD)/ft sample_data/sentiment/train.csv --text-field sentence \
+		--capture activations,gradients --loss classification --out $(GRAD)/minilm --quiet
+	$(BIN)/geomscope score $(GRAD)/minilm --metrics isoscore,isoscore_star --basis $(GRAD)/minilm \
+		--rank 8,32,128 --out $(GRAD)/minilm_report
+	$(BIN)/python docs/examples/tiny_causal_lm.py $(GRAD)/tiny-gpt2
+	$(BIN)/geomscope extract $(GRAD)/tiny-gpt2 sample_data/sentences.txt --capture activations,gradients \
+		--out $(GRAD)/gpt2 --quiet
+	$(BIN)/geomscope score $(GRAD)/gpt2 --metrics isoscore,isoscore_star --basis $(GRAD)/gpt2 \
+		--rank 4,8,16 --out $(GRAD)/gpt2_report
+	$(BIN)/geomscope plot $(GRAD)/minilm_report.json --kind energy --out $(GRAD)/energy_minilm.png
+	$(BIN)/geomscope plot $(GRAD)/gpt2_report.json --kind energy --out $(GRAD)/energy_gpt2.png
 
 STUDY := study_out
 
@@ -73,4 +94,4 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check geomscope tests benchmarks
 
 clean:
-	rm -rf $(VENV) demo_out study_out trajectory_out .pytest_cache
+	rm -rf $(VENV) demo_out study_out trajectory_out gradients_out .pytest_cache
