@@ -338,10 +338,14 @@ def gradient_energy_lines(report: dict) -> list[str]:
             mean, ratio, p = r.get("control_energy_mean"), r.get("energy_ratio"), r.get("p_value")
             ctrl = f"control {_fmt(mean)}, x{_fmt(ratio)}, p {_fmt(p)}" if mean is not None else "no controls"
             lines.append(
-                f"  {layer} r={r['rank']}: E {_fmt(r['energy'])} (r/D {_fmt(r['baseline'])}, max "
+                f"  {layer} r={r['rank']}: E {_fmt(r['energy'])}{_pm(r.get('energy_se'))} (r/D {_fmt(r['baseline'])}, max "
                 f"{_fmt(r['energy_max'])}, kappa {_fmt(r['kappa'])}); {ctrl}"
             )
     return lines
+
+
+def _pm(se) -> str:
+    return "" if se is None else f" ±{_fmt(se)}"
 
 
 def final_norm_line(fn: dict) -> str:

@@ -63,6 +63,40 @@ def test_report_equals_the_arithmetic_on_the_stored_rows(runs):
     assert 0 < by["layer_01.grad"]["isoscore"] < 1
 
 
+def test_energy_se_is_the_jackknife_over_document_groups(runs):
+    """energy_se: delete-one-group jackknife of E over doc_id % G, U_r of the full basis held fixed."""
+    from geomscope.metrics.subspace import top_eigenvectors
+
+    G = 5
+    rep = score(
+        runs["both"],
+        ScoreOptions(
+            metrics=("isoscore",),
+            basis=str(runs["both"]),
+            ranks=(2, 8),
+            controls=0,
+            jackknife_groups=G,
+            layers=("layer_01.grad",),
+        ),
+    )
+    got = [r["energy_se"] for r in rep["gradient_energy"]["layers"]["layer_01.grad"]]
+    r = Run(runs["both"])
+    doc = np.concatenate(
+        [ch.doc_id for s in r.shards for ch in iter_shard(r.shard_path(s), ["layer_01.grad"])]
+    )
+    g = _rows(runs["both"], "layer_01.grad")
+    U = top_eigenvectors(np.cov(_rows(runs["both"], "layer_01").T), 8)
+    reps = []
+    for k in range(G):
+        keep = g[doc % G != k]
+        S = keep.T @ keep
+        reps.append([np.trace(U[:, :rk].T @ S @ U[:, :rk]) / np.trace(S) for rk in (2, 8)])
+    reps = np.array(reps)
+    want = np.sqrt((G - 1) / G * ((reps - reps.mean(axis=0)) ** 2).sum(axis=0))
+    np.testing.assert_allclose(got, want, rtol=1e-8)
+    assert all(0 < x < 0.2 for x in got)
+
+
 def test_basis_from_another_run_of_the_same_checkpoint(runs):
     """A separate activation run of the same checkpoint serves as basis; layers it lacks are refused."""
     opts = ScoreOptions(

@@ -174,6 +174,18 @@ def _top_eigh(a: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return w[::-1].copy(), np.ascontiguousarray(v[:, ::-1])
 
 
+def top_eigenvectors(C, k: int) -> np.ndarray:
+    """(D, k): the top-k eigenvectors of a symmetric C, descending -- the U_r of every rank r <= k
+    as its first r columns (the same split of ties as :func:`gradient_energy`)."""
+    return _top_eigh(_symmetric(C, "C"), int(k))[1]
+
+
+def captured_energy(S, U: np.ndarray) -> np.ndarray:
+    """(k,): E of U's first r columns for r = 1..k, i.e. tr(U_r^T S U_r) / tr(S) (S PSD, tr(S) > 0)."""
+    s = np.asarray(S, dtype=np.float64)
+    return np.cumsum(np.einsum("ij,ij->j", U, s @ U)) / float(np.trace(s))
+
+
 def _iter_controls(u: np.ndarray, count: int, seed: int) -> Iterator[np.ndarray]:
     d, r = u.shape
     rng = np.random.default_rng([seed, r])

@@ -46,6 +46,16 @@ GROUPS_TEXT = {
 }
 
 
+def _with_se(row: dict, se) -> dict:
+    """A gradient-energy row with ``energy_se`` right after ``energy``."""
+    out = {}
+    for k, v in row.items():
+        out[k] = v
+        if k == "energy":
+            out["energy_se"] = se
+    return out
+
+
 def _log_default(msg: str) -> None:
     import sys
 
@@ -278,7 +288,7 @@ class _Scorer:
         entries, pending_unit = {}, {}
         for name in batch:
             c0 = self.c0_fixed if self.c0_fixed is not None else c0_by_layer.get(name)
-            entries[name] = LayerResult(
+            entries[name] = state = LayerResult(
                 name,
                 self.src.indices.get(name),
                 parts.get(name),
@@ -287,6 +297,7 @@ class _Scorer:
                 self.G,
                 c0 if c0 is not None else self.target,
             )
+            state.keep_groups = self.basis is not None and name in self.basis.pairs
         self._each(entries.values(), LayerResult.moments)
         if self.basis is not None:
             self._gradient_energy(entries)
@@ -320,7 +331,7 @@ class _Scorer:
         """Captured gradient energy of this batch's gradient layers (gradenergy.py) in the basis run's
         activation subspaces, from the moments already merged and one pass over the basis run."""
         from geomscope.metrics.subspace import gradient_energy
-        from geomscope.score.gradenergy import removal_target, second_moment
+        from geomscope.score.gradenergy import energy_se, removal_target, second_moment
 
         o = self.opts
         pairs = {n: self.basis.pairs[n] for n in entries if n in self.basis.pairs}
@@ -329,22 +340,28 @@ class _Scorer:
         covs = self._reference_cov(self.basis.src, sorted(set(pairs.values())), None)
 
         def one(name: str) -> None:
-            full = entries[name].full
-            if full is None or full.n < 1:
+            state = entries[name]
+            groups = None
+            if state.lp is not None:  # freed once this layer is done
+                groups, state.lp.groups = state.lp.groups, None
+            if state.full is None or state.full.n < 1:
                 self.energy[name] = None
                 self.energy_notes[name] = "no usable gradient rows"
                 return
-            S, mean = second_moment(full)
-            self.energy[name] = gradient_energy(
+            S, mean = second_moment(state.full)
+            C = covs[pairs[name]]
+            rows = gradient_energy(
                 S,
                 mean,
-                covs[pairs[name]],
+                C,
                 o.ranks,
                 controls=o.controls,
                 seed=o.seed,
                 zeta=o.zeta,
                 target=removal_target(self.target),
             )
+            ses = energy_se(groups or [], state.live, C, o.ranks)
+            self.energy[name] = [_with_se(row, se) for row, se in zip(rows, ses, strict=True)]
 
         self._each(list(pairs), one)
 

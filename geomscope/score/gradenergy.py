@@ -81,6 +81,23 @@ def second_moment(full) -> tuple[np.ndarray, np.ndarray]:
     return full.M2 + full.n * np.outer(mean, mean), mean
 
 
+def energy_se(groups: list, live: list[int], C: np.ndarray, ranks) -> list[float | None]:
+    """Per rank, the delete-one-group jackknife SE of E over the gradient run's groups, the basis
+    U_r held fixed (its own sampling error is not included; say so where it is reported)."""
+    from geomscope.metrics.subspace import captured_energy, top_eigenvectors
+    from geomscope.score.compute import jackknife_se, merged
+
+    if len(live) < 2:
+        return [None] * len(ranks)
+    U = top_eigenvectors(C, max(ranks))
+    reps = []
+    for g in live:
+        m = merged(groups, skip=g)
+        S, _ = second_moment(m)
+        reps.append(captured_energy(S, U) if np.trace(S) > 0 else None)
+    return [jackknife_se([None if e is None else float(e[r - 1]) for e in reps]) for r in ranks]
+
+
 def removal_target(target) -> str:
     """The removal test's IsoScore* target: the report's trace/identity; a covariance given for the
     gradient layers does not describe the activations, so those fall back to trace (recorded)."""
@@ -99,6 +116,9 @@ def section(basis: Basis, path: str, opts, by_layer: dict[str, list | None], not
         "removal_zeta": opts.zeta,
         "removal_target": removal_target(opts.shrinkage_target),
         "S": "sum over the gradient rows of g g^T (uncentred), float64",
+        "energy_se": (
+            "delete-one-group jackknife over the gradient run's groups, the basis subspace held fixed"
+        ),
         "basis_covariance": (
             "covariance (ddof=1) of the basis run's activation layer; U_r its top-r eigenvectors"
         ),

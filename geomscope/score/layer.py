@@ -34,6 +34,7 @@ class LayerResult:
         self.rep_stats: list = []
         self.extra: dict = {}
         self.dim = src.dim
+        self.keep_groups = False  # True: the groups outlive moments() (score --basis: energy SEs)
         if self.counts.get("nonfinite"):
             self.flags.append("nonfinite_rows_dropped")
 
@@ -88,7 +89,8 @@ class LayerResult:
                 sc = None if v == "centred" else np.stack([b for _, b in rows])
                 spec[v] = (sh, sc)
             self.unit_spec = spec
-        self.lp.groups = None  # every number needing them is computed: free G x D x D floats now
+        if not self.keep_groups:  # every number needing them is computed: free G x D x D floats now
+            self.lp.groups = None
 
     def cosine_variants(self, unit: dict) -> None:
         from geomscope.metrics import avgcos_from_sum
