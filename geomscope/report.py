@@ -338,8 +338,8 @@ def gradient_energy_lines(report: dict) -> list[str]:
             mean, ratio, p = r.get("control_energy_mean"), r.get("energy_ratio"), r.get("p_value")
             ctrl = f"control {_fmt(mean)}, x{_fmt(ratio)}, p {_fmt(p)}" if mean is not None else "no controls"
             lines.append(
-                f"  {layer} r={r['rank']}: E {_fmt(r['energy'])}{_pm(r.get('energy_se'))} (r/D {_fmt(r['baseline'])}, max "
-                f"{_fmt(r['energy_max'])}, kappa {_fmt(r['kappa'])}); {ctrl}"
+                f"  {layer} r={r['rank']}: E {_fmt(r['energy'])}{_pm(r.get('energy_se'))} "
+                f"(r/D {_fmt(r['baseline'])}, max {_fmt(r['energy_max'])}, kappa {_fmt(r['kappa'])}); {ctrl}"
             )
     return lines
 
