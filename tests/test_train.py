@@ -9,11 +9,11 @@ import pytest
 import torch
 from test_train_helpers import SAMPLE, make_checkpoint, synthetic_rows, words_of, write_csv
 
+from geomscope import distributed as dd
 from geomscope.errors import DataError, GeomscopeError, InputError
 from geomscope.extract.layers import parse_layers
 from geomscope.metrics.isotropy import isoscore_star_torch
 from geomscope.train import FinetuneConfig, finetune
-from geomscope.train import distributed as dd
 from geomscope.train.data import (
     build_label_map,
     check_eval_labels,

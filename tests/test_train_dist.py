@@ -50,7 +50,7 @@ def _worker(rank, tmp, payload):
     torch.set_num_threads(1)
     os.environ["LOCAL_RANK"] = str(rank)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=WORLD)
-    from geomscope.train import distributed as dd
+    from geomscope import distributed as dd
 
     d = dd.setup("cpu")
     x, mask, lin, C0 = _global_batch()
@@ -127,7 +127,7 @@ def test_two_processes_match_one(tmp_path):
 
     # (2) C0: bitwise identical on the ranks, equal to the one-process C0 of all examples
     assert torch.equal(r[0]["C0"], r[1]["C0"]) and r[0]["C0_n"] == r[1]["C0_n"]
-    from geomscope.train import distributed as dd
+    from geomscope import distributed as dd
     from geomscope.train.data import Encoded, load_table
     from geomscope.train.evaluate import compute_c0
     from geomscope.train.model import load_classifier

@@ -86,9 +86,9 @@ def test_step_one_energy_matches_an_independent_recomputation(runs):
     S from the real tokens, C0 from compute_c0, and metrics.subspace.gradient_energy."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    from geomscope import distributed as dd
     from geomscope.metrics.isotropy import isoscore_star_from_cov
     from geomscope.metrics.subspace import gradient_energy
-    from geomscope.train import distributed as dd
     from geomscope.train.data import Encoded, epoch_order, global_batches, load_table
     from geomscope.train.evaluate import compute_c0
 

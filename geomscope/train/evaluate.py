@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 
+from geomscope import distributed as dd
 from geomscope.errors import DataError
 from geomscope.metrics.isotropy import isoscore_from_cov, isoscore_star_from_cov
 from geomscope.metrics.moments import Moments
-from geomscope.train import distributed as dd
 from geomscope.train.regularizers import select_tokens
 
 

@@ -64,10 +64,10 @@ from collections.abc import Sequence
 
 import torch
 
+from geomscope import distributed as dd
 from geomscope.errors import InputError
 from geomscope.extract.layers import layer_name
 from geomscope.metrics.isotropy import isoscore_star_from_cov_torch
-from geomscope.train import distributed as dd
 from geomscope.train.regularizers import batch_covariance, select_tokens
 
 # a difference of fractions in [0, 1] below this is float64 rounding (as metrics.subspace)

@@ -26,13 +26,13 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from geomscope import distributed as dd
 from geomscope.choices import PENALTY_PRECISIONS, PRECISIONS, REGULARISERS
 from geomscope.errors import DataError, InputError
 from geomscope.fileio import write_json_atomic
 from geomscope.progress import Progress
 from geomscope.provenance import package_versions
 from geomscope.train import checkpoint as ck
-from geomscope.train import distributed as dd
 from geomscope.train.data import (
     Encoded,
     build_label_map,
