@@ -47,7 +47,9 @@ def test_complete_run(runs):
     assert d["inputs"][0]["path"] == str(runs["src"]) and d["options"]["shard_docs"] == 5
     assert d["unlisted_shard_files"] == [] and d["interrupted_shard_files"] == []
     assert "verify" not in d
-    assert describe_run(runs["run"], verify=True)["verify"] == {"checked": 3, "bad": [], "ok": True}
+    v = describe_run(runs["run"], verify=True)["verify"]
+    assert {k: v[k] for k in ("checked", "bad", "ok")} == {"checked": 3, "bad": [], "ok": True}
+    assert v["documents"]["each_document_once"] and v["documents"]["missing_shards"] == []
 
 
 def test_interrupted_run(runs):
@@ -75,3 +77,27 @@ def test_not_a_run(tmp_path):
         describe_run(tmp_path)
     with pytest.raises(InputError, match="does not exist"):
         describe_run(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("edit", ["missing", "overlap", "outside"])
+def test_verify_proves_each_document_in_one_shard(runs, tmp_path, edit):
+    """inspect --verify's coverage check catches a complete run missing a shard, two shards claiming
+    the same documents, and a shard storing documents outside its range."""
+    from geomscope.store.manifest import write_json_atomic
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["run"], run)
+    m = Run(run).manifest
+    if edit == "missing":
+        (run / m["shards"][1]["file"]).unlink()
+        del m["shards"][1]
+        want = "shard(s) [1] are missing"
+    elif edit == "overlap":
+        m["shards"][1]["doc_start"] = m["shards"][0]["doc_stop"] - 1
+        want = "both claim documents"
+    else:
+        m["shards"][0]["doc_stop"] = m["shards"][0]["doc_start"] + 1
+        want = "outside its range"
+    write_json_atomic(run / "manifest.json", m)
+    v = describe_run(run, verify=True)["verify"]
+    assert not v["ok"] and any(want in b["error"] for b in v["bad"]), v["bad"]

@@ -240,5 +240,11 @@ def extract_cmd(
         if json_out and getattr(e, "summary", None) is not None:
             typer.echo(json.dumps(e.summary))
         raise
-    if json_out:
+    if json_out and _is_main_process():  # several processes (torchrun): one summary, from process 0
         typer.echo(json.dumps(summary))
+
+
+def _is_main_process() -> bool:
+    from geomscope.distributed import world_from_env
+
+    return world_from_env()[0] == 0

@@ -83,7 +83,8 @@ def inspect_cmd(
             rows.append(
                 (
                     "verify",
-                    "all shards match their checksums"
+                    "all shards match their checksums; every document id is in exactly one shard "
+                    f"({v['documents']['docs']:,} documents in {v['documents']['shards']} shards)"
                     if v["ok"]
                     else f"{len(v['bad'])} of {v['checked']} shards damaged: "
                     + ", ".join(b["file"] for b in v["bad"]),

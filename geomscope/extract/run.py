@@ -91,15 +91,20 @@ def extract(
     written), and DataError -- after the run is complete, with the summary as ``.summary`` -- when
     some activations are NaN/Inf, unless ``allow_nonfinite``.
     """
+    from geomscope.distributed import world_from_env
     from geomscope.store import RunWriter
 
     opts = replace(options or ExtractOptions(), **overrides).validate()
     say = log or (lambda msg: None)
     out = Path(out)
+    args = [str(i) for i in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
+    if world_from_env()[1] > 1:  # torchrun / accelerate launch / srun: extract/ranks.py
+        from geomscope.extract.ranks import check_options, extract_ranks
+
+        check_options(opts, args)
+        return extract_ranks(model, args, out, opts, progress=progress, log=log, stdin=stdin)
     t_start = time.perf_counter()
-    ins = open_inputs(
-        [str(i) for i in ([inputs] if isinstance(inputs, (str, Path)) else inputs)], stdin=stdin
-    )
+    ins = open_inputs(args, stdin=stdin)
     try:
         scan = _scan(ins, opts)
         lm = _load(model, opts)
@@ -113,24 +118,34 @@ def extract(
                 planned_shards=plan.shards,
                 planned_docs=scan.docs,
                 estimate={"tokens": plan.est_tokens, "bytes": plan.est_bytes},
-                last_invocation={
-                    "device": str(lm.device),
-                    "batch_tokens": opts.batch_tokens,
-                    "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                },
+                last_invocation=_invocation(lm, opts),
             )
             summary = _ShardRun(writer, lm, ins, plan, opts, progress).run()
     finally:
         close_inputs(ins)
     summary["seconds_total"] = round(time.perf_counter() - t_start, 3)
     summary["estimate"] = {"tokens": plan.est_tokens, "bytes": plan.est_bytes}
-    say(
+    say(done_line(summary))
+    _refuse_nonfinite(summary, opts, out)
+    return summary
+
+
+def _invocation(lm, opts: ExtractOptions, processes: int = 1) -> dict:
+    """How this invocation ran (not part of the identity: it does not change the rows)."""
+    return {
+        "device": str(lm.device),
+        "batch_tokens": opts.batch_tokens,
+        "processes": processes,
+        "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def done_line(summary: dict) -> str:
+    return (
         f"done: {summary['rows']:,} rows of {summary['docs']:,} documents in {summary['shards']} shards "
         f"({summary['shards_resumed']} kept from an earlier run), {human_bytes(summary['bytes'])}, "
         f"{summary['tokens_per_second']:,.0f} tokens/s"
     )
-    _refuse_nonfinite(summary, opts, out)
-    return summary
 
 
 def _scan(ins, opts: ExtractOptions):
@@ -403,6 +418,22 @@ def _cut(d: Doc, n: int) -> Doc:
 _DOC_STATS = ("docs_zero_tokens", "docs_at_max_length", "docs_cut_by_max_tokens", "docs_without_targets")
 
 
+def _shard_stats(entries: list[dict]) -> dict:
+    """The per-shard counts of the manifest's entries, summed (the whole run's, however many
+    invocations and processes wrote it)."""
+    out: dict = dict.fromkeys(_DOC_STATS, 0)
+    out.update(nonfinite_by_layer={}, loss_sum=0.0, loss_docs=0)
+    for e in entries:
+        st = e.get("stats") or {}
+        for key in _DOC_STATS:
+            out[key] += int(st.get(key, 0))
+        for key, v in (st.get("nonfinite_by_layer") or {}).items():
+            out["nonfinite_by_layer"][key] = out["nonfinite_by_layer"].get(key, 0) + int(v)
+        out["loss_sum"] += float(st.get("loss_sum", 0.0))
+        out["loss_docs"] += int(st.get("loss_docs", 0))
+    return out
+
+
 class _ShardRun:
     """Writes the run's shards in order: keeps the finished ones an earlier run left, writes the rest."""
 
@@ -432,17 +463,19 @@ class _ShardRun:
         else:
             self.capture = Capture(lm, plan.read_layers, opts.store_dtype)
         self.names = [la["name"] for la in plan.layer_desc]
-        self.loss_sum, self.loss_docs = 0.0, 0
         self.entries = {s["index"]: s for s in writer.manifest["shards"]}
         self.counts = {"records": 0, "docs_empty": 0}
-        self.agg = dict.fromkeys(_DOC_STATS, 0)
-        self.nonfinite_by_layer: dict[str, int] = {}
         self.total_rows = self.new_rows = self.written = self.resumed = 0
+        self.rank, self.world = 0, 1  # a multi-process run (extract/ranks.py): shard k is rank k % world's
 
     def _budget_spent(self) -> bool:
         return self.opts.max_tokens is not None and self.total_rows >= self.opts.max_tokens
 
     def run(self) -> dict:
+        return self.finish(self.write_shards())
+
+    def write_shards(self) -> float:
+        """Keep the finished shards, write this process's others; the seconds it took."""
         t0 = time.perf_counter()
         labels = None
         if self.opts.gradients and self.lm.info.get("loss") == "classification":
@@ -468,12 +501,15 @@ class _ShardRun:
                     self._keep(k, done)
                     prog.skip(len(group))
                     continue
+                if k % self.world != self.rank:  # another process's shard
+                    prog.skip(len(group))
+                    continue
                 if labels is not None:
                     self._set_labels(group_labels)
                 budget_hit = self._write(k, group, prog)
                 if budget_hit or self._budget_spent():
                     break
-        return self._finish(time.perf_counter() - t0)
+        return time.perf_counter() - t0
 
     def _set_labels(self, raw: dict) -> None:
         """The shard's class indices for the classification loss (a bad label: one line, before any work)."""
@@ -484,20 +520,10 @@ class _ShardRun:
             doc_id: label_index(y, label2id, n_labels, doc_id) for doc_id, y in raw.items()
         }
 
-    def _add_stats(self, stats: dict) -> None:
-        if "loss_sum" in stats:
-            self.loss_sum += float(stats["loss_sum"])
-            self.loss_docs += int(stats["loss_docs"])
-        for key in _DOC_STATS:
-            self.agg[key] += int(stats.get(key, 0))
-        for key, v in (stats.get("nonfinite_by_layer") or {}).items():
-            self.nonfinite_by_layer[key] = self.nonfinite_by_layer.get(key, 0) + int(v)
-
     def _keep(self, k: int, done) -> None:
         """A shard an earlier run finished with the same documents: count it, do not redo it."""
         self.total_rows += done.n_tokens
         self.resumed += 1
-        self._add_stats(self.entries[k].get("stats", {}))
 
     def _select(self, docs) -> tuple[list, int, bool, dict]:
         """The tokenized documents to store (empty ones dropped, the last one cut at --max-tokens)."""
@@ -571,20 +597,25 @@ class _ShardRun:
             stats.update(loss_sum=loss_sum, loss_docs=loss_docs, docs_without_targets=without)
         self.writer.add_shard(info, stats=stats)
         prog.skip(len(group) - len(kept))
-        self._add_stats(stats)
         self.total_rows += info.n_tokens
         self.new_rows += info.n_tokens
         self.written += 1
         return budget_hit
 
-    def _gradient_summary(self) -> dict:
+    def _gradient_summary(self, stats: dict) -> dict:
         if not self.opts.gradients:
             return {}
-        mean = self.loss_sum / self.loss_docs if self.loss_docs else None
+        mean = stats["loss_sum"] / stats["loss_docs"] if stats["loss_docs"] else None
         return {"capture": self.opts.capture, "loss": self.lm.info["loss"], "loss_mean": mean}
 
-    def _finish(self, seconds: float) -> dict:
+    def finish(self, seconds: float, new_rows: int | None = None, written: int | None = None) -> dict:
+        """Finalize the manifest (every shard is in it) and return the summary; ``new_rows`` and
+        ``written``: this invocation's totals over all processes (default: this process's)."""
+        new_rows = self.new_rows if new_rows is None else new_rows
+        written = self.written if written is None else written
         shards = self.writer.manifest["shards"]
+        stats = _shard_stats(shards)
+        agg = {k: stats[k] for k in _DOC_STATS}
         stored = sum(s["rows"] for s in shards)
         totals = {
             "rows": sum(s.get("tokens", s["rows"]) for s in shards),
@@ -592,8 +623,8 @@ class _ShardRun:
             "docs": sum(s["docs"] for s in shards),
             "records_read": self.counts["records"],
             "docs_empty": self.counts["docs_empty"],
-            **self.agg,
-            "nonfinite_by_layer": self.nonfinite_by_layer,
+            **agg,
+            "nonfinite_by_layer": stats["nonfinite_by_layer"],
         }
         self.writer.finalize(totals)
         t = self.writer.manifest["totals"]
@@ -614,16 +645,16 @@ class _ShardRun:
             "docs": t["docs"],
             "records_read": self.counts["records"],
             "docs_empty": self.counts["docs_empty"],
-            **self.agg,
+            **agg,
             "shards": t["shards"],
-            "shards_written": self.written,
+            "shards_written": written,
             "shards_resumed": self.resumed,
             "bytes": t["bytes"],
             "nonfinite_rows": t["nonfinite_rows"],
-            "nonfinite_by_layer": self.nonfinite_by_layer,
-            **self._gradient_summary(),
-            "rows_this_run": self.new_rows,
+            "nonfinite_by_layer": stats["nonfinite_by_layer"],
+            **self._gradient_summary(stats),
+            "rows_this_run": new_rows,
             "seconds": round(seconds, 3),
-            "tokens_per_second": round(self.new_rows / seconds, 1) if seconds > 0 else 0.0,
+            "tokens_per_second": round(new_rows / seconds, 1) if seconds > 0 else 0.0,
             "batch_tokens": self.opts.batch_tokens,
         }

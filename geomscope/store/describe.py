@@ -101,6 +101,7 @@ def _verify(run: Run, shards) -> dict:
         try:
             verify_shard(run.shard_path(s), s)
             rows, docs = shard_counts(run.shard_path(s))
+            _check_documents_in_range(run.shard_path(s), s)
             if s.n_tokens != s.rows:  # a --keep sample shard stores a sample of the documents' rows
                 docs = s.docs
             if (rows, docs) != (s.rows, s.docs):
@@ -120,4 +121,45 @@ def _verify(run: Run, shards) -> dict:
         if key in totals and totals[key] != actual:
             why = f"totals.{key} is {totals[key]!r}, the shards hold {actual}"
             bad.append({"file": MANIFEST_NAME, "error": why})
-    return {"checked": len(shards), "bad": bad, "ok": not bad}
+    coverage = _coverage(shards, run.complete)
+    if coverage["problem"]:
+        bad.append({"file": MANIFEST_NAME, "error": coverage["problem"]})
+    return {"checked": len(shards), "bad": bad, "ok": not bad, "documents": coverage}
+
+
+def _check_documents_in_range(path, s) -> None:
+    """Every document id a shard stores lies in the range its entry assigns it."""
+    from geomscope.store.reader import read_shard_index
+
+    doc = read_shard_index(path)["doc_id"]
+    if doc.size and (int(doc.min()) < s.doc_start or int(doc.max()) >= s.doc_stop):
+        raise DataError(
+            f"shard {s.file} stores documents {int(doc.min())}..{int(doc.max())}, outside its range "
+            f"{s.doc_start}..{s.doc_stop - 1}"
+        )
+
+
+def _coverage(shards, complete: bool) -> dict:
+    """Each document id in exactly one shard: the shards' document ranges are disjoint and in
+    order (only empty records lie between them), each shard's documents lie in its range (checked
+    per shard), and a complete run has every shard index from 0 -- whatever the number of processes
+    that wrote it."""
+    ordered = sorted(shards, key=lambda s: s.index)
+    problem = None
+    for a, b in zip(ordered, ordered[1:], strict=False):
+        if b.doc_start < a.doc_stop:
+            problem = f"shards {a.file} and {b.file} both claim documents {b.doc_start}..{a.doc_stop - 1}"
+            break
+    indices = [s.index for s in ordered]
+    missing = sorted(set(range(max(indices) + 1)) - set(indices)) if indices else []
+    if problem is None and complete and missing:
+        problem = f"the run is marked complete but shard(s) {missing[:5]} are missing"
+    return {
+        "shards": len(ordered),
+        "docs": sum(s.docs for s in ordered),
+        "first_doc": ordered[0].doc_start if ordered else None,
+        "last_doc": ordered[-1].doc_stop - 1 if ordered else None,
+        "missing_shards": missing,
+        "each_document_once": problem is None,
+        "problem": problem,
+    }

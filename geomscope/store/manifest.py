@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import fcntl
+import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 from geomscope.errors import DataError, InputError
@@ -15,6 +17,9 @@ from geomscope.store.shard import SHARD_FILE_RE, SHARD_TEMP_RE, ShardInfo, Shard
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 LOCK_NAME = ".geomscope.lock"
+#: in a multi-process extract, process r > 0 records its finished shards in its own part file;
+#: process 0 folds the parts into the manifest (at the end, and when a run is resumed)
+PART_RE = re.compile(r"\.geomscope-rank-\d{5}\.json")
 
 
 _SHARD_FIELDS = {
@@ -144,6 +149,38 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.h5"
 
 
+def part_name(rank: int) -> str:
+    return f".geomscope-rank-{rank:05d}.json"
+
+
+def identity_digest(identity: dict) -> str:
+    """sha256 of an identity's canonical JSON: a part file belongs to the run whose digest it holds."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def read_parts(run_dir: Path, identity: dict) -> tuple[list[dict], list[Path]]:
+    """(shard entries, part files) of the part files of ``run_dir`` written for ``identity``; parts of
+    another identity, or damaged ones, contribute no entries (their shards are redone) but are listed
+    so that they are removed."""
+    entries, files = [], []
+    digest = identity_digest(identity)
+    for p in sorted(Path(run_dir).iterdir()):
+        if not PART_RE.fullmatch(p.name) or p.is_symlink() or not p.is_file():
+            continue
+        files.append(p)
+        try:
+            part = json.loads(p.read_text(encoding="utf-8"))
+            if part.get("identity_sha256") != digest:
+                continue
+            shards = part.get("shards")
+            for i, e in enumerate(shards):
+                _check_shard_entry(e, i, p)
+            entries.extend(shards)
+        except (OSError, ValueError, AttributeError, TypeError, InputError):
+            continue
+    return entries, files
+
+
 def _flatten(d, prefix=""):
     """Nested dicts and lists of dicts -> ``{"a.b": v, "layers.1.index": v}`` (other lists stay whole)."""
     out = {}
@@ -202,6 +239,36 @@ def write_json_atomic(path: Path, obj: dict) -> None:
     write_text_atomic(
         path, dumps_manifest(obj) if path.name == MANIFEST_NAME else json.dumps(obj, indent=2) + "\n"
     )
+
+
+class RankWriter:
+    """Process ``rank`` > 0 of a multi-process extract: it writes its shards into the run directory
+    that process 0 has opened (and locked) and records them in its own part file, which process 0
+    folds into the manifest (:meth:`RunWriter.fold_parts`). Same interface as RunWriter for
+    ``extract``'s shard loop."""
+
+    def __init__(self, run_dir: Path, rank: int):
+        self.dir = Path(run_dir)
+        self.path = self.dir / MANIFEST_NAME
+        self.manifest = read_manifest(self.path)
+        self.identity = self.manifest["identity"]
+        self.part = self.dir / part_name(rank)
+        self._entries: list[dict] = []
+
+    @property
+    def finished(self) -> dict[int, ShardInfo]:
+        return {s["index"]: ShardInfo.from_dict(s) for s in self.manifest["shards"]}
+
+    def shard_writer(self, index: int, **kw) -> ShardWriter:
+        return ShardWriter(self.dir / shard_name(index), index=index, **kw)
+
+    def add_shard(self, info: ShardInfo, stats: dict | None = None) -> None:
+        entry = info.to_dict()
+        if stats:
+            entry["stats"] = stats
+        self._entries.append(entry)
+        doc = {"identity_sha256": identity_digest(self.identity), "shards": self._entries}
+        write_text_atomic(self.part, json.dumps(doc) + "\n")
 
 
 class RunWriter:
@@ -279,7 +346,7 @@ class RunWriter:
             # keep only shards whose files match their size and checksum: the rest are redone
             self.manifest["shards"] = [s for s in self.manifest["shards"] if self._intact(s)]
             self.manifest["complete"] = False
-            self._save()
+            self.fold_parts()
 
     # -- reading -------------------------------------------------------------------------------------
     def _read_existing(self, overwrite: bool) -> dict | None:
@@ -353,6 +420,20 @@ class RunWriter:
         self.manifest["shards"] = shards
         self._save()
 
+    def fold_parts(self) -> None:
+        """Move the intact shards that other processes recorded in their part files into the
+        manifest, save it, then remove the part files (a multi-process extract; see ranks.py)."""
+        entries, files = read_parts(self.dir, self.identity)
+        have = {s["index"] for s in self.manifest["shards"]}
+        for e in entries:
+            if e["index"] not in have and self._intact(e):
+                self.manifest["shards"].append(e)
+                have.add(e["index"])
+        self.manifest["shards"].sort(key=lambda s: s["index"])
+        self._save()
+        for p in files:
+            p.unlink(missing_ok=True)
+
     def update(self, **fields) -> None:
         """Set top-level manifest fields (e.g. ``totals``, ``planned_shards``) and save."""
         self.manifest.update(fields)
@@ -382,8 +463,12 @@ class RunWriter:
         shard geomscope wrote) is refused, so a failed --overwrite leaves the run as it was.
         """
         listed = [self.dir / s["file"] for s in existing["shards"]]
+        in_parts, parts = read_parts(self.dir, existing.get("identity", {}))
+        listed += [self.dir / s["file"] for s in in_parts]
         temps = [
-            p for p in self.dir.iterdir() if SHARD_TEMP_RE.fullmatch(p.name) or p.name.startswith(TEMP_PREFIX)
+            p
+            for p in self.dir.iterdir()
+            if SHARD_TEMP_RE.fullmatch(p.name) or p.name.startswith(TEMP_PREFIX) or p in parts
         ]
         for p in (*listed, *temps):
             if p.is_dir() and not p.is_symlink():

@@ -1,0 +1,149 @@
+"""``extract`` as many processes: ``torchrun --nproc-per-node N -m geomscope extract ...``,
+``accelerate launch -m geomscope extract ...`` or ``srun`` (geomscope.distributed reads the rank).
+
+Shards are defined as in one process (shard k = the k-th run of ``--shard-docs`` non-empty
+documents), so they do not depend on the number of processes: shard k is written by process
+k mod N, which makes every document's process a function of its document id and the inputs. Every
+process reads the inputs (cheap next to the model) and skips the shards that are not its own.
+
+Process 0 opens the run directory as one process would (identity check, ``--overwrite``, resume,
+the lock that keeps other commands out), then the others join it. Each process > 0 records its
+finished shards in its own part file (``.geomscope-rank-<r>.json``); process 0 writes the manifest,
+and when every process is done it folds the parts in and finalizes the run with the same totals a
+single process would have written. A process killed mid-run loses only its unfinished shard: the
+part files outlive it, and rerunning the command -- with any number of processes -- folds them in
+and writes only what is missing.
+
+The processes meet at four points (plan, open, shards written, run finalized); at each, a failure
+of any process becomes every process's error (geomscope.distributed.agree), so all exit non-zero
+with the one line, and a process that died makes the others fail after GEOMSCOPE_DIST_TIMEOUT
+instead of waiting for ever.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from geomscope import distributed as dd
+from geomscope.errors import InputError
+
+
+def _together(d, fn):
+    """Run ``fn`` here, then learn whether every process succeeded (a failure anywhere raises)."""
+    result, failure = None, None
+    try:
+        result = fn()
+    except Exception as e:  # passed to the others, then raised here
+        failure = e
+    dd.agree(d, failure)
+    return result
+
+
+def _share_json(d, obj):
+    """Process 0's JSON-able ``obj`` on every process (as bytes in tensors: nothing is unpickled)."""
+    import torch
+    import torch.distributed as dist
+
+    raw = json.dumps(obj).encode() if d.rank == 0 else b""
+    size = torch.tensor([len(raw)], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=d.reg_group)
+    buf = torch.zeros(int(size), dtype=torch.uint8)
+    if d.rank == 0:
+        buf[:] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    dist.broadcast(buf, src=0, group=d.reg_group)
+    return json.loads(bytes(buf.tolist()).decode())
+
+
+def check_options(opts, inputs) -> None:
+    """What a run of several processes cannot do, refused before anything starts."""
+    if opts.max_tokens is not None:
+        raise InputError(
+            "--max-tokens cuts the run where the running total of rows reaches it, which depends on "
+            "every earlier shard; use --max-docs with several processes, or run one process"
+        )
+    if any(str(i) == "-" for i in inputs):
+        raise InputError("several processes cannot share stdin; give the input as a file")
+
+
+def extract_ranks(model, inputs, out: Path, opts, *, progress: bool, log, stdin) -> dict:
+    """The multi-process ``extract`` (see the module docstring); every process returns the summary."""
+    from geomscope.extract import run as single
+    from geomscope.extract.sources import close_inputs, open_inputs
+    from geomscope.store import RunWriter
+    from geomscope.store.manifest import RankWriter
+
+    d = dd.setup(opts.device, backend="gloo")  # coordination only: small CPU tensors
+    writer = None
+    try:
+        is_main = d.rank == 0
+        say = log if (log and is_main) else (lambda msg: None)
+        t_start = time.perf_counter()
+        ins = open_inputs([str(i) for i in inputs], stdin=stdin)
+        try:
+            local = opts if str(opts.device) != "auto" else _device_of(opts, d)
+
+            def plan():
+                scan = single._scan(ins, local)
+                lm = single._load(model, local)
+                return scan, lm, single._plan(lm, ins, scan, local, out)
+
+            scan, lm, p = _together(d, plan)
+            say(p.describe(lm, out, scan.docs) + f"; {d.world_size} processes")
+            writer = _together(d, lambda: _open_main(out, p, lm, local, scan, d) if is_main else None)
+            if not is_main:
+                writer = _together(d, lambda: RankWriter(out, d.rank))
+            else:
+                _together(d, lambda: None)
+            shard_run = single._ShardRun(writer, lm, ins, p, local, progress and is_main)
+            shard_run.rank, shard_run.world = d.rank, d.world_size
+            seconds = _together(d, shard_run.write_shards)
+            import torch
+
+            mine = torch.tensor([shard_run.new_rows, shard_run.written], dtype=torch.float64)
+            new_rows, written = (int(v) for v in dd.all_reduce_sum(mine, d).tolist())
+
+            def finish():
+                if not is_main:
+                    return None
+                writer.fold_parts()
+                summary = shard_run.finish(seconds, new_rows, written)
+                summary["processes"] = d.world_size
+                summary["seconds_total"] = round(time.perf_counter() - t_start, 3)
+                summary["estimate"] = {"tokens": p.est_tokens, "bytes": p.est_bytes}
+                return summary
+
+            summary = _together(d, finish)
+            summary = _share_json(d, summary)
+        finally:
+            close_inputs(ins)
+    finally:
+        if isinstance(writer, RunWriter):
+            writer.release()
+        dd.teardown(d)
+    say(single.done_line(summary))
+    single._refuse_nonfinite(summary, opts, out)
+    return summary
+
+
+def _device_of(opts, d):
+    """``--device auto``: this process's own GPU (its local rank) where there are GPUs."""
+    from dataclasses import replace
+
+    return replace(opts, device=str(d.device))
+
+
+def _open_main(out: Path, p, lm, opts, scan, d):
+    from geomscope.extract import run as single
+    from geomscope.store import RunWriter
+
+    writer = RunWriter(out, p.identity, overwrite=opts.overwrite, extra=single._manifest_extra(lm, opts))
+    writer.manifest.update(
+        planned_shards=p.shards,
+        planned_docs=scan.docs,
+        estimate={"tokens": p.est_tokens, "bytes": p.est_bytes},
+        last_invocation=single._invocation(lm, opts, processes=d.world_size),
+    )
+    writer.update()
+    return writer
