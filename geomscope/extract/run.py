@@ -132,8 +132,14 @@ def extract(
 
 def _invocation(lm, opts: ExtractOptions, processes: int = 1) -> dict:
     """How this invocation ran (not part of the identity: it does not change the rows)."""
+    placed = sorted({str(v) for v in (getattr(lm.model, "hf_device_map", None) or {}).values()})
     return {
         "device": str(lm.device),
+        **(
+            {"device_map": opts.device_map, "placed_on": placed or [str(lm.device)]}
+            if opts.device_map
+            else {}
+        ),
         "batch_tokens": opts.batch_tokens,
         "processes": processes,
         "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -176,6 +182,8 @@ def _load(model, opts: ExtractOptions):
         stack=opts.stack,
         cache_dir=opts.cache_dir,
         loss=opts.loss if opts.gradients else None,
+        device_map=opts.device_map,
+        max_memory=opts.max_memory_map,
     )
 
 
