@@ -20,6 +20,10 @@ Rows (throughput in rows/s; ratio = geomscope rows/s / alternative rows/s, > 1 m
   ms (ru_maxrss is useless here: a spawned child inherits its parent's high-water mark).
 - Workers (full run only): ``score(--workers 2)`` vs ``--workers 1`` on the run, IsoScore alone and
   the moment suite (ratio = speed-up; the machine's free cores bound it).
+- Dask (needs ``geomscope[dask]``): ``score(--scheduler local:2)`` vs ``--workers 2`` on the run, the
+  moment suite (ratio = workers-2 time / Dask time; the issue's target: Dask overhead <= 10 %, ratio >=
+  0.91). Both include their start-up (pool spawn / LocalCluster of 2 worker processes). Only this
+  comparison: ``python benchmarks/bench_score.py [--quick] --only dask``.
 Threads: the package runs torch with its default threads; geomscope runs BLAS single-threaded per
 worker (see geomscope/score/executor.py), so ``--workers 1`` uses one core.
 Timings alternate the sides (``_common.alternate``), medians of several repeats after a warm-up.
@@ -104,10 +108,10 @@ def load_rows(path: Path) -> np.ndarray:
     )
 
 
-def _score(path: Path, metrics, workers: int = 1) -> dict:
+def _score(path: Path, metrics, workers: int = 1, scheduler: str | None = None) -> dict:
     from geomscope.score import ScoreOptions, score
 
-    return score(path, ScoreOptions(metrics=tuple(metrics), workers=workers))
+    return score(path, ScoreOptions(metrics=tuple(metrics), workers=workers, scheduler=scheduler))
 
 
 def _package(x: np.ndarray, star: bool = False) -> float:
@@ -200,9 +204,41 @@ def _throughput_rows(label: str, path: Path, n: int, x: np.ndarray, repeats: int
     return rows
 
 
-def run(quick: bool = False) -> list[dict]:
+def dask_rows(run_dir: Path, n_run: int, repeats: int) -> list[dict]:
+    """``--scheduler local:2`` vs ``--workers 2`` (the moment suite: two passes over the shards)."""
+    import importlib.util
+
+    if importlib.util.find_spec("distributed") is None:
+        return []
+    a = _score(run_dir, MOMENT_SUITE, 2)["layers"][0]
+    b = _score(run_dir, MOMENT_SUITE, scheduler="local:2")["layers"][0]
+    diff = max(abs(a[k] - b[k]) for k in ("isoscore", "isoscore_star", "avgcos_centred", "pr"))
+    t = alternate(
+        {
+            "w2": lambda: _score(run_dir, MOMENT_SUITE, 2),
+            "dask": lambda: _score(run_dir, MOMENT_SUITE, scheduler="local:2"),
+        },
+        repeats=repeats,
+    )
+    return [
+        {
+            "benchmark": f"Dask local:2 vs --workers 2, moment suite, run {n_run:,}x384",
+            "geomscope": n_run / t["dask"],
+            "alternative": n_run / t["w2"],
+            "ratio": t["w2"] / t["dask"],
+            "target": ">= 0.91",
+            "note": f"rows/s with --scheduler local:2 (geomscope column) vs --workers 2 (alternative); "
+            f"Dask overhead {t['dask'] / t['w2'] - 1:+.1%} ({t['dask']:.2f} s vs {t['w2']:.2f} s, median of "
+            f"{repeats}, each with its start-up); |difference| {diff:.1e}; {os.cpu_count()} CPUs, shared",
+        }
+    ]
+
+
+def run(quick: bool = False, only: str | None = None) -> list[dict]:
     n_run, n_arr = (20_000, 5_000) if quick else (200_000, 50_000)
     repeats = 1 if quick else 5
+    if only == "dask":
+        return dask_rows(make_run(n_run), n_run, repeats)
     run_dir, arr = make_run(n_run), make_array(n_arr)
     rows = []
     x_run = load_rows(run_dir)
@@ -242,11 +278,12 @@ def run(quick: bool = False) -> list[dict]:
                 f"~0.7 s to spawn the pool; {os.cpu_count()} CPUs on this machine, shared",
             }
         )
-    return rows
+    return rows + dask_rows(run_dir, n_run, repeats)
 
 
 if __name__ == "__main__":
-    out = run(quick="--quick" in sys.argv)
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
+    out = run(quick="--quick" in sys.argv, only=only)
     print_rows(out, "score: streaming scorer vs the isoscore package")
     if "--json" in sys.argv:
         print(json.dumps(out, indent=1))

@@ -575,6 +575,7 @@ def test_report_is_json_serialisable_with_stable_keys(run):
         "uncertainty",
         "jackknife_groups",
         "workers",
+        "scheduler",
         "layer_batch_size",
         "rows_total",
     }

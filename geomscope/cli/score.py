@@ -147,6 +147,15 @@ def score_cmd(
         help="Processes reading shards (and threads finishing layers) in parallel; "
         "BLAS runs single-threaded in each.",
     ),
+    scheduler: Optional[str] = typer.Option(
+        None,
+        "--scheduler",
+        metavar="local:N|tcp://HOST:PORT|FILE.json",
+        help="Run the shard reading as Dask tasks: local:N starts N single-threaded worker processes "
+        "here for the call; tcp://HOST:PORT or a scheduler FILE.json uses a running Dask cluster (its "
+        "workers must read the run at the same path). Same report as --workers (merged in shard "
+        "order); not combined with --workers. Needs pip install 'geomscope[dask]'.",
+    ),
     jackknife_groups: int = typer.Option(
         10,
         "--jackknife-groups",
@@ -231,6 +240,7 @@ def score_cmd(
         layers=tuple(split_list(layers)) or None,
         max_rows=max_rows,
         workers=workers,
+        scheduler=scheduler,
         partial=partial,
         jackknife_groups=jackknife_groups,
         memory_mb=memory_mb,

@@ -19,6 +19,7 @@ under ``--memory-mb`` (one layer per batch at least); each batch repeats the pas
 
 Parallelism: ``--workers N`` reads shards in N processes (partial accumulators merged in shard order)
 and finishes N layers at a time in threads; BLAS is single-threaded throughout (see executor.py).
+``--scheduler`` runs the shard tasks on a Dask cluster instead (dask_executor.py), merged the same way.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from geomscope.progress import Progress
 from geomscope.schema import REPORT_FORMAT, REPORT_FORMAT_VERSION
 from geomscope.score import compute, idest, outliers
 from geomscope.score.accumulate import PassSpec
-from geomscope.score.executor import Executor, one_blas_thread
+from geomscope.score.executor import Executor, make_executor, one_blas_thread
 from geomscope.score.layer import LayerResult
 from geomscope.score.options import ScoreOptions
 from geomscope.score.sources import SourceInfo, open_source
@@ -82,7 +83,11 @@ def score(
     )
     for w in src.warnings:
         log(w)
-    with one_blas_thread(), Executor(opts.workers) as ex, Progress(enabled=progress) as prog:
+    with (
+        one_blas_thread(),
+        make_executor(opts.workers, opts.scheduler) as ex,
+        Progress(enabled=progress) as prog,
+    ):
         return _Scorer(src, opts, ex, prog, log).run()
 
 
@@ -219,7 +224,9 @@ class _Scorer:
 
     def _batches(self) -> list[list[str]]:
         o = self.opts
-        in_flight = 0 if o.workers <= 1 else 2 * o.workers  # task results held besides the accumulator
+        in_flight = (
+            self.ex.in_flight
+        )  # task results held besides the accumulator (2 x workers or Dask threads)
         per_layer = self.G * self.src.dim**2 * 8 * (in_flight + 2) if o.moment_metrics else 0
         budget = int(o.memory_mb * 1024 * 1024)
         size = len(self.src.layers) if per_layer == 0 else max(1, budget // per_layer)
@@ -431,6 +438,7 @@ class _Scorer:
                 "uncertainty": unc,
                 "jackknife_groups": self.G if self.G >= 2 else 0,
                 "workers": o.workers,
+                "scheduler": o.scheduler,
                 "layer_batch_size": self.batch_size,
                 "rows_total": self.rows,
             },

@@ -12,6 +12,9 @@ parallelism comes from ``--workers`` -- processes over shards, threads over laye
 are small (blocks of a few thousand rows x D x D, D x D eigensolves), and multi-threaded OpenBLAS on
 them was 4x (dsyrk) to 100x (eigvalsh of 384 x 384) slower than one thread on a busy 2-core machine;
 N workers use N cores.
+
+``--scheduler`` (local:N, tcp://HOST:PORT, FILE.json) runs the same tasks on a Dask cluster instead
+(dask_executor.py): same task order merge, same numbers. :func:`make_executor` picks.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class Executor:
     def __init__(self, workers: int = 1):
         self.workers = int(workers)
         self._pool: ProcessPoolExecutor | None = None
+        self.in_flight = 0 if self.workers <= 1 else 2 * self.workers  # results held besides the accumulator
 
     def __enter__(self) -> Executor:
         return self
@@ -104,3 +108,12 @@ class Executor:
                 fut.cancel()
             raise
         return acc
+
+
+def make_executor(workers: int = 1, scheduler: str | None = None):
+    """A Dask executor for ``--scheduler``, else a local one for ``--workers``."""
+    if scheduler:
+        from geomscope.score.dask_executor import DaskExecutor
+
+        return DaskExecutor(scheduler)
+    return Executor(workers)

@@ -62,6 +62,7 @@ class ScoreOptions:
     basis: str | None = None  # a run of activations: gradient energy in its top-r subspaces (gradenergy.py)
     ranks: tuple[int, ...] = (8, 32, 128)
     controls: int = 20
+    scheduler: str | None = None  # Dask: "local:N" | "tcp://HOST:PORT" | "FILE.json" (dask_executor.py)
     extra_id: tuple[str, ...] = field(default=(), repr=False)  # filled by validate()
 
     def to_dict(self) -> dict:
@@ -95,6 +96,7 @@ class ScoreOptions:
             shrinkage_target=normalise_target(self.shrinkage_target),
             ranks=_checked_ranks(self.ranks),
             controls=n.whole("controls", lo=0),
+            scheduler=_checked_scheduler(self.scheduler, self.workers),
         )
 
     # -- convenience -------------------------------------------------------------------------
@@ -188,6 +190,23 @@ def _checked_ranks(ranks) -> tuple[int, ...]:
     if not out:
         raise InputError("--rank is empty; give ranks such as 8,32,128")
     return tuple(sorted(set(out)))
+
+
+def _checked_scheduler(scheduler, workers) -> str | None:
+    """``--scheduler``: well formed, Dask importable, and not with ``--workers N > 1`` (the Dask workers
+    read the shards; a second pool size would be ignored silently, so it is refused)."""
+    if scheduler is None:
+        return None
+    from geomscope.score.dask_executor import parse_scheduler, require_distributed
+
+    s = parse_scheduler(scheduler)
+    if workers != 1:
+        raise InputError(
+            f"--workers {workers} and --scheduler {s} both say where the shards are read; the Dask "
+            "workers read them with --scheduler: drop --workers (or set the cluster's size, local:N)"
+        )
+    require_distributed()
+    return s
 
 
 def _checked_groups(groups: int) -> int:

@@ -1,0 +1,201 @@
+"""``score --scheduler``: the shard tasks on a real Dask LocalCluster (worker processes) give the
+``--workers 1`` report; the merge is by task index, so every Dask run is bit-identical to every other;
+a worker killed mid-score changes nothing; bad values and a missing Dask are one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("distributed")
+
+from conftest import assert_one_line_error  # noqa: E402
+from distributed.diagnostics.plugin import SchedulerPlugin  # noqa: E402
+from helpers_models import make_tiny_run  # noqa: E402
+
+from geomscope.errors import InputError  # noqa: E402
+from geomscope.score import ScoreOptions, score  # noqa: E402
+
+SCALARS = (
+    "isoscore",
+    "isoscore_star",
+    "avgcos",
+    "avgcos_centred",
+    "avgcos_standardised",
+    "pr",
+    "erank",
+    "top1_share",
+    "top5_share",
+    "top10_share",
+)
+OPTS = dict(id_sample=60, jackknife_groups=4)
+
+
+def _cluster(n: int = 2):
+    from distributed import LocalCluster
+
+    return LocalCluster(
+        n_workers=n,
+        threads_per_worker=1,
+        processes=True,
+        host="127.0.0.1",
+        dashboard_address=None,
+        scheduler_kwargs={"dashboard": False, "dashboard_address": "127.0.0.1:0"},
+        silence_logs=50,
+    )
+
+
+@pytest.fixture(scope="module")
+def run6(tmp_path_factory):
+    """A tiny BERT's run cut into 6 shards (2 documents each)."""
+    d = tmp_path_factory.mktemp("dask")
+    run = make_tiny_run(d, "bert", name="run6", shard_docs=2, store_dtype="float32")
+    assert len(json.loads((run / "manifest.json").read_text())["shards"]) >= 6
+    return run
+
+
+@pytest.fixture(scope="module")
+def clean(run6):
+    return score(run6, ScoreOptions(**OPTS))
+
+
+@pytest.fixture(scope="module")
+def local2(run6):
+    return score(run6, ScoreOptions(scheduler="local:2", **OPTS))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = _cluster()
+    yield c
+    c.close()
+
+
+def _rel_close(a, b, rtol=1e-12, what=""):
+    if a is None or b is None:
+        assert a is None and b is None, what
+        return
+    assert abs(a - b) <= rtol * max(abs(a), abs(b), 1e-300), (what, a, b)
+
+
+def assert_same_report(a: dict, b: dict, exact: bool = False) -> None:
+    """Every layer's metrics and SEs to 1e-12 (relative; ``exact``: bit for bit); eigenvalues too;
+    outliers, TwoNN (its seeded sample) and row counts identical."""
+    assert len(a["layers"]) == len(b["layers"])
+    for ea, eb in zip(a["layers"], b["layers"], strict=True):
+        name = ea["layer"]
+        assert ea["n_rows"] == eb["n_rows"] and ea["dropped"] == eb["dropped"]
+        assert ea["outliers"] == eb["outliers"], name
+        assert ea["twonn"] == eb["twonn"] and ea["se"]["twonn"] == eb["se"]["twonn"], name
+        assert ea["twonn_n_used"] == eb["twonn_n_used"]
+        assert set(ea["se"]) == set(eb["se"])
+        for k in SCALARS:
+            if exact:
+                assert ea[k] == eb[k] and ea["se"].get(k) == eb["se"].get(k), (name, k)
+            _rel_close(ea[k], eb[k], what=(name, k))
+            _rel_close(ea["se"].get(k), eb["se"].get(k), what=(name, "se", k))
+        ev_a, ev_b = np.asarray(ea["eigenvalues"]), np.asarray(eb["eigenvalues"])
+        if exact:
+            np.testing.assert_array_equal(ev_a, ev_b)
+        np.testing.assert_allclose(ev_a, ev_b, rtol=1e-12, atol=1e-12 * ev_a.max())
+
+
+def test_local_cluster_equals_one_worker(clean, local2):
+    assert_same_report(clean, local2)
+    assert any(e["twonn"] is not None for e in local2["layers"])
+    assert local2["params"]["scheduler"] == "local:2" and clean["params"]["scheduler"] is None
+    assert local2["params"]["workers"] == 1
+
+
+def test_tcp_address_and_scheduler_file(run6, local2, cluster, tmp_path):
+    by_tcp = score(run6, ScoreOptions(scheduler=cluster.scheduler_address, **OPTS))
+    f = tmp_path / "scheduler.json"
+    ident = cluster.scheduler.identity()  # the keys of a scheduler file that a client reads
+    f.write_text(json.dumps({k: ident[k] for k in ("type", "id", "address")}))
+    by_file = score(run6, ScoreOptions(scheduler=str(f), **OPTS))
+    # merged by task index, never by arrival: any cluster, any timing, the same bits
+    assert_same_report(local2, by_tcp, exact=True)
+    assert_same_report(local2, by_file, exact=True)
+    assert by_tcp["params"]["scheduler"] == cluster.scheduler_address
+    assert by_file["params"]["scheduler"] == str(f)
+    from distributed import Client
+
+    with Client(cluster, set_as_default=False) as c:  # the external cluster is left running
+        assert len(c.nthreads()) == 2
+
+
+class _KillFirstWorker(SchedulerPlugin):
+    """Scheduler plugin (the LocalCluster's scheduler runs in this process): SIGKILL the worker the
+    first geomscope task is assigned to, at that moment -- the task cannot finish there."""
+
+    name = "kill-first-geomscope-worker"
+
+    def __init__(self, scheduler, pids: dict):
+        self.scheduler, self.pids, self.killed = scheduler, pids, None
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        if self.killed is None and finish == "processing" and str(key).startswith("geomscope-"):
+            addr = self.scheduler.tasks[key].processing_on.address
+            self.killed = (key, addr)
+            os.kill(self.pids[addr], signal.SIGKILL)
+
+
+def test_killed_worker_tasks_rerun_same_report(run6, clean, local2):
+    from distributed import Client
+
+    c = _cluster()
+    try:
+        with Client(c, set_as_default=False) as client:
+            pids = client.run(os.getpid)
+            plugin = _KillFirstWorker(c.scheduler, pids)
+            c.scheduler.add_plugin(plugin)
+            rep = score(run6, ScoreOptions(scheduler=c.scheduler_address, **OPTS))
+            assert plugin.killed is not None and plugin.killed[1] in pids
+            client.wait_for_workers(2, timeout=60)  # the nanny restarts the killed worker
+            assert pids[plugin.killed[1]] not in client.run(os.getpid).values()
+    finally:
+        c.close()
+    assert_same_report(local2, rep, exact=True)
+    assert_same_report(clean, rep)
+
+
+def test_scheduler_option_values():
+    assert ScoreOptions(scheduler=" local:3 ").validate().scheduler == "local:3"
+    assert ScoreOptions(scheduler="tcp://10.0.0.1:8786").validate().scheduler == "tcp://10.0.0.1:8786"
+    for bad, needle in (
+        ("local:0", "N >= 1"),
+        ("local:x", "N >= 1"),
+        ("foo", "must be local:N, tcp://HOST:PORT"),
+        ("tcp://nohost", "tcp://HOST:PORT"),
+        ("/no/such/scheduler.json", "does not exist"),
+    ):
+        with pytest.raises(InputError, match=needle):
+            ScoreOptions(scheduler=bad).validate()
+    with pytest.raises(InputError, match="drop --workers"):
+        ScoreOptions(scheduler="local:2", workers=2).validate()
+
+
+def test_cli_errors(cli, run6, tmp_path, monkeypatch):
+    import geomscope.score.dask_executor as dx
+
+    out = tmp_path / "rep"
+    for args, needle in (
+        (["--scheduler", "local:0"], "local:N needs a whole number"),
+        (["--scheduler", "foo"], "--scheduler must be local:N"),
+        (["--scheduler", str(tmp_path / "missing.json")], "does not exist"),
+        (["--scheduler", "local:2", "--workers", "2"], "drop --workers"),
+    ):
+        code, o, e = cli(["score", run6, "--out", out, "--quiet", *args])
+        assert_one_line_error(code, o, e, needle)
+    monkeypatch.setattr(dx, "CONNECT_TIMEOUT_S", 1)
+    code, o, e = cli(["score", run6, "--out", out, "--quiet", "--scheduler", "tcp://127.0.0.1:9"])
+    assert_one_line_error(code, o, e, "tcp://127.0.0.1:9", "no Dask scheduler")
+    monkeypatch.setitem(sys.modules, "distributed", None)  # `import distributed` fails
+    code, o, e = cli(["score", run6, "--out", out, "--quiet", "--scheduler", "local:2"])
+    assert_one_line_error(code, o, e, "pip install 'geomscope[dask]'")
+    assert not out.with_suffix(".json").exists()
