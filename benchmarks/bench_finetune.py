@@ -33,8 +33,8 @@ from _common import print_rows  # noqa: E402
 def _setup(device: str, batch: int, n_batches: int, c0_points: int):
     import torch
 
-    from geomscope.extract.models import bundled_minilm_dir
     from geomscope import distributed as dd
+    from geomscope.extract.models import bundled_minilm_dir
     from geomscope.train.data import Encoded, build_label_map, load_table
     from geomscope.train.evaluate import compute_c0
     from geomscope.train.loop import make_autocast

@@ -100,9 +100,15 @@ def extract_ranks(model, inputs, out: Path, opts, *, progress: bool, log, stdin)
             shard_run.rank, shard_run.world = d.rank, d.world_size
             seconds = _together(d, shard_run.write_shards)
             import torch
+            import torch.distributed as dist
 
             mine = torch.tensor([shard_run.new_rows, shard_run.written], dtype=torch.float64)
             new_rows, written = (int(v) for v in dd.all_reduce_sum(mine, d).tolist())
+            slowest = torch.tensor(
+                [seconds], dtype=torch.float64
+            )  # the run took as long as its slowest process
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=d.reg_group)
+            seconds = float(slowest[0])
 
             def finish():
                 if not is_main:
