@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 
 from geomscope.cli._app import app
@@ -12,8 +10,11 @@ from geomscope.cli._options import json_option
 
 @app.command("inspect")
 def inspect_cmd(
-    run_dir: Path = typer.Argument(
-        ..., metavar="RUN_DIR", help="A run directory written by `geomscope extract`."
+    run_dir: str = typer.Argument(
+        ...,
+        metavar="RUN_DIR",
+        help="A run directory written by `geomscope extract`, or its fsspec URL (file://, s3://, gcs://, "
+        "hf://, ...; read through fsspec, the filesystem's package installed).",
     ),
     json_out: bool = json_option("the description"),
     verify: bool = typer.Option(

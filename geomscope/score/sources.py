@@ -76,17 +76,19 @@ def _rows_per_block(dim: int, itemsize: int, n_layers: int) -> int:
 def check_shard_file(task: Task, *, checksum: bool):
     """Size of a shard against the manifest now; its sha256 (``checksum``) in a background thread
     while the shard is streamed (hashlib releases the GIL). Returns ``finish()``, which waits for the
-    hash and raises DataError naming the shard if it differs. Missing/short files raise at once."""
+    hash and raises DataError naming the shard if it differs. Missing/short files raise at once.
+    ``task.path`` is a path or a URL (its bytes are then streamed through fsspec)."""
     import threading
 
-    from geomscope.store.shard import file_sha256
+    from geomscope.store import remote
 
-    p = Path(task.path)
-    if not p.exists():
+    p = remote.location(task.path)
+    if not remote.exists(p):
         raise DataError(f"shard {p} is missing; rerun the same `geomscope extract` command to redo it")
-    if task.nbytes >= 0 and p.stat().st_size != task.nbytes:
+    size = remote.size(p)
+    if task.nbytes >= 0 and size != task.nbytes:
         raise DataError(
-            f"shard {p} is corrupt or truncated ({p.stat().st_size} bytes on disk, "
+            f"shard {p} is corrupt or truncated ({size} bytes on disk, "
             f"{task.nbytes} recorded); rerun the same `geomscope extract` command to redo it"
         )
     if not (checksum and task.sha256):
@@ -95,8 +97,8 @@ def check_shard_file(task: Task, *, checksum: bool):
 
     def run() -> None:
         try:
-            result["sha"] = file_sha256(p)
-        except OSError as e:
+            result["sha"] = remote.sha256(p)
+        except Exception as e:  # OSError, or whatever a remote filesystem raises
             result["error"] = e
 
     th = threading.Thread(target=run, daemon=True)
@@ -105,9 +107,10 @@ def check_shard_file(task: Task, *, checksum: bool):
     def finish() -> None:
         th.join()
         if "error" in result or result.get("sha") != task.sha256:
+            err = result.get("error")
             why = (
-                f"cannot read it: {result['error']}"
-                if "error" in result
+                f"cannot read it: {(str(err).strip().splitlines() or [type(err).__name__])[0]}"
+                if err is not None
                 else "checksum differs from the manifest"
             )
             raise DataError(
@@ -122,7 +125,7 @@ def _shard_meta(task: Task, layers: list[str], n_groups: int) -> Iterator[Block]
     """Metadata (keys, groups, special, non-finite flags) of a shard, without activations."""
     from geomscope.store import iter_shard
 
-    for ch in iter_shard(Path(task.path), layers, chunk_rows=1 << 20, activations=False):
+    for ch in iter_shard(task.path, layers, chunk_rows=1 << 20, activations=False):
         n = ch.stop - ch.start
         nf = {
             name: np.asarray(ch.nonfinite[name], bool) if name in ch.nonfinite else np.zeros(n, bool)
@@ -139,7 +142,7 @@ def _shard_meta(task: Task, layers: list[str], n_groups: int) -> Iterator[Block]
 def _shard_blocks(task: Task, layers: list[str], n_groups: int, block_rows: int | None) -> Iterator[Block]:
     from geomscope.store import iter_shard
 
-    for ch in iter_shard(Path(task.path), layers, chunk_rows=block_rows):
+    for ch in iter_shard(task.path, layers, chunk_rows=block_rows):
         nf = {}
         for n in layers:
             if n in ch.nonfinite:  # the store flags every row whose stored values hold NaN/Inf
@@ -327,10 +330,16 @@ def open_source(
     partial: bool = False,
     block_rows: int | None = None,
 ) -> SourceInfo:
-    """Validate ``path`` and describe it as tasks. Raises InputError/DataError with one line."""
-    from geomscope.score.formats import format_of
-    from geomscope.store import MANIFEST_NAME
+    """Validate ``path`` and describe it as tasks. Raises InputError/DataError with one line.
 
+    ``path``: a local path, or an fsspec URL (``scheme://...``) of a run directory, read through
+    fsspec (arrays and other formats are read from local paths only).
+    """
+    from geomscope.score.formats import format_of
+    from geomscope.store import MANIFEST_NAME, remote
+
+    if remote.is_url(path):
+        return _open_url(path, dataset=dataset, layers=layers, columns=columns, partial=partial)
     p = Path(path)
     if not p.exists():
         raise InputError(f"{p} does not exist; give {ACCEPTED}")
@@ -351,6 +360,26 @@ def open_source(
     if not _is_array_path(p):
         raise InputError(f"{p} is not a format score reads; give {ACCEPTED}")
     return _open_array(p, dataset, block_rows)
+
+
+def _open_url(url: str, *, dataset, layers, columns, partial: bool) -> SourceInfo:
+    """A run directory given as a URL: its manifest and shards are read through fsspec."""
+    from geomscope.store import MANIFEST_NAME, remote
+
+    if not remote.exists(remote.join(url, MANIFEST_NAME)):
+        if not remote.exists(url):
+            raise InputError(f"{url} does not exist; give {ACCEPTED}")
+        raise InputError(
+            f"{url} is not a geomscope run directory (no {MANIFEST_NAME}); from a URL score reads run "
+            "directories made by `geomscope extract` -- copy array files to a local path"
+        )
+    if dataset is not None:
+        raise InputError("--dataset names a dataset inside an .h5 array file; use --column for other files")
+    if columns:
+        raise InputError(
+            "--column picks arrays of .npz, .safetensors, .pt, Arrow or Parquet sources; a run takes --layers"
+        )
+    return _open_run(url, layers, partial)
 
 
 def _open_format(p: Path, fmt: str, columns: list[str] | None, block_rows: int | None) -> SourceInfo:
@@ -400,7 +429,7 @@ def _open_format(p: Path, fmt: str, columns: list[str] | None, block_rows: int |
     )
 
 
-def _open_run(p: Path, layers: list[str] | None, partial: bool) -> SourceInfo:
+def _open_run(p: Path | str, layers: list[str] | None, partial: bool) -> SourceInfo:
     from geomscope.store import Run
 
     run = Run(p)
@@ -480,7 +509,7 @@ def _open_run(p: Path, layers: list[str] | None, partial: bool) -> SourceInfo:
     )
 
 
-def _kept_sample(ident: dict, p: Path) -> int | None:
+def _kept_sample(ident: dict, p) -> int | None:
     """N of a ``--keep sample:N`` run (None for a run of every row)."""
     keep = ident.get("keep")
     if keep is None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 from geomscope.errors import DataError
+from geomscope.store import remote
 from geomscope.store.manifest import MANIFEST_NAME, being_written
 from geomscope.store.reader import Run, shard_counts, verify_shard
 
@@ -21,8 +23,11 @@ OPTION_KEYS = (
 )
 
 
-def describe_run(run_dir: Path, *, verify: bool = False) -> dict:
+def describe_run(run_dir: Path | str, *, verify: bool = False) -> dict:
     """Summarise a run: model, layers, rows, documents, shards, dtype, size on disk, completeness.
+
+    ``run_dir``: a path, or an fsspec URL (read through fsspec; ``in_progress`` is then only known
+    for a ``file://`` URL -- the writer's lock is a local file lock -- and is False elsewhere).
 
     ``verify=True`` also checks every finished shard's size and sha256 against the manifest; the
     result's ``verify.bad`` lists the shards that fail (the caller decides whether that is an error).
@@ -38,9 +43,10 @@ def describe_run(run_dir: Path, *, verify: bool = False) -> dict:
         for k, v in (st.get("nonfinite_by_layer") or {}).items():
             nonfinite_by_layer[k] = nonfinite_by_layer.get(k, 0) + int(v)
     listed = {s.file for s in shards}
-    on_disk = sorted(p.name for p in run.dir.glob("shard-*.h5"))
-    size = sum((run.dir / f).stat().st_size for f in on_disk)
-    size += (run.dir / MANIFEST_NAME).stat().st_size
+    names = remote.listdir(run.dir)
+    on_disk = [n for n in names if fnmatchcase(n, "shard-*.h5")]
+    size = sum(remote.size(remote.join(run.dir, f)) for f in on_disk)
+    size += remote.size(remote.join(run.dir, MANIFEST_NAME))
     layers = run.layers
     final = [la["name"] for la in layers if la.get("final_norm")]
     out = {
@@ -85,9 +91,10 @@ def describe_run(run_dir: Path, *, verify: bool = False) -> dict:
         "inputs": ident.get("inputs", []),
         "options": {k: ident.get(k) for k in OPTION_KEYS if k in ident},
         "unlisted_shard_files": [f for f in on_disk if f not in listed],
-        "interrupted_shard_files": sorted(p.name for p in run.dir.glob(".shard-*.tmp")),
+        "interrupted_shard_files": [n for n in names if fnmatchcase(n, ".shard-*.tmp")],
     }
-    out["in_progress"] = being_written(run.dir)
+    local = remote.local_path(run.dir)
+    out["in_progress"] = being_written(local) if local is not None else False
     if verify:
         out["verify"] = _verify(run, shards)
     return out

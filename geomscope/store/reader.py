@@ -10,7 +10,8 @@ import h5py
 import numpy as np
 
 from geomscope.errors import DataError, InputError
-from geomscope.store.manifest import MANIFEST_NAME, read_manifest
+from geomscope.store import remote
+from geomscope.store.manifest import MANIFEST_NAME, check_manifest, read_manifest
 from geomscope.store.shard import META_FIELDS, ShardInfo, file_sha256
 
 READ_CHUNK_BYTES = 64 * 1024 * 1024  # default bytes of one layer read at a time
@@ -34,17 +35,46 @@ class ShardChunk:
         return self.stop - self.start
 
 
-def _corrupt(path: Path, why: str) -> DataError:
+def _corrupt(path, why: str) -> DataError:
     return DataError(
         f"shard {path} is corrupt or truncated ({why}); rerun the same `geomscope extract` command to redo it"
     )
 
 
-def _open(path: Path) -> h5py.File:
-    if not path.exists():
-        raise DataError(f"shard {path} is missing; rerun the same `geomscope extract` command to redo it")
+def _missing(path) -> DataError:
+    return DataError(f"shard {path} is missing; rerun the same `geomscope extract` command to redo it")
+
+
+class _StreamedFile(h5py.File):
+    """A shard read through a Python file object (a URL opened with fsspec), closed with the file."""
+
+    def __init__(self, fobj, where: str):
+        try:
+            super().__init__(fobj, "r")
+        except BaseException:
+            fobj.close()
+            raise
+        self._fobj = fobj
+        self.location = where
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._fobj.close()
+
+
+def _open(path) -> h5py.File:
+    """A shard at a location (a Path, or a URL read through fsspec) opened for reading."""
+    if not remote.exists(path):
+        raise _missing(path)
     try:
-        f = h5py.File(path, "r")
+        if remote.is_url(path):
+            f = _StreamedFile(remote.open_binary(path), path)
+        else:
+            f = h5py.File(path, "r")
+    except FileNotFoundError as e:
+        raise _missing(path) from e
     except OSError as e:
         raise _corrupt(path, str(e).split("(")[0].strip() or "cannot open") from e
     if f.attrs.get("format") != "geomscope-shard" or "layers" not in f:
@@ -54,8 +84,9 @@ def _open(path: Path) -> h5py.File:
 
 
 def open_shard(path) -> h5py.File:
-    """A finished shard opened for reading; DataError (one line) when it is missing or not a shard."""
-    return _open(Path(path))
+    """A finished shard (a path or a URL) opened for reading; DataError (one line) when it is missing
+    or not a shard."""
+    return _open(remote.location(path))
 
 
 def read_accumulated(f: h5py.File, layer: str, *, extras: bool):
@@ -68,12 +99,12 @@ def read_accumulated(f: h5py.File, layer: str, *, extras: bool):
         special = read_moments(lg["special"], extras=extras) if "special" in lg else None
         return int(f.attrs["tokens"]), read_moments(lg["regular"], extras=extras), special
     except KeyError as e:
-        raise _corrupt(Path(f.filename), f"no accumulators of layer {layer}") from e
+        raise _corrupt(getattr(f, "location", f.filename), f"no accumulators of layer {layer}") from e
 
 
 def read_shard_index(path: Path) -> dict[str, np.ndarray]:
     """The per-row metadata of a shard (token_id, doc_id, position, is_special), no activations."""
-    path = Path(path)
+    path = remote.location(path)
     with _open(path) as f:
         try:
             return {k: f[k][:] for k in (*META_FIELDS, "is_special")}
@@ -83,7 +114,7 @@ def read_shard_index(path: Path) -> dict[str, np.ndarray]:
 
 def shard_dim(path: Path, layer: str) -> int:
     """The width D of ``layer`` in one shard."""
-    path = Path(path)
+    path = remote.location(path)
     with _open(path) as f:
         try:
             return int(f["layers"][layer].shape[1])
@@ -97,15 +128,15 @@ def iter_shard(
     """Stream a shard in chunks of rows; memory is bounded by ``chunk_rows`` x D x len(layers).
 
     ``activations=False`` reads only the row index and the non-finite flags of ``layers`` (a chunk's
-    ``layers`` is then empty): the metadata pass of ``score --max-rows``.
+    ``layers`` is then empty): the metadata pass of ``score --max-rows``. ``path``: a path or a URL.
     """
-    path = Path(path)
+    path = remote.location(path)
     with _open(path) as f:
         names = list(f["layers"].keys()) if layers is None else list(layers)
         for n in names:
             if n not in f["layers"]:
                 raise InputError(
-                    f"layer {n!r} is not in {path.name} (it has {', '.join(f['layers'].keys())})"
+                    f"layer {n!r} is not in {remote.name(path)} (it has {', '.join(f['layers'].keys())})"
                 )
         try:
             n_rows = int(f["token_id"].shape[0])
@@ -143,31 +174,59 @@ def shard_counts(path: Path) -> tuple[int, int]:
 
 
 def verify_shard(path: Path, info: ShardInfo) -> None:
-    """Check size and checksum of a shard against its manifest entry (DataError if they differ)."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"shard {path} is missing; rerun the same `geomscope extract` command to redo it")
-    size = path.stat().st_size
-    if size != info.bytes:
-        raise _corrupt(path, f"{size} bytes on disk, {info.bytes} recorded")
-    if file_sha256(path) != info.sha256:
+    """Check size and checksum of a shard (a path, or a URL whose bytes are streamed through fsspec)
+    against its manifest entry (DataError if they differ)."""
+    path = remote.location(path)
+    if not remote.exists(path):
+        raise _missing(path)
+    try:
+        size = remote.size(path)
+        if size != info.bytes:
+            raise _corrupt(path, f"{size} bytes on disk, {info.bytes} recorded")
+        digest = remote.sha256(path) if remote.is_url(path) else file_sha256(path)
+    except FileNotFoundError as e:
+        raise _missing(path) from e
+    except OSError as e:
+        raise _corrupt(path, f"cannot read it: {e}") from e
+    if digest != info.sha256:
         raise _corrupt(path, "checksum differs from the manifest")
 
 
-class Run:
-    """A run directory opened for reading."""
+def _read_manifest(run_dir) -> dict:
+    """The checked manifest of a run at a location: a URL's JSON text is read through fsspec and
+    goes through the same checks as a local manifest (a shard ``file`` must be a plain shard name)."""
+    mpath = remote.join(run_dir, MANIFEST_NAME)
+    if not remote.is_url(mpath):
+        return read_manifest(mpath)
+    import json
 
-    def __init__(self, run_dir: Path):
-        self.dir = Path(run_dir)
-        mpath = self.dir / MANIFEST_NAME
-        if not self.dir.exists():
-            raise InputError(f"{self.dir} does not exist; give a run directory made by `geomscope extract`")
-        if not mpath.exists():
+    try:
+        m = json.loads(remote.read_text(mpath))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(
+            f"{mpath} is unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+            "check the run at that URL, or extract it again"
+        ) from e
+    return check_manifest(m, mpath)
+
+
+class Run:
+    """A run directory opened for reading: a path, or an fsspec URL (``self.dir`` is then the URL
+    string, and :meth:`shard_path` gives URLs)."""
+
+    def __init__(self, run_dir: Path | str):
+        self.dir = remote.location(run_dir)
+        mpath = remote.join(self.dir, MANIFEST_NAME)
+        if not remote.exists(mpath):
+            if not remote.exists(self.dir):
+                raise InputError(
+                    f"{self.dir} does not exist; give a run directory made by `geomscope extract`"
+                )
             raise InputError(
                 f"{self.dir} is not a geomscope run directory (no {MANIFEST_NAME}); "
                 "run `geomscope extract` first"
             )
-        self.manifest = read_manifest(mpath)
+        self.manifest = _read_manifest(self.dir)
 
     @property
     def identity(self) -> dict:
@@ -195,8 +254,8 @@ class Run:
     def shards(self) -> list[ShardInfo]:
         return [ShardInfo.from_dict(s) for s in self.manifest.get("shards", [])]
 
-    def shard_path(self, info: ShardInfo) -> Path:
-        return self.dir / info.file
+    def shard_path(self, info: ShardInfo) -> Path | str:
+        return remote.join(self.dir, info.file)
 
     @property
     def total_rows(self) -> int:

@@ -1,0 +1,191 @@
+"""Where a run is read from: a local path, or an fsspec URL (``file://``, ``memory://``, ``s3://``,
+``gcs://``, ``hf://`` ...) when the filesystem's package is installed.
+
+A *location* is a :class:`~pathlib.Path` (a plain path: read with the standard library, fsspec is
+never imported) or a URL string (``scheme://...``: read through ``fsspec.core.url_to_fs``). The
+helpers here take either, so the readers have one code path. Shard tasks carry the location as a
+string and every process (a ``--workers`` pool, a Dask worker) re-opens it here: no open file or
+filesystem object is ever pickled. ``memory://`` filesystems live in one process only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import posixpath
+import re
+from pathlib import Path, PurePath
+
+from geomscope.errors import InputError
+
+URL_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*)://")
+#: the first part of a Path made from a URL (``Path("s3://b/k")`` is ``s3:/b/k``): two letters or
+#: more, so that a Windows drive (``C:``) is never taken for a scheme
+_COLLAPSED_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]+):")
+_LOCAL_PROTOCOLS = ("file", "local")
+HASH_BLOCK = 8 * 1024 * 1024
+
+
+def is_url(loc) -> bool:
+    """Whether ``loc`` is a URL string with a scheme (``scheme://...``)."""
+    return isinstance(loc, str) and URL_RE.match(loc) is not None
+
+
+def location(loc) -> str | Path:
+    """``loc`` as a location: a URL string stays as given, anything else is a Path.
+
+    A Path made from a URL (a command-line argument typed as a path turns ``memory://runs/x`` into
+    ``memory:/runs/x``) that is not a local file is turned back into its URL.
+    """
+    if is_url(loc):
+        return loc
+    if isinstance(loc, PurePath):
+        parts = loc.parts
+        m = _COLLAPSED_RE.fullmatch(parts[0]) if parts else None
+        if m and len(parts) > 1 and not Path(loc).exists():
+            scheme = m.group(1)
+            root = "/" if scheme.lower() in _LOCAL_PROTOCOLS else ""
+            return f"{scheme}://{root}{'/'.join(parts[1:])}"
+    return Path(loc)
+
+
+def _package(protocol: str) -> str | None:
+    """The module that implements ``protocol`` in fsspec's registry (``s3`` -> ``s3fs``), if known."""
+    from fsspec.registry import known_implementations
+
+    impl = known_implementations.get(protocol)
+    return impl["class"].split(".")[0] if impl else None
+
+
+def filesystem(url: str):
+    """``(fs, path)`` of a URL; InputError (one line) for an unknown scheme or a missing package."""
+    scheme = URL_RE.match(url).group(1)
+    try:
+        import fsspec.core
+    except ImportError:
+        raise InputError(f"{url} is a URL; reading runs from URLs needs fsspec: pip install fsspec") from None
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError as e:
+        pkg = _package(scheme)
+        if pkg is None:
+            why = _first_line(e)
+            raise InputError(f"reading {scheme}:// URLs needs a package not installed ({why})") from None
+        raise InputError(f"reading {scheme}:// URLs needs {pkg}: pip install {pkg}") from None
+    except ValueError as e:
+        if "Protocol not known" in str(e):
+            raise InputError(
+                f"{scheme}:// is not a filesystem fsspec knows; give a local path or a URL such as "
+                "file://, s3://, gcs:// or hf:// (its package installed)"
+            ) from None
+        raise InputError(f"{url} is not a usable URL ({_first_line(e)})") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def _fs_call(url: str, what: str, fn, *args):
+    """``fn(fs, path, *args)`` on a URL; a failure of the filesystem (network, permission) is one line."""
+    fs, path = filesystem(url)
+    try:
+        return fn(fs, path, *args)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # each filesystem raises its own (botocore, aiohttp, HTTP errors, ...)
+        raise InputError(f"cannot {what} {url} ({_first_line(e)})") from e
+
+
+def join(loc, name: str) -> str | Path:
+    """``loc`` / ``name``: ``name`` is a plain file name (the caller has checked it)."""
+    loc = location(loc)
+    return f"{loc.rstrip('/')}/{name}" if is_url(loc) else loc / name
+
+
+def name(loc) -> str:
+    """The last component of a location."""
+    loc = location(loc)
+    return posixpath.basename(loc.rstrip("/")) if is_url(loc) else loc.name
+
+
+def exists(loc) -> bool:
+    loc = location(loc)
+    if not is_url(loc):
+        return loc.exists()
+    try:
+        return bool(_fs_call(loc, "check", lambda fs, p: fs.exists(p)))
+    except FileNotFoundError:
+        return False
+
+
+def isdir(loc) -> bool:
+    loc = location(loc)
+    if not is_url(loc):
+        return loc.is_dir()
+    try:
+        return bool(_fs_call(loc, "check", lambda fs, p: fs.isdir(p)))
+    except FileNotFoundError:
+        return False
+
+
+def size(loc) -> int:
+    """Size in bytes; FileNotFoundError when absent."""
+    loc = location(loc)
+    if not is_url(loc):
+        return loc.stat().st_size
+    return int(_fs_call(loc, "read the size of", lambda fs, p: fs.size(p)))
+
+
+def listdir(loc) -> list[str]:
+    """The names in a directory (sorted); empty when it does not exist."""
+    loc = location(loc)
+    if not is_url(loc):
+        return sorted(p.name for p in loc.iterdir()) if loc.is_dir() else []
+    try:
+        found = _fs_call(loc, "list", lambda fs, p: fs.ls(p, detail=False))
+    except FileNotFoundError:
+        return []
+    return sorted({posixpath.basename(str(p).rstrip("/")) for p in found} - {""})
+
+
+def local_path(loc) -> Path | None:
+    """The local path of a plain path or a ``file://`` URL; None on any other filesystem."""
+    loc = location(loc)
+    if not is_url(loc):
+        return loc
+    fs, path = filesystem(loc)
+    return (
+        Path(path) if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)) else None
+    )
+
+
+def _open(fs, path: str):
+    f = fs.open(path, "rb")
+    if "memory" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        # memory:// hands every reader the one stored buffer, position included: a checksum read
+        # beside an h5py read would interleave. Each reader gets its own (copy-free) view.
+        return io.BytesIO(f.getvalue())
+    return f
+
+
+def open_binary(loc):
+    """A binary file object for reading (a plain ``open`` for a path); FileNotFoundError when absent."""
+    loc = location(loc)
+    if not is_url(loc):
+        return open(loc, "rb")
+    return _fs_call(loc, "open", _open)
+
+
+def read_text(loc) -> str:
+    with open_binary(loc) as f:
+        return f.read().decode("utf-8")
+
+
+def sha256(loc, bufsize: int = HASH_BLOCK) -> str:
+    """sha256 of a file, streamed in blocks."""
+    h = hashlib.sha256()
+    with open_binary(loc) as f:
+        while chunk := f.read(bufsize):
+            h.update(chunk)
+    return h.hexdigest()
