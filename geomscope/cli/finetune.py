@@ -1,4 +1,5 @@
-"""``geomscope finetune``: fine-tune a sequence classifier with I-STAR / CosReg.
+"""``geomscope finetune``: fine-tune a sequence classifier (or, with ``--task qa``, an extractive
+question-answering model on SQuAD-format data) with I-STAR / CosReg.
 
 Thin wrapper over :func:`geomscope.train.finetune`; torch and transformers are imported only
 inside the command.  Multi-GPU: launch the same command with ``torchrun --nproc_per_node N -m
@@ -40,13 +41,24 @@ def finetune_cmd(
         ..., metavar="MODEL", help="Checkpoint directory, bundled:minilm (all-MiniLM-L6-v2), or a hub name."
     ),
     train: Path = typer.Option(
-        ..., "--train", metavar="FILE", help="Training data: .csv, .tsv, .jsonl or a save_to_disk dir."
+        ...,
+        "--train",
+        metavar="FILE",
+        help="Training data: .csv, .tsv, .jsonl or a save_to_disk dir; with --task qa SQuAD v1.1 .json or "
+        ".jsonl records (id, context, question, answers).",
     ),
     eval_: Path = typer.Option(
         ..., "--eval", metavar="FILE", help="Evaluation data, same format and columns as --train."
     ),
     out: Path = typer.Option(
         ..., "--out", "-o", metavar="DIR", help="Output directory (model, logs, checkpoint)."
+    ),
+    task: str = typer.Option(
+        "classification",
+        "--task",
+        metavar="classification|qa",
+        help="classification (single sentences or pairs, --text-field[-2], --label-field) or qa: "
+        "extractive question answering (SQuAD; span head, eval exact_match and f1 in percent).",
     ),
     reg: List[str] = typer.Option(
         ["istar"],
@@ -153,7 +165,8 @@ def finetune_cmd(
     as_json: bool = json_option("the run summary"),
     quiet: bool = quiet_option("No progress bar."),
 ) -> None:
-    """Fine-tune a sequence classifier while shaping its activation geometry (I-STAR or CosReg).
+    """Fine-tune a sequence classifier (or a QA model: --task qa) while shaping its activation geometry
+    (I-STAR or CosReg).
 
     Writes the fine-tuned model and tokenizer (readable by `geomscope extract OUT`), steps.jsonl,
     eval.jsonl, summary.json and an epoch checkpoint into --out. Comma lists in --reg, --lambda and
@@ -174,6 +187,7 @@ def finetune_cmd(
         train=str(train),
         eval=str(eval_),
         out=str(out),
+        task=task.strip().lower(),
         reg=points[0].reg,
         lam=points[0].lam,
         zeta=zeta,
@@ -210,9 +224,12 @@ def finetune_cmd(
     fin = summary.get("final") or {}
     if not quiet:
         iso, acc = fin.get("isoscore_star"), fin.get("accuracy")
+        if "exact_match" in fin:  # --task qa
+            score = f"eval exact match {fin['exact_match']:.2f}, F1 {fin['f1']:.2f}"
+        else:
+            score = f"eval accuracy {'n/a' if acc is None else f'{acc:.4f}'}"
         typer.echo(
-            f"wrote {out}: {summary['steps']} steps, eval accuracy "
-            f"{'n/a' if acc is None else f'{acc:.4f}'}, eval IsoScore* "
+            f"wrote {out}: {summary['steps']} steps, {score}, eval IsoScore* "
             f"{'n/a' if iso is None else f'{iso:.4f}'}",
             err=True,
         )

@@ -14,7 +14,8 @@ its strided shard of the examples, and sum float64 moments over ranks.
   set's token vectors over the chosen layers: IsoScore (zeta = 0) and IsoScore* with the run's zeta
   and the trace-matched identity target, of the union of the chosen layers; the average cosine
   similarity (all distinct pairs, docs/metrics.md) of the union, of each chosen layer, and of the last
-  layer (CosReg's layer).
+  layer (CosReg's layer).  :class:`EvalGeometry` holds that geometry part, shared with the
+  question-answering evaluation (:func:`geomscope.train.qa.evaluate_qa`).
 """
 
 from __future__ import annotations
@@ -95,6 +96,54 @@ def _avgcos(u_sum: torch.Tensor, n: torch.Tensor) -> float | None:
     return None if n < 2 else float((u_sum.dot(u_sum) - n) / (n * (n - 1)))
 
 
+class EvalGeometry:
+    """Accumulates the eval-set geometry of the module docstring over batches (any task): the union
+    of the chosen layers' real tokens, and unit-vector sums per chosen layer and of the last layer."""
+
+    def __init__(self, D: int, layers: list[int], device, include_padding: bool = False):
+        self.layers, self.include_padding, self.D = list(layers), include_padding, D
+        L = len(layers)
+        self.union = Moments(D, extras=True)
+        self.u = torch.zeros(L + 1, D, dtype=torch.float64, device=device)  # each layer, then last layer
+        self.counts = torch.zeros(2, dtype=torch.float64, device=device)  # tokens per layer, last layer
+
+    def update(self, out, mask) -> None:
+        L, D = len(self.layers), self.D
+        X = select_tokens(
+            out.hidden_states, self.layers + [len(out.hidden_states) - 1], mask, self.include_padding
+        )
+        t = X.shape[0] // (L + 1)
+        self.union.update(X[: L * t])
+        U = X / X.norm(dim=1, keepdim=True).clamp_min(1e-30)
+        self.u += U.reshape(L + 1, t, D).sum(1)
+        self.counts += torch.tensor([t, t], dtype=torch.float64, device=self.counts.device)
+
+    def finish(self, d: dd.Dist, zeta: float, reduced: tuple | None = None) -> dict:
+        """The geometry part of the eval record (identical on every rank). ``reduced`` = (u, counts)
+        already summed over ranks, when the caller packed them into its own all-reduce."""
+        L, D = len(self.layers), self.D
+        if reduced is None:
+            packed = dd.all_reduce_sum(torch.cat([self.u.reshape(-1), self.counts]), d)
+            u, counts = torch.split(packed, [(L + 1) * D, 2])
+        else:
+            u, counts = reduced
+        u = u.reshape(L + 1, D)
+        union = _merged(self.union, d)
+        rec = {
+            "eval_tokens": int(counts[0]),
+            "isoscore": None,
+            "isoscore_star": None,
+            "avgcos": _avgcos(torch.from_numpy(union.sum_unit), union.n_unit()) if union.n else None,
+            "avgcos_per_layer": {str(layer): _avgcos(u[j], counts[0]) for j, layer in enumerate(self.layers)},
+            "avgcos_last_layer": _avgcos(u[L], counts[1]),
+        }
+        if union.n >= 2 and union.total_variance() > 0:
+            C = union.covariance()
+            rec["isoscore"] = isoscore_from_cov(C)
+            rec["isoscore_star"] = isoscore_star_from_cov(C, zeta, "trace")
+        return rec
+
+
 @torch.no_grad()
 def evaluate(
     model,
@@ -115,11 +164,7 @@ def evaluate(
     L = len(layers)
     conf = torch.zeros(n_labels, n_labels, dtype=torch.float64, device=dev)
     loss_sum = torch.zeros(1, dtype=torch.float64, device=dev)
-    union = Moments(D, extras=True)
-    u = torch.zeros(
-        L + 1, D, dtype=torch.float64, device=dev
-    )  # unit-vector sums: each layer, then last layer
-    counts = torch.zeros(2, dtype=torch.float64, device=dev)  # tokens per layer, last-layer tokens
+    geo = EvalGeometry(D, layers, dev, include_padding)
     mine = list(range(d.rank, len(encoded), d.world_size))
     for i in range(0, len(mine), batch_size):
         batch = encoded.collate(mine[i : i + batch_size])
@@ -132,33 +177,18 @@ def evaluate(
             torch.ones(len(labels), dtype=torch.float64, device=dev),
             accumulate=True,
         )
-        X = select_tokens(out.hidden_states, layers + [len(out.hidden_states) - 1], mask, include_padding)
-        t = X.shape[0] // (L + 1)
-        union.update(X[: L * t])
-        U = X / X.norm(dim=1, keepdim=True).clamp_min(1e-30)
-        u += U.reshape(L + 1, t, D).sum(1)
-        counts += torch.tensor([t, t], dtype=torch.float64, device=dev)
+        geo.update(out, mask)
     model.train(was_training)
-    packed = dd.all_reduce_sum(torch.cat([conf.reshape(-1), loss_sum, u.reshape(-1), counts]), d)
+    packed = dd.all_reduce_sum(torch.cat([conf.reshape(-1), loss_sum, geo.u.reshape(-1), geo.counts]), d)
     conf, loss_sum, u, counts = torch.split(packed, [n_labels * n_labels, 1, (L + 1) * D, 2])
     conf = conf.reshape(n_labels, n_labels)
-    u = u.reshape(L + 1, D)
-    union = _merged(union, d)
+    g = geo.finish(d, zeta, (u, counts))
     n_ex = float(conf.sum())
-    rec = {
+    return {
         "eval_examples": int(n_ex),
-        "eval_tokens": int(counts[0]),
+        "eval_tokens": g.pop("eval_tokens"),
         "accuracy": float(conf.diag().sum() / max(n_ex, 1.0)),
         "macro_f1": _macro_f1(conf),
         "eval_loss": float(loss_sum[0] / max(n_ex, 1.0)),
-        "isoscore": None,
-        "isoscore_star": None,
-        "avgcos": _avgcos(torch.from_numpy(union.sum_unit), union.n_unit()) if union.n else None,
-        "avgcos_per_layer": {str(layer): _avgcos(u[j], counts[0]) for j, layer in enumerate(layers)},
-        "avgcos_last_layer": _avgcos(u[L], counts[1]),
+        **g,
     }
-    if union.n >= 2 and union.total_variance() > 0:
-        C = union.covariance()
-        rec["isoscore"] = isoscore_from_cov(C)
-        rec["isoscore_star"] = isoscore_star_from_cov(C, zeta, "trace")
-    return rec

@@ -4,7 +4,10 @@ Per epoch: (I-STAR only) recompute C0 in eval mode without gradients; train over
 global batches with ``L = L_task + lambda * R``; evaluate; write the epoch checkpoint.  The task
 loss of a global batch of ``n`` examples is the mean cross-entropy over all ``n`` (each rank
 contributes ``sum_CE_local * world / n``, which DDP's gradient averaging turns into the global
-mean).  AdamW (torch defaults besides ``lr``), no scheduler, as in the released I-STAR settings.
+mean).  ``task="qa"`` (extractive question answering, :mod:`geomscope.train.qa`) batches tokenised
+context windows (features) instead of examples, with the span loss (CE(start) + CE(end)) / 2 per
+feature scaled the same way, and evaluates exact match / F1.  AdamW (torch defaults besides ``lr``),
+no scheduler, as in the released I-STAR settings.
 
 Outputs in ``out``: ``run.json`` (the options, written first), ``steps.jsonl`` (one line per
 optimizer step: step, epoch, loss, task_loss, penalty R, weighted_penalty = lambda * R, batch
@@ -12,7 +15,8 @@ isoscore_star, lr, examples, seconds; with ``--log-geometry EVERY`` every EVERY-
 ``geometry``, the per-layer gradient energy in the top-r subspace of C0 and batch IsoScore*, and
 ``geometry_seconds``: :mod:`geomscope.train.geometry`), ``eval.jsonl`` (one line per epoch, see
 :func:`geomscope.train.evaluate.evaluate`), ``checkpoint/`` (last finished epoch), and at the end
-the model and tokenizer (``save_pretrained``), ``label_map.json`` and ``summary.json``.
+the model and tokenizer (``save_pretrained``), ``label_map.json`` (classification only) and
+``summary.json``.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from geomscope.train.data import (
 )
 
 REGS = REGULARISERS
+TASKS = ("classification", "qa")
 # options that must match to resume a run (epochs may grow; device and verbosity may change)
 _FINGERPRINT = (
     "model",
@@ -64,6 +69,7 @@ _FINGERPRINT = (
     "precision",
     "include_padding",
     "penalty_precision",
+    "task",
 )
 
 
@@ -75,6 +81,7 @@ class FinetuneConfig:
     train: str
     out: str
     eval: str | None = None
+    task: str = "classification"  # classification (single sentences / pairs) | qa (SQuAD-style spans)
     reg: str = "istar"
     lam: float = -5.0
     zeta: float = 0.2
@@ -102,6 +109,8 @@ class FinetuneConfig:
 
 
 def _validate(cfg: FinetuneConfig) -> None:
+    if cfg.task not in TASKS:
+        raise InputError(f"unknown --task {cfg.task!r}; use one of {', '.join(TASKS)}")
     if cfg.reg not in REGS:
         raise InputError(f"unknown --reg {cfg.reg!r}; use one of {', '.join(REGS)}")
     if cfg.precision not in PRECISIONS:
@@ -193,7 +202,12 @@ def train_step(
     need_hidden = reg is not None or monitor is not None or geometry is not None
     with autocast():
         out = model(**inputs, output_hidden_states=need_hidden)
-    ce_sum = F.cross_entropy(out.logits.float(), labels, reduction="sum")
+    if hasattr(out, "start_logits"):  # --task qa: (CE(start) + CE(end)) / 2 per feature
+        from geomscope.train.qa import qa_loss_sum
+
+        ce_sum = qa_loss_sum(out, labels, inputs["attention_mask"])
+    else:
+        ce_sum = F.cross_entropy(out.logits.float(), labels, reduction="sum")
     loss = task_loss = ce_sum * (d.world_size / n_global)
     pen = iso = geo = None
     if isinstance(reg, IStar):
@@ -251,6 +265,8 @@ def _seed_all(seed: int) -> None:
 
 def _fingerprint(cfg: FinetuneConfig, layers: list[int], world: int) -> dict:
     fp = {k: getattr(cfg, k) for k in _FINGERPRINT}
+    if cfg.task == "classification":
+        del fp["task"]  # checkpoints written before --task existed stay resumable
     fp["layers"] = layers
     fp["world_size"] = world
     return fp
@@ -340,6 +356,11 @@ class _Trainer:
 
     def _load_data(self) -> None:
         cfg = self.cfg
+        if cfg.task == "qa":
+            from geomscope.train.qa import load_qa
+
+            self.train_t, self.eval_t, self.label2id = load_qa(cfg.train), load_qa(cfg.eval), {}
+            return
         self.train_t = load_table(cfg.train, cfg.text_field, cfg.label_field, cfg.text_field_2)
         self.eval_t = load_table(cfg.eval, cfg.text_field, cfg.label_field, cfg.text_field_2)
         self.label2id = build_label_map(self.train_t) if self.state is None else self.state["label2id"]
@@ -356,7 +377,12 @@ class _Trainer:
 
         cfg, d, state = self.cfg, self.d, self.state
         src = str(self.out / ck.CKPT) if state is not None else cfg.model
-        self.model, self.tokenizer, self.minfo = load_classifier(src, self.label2id, self.note)
+        if cfg.task == "qa":
+            from geomscope.train.model import load_qa_model
+
+            self.model, self.tokenizer, self.minfo = load_qa_model(src, self.note)
+        else:
+            self.model, self.tokenizer, self.minfo = load_classifier(src, self.label2id, self.note)
         self.n_hidden = n_blocks(self.model) + 1
         self.layers = parse_layers(cfg.layers or "blocks", self.n_hidden)
         if cfg.log_geometry is not None:
@@ -365,21 +391,30 @@ class _Trainer:
             check_ranks(cfg.geometry_rank, self.model.config.hidden_size)
         self.fp = _fingerprint(cfg, self.layers, d.world_size)
         if state is not None:
-            diff = [k for k in self.fp if state["fingerprint"].get(k) != self.fp[k]]
+            old = {"task": "classification", **state["fingerprint"]}
+            new = {"task": "classification", **self.fp}
+            diff = [k for k in new if old.get(k) != new[k]]
             if diff:
                 k = diff[0]
                 raise InputError(
-                    f"{self.out} was trained with {k}={state['fingerprint'].get(k)!r}, not "
-                    f"{self.fp[k]!r}; resume with the same options or choose another --out"
+                    f"{self.out} was trained with {k}={old.get(k)!r}, not "
+                    f"{new[k]!r}; resume with the same options or choose another --out"
                 )
             self.minfo["head_added"] = state.get("head_added", False)
         self.model.to(d.device)
         max_length = self._max_length()
-        self.train_enc = Encoded(self.tokenizer, self.train_t, self.label2id, max_length)
-        self.eval_enc = Encoded(self.tokenizer, self.eval_t, self.label2id, max_length)
+        if cfg.task == "qa":
+            from geomscope.train.qa import QAEncoded
+
+            self.train_enc = QAEncoded(self.tokenizer, self.train_t, max_length)
+            self.eval_enc = QAEncoded(self.tokenizer, self.eval_t, max_length)
+        else:
+            self.train_enc = Encoded(self.tokenizer, self.train_t, self.label2id, max_length)
+            self.eval_enc = Encoded(self.tokenizer, self.eval_t, self.label2id, max_length)
         if len(self.train_enc) < d.world_size:
             raise DataError(
-                f"{cfg.train} has {len(self.train_enc)} rows, fewer than the {d.world_size} processes"
+                f"{cfg.train} has {len(self.train_enc)} "
+                f"{'features' if cfg.task == 'qa' else 'rows'}, fewer than the {d.world_size} processes"
             )
 
     def _max_length(self) -> int:
@@ -574,17 +609,31 @@ class _Trainer:
 
         cfg, d = self.cfg, self.d
         progress.describe(f"epoch {epoch + 1}/{cfg.epochs}: eval")
-        ev = evaluate(
-            self.model,
-            self.eval_enc,
-            self.layers,
-            cfg.zeta,
-            cfg.batch_size,
-            d,
-            self.autocast,
-            len(self.label2id),
-            cfg.include_padding,
-        )
+        if cfg.task == "qa":
+            from geomscope.train.qa import evaluate_qa
+
+            ev = evaluate_qa(
+                self.model,
+                self.eval_enc,
+                self.layers,
+                cfg.zeta,
+                cfg.batch_size,
+                d,
+                self.autocast,
+                cfg.include_padding,
+            )
+        else:
+            ev = evaluate(
+                self.model,
+                self.eval_enc,
+                self.layers,
+                cfg.zeta,
+                cfg.batch_size,
+                d,
+                self.autocast,
+                len(self.label2id),
+                cfg.include_padding,
+            )
         ev = {"epoch": epoch + 1, "step": self.step, **ev, "c0_points_used": self.c0_used}
         rngs = dd.gather_objects(ck.rng_state(), d)
         if not d.is_main:
@@ -616,7 +665,8 @@ class _Trainer:
                 "label2id": self.label2id,
                 "id2label": {str(i): lab for lab, i in self.label2id.items()},
             }
-            ck.export_model(self.out, self.model, self.tokenizer, {"label_map.json": label_map})
+            extra = {"label_map.json": label_map} if self.cfg.task == "classification" else {}
+            ck.export_model(self.out, self.model, self.tokenizer, extra)
             summary = self._summary()
             write_json_atomic(self.out / "summary.json", summary)
         dd.barrier(self.d)
@@ -625,10 +675,25 @@ class _Trainer:
     def _summary(self) -> dict:
         cfg, d = self.cfg, self.d
         evals = [json.loads(ln) for ln in self.eval_path.read_text().splitlines() if ln.strip()]
+        qa = cfg.task == "qa"
+        if qa:
+            from geomscope.train.qa import MAX_ANSWER_TOKENS, N_BEST
+
+            task_info = {
+                "train_features": len(self.train_enc),
+                "eval_features": len(self.eval_enc),
+                "doc_stride": self.train_enc.stride,
+                "n_best": N_BEST,
+                "max_answer_tokens": MAX_ANSWER_TOKENS,
+                "exact_match": evals[-1]["exact_match"] if evals else None,
+                "f1": evals[-1]["f1"] if evals else None,
+                "qa_score_scale": "percent (0-100), official SQuAD v1.1 normalisation",
+            }
         return _json_safe(
             {
                 "out": str(self.out),
                 "model": cfg.model,
+                **({"task": cfg.task} if qa else {}),
                 "reg": cfg.reg,
                 "lambda": cfg.lam,
                 "zeta": cfg.zeta,
@@ -649,10 +714,10 @@ class _Trainer:
                 "device": str(d.device),
                 "seed": cfg.seed,
                 "max_length": cfg.max_length,
-                "train_examples": len(self.train_enc),
+                "train_examples": self.train_enc.n_examples if qa else len(self.train_enc),
                 "train_tokens": self.train_enc.n_tokens,
-                "eval_examples": len(self.eval_enc),
-                "labels": self.label2id,
+                "eval_examples": self.eval_enc.n_examples if qa else len(self.eval_enc),
+                **(task_info if qa else {"labels": self.label2id}),
                 "head_added": self.minfo["head_added"],
                 "resumed": self.state is not None,
                 "mean_step_seconds": (self.t_train / self.n_steps_timed) if self.n_steps_timed else None,
@@ -686,8 +751,11 @@ def step_line(rec: dict) -> str:
 def eval_line(ev: dict) -> str:
     """One line per epoch evaluation."""
     iso, cos = ev.get("isoscore_star"), ev.get("avgcos")
+    if "exact_match" in ev:  # --task qa
+        head = f"epoch {ev['epoch']}: exact match {ev['exact_match']:.2f}  F1 {ev['f1']:.2f}  "
+    else:
+        head = f"epoch {ev['epoch']}: accuracy {ev['accuracy']:.4f}  macro-F1 {ev['macro_f1']:.4f}  "
     return (
-        f"epoch {ev['epoch']}: accuracy {ev['accuracy']:.4f}  macro-F1 {ev['macro_f1']:.4f}  "
-        f"eval IsoScore* {'n/a' if iso is None else f'{iso:.4f}'}  "
+        head + f"eval IsoScore* {'n/a' if iso is None else f'{iso:.4f}'}  "
         f"avg cosine {'n/a' if cos is None else f'{cos:.4f}'}"
     )

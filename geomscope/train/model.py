@@ -1,8 +1,9 @@
-"""Loading a sequence classifier and its tokenizer.
+"""Loading a sequence classifier (or, for ``--task qa``, a span-extraction model) and its tokenizer.
 
 A checkpoint without a sequence-classification head (a plain encoder such as all-MiniLM-L6-v2)
 gets a freshly initialised head; a head with a different number of labels is replaced.  Both are
-reported through ``note`` (stderr in the CLI), never silently.
+reported through ``note`` (stderr in the CLI), never silently.  :func:`load_qa_model` does the same
+for ``AutoModelForQuestionAnswering`` (a base checkpoint gets a new start/end span head).
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ def load_classifier(source: str | Path, label2id: dict[str, int], note: Callable
             f"note: {src} has no sequence-classification head ({', '.join(config.architectures or ['?'])}); "
             f"added a new randomly initialised head for {len(label2id)} labels"
         )
+    pad_added = _ensure_pad(model, tokenizer, src, note)
+    return model, tokenizer, {"head_added": head_added, "pad_token_added": pad_added}
+
+
+def _ensure_pad(model, tokenizer, src: str, note) -> bool:
+    """Give a tokenizer without a pad token its eos token (masked out anyway); True when done."""
     pad_added = False
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token is None:
@@ -86,6 +93,50 @@ def load_classifier(source: str | Path, label2id: dict[str, int], note: Callable
         note("note: the tokenizer has no pad token; padding with its eos token (masked out)")
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
+    return pad_added
+
+
+def load_qa_model(source: str | Path, note: Callable[[str], None]):
+    """(model, tokenizer, info) for extractive question answering (``AutoModelForQuestionAnswering``).
+
+    ``info`` as for :func:`load_classifier`: ``head_added`` is True when the checkpoint had no span
+    (start/end) head and a new one was randomly initialised (reported through ``note``).
+    """
+    import torch  # noqa: F401  (transformers needs it)
+    from transformers import AutoConfig, AutoModelForQuestionAnswering, AutoTokenizer
+
+    from geomscope.extract.models import check_model_dir
+
+    quiet_transformers()
+    src = str(source)
+    if Path(src).is_dir():
+        check_model_dir(Path(src), src)
+    try:
+        config = AutoConfig.from_pretrained(src, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise InputError(
+            f"cannot load model {src!r}: {str(e).splitlines()[0]}; give a checkpoint directory"
+        ) from None
+    try:
+        model, info = AutoModelForQuestionAnswering.from_pretrained(
+            src, num_labels=2, ignore_mismatched_sizes=True, output_loading_info=True, trust_remote_code=False
+        )
+    except ValueError as e:
+        raise InputError(
+            f"{src} ({config.model_type}) has no question-answering model class in transformers: "
+            f"{str(e).splitlines()[0]}"
+        ) from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise InputError(f"cannot load the tokenizer of {src!r}: {str(e).splitlines()[0]}") from None
+    head_added = bool(info.get("missing_keys")) or bool(info.get("mismatched_keys"))
+    if head_added:
+        note(
+            f"note: {src} has no question-answering head ({', '.join(config.architectures or ['?'])}); "
+            "added a new randomly initialised start/end span head"
+        )
+    pad_added = _ensure_pad(model, tokenizer, src, note)
     return model, tokenizer, {"head_added": head_added, "pad_token_added": pad_added}
 
 
