@@ -321,3 +321,39 @@ def test_device_map_refusals(data, tmp_path, cli, args, needle):
     code, out, err = cli(["extract", data["gpt2"], data["text"], "--out", tmp_path / "r", "-q", *args])
     assert needle in assert_one_line_error(code, out, err, exit_code=2)
     assert not (tmp_path / "r" / "manifest.json").exists()
+
+
+def test_world_from_the_launchers_environment(monkeypatch):
+    """torchrun/accelerate's variables first; SLURM's (srun with several tasks) copied to them; a
+    SLURM allocation of one task, or none, is one process; srun without a rendezvous address is refused."""
+    from geomscope.distributed import world_from_env
+    from geomscope.errors import InputError
+
+    for k in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "SLURM_LOCALID",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
+        monkeypatch.delenv(k, raising=False)
+    assert world_from_env() == (0, 1, 0)
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    assert world_from_env() == (0, 1, 0)
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    with pytest.raises(InputError, match="MASTER_ADDR"):
+        world_from_env()
+    monkeypatch.setenv("MASTER_ADDR", "node1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert world_from_env() == (5, 8, 1)
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("5", "8", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's own variables win
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert world_from_env() == (1, 2, 1)
