@@ -339,7 +339,8 @@ def test_world_from_the_launchers_environment(monkeypatch):
         "MASTER_ADDR",
         "MASTER_PORT",
     ):
-        monkeypatch.delenv(k, raising=False)
+        monkeypatch.setenv(k, "x")  # recorded, so that what world_from_env writes is undone too
+        monkeypatch.delenv(k)
     assert world_from_env() == (0, 1, 0)
     monkeypatch.setenv("SLURM_NTASKS", "1")
     monkeypatch.setenv("SLURM_PROCID", "0")
