@@ -82,7 +82,7 @@ def extract_ranks(model, inputs, out: Path, opts, *, progress: bool, log, stdin)
         t_start = time.perf_counter()
         ins = open_inputs([str(i) for i in inputs], stdin=stdin)
         try:
-            local = opts if str(opts.device) != "auto" else _device_of(opts, d)
+            local = _device_of(opts, d)
 
             def plan():
                 scan = single._scan(ins, local)
@@ -91,24 +91,13 @@ def extract_ranks(model, inputs, out: Path, opts, *, progress: bool, log, stdin)
 
             scan, lm, p = _together(d, plan)
             say(p.describe(lm, out, scan.docs) + f"; {d.world_size} processes")
-            writer = _together(d, lambda: _open_main(out, p, lm, local, scan, d) if is_main else None)
-            if not is_main:
-                writer = _together(d, lambda: RankWriter(out, d.rank))
-            else:
-                _together(d, lambda: None)
+            # process 0 opens (or resumes) the run; then the others join it
+            opened = _together(d, lambda: _open_main(out, p, lm, local, scan, d) if is_main else None)
+            writer = _together(d, lambda: opened if is_main else RankWriter(out, d.rank))
             shard_run = single._ShardRun(writer, lm, ins, p, local, progress and is_main)
             shard_run.rank, shard_run.world = d.rank, d.world_size
             seconds = _together(d, shard_run.write_shards)
-            import torch
-            import torch.distributed as dist
-
-            mine = torch.tensor([shard_run.new_rows, shard_run.written], dtype=torch.float64)
-            new_rows, written = (int(v) for v in dd.all_reduce_sum(mine, d).tolist())
-            slowest = torch.tensor(
-                [seconds], dtype=torch.float64
-            )  # the run took as long as its slowest process
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=d.reg_group)
-            seconds = float(slowest[0])
+            new_rows, written, seconds = _run_totals(d, shard_run, seconds)
 
             def finish():
                 if not is_main:
@@ -134,10 +123,25 @@ def extract_ranks(model, inputs, out: Path, opts, *, progress: bool, log, stdin)
 
 
 def _device_of(opts, d):
-    """``--device auto``: this process's own GPU (its local rank) where there are GPUs."""
+    """``--device auto``: this process's own GPU (its local rank) where there are GPUs; a
+    ``--device-map`` places the model itself."""
     from dataclasses import replace
 
+    if str(opts.device) != "auto" or opts.device_map is not None:
+        return opts
     return replace(opts, device=str(d.device))
+
+
+def _run_totals(d, shard_run, seconds: float) -> tuple[int, int, float]:
+    """(rows written, shards written) summed over the processes, and the slowest one's seconds:
+    the run took as long as its slowest process."""
+    import torch
+    import torch.distributed as dist
+
+    counts = dd.all_reduce_sum(torch.tensor([shard_run.new_rows, shard_run.written], dtype=torch.float64), d)
+    slowest = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=d.reg_group)
+    return int(counts[0]), int(counts[1]), float(slowest[0])
 
 
 def _open_main(out: Path, p, lm, opts, scan, d):
