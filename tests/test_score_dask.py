@@ -1,6 +1,7 @@
 """``score --scheduler``: the shard tasks on a real Dask LocalCluster (worker processes) give the
-``--workers 1`` report; the merge is by task index, so every Dask run is bit-identical to every other;
-a worker killed mid-score changes nothing; bad values and a missing Dask are one-line errors."""
+``--workers 1`` report; chunks of consecutive tasks are merged by chunk index, so every Dask run with
+the same number of worker threads is bit-identical to every other; a worker killed mid-score changes
+nothing; bad values and a missing Dask are one-line errors."""
 
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ def test_tcp_address_and_scheduler_file(run6, local2, cluster, tmp_path):
     ident = cluster.scheduler.identity()  # the keys of a scheduler file that a client reads
     f.write_text(json.dumps({k: ident[k] for k in ("type", "id", "address")}))
     by_file = score(run6, ScoreOptions(scheduler=str(f), **OPTS))
-    # merged by task index, never by arrival: any cluster, any timing, the same bits
+    # merged by chunk index, never by arrival: any 2-thread cluster, any timing, the same bits
     assert_same_report(local2, by_tcp, exact=True)
     assert_same_report(local2, by_file, exact=True)
     assert by_tcp["params"]["scheduler"] == cluster.scheduler_address

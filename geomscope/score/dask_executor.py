@@ -6,14 +6,25 @@ only), ``tcp://HOST:PORT`` (a running Dask scheduler; workers must import the sa
 the run's files at the same paths) or ``FILE.json`` (a Dask scheduler file, ``dask scheduler
 --scheduler-file FILE.json``). ``pip install 'geomscope[dask]'`` installs Dask.
 
-A task carries only the :class:`~geomscope.score.sources.Task` (paths, sizes, checksums) and the
+A Dask task carries only :class:`~geomscope.score.sources.Task` objects (paths, sizes, checksums) and the
 :class:`~geomscope.score.accumulate.PassSpec`; the worker opens the files (h5py objects are never
-pickled) and returns its partial accumulators. Results are merged ON THE CLIENT IN TASK ORDER, as
-``--workers N`` merges them: at most ``2 x (worker threads)`` tasks are submitted and not yet merged
-(results that come back early wait in a buffer, keyed by task index), so memory does not grow with
-the number of shards, and the merge order -- and so the report, bit for bit -- does not depend on
-timing or on which worker ran what; it equals ``--workers N``'s and equals ``--workers 1``'s to float64
-rounding. The seeded TwoNN / quantile samples depend only on row keys, so they are identical.
+pickled). Each Dask task is a CHUNK of consecutive tasks, indices ``[k c, (k + 1) c)`` with ``c =
+ceil(tasks / (2 x threads))`` (``threads``: N for ``local:N``, an external cluster's worker threads
+when connected), which the worker accumulates in order into one set of partial accumulators (as
+``--workers 1`` does) and returns: about two chunks per thread keep the load balanced while half as
+many or fewer results (per layer G jackknife groups of D x D float64: ~12 MB for D = 384, G = 10)
+travel back. They travel as pickle-5 out-of-band buffers (no copy of the arrays into the pickle).
+Chunk results are merged ON THE CLIENT IN CHUNK ORDER: at most ``2 x threads`` chunks are submitted
+and not yet merged (results that come back early wait in a buffer, keyed by chunk index), so memory
+does not grow with the number of shards (a worker holds one chunk's accumulators, as it held one
+task's), and the merge tree -- and so the report, bit for bit -- depends only on the number of tasks
+and of threads, never on timing or on which worker ran what; it equals ``--workers 1``'s to float64
+rounding (not ``--workers N``'s bit for bit: a different, equally exact merge tree). The seeded
+TwoNN / quantile samples depend only on row keys, so they are identical.
+
+``local:N`` starts the scheduler, then asks for its N workers without waiting for all of them: tasks
+start as soon as one worker is up, the others join as they come (worker start-up is most of the
+cluster's cost). The chunking uses N, not the workers up at that moment.
 
 BLAS runs on one thread in every worker: the Nanny of ``local:N`` starts workers with
 OMP/MKL/OPENBLAS_NUM_THREADS=1 (Dask's default ``distributed.nanny.pre-spawn-environ``), and the
@@ -40,6 +51,7 @@ from geomscope.score.sources import Task
 INSTALL_HINT = "pip install 'geomscope[dask]'"
 CONNECT_TIMEOUT_S = 10
 SCHEDULER_FORMS = "local:N, tcp://HOST:PORT or a Dask scheduler file FILE.json"
+CHUNKS_PER_THREAD = 2
 
 _limited = threading.local()
 
@@ -80,14 +92,18 @@ def require_distributed():
     return distributed
 
 
-def dask_run_task(task: Task, spec: PassSpec) -> dict:
-    """What a Dask worker runs: one task's partial accumulators, BLAS on one thread."""
+def dask_run_chunk(tasks: list[Task], spec: PassSpec) -> dict:
+    """What a Dask worker runs: consecutive tasks accumulated in order into ONE set of partial
+    accumulators (as ``--workers 1`` accumulates), BLAS on one thread."""
     if not getattr(_limited, "done", False):
         from geomscope.score.executor import _init_worker
 
         _init_worker()  # env vars + threadpool_limits(1) for this thread's pools (kept, not a context)
         _limited.done = True
-    return run_task(task, spec)
+    acc: dict = {}
+    for t in tasks:
+        run_task(t, spec, into=acc)
+    return acc
 
 
 def _first_line(e: BaseException) -> str:
@@ -118,15 +134,20 @@ class DaskExecutor:
         except BaseException:
             self.close()
             raise
-        threads = sum(self.client.nthreads().values())
-        self.window = 2 * max(1, threads)
+        if self.scheduler.startswith("local:"):
+            self.threads = int(self.scheduler[len("local:") :])  # all of them, even if not all up yet
+        else:
+            self.threads = max(1, sum(self.client.nthreads().values()))
+        self.window = 2 * self.threads
         self.in_flight = self.window  # task results held besides the accumulator (engine's memory plan)
 
     def _connect(self, distributed):
         s = self.scheduler
         if s.startswith("local:"):
+            # the scheduler first, then the N workers without waiting for them: tasks start on the
+            # first worker up (DaskExecutor waits for one), the others join as they come
             self._cluster = distributed.LocalCluster(
-                n_workers=int(s[len("local:") :]),
+                n_workers=0,
                 threads_per_worker=1,
                 processes=True,
                 host="127.0.0.1",
@@ -136,6 +157,7 @@ class DaskExecutor:
                 scheduler_kwargs={"dashboard": False, "dashboard_address": "127.0.0.1:0"},
                 silence_logs=logging.ERROR,
             )
+            self._cluster.scale(int(s[len("local:") :]))
             return distributed.Client(self._cluster, set_as_default=False)
         if s.startswith("tcp://"):
             return distributed.Client(s, timeout=CONNECT_TIMEOUT_S, set_as_default=False)
@@ -155,11 +177,20 @@ class DaskExecutor:
             self._cluster.close()
             self._cluster = None
 
+    def chunk_size(self, n_tasks: int) -> int:
+        """Tasks per Dask task: consecutive task indices ``[k c, (k + 1) c)`` run in one worker call.
+        Depends only on the number of tasks and of worker threads (``local:N``: N; an external
+        cluster: its threads when connected), never on timing: about two chunks per thread, so load
+        stays balanced while half as few (or fewer) results travel back."""
+        return max(1, -(-n_tasks // (CHUNKS_PER_THREAD * self.threads)))
+
     def run(self, tasks: list[Task], spec: PassSpec, advance: Callable[[int], None] | None = None) -> dict:
         from distributed import as_completed
 
         client, token = self.client, uuid.uuid4().hex[:12]
-        index: dict = {}  # future -> task index
+        c = self.chunk_size(len(tasks))
+        chunks = [tasks[k : k + c] for k in range(0, len(tasks), c)]
+        index: dict = {}  # future -> chunk index
         done: dict[int, dict] = {}  # results back before their turn to be merged
         acc: dict = {}
         ac = as_completed(loop=client.loop, with_results=True)
@@ -167,10 +198,10 @@ class DaskExecutor:
 
         def submit_more():
             nonlocal nxt_submit
-            while nxt_submit < len(tasks) and len(index) + len(done) < self.window:
+            while nxt_submit < len(chunks) and len(index) + len(done) < self.window:
                 fut = client.submit(
-                    dask_run_task,
-                    tasks[nxt_submit],
+                    dask_run_chunk,
+                    chunks[nxt_submit],
                     spec,
                     key=f"geomscope-{spec.kind}-{token}-{nxt_submit}",
                     pure=False,
@@ -181,16 +212,16 @@ class DaskExecutor:
 
         try:
             submit_more()
-            while nxt_merge < len(tasks):
+            while nxt_merge < len(chunks):
                 fut, part = next(ac)
                 i = index.pop(fut)
                 fut.release()
                 done[i] = part
                 if advance:
-                    advance(tasks[i].rows)
+                    advance(sum(t.rows for t in chunks[i]))
                 while (
                     nxt_merge in done
-                ):  # by task index, never by arrival: the report cannot depend on timing
+                ):  # by chunk index, never by arrival: the report cannot depend on timing
                     acc = merge_parts([acc, done.pop(nxt_merge)])
                     nxt_merge += 1
                 submit_more()

@@ -14,7 +14,8 @@ them was 4x (dsyrk) to 100x (eigvalsh of 384 x 384) slower than one thread on a 
 N workers use N cores.
 
 ``--scheduler`` (local:N, tcp://HOST:PORT, FILE.json) runs the same tasks on a Dask cluster instead
-(dask_executor.py): same task order merge, same numbers. :func:`make_executor` picks.
+(dask_executor.py): fixed runs of consecutive tasks merged on the workers, then in order on the
+client, so the numbers equal one worker's to float64 rounding. :func:`make_executor` picks.
 """
 
 from __future__ import annotations
