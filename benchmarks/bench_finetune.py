@@ -8,6 +8,10 @@ Every contender runs on the same model object and the same fixed batches of 32 s
 ``sample_data/sentiment/train.csv`` (lr 1e-5, so the weights barely move), alternating
 (plain, istar, plain, cosreg, ...), several repeats of a few steps each; medians of seconds per step.
 
+The LoRA row (``--lora 8``, adapters on query and value, needs ``peft``) compares I-STAR on a LoRA
+model (``train_step``) with the plain peft step on a copy of the same model; its own AdamW over the
+adapters and head.
+
     python benchmarks/bench_finetune.py [--quick] [--threads N] [--device cpu|cuda]
 """
 
@@ -63,9 +67,21 @@ def _setup(device: str, batch: int, n_batches: int, c0_points: int):
         "cosreg": CosReg(-1),
         "none": None,
     }
+    lora = None
+    try:
+        import copy
+
+        from geomscope.train import lora as lora_mod
+
+        lm = copy.deepcopy(model)
+        lm = lora_mod.wrap(lm, 8, 16.0, lora_mod.resolve_targets(lm, "q,v")).to(d.device)
+        lopt = torch.optim.AdamW([p for p in lm.parameters() if p.requires_grad], lr=1e-5)
+        lora = (lm, lopt)
+    except ImportError:  # no peft: no LoRA row
+        pass
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     tokens = sum(int(b["attention_mask"].sum()) for b in batches) / len(batches)
-    return model, batches, regs, opt, autocast, d, tokens
+    return model, batches, regs, opt, autocast, d, tokens, lora
 
 
 def _sync(d):
@@ -84,39 +100,48 @@ def run(quick: bool = False, threads: int | None = 1, device: str = "cpu") -> li
         torch.set_num_threads(threads)
     batch = 32
     steps, repeats = (1, 3) if quick else (3, 7)
-    model, batches, regs, opt, autocast, d, tokens = _setup(
+    model, batches, regs, opt, autocast, d, tokens, lora = _setup(
         device, batch, steps, 20_000 if quick else 250_000
     )
 
-    def plain():
-        model.train()
-        for b in batches:
-            b = {k: v.to(d.device) for k, v in b.items()}
-            with autocast():
-                loss = model(**b).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        _sync(d)
-
-    def ours(name):
+    def plain_on(m, o):
         def f():
+            m.train()
             for b in batches:
-                train_step(
-                    model, b, batch, regs[name], 1.0 if name != "none" else 0.0, opt, None, autocast, d
-                )
+                b = {k: v.to(d.device) for k, v in b.items()}
+                with autocast():
+                    loss = m(**b).loss
+                loss.backward()
+                o.step()
+                o.zero_grad(set_to_none=True)
             _sync(d)
 
         return f
 
-    contenders = ("istar", "istar32", "cosreg") if quick else ("istar", "istar32", "cosreg", "none")
-    fns = {"plain": plain, **{k: ours(k) for k in contenders}}
+    def ours(name, m=model, o=opt, reg=None):
+        reg = regs[name] if reg is None else reg
+
+        def f():
+            for b in batches:
+                train_step(m, b, batch, reg, 1.0 if name != "none" else 0.0, o, None, autocast, d)
+            _sync(d)
+
+        return f
+
+    contenders = ["istar", "istar32", "cosreg"] if quick else ["istar", "istar32", "cosreg", "none"]
+    fns = {"plain": plain_on(model, opt), **{k: ours(k) for k in contenders}}
+    baseline = dict.fromkeys(contenders, "plain")
+    if lora is not None:
+        fns["plain_lora"] = plain_on(*lora)
+        fns["istar_lora"] = ours("istar_lora", *lora, reg=regs["istar"])
+        contenders.append("istar_lora")
+        baseline["istar_lora"] = "plain_lora"
     for f in fns.values():  # warm-up
         f()
     times = {k: [] for k in fns}
     for _ in range(repeats):
-        for k in contenders:  # plain before each contender: plain, istar, plain, cosreg, ...
-            for name in ("plain", k):
+        for k in contenders:  # the baseline before each contender: plain, istar, plain, cosreg, ...
+            for name in (baseline[k], k):
                 t0 = time.perf_counter()
                 fns[name]()
                 times[name].append((time.perf_counter() - t0) / len(batches))
@@ -131,13 +156,15 @@ def run(quick: bool = False, threads: int | None = 1, device: str = "cpu") -> li
         "istar32": ("I-STAR (--penalty-precision fp32)", 1.15),
         "cosreg": ("CosReg (last block)", 1.15),
         "none": ("--reg none", 1.05),
+        "istar_lora": ("I-STAR + --lora 8 (q,v)", 1.15),
     }
     return [
         {
-            "benchmark": f"finetune step: {names[k][0]} vs plain HF step",
+            "benchmark": f"finetune step: {names[k][0]} vs plain "
+            + ("peft LoRA step" if baseline[k] == "plain_lora" else "HF step"),
             "geomscope": med[k],
-            "alternative": med["plain"],
-            "ratio": med[k] / med["plain"],
+            "alternative": med[baseline[k]],
+            "ratio": med[k] / med[baseline[k]],
             "target": names[k][1],
             "note": note,
         }

@@ -22,6 +22,7 @@ from geomscope.cli._app import app
 from geomscope.cli._options import (
     PenaltyPrecision,
     Precision,
+    _choice_enum,
     choice_metavar,
     flatten,
     float_list,
@@ -33,6 +34,12 @@ from geomscope.cli._options import (
     value,
     zeta_option,
 )
+
+# the light choice tuples (geomscope.train.loop imports neither torch nor transformers at import time)
+SCHEDULERS = ("constant", "linear", "cosine")
+TRACKERS = ("none", "tensorboard", "wandb", "mlflow")
+Scheduler = _choice_enum("Scheduler", SCHEDULERS)
+Tracker = _choice_enum("Tracker", TRACKERS)
 
 
 @app.command("finetune")
@@ -109,7 +116,60 @@ def finetune_cmd(
         _complete.model_layers,
     ),
     epochs: int = typer.Option(4, "--epochs", min=1, metavar="N", help="Training epochs."),
-    lr: float = typer.Option(1e-5, "--lr", min=0.0, metavar="FLOAT", help="AdamW learning rate (constant)."),
+    lr: float = typer.Option(
+        1e-5, "--lr", min=0.0, metavar="FLOAT", help="AdamW learning rate (peak rate with --scheduler)."
+    ),
+    weight_decay: Optional[float] = typer.Option(
+        None,
+        "--weight-decay",
+        metavar="W",
+        help="AdamW weight decay W on weights, none on biases and LayerNorm weights (as transformers "
+        "does). Default: torch's AdamW default, 0.01 on every parameter (the released I-STAR setting).",
+    ),
+    scheduler: Scheduler = typer.Option(
+        "constant",
+        "--scheduler",
+        metavar=choice_metavar(SCHEDULERS),
+        help="Learning-rate schedule over the run's optimiser steps (transformers' get_scheduler).",
+    ),
+    warmup: float = typer.Option(
+        0.0,
+        "--warmup",
+        metavar="RATIO",
+        help="Linear warmup over this fraction of the optimiser steps (rounded up), then --scheduler.",
+    ),
+    grad_accum: int = typer.Option(
+        1,
+        "--grad-accum",
+        metavar="N",
+        help="Micro-batches of --batch-size per optimiser step (gradients summed; the task loss is the "
+        "mean over all N*batch examples). The I-STAR/CosReg penalty is taken per micro-batch (its own "
+        "covariance) and averaged: one covariance over the accumulated batch would need every "
+        "micro-batch's hidden states in memory at once.",
+    ),
+    lora: Optional[int] = typer.Option(
+        None,
+        "--lora",
+        metavar="R",
+        help="Train rank-R LoRA adapters (and the task head) instead of every weight; needs "
+        "pip install 'geomscope[lora]'. Writes the merged model to --out and the adapter to --out/adapter/.",
+    ),
+    lora_alpha: Optional[float] = typer.Option(
+        None, "--lora-alpha", metavar="A", help="LoRA scaling alpha (default: 2*R)."
+    ),
+    lora_target: str = typer.Option(
+        "q,v",
+        "--lora-target",
+        metavar="LIST",
+        help="Modules that get adapters: module names (query, value, q_proj, ...) or q, k, v, o.",
+    ),
+    report_to: Tracker = typer.Option(
+        "none",
+        "--report-to",
+        metavar=choice_metavar(TRACKERS),
+        help="Also log the step and eval records to TensorBoard (--out/tensorboard/), wandb (offline) or "
+        "MLflow (file store --out/mlruns/); rank 0 only.",
+    ),
     batch_size: int = typer.Option(
         32, "--batch-size", min=1, metavar="N", help="Examples per step per process."
     ),
@@ -210,6 +270,14 @@ def finetune_cmd(
         save_every=save_every,
         log_geometry=log_geometry,
         geometry_rank=_ranks(geometry_rank),
+        weight_decay=weight_decay,
+        scheduler=value(scheduler),
+        warmup=warmup,
+        grad_accum=grad_accum,
+        lora=lora,
+        lora_alpha=lora_alpha,
+        lora_target=lora_target,
+        report_to=value(report_to),
     )
     if len(points) > 1:
         results = run_sweep(cfg, points, quiet=quiet, note=lambda msg: print(msg, file=sys.stderr))

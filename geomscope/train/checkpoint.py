@@ -1,10 +1,11 @@
 """Epoch checkpoints, the output directory's ownership, and atomic output writing for ``finetune``.
 
 ``DIR/checkpoint/`` holds the model and tokenizer after the last finished epoch
-(``save_pretrained``, so it is itself a loadable checkpoint), ``trainer.safetensors`` (the
-optimizer's tensors and every rank's torch/CUDA generator states), ``trainer.json`` (the rest of the
-optimizer and grad-scaler state, and the Python/NumPy generator states) and ``state.json`` (epochs
-done, global step, the run fingerprint). Nothing is pickled, so loading a checkpoint someone else
+(``save_pretrained``, so it is itself a loadable checkpoint; with ``--lora`` the adapter, see
+:mod:`geomscope.train.lora`), ``trainer.safetensors`` (the optimizer's tensors and every rank's
+torch/CUDA generator states), ``trainer.json`` (the rest of the optimizer, learning-rate scheduler and
+grad-scaler state, and the Python/NumPy generator states) and ``state.json`` (epochs done, global
+step, the run fingerprint). Nothing is pickled, so loading a checkpoint someone else
 made cannot run code; a ``trainer.pt`` (a pickle) is refused. A new checkpoint is written to
 ``DIR/.checkpoint.tmp`` and swapped in by renames, so a crash leaves the previous one intact.
 
@@ -29,7 +30,18 @@ MARKER = ".geomscope-finetune.json"
 #: what a finetune run writes besides the exported model files (listed in the marker)
 RUN_FILES = ("run.json", "steps.jsonl", "eval.jsonl", "summary.json", "label_map.json")
 SNAPSHOTS = "checkpoints"  # --save-every: checkpoints/step<N>/, each a save_pretrained directory
-RUN_DIRS = (CKPT, ".checkpoint.tmp", ".export.tmp", CKPT + ".old", SNAPSHOTS)
+RUN_DIRS = (
+    CKPT,
+    ".checkpoint.tmp",
+    ".export.tmp",
+    CKPT + ".old",
+    SNAPSHOTS,
+    "adapter",  # --lora: the final adapter (train.lora)
+    ".adapter.tmp",
+    "tensorboard",  # --report-to (train.tracking)
+    "wandb",
+    "mlruns",
+)
 _TENSORS, _STATE = "trainer.safetensors", "trainer.json"
 
 
@@ -180,7 +192,9 @@ def _join_optimizer(js: dict, tensors: dict) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def save_checkpoint(out: Path, model, tokenizer, optimizer, scaler, state: dict, rng_states: list) -> Path:
+def save_checkpoint(
+    out: Path, model, tokenizer, optimizer, scaler, state: dict, rng_states: list, scheduler=None
+) -> Path:
     """Write the epoch checkpoint atomically (call on the main rank only)."""
     from safetensors.torch import save_file
 
@@ -191,6 +205,7 @@ def save_checkpoint(out: Path, model, tokenizer, optimizer, scaler, state: dict,
     trainer = {
         "optimizer": _split_optimizer(optimizer.state_dict(), tensors),
         "scaler": scaler.state_dict() if scaler is not None else None,
+        **({"scheduler": scheduler_state(scheduler)} if scheduler is not None else {}),
         "rng": [_split_rng(r, st, tensors) for r, st in enumerate(rng_states)],
     }
     save_file(tensors, str(tmp / _TENSORS))
@@ -243,8 +258,15 @@ def read_state(out: Path) -> dict | None:
     return st
 
 
-def load_trainer_state(out: Path, optimizer, scaler, rank: int) -> None:
-    """Restore optimizer, grad scaler and this rank's RNG states from the checkpoint (no unpickling)."""
+def scheduler_state(scheduler) -> dict:
+    """A ``LambdaLR``'s state as JSON: its counters and learning rates (the lambdas are code, rebuilt
+    from the options on resume)."""
+    return {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+
+
+def load_trainer_state(out: Path, optimizer, scaler, rank: int, scheduler=None) -> None:
+    """Restore optimizer, LR scheduler, grad scaler and this rank's RNG states from the checkpoint (no
+    unpickling)."""
     ck = out / CKPT
     if (ck / "trainer.pt").exists():
         raise InputError(
@@ -256,6 +278,8 @@ def load_trainer_state(out: Path, optimizer, scaler, rank: int) -> None:
         optimizer.load_state_dict(_join_optimizer(trainer["optimizer"], tensors))
         if scaler is not None and trainer.get("scaler") is not None:
             scaler.load_state_dict(trainer["scaler"])
+        if scheduler is not None:
+            scheduler.load_state_dict({**scheduler.state_dict(), **trainer["scheduler"]})
         rngs = trainer["rng"]
         if rank >= len(rngs):
             raise InputError(f"{ck} was written by {len(rngs)} processes; resume with the same number")

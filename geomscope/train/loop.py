@@ -6,8 +6,29 @@ loss of a global batch of ``n`` examples is the mean cross-entropy over all ``n`
 contributes ``sum_CE_local * world / n``, which DDP's gradient averaging turns into the global
 mean).  ``task="qa"`` (extractive question answering, :mod:`geomscope.train.qa`) batches tokenised
 context windows (features) instead of examples, with the span loss (CE(start) + CE(end)) / 2 per
-feature scaled the same way, and evaluates exact match / F1.  AdamW (torch defaults besides ``lr``),
-no scheduler, as in the released I-STAR settings.
+feature scaled the same way, and evaluates exact match / F1.  By default AdamW (torch defaults
+besides ``lr``, so weight decay 0.01 on every parameter) at a constant learning rate, as in the
+released I-STAR settings.
+
+Training options (each left out of ``run.json`` and the resume fingerprint while at its default, so
+older checkpoints still resume):
+
+* ``weight_decay``: AdamW weight decay W on the weights, none on biases and LayerNorm weights (as
+  transformers' Trainer groups them).  Unset (the default) keeps torch's AdamW default above.
+* ``scheduler`` (constant | linear | cosine) and ``warmup`` (a fraction of the optimiser steps,
+  rounded up, as transformers' ``warmup_ratio``): transformers' ``get_scheduler``, stepped once per
+  optimiser step; its state is in the checkpoint and ``lr`` in steps.jsonl is the rate the step used.
+  A schedule depends on the run's length, so ``epochs`` joins the resume fingerprint.
+* ``grad_accum`` N: every optimiser step consumes N micro-batches of ``batch_size`` per process (so
+  ``batch_size * N * world`` examples), gradients summed before one update; the task loss is the
+  mean over the whole global batch, exactly as without accumulation.  The I-STAR / CosReg penalty
+  is taken per micro-batch (each micro-batch's own covariance, C0 unchanged) and the step's
+  gradient is the mean of the N micro-batch penalty gradients: a covariance over the accumulated
+  batch would need every micro-batch's hidden states (and their graphs) alive at once, which is what
+  accumulation exists to avoid.  ``penalty`` / ``isoscore_star`` in steps.jsonl are the means over
+  the step's micro-batches.  With N = 1 nothing changes.
+* ``lora`` R (``lora_alpha``, ``lora_target``): low-rank adapters, :mod:`geomscope.train.lora`.
+* ``report_to``: an experiment tracker for the step and eval records, :mod:`geomscope.train.tracking`.
 
 Outputs in ``out``: ``run.json`` (the options, written first), ``steps.jsonl`` (one line per
 optimizer step: step, epoch, loss, task_loss, penalty R, weighted_penalty = lambda * R, batch
@@ -49,6 +70,20 @@ from geomscope.train.data import (
 
 REGS = REGULARISERS
 TASKS = ("classification", "qa")
+SCHEDULERS = ("constant", "linear", "cosine")
+#: the training options added after the first release, with their defaults: recorded in run.json and the
+#: resume fingerprint only when set to something else (so checkpoints written before them still resume)
+NEW_DEFAULTS = {
+    "weight_decay": None,
+    "scheduler": "constant",
+    "warmup": 0.0,
+    "grad_accum": 1,
+    "lora": None,
+    "lora_alpha": None,
+    "lora_target": "q,v",
+    "report_to": "none",
+}
+_NOT_FINGERPRINTED = ("report_to",)
 # options that must match to resume a run (epochs may grow; device and verbosity may change)
 _FINGERPRINT = (
     "model",
@@ -105,6 +140,14 @@ class FinetuneConfig:
     save_every: int | None = None  # keep out/checkpoints/step<N>/ every N optimiser steps (and step0)
     log_geometry: int | None = None  # every N steps: per-layer gradient energy / IsoScore* (train.geometry)
     geometry_rank: tuple[int, ...] = (8, 32)  # ranks r of the top-r C0 subspaces of --log-geometry
+    weight_decay: float | None = None  # None: torch's AdamW default (0.01 on every parameter)
+    scheduler: str = "constant"  # constant | linear | cosine (transformers' get_scheduler)
+    warmup: float = 0.0  # warmup fraction of the optimiser steps
+    grad_accum: int = 1  # micro-batches of batch_size per optimiser step (penalty per micro-batch)
+    lora: int | None = None  # LoRA rank (None: full fine-tuning)
+    lora_alpha: float | None = None  # LoRA alpha (None: 2 * rank)
+    lora_target: str = "q,v"  # module names (or q, k, v, o) that get adapters
+    report_to: str = "none"  # none | tensorboard | wandb | mlflow
     extra: dict = field(default_factory=dict)  # recorded in run.json / summary.json (e.g. model alias)
 
 
@@ -141,6 +184,86 @@ def _validate(cfg: FinetuneConfig) -> None:
         if cfg.log_geometry < 1:
             raise InputError(f"--log-geometry must be at least 1 step, got {cfg.log_geometry}")
         check_ranks(cfg.geometry_rank)  # whole numbers >= 1 here; below D once the model is loaded
+    _validate_training_options(cfg)
+
+
+def _validate_training_options(cfg: FinetuneConfig) -> None:
+    """The options of issue 14 (weight decay, schedule, accumulation, LoRA, tracker): one-line errors."""
+    from geomscope.train.tracking import check_tracker
+
+    wd = cfg.weight_decay
+    if wd is not None and not (math.isfinite(wd) and wd >= 0):
+        raise InputError(f"--weight-decay must be a number >= 0, got {wd}")
+    if cfg.scheduler not in SCHEDULERS:
+        raise InputError(f"unknown --scheduler {cfg.scheduler!r}; use one of {', '.join(SCHEDULERS)}")
+    if not (math.isfinite(cfg.warmup) and 0.0 <= cfg.warmup <= 1.0):
+        raise InputError(f"--warmup is a fraction of the steps in [0, 1], got {cfg.warmup}")
+    if isinstance(cfg.grad_accum, bool) or not isinstance(cfg.grad_accum, int) or cfg.grad_accum < 1:
+        raise InputError(f"--grad-accum must be at least 1 (micro-batches per step), got {cfg.grad_accum}")
+    if cfg.grad_accum > 1 and cfg.log_geometry is not None:
+        raise InputError("--log-geometry does not support --grad-accum > 1 yet; pass one of them")
+    if cfg.lora is None:
+        if cfg.lora_alpha is not None or cfg.lora_target != NEW_DEFAULTS["lora_target"]:
+            raise InputError("--lora-alpha and --lora-target need --lora RANK")
+    else:
+        from geomscope.train.lora import check_peft
+
+        if cfg.lora < 1:
+            raise InputError(f"--lora is the adapter rank, at least 1, got {cfg.lora}")
+        if cfg.lora_alpha is not None and not (math.isfinite(cfg.lora_alpha) and cfg.lora_alpha > 0):
+            raise InputError(f"--lora-alpha must be a positive number, got {cfg.lora_alpha}")
+        if cfg.save_every is not None:
+            raise InputError("--save-every does not support --lora yet (snapshots would hold only adapters)")
+        check_peft()
+    check_tracker(cfg.report_to)
+
+
+def split_micro(global_batch: list[int], n: int, world_size: int) -> list[list[int]]:
+    """``--grad-accum n``: a global batch cut into at most ``n`` contiguous micro-batches, each with at
+    least ``world_size`` examples (so every rank gets one); the same cut on every rank."""
+    m = max(1, min(n, len(global_batch) // world_size))
+    q, r = divmod(len(global_batch), m)
+    out, lo = [], 0
+    for i in range(m):
+        hi = lo + q + (1 if i < r else 0)
+        out.append(global_batch[lo:hi])
+        lo = hi
+    return out
+
+
+def _is_no_decay(name: str, module) -> bool:
+    return name.endswith("bias") or "norm" in type(module).__name__.lower()
+
+
+def optimizer_groups(model, weight_decay: float | None):
+    """AdamW's parameters: all of the model's (torch's default decay) when ``weight_decay`` is None;
+    else two groups, ``weight_decay`` on weights and 0 on biases and LayerNorm (any *Norm) weights.
+    Frozen parameters (LoRA) are left out."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if weight_decay is None:
+        return [p for _, p in params]
+    owner = {}
+    for mname, mod in model.named_modules():
+        for pname, _ in mod.named_parameters(recurse=False):
+            owner[f"{mname}.{pname}" if mname else pname] = mod
+    decay = [p for n, p in params if not _is_no_decay(n, owner.get(n))]
+    no_decay = [p for n, p in params if _is_no_decay(n, owner.get(n))]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def make_scheduler(cfg: FinetuneConfig, optimizer, total_steps: int):
+    """transformers' ``get_scheduler`` for ``--scheduler`` / ``--warmup`` (None for constant without
+    warmup: the optimizer is left alone, bit for bit the behaviour before schedules existed)."""
+    if cfg.scheduler == "constant" and cfg.warmup == 0:
+        return None
+    from transformers import get_scheduler
+
+    warmup = math.ceil(total_steps * cfg.warmup)
+    name = "constant_with_warmup" if cfg.scheduler == "constant" else cfg.scheduler
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
 
 
 def make_autocast(precision: str, device):
@@ -170,7 +293,7 @@ def make_regularizer(cfg: FinetuneConfig, layers: list[int], d: dd.Dist):
 
 def train_step(
     model,
-    batch: dict,
+    batch: dict | list[dict],
     n_global: int,
     reg,
     lam: float,
@@ -180,23 +303,78 @@ def train_step(
     d: dd.Dist,
     monitor=None,
     geometry=None,
+    scheduler=None,
 ) -> dict:
     """One optimizer step on this rank's share of a global batch of ``n_global`` examples.
+
+    ``batch`` is one collated batch, or (``--grad-accum``) a list of micro-batches whose gradients
+    are summed before the single update: the task loss of each is its cross-entropy sum scaled by
+    ``world / n_global`` (so the sum is the global batch's mean loss, as without accumulation) and its
+    penalty is weighted ``lambda / len(batch)`` (the penalty of each micro-batch's own hidden states,
+    averaged; under DDP the gradients are synchronised on the last micro-batch only).
 
     ``reg`` is an :class:`~geomscope.train.regularizers.IStar`, a
     :class:`~geomscope.train.regularizers.CosReg` or None; ``monitor`` (an IStar, used without
     gradient) logs the batch IsoScore* when ``reg`` is not I-STAR; ``geometry`` (a
     :class:`~geomscope.train.geometry.GeometryLog`, on the logged steps only -- the same steps on
-    every rank) adds the ``geometry`` record, from gradients of the task loss taken before the
-    backward pass without touching the parameter gradients.  Returns the step record; when the loss
-    is not finite (on any rank) no update is made and ``finite`` is False.
+    every rank; one batch only) adds the ``geometry`` record, from gradients of the task loss taken
+    before the backward pass without touching the parameter gradients; ``scheduler`` (an LR
+    scheduler) is stepped after the update.  Returns the step record (``lr``: the rate this update
+    used); when the loss is not finite (on any rank) no update is made and ``finite`` is False.
     """
+    micro = list(batch) if isinstance(batch, (list, tuple)) else [batch]
+    if geometry is not None and len(micro) > 1:
+        raise ValueError("the geometry log takes one batch per step")
+    model.train()
+    ce_total, pens, isos, geo, finite = 0.0, [], [], None, True
+    w_pen = lam / len(micro)  # lam itself for one batch
+    for i, mb in enumerate(micro):
+        last = i == len(micro) - 1
+        sync = model.no_sync if (not last and hasattr(model, "no_sync")) else nullcontext
+        with sync():
+            ce, pen_v, iso, finite, geo = _micro_step(
+                model, mb, n_global, reg, w_pen, scaler, autocast, d, monitor, geometry
+            )
+        ce_total += ce
+        if pen_v is not None:
+            pens.append(pen_v)
+        if iso is not None:
+            isos.append(iso)
+        if not finite:  # global: every rank stops here
+            break
+    if finite:
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+    lr = optimizer.param_groups[0]["lr"]
+    if finite and scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    task = ce_total / n_global
+    pen_v = sum(pens) / len(pens) if pens else None
+    return {
+        "loss": task + (lam * pen_v if pen_v is not None else 0.0),
+        "task_loss": task,
+        "penalty": pen_v,
+        "weighted_penalty": None if pen_v is None else lam * pen_v,
+        "isoscore_star": sum(isos) / len(isos) if isos else None,
+        "lr": lr,
+        "examples": n_global,
+        "finite": finite,
+        **(geo or {}),
+    }
+
+
+def _micro_step(model, batch, n_global, reg, w_pen, scaler, autocast, d, monitor, geometry):
+    """Forward and backward of one (micro-)batch: (global CE sum, penalty, batch IsoScore*, finite,
+    geometry record or None).  No backward when the loss is not finite on some rank."""
     import torch
     import torch.nn.functional as F
 
     from geomscope.train.regularizers import IStar
 
-    model.train()
     inputs = {k: v.to(d.device, non_blocking=True) for k, v in batch.items() if k != "labels"}
     labels = batch["labels"].to(d.device)
     need_hidden = reg is not None or monitor is not None or geometry is not None
@@ -220,11 +398,11 @@ def train_step(
                 tuple(h.detach() for h in out.hidden_states), inputs["attention_mask"]
             )
     if pen is not None:
-        loss = loss + lam * pen
+        loss = loss + w_pen * pen
     stats = dd.all_reduce_sum(torch.stack([ce_sum.detach().double()]), d)
-    task = float(stats[0]) / n_global
+    ce = float(stats[0])
     pen_v = None if pen is None else float(pen.detach())
-    finite = math.isfinite(task) and (pen_v is None or math.isfinite(pen_v))
+    finite = math.isfinite(ce) and (pen_v is None or math.isfinite(pen_v))
     if geometry is not None and finite:  # `finite` is global: every rank takes this branch or none
         t_geo = time.perf_counter()
         scale = float(scaler.get_scale()) if scaler is not None else None
@@ -235,23 +413,9 @@ def train_step(
     if finite:
         if scaler is not None:
             scaler.scale(loss.float()).backward()
-            scaler.step(optimizer)
-            scaler.update()
         else:
             loss.backward()
-            optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {
-        "loss": task + (lam * pen_v if pen_v is not None else 0.0),
-        "task_loss": task,
-        "penalty": pen_v,
-        "weighted_penalty": None if pen_v is None else lam * pen_v,
-        "isoscore_star": None if iso is None else float(iso.detach()),
-        "lr": optimizer.param_groups[0]["lr"],
-        "examples": n_global,
-        "finite": finite,
-        **(geo or {}),
-    }
+    return ce, pen_v, None if iso is None else float(iso.detach()), finite, geo
 
 
 def _seed_all(seed: int) -> None:
@@ -269,7 +433,41 @@ def _fingerprint(cfg: FinetuneConfig, layers: list[int], world: int) -> dict:
         del fp["task"]  # checkpoints written before --task existed stay resumable
     fp["layers"] = layers
     fp["world_size"] = world
+    fp.update(_changed_options(cfg, fingerprint=True))
+    if "scheduler" in fp or "warmup" in fp:  # a schedule spans the whole run: its length must match
+        fp["epochs"] = cfg.epochs
     return fp
+
+
+def _changed_options(cfg: FinetuneConfig, fingerprint: bool = False) -> dict:
+    """The options of :data:`NEW_DEFAULTS` that differ from their defaults (LoRA's alpha and targets
+    only with --lora)."""
+    out = {}
+    for k, default in NEW_DEFAULTS.items():
+        v = getattr(cfg, k)
+        if v == default or (fingerprint and k in _NOT_FINGERPRINTED):
+            continue
+        out[k] = v
+    if cfg.lora is not None:  # the resolved alpha is what trains
+        out["lora_alpha"] = _lora_alpha(cfg)
+        out["lora_target"] = cfg.lora_target
+    return out
+
+
+def _lora_alpha(cfg: FinetuneConfig) -> float:
+    return float(cfg.lora_alpha) if cfg.lora_alpha is not None else 2.0 * cfg.lora
+
+
+def _config_record(cfg: FinetuneConfig) -> dict:
+    """run.json's ``config``: every option, the newer ones only when not at their defaults."""
+    rec = {k: v for k, v in asdict(cfg).items() if k not in NEW_DEFAULTS}
+    rec.update(_changed_options(cfg))
+    return rec
+
+
+def _norm(v):
+    """Fingerprint values compare as JSON reads them back (tuples are lists)."""
+    return list(v) if isinstance(v, tuple) else v
 
 
 def _prepare_out(cfg: FinetuneConfig, out: Path) -> dict | None:
@@ -376,7 +574,8 @@ class _Trainer:
         from geomscope.train.model import load_classifier, n_blocks
 
         cfg, d, state = self.cfg, self.d, self.state
-        src = str(self.out / ck.CKPT) if state is not None else cfg.model
+        # a LoRA checkpoint holds the adapter: the adapters are rebuilt on the original model
+        src = str(self.out / ck.CKPT) if state is not None and cfg.lora is None else cfg.model
         if cfg.task == "qa":
             from geomscope.train.model import load_qa_model
 
@@ -391,9 +590,14 @@ class _Trainer:
             check_ranks(cfg.geometry_rank, self.model.config.hidden_size)
         self.fp = _fingerprint(cfg, self.layers, d.world_size)
         if state is not None:
-            old = {"task": "classification", **state["fingerprint"]}
-            new = {"task": "classification", **self.fp}
-            diff = [k for k in new if old.get(k) != new[k]]
+            dflt = {"task": "classification", **NEW_DEFAULTS}
+            old = {**dflt, **state["fingerprint"]}
+            new = {**dflt, **self.fp}
+            old.setdefault("epochs", cfg.epochs)  # no schedule before: the run's length was free
+            new.setdefault("epochs", old["epochs"])
+            # new holds every newer option (its default when unset): a run of an older version compares
+            # equal on them; keys only an old fingerprint has are ignored, as before
+            diff = [k for k in new if _norm(old.get(k)) != _norm(new[k])]
             if diff:
                 k = diff[0]
                 raise InputError(
@@ -401,6 +605,8 @@ class _Trainer:
                     f"{new[k]!r}; resume with the same options or choose another --out"
                 )
             self.minfo["head_added"] = state.get("head_added", False)
+        if cfg.lora is not None:
+            self._wrap_lora()
         self.model.to(d.device)
         max_length = self._max_length()
         if cfg.task == "qa":
@@ -416,6 +622,24 @@ class _Trainer:
                 f"{cfg.train} has {len(self.train_enc)} "
                 f"{'features' if cfg.task == 'qa' else 'rows'}, fewer than the {d.world_size} processes"
             )
+
+    def _wrap_lora(self) -> None:
+        """--lora: adapters on the chosen modules (the head trains in full); on resume the checkpoint's
+        adapter weights are loaded into them."""
+        from geomscope.train import lora
+
+        cfg = self.cfg
+        targets = lora.resolve_targets(self.model, cfg.lora_target)
+        self.model = lora.wrap(self.model, cfg.lora, _lora_alpha(cfg), targets)
+        self.lora_record = {
+            "rank": cfg.lora,
+            "alpha": _lora_alpha(cfg),
+            "targets": targets,
+            "trainable_parameters": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+        }
+        if self.state is not None:
+            lora.load_adapter(self.model, self.out / ck.CKPT)
 
     def _max_length(self) -> int:
         """--max-length, clamped to the model's positions (with a note)."""
@@ -439,13 +663,23 @@ class _Trainer:
             self.ddp_model = DistributedDataParallel(
                 self.model, device_ids=[d.device.index] if d.device.type == "cuda" else None
             )
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
+        if cfg.weight_decay is None and cfg.lora is None:
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)  # as before the options
+        else:
+            groups = optimizer_groups(self.model, cfg.weight_decay)
+            self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr)
+        self.per_epoch = len(self._batches(list(range(len(self.train_enc)))))
+        self.scheduler = make_scheduler(cfg, self.optimizer, self.per_epoch * cfg.epochs)
         self.scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
         if self.state is not None:
-            ck.load_trainer_state(self.out, self.optimizer, self.scaler, d.rank)
+            ck.load_trainer_state(self.out, self.optimizer, self.scaler, d.rank, self.scheduler)
             self.start_epoch, self.step = self.state["epochs_done"], self.state["global_step"]
         else:
             torch.manual_seed(cfg.seed + 7919 * d.rank)  # dropout stream per rank
+
+    def _batches(self, order: list[int]) -> list[list[int]]:
+        """The epoch's global batches: one per optimiser step (``batch_size * grad_accum * world``)."""
+        return global_batches(order, self.cfg.batch_size * self.cfg.grad_accum, self.d.world_size)
 
     def _make_regularisers(self) -> None:
         import torch
@@ -485,7 +719,7 @@ class _Trainer:
                 write_json_atomic(
                     self.out / "run.json",
                     {
-                        "config": asdict(cfg),
+                        "config": _config_record(cfg),
                         "layers": self.layers,
                         "world_size": d.world_size,
                         "device": str(d.device),
@@ -495,16 +729,41 @@ class _Trainer:
                             if self.geometry is not None
                             else {}
                         ),
+                        **self._options_record(),
                     },
                 )
             ck.truncate_jsonl(self.steps_path, lambda r: r["step"] <= self.step)
             ck.truncate_jsonl(self.eval_path, lambda r: r["epoch"] <= self.start_epoch)
+        self.tracker = None
+        if d.is_main and cfg.report_to != "none":
+            from geomscope.train.tracking import make_tracker
+
+            self.tracker = make_tracker(cfg.report_to, self.out, _config_record(cfg), self.step)
         dd.barrier(d)
+
+    def _options_record(self) -> dict:
+        """What the newer options resolved to (run.json / summary.json; empty at the defaults)."""
+        cfg, rec = self.cfg, {}
+        if self.scheduler is not None:
+            rec["lr_schedule"] = {
+                "scheduler": cfg.scheduler,
+                "warmup_steps": math.ceil(self.per_epoch * cfg.epochs * cfg.warmup),
+                "total_steps": self.per_epoch * cfg.epochs,
+            }
+        if cfg.grad_accum > 1:
+            rec["accumulation"] = {
+                "micro_batches": cfg.grad_accum,
+                "examples_per_step": cfg.batch_size * cfg.grad_accum * self.d.world_size,
+                "penalty": "per micro-batch, averaged",
+            }
+        if cfg.lora is not None:
+            rec["lora_adapters"] = self.lora_record
+        return rec
 
     # -- training ----------------------------------------------------------------------------
     def train(self, quiet: bool) -> _Trainer:
         cfg, d = self.cfg, self.d
-        per_epoch = len(global_batches(list(range(len(self.train_enc))), cfg.batch_size, d.world_size))
+        per_epoch = self.per_epoch
         self.logf = open(self.steps_path, "a") if d.is_main else None
         bar = Progress(enabled=d.is_main and not quiet)
         if self.step == 0:
@@ -523,6 +782,8 @@ class _Trainer:
         finally:
             if self.logf is not None:
                 self.logf.close()
+            if self.tracker is not None:
+                self.tracker.close()
         return self
 
     def _epoch(self, epoch: int, progress) -> None:
@@ -548,11 +809,15 @@ class _Trainer:
             if self.geometry is not None:
                 self.geometry.set_c0(C0)
         progress.describe(f"epoch {epoch + 1}/{cfg.epochs}")
-        for gb in global_batches(order, cfg.batch_size, d.world_size):
+        for gb in self._batches(order):
             t0 = time.perf_counter()
+            micro = [
+                self.train_enc.collate(rank_slice(mb, d.rank, d.world_size))
+                for mb in split_micro(gb, cfg.grad_accum, d.world_size)
+            ]
             rec = train_step(
                 self.ddp_model,
-                self.train_enc.collate(rank_slice(gb, d.rank, d.world_size)),
+                micro[0] if len(micro) == 1 else micro,
                 len(gb),
                 self.reg,
                 cfg.lam,
@@ -562,6 +827,7 @@ class _Trainer:
                 d,
                 self.monitor,
                 self.geometry if self._log_geometry_now() else None,
+                self.scheduler,
             )
             dt = time.perf_counter() - t0
             self.step += 1
@@ -591,6 +857,8 @@ class _Trainer:
         if self.logf is not None:
             self.logf.write(json.dumps(_json_safe(rec)) + "\n")
             self.logf.flush()
+        if self.tracker is not None:
+            self.tracker.log_step(rec)
         if not finite:
             last = ck.read_state(self.out)
             kept = (
@@ -640,6 +908,8 @@ class _Trainer:
             return None
         with open(self.eval_path, "a") as f:
             f.write(json.dumps(_json_safe(ev)) + "\n")
+        if self.tracker is not None:
+            self.tracker.log_eval(ev)
         ck.save_checkpoint(
             self.out,
             self.model,
@@ -654,6 +924,7 @@ class _Trainer:
                 "head_added": self.minfo["head_added"],
             },
             rngs,
+            self.scheduler,
         )
         return ev
 
@@ -666,7 +937,12 @@ class _Trainer:
                 "id2label": {str(i): lab for lab, i in self.label2id.items()},
             }
             extra = {"label_map.json": label_map} if self.cfg.task == "classification" else {}
-            ck.export_model(self.out, self.model, self.tokenizer, extra)
+            if self.cfg.lora is not None:  # OUT/adapter/, and the merged model as an ordinary checkpoint
+                from geomscope.train import lora
+
+                lora.export(self.out, self.model, self.tokenizer, extra)
+            else:
+                ck.export_model(self.out, self.model, self.tokenizer, extra)
             summary = self._summary()
             write_json_atomic(self.out / "summary.json", summary)
         dd.barrier(self.d)
@@ -706,7 +982,7 @@ class _Trainer:
                 "lr": cfg.lr,
                 "batch_size": cfg.batch_size,
                 "world_size": d.world_size,
-                "global_batch": cfg.batch_size * d.world_size,
+                "global_batch": cfg.batch_size * cfg.grad_accum * d.world_size,  # examples per optimiser step
                 "precision": cfg.precision,
                 "penalty_precision": cfg.penalty_precision,
                 "log_geometry": cfg.log_geometry,
@@ -724,6 +1000,8 @@ class _Trainer:
                 "final": evals[-1] if evals else None,
                 "evals": evals,
                 "extra": cfg.extra,
+                **_changed_options(cfg),
+                **self._options_record(),
                 "eval_isoscore_target": "trace-matched identity",
                 "versions": package_versions(),
             }
