@@ -174,10 +174,15 @@ def _top_eigh(a: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return w[::-1].copy(), np.ascontiguousarray(v[:, ::-1])
 
 
+def top_eigenpairs(C, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """((k,), (D, k)): the top-k eigenvalues and eigenvectors of a symmetric C, descending -- the U_r
+    of every rank r <= k as its first r columns (the same split of ties as :func:`gradient_energy`)."""
+    return _top_eigh(_symmetric(C, "C"), int(k))
+
+
 def top_eigenvectors(C, k: int) -> np.ndarray:
-    """(D, k): the top-k eigenvectors of a symmetric C, descending -- the U_r of every rank r <= k
-    as its first r columns (the same split of ties as :func:`gradient_energy`)."""
-    return _top_eigh(_symmetric(C, "C"), int(k))[1]
+    """(D, k): the eigenvectors of :func:`top_eigenpairs`."""
+    return top_eigenpairs(C, k)[1]
 
 
 def captured_energy(S, U: np.ndarray) -> np.ndarray:
@@ -285,8 +290,12 @@ def gradient_energy(
     seed: int = 0,
     zeta: float = 0.2,
     target="trace",
+    act_eig: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> list[dict]:
     """Share of the gradient second moment S in the top-r activation subspace U_r, per rank.
+
+    ``act_eig``: C_act's top eigenpairs from :func:`top_eigenpairs` with k >= max(ranks) + 1, when
+    the caller needs U_r too (score's jackknife): the eigendecomposition is then not repeated.
 
     S (D, D): uncentred gradient second moment (PSD, any positive scale); grad_mean (D,): mean
     gradient (None: ``mean_energy`` is None); C_act (D, D): activation covariance of the same layer;
@@ -326,7 +335,9 @@ def gradient_energy(
         raise DataError(ZERO_VARIANCE_MESSAGE.format(name="C_act", what="the activation subspace U_r"))
 
     rmax = max(rs)
-    lam_c, u_all = _top_eigh(c, rmax + 1)
+    lam_c, u_all = act_eig if act_eig is not None else _top_eigh(c, rmax + 1)
+    if len(lam_c) < rmax + 1:
+        raise DataError(f"act_eig holds {len(lam_c)} eigenpairs; max(ranks) + 1 = {rmax + 1} are needed")
     lam_s, v_all = _top_eigh(s, rmax)
     u_all = u_all[:, :rmax]
     su, cu = s @ u_all, c @ u_all

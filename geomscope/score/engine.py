@@ -337,7 +337,7 @@ class _Scorer:
     def _gradient_energy(self, entries: dict) -> None:
         """Captured gradient energy of this batch's gradient layers (gradenergy.py) in the basis run's
         activation subspaces, from the moments already merged and one pass over the basis run."""
-        from geomscope.metrics.subspace import gradient_energy
+        from geomscope.metrics.subspace import gradient_energy, top_eigenpairs
         from geomscope.score.gradenergy import energy_se, removal_target, second_moment
 
         o = self.opts
@@ -357,6 +357,7 @@ class _Scorer:
                 return
             S, mean = second_moment(state.full)
             C = covs[pairs[name]]
+            eig = top_eigenpairs(C, max(o.ranks) + 1)  # once, for the energies and their SEs
             rows = gradient_energy(
                 S,
                 mean,
@@ -366,8 +367,9 @@ class _Scorer:
                 seed=o.seed,
                 zeta=o.zeta,
                 target=removal_target(self.target),
+                act_eig=eig,
             )
-            ses = energy_se(groups or [], state.live, C, o.ranks)
+            ses = energy_se(groups or [], state.live, eig[1], o.ranks)
             self.energy[name] = [_with_se(row, se) for row, se in zip(rows, ses, strict=True)]
 
         self._each(list(pairs), one)

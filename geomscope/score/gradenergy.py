@@ -81,15 +81,15 @@ def second_moment(full) -> tuple[np.ndarray, np.ndarray]:
     return full.M2 + full.n * np.outer(mean, mean), mean
 
 
-def energy_se(groups: list, live: list[int], C: np.ndarray, ranks) -> list[float | None]:
+def energy_se(groups: list, live: list[int], U: np.ndarray, ranks) -> list[float | None]:
     """Per rank, the delete-one-group jackknife SE of E over the gradient run's groups, the basis
-    U_r held fixed (its own sampling error is not included; say so where it is reported)."""
-    from geomscope.metrics.subspace import captured_energy, top_eigenvectors
+    U (top eigenvectors of the activation covariance, descending) held fixed: its own sampling
+    error is not included; the report says so."""
+    from geomscope.metrics.subspace import captured_energy
     from geomscope.score.compute import jackknife_se, merged
 
     if len(live) < 2:
         return [None] * len(ranks)
-    U = top_eigenvectors(C, max(ranks))
     reps = []
     for g in live:
         m = merged(groups, skip=g)

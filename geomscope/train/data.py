@@ -214,27 +214,34 @@ class Encoded:
 
     def collate(self, idx):
         """Pad the examples ``idx`` on the right into a batch dict of tensors (labels included)."""
-        import torch
+        return pad_batch(self.input_ids, self.token_type_ids, self.pad_id, idx, self.labels)
 
-        idx = list(idx)
-        width = max(len(self.input_ids[i]) for i in idx)
-        ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        tt = torch.zeros((len(idx), width), dtype=torch.long) if self.token_type_ids is not None else None
-        for row, i in enumerate(idx):
-            seq = self.input_ids[i]
-            ids[row, : len(seq)] = torch.tensor(seq)
-            mask[row, : len(seq)] = 1
-            if tt is not None:
-                tt[row, : len(seq)] = torch.tensor(self.token_type_ids[i])
-        batch = {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "labels": torch.tensor([self.labels[i] for i in idx]),
-        }
+
+def pad_batch(input_ids, token_type_ids, pad_id: int, idx, labels) -> dict:
+    """The batch dict of the sequences ``idx``: ids padded on the right with ``pad_id``, the
+    attention mask, token type ids where the tokenizer gives them, and ``labels[i]`` per sequence
+    (a class id, or a (start, end) pair for QA) as a long tensor. Shared by every task's dataset."""
+    import torch
+
+    idx = list(idx)
+    width = max(len(input_ids[i]) for i in idx)
+    ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(idx), width), dtype=torch.long)
+    tt = torch.zeros((len(idx), width), dtype=torch.long) if token_type_ids is not None else None
+    for row, i in enumerate(idx):
+        seq = input_ids[i]
+        ids[row, : len(seq)] = torch.tensor(seq)
+        mask[row, : len(seq)] = 1
         if tt is not None:
-            batch["token_type_ids"] = tt
-        return batch
+            tt[row, : len(seq)] = torch.tensor(token_type_ids[i])
+    batch = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": torch.tensor([labels[i] for i in idx], dtype=torch.long),
+    }
+    if tt is not None:
+        batch["token_type_ids"] = tt
+    return batch
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:

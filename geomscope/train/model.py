@@ -25,14 +25,11 @@ def quiet_transformers() -> None:
         pass
 
 
-def load_classifier(source: str | Path, label2id: dict[str, int], note: Callable[[str], None]):
-    """(model, tokenizer, info) for sequence classification with ``len(label2id)`` labels.
-
-    ``info`` holds ``head_added`` (True when the checkpoint had no usable classification head and
-    one was initialised) and ``pad_token_added``.
-    """
+def _checked_config(source: str | Path):
+    """(source as a string, its config): a model directory is checked first (tokenizer files,
+    safetensors headers); a config that does not load is one line. Never runs a model's code."""
     import torch  # noqa: F401  (transformers needs it)
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoConfig
 
     from geomscope.extract.models import check_model_dir
 
@@ -41,11 +38,31 @@ def load_classifier(source: str | Path, label2id: dict[str, int], note: Callable
     if Path(src).is_dir():
         check_model_dir(Path(src), src)
     try:
-        config = AutoConfig.from_pretrained(src, trust_remote_code=False)
+        return src, AutoConfig.from_pretrained(src, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise InputError(
             f"cannot load model {src!r}: {str(e).splitlines()[0]}; give a checkpoint directory"
         ) from None
+
+
+def _tokenizer(src: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(src, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise InputError(f"cannot load the tokenizer of {src!r}: {str(e).splitlines()[0]}") from None
+
+
+def load_classifier(source: str | Path, label2id: dict[str, int], note: Callable[[str], None]):
+    """(model, tokenizer, info) for sequence classification with ``len(label2id)`` labels.
+
+    ``info`` holds ``head_added`` (True when the checkpoint had no usable classification head and
+    one was initialised) and ``pad_token_added``.
+    """
+    from transformers import AutoModelForSequenceClassification
+
+    src, config = _checked_config(source)
     id2label = {i: lab for lab, i in label2id.items()}
     try:
         model, info = AutoModelForSequenceClassification.from_pretrained(
@@ -62,10 +79,7 @@ def load_classifier(source: str | Path, label2id: dict[str, int], note: Callable
             f"{src} ({config.model_type}) has no sequence-classification model class in transformers: "
             f"{str(e).splitlines()[0]}"
         ) from None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(src, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        raise InputError(f"cannot load the tokenizer of {src!r}: {str(e).splitlines()[0]}") from None
+    tokenizer = _tokenizer(src)
     head_added = bool(info.get("missing_keys")) or bool(info.get("mismatched_keys"))
     archs = [a for a in (config.architectures or []) if a.endswith("ForSequenceClassification")]
     if info.get("mismatched_keys") and archs:
@@ -102,21 +116,9 @@ def load_qa_model(source: str | Path, note: Callable[[str], None]):
     ``info`` as for :func:`load_classifier`: ``head_added`` is True when the checkpoint had no span
     (start/end) head and a new one was randomly initialised (reported through ``note``).
     """
-    import torch  # noqa: F401  (transformers needs it)
-    from transformers import AutoConfig, AutoModelForQuestionAnswering, AutoTokenizer
+    from transformers import AutoModelForQuestionAnswering
 
-    from geomscope.extract.models import check_model_dir
-
-    quiet_transformers()
-    src = str(source)
-    if Path(src).is_dir():
-        check_model_dir(Path(src), src)
-    try:
-        config = AutoConfig.from_pretrained(src, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        raise InputError(
-            f"cannot load model {src!r}: {str(e).splitlines()[0]}; give a checkpoint directory"
-        ) from None
+    src, config = _checked_config(source)
     try:
         model, info = AutoModelForQuestionAnswering.from_pretrained(
             src, num_labels=2, ignore_mismatched_sizes=True, output_loading_info=True, trust_remote_code=False
@@ -126,10 +128,7 @@ def load_qa_model(source: str | Path, note: Callable[[str], None]):
             f"{src} ({config.model_type}) has no question-answering model class in transformers: "
             f"{str(e).splitlines()[0]}"
         ) from None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(src, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        raise InputError(f"cannot load the tokenizer of {src!r}: {str(e).splitlines()[0]}") from None
+    tokenizer = _tokenizer(src)
     head_added = bool(info.get("missing_keys")) or bool(info.get("mismatched_keys"))
     if head_added:
         note(

@@ -278,27 +278,9 @@ class QAEncoded:
 
     def collate(self, idx):
         """Pad the features ``idx`` on the right; ``labels`` is the (B, 2) start/end tensor."""
-        import torch
+        from geomscope.train.data import pad_batch
 
-        idx = list(idx)
-        width = max(len(self.input_ids[i]) for i in idx)
-        ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        tt = torch.zeros((len(idx), width), dtype=torch.long) if self.token_type_ids is not None else None
-        for row, i in enumerate(idx):
-            seq = self.input_ids[i]
-            ids[row, : len(seq)] = torch.tensor(seq)
-            mask[row, : len(seq)] = 1
-            if tt is not None:
-                tt[row, : len(seq)] = torch.tensor(self.token_type_ids[i])
-        batch = {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "labels": torch.tensor([self.labels[i] for i in idx], dtype=torch.long),
-        }
-        if tt is not None:
-            batch["token_type_ids"] = tt
-        return batch
+        return pad_batch(self.input_ids, self.token_type_ids, self.pad_id, idx, self.labels)
 
 
 def _span_label(offsets: list, start_char: int, end_char: int) -> tuple[int, int]:

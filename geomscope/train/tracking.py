@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 from geomscope.errors import InputError
@@ -48,8 +49,9 @@ def _numbers(rec: dict, keys=None) -> dict[str, float]:
     return out
 
 
-class Tracker:
-    """A tracker's ``log_step`` / ``log_eval`` / ``close``; ``make_tracker`` picks the backend."""
+class Tracker(ABC):
+    """A tracker's ``log_step`` / ``log_eval`` / ``close``; ``make_tracker`` picks the backend, which
+    implements ``_log``."""
 
     def log_step(self, rec: dict) -> None:
         self._log("train", _numbers(rec, STEP_KEYS), int(rec["step"]))
@@ -58,11 +60,12 @@ class Tracker:
         nums = {k: v for k, v in _numbers(ev).items() if k not in ("epoch", "step")}
         self._log("eval", nums, int(ev["step"]))
 
-    def _log(self, prefix: str, values: dict, step: int) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def _log(self, prefix: str, values: dict, step: int) -> None:
+        """Write ``values`` under ``prefix`` (train / eval) at ``step``."""
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 -- optional: most backends have nothing to flush
+        """Flush and release the backend (nothing by default)."""
 
 
 class _TensorBoard(Tracker):
