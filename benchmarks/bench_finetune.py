@@ -37,11 +37,10 @@ from _common import print_rows  # noqa: E402
 def _setup(device: str, batch: int, n_batches: int, c0_points: int):
     import torch
 
-    from geomscope import distributed as dd
     from geomscope.extract.models import bundled_minilm_dir
+    from geomscope.train import engine
     from geomscope.train.data import Encoded, build_label_map, load_table
     from geomscope.train.evaluate import compute_c0
-    from geomscope.train.loop import make_autocast
     from geomscope.train.model import load_classifier
     from geomscope.train.regularizers import CosReg, IStar
 
@@ -54,11 +53,12 @@ def _setup(device: str, batch: int, n_batches: int, c0_points: int):
     label2id = build_label_map(table)
     torch.manual_seed(0)
     model, tok, _ = load_classifier(path, label2id, lambda s: None)
-    d = dd.setup(device)
+    eng = engine.start(device, "fp32")  # the Accelerator finetune runs on
+    d = eng.d
     model.to(d.device)
     enc = Encoded(tok, table, label2id, 128)
     batches = [enc.collate(range(i * batch, (i + 1) * batch)) for i in range(n_batches)]
-    autocast = make_autocast("fp32", d.device)
+    autocast = eng.autocast
     layers = list(range(1, model.config.num_hidden_layers + 1))
     C0, _ = compute_c0(model, enc, list(range(len(enc))), layers, c0_points, 64, d, autocast)
     regs = {
@@ -76,12 +76,12 @@ def _setup(device: str, batch: int, n_batches: int, c0_points: int):
         lm = copy.deepcopy(model)
         lm = lora_mod.wrap(lm, 8, 16.0, lora_mod.resolve_targets(lm, "q,v")).to(d.device)
         lopt = torch.optim.AdamW([p for p in lm.parameters() if p.requires_grad], lr=1e-5)
-        lora = (lm, lopt)
+        lora = eng.prepare(lm, lopt)
     except ImportError:  # no peft: no LoRA row
         pass
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    model, opt = eng.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-5))
     tokens = sum(int(b["attention_mask"].sum()) for b in batches) / len(batches)
-    return model, batches, regs, opt, autocast, d, tokens, lora
+    return model, batches, regs, opt, autocast, eng, tokens, lora
 
 
 def _sync(d):
@@ -100,9 +100,10 @@ def run(quick: bool = False, threads: int | None = 1, device: str = "cpu") -> li
         torch.set_num_threads(threads)
     batch = 32
     steps, repeats = (1, 3) if quick else (3, 7)
-    model, batches, regs, opt, autocast, d, tokens, lora = _setup(
+    model, batches, regs, opt, autocast, eng, tokens, lora = _setup(
         device, batch, steps, 20_000 if quick else 250_000
     )
+    d = eng.d
 
     def plain_on(m, o):
         def f():
@@ -123,7 +124,7 @@ def run(quick: bool = False, threads: int | None = 1, device: str = "cpu") -> li
 
         def f():
             for b in batches:
-                train_step(m, b, batch, reg, 1.0 if name != "none" else 0.0, o, None, autocast, d)
+                train_step(m, b, batch, reg, 1.0 if name != "none" else 0.0, o, eng)
             _sync(d)
 
         return f

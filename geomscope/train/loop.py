@@ -266,18 +266,6 @@ def make_scheduler(cfg: FinetuneConfig, optimizer, total_steps: int):
     return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
 
 
-def make_autocast(precision: str, device):
-    """Autocast context factory: none for fp32; fp16 needs CUDA; bf16 works on CUDA and CPU."""
-    import torch
-
-    if precision == "fp32":
-        return nullcontext
-    if precision == "fp16" and device.type != "cuda":
-        raise InputError("--precision fp16 needs a CUDA GPU; use --precision bf16 or fp32 on the CPU")
-    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
-    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
-
-
 def make_regularizer(cfg: FinetuneConfig, layers: list[int], d: dd.Dist):
     import torch
 
@@ -298,9 +286,7 @@ def train_step(
     reg,
     lam: float,
     optimizer,
-    scaler,
-    autocast,
-    d: dd.Dist,
+    engine,
     monitor=None,
     geometry=None,
     scheduler=None,
@@ -311,16 +297,17 @@ def train_step(
     are summed before the single update: the task loss of each is its cross-entropy sum scaled by
     ``world / n_global`` (so the sum is the global batch's mean loss, as without accumulation) and its
     penalty is weighted ``lambda / len(batch)`` (the penalty of each micro-batch's own hidden states,
-    averaged; under DDP the gradients are synchronised on the last micro-batch only).
+    averaged; gradients are synchronised across processes on the last micro-batch only).
 
-    ``reg`` is an :class:`~geomscope.train.regularizers.IStar`, a
-    :class:`~geomscope.train.regularizers.CosReg` or None; ``monitor`` (an IStar, used without
-    gradient) logs the batch IsoScore* when ``reg`` is not I-STAR; ``geometry`` (a
-    :class:`~geomscope.train.geometry.GeometryLog`, on the logged steps only -- the same steps on
-    every rank; one batch only) adds the ``geometry`` record, from gradients of the task loss taken
-    before the backward pass without touching the parameter gradients; ``scheduler`` (an LR
-    scheduler) is stepped after the update.  Returns the step record (``lr``: the rate this update
-    used); when the loss is not finite (on any rank) no update is made and ``finite`` is False.
+    ``model`` and ``optimizer`` are what ``engine.prepare`` returned (:mod:`geomscope.train.engine`:
+    Accelerate does the backward pass, the fp16 loss scaling and the synchronisation).  ``reg`` is an
+    :class:`~geomscope.train.regularizers.IStar`, a :class:`~geomscope.train.regularizers.CosReg` or
+    None; ``monitor`` (an IStar, used without gradient) logs the batch IsoScore* when ``reg`` is not
+    I-STAR; ``geometry`` (a :class:`~geomscope.train.geometry.GeometryLog`, on the logged steps only --
+    the same steps on every rank; one batch only) adds the ``geometry`` record, from gradients of the
+    task loss taken before the backward pass without touching the parameter gradients; ``scheduler``
+    (an LR scheduler) is stepped after the update.  Returns the step record (``lr``: the rate this
+    update used); when the loss is not finite (on any rank) no update is made and ``finite`` is False.
     """
     micro = list(batch) if isinstance(batch, (list, tuple)) else [batch]
     if geometry is not None and len(micro) > 1:
@@ -330,10 +317,9 @@ def train_step(
     w_pen = lam / len(micro)  # lam itself for one batch
     for i, mb in enumerate(micro):
         last = i == len(micro) - 1
-        sync = model.no_sync if (not last and hasattr(model, "no_sync")) else nullcontext
-        with sync():
+        with nullcontext() if last else engine.no_sync(model):
             ce, pen_v, iso, finite, geo = _micro_step(
-                model, mb, n_global, reg, w_pen, scaler, autocast, d, monitor, geometry
+                model, mb, n_global, reg, w_pen, engine, monitor, geometry
             )
         ce_total += ce
         if pen_v is not None:
@@ -343,11 +329,7 @@ def train_step(
         if not finite:  # global: every rank stops here
             break
     if finite:
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
+        optimizer.step()  # Accelerate's optimizer: unscales and skips on overflow under fp16
     lr = optimizer.param_groups[0]["lr"]
     if finite and scheduler is not None:
         scheduler.step()
@@ -367,7 +349,7 @@ def train_step(
     }
 
 
-def _micro_step(model, batch, n_global, reg, w_pen, scaler, autocast, d, monitor, geometry):
+def _micro_step(model, batch, n_global, reg, w_pen, engine, monitor, geometry):
     """Forward and backward of one (micro-)batch: (global CE sum, penalty, batch IsoScore*, finite,
     geometry record or None).  No backward when the loss is not finite on some rank."""
     import torch
@@ -375,10 +357,11 @@ def _micro_step(model, batch, n_global, reg, w_pen, scaler, autocast, d, monitor
 
     from geomscope.train.regularizers import IStar
 
+    d = engine.d
     inputs = {k: v.to(d.device, non_blocking=True) for k, v in batch.items() if k != "labels"}
     labels = batch["labels"].to(d.device)
     need_hidden = reg is not None or monitor is not None or geometry is not None
-    with autocast():
+    with engine.autocast():
         out = model(**inputs, output_hidden_states=need_hidden)
     if hasattr(out, "start_logits"):  # --task qa: (CE(start) + CE(end)) / 2 per feature
         from geomscope.train.qa import qa_loss_sum
@@ -405,16 +388,13 @@ def _micro_step(model, batch, n_global, reg, w_pen, scaler, autocast, d, monitor
     finite = math.isfinite(ce) and (pen_v is None or math.isfinite(pen_v))
     if geometry is not None and finite:  # `finite` is global: every rank takes this branch or none
         t_geo = time.perf_counter()
-        scale = float(scaler.get_scale()) if scaler is not None else None
+        scale = float(engine.scaler.get_scale()) if engine.scaler is not None else None
         grads = geometry.hidden_grads(task_loss, out.hidden_states, scale)
         rec = geometry.record(out.hidden_states, grads, inputs["attention_mask"])
         del grads
         geo = {"geometry": rec, "geometry_seconds": round(time.perf_counter() - t_geo, 5)}
     if finite:
-        if scaler is not None:
-            scaler.scale(loss.float()).backward()
-        else:
-            loss.backward()
+        engine.backward(loss.float() if engine.scaler is not None else loss)
     return ce, pen_v, None if iso is None else float(iso.detach()), finite, geo
 
 
@@ -517,15 +497,17 @@ def finetune(cfg: FinetuneConfig, *, quiet: bool = False, note=None) -> dict:
     note = note or (lambda msg: print(msg, file=sys.stderr))
     cfg = _resolve_model_alias(cfg)
     _validate(cfg)
-    d = dd.setup(cfg.device)
+    from geomscope.train import engine as en
+
+    eng = en.start(cfg.device, cfg.precision)
     try:
-        return _run(cfg, d, quiet, note if d.is_main else (lambda msg: None))
+        return _run(cfg, eng, quiet, note if eng.d.is_main else (lambda msg: None))
     finally:
-        dd.teardown(d)
+        en.stop(eng)
 
 
-def _run(cfg: FinetuneConfig, d: dd.Dist, quiet: bool, note) -> dict:
-    return _Trainer(cfg, d, note).setup().train(quiet).finish()
+def _run(cfg: FinetuneConfig, eng, quiet: bool, note) -> dict:
+    return _Trainer(cfg, eng, note).setup().train(quiet).finish()
 
 
 class _Trainer:
@@ -533,10 +515,10 @@ class _Trainer:
     ``finish()`` (export and summary, on rank 0). State lives on the instance so that each step is a
     method a reader can hold in mind."""
 
-    def __init__(self, cfg: FinetuneConfig, d: dd.Dist, note):
-        self.cfg, self.d, self.note = cfg, d, note
+    def __init__(self, cfg: FinetuneConfig, eng, note):
+        self.cfg, self.eng, self.d, self.note = cfg, eng, eng.d, note
         self.out = Path(cfg.out)
-        self.autocast = make_autocast(cfg.precision, d.device)
+        self.autocast = eng.autocast  # Accelerate's mixed precision (a no-op context for fp32)
         self.start_epoch = self.step = 0
         self.t_train, self.n_steps_timed, self.c0_used = 0.0, 0, None
 
@@ -607,7 +589,6 @@ class _Trainer:
             self.minfo["head_added"] = state.get("head_added", False)
         if cfg.lora is not None:
             self._wrap_lora()
-        self.model.to(d.device)
         max_length = self._max_length()
         if cfg.task == "qa":
             from geomscope.train.qa import QAEncoded
@@ -656,23 +637,17 @@ class _Trainer:
         import torch
 
         cfg, d = self.cfg, self.d
-        self.ddp_model = self.model
-        if d.active:
-            from torch.nn.parallel import DistributedDataParallel
-
-            self.ddp_model = DistributedDataParallel(
-                self.model, device_ids=[d.device.index] if d.device.type == "cuda" else None
-            )
         if cfg.weight_decay is None and cfg.lora is None:
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)  # as before the options
+            optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)  # as before the options
         else:
-            groups = optimizer_groups(self.model, cfg.weight_decay)
-            self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr)
+            optimizer = torch.optim.AdamW(optimizer_groups(self.model, cfg.weight_decay), lr=cfg.lr)
+        # the model as the launch wraps it (DDP across processes), and Accelerate's optimizer
+        self.ddp_model, self.optimizer = self.eng.prepare(self.model, optimizer)
         self.per_epoch = len(self._batches(list(range(len(self.train_enc)))))
-        self.scheduler = make_scheduler(cfg, self.optimizer, self.per_epoch * cfg.epochs)
-        self.scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
+        self.scheduler = make_scheduler(cfg, optimizer, self.per_epoch * cfg.epochs)
+        self.scaler = self.eng.scaler
         if self.state is not None:
-            ck.load_trainer_state(self.out, self.optimizer, self.scaler, d.rank, self.scheduler)
+            ck.load_trainer_state(self.out, optimizer, self.scaler, d.rank, self.scheduler)
             self.start_epoch, self.step = self.state["epochs_done"], self.state["global_step"]
         else:
             torch.manual_seed(cfg.seed + 7919 * d.rank)  # dropout stream per rank
@@ -822,9 +797,7 @@ class _Trainer:
                 self.reg,
                 cfg.lam,
                 self.optimizer,
-                self.scaler,
-                self.autocast,
-                d,
+                self.eng,
                 self.monitor,
                 self.geometry if self._log_geometry_now() else None,
                 self.scheduler,
