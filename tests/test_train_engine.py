@@ -204,3 +204,135 @@ def test_one_accelerator_per_run_in_a_process():
             assert str(eng.d.device) == "cpu" and eng.scaler is None
         finally:
             engine.stop(eng)
+
+
+# -- sharded launches (FSDP / DeepSpeed) -----------------------------------------------------------
+# Accelerate turns FSDP on only for GPU-type processes (accelerate/state.py: the FSDP plugin is taken
+# for MULTI_GPU and its kin, never MULTI_CPU), so these tests run geomscope's side of a sharded run on
+# the CPU: every process makes the same number of forwards, the weights come from the gathered state
+# dict, and what a sharded run cannot honour is refused.
+
+
+def _lockstep_worker(rank, tmp, payload):
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    from geomscope import distributed as dd
+    from geomscope.train.data import Encoded, load_table
+    from geomscope.train.evaluate import compute_c0, evaluate
+    from geomscope.train.model import load_classifier
+
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=2)
+    d = dd.setup("cpu")
+    labels = {"negative": 0, "positive": 1}
+    model, tok, _ = load_classifier(payload["no_dropout"], labels, lambda s: None)
+    calls = []
+    model.register_forward_hook(lambda *a: calls.append(1))
+    enc = Encoded(tok, load_table(payload["eval"]), labels, 64)
+    res = {}
+    for lock in (False, True):
+        dl = dataclasses.replace(d, lockstep=lock)
+        calls.clear()
+        res[f"eval{lock}"] = evaluate(model, enc, [1, 2], 0.2, 2, dl, _Null, 2)
+        res[f"eval_calls{lock}"] = len(calls)
+        calls.clear()
+        for budget in (20, 40, 60, 80, 120):  # budgets the ranks fill after different batch counts
+            calls.clear()
+            C0, n = compute_c0(model, enc, list(range(len(enc))), [1, 2], budget, 1, dl, _Null)
+            res[f"c0{lock}{budget}"], res[f"c0_n{lock}{budget}"] = C0, n
+            res[f"c0_calls{lock}{budget}"] = len(calls)
+    torch.save(res, f"{tmp}/lock{rank}.pt")
+    dist.destroy_process_group()
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def test_lockstep_passes_make_as_many_forwards_on_every_process(data, tmp_path):
+    """9 eval sentences in batches of 2 over 2 processes: 3 batches on rank 0, 2 on rank 1. Under
+    lockstep rank 1 runs one more forward and drops it; the records and C0 do not change."""
+    import torch
+    import torch.multiprocessing as mp
+
+    ev = write_csv(tmp_path / "dev9.csv", synthetic_rows(9, 3))
+    mp.spawn(_lockstep_worker, args=(str(tmp_path), {**data, "eval": str(ev)}), nprocs=2, join=True)
+    r = [torch.load(tmp_path / f"lock{i}.pt", weights_only=False) for i in range(2)]
+    assert [x["eval_callsFalse"] for x in r] == [3, 2]
+    assert [x["eval_callsTrue"] for x in r] == [3, 3]
+    budgets = (20, 40, 60, 80, 120)
+    assert all(r[0][f"c0_callsTrue{k}"] == r[1][f"c0_callsTrue{k}"] for k in budgets)
+    assert any(r[0][f"c0_callsFalse{k}"] != r[1][f"c0_callsFalse{k}"] for k in budgets)  # lockstep's case
+    for x in r:
+        assert x["evalTrue"] == x["evalFalse"]
+        for k in budgets:
+            assert torch.equal(x[f"c0True{k}"], x[f"c0False{k}"]) and x[f"c0_nTrue{k}"] == x[f"c0_nFalse{k}"]
+
+
+def _rank_batches(n, b, rank, world, lockstep):
+    from geomscope import distributed as dd
+    from geomscope.train.evaluate import rank_batches
+
+    return rank_batches(list(range(n)), b, dd.Dist(rank, world, rank, "cpu", lockstep=lockstep))
+
+
+@pytest.mark.parametrize("n,b,world", [(9, 2, 2), (1, 4, 3), (10, 3, 4), (12, 2, 3)])
+def test_rank_batches_cover_each_example_once(n, b, world):
+    for lockstep in (False, True):
+        parts = [_rank_batches(n, b, r, world, lockstep) for r in range(world)]
+        real = sorted(i for p in parts for ids, ok in p if ok for i in ids)
+        assert real == list(range(n))
+        if lockstep:
+            assert len({len(p) for p in parts}) == 1
+
+
+@pytest.fixture
+def fake_sharded(monkeypatch):
+    """A single process that geomscope treats as sharded: Accelerate's state dict of an unwrapped
+    model is the model's own, so the gathered weights must equal an ordinary run's."""
+    from geomscope.train import engine
+
+    monkeypatch.setattr(engine.Engine, "sharded", property(lambda self: True))
+
+
+def _cfg(data, out, **kw):
+    base = dict(model=data["no_dropout"], train=data["train"], eval=data["eval"], out=str(out), epochs=1)
+    base.update(lr=2e-3, batch_size=8, device="cpu", lam=-1.0, c0_points=2000, save_every=2)
+    return FinetuneConfig(**{**base, **kw})
+
+
+def test_a_sharded_run_saves_the_gathered_model_and_cannot_be_resumed(data, tmp_path, fake_sharded):
+    import torch
+    from safetensors.torch import load_file
+
+    sharded = finetune(_cfg(data, tmp_path / "sh"), quiet=True, note=lambda m: None)
+    ck = tmp_path / "sh" / "checkpoint"
+    state = json.loads((ck / "state.json").read_text())
+    assert state["resumable"] is False and not (ck / "trainer.safetensors").exists()
+    assert sorted(p.name for p in (tmp_path / "sh" / "checkpoints").iterdir()) == ["step0", "step2", "step4"]
+    with pytest.raises(InputError, match="--resume is not available under FSDP"):
+        finetune(_cfg(data, tmp_path / "sh", epochs=2, resume=True), quiet=True, note=lambda m: None)
+    for flag, kw in (("--lora", {"lora": 4}), ("--log-geometry", {"log_geometry": 1})):
+        with pytest.raises(InputError, match=f"{flag} is not available under FSDP"):
+            finetune(_cfg(data, tmp_path / flag, save_every=None, **kw), quiet=True, note=lambda m: None)
+        assert not (tmp_path / flag).exists()  # refused before anything was written
+    from geomscope.train import engine
+
+    plain = _cfg(data, tmp_path / "plain")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine.Engine, "sharded", property(lambda self: False))
+        ordinary = finetune(plain, quiet=True, note=lambda m: None)
+        # a DDP launch cannot resume the sharded run's checkpoint either: it has no optimizer state
+        with pytest.raises(InputError, match="written by a sharded run"):
+            finetune(_cfg(data, tmp_path / "sh", epochs=2, resume=True), quiet=True, note=lambda m: None)
+    assert sharded["final"] == ordinary["final"]
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("sh", "plain"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

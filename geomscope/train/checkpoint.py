@@ -193,14 +193,30 @@ def _join_optimizer(js: dict, tensors: dict) -> dict:
 
 
 def save_checkpoint(
-    out: Path, model, tokenizer, optimizer, scaler, state: dict, rng_states: list, scheduler=None
+    out: Path,
+    model,
+    tokenizer,
+    optimizer,
+    scaler,
+    state: dict,
+    rng_states: list,
+    scheduler=None,
+    weights: dict | None = None,
 ) -> Path:
-    """Write the epoch checkpoint atomically (call on the main rank only)."""
+    """Write the epoch checkpoint atomically (call on the main rank only).
+
+    ``weights``: the model's full state dict when it is sharded (FSDP / DeepSpeed, gathered by every
+    process beforehand); ``optimizer`` None then: the sharded optimizer state is not kept, the model
+    alone is, and ``state.json`` says ``"resumable": false``."""
     from safetensors.torch import save_file
 
     tmp = _fresh_dir(out / ".checkpoint.tmp")
-    model.save_pretrained(tmp)
+    _save_model(model, tmp, weights)
     tokenizer.save_pretrained(tmp)
+    if optimizer is None:
+        (tmp / "state.json").write_text(json.dumps({**state, "resumable": False}, indent=2))
+        _replace_dir(tmp, out / CKPT)
+        return out / CKPT
     tensors: dict = {}
     trainer = {
         "optimizer": _split_optimizer(optimizer.state_dict(), tensors),
@@ -213,6 +229,11 @@ def save_checkpoint(
     (tmp / "state.json").write_text(json.dumps(state, indent=2))
     _replace_dir(tmp, out / CKPT)
     return out / CKPT
+
+
+def _save_model(model, where: Path, weights: dict | None) -> None:
+    """``save_pretrained``, from ``weights`` when the model is sharded (its own tensors are shards)."""
+    model.save_pretrained(where, **({"state_dict": weights} if weights is not None else {}))
 
 
 def _fresh_dir(tmp: Path) -> Path:
@@ -268,6 +289,11 @@ def load_trainer_state(out: Path, optimizer, scaler, rank: int, scheduler=None) 
     """Restore optimizer, LR scheduler, grad scaler and this rank's RNG states from the checkpoint (no
     unpickling)."""
     ck = out / CKPT
+    if read_state(out).get("resumable", True) is False:
+        raise InputError(
+            f"{ck} was written by a sharded run (FSDP / DeepSpeed) and holds the model only, not the "
+            f"optimizer state; start a new --out with --model {ck} instead of --resume"
+        )
     if (ck / "trainer.pt").exists():
         raise InputError(
             f"{ck} holds trainer.pt, a pickle, which geomscope never loads (it could run code); "
@@ -311,14 +337,15 @@ def _read_trainer_files(ck: Path) -> tuple[dict, dict]:
 
 
 # ------------------------------------------------------------------------------------ export
-def export_model(out: Path, model, tokenizer, extra: dict[str, dict]) -> None:
+def export_model(out: Path, model, tokenizer, extra: dict[str, dict], weights: dict | None = None) -> None:
     """save_pretrained the final model and tokenizer into ``out`` (file by file, via renames).
 
     ``extra`` maps file names to JSON objects written alongside (label map ...). Every exported
     name is recorded in the marker first, so --overwrite can remove exactly these later.
+    ``weights``: the gathered state dict of a sharded model (see :func:`save_checkpoint`).
     """
     tmp = _fresh_dir(out / ".export.tmp")
-    model.save_pretrained(tmp)
+    _save_model(model, tmp, weights)
     tokenizer.save_pretrained(tmp)
     for name, obj in extra.items():
         (tmp / name).write_text(json.dumps(obj, indent=2))
@@ -331,7 +358,7 @@ def export_model(out: Path, model, tokenizer, extra: dict[str, dict]) -> None:
     shutil.rmtree(tmp)
 
 
-def save_snapshot(out: Path, model, tokenizer, step: int) -> Path:
+def save_snapshot(out: Path, model, tokenizer, step: int, weights: dict | None = None) -> Path:
     """``out/checkpoints/step<step>/``: the model and tokenizer as ``save_pretrained`` writes them
     (so ``extract --revisions 'out/checkpoints/*'`` reads them), written to a temporary name and
     renamed whole. An existing snapshot of that step (a resumed run) is kept."""
@@ -339,7 +366,7 @@ def save_snapshot(out: Path, model, tokenizer, step: int) -> Path:
     if dest.is_dir():
         return dest
     tmp = _fresh_dir(out / SNAPSHOTS / f".step{step}.tmp")
-    model.save_pretrained(tmp)
+    _save_model(model, tmp, weights)
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, dest)
     return dest

@@ -140,7 +140,10 @@ def start(device: str, precision: str) -> Engine:
         )
     if d.active or dev.type != "cpu":
         d = replace(d, device=acc.device if d.active else dev)
-    return Engine(acc, d, owns_group=not existed and dist.is_initialized())
+    eng = Engine(acc, d, owns_group=not existed and dist.is_initialized())
+    if eng.sharded:  # each forward gathers parameters from every process: no pass may skip one
+        eng.d = replace(d, lockstep=True)
+    return eng
 
 
 def stop(engine: Engine) -> None:

@@ -35,6 +35,22 @@ def _forward(model, batch, device, autocast):
         return model(**inputs, output_hidden_states=True), inputs["attention_mask"]
 
 
+def rank_batches(ids: list[int], batch_size: int, d: dd.Dist) -> list[tuple[list[int], bool]]:
+    """This rank's strided share of ``ids`` in batches, as ``(batch, real)``.
+
+    Under ``d.lockstep`` (FSDP / DeepSpeed, where each forward gathers parameters from every process)
+    every rank returns as many batches as rank 0, which has the most; the extra ones repeat this rank's
+    first batch with ``real`` False: they are run and their outputs dropped, so no process waits for a
+    forward that never comes."""
+    mine = ids[d.rank :: d.world_size]
+    out = [(mine[i : i + batch_size], True) for i in range(0, len(mine), batch_size)]
+    if d.lockstep and ids:
+        most = -(-len(ids[:: d.world_size]) // batch_size)
+        filler = out[0][0] if out else ids[:1]
+        out += [(filler, False)] * (most - len(out))
+    return out
+
+
 def _merged(m: Moments, d: dd.Dist) -> Moments:
     """Merge every rank's accumulator in rank order (the same result on every rank)."""
     if not d.active:
@@ -61,14 +77,16 @@ def compute_c0(
     """(C0 as a (D, D) float64 tensor on ``d.device``, number of points used globally)."""
     was_training = model.training
     model.eval()
-    mine = order[d.rank :: d.world_size]
     budget = max_points // d.world_size
     L = len(layers)
     m = Moments(model.config.hidden_size, extras=False)
-    for i in range(0, len(mine), batch_size):
-        if m.n + L > budget:
+    for ids, real in rank_batches(order, batch_size, d):
+        full = m.n + L > budget
+        if _stop(full, d):
             break
-        out, mask = _forward(model, encoded.collate(mine[i : i + batch_size]), d.device, autocast)
+        out, mask = _forward(model, encoded.collate(ids), d.device, autocast)
+        if full or not real:  # lockstep: a forward the other processes need, its tokens dropped
+            continue
         X = select_tokens(out.hidden_states, layers, mask, include_padding)  # (L*t, D), layer-major
         t = X.shape[0] // L
         k = min(t, (budget - m.n) // L)  # whole tokens: the same k tokens from every layer
@@ -79,6 +97,15 @@ def compute_c0(
         raise DataError("too few training tokens to estimate C0 (need at least 2 token vectors); add data")
     C0 = torch.from_numpy(m.covariance()).to(d.device)
     return dd.broadcast(C0, d), int(m.n)
+
+
+def _stop(full: bool, d: dd.Dist) -> bool:
+    """C0's early stop: this process has its share of points; under lockstep, every process has (all
+    of them ask at every batch, so they stop together)."""
+    if not d.lockstep:
+        return full
+    flag = torch.tensor([1.0 if full else 0.0], dtype=torch.float64, device=d.device)
+    return int(dd.all_reduce_sum(flag, d)[0]) == d.world_size
 
 
 def _macro_f1(conf: torch.Tensor) -> float:
@@ -165,10 +192,11 @@ def evaluate(
     conf = torch.zeros(n_labels, n_labels, dtype=torch.float64, device=dev)
     loss_sum = torch.zeros(1, dtype=torch.float64, device=dev)
     geo = EvalGeometry(D, layers, dev, include_padding)
-    mine = list(range(d.rank, len(encoded), d.world_size))
-    for i in range(0, len(mine), batch_size):
-        batch = encoded.collate(mine[i : i + batch_size])
+    for ids, real in rank_batches(list(range(len(encoded))), batch_size, d):
+        batch = encoded.collate(ids)
         out, mask = _forward(model, batch, dev, autocast)
+        if not real:
+            continue
         labels = batch["labels"].to(dev)
         logits = out.logits.float()
         loss_sum += torch.nn.functional.cross_entropy(logits, labels, reduction="sum").double()

@@ -465,6 +465,27 @@ def _prepare_out(cfg: FinetuneConfig, out: Path) -> dict | None:
     return state
 
 
+#: what a sharded run (FSDP / DeepSpeed) does not offer, and why
+_NOT_SHARDED = {
+    "--resume": "the sharded optimizer state is not checkpointed, only the gathered model",
+    "--lora": "the adapters are merged into the full weights at the end, which a shard does not hold",
+    "--log-geometry": "its extra gradient pass runs outside the hooks that gather the shards",
+}
+
+
+def _check_sharded(cfg: FinetuneConfig, sharded: bool) -> None:
+    """One line, before anything is written, for an option a sharded launch cannot honour."""
+    if not sharded:
+        return
+    used = {"--resume": cfg.resume, "--lora": cfg.lora is not None, "--log-geometry": cfg.log_geometry}
+    for flag, why in _NOT_SHARDED.items():
+        if used[flag]:
+            raise InputError(
+                f"{flag} is not available under FSDP / DeepSpeed ({why}); launch with DDP "
+                "(accelerate launch --multi_gpu, or torchrun) for it"
+            )
+
+
 def _on_main(fn, d: dd.Dist):
     """Run ``fn`` on rank 0 only; every rank returns its result or raises its GeomscopeError."""
     from geomscope.errors import GeomscopeError
@@ -525,6 +546,7 @@ class _Trainer:
     # -- set-up ------------------------------------------------------------------------------
     def setup(self) -> _Trainer:
         cfg, d = self.cfg, self.d
+        _check_sharded(cfg, self.eng.sharded)
         self.state = _on_main(lambda: _prepare_out(cfg, self.out), d)  # rank 0 decides, before anyone writes
         self._load_data()
         _seed_all(cfg.seed)
@@ -643,6 +665,9 @@ class _Trainer:
             optimizer = torch.optim.AdamW(optimizer_groups(self.model, cfg.weight_decay), lr=cfg.lr)
         # the model as the launch wraps it (DDP across processes), and Accelerate's optimizer
         self.ddp_model, self.optimizer = self.eng.prepare(self.model, optimizer)
+        # the no-gradient passes (C0, evaluation): the module itself, unless it is sharded (FSDP /
+        # DeepSpeed: only the wrapper gathers the parameters a forward needs)
+        self.fwd_model = self.ddp_model if self.eng.sharded else self.model
         self.per_epoch = len(self._batches(list(range(len(self.train_enc)))))
         self.scheduler = make_scheduler(cfg, optimizer, self.per_epoch * cfg.epochs)
         self.scaler = self.eng.scaler
@@ -769,7 +794,7 @@ class _Trainer:
         if cfg.reg == "istar" or self.geometry is not None:  # --log-geometry: C0 for cosreg / none too
             progress.describe(f"epoch {epoch + 1}/{cfg.epochs}: C0")
             C0, self.c0_used = compute_c0(
-                self.model,
+                self.fwd_model,
                 self.train_enc,
                 order,
                 self.layers,
@@ -822,8 +847,15 @@ class _Trainer:
     def _snapshot(self, initial: bool = False) -> None:
         """--save-every: the model as it is now, for trajectories (rank 0 writes)."""
         every = self.cfg.save_every
-        if every and self.d.is_main and (initial or self.step % every == 0):
-            ck.save_snapshot(self.out, self.model, self.tokenizer, self.step)
+        if every and (initial or self.step % every == 0):
+            weights = self._sharded_weights()
+            if self.d.is_main:
+                ck.save_snapshot(self.out, self.model, self.tokenizer, self.step, weights)
+
+    def _sharded_weights(self) -> dict | None:
+        """The whole model's state dict under FSDP / DeepSpeed, gathered by every process (each must
+        call this at the same point); None otherwise (``save_pretrained`` reads the module)."""
+        return self.eng.full_state_dict(self.ddp_model) if self.eng.sharded else None
 
     def _log_step(self, rec: dict, finite: bool, epoch: int) -> None:
         """Append the step to steps.jsonl; stop on a non-finite loss, keeping the last good checkpoint."""
@@ -854,7 +886,7 @@ class _Trainer:
             from geomscope.train.qa import evaluate_qa
 
             ev = evaluate_qa(
-                self.model,
+                self.fwd_model,
                 self.eval_enc,
                 self.layers,
                 cfg.zeta,
@@ -865,7 +897,7 @@ class _Trainer:
             )
         else:
             ev = evaluate(
-                self.model,
+                self.fwd_model,
                 self.eval_enc,
                 self.layers,
                 cfg.zeta,
@@ -877,6 +909,7 @@ class _Trainer:
             )
         ev = {"epoch": epoch + 1, "step": self.step, **ev, "c0_points_used": self.c0_used}
         rngs = dd.gather_objects(ck.rng_state(), d)
+        weights = self._sharded_weights()
         if not d.is_main:
             return None
         with open(self.eval_path, "a") as f:
@@ -887,7 +920,7 @@ class _Trainer:
             self.out,
             self.model,
             self.tokenizer,
-            self.optimizer,
+            None if self.eng.sharded else self.optimizer,
             self.scaler,
             {
                 "epochs_done": epoch + 1,
@@ -898,12 +931,14 @@ class _Trainer:
             },
             rngs,
             self.scheduler,
+            weights,
         )
         return ev
 
     # -- the end -----------------------------------------------------------------------------
     def finish(self) -> dict:
         summary = None
+        weights = self._sharded_weights()
         if self.d.is_main:
             label_map = {
                 "label2id": self.label2id,
@@ -915,7 +950,7 @@ class _Trainer:
 
                 lora.export(self.out, self.model, self.tokenizer, extra)
             else:
-                ck.export_model(self.out, self.model, self.tokenizer, extra)
+                ck.export_model(self.out, self.model, self.tokenizer, extra, weights)
             summary = self._summary()
             write_json_atomic(self.out / "summary.json", summary)
         dd.barrier(self.d)

@@ -366,20 +366,20 @@ def evaluate_qa(
     import torch
 
     from geomscope import distributed as dd
-    from geomscope.train.evaluate import EvalGeometry, _forward
+    from geomscope.train.evaluate import EvalGeometry, _forward, rank_batches
 
     was_training = model.training
     model.eval()
     dev = d.device
     geo = EvalGeometry(model.config.hidden_size, layers, dev, include_padding)
     loss_sum = torch.zeros(1, dtype=torch.float64, device=dev)
-    mine = list(range(d.rank, len(encoded), d.world_size))
     logits: dict = {}  # feature -> (start logits, end logits) as float32 arrays of its length
     with torch.no_grad():
-        for i in range(0, len(mine), batch_size):
-            idx = mine[i : i + batch_size]
+        for idx, real in rank_batches(list(range(len(encoded))), batch_size, d):
             batch = encoded.collate(idx)
             out, mask = _forward(model, batch, dev, autocast)
+            if not real:  # lockstep (FSDP / DeepSpeed): a forward the other processes need
+                continue
             loss_sum += qa_loss_sum(out, batch["labels"].to(dev), mask).double()
             s_log, e_log = out.start_logits.float().cpu(), out.end_logits.float().cpu()
             for row, f in enumerate(idx):
