@@ -2,8 +2,9 @@
 question-answering model on SQuAD-format data) with I-STAR / CosReg.
 
 Thin wrapper over :func:`geomscope.train.finetune`; torch and transformers are imported only
-inside the command.  Multi-GPU: launch the same command with ``torchrun --nproc_per_node N -m
-geomscope finetune ...`` or ``accelerate launch -m geomscope finetune ...``.
+inside the command.  The loop runs on Hugging Face Accelerate (:mod:`geomscope.train.engine`):
+multi-GPU is the same command under ``torchrun --nproc_per_node N -m geomscope finetune ...`` or
+``accelerate launch [--config_file fsdp.yaml] -m geomscope finetune ...`` (DDP, FSDP, DeepSpeed).
 """
 
 from __future__ import annotations
@@ -187,7 +188,8 @@ def finetune_cmd(
         "fp32",
         "--precision",
         metavar=choice_metavar(choices.PRECISIONS),
-        help="Training arithmetic: fp32, fp16 (CUDA, gradient scaling) or bf16 (autocast).",
+        help="Training arithmetic, through Accelerate's mixed precision: fp32, fp16 (CUDA, gradient "
+        "scaling) or bf16 (autocast).",
     ),
     device: str = typer.Option(
         "auto",

@@ -6,9 +6,11 @@ loss of a global batch of ``n`` examples is the mean cross-entropy over all ``n`
 contributes ``sum_CE_local * world / n``, which DDP's gradient averaging turns into the global
 mean).  ``task="qa"`` (extractive question answering, :mod:`geomscope.train.qa`) batches tokenised
 context windows (features) instead of examples, with the span loss (CE(start) + CE(end)) / 2 per
-feature scaled the same way, and evaluates exact match / F1.  By default AdamW (torch defaults
-besides ``lr``, so weight decay 0.01 on every parameter) at a constant learning rate, as in the
-released I-STAR settings.
+feature scaled the same way, and evaluates exact match / F1.  The loop is geomscope's; the engine
+under it (process group, model wrapping by the launch -- DDP, FSDP, DeepSpeed --, mixed precision,
+backward, ``no_sync``) is Hugging Face Accelerate, :mod:`geomscope.train.engine`, which says why.
+By default AdamW (torch defaults besides ``lr``, so weight decay 0.01 on every parameter) at a
+constant learning rate, as in the released I-STAR settings.
 
 Training options (each left out of ``run.json`` and the resume fingerprint while at its default, so
 older checkpoints still resume):
