@@ -72,7 +72,7 @@ class Dist:
     device: "object"  # torch.device
     reg_group: "object" = None  # process group for penalties (None = default / single process)
     owns_group: bool = False
-    #: every forward pass is a collective (finetune under FSDP / DeepSpeed): no-gradient passes over a
+    #: every forward pass is a collective (finetune under FSDP): no-gradient passes over a
     #: dataset make as many forwards on every process (geomscope.train.evaluate.rank_batches)
     lockstep: bool = False
 

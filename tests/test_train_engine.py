@@ -206,7 +206,7 @@ def test_one_accelerator_per_run_in_a_process():
             engine.stop(eng)
 
 
-# -- sharded launches (FSDP / DeepSpeed) -----------------------------------------------------------
+# -- sharded launches (FSDP) -----------------------------------------------------------------------
 # Accelerate turns FSDP on only for GPU-type processes (accelerate/state.py: the FSDP plugin is taken
 # for MULTI_GPU and its kin, never MULTI_CPU), so these tests run geomscope's side of a sharded run on
 # the CPU: every process makes the same number of forwards, the weights come from the gathered state
@@ -336,3 +336,16 @@ def test_a_sharded_run_saves_the_gathered_model_and_cannot_be_resumed(data, tmp_
     assert sharded["final"] == ordinary["final"]
     a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("sh", "plain"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_deepspeed_is_refused_in_one_line(monkeypatch):
+    from accelerate.utils import DistributedType
+
+    from geomscope.train import engine
+
+    class _Acc:
+        distributed_type = DistributedType.DEEPSPEED
+
+    with pytest.raises(InputError, match="does not run under DeepSpeed yet"):
+        engine._refuse_deepspeed(_Acc())
+    engine._refuse_deepspeed(type("A", (), {"distributed_type": DistributedType.MULTI_CPU})())

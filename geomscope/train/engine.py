@@ -9,7 +9,7 @@ pads the last batch by repeating examples. (2) C0 is recomputed in eval mode at 
 number of processes see the same examples. (4) Checkpoints are never pickles; Trainer's
 ``rng_state.pth`` and ``optimizer.pt`` are. Accelerate gives the parts that are library work without
 taking the loop: the process group and device (``torchrun``, ``accelerate launch``, ``srun``),
-model wrapping by the launch configuration (DDP, FSDP, DeepSpeed) in ``prepare``, mixed precision
+model wrapping by the launch configuration (DDP, FSDP) in ``prepare``, mixed precision
 (autocast and the fp16 gradient scaler), ``backward``, ``no_sync`` for accumulation, and gathering
 a sharded model's full state dict for saving.
 
@@ -45,8 +45,9 @@ class Engine:
 
     @property
     def sharded(self) -> bool:
-        """FSDP or DeepSpeed (from ``accelerate launch --config_file``): parameters and optimizer
-        state are split over the processes, so saving gathers them and resume is not offered."""
+        """FSDP (from ``accelerate launch --config_file``; DeepSpeed is refused by :func:`start`):
+        parameters and optimizer state are split over the processes, so saving gathers them and
+        resume is not offered."""
         from accelerate.utils import DistributedType
 
         return self.acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
@@ -60,7 +61,7 @@ class Engine:
         return self.acc.autocast()
 
     def prepare(self, model, optimizer):
-        """The model wrapped for the launch (DDP, FSDP, DeepSpeed or as it is) and the optimizer."""
+        """The model wrapped for the launch (DDP, FSDP or as it is) and the optimizer."""
         if not self.sharded:
             model.to(self.d.device)
         return self.acc.prepare(model, optimizer)
@@ -75,7 +76,7 @@ class Engine:
         return self.acc.unwrap_model(model)
 
     def full_state_dict(self, model):
-        """The whole model's state dict, gathered from the shards under FSDP/DeepSpeed (a collective:
+        """The whole model's state dict, gathered from the shards under FSDP (a collective:
         every process calls it; only the main process gets the tensors under FSDP)."""
         return self.acc.get_state_dict(model)
 
@@ -132,6 +133,7 @@ def start(device: str, precision: str) -> Engine:
             f"{dd.timeout_seconds():g} s ({str(e).splitlines()[0][:160]}); start them all, with the "
             "same MASTER_ADDR and MASTER_PORT"
         ) from None
+    _refuse_deepspeed(acc)
     d = dd.setup(device)  # the group exists now: this adds the penalties' own group
     if acc.num_processes != d.world_size:  # cannot happen with a launcher; guards a half-made group
         raise InputError(
@@ -144,6 +146,19 @@ def start(device: str, precision: str) -> Engine:
     if eng.sharded:  # each forward gathers parameters from every process: no pass may skip one
         eng.d = replace(d, lockstep=True)
     return eng
+
+
+def _refuse_deepspeed(acc) -> None:
+    """DeepSpeed's engine takes the optimiser step inside ``backward`` and scales the loss itself: the
+    loop's micro-batch accumulation with a per-micro-batch penalty and its skip of a non-finite step
+    would have to be rebuilt around that, and no DeepSpeed could be run here to check it."""
+    from accelerate.utils import DistributedType
+
+    if acc.distributed_type == DistributedType.DEEPSPEED:
+        raise InputError(
+            "finetune does not run under DeepSpeed yet (its engine steps the optimizer inside backward, "
+            "around the I-STAR accumulation); use an FSDP config (distributed_type: FSDP) or DDP"
+        )
 
 
 def stop(engine: Engine) -> None:

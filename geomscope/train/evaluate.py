@@ -38,7 +38,7 @@ def _forward(model, batch, device, autocast):
 def rank_batches(ids: list[int], batch_size: int, d: dd.Dist) -> list[tuple[list[int], bool]]:
     """This rank's strided share of ``ids`` in batches, as ``(batch, real)``.
 
-    Under ``d.lockstep`` (FSDP / DeepSpeed, where each forward gathers parameters from every process)
+    Under ``d.lockstep`` (FSDP, where each forward gathers parameters from every process)
     every rank returns as many batches as rank 0, which has the most; the extra ones repeat this rank's
     first batch with ``real`` False: they are run and their outputs dropped, so no process waits for a
     forward that never comes."""

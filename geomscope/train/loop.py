@@ -7,7 +7,7 @@ contributes ``sum_CE_local * world / n``, which DDP's gradient averaging turns i
 mean).  ``task="qa"`` (extractive question answering, :mod:`geomscope.train.qa`) batches tokenised
 context windows (features) instead of examples, with the span loss (CE(start) + CE(end)) / 2 per
 feature scaled the same way, and evaluates exact match / F1.  The loop is geomscope's; the engine
-under it (process group, model wrapping by the launch -- DDP, FSDP, DeepSpeed --, mixed precision,
+under it (process group, model wrapping by the launch -- DDP or FSDP --, mixed precision,
 backward, ``no_sync``) is Hugging Face Accelerate, :mod:`geomscope.train.engine`, which says why.
 By default AdamW (torch defaults besides ``lr``, so weight decay 0.01 on every parameter) at a
 constant learning rate, as in the released I-STAR settings.
@@ -467,7 +467,7 @@ def _prepare_out(cfg: FinetuneConfig, out: Path) -> dict | None:
     return state
 
 
-#: what a sharded run (FSDP / DeepSpeed) does not offer, and why
+#: what a sharded run (FSDP) does not offer, and why
 _NOT_SHARDED = {
     "--resume": "the sharded optimizer state is not checkpointed, only the gathered model",
     "--lora": "the adapters are merged into the full weights at the end, which a shard does not hold",
@@ -483,7 +483,7 @@ def _check_sharded(cfg: FinetuneConfig, sharded: bool) -> None:
     for flag, why in _NOT_SHARDED.items():
         if used[flag]:
             raise InputError(
-                f"{flag} is not available under FSDP / DeepSpeed ({why}); launch with DDP "
+                f"{flag} is not available under FSDP ({why}); launch with DDP "
                 "(accelerate launch --multi_gpu, or torchrun) for it"
             )
 
@@ -667,8 +667,8 @@ class _Trainer:
             optimizer = torch.optim.AdamW(optimizer_groups(self.model, cfg.weight_decay), lr=cfg.lr)
         # the model as the launch wraps it (DDP across processes), and Accelerate's optimizer
         self.ddp_model, self.optimizer = self.eng.prepare(self.model, optimizer)
-        # the no-gradient passes (C0, evaluation): the module itself, unless it is sharded (FSDP /
-        # DeepSpeed: only the wrapper gathers the parameters a forward needs)
+        # the no-gradient passes (C0, evaluation): the module itself, unless it is sharded (FSDP: only
+        # the wrapper gathers the parameters a forward needs)
         self.fwd_model = self.ddp_model if self.eng.sharded else self.model
         self.per_epoch = len(self._batches(list(range(len(self.train_enc)))))
         self.scheduler = make_scheduler(cfg, optimizer, self.per_epoch * cfg.epochs)
@@ -855,7 +855,7 @@ class _Trainer:
                 ck.save_snapshot(self.out, self.model, self.tokenizer, self.step, weights)
 
     def _sharded_weights(self) -> dict | None:
-        """The whole model's state dict under FSDP / DeepSpeed, gathered by every process (each must
+        """The whole model's state dict under FSDP, gathered by every process (each must
         call this at the same point); None otherwise (``save_pretrained`` reads the module)."""
         return self.eng.full_state_dict(self.ddp_model) if self.eng.sharded else None
 

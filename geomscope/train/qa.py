@@ -378,7 +378,7 @@ def evaluate_qa(
         for idx, real in rank_batches(list(range(len(encoded))), batch_size, d):
             batch = encoded.collate(idx)
             out, mask = _forward(model, batch, dev, autocast)
-            if not real:  # lockstep (FSDP / DeepSpeed): a forward the other processes need
+            if not real:  # lockstep (FSDP): a forward the other processes need
                 continue
             loss_sum += qa_loss_sum(out, batch["labels"].to(dev), mask).double()
             s_log, e_log = out.start_logits.float().cpu(), out.end_logits.float().cpu()
