@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -256,3 +257,55 @@ def test_bad_qa_data_is_a_one_line_cli_error(qa, tmp_path, cli, case):
     code, out, err = cli([*args, "--out", tmp_path / "o", "--device", "cpu", "--quiet"])
     line = assert_one_line_error(code, out, err, needle)
     assert "bad.jsonl" in line
+
+
+def test_compare_and_plot_read_qa_runs_on_their_own_scores(qa, tmp_path, cli):
+    """compare correlates IsoScore* with F1 for QA runs (table: F1 and exact match, in percent);
+    the training figure draws F1 / exact match; classification and QA runs are not mixed."""
+    runs = tmp_path / "runs"
+    for lam, seed in ((0.0, 0), (0.0, 1), (-1.0, 0), (-1.0, 1)):
+        finetune(
+            _cfg(qa, runs / f"l{lam}_s{seed}", lam=lam, seed=seed, epochs=1), quiet=True, note=lambda m: None
+        )
+    code, stdout, err = cli(
+        ["compare", str(runs), "--out", str(tmp_path / "cmp"), "--json", "--bootstrap", "200"]
+    )
+    assert code == 0, err
+    res = json.loads(stdout)
+    assert res["task"] == "qa" and res["outcome"] == "f1" and res["association"]["y"] == "eval f1"
+    assert res["metrics"][:2] == ["f1", "exact_match"] and "accuracy" not in res["runs"][0]
+    for r in res["runs"]:
+        s = json.loads((Path(r["dir"]) / "summary.json").read_text())
+        assert r["f1"] == s["final"]["f1"] and r["exact_match"] == s["final"]["exact_match"]
+    assert [p["n_pairs"] for p in res["paired_vs_lambda_0"]] == [2] and "f1" in res["paired_vs_lambda_0"][0]
+    assert "isotropy" in res["sentence"] and " F1" in res["sentence"]
+    header = (tmp_path / "cmp" / "compare.csv").read_text().splitlines()[0].split(",")
+    assert header[3:5] == ["f1_mean", "f1_sd"] and "exact_match_mean" in header
+    assert (tmp_path / "cmp" / "compare.png").stat().st_size > 0
+    from geomscope.plot.training import plot_training_log
+
+    fig = plot_training_log([runs / "l0.0_s0"])
+    ax = fig.axes[3]
+    assert "F1" in ax.get_title() and any("exact match" in t.get_text() for t in ax.get_legend().get_texts())
+    # a classification run among them is refused in one line
+    from test_train_helpers import make_checkpoint, synthetic_rows, words_of, write_csv
+
+    cls = tmp_path / "mixed"
+    cls.mkdir()
+    (cls / "qa").symlink_to(runs / "l0.0_s0", target_is_directory=True)
+    finetune(
+        FinetuneConfig(
+            model=str(make_checkpoint(tmp_path / "m", words_of([]))),
+            train=str(write_csv(tmp_path / "t.csv", synthetic_rows(8, 0))),
+            eval=str(write_csv(tmp_path / "e.csv", synthetic_rows(4, 1))),
+            out=str(cls / "cls"),
+            epochs=1,
+            batch_size=4,
+            device="cpu",
+            c0_points=500,
+        ),
+        quiet=True,
+        note=lambda m: None,
+    )
+    code, stdout, err = cli(["compare", str(cls), "--out", str(tmp_path / "cmp2"), "--allow-mixed"])
+    assert code == 2 and "different tasks (classification, qa)" in err and len(err.strip().splitlines()) == 1

@@ -35,8 +35,9 @@ def compare_cmd(
     quiet: bool = quiet_option("No table on stderr."),
 ) -> None:
     """Does isotropy go with accuracy? Per-configuration means ± SD over seeds, the Spearman and Pearson
-    correlation of eval IsoScore* with accuracy (bootstrap intervals resampling seeds within
-    configurations), paired differences against lambda = 0, a figure and one plain sentence."""
+    correlation of eval IsoScore* with accuracy (F1 for --task qa runs; bootstrap intervals resampling
+    seeds within configurations), paired differences against lambda = 0, a figure and one plain
+    sentence."""
     import json
 
     from geomscope.errors import InputError
@@ -70,17 +71,14 @@ def _print_table(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from geomscope.study.compare import LABELS
+
     t = Table(title="geomscope compare", caption=result["sentence"], header_style="bold")
-    for c in ("reg", "lambda", "n", "accuracy", "macro-F1", "IsoScore*", "IsoScore", "avg cos"):
+    metrics = result["metrics"]
+    for c in ("reg", "lambda", "n", *(LABELS[m] for m in metrics)):
         t.add_column(c, justify="right" if c not in ("reg",) else "left")
     for r in result["table"]:
         t.add_row(
-            r["reg"],
-            f"{r['lambda']:g}",
-            str(r["n"]),
-            *[
-                _fmt(r[f"{m}_mean"], r[f"{m}_sd"])
-                for m in ("accuracy", "macro_f1", "isoscore_star", "isoscore", "avgcos")
-            ],
+            r["reg"], f"{r['lambda']:g}", str(r["n"]), *[_fmt(r[f"{m}_mean"], r[f"{m}_sd"]) for m in metrics]
         )
     Console(stderr=True).print(t)

@@ -25,8 +25,17 @@ def study_figure(result: dict, ax=None) -> Figure:
     return fig
 
 
+def _outcome(result: dict) -> tuple[str, str]:
+    """The outcome key (accuracy; F1 for question answering) and its axis label."""
+    from geomscope.study.compare import LABELS
+
+    key = result.get("outcome", "accuracy")
+    return key, LABELS[key]
+
+
 def _scatter(ax, result: dict) -> None:
-    runs = [r for r in result["runs"] if r["accuracy"] is not None and r["isoscore_star"] is not None]
+    key, label = _outcome(result)
+    runs = [r for r in result["runs"] if r[key] is not None and r["isoscore_star"] is not None]
     import matplotlib
 
     lams = sorted({r["lambda"] for r in runs})
@@ -37,7 +46,7 @@ def _scatter(ax, result: dict) -> None:
         colours = [cmap(norm(r["lambda"])) if norm else "C0" for r in mine]
         ax.scatter(
             [r["isoscore_star"] for r in mine],
-            [r["accuracy"] for r in mine],
+            [r[key] for r in mine],
             c=colours,
             marker=MARKERS.get(reg, "D"),
             edgecolors="k",
@@ -46,7 +55,7 @@ def _scatter(ax, result: dict) -> None:
             zorder=3,
         )
     x = np.array([r["isoscore_star"] for r in runs])
-    y = np.array([r["accuracy"] for r in runs])
+    y = np.array([r[key] for r in runs])
     grid = np.linspace(x.min(), x.max(), 50) if x.size else x
     band = stats.line_fit_band(x, y, grid)
     if band is not None:
@@ -54,22 +63,24 @@ def _scatter(ax, result: dict) -> None:
         ax.plot(grid, fit, color="0.3", lw=1)
         ax.fill_between(grid, lo, hi, color="0.6", alpha=0.3, lw=0, label="least-squares fit, 95% band")
     if y.size:  # the band may run far past the data where x has few distinct values: show the data's range
-        pad = max(0.02, 0.1 * float(np.ptp(y)))
-        ax.set_ylim(max(0.0, y.min() - pad), min(1.0, y.max() + pad))
+        top = 100.0 if key in ("f1", "exact_match") else 1.0  # QA scores are percentages
+        pad = max(0.02 * top, 0.1 * float(np.ptp(y)))
+        ax.set_ylim(max(0.0, y.min() - pad), min(top, y.max() + pad))
     if norm is not None:
         sm = matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap)
         ax.figure.colorbar(sm, ax=ax, label="lambda")
     ax.set_xlabel("eval IsoScore*")
-    ax.set_ylabel("eval accuracy")
+    ax.set_ylabel(f"eval {label}")
     ax.legend(fontsize=7)
 
 
 def _by_lambda(ax, result: dict) -> None:
+    key, label = _outcome(result)
     twin = ax.twinx()
     for i, reg in enumerate(sorted({r["reg"] for r in result["table"]})):
         rows = sorted((r for r in result["table"] if r["reg"] == reg), key=lambda r: r["lambda"])
         lam = [r["lambda"] for r in rows]
-        for axis, metric, style in ((ax, "accuracy", "-"), (twin, "isoscore_star", "--")):
+        for axis, metric, style in ((ax, key, "-"), (twin, "isoscore_star", "--")):
             mean = np.array([np.nan if r[f"{metric}_mean"] is None else r[f"{metric}_mean"] for r in rows])
             sd = np.array([0.0 if r[f"{metric}_sd"] is None else r[f"{metric}_sd"] for r in rows])
             axis.errorbar(
@@ -80,10 +91,10 @@ def _by_lambda(ax, result: dict) -> None:
                 marker=MARKERS.get(reg, "D"),
                 color=f"C{i}",
                 capsize=2,
-                label=f"{reg}: {'accuracy' if metric == 'accuracy' else 'IsoScore*'}",
+                label=f"{reg}: {label if metric == key else 'IsoScore*'}",
             )
     ax.set_xlabel("lambda")
-    ax.set_ylabel("eval accuracy (solid)")
+    ax.set_ylabel(f"eval {label} (solid)")
     twin.set_ylabel("eval IsoScore* (dashed)")
     lines = ax.get_legend_handles_labels()
     lines2 = twin.get_legend_handles_labels()

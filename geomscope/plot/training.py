@@ -4,7 +4,8 @@ A training log is a finetune output directory (holding ``steps.jsonl``, and ``ev
 ``run.json`` when present) or a ``steps.jsonl`` file itself (its siblings are read too).  The
 figure has four panels against the optimizer step: task loss (cross-entropy), the regulariser's raw
 penalty R (I-STAR: 1 - IsoScore*; CosReg: Gao et al.'s R), the batch IsoScore* (with the eval-set
-IsoScore* per epoch as markers), and eval accuracy / macro-F1 per epoch.  Several runs overlay,
+IsoScore* per epoch as markers), and eval accuracy / macro-F1 per epoch (F1 / exact match for
+``--task qa`` runs).  Several runs overlay,
 each labelled with its directory name, regulariser and lambda.
 
 Logs written with ``finetune --log-geometry`` (step records with a ``geometry`` entry,
@@ -174,6 +175,9 @@ def _plot_geometry(ax_e, ax_i, logs: list[dict]) -> None:
             ax.legend(fontsize=6, loc="best")
 
 
+_CLASSIFY = (("accuracy", "accuracy"), ("macro_f1", "macro-F1"))
+
+
 def plot_training_log(log_paths, out: str | os.PathLike | None = None):
     """Figure (matplotlib Figure) of one or more training logs; saved to ``out`` when given."""
     from geomscope.plot._style import new_figure, series_style
@@ -199,12 +203,14 @@ def plot_training_log(log_paths, out: str | os.PathLike | None = None):
         xs, ys = _series(log["evals"], "isoscore_star")
         if xs:
             ax_iso.plot(xs, ys, linestyle="none", label=f"{label}: eval", **mark)
-        xs, ys = _series(log["evals"], "accuracy")
+        qa = any("exact_match" in e for e in log["evals"])  # --task qa: SQuAD scores, in percent
+        first, second = (("f1", "F1 %"), ("exact_match", "exact match %")) if qa else _CLASSIFY
+        xs, ys = _series(log["evals"], first[0])
         if xs:
-            ax_acc.plot(xs, ys, label=f"{label}: accuracy", linestyle=st["linestyle"], **mark)
+            ax_acc.plot(xs, ys, label=f"{label}: {first[1]}", linestyle=st["linestyle"], **mark)
             ax_acc.plot(
-                *_series(log["evals"], "macro_f1"),
-                label=f"{label}: macro-F1",
+                *_series(log["evals"], second[0]),
+                label=f"{label}: {second[1]}",
                 linestyle=":",
                 color=st["color"],
                 marker=st["marker"],
@@ -222,7 +228,13 @@ def plot_training_log(log_paths, out: str | os.PathLike | None = None):
         "eval IsoScore*: trace-matched identity",
         fontsize=7,
     )
-    ax_acc.set_title("eval accuracy / macro-F1 (per epoch)")
+    kinds = {any("exact_match" in e for e in log["evals"]) for log in logs}
+    ax_acc.set_title(
+        {
+            frozenset({False}): "eval accuracy / macro-F1 (per epoch)",
+            frozenset({True}): "eval F1 / exact match, % (per epoch)",
+        }.get(frozenset(kinds), "eval accuracy, macro-F1 (0-1) / QA F1, exact match (%)")
+    )
     for ax in (ax_iso, ax_acc):
         ax.set_xlabel("optimizer step")
     for ax in (ax_loss, ax_pen, ax_iso, ax_acc):

@@ -6,6 +6,10 @@ cosine; the Spearman and Pearson correlation of eval IsoScore* with accuracy acr
 bootstrap intervals that resample seeds within configurations; the per-seed paired difference of
 each lambda against lambda = 0 of the same regulariser; and one plain sentence with the caveat of
 a small n. Statistics: :mod:`geomscope.study.stats`.
+
+Question-answering runs (``finetune --task qa``) are compared on their own metrics: exact match and
+F1 (percent, SQuAD v1.1 normalisation) in place of accuracy and macro-F1, with F1 -- SQuAD's primary
+score -- as the outcome IsoScore* is correlated with. Runs of the two tasks are not compared together.
 """
 
 from __future__ import annotations
@@ -19,7 +23,26 @@ from pathlib import Path
 from geomscope.errors import InputError
 from geomscope.study import stats
 
-METRICS = ("accuracy", "macro_f1", "isoscore_star", "isoscore", "avgcos")
+#: the eval metrics of each task (the first is the outcome), then the geometry every run has
+TASK_METRICS = {"classification": ("accuracy", "macro_f1"), "qa": ("f1", "exact_match")}
+GEOMETRY = ("isoscore_star", "isoscore", "avgcos")
+METRICS = TASK_METRICS["classification"] + GEOMETRY  # a classification comparison's columns
+#: how a metric is named in sentences, tables and figures
+LABELS = {
+    "accuracy": "accuracy",
+    "macro_f1": "macro-F1",
+    "f1": "F1 (%)",
+    "exact_match": "exact match (%)",
+    "isoscore_star": "IsoScore*",
+    "isoscore": "IsoScore",
+    "avgcos": "avg cos",
+}
+
+
+def metrics_of(task: str) -> tuple[str, ...]:
+    return TASK_METRICS[task] + GEOMETRY
+
+
 SMALL_N = 10  # below this many runs, the sentence says how little a correlation can show
 
 
@@ -32,6 +55,7 @@ class RunResult:
     model: str
     eval_data: str
     values: dict
+    task: str = "classification"
 
     @property
     def config(self) -> tuple[str, float]:
@@ -44,6 +68,9 @@ def _read_run(d: Path) -> RunResult:
         run = json.loads((d / "run.json").read_text(encoding="utf-8"))
         final = summary.get("final") or {}
         cfg = run["config"]
+        task = str(summary.get("task", "classification"))
+        if task not in TASK_METRICS:
+            raise ValueError(f"unknown task {task!r}")
         return RunResult(
             str(d),
             str(summary["reg"]),
@@ -51,7 +78,8 @@ def _read_run(d: Path) -> RunResult:
             int(summary["seed"]),
             str(cfg.get("model")),
             str(Path(cfg.get("eval", "")).resolve()),
-            {m: final.get(m) for m in METRICS},
+            {m: final.get(m) for m in metrics_of(task)},
+            task,
         )
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
         raise InputError(
@@ -78,6 +106,12 @@ def find_runs(dirs) -> list[RunResult]:
 
 
 def _check_comparable(runs: list[RunResult], allow_mixed: bool) -> None:
+    tasks = sorted({r.task for r in runs})
+    if len(tasks) > 1:
+        raise InputError(
+            f"these runs are of different tasks ({', '.join(tasks)}), measured on different scores; "
+            "compare each task's runs on their own"
+        )
     for what, key in (("models", "model"), ("eval sets", "eval_data")):
         seen = sorted({getattr(r, key) for r in runs})
         if len(seen) > 1 and not allow_mixed:
@@ -87,25 +121,26 @@ def _check_comparable(runs: list[RunResult], allow_mixed: bool) -> None:
             )
 
 
-def _table(runs: list[RunResult]) -> list[dict]:
+def _table(runs: list[RunResult], metrics: tuple[str, ...]) -> list[dict]:
     rows = []
     for reg, lam in sorted({r.config for r in runs}):
         mine = [r for r in runs if r.config == (reg, lam)]
         row = {"reg": reg, "lambda": lam, "n": len(mine), "seeds": sorted(r.seed for r in mine)}
-        for m in METRICS:
+        for m in metrics:
             row[f"{m}_mean"], row[f"{m}_sd"], _ = stats.mean_sd(r.values[m] for r in mine)
         rows.append(row)
     return rows
 
 
-def _paired(runs: list[RunResult], seed: int) -> list[dict]:
-    """Per seed, each lambda's accuracy and IsoScore* minus those of lambda = 0 (same regulariser)."""
+def _paired(runs: list[RunResult], seed: int, outcome: str) -> list[dict]:
+    """Per seed, each lambda's outcome (accuracy, or F1 for QA) and IsoScore* minus those of lambda = 0
+    (same regulariser)."""
     out = []
     base = {(r.reg, r.seed): r for r in runs if r.lam == 0}
     for reg, lam in sorted({r.config for r in runs if r.lam != 0}):
         pairs = [(r, base[(reg, r.seed)]) for r in runs if r.config == (reg, lam) and (reg, r.seed) in base]
         rec = {"reg": reg, "lambda": lam, "n_pairs": len(pairs)}
-        for m in ("accuracy", "isoscore_star"):
+        for m in (outcome, "isoscore_star"):
             diffs = [
                 a.values[m] - b.values[m]
                 for a, b in pairs
@@ -116,14 +151,14 @@ def _paired(runs: list[RunResult], seed: int) -> list[dict]:
     return out
 
 
-def _sentence(assoc: dict, n: int) -> str:
+def _sentence(assoc: dict, n: int, outcome: str = "accuracy") -> str:
     rho = assoc["spearman"]
     caveat = (
         f" With n = {n}, only a strong association could show; treat this as a pilot." if n < SMALL_N else ""
     )
     if rho["estimate"] is None:
         return (
-            f"Across {n} runs, the association between eval IsoScore* and accuracy is undefined "
+            f"Across {n} runs, the association between eval IsoScore* and {outcome} is undefined "
             "(one of them is constant)." + caveat
         )
     ci = (
@@ -132,9 +167,9 @@ def _sentence(assoc: dict, n: int) -> str:
         else "no interval (too few runs)"
     )
     direction = (
-        "higher isotropy went with higher accuracy"
+        f"higher isotropy went with higher {outcome}"
         if rho["estimate"] > 0
-        else "lower isotropy went with higher accuracy"
+        else f"lower isotropy went with higher {outcome}"
         if rho["estimate"] < 0
         else "no association"
     )
@@ -152,9 +187,11 @@ def compare(dirs, *, allow_mixed: bool = False, n_boot: int = 2000, seed: int = 
             f"found {len(runs)} finished run(s) in {', '.join(map(str, dirs))}; compare needs at least 2"
         )
     _check_comparable(runs, allow_mixed)
-    usable = [r for r in runs if r.values["accuracy"] is not None and r.values["isoscore_star"] is not None]
+    task = runs[0].task
+    metrics, outcome = metrics_of(task), TASK_METRICS[task][0]
+    usable = [r for r in runs if r.values[outcome] is not None and r.values["isoscore_star"] is not None]
     x = [r.values["isoscore_star"] for r in usable]
-    y = [r.values["accuracy"] for r in usable]
+    y = [r.values[outcome] for r in usable]
     groups = [f"{r.reg}|{r.lam}" for r in usable]
     assoc = {
         m: stats.bootstrap_correlation(x, y, groups, method=m, n_boot=n_boot, seed=seed).to_dict()
@@ -162,24 +199,28 @@ def compare(dirs, *, allow_mixed: bool = False, n_boot: int = 2000, seed: int = 
     }
     return {
         "format": "geomscope-compare",
+        "task": task,
+        "metrics": list(metrics),
+        "outcome": outcome,
         "runs": [{"dir": r.dir, "reg": r.reg, "lambda": r.lam, "seed": r.seed, **r.values} for r in runs],
-        "table": _table(runs),
+        "table": _table(runs, metrics),
         "association": {
             "x": "eval isoscore_star",
-            "y": "eval accuracy",
+            "y": f"eval {outcome}",
             "resampling": "seeds within configurations",
             "n_boot": n_boot,
             **assoc,
         },
-        "paired_vs_lambda_0": _paired(runs, seed),
-        "sentence": _sentence(assoc, len(usable)),
+        "paired_vs_lambda_0": _paired(runs, seed, outcome),
+        "sentence": _sentence(assoc, len(usable), LABELS[outcome].replace(" (%)", "")),
     }
 
 
 def to_csv(result: dict) -> str:
     """One row per configuration: mean and SD of every metric, with n."""
     rows = result["table"]
-    cols = ["reg", "lambda", "n"] + [f"{m}_{s}" for m in METRICS for s in ("mean", "sd")]
+    metrics = result.get("metrics", METRICS)
+    cols = ["reg", "lambda", "n"] + [f"{m}_{s}" for m in metrics for s in ("mean", "sd")]
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(cols)
