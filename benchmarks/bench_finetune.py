@@ -2,7 +2,7 @@
 
 The alternative is what a user writes without geomscope: a Hugging Face sequence classifier,
 ``model(**batch, labels=y).loss.backward(); AdamW.step()``.  geomscope's contenders run the library's
-own :func:`geomscope.train.loop.train_step` with ``--reg istar`` (IsoScore* of all 6 blocks' real
+own :func:`geomscope.train.step.train_step` with ``--reg istar`` (IsoScore* of all 6 blocks' real
 tokens, float64 covariance, C0 from the sample training set), ``--reg cosreg`` and ``--reg none``.
 Every contender runs on the same model object and the same fixed batches of 32 sentences from
 ``sample_data/sentiment/train.csv`` (lr 1e-5, so the weights barely move), alternating
@@ -94,7 +94,7 @@ def _sync(d):
 def run(quick: bool = False, threads: int | None = 1, device: str = "cpu") -> list[dict]:
     import torch
 
-    from geomscope.train.loop import train_step
+    from geomscope.train.step import train_step
 
     if threads:
         torch.set_num_threads(threads)

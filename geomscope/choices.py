@@ -22,6 +22,9 @@ TWONN_FITS = ("linear", "mle")
 REGULARISERS = ("istar", "cosreg", "none")
 PRECISIONS = ("fp32", "fp16", "bf16")
 PENALTY_PRECISIONS = ("fp64", "fp32")
+TASKS = ("classification", "qa")
+SCHEDULERS = ("constant", "linear", "cosine")  # transformers' get_scheduler names
+TRACKERS = ("none", "tensorboard", "wandb", "mlflow")
 #: plot
 FIGURE_FORMATS = ("png", "svg", "pdf")
 PLOT_KINDS = ("auto", "layers", "spectrum", "outliers", "trajectory", "training", "energy")

@@ -13,7 +13,9 @@ from test_train_helpers import make_checkpoint, synthetic_rows, words_of, write_
 
 from geomscope.errors import InputError
 from geomscope.train import FinetuneConfig, finetune
+from geomscope.train import config as config_mod
 from geomscope.train import loop as loop_mod
+from geomscope.train import step as step_mod
 
 torch.set_num_threads(1)
 
@@ -120,11 +122,13 @@ def test_defaults_passed_explicitly_change_nothing(cli, tiny, tmp_path):
     wa, wb = _weights(a), _weights(b)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     run = json.loads((a / "run.json").read_text())
-    for k in loop_mod.NEW_DEFAULTS:  # older run.json files and fingerprints look the same
+    for k in config_mod.NEW_DEFAULTS:  # older run.json files and fingerprints look the same
         assert k not in run["config"]
     assert not {"lr_schedule", "accumulation", "lora_adapters"} & set(run)
     state = json.loads((a / "checkpoint" / "state.json").read_text())
-    assert not set(loop_mod.NEW_DEFAULTS) & set(state["fingerprint"]) and "epochs" not in state["fingerprint"]
+    assert (
+        not set(config_mod.NEW_DEFAULTS) & set(state["fingerprint"]) and "epochs" not in state["fingerprint"]
+    )
     trainer = json.loads((a / "checkpoint" / "trainer.json").read_text())
     assert "scheduler" not in trainer
     groups = trainer["optimizer"]["param_groups"]  # torch's AdamW default, as before the options
@@ -175,7 +179,7 @@ def test_weight_decay_groups_skip_biases_and_layernorm(tiny):
     from transformers import AutoModelForSequenceClassification
 
     m = AutoModelForSequenceClassification.from_pretrained(tiny["model"], num_labels=2)
-    decay, no_decay = loop_mod.optimizer_groups(m, 0.1)
+    decay, no_decay = step_mod.optimizer_groups(m, 0.1)
     names = {id(p): n for n, p in m.named_parameters()}
     nd = {names[id(p)] for p in no_decay["params"]}
     dc = {names[id(p)] for p in decay["params"]}
@@ -184,7 +188,7 @@ def test_weight_decay_groups_skip_biases_and_layernorm(tiny):
     assert not any(n.endswith("bias") or "LayerNorm" in n for n in dc)
     assert "bert.embeddings.LayerNorm.weight" in nd and "classifier.weight" in dc
     assert len(nd) + len(dc) == len(names)
-    assert loop_mod.optimizer_groups(m, None) == list(m.parameters())
+    assert step_mod.optimizer_groups(m, None) == list(m.parameters())
 
 
 def test_resume_mid_run_with_schedule_and_weight_decay_equals_uninterrupted(tiny, tmp_path, monkeypatch):
@@ -218,9 +222,9 @@ def test_resume_mid_run_with_schedule_and_weight_decay_equals_uninterrupted(tiny
 
 
 def test_split_micro_batches():
-    assert loop_mod.split_micro(list(range(8)), 1, 1) == [list(range(8))]
-    assert loop_mod.split_micro(list(range(8)), 3, 1) == [[0, 1, 2], [3, 4, 5], [6, 7]]
-    assert loop_mod.split_micro(list(range(5)), 4, 2) == [[0, 1, 2], [3, 4]]  # each >= world
+    assert step_mod.split_micro(list(range(8)), 1, 1) == [list(range(8))]
+    assert step_mod.split_micro(list(range(8)), 3, 1) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert step_mod.split_micro(list(range(5)), 4, 2) == [[0, 1, 2], [3, 4]]  # each >= world
 
 
 def test_grad_accum_gives_the_update_of_the_whole_batch(tiny, tmp_path):

@@ -36,11 +36,8 @@ from geomscope.cli._options import (
     zeta_option,
 )
 
-# the light choice tuples (geomscope.train.loop imports neither torch nor transformers at import time)
-SCHEDULERS = ("constant", "linear", "cosine")
-TRACKERS = ("none", "tensorboard", "wandb", "mlflow")
-Scheduler = _choice_enum("Scheduler", SCHEDULERS)
-Tracker = _choice_enum("Tracker", TRACKERS)
+Scheduler = _choice_enum("Scheduler", choices.SCHEDULERS)
+Tracker = _choice_enum("Tracker", choices.TRACKERS)
 
 
 @app.command("finetune")
@@ -130,7 +127,7 @@ def finetune_cmd(
     scheduler: Scheduler = typer.Option(
         "constant",
         "--scheduler",
-        metavar=choice_metavar(SCHEDULERS),
+        metavar=choice_metavar(choices.SCHEDULERS),
         help="Learning-rate schedule over the run's optimiser steps (transformers' get_scheduler).",
     ),
     warmup: float = typer.Option(
@@ -167,7 +164,7 @@ def finetune_cmd(
     report_to: Tracker = typer.Option(
         "none",
         "--report-to",
-        metavar=choice_metavar(TRACKERS),
+        metavar=choice_metavar(choices.TRACKERS),
         help="Also log the step and eval records to TensorBoard (--out/tensorboard/), wandb (offline) or "
         "MLflow (file store --out/mlruns/); rank 0 only.",
     ),

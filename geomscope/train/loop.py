@@ -12,25 +12,8 @@ backward, ``no_sync``) is Hugging Face Accelerate, :mod:`geomscope.train.engine`
 By default AdamW (torch defaults besides ``lr``, so weight decay 0.01 on every parameter) at a
 constant learning rate, as in the released I-STAR settings.
 
-Training options (each left out of ``run.json`` and the resume fingerprint while at its default, so
-older checkpoints still resume):
-
-* ``weight_decay``: AdamW weight decay W on the weights, none on biases and LayerNorm weights (as
-  transformers' Trainer groups them).  Unset (the default) keeps torch's AdamW default above.
-* ``scheduler`` (constant | linear | cosine) and ``warmup`` (a fraction of the optimiser steps,
-  rounded up, as transformers' ``warmup_ratio``): transformers' ``get_scheduler``, stepped once per
-  optimiser step; its state is in the checkpoint and ``lr`` in steps.jsonl is the rate the step used.
-  A schedule depends on the run's length, so ``epochs`` joins the resume fingerprint.
-* ``grad_accum`` N: every optimiser step consumes N micro-batches of ``batch_size`` per process (so
-  ``batch_size * N * world`` examples), gradients summed before one update; the task loss is the
-  mean over the whole global batch, exactly as without accumulation.  The I-STAR / CosReg penalty
-  is taken per micro-batch (each micro-batch's own covariance, C0 unchanged) and the step's
-  gradient is the mean of the N micro-batch penalty gradients: a covariance over the accumulated
-  batch would need every micro-batch's hidden states (and their graphs) alive at once, which is what
-  accumulation exists to avoid.  ``penalty`` / ``isoscore_star`` in steps.jsonl are the means over
-  the step's micro-batches.  With N = 1 nothing changes.
-* ``lora`` R (``lora_alpha``, ``lora_target``): low-rank adapters, :mod:`geomscope.train.lora`.
-* ``report_to``: an experiment tracker for the step and eval records, :mod:`geomscope.train.tracking`.
+The options and their checks: :mod:`geomscope.train.config`; one optimiser step:
+:mod:`geomscope.train.step`.
 
 Outputs in ``out``: ``run.json`` (the options, written first), ``steps.jsonl`` (one line per
 optimizer step: step, epoch, loss, task_loss, penalty R, weighted_penalty = lambda * R, batch
@@ -49,17 +32,25 @@ import math
 import random
 import sys
 import time
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 from geomscope import distributed as dd
-from geomscope.choices import PENALTY_PRECISIONS, PRECISIONS, REGULARISERS
 from geomscope.errors import DataError, InputError
 from geomscope.fileio import write_json_atomic
 from geomscope.progress import Progress
 from geomscope.provenance import package_versions
 from geomscope.train import checkpoint as ck
+from geomscope.train.config import (
+    NEW_DEFAULTS,
+    FinetuneConfig,
+    changed_options,
+    config_record,
+    fingerprint,
+    json_value,
+    resolved_lora_alpha,
+    validate,
+)
 from geomscope.train.data import (
     Encoded,
     build_label_map,
@@ -69,203 +60,9 @@ from geomscope.train.data import (
     load_table,
     rank_slice,
 )
+from geomscope.train.step import make_scheduler, optimizer_groups, split_micro, train_step
 
-REGS = REGULARISERS
-TASKS = ("classification", "qa")
-SCHEDULERS = ("constant", "linear", "cosine")
-#: the training options added after the first release, with their defaults: recorded in run.json and the
-#: resume fingerprint only when set to something else (so checkpoints written before them still resume)
-NEW_DEFAULTS = {
-    "weight_decay": None,
-    "scheduler": "constant",
-    "warmup": 0.0,
-    "grad_accum": 1,
-    "lora": None,
-    "lora_alpha": None,
-    "lora_target": "q,v",
-    "report_to": "none",
-}
-_NOT_FINGERPRINTED = ("report_to",)
-# options that must match to resume a run (epochs may grow; device and verbosity may change)
-_FINGERPRINT = (
-    "model",
-    "train",
-    "eval",
-    "text_field",
-    "text_field_2",
-    "label_field",
-    "reg",
-    "lam",
-    "zeta",
-    "c0_points",
-    "layers",
-    "lr",
-    "batch_size",
-    "max_length",
-    "seed",
-    "precision",
-    "include_padding",
-    "penalty_precision",
-    "task",
-)
-
-
-@dataclass
-class FinetuneConfig:
-    """Options of one fine-tuning run (the CLI flags of ``geomscope finetune``)."""
-
-    model: str
-    train: str
-    out: str
-    eval: str | None = None
-    task: str = "classification"  # classification (single sentences / pairs) | qa (SQuAD-style spans)
-    reg: str = "istar"
-    lam: float = -5.0
-    zeta: float = 0.2
-    c0_points: int = 250_000
-    layers: str | None = None
-    epochs: int = 4
-    lr: float = 1e-5
-    batch_size: int = 32
-    max_length: int = 128
-    seed: int = 0
-    precision: str = "fp32"
-    device: str = "auto"
-    include_padding: bool = False
-    text_field: str = "sentence"
-    text_field_2: str | None = None
-    label_field: str = "label"
-    resume: bool = False
-    overwrite: bool = False  # replace a previous finetune output in out (only what it wrote)
-    penalty_precision: str = "fp64"  # arithmetic of the I-STAR batch covariance: fp64 | fp32
-    monitor: bool = True  # log batch IsoScore* (identity target) also for cosreg / none
-    save_every: int | None = None  # keep out/checkpoints/step<N>/ every N optimiser steps (and step0)
-    log_geometry: int | None = None  # every N steps: per-layer gradient energy / IsoScore* (train.geometry)
-    geometry_rank: tuple[int, ...] = (8, 32)  # ranks r of the top-r C0 subspaces of --log-geometry
-    weight_decay: float | None = None  # None: torch's AdamW default (0.01 on every parameter)
-    scheduler: str = "constant"  # constant | linear | cosine (transformers' get_scheduler)
-    warmup: float = 0.0  # warmup fraction of the optimiser steps
-    grad_accum: int = 1  # micro-batches of batch_size per optimiser step (penalty per micro-batch)
-    lora: int | None = None  # LoRA rank (None: full fine-tuning)
-    lora_alpha: float | None = None  # LoRA alpha (None: 2 * rank)
-    lora_target: str = "q,v"  # module names (or q, k, v, o) that get adapters
-    report_to: str = "none"  # none | tensorboard | wandb | mlflow
-    extra: dict = field(default_factory=dict)  # recorded in run.json / summary.json (e.g. model alias)
-
-
-def _validate(cfg: FinetuneConfig) -> None:
-    if cfg.task not in TASKS:
-        raise InputError(f"unknown --task {cfg.task!r}; use one of {', '.join(TASKS)}")
-    if cfg.reg not in REGS:
-        raise InputError(f"unknown --reg {cfg.reg!r}; use one of {', '.join(REGS)}")
-    if cfg.precision not in PRECISIONS:
-        raise InputError(f"unknown --precision {cfg.precision!r}; use one of {', '.join(PRECISIONS)}")
-    if cfg.penalty_precision not in PENALTY_PRECISIONS:
-        raise InputError(f"unknown --penalty-precision {cfg.penalty_precision!r}; use fp64 or fp32")
-    if not 0.0 <= cfg.zeta <= 1.0:
-        raise InputError(f"--zeta must lie in [0, 1], got {cfg.zeta}")
-    for name, v, lo in (
-        ("epochs", cfg.epochs, 1),
-        ("batch-size", cfg.batch_size, 1),
-        ("max-length", cfg.max_length, 2),
-        ("c0-points", cfg.c0_points, 2),
-    ):
-        if v < lo:
-            raise InputError(f"--{name} must be at least {lo}, got {v}")
-    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
-        raise InputError(f"--lr must be a positive number, got {cfg.lr}")
-    if not math.isfinite(cfg.lam):
-        raise InputError(f"--lambda must be a finite number, got {cfg.lam}")
-    if cfg.eval is None:
-        raise InputError("an evaluation file is needed: pass --eval FILE")
-    if cfg.save_every is not None and cfg.save_every < 1:
-        raise InputError(f"--save-every must be at least 1 step, got {cfg.save_every}")
-    if cfg.log_geometry is not None:
-        from geomscope.train.geometry import check_ranks
-
-        if cfg.log_geometry < 1:
-            raise InputError(f"--log-geometry must be at least 1 step, got {cfg.log_geometry}")
-        check_ranks(cfg.geometry_rank)  # whole numbers >= 1 here; below D once the model is loaded
-    _validate_training_options(cfg)
-
-
-def _validate_training_options(cfg: FinetuneConfig) -> None:
-    """The options of issue 14 (weight decay, schedule, accumulation, LoRA, tracker): one-line errors."""
-    from geomscope.train.tracking import check_tracker
-
-    wd = cfg.weight_decay
-    if wd is not None and not (math.isfinite(wd) and wd >= 0):
-        raise InputError(f"--weight-decay must be a number >= 0, got {wd}")
-    if cfg.scheduler not in SCHEDULERS:
-        raise InputError(f"unknown --scheduler {cfg.scheduler!r}; use one of {', '.join(SCHEDULERS)}")
-    if not (math.isfinite(cfg.warmup) and 0.0 <= cfg.warmup <= 1.0):
-        raise InputError(f"--warmup is a fraction of the steps in [0, 1], got {cfg.warmup}")
-    if isinstance(cfg.grad_accum, bool) or not isinstance(cfg.grad_accum, int) or cfg.grad_accum < 1:
-        raise InputError(f"--grad-accum must be at least 1 (micro-batches per step), got {cfg.grad_accum}")
-    if cfg.grad_accum > 1 and cfg.log_geometry is not None:
-        raise InputError("--log-geometry does not support --grad-accum > 1 yet; pass one of them")
-    if cfg.lora is None:
-        if cfg.lora_alpha is not None or cfg.lora_target != NEW_DEFAULTS["lora_target"]:
-            raise InputError("--lora-alpha and --lora-target need --lora RANK")
-    else:
-        from geomscope.train.lora import check_peft
-
-        if cfg.lora < 1:
-            raise InputError(f"--lora is the adapter rank, at least 1, got {cfg.lora}")
-        if cfg.lora_alpha is not None and not (math.isfinite(cfg.lora_alpha) and cfg.lora_alpha > 0):
-            raise InputError(f"--lora-alpha must be a positive number, got {cfg.lora_alpha}")
-        if cfg.save_every is not None:
-            raise InputError("--save-every does not support --lora yet (snapshots would hold only adapters)")
-        check_peft()
-    check_tracker(cfg.report_to)
-
-
-def split_micro(global_batch: list[int], n: int, world_size: int) -> list[list[int]]:
-    """``--grad-accum n``: a global batch cut into at most ``n`` contiguous micro-batches, each with at
-    least ``world_size`` examples (so every rank gets one); the same cut on every rank."""
-    m = max(1, min(n, len(global_batch) // world_size))
-    q, r = divmod(len(global_batch), m)
-    out, lo = [], 0
-    for i in range(m):
-        hi = lo + q + (1 if i < r else 0)
-        out.append(global_batch[lo:hi])
-        lo = hi
-    return out
-
-
-def _is_no_decay(name: str, module) -> bool:
-    return name.endswith("bias") or "norm" in type(module).__name__.lower()
-
-
-def optimizer_groups(model, weight_decay: float | None):
-    """AdamW's parameters: all of the model's (torch's default decay) when ``weight_decay`` is None;
-    else two groups, ``weight_decay`` on weights and 0 on biases and LayerNorm (any *Norm) weights.
-    Frozen parameters (LoRA) are left out."""
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if weight_decay is None:
-        return [p for _, p in params]
-    owner = {}
-    for mname, mod in model.named_modules():
-        for pname, _ in mod.named_parameters(recurse=False):
-            owner[f"{mname}.{pname}" if mname else pname] = mod
-    decay = [p for n, p in params if not _is_no_decay(n, owner.get(n))]
-    no_decay = [p for n, p in params if _is_no_decay(n, owner.get(n))]
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-
-
-def make_scheduler(cfg: FinetuneConfig, optimizer, total_steps: int):
-    """transformers' ``get_scheduler`` for ``--scheduler`` / ``--warmup`` (None for constant without
-    warmup: the optimizer is left alone, bit for bit the behaviour before schedules existed)."""
-    if cfg.scheduler == "constant" and cfg.warmup == 0:
-        return None
-    from transformers import get_scheduler
-
-    warmup = math.ceil(total_steps * cfg.warmup)
-    name = "constant_with_warmup" if cfg.scheduler == "constant" else cfg.scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+__all__ = ["FinetuneConfig", "finetune"]
 
 
 def make_regularizer(cfg: FinetuneConfig, layers: list[int], d: dd.Dist):
@@ -281,125 +78,6 @@ def make_regularizer(cfg: FinetuneConfig, layers: list[int], d: dd.Dist):
     return None
 
 
-def train_step(
-    model,
-    batch: dict | list[dict],
-    n_global: int,
-    reg,
-    lam: float,
-    optimizer,
-    engine,
-    monitor=None,
-    geometry=None,
-    scheduler=None,
-) -> dict:
-    """One optimizer step on this rank's share of a global batch of ``n_global`` examples.
-
-    ``batch`` is one collated batch, or (``--grad-accum``) a list of micro-batches whose gradients
-    are summed before the single update: the task loss of each is its cross-entropy sum scaled by
-    ``world / n_global`` (so the sum is the global batch's mean loss, as without accumulation) and its
-    penalty is weighted ``lambda / len(batch)`` (the penalty of each micro-batch's own hidden states,
-    averaged; gradients are synchronised across processes on the last micro-batch only).
-
-    ``model`` and ``optimizer`` are what ``engine.prepare`` returned (:mod:`geomscope.train.engine`:
-    Accelerate does the backward pass, the fp16 loss scaling and the synchronisation).  ``reg`` is an
-    :class:`~geomscope.train.regularizers.IStar`, a :class:`~geomscope.train.regularizers.CosReg` or
-    None; ``monitor`` (an IStar, used without gradient) logs the batch IsoScore* when ``reg`` is not
-    I-STAR; ``geometry`` (a :class:`~geomscope.train.geometry.GeometryLog`, on the logged steps only --
-    the same steps on every rank; one batch only) adds the ``geometry`` record, from gradients of the
-    task loss taken before the backward pass without touching the parameter gradients; ``scheduler``
-    (an LR scheduler) is stepped after the update.  Returns the step record (``lr``: the rate this
-    update used); when the loss is not finite (on any rank) no update is made and ``finite`` is False.
-    """
-    micro = list(batch) if isinstance(batch, (list, tuple)) else [batch]
-    if geometry is not None and len(micro) > 1:
-        raise ValueError("the geometry log takes one batch per step")
-    model.train()
-    ce_total, pens, isos, geo, finite = 0.0, [], [], None, True
-    w_pen = lam / len(micro)  # lam itself for one batch
-    for i, mb in enumerate(micro):
-        last = i == len(micro) - 1
-        with nullcontext() if last else engine.no_sync(model):
-            ce, pen_v, iso, finite, geo = _micro_step(
-                model, mb, n_global, reg, w_pen, engine, monitor, geometry
-            )
-        ce_total += ce
-        if pen_v is not None:
-            pens.append(pen_v)
-        if iso is not None:
-            isos.append(iso)
-        if not finite:  # global: every rank stops here
-            break
-    if finite:
-        optimizer.step()  # Accelerate's optimizer: unscales and skips on overflow under fp16
-    lr = optimizer.param_groups[0]["lr"]
-    if finite and scheduler is not None:
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    task = ce_total / n_global
-    pen_v = sum(pens) / len(pens) if pens else None
-    return {
-        "loss": task + (lam * pen_v if pen_v is not None else 0.0),
-        "task_loss": task,
-        "penalty": pen_v,
-        "weighted_penalty": None if pen_v is None else lam * pen_v,
-        "isoscore_star": sum(isos) / len(isos) if isos else None,
-        "lr": lr,
-        "examples": n_global,
-        "finite": finite,
-        **(geo or {}),
-    }
-
-
-def _micro_step(model, batch, n_global, reg, w_pen, engine, monitor, geometry):
-    """Forward and backward of one (micro-)batch: (global CE sum, penalty, batch IsoScore*, finite,
-    geometry record or None).  No backward when the loss is not finite on some rank."""
-    import torch
-    import torch.nn.functional as F
-
-    from geomscope.train.regularizers import IStar
-
-    d = engine.d
-    inputs = {k: v.to(d.device, non_blocking=True) for k, v in batch.items() if k != "labels"}
-    labels = batch["labels"].to(d.device)
-    need_hidden = reg is not None or monitor is not None or geometry is not None
-    with engine.autocast():
-        out = model(**inputs, output_hidden_states=need_hidden)
-    if hasattr(out, "start_logits"):  # --task qa: (CE(start) + CE(end)) / 2 per feature
-        from geomscope.train.qa import qa_loss_sum
-
-        ce_sum = qa_loss_sum(out, labels, inputs["attention_mask"])
-    else:
-        ce_sum = F.cross_entropy(out.logits.float(), labels, reduction="sum")
-    loss = task_loss = ce_sum * (d.world_size / n_global)
-    pen = iso = geo = None
-    if isinstance(reg, IStar):
-        pen, iso = reg(out.hidden_states, inputs["attention_mask"])
-    elif reg is not None:
-        pen = reg(out.hidden_states, inputs["attention_mask"])
-    if monitor is not None and iso is None:
-        with torch.no_grad():
-            iso = monitor.isoscore_star(
-                tuple(h.detach() for h in out.hidden_states), inputs["attention_mask"]
-            )
-    if pen is not None:
-        loss = loss + w_pen * pen
-    stats = dd.all_reduce_sum(torch.stack([ce_sum.detach().double()]), d)
-    ce = float(stats[0])
-    pen_v = None if pen is None else float(pen.detach())
-    finite = math.isfinite(ce) and (pen_v is None or math.isfinite(pen_v))
-    if geometry is not None and finite:  # `finite` is global: every rank takes this branch or none
-        t_geo = time.perf_counter()
-        scale = float(engine.scaler.get_scale()) if engine.scaler is not None else None
-        grads = geometry.hidden_grads(task_loss, out.hidden_states, scale)
-        rec = geometry.record(out.hidden_states, grads, inputs["attention_mask"])
-        del grads
-        geo = {"geometry": rec, "geometry_seconds": round(time.perf_counter() - t_geo, 5)}
-    if finite:
-        engine.backward(loss.float() if engine.scaler is not None else loss)
-    return ce, pen_v, None if iso is None else float(iso.detach()), finite, geo
-
-
 def _seed_all(seed: int) -> None:
     import numpy as np
     import torch
@@ -407,49 +85,6 @@ def _seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def _fingerprint(cfg: FinetuneConfig, layers: list[int], world: int) -> dict:
-    fp = {k: getattr(cfg, k) for k in _FINGERPRINT}
-    if cfg.task == "classification":
-        del fp["task"]  # checkpoints written before --task existed stay resumable
-    fp["layers"] = layers
-    fp["world_size"] = world
-    fp.update(_changed_options(cfg, fingerprint=True))
-    if "scheduler" in fp or "warmup" in fp:  # a schedule spans the whole run: its length must match
-        fp["epochs"] = cfg.epochs
-    return fp
-
-
-def _changed_options(cfg: FinetuneConfig, fingerprint: bool = False) -> dict:
-    """The options of :data:`NEW_DEFAULTS` that differ from their defaults (LoRA's alpha and targets
-    only with --lora)."""
-    out = {}
-    for k, default in NEW_DEFAULTS.items():
-        v = getattr(cfg, k)
-        if v == default or (fingerprint and k in _NOT_FINGERPRINTED):
-            continue
-        out[k] = v
-    if cfg.lora is not None:  # the resolved alpha is what trains
-        out["lora_alpha"] = _lora_alpha(cfg)
-        out["lora_target"] = cfg.lora_target
-    return out
-
-
-def _lora_alpha(cfg: FinetuneConfig) -> float:
-    return float(cfg.lora_alpha) if cfg.lora_alpha is not None else 2.0 * cfg.lora
-
-
-def _config_record(cfg: FinetuneConfig) -> dict:
-    """run.json's ``config``: every option, the newer ones only when not at their defaults."""
-    rec = {k: v for k, v in asdict(cfg).items() if k not in NEW_DEFAULTS}
-    rec.update(_changed_options(cfg))
-    return rec
-
-
-def _norm(v):
-    """Fingerprint values compare as JSON reads them back (tuples are lists)."""
-    return list(v) if isinstance(v, tuple) else v
 
 
 def _prepare_out(cfg: FinetuneConfig, out: Path) -> dict | None:
@@ -519,7 +154,7 @@ def finetune(cfg: FinetuneConfig, *, quiet: bool = False, note=None) -> dict:
     """Run the fine-tuning described by ``cfg``; return the summary (also written to summary.json)."""
     note = note or (lambda msg: print(msg, file=sys.stderr))
     cfg = _resolve_model_alias(cfg)
-    _validate(cfg)
+    validate(cfg)
     from geomscope.train import engine as en
 
     eng = en.start(cfg.device, cfg.precision)
@@ -594,7 +229,7 @@ class _Trainer:
             from geomscope.train.geometry import check_ranks
 
             check_ranks(cfg.geometry_rank, self.model.config.hidden_size)
-        self.fp = _fingerprint(cfg, self.layers, d.world_size)
+        self.fp = fingerprint(cfg, self.layers, d.world_size)
         if state is not None:
             dflt = {"task": "classification", **NEW_DEFAULTS}
             old = {**dflt, **state["fingerprint"]}
@@ -603,7 +238,7 @@ class _Trainer:
             new.setdefault("epochs", old["epochs"])
             # new holds every newer option (its default when unset): a run of an older version compares
             # equal on them; keys only an old fingerprint has are ignored, as before
-            diff = [k for k in new if _norm(old.get(k)) != _norm(new[k])]
+            diff = [k for k in new if json_value(old.get(k)) != json_value(new[k])]
             if diff:
                 k = diff[0]
                 raise InputError(
@@ -635,10 +270,10 @@ class _Trainer:
 
         cfg = self.cfg
         targets = lora.resolve_targets(self.model, cfg.lora_target)
-        self.model = lora.wrap(self.model, cfg.lora, _lora_alpha(cfg), targets)
+        self.model = lora.wrap(self.model, cfg.lora, resolved_lora_alpha(cfg), targets)
         self.lora_record = {
             "rank": cfg.lora,
-            "alpha": _lora_alpha(cfg),
+            "alpha": resolved_lora_alpha(cfg),
             "targets": targets,
             "trainable_parameters": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
             "parameters": sum(p.numel() for p in self.model.parameters()),
@@ -721,7 +356,7 @@ class _Trainer:
                 write_json_atomic(
                     self.out / "run.json",
                     {
-                        "config": _config_record(cfg),
+                        "config": config_record(cfg),
                         "layers": self.layers,
                         "world_size": d.world_size,
                         "device": str(d.device),
@@ -740,7 +375,7 @@ class _Trainer:
         if d.is_main and cfg.report_to != "none":
             from geomscope.train.tracking import make_tracker
 
-            self.tracker = make_tracker(cfg.report_to, self.out, _config_record(cfg), self.step)
+            self.tracker = make_tracker(cfg.report_to, self.out, config_record(cfg), self.step)
         dd.barrier(d)
 
     def _options_record(self) -> dict:
@@ -1010,7 +645,7 @@ class _Trainer:
                 "final": evals[-1] if evals else None,
                 "evals": evals,
                 "extra": cfg.extra,
-                **_changed_options(cfg),
+                **changed_options(cfg),
                 **self._options_record(),
                 "eval_isoscore_target": "trace-matched identity",
                 "versions": package_versions(),

@@ -17,9 +17,9 @@ import os
 from abc import ABC, abstractmethod
 from pathlib import Path
 
+from geomscope.choices import TRACKERS
 from geomscope.errors import InputError
 
-TRACKERS = ("none", "tensorboard", "wandb", "mlflow")
 #: the package each tracker needs (checked before anything is written)
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 STEP_KEYS = ("loss", "task_loss", "penalty", "weighted_penalty", "isoscore_star", "lr")
