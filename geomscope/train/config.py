@@ -5,7 +5,8 @@ Training options (each left out of ``run.json`` and the resume fingerprint while
 older checkpoints still resume):
 
 * ``weight_decay``: AdamW weight decay W on the weights, none on biases and LayerNorm weights (as
-  transformers' Trainer groups them).  Unset (the default) keeps torch's AdamW default above.
+  transformers' Trainer groups them).  Unset (the default) keeps torch's AdamW default, 0.01 on every
+  parameter, as the released I-STAR settings do.
 * ``scheduler`` (constant | linear | cosine) and ``warmup`` (a fraction of the optimiser steps,
   rounded up, as transformers' ``warmup_ratio``): transformers' ``get_scheduler``, stepped once per
   optimiser step; its state is in the checkpoint and ``lr`` in steps.jsonl is the rate the step used.
