@@ -349,3 +349,65 @@ def test_deepspeed_is_refused_in_one_line(monkeypatch):
     with pytest.raises(InputError, match="does not run under DeepSpeed yet"):
         engine._refuse_deepspeed(_Acc())
     engine._refuse_deepspeed(type("A", (), {"distributed_type": DistributedType.MULTI_CPU})())
+
+
+# -- what Accelerate and transformers give nearly for free ------------------------------------------
+
+
+def test_max_grad_norm_clips_the_global_norm_and_logs_it(data):
+    """grad_norm is the norm of the task-loss gradient before clipping (autograd on a copy), and the
+    update sees the gradient scaled to the cap (the optimizer's step is intercepted)."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    from geomscope.train import engine
+    from geomscope.train.data import Encoded, load_table
+    from geomscope.train.model import load_classifier
+    from geomscope.train.step import train_step
+
+    labels = {"negative": 0, "positive": 1}
+    model, tok, _ = load_classifier(data["no_dropout"], labels, lambda s: None)
+    batch = Encoded(tok, load_table(data["train"]), labels, 64).collate(range(8))
+    ref = copy.deepcopy(model)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    (F.cross_entropy(ref(**inputs).logits, batch["labels"], reduction="sum") / 8).backward()
+    ref_grads = [p.grad.clone() for p in ref.parameters()]
+    ref_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in ref_grads])))
+    eng = engine.start("cpu", "fp32")
+    try:
+        model, opt = eng.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        seen = []
+        opt.step = lambda *a, **k: seen.append([p.grad.clone() for p in model.parameters()])
+        rec = train_step(model, batch, 8, None, 0.0, opt, eng, max_grad_norm=ref_norm / 10)
+    finally:
+        engine.stop(eng)
+    assert rec["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+    for g, r in zip(seen[0], ref_grads, strict=True):
+        # float32 sums in another order: 1e-4 relative on the smallest entries
+        torch.testing.assert_close(g, r / 10, rtol=1e-3, atol=1e-5 * float(r.abs().max()))
+
+
+def test_gradient_checkpointing_gives_the_same_run_and_resumes_either_way(data, tmp_path):
+    """Dropout is on: the non-reentrant recomputation replays its masks, so the steps match."""
+    cfg = dict(model=data["dropout"], train=data["train"], eval=data["eval"], epochs=1, lr=2e-3)
+    cfg.update(batch_size=8, device="cpu", lam=-1.0, c0_points=2000)
+    plain = finetune(FinetuneConfig(**cfg, out=str(tmp_path / "a")), quiet=True, note=lambda m: None)
+    ckpt = finetune(
+        FinetuneConfig(**cfg, out=str(tmp_path / "b"), gradient_checkpointing=True),
+        quiet=True,
+        note=lambda m: None,
+    )
+    for a, b in zip(_steps(tmp_path / "a"), _steps(tmp_path / "b"), strict=True):
+        for k in ("task_loss", "penalty", "isoscore_star"):
+            assert abs(a[k] - b[k]) <= 1e-6 * max(1.0, abs(a[k])), (k, a, b)
+    assert abs(plain["final"]["eval_loss"] - ckpt["final"]["eval_loss"]) < 1e-6
+    # not part of the resume fingerprint: a run may be continued with or without it
+    more = {**cfg, "epochs": 2}
+    finetune(FinetuneConfig(**more, out=str(tmp_path / "a"), resume=True), quiet=True, note=lambda m: None)
+    finetune(
+        FinetuneConfig(**more, out=str(tmp_path / "b"), resume=True, gradient_checkpointing=False),
+        quiet=True,
+        note=lambda m: None,
+    )

@@ -378,6 +378,8 @@ def test_tensorboard_events_hold_the_step_and_eval_scalars(tiny, tmp_path):
         (("--lora-alpha", "4"), "need --lora"),
         (("--lora", "0"), "--lora"),
         (("--lora", "4", "--save-every", "2"), "--save-every"),
+        (("--max-grad-norm", "0"), "--max-grad-norm"),
+        (("--max-grad-norm", "nan"), "--max-grad-norm"),
     ],
 )
 def test_bad_values_are_one_line_errors(cli, tiny, tmp_path, extra, needle):

@@ -145,6 +145,21 @@ def finetune_cmd(
         "covariance) and averaged: one covariance over the accumulated batch would need every "
         "micro-batch's hidden states in memory at once.",
     ),
+    max_grad_norm: Optional[float] = typer.Option(
+        None,
+        "--max-grad-norm",
+        metavar="NORM",
+        help="Clip the global gradient norm (task loss + penalty, over all processes) to NORM before "
+        "each update, through Accelerate; steps.jsonl logs grad_norm before clipping. Default: no "
+        "clipping (the released I-STAR setting).",
+    ),
+    gradient_checkpointing: bool = typer.Option(
+        False,
+        "--gradient-checkpointing",
+        help="Recompute each block's activations in the backward pass instead of storing them "
+        "(transformers' gradient checkpointing): less memory for big models, about a third more "
+        "compute, the same gradients.",
+    ),
     lora: Optional[int] = typer.Option(
         None,
         "--lora",
@@ -273,6 +288,8 @@ def finetune_cmd(
         scheduler=value(scheduler),
         warmup=warmup,
         grad_accum=grad_accum,
+        max_grad_norm=max_grad_norm,
+        gradient_checkpointing=gradient_checkpointing,
         lora=lora,
         lora_alpha=lora_alpha,
         lora_target=lora_target,

@@ -19,6 +19,12 @@ older checkpoints still resume):
   batch would need every micro-batch's hidden states (and their graphs) alive at once, which is what
   accumulation exists to avoid.  ``penalty`` / ``isoscore_star`` in steps.jsonl are the means over
   the step's micro-batches.  With N = 1 nothing changes.
+* ``max_grad_norm``: the global L2 norm of the step's gradient (task loss and penalty, after DDP's
+  averaging, over every parameter) clipped to this value before the update, by Accelerate's
+  ``clip_grad_norm_`` (which unscales fp16 gradients first and works on FSDP shards); ``grad_norm``
+  in steps.jsonl is the norm before clipping.  Unset: no clipping, and no ``grad_norm``.
+* ``gradient_checkpointing``: transformers' activation checkpointing (non-reentrant, so dropout
+  replays the same masks): the same gradients for less memory, so it is not in the fingerprint.
 * ``lora`` R (``lora_alpha``, ``lora_target``): low-rank adapters, :mod:`geomscope.train.lora`.
 * ``report_to``: an experiment tracker for the step and eval records, :mod:`geomscope.train.tracking`.
 """
@@ -38,12 +44,14 @@ NEW_DEFAULTS = {
     "scheduler": "constant",
     "warmup": 0.0,
     "grad_accum": 1,
+    "max_grad_norm": None,
+    "gradient_checkpointing": False,
     "lora": None,
     "lora_alpha": None,
     "lora_target": "q,v",
     "report_to": "none",
 }
-_NOT_FINGERPRINTED = ("report_to",)
+_NOT_FINGERPRINTED = ("report_to", "gradient_checkpointing")  # neither changes what is learnt
 # options that must match to resume a run (epochs may grow; device and verbosity may change)
 _FINGERPRINT = (
     "model",
@@ -104,6 +112,8 @@ class FinetuneConfig:
     scheduler: str = "constant"  # constant | linear | cosine (transformers' get_scheduler)
     warmup: float = 0.0  # warmup fraction of the optimiser steps
     grad_accum: int = 1  # micro-batches of batch_size per optimiser step (penalty per micro-batch)
+    max_grad_norm: float | None = None  # clip the global gradient norm before each update (None: no clip)
+    gradient_checkpointing: bool = False  # recompute block activations in backward (memory for compute)
     lora: int | None = None  # LoRA rank (None: full fine-tuning)
     lora_alpha: float | None = None  # LoRA alpha (None: 2 * rank)
     lora_target: str = "q,v"  # module names (or q, k, v, o) that get adapters
@@ -160,6 +170,9 @@ def _validate_training_options(cfg: FinetuneConfig) -> None:
         raise InputError(f"--warmup is a fraction of the steps in [0, 1], got {cfg.warmup}")
     if isinstance(cfg.grad_accum, bool) or not isinstance(cfg.grad_accum, int) or cfg.grad_accum < 1:
         raise InputError(f"--grad-accum must be at least 1 (micro-batches per step), got {cfg.grad_accum}")
+    mgn = cfg.max_grad_norm
+    if mgn is not None and not (math.isfinite(mgn) and mgn > 0):
+        raise InputError(f"--max-grad-norm must be a positive number, got {mgn}")
     if cfg.grad_accum > 1 and cfg.log_geometry is not None:
         raise InputError("--log-geometry does not support --grad-accum > 1 yet; pass one of them")
     if cfg.lora is None:

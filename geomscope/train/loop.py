@@ -246,6 +246,8 @@ class _Trainer:
                     f"{new[k]!r}; resume with the same options or choose another --out"
                 )
             self.minfo["head_added"] = state.get("head_added", False)
+        if cfg.gradient_checkpointing:
+            self._checkpoint_activations()
         if cfg.lora is not None:
             self._wrap_lora()
         max_length = self._max_length()
@@ -262,6 +264,16 @@ class _Trainer:
                 f"{cfg.train} has {len(self.train_enc)} "
                 f"{'features' if cfg.task == 'qa' else 'rows'}, fewer than the {d.world_size} processes"
             )
+
+    def _checkpoint_activations(self) -> None:
+        """--gradient-checkpointing: transformers' own, non-reentrant (dropout masks are replayed, so
+        the gradients are those of a plain backward pass)."""
+        if not getattr(self.model, "supports_gradient_checkpointing", False):
+            raise InputError(
+                f"{type(self.model).__name__} does not support gradient checkpointing; run without "
+                "--gradient-checkpointing"
+            )
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def _wrap_lora(self) -> None:
         """--lora: adapters on the chosen modules (the head trains in full); on resume the checkpoint's
@@ -463,6 +475,7 @@ class _Trainer:
                 self.monitor,
                 self.geometry if self._log_geometry_now() else None,
                 self.scheduler,
+                cfg.max_grad_norm,
             )
             dt = time.perf_counter() - t0
             self.step += 1

@@ -77,6 +77,7 @@ def train_step(
     monitor=None,
     geometry=None,
     scheduler=None,
+    max_grad_norm: float | None = None,
 ) -> dict:
     """One optimizer step on this rank's share of a global batch of ``n_global`` examples.
 
@@ -93,8 +94,10 @@ def train_step(
     I-STAR; ``geometry`` (a :class:`~geomscope.train.geometry.GeometryLog`, on the logged steps only --
     the same steps on every rank; one batch only) adds the ``geometry`` record, from gradients of the
     task loss taken before the backward pass without touching the parameter gradients; ``scheduler``
-    (an LR scheduler) is stepped after the update.  Returns the step record (``lr``: the rate this
-    update used); when the loss is not finite (on any rank) no update is made and ``finite`` is False.
+    (an LR scheduler) is stepped after the update; ``max_grad_norm`` clips the gradient's global norm
+    first (``grad_norm`` in the record is the norm before clipping).  Returns the step record
+    (``lr``: the rate this update used); when the loss is not finite (on any rank) no update is made
+    and ``finite`` is False.
     """
     micro = list(batch) if isinstance(batch, (list, tuple)) else [batch]
     if geometry is not None and len(micro) > 1:
@@ -115,6 +118,9 @@ def train_step(
             isos.append(iso)
         if not finite:  # global: every rank stops here
             break
+    grad_norm = None
+    if finite and max_grad_norm is not None:
+        grad_norm = float(engine.acc.clip_grad_norm_(model.parameters(), max_grad_norm))
     if finite:
         optimizer.step()  # Accelerate's optimizer: unscales and skips on overflow under fp16
     lr = optimizer.param_groups[0]["lr"]
@@ -131,6 +137,7 @@ def train_step(
         "isoscore_star": sum(isos) / len(isos) if isos else None,
         "lr": lr,
         "examples": n_global,
+        **({"grad_norm": grad_norm} if max_grad_norm is not None else {}),
         "finite": finite,
         **(geo or {}),
     }
