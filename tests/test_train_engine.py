@@ -411,3 +411,13 @@ def test_gradient_checkpointing_gives_the_same_run_and_resumes_either_way(data, 
         quiet=True,
         note=lambda m: None,
     )
+
+
+def test_a_launch_asking_for_other_mixed_precision_is_refused(monkeypatch):
+    from geomscope.train import engine
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    with pytest.raises(InputError, match="pass --precision bf16"):
+        engine.start("cpu", "fp32")
+    eng = engine.start("cpu", "bf16")  # agreeing settings run
+    engine.stop(eng)

@@ -113,6 +113,12 @@ def start(device: str, precision: str) -> Engine:
     import torch.distributed as dist
 
     existed = dist.is_initialized()
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")  # accelerate launch --mixed_precision
+    if launched not in ("no", MIXED_PRECISION[precision]):
+        raise InputError(
+            f"accelerate launch asks for --mixed_precision {launched} but finetune has --precision "
+            f"{precision}; geomscope's flag decides, so pass --precision {launched.replace('no', 'fp32')}"
+        )
     AcceleratorState._reset_state(reset_partial_state=True)
     timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=dd.timeout_seconds()))
     try:
