@@ -2,11 +2,14 @@
 
 * The move changed no result: four fine-tunings rerun against the steps and final evaluation that
   geomscope's own loop wrote before the move (``tests/data/finetune_before_accelerate.json``).
-* Real launchers: ``torchrun`` and ``accelerate launch`` with 2 gloo processes equal one process with
-  the doubled batch (the I-STAR covariance is the global batch's, through the gradient-carrying
-  all-reduce; DDP averages the gradients).
-* The engine itself: one Accelerator per run in a process, fp16 refused on the CPU, and the group
-  a caller made is left to the caller.
+* Real launchers: ``torchrun``, ``accelerate launch`` and srun's variables, 2 gloo processes, equal
+  one process with the doubled batch (the I-STAR covariance is the global batch's, through the
+  gradient-carrying all-reduce; DDP averages the gradients).
+* The engine itself: one Accelerator per run in a process, fp16 refused on the CPU, a launch's mixed
+  precision that disagrees with ``--precision`` refused, DeepSpeed refused.
+* A sharded (FSDP) run's side that geomscope owns, on the CPU: lockstep passes, gathered saves,
+  refusals.
+* What the libraries give nearly for free: ``--max-grad-norm``, ``--gradient-checkpointing``.
 """
 
 from __future__ import annotations
@@ -149,11 +152,35 @@ LAUNCHERS = {
 }
 
 
-@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def _srun_by_hand(args: list[str]) -> subprocess.CompletedProcess:
+    """What srun starts: one process per task with SLURM's variables and no RANK / WORLD_SIZE."""
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "geomscope", *args],
+            env={
+                **_env(),
+                "SLURM_PROCID": str(r),
+                "SLURM_NTASKS": "2",
+                "SLURM_LOCALID": str(r),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    bad = [(p.returncode, e) for p, (_, e) in zip(procs, outs, strict=True) if p.returncode != 0]
+    return subprocess.CompletedProcess(args, bad[0][0] if bad else 0, outs[0][0], bad[0][1] if bad else "")
+
+
+@pytest.mark.parametrize("launcher", [*LAUNCHERS, "srun"])
 def test_two_launched_processes_equal_one(data, tmp_path, launcher):
-    exe = Path(LAUNCHERS[launcher]()[0])
-    if not exe.exists():
-        pytest.skip(f"{exe.name} is not installed next to python")
+    if launcher != "srun" and not Path(LAUNCHERS[launcher]()[0]).exists():
+        pytest.skip(f"{launcher} is not installed next to python")
     one = subprocess.run(
         [sys.executable, "-m", "geomscope", *_args(data, tmp_path / "one", 4)],
         env=_env(),
@@ -162,13 +189,16 @@ def test_two_launched_processes_equal_one(data, tmp_path, launcher):
         timeout=300,
     )
     assert one.returncode == 0, one.stderr
-    two = subprocess.run(
-        [*LAUNCHERS[launcher](), "-m", "geomscope", *_args(data, tmp_path / "two", 2)],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    if launcher == "srun":
+        two = _srun_by_hand(_args(data, tmp_path / "two", 2))
+    else:
+        two = subprocess.run(
+            [*LAUNCHERS[launcher](), "-m", "geomscope", *_args(data, tmp_path / "two", 2)],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert two.returncode == 0, two.stderr
     s1, s2 = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "two"))
     assert s2["world_size"] == 2 and s1["global_batch"] == s2["global_batch"] == 8
