@@ -24,8 +24,11 @@ Rows (throughput in rows/s; ratio = geomscope rows/s / alternative rows/s, > 1 m
   moment suite (ratio = workers-2 time / Dask time; the issue's target: Dask overhead <= 10 %, ratio >=
   0.91). Both include their start-up (pool spawn / LocalCluster of 2 worker processes). Only this
   comparison: ``python benchmarks/bench_score.py [--quick] --only dask``.
-Threads: the package runs torch with its default threads; geomscope runs BLAS single-threaded per
-worker (see geomscope/score/executor.py), so ``--workers 1`` uses one core.
+Threads: the package runs torch with its default threads (all cores); geomscope runs BLAS
+single-threaded and computes the float64 block statistics of a task in (usable cores / workers)
+threads, reading the next block meanwhile, so ``--workers 1`` uses every core too (see
+geomscope/score/executor.py and geomscope/metrics/moments.py). On a machine shared with other
+jobs both sides lose cores: report the load average beside the numbers.
 Timings alternate the sides (``_common.alternate``), medians of several repeats after a warm-up.
 """
 
@@ -159,8 +162,10 @@ def memory_child(side: str, path: str) -> dict:
 def stream_bound(n: int, d: int, itemsize: int) -> float:
     """Seconds the hardware needs at least to score n x d rows in one pass: max(reading the stored
     values and converting them (bytes in + float32 out over the memory bandwidth), the scatter
-    update (a symmetric rank-n product, n d^2 flops, at the float32 GEMM rate -- float32 products of
-    shifted blocks, accumulated in float64))."""
+    update (a symmetric rank-n product, n d^2 flops, at the float32 GEMM rate, all cores)). The
+    bound keeps float32 products although geomscope multiplies in float64 (float32 products of the
+    centred blocks carry ~1e-8 relative error; its results must match float64 to 1e-10), so
+    geomscope can reach about gemm_f64 / gemm_f32 (~0.5) of it."""
     lim = machine_limits()
     read = n * d * (itemsize + 4) / (lim["bandwidth_gbs"] * 1e9)
     syrk = n * d * d / (lim["gemm_f32_gflops"] * 1e9)
@@ -179,7 +184,7 @@ def _throughput_rows(label: str, path: Path, n: int, x: np.ndarray, repeats: int
             "geomscope": n / t["g"],
             "alternative": n / t["p"],
             "ratio": t["p"] / t["g"],
-            "target": ">= 1",
+            "target": ">= 1.5",
             "of bound": of_bound(stream_bound(n, x.shape[1], itemsize), t["g"]),
             "note": f"rows/s, median of {repeats}; geomscope streams from disk (+ jackknife SE, checksums), "
             f"package on float32 rows in memory; |difference| {err:.1e}",
@@ -194,7 +199,7 @@ def _throughput_rows(label: str, path: Path, n: int, x: np.ndarray, repeats: int
             "geomscope": n / t["g"],
             "alternative": n / t["p"],
             "ratio": t["p"] / t["g"],
-            "target": "report",
+            "target": ">= 1",
             "of bound": of_bound(stream_bound(n, x.shape[1], itemsize), t["g"]),
             "note": "rows/s; geomscope: isoscore, isoscore*, avgcos x3 (2nd pass), spectrum, outliers, "
             "all with "

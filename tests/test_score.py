@@ -411,17 +411,17 @@ def test_layers_subset_and_memory_batches(run):
 
 
 def test_streams_in_bounded_blocks(run, monkeypatch):
-    from geomscope.metrics import Moments
+    from geomscope.score import accumulate
 
     d, _ = run
     seen = []
-    orig = Moments.update
+    orig = accumulate.update_groups
 
-    def spy(self, x):
+    def spy(accs, x, groups, **kw):  # the rows that reach the jackknife groups' accumulators
         seen.append(len(x))
-        return orig(self, x)
+        return orig(accs, x, groups, **kw)
 
-    monkeypatch.setattr(Moments, "update", spy)
+    monkeypatch.setattr(accumulate, "update_groups", spy)
     score(d, ScoreOptions(metrics=("isoscore",), block_rows=64))
     assert seen and max(seen) <= 64
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from geomscope.metrics.moments import update_groups
 from geomscope.score.select import STREAM_ID_SAMPLE, STREAM_MAX_ROWS, BottomK, Reservoir, row_hash
 from geomscope.score.sources import Task, check_shard_file, iter_blocks, iter_meta
 
@@ -44,6 +45,7 @@ class PassSpec:
     unit: dict | None = None  # layer -> variant -> (shifts (R, D), scales (R, D) | None)
     checksum: bool = False
     block_rows: int | None = None
+    threads: int = 1  # threads per task for the block statistics (engine.py picks: cores / workers)
 
 
 @dataclass
@@ -156,7 +158,8 @@ def _run(task: Task, spec: PassSpec, progress, parts: dict) -> dict[str, LayerPa
             if progress:
                 progress(len(block.keys))
         return parts
-    for block in iter_blocks(task, spec.layers, spec.n_groups, spec.block_rows):
+    blocks = iter_blocks(task, spec.layers, spec.n_groups, spec.block_rows)
+    for block in _read_ahead(blocks) if spec.threads > 1 else blocks:
         for name in spec.layers:
             x = block.layers[name]
             lp = parts[name]
@@ -167,30 +170,85 @@ def _run(task: Task, spec: PassSpec, progress, parts: dict) -> dict[str, LayerPa
             xs = x if whole else x[keep]
             gs = block.group if whole else block.group[keep]
             if spec.kind == "moments":
-                _update_groups(lp.groups, xs, gs)
+                update_groups(lp.groups, xs, gs, threads=spec.threads)
                 if lp.reservoir is not None:
                     keys = block.keys if whole else block.keys[keep]
                     lp.reservoir.add(row_hash(keys, spec.seed, STREAM_ID_SAMPLE), xs)
             else:
-                _update_units(lp.unit, xs, gs, spec.n_groups)
+                _update_units(lp.unit, xs, gs, spec, name)
         if progress:
             progress(len(block.keys))
     return parts
 
 
-def _update_groups(groups: list, xs: np.ndarray, gs: np.ndarray) -> None:
-    """Each group's rows into its Moments (one group's rows copied at a time: small peak memory)."""
-    if len(groups) == 1:
-        groups[0].update(xs)
+def _read_ahead(blocks):
+    """Yield the items of the iterator ``blocks``, reading the next one in a thread meanwhile (the file
+    reads overlap the block statistics: one more block of rows in memory). Errors come out in order;
+    leaving the loop early stops the reader and closes ``blocks``."""
+    import queue
+    import threading
+
+    q: queue.Queue = queue.Queue(maxsize=1)
+    stop = threading.Event()
+    done = object()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def read() -> None:
+        try:
+            for item in blocks:
+                if not put((item, None)):
+                    return
+            put((done, None))
+        except BaseException as e:  # handed to the consumer
+            put((None, e))
+        finally:
+            getattr(blocks, "close", lambda: None)()
+
+    th = threading.Thread(target=read, daemon=True, name="geomscope-read-ahead")
+    th.start()
+    try:
+        while True:
+            item, err = q.get()
+            if err is not None:
+                raise err
+            if item is done:
+                return
+            yield item
+    finally:
+        stop.set()
+        th.join()
+
+
+def _update_units(unit: dict, xs: np.ndarray, gs: np.ndarray, spec: PassSpec, name: str) -> None:
+    """Every cosine variant's unit-vector sums of the rows ``xs`` (one reused float64 scratch block per
+    thread). With ``spec.threads`` > 1 each block of MultiUnitSum's size goes into fresh sums in a
+    thread; those are added in row order: the same additions as one ``update``, so the same numbers."""
+    from geomscope.metrics.moments import map_in_order
+    from geomscope.score.multiunit import BLOCK_ROWS, MultiUnitSum
+
+    rows = min(BLOCK_ROWS, len(xs))
+    if spec.threads <= 1 or len(xs) <= BLOCK_ROWS:
+        work = np.empty((rows, xs.shape[1]))
+        for mus in unit.values():
+            mus.update(xs, gs, work)
         return
-    present = np.bincount(gs, minlength=len(groups))
-    for g in np.flatnonzero(present):
-        groups[g].update(xs if present[g] == len(gs) else xs[gs == g])
 
+    def one(i, work):
+        xb, gb = xs[i : i + BLOCK_ROWS], gs[i : i + BLOCK_ROWS]
+        return {v: MultiUnitSum(sh, sc).update(xb, gb, work) for v, (sh, sc) in spec.unit[name].items()}
 
-def _update_units(unit: dict, xs: np.ndarray, gs: np.ndarray, n_groups: int) -> None:
-    for mus in unit.values():
-        mus.update(xs, gs)
+    starts = list(range(0, len(xs), BLOCK_ROWS))
+    for part in map_in_order(one, starts, spec.threads, lambda: np.empty((rows, xs.shape[1]))):
+        for v, mus in part.items():
+            unit[v].merge(mus)
 
 
 def _run_accumulated(task: Task, spec: PassSpec, progress, parts: dict) -> dict[str, LayerPart]:

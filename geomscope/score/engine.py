@@ -19,6 +19,9 @@ under ``--memory-mb`` (one layer per batch at least); each batch repeats the pas
 
 Parallelism: ``--workers N`` reads shards in N processes (partial accumulators merged in shard order)
 and finishes N layers at a time in threads; BLAS is single-threaded throughout (see executor.py).
+Within a task, the float64 block statistics run in (usable cores / N) threads while the next block
+is read (metrics/moments.py, accumulate.py); blocks are merged in row order, so the numbers do not
+depend on the thread count.
 ``--scheduler`` runs the shard tasks on a Dask cluster instead (dask_executor.py), merged the same way.
 """
 
@@ -55,6 +58,15 @@ def _with_se(row: dict, se) -> dict:
         if k == "energy":
             out["energy_se"] = se
     return out
+
+
+def _usable_cores() -> int:
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
 def _log_default(msg: str) -> None:
@@ -100,6 +112,9 @@ class _Scorer:
         self.rows = src.run["rows"] if src.kind == "run" else sum(t.rows for t in src.tasks)
         self.checksum_pending = opts.verify
         self.target, self.target_layer = self._parse_target()
+        # the block statistics of a task run in threads (BLAS stays single-threaded in each): the
+        # cores this process may use, shared among --workers processes; one per Dask task
+        self.threads = 1 if opts.scheduler else max(1, _usable_cores() // max(1, opts.workers))
 
     # -- passes ------------------------------------------------------------------------------
     def _pass(self, tasks, spec: PassSpec, desc: str, rows: int | None = None) -> dict:
@@ -122,6 +137,7 @@ class _Scorer:
             exclude_special=o.exclude_special,
             seed=o.seed,
             block_rows=o.block_rows,
+            threads=self.threads,
             **kw,
         )
 

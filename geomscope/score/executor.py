@@ -8,10 +8,12 @@ one worker's to float64 rounding (a different but exact merge order).
 
 Workers are spawned (not forked): h5py handles and BLAS thread pools do not survive a fork
 safely. BLAS runs on ONE thread in every worker process (and ``score`` limits this process too):
-parallelism comes from ``--workers`` -- processes over shards, threads over layers. The products
-are small (blocks of a few thousand rows x D x D, D x D eigensolves), and multi-threaded OpenBLAS on
-them was 4x (dsyrk) to 100x (eigvalsh of 384 x 384) slower than one thread on a busy 2-core machine;
-N workers use N cores.
+parallelism comes from ``--workers`` -- processes over shards, threads over layers -- and, inside a
+task, from threads that each run single-threaded BLAS on their own blocks (``PassSpec.threads``:
+usable cores / workers; see metrics/moments.py). The products are small (blocks of a few thousand
+rows x D x D, D x D eigensolves), and multi-threaded OpenBLAS on them was 4x (dsyrk) to 100x
+(eigvalsh of 384 x 384) slower than one thread on a busy 2-core machine (its threads spin-wait for
+each other); independent blocks in separate threads never wait for each other.
 
 ``--scheduler`` (local:N, tcp://HOST:PORT, FILE.json) runs the same tasks on a Dask cluster instead
 (dask_executor.py): fixed runs of consecutive tasks merged on the workers, then in order on the

@@ -60,16 +60,20 @@ class MultiUnitSum:
     def replicates(self) -> int:
         return self.shifts.shape[0]
 
-    def update(self, x, groups) -> MultiUnitSum:
+    def update(self, x, groups, work: np.ndarray | None = None) -> MultiUnitSum:
+        """Add rows ``x`` of jackknife ``groups``; ``work``: optional float64 scratch space of
+        (BLOCK_ROWS, D) (a fresh block-sized array per block costs as much in page faults as its use)."""
         x = np.asarray(x)
         g = np.asarray(groups)
+        if work is None and x.shape[0] > 0:
+            work = np.empty((min(BLOCK_ROWS, x.shape[0]), x.shape[1]))
         for i in range(0, x.shape[0], BLOCK_ROWS):
-            self._block(x[i : i + BLOCK_ROWS], g[i : i + BLOCK_ROWS])
+            self._block(x[i : i + BLOCK_ROWS], g[i : i + BLOCK_ROWS], work)
         return self
 
-    def _block(self, xb: np.ndarray, gb: np.ndarray) -> None:
+    def _block(self, xb: np.ndarray, gb: np.ndarray, work: np.ndarray) -> None:
         R = self.replicates
-        y = np.asarray(xb, dtype=np.float64) - self.ref  # (m, D)
+        y = np.subtract(xb, self.ref, out=work[: xb.shape[0]])  # (m, D), float64
         if self.w is None:
             a = np.einsum("ij,ij->i", y, y)[:, None]
         else:
