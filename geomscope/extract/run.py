@@ -22,6 +22,7 @@ from pathlib import Path
 
 from geomscope.errors import DataError, InputError
 from geomscope.extract.batching import Doc, length_order, plan_batches, tokenize
+from geomscope.extract.capture import trim_heap
 from geomscope.extract.layers import LAYER_NOTE, describe_layers, parse_layers, split_final_norm
 from geomscope.extract.options import ExtractOptions
 from geomscope.extract.plan import bytes_per_row, check_disk, estimate_tokens, human_bytes, scan_inputs
@@ -515,6 +516,7 @@ class _ShardRun:
                 if labels is not None:
                     self._set_labels(group_labels)
                 budget_hit = self._write(k, group, prog)
+                trim_heap()  # the shard's token ids and buffers are free now: hand back their pages
                 if budget_hit or self._budget_spent():
                     break
         return time.perf_counter() - t0
