@@ -82,7 +82,10 @@ trajectory: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
+# fastwonn is a TwoNN contender; --no-deps: its torchsort (a C++ build) serves only its differentiable
+# path, and the benchmark stands in for it
 bench: $(STAMP)
+	$(BIN)/pip install -q fastwonn==0.0.9 --no-deps || echo "fastwonn not installed: its row is skipped"
 	$(BIN)/python benchmarks/run_all.py
 
 # the README's command reference, regenerated from --help

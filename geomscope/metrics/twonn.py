@@ -209,6 +209,7 @@ def twonn(
     max_points: int | None = None,
     expect_dim: int | None = None,
     allow_wide: bool = True,
+    prune: bool | None = None,
 ) -> TwoNNResult:
     """TwoNN intrinsic dimension of the points X (N, D) (see the module docstring for definitions).
 
@@ -216,11 +217,12 @@ def twonn(
     raises DataError instead of giving a silent number. ``max_points``: estimate on a seeded
     uniform subsample of that many rows (``seed``). ``block_size``, ``device``: passed to
     :func:`~geomscope.metrics.neighbors.two_nearest`. ``expect_dim`` / ``allow_wide``: see
-    :func:`check_matrix`.
+    :func:`check_matrix`. ``prune``: exact candidate pruning in the neighbour search (None: where a
+    sample says it pays; see :func:`~geomscope.metrics.neighbors.two_nearest`); the result is the same.
     """
     _check_params(discard_fraction, estimator)
     a, n_points, removed, sub = prepare_points(X, dedup, max_points, seed, expect_dim, allow_wide)
-    r1, r2, _, _, info = _two_nearest(a, block_size, device, True, DEFAULT_MEMORY_BUDGET, True)
+    r1, r2, _, _, info = _two_nearest(a, block_size, device, True, DEFAULT_MEMORY_BUDGET, True, prune)
     zero = int(np.count_nonzero(r1 == 0))
     if zero:
         raise DataError(f"{zero} rows have an exact duplicate (r1 = 0); use dedup=True to remove them")
