@@ -13,30 +13,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.spatial.distance import cdist
+from test_metrics_twonn import assert_same_neighbours as assert_exact
+from test_metrics_twonn import brute
 
 from geomscope.metrics import neighbors as nb
 from geomscope.metrics.neighbors import two_nearest
 from geomscope.metrics.twonn import twonn
-
-
-def brute(X):
-    """Reference: full float64 distance matrix (scipy), self excluded, ties by smaller index."""
-    a = np.asarray(X, dtype=np.float64)
-    D = cdist(a, a)
-    np.fill_diagonal(D, np.inf)
-    o = np.argsort(D, axis=1, kind="stable")[:, :2]
-    rows = np.arange(len(a))
-    return D[rows, o[:, 0]], D[rows, o[:, 1]], o[:, 0], o[:, 1]
-
-
-def assert_exact(X, got, check_index=True):
-    r1, r2, i1, i2 = got[:4]
-    b1, b2, j1, j2 = brute(X)
-    np.testing.assert_allclose(r1, b1, rtol=1e-12, atol=0)
-    np.testing.assert_allclose(r2, b2, rtol=1e-12, atol=0)
-    if check_index:
-        np.testing.assert_array_equal(i1, j1)
-        np.testing.assert_array_equal(i2, j2)
 
 
 def low_rank(n, d, intrinsic, noise, rng, dtype=np.float32):
