@@ -6,7 +6,10 @@
   one process with the doubled batch (the I-STAR covariance is the global batch's, through the
   gradient-carrying all-reduce; DDP averages the gradients).
 * The engine itself: one Accelerator per run in a process, fp16 refused on the CPU, a launch's mixed
-  precision that disagrees with ``--precision`` refused, DeepSpeed refused.
+  precision that disagrees with ``--precision`` refused.
+* DeepSpeed ZeRO-2 and ZeRO-3 under ``accelerate launch`` (its CPU accelerator, gloo): 2 processes
+  equal one process with the doubled batch, with accumulation, clipping, a schedule and weight decay;
+  a DeepSpeed config that disagrees with finetune's flags is refused in one line.
 * A sharded (FSDP) run's side that geomscope owns, on the CPU: lockstep passes, gathered saves,
   refusals.
 * What the libraries give nearly for free: ``--max-grad-norm``, ``--gradient-checkpointing``.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -368,17 +372,188 @@ def test_a_sharded_run_saves_the_gathered_model_and_cannot_be_resumed(data, tmp_
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_deepspeed_is_refused_in_one_line(monkeypatch):
-    from accelerate.utils import DistributedType
+# -- DeepSpeed -------------------------------------------------------------------------------------
+# DeepSpeed runs on the CPU (its CPU accelerator with gloo), so ZeRO is tested for real: 2 processes
+# launched by `accelerate launch` with a DeepSpeed config against one process with the doubled batch.
 
+
+def _deepspeed_yaml(tmp: Path, stage: int) -> Path:
+    cfg = tmp / f"zero{stage}.yaml"
+    cfg.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\n"
+        f"deepspeed_config:\n  zero_stage: {stage}\n"
+        "num_processes: 2\nnum_machines: 1\nmachine_rank: 0\nmixed_precision: 'no'\n"
+    )
+    return cfg
+
+
+def _weights(out: Path) -> dict:
+    """The saved model's parameters as transformers loads them (under ZeRO-3 transformers saves
+    LayerNorm weights under their legacy names, gamma/beta, and maps them back on loading)."""
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification.from_pretrained(str(out)).state_dict()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_deepspeed_launch_equals_one_process(data, tmp_path, stage):
+    pytest.importorskip("deepspeed")
+    if not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip(
+            "DeepSpeed's CPU backend compiles its shared-memory op at start and there is no C++ compiler"
+        )
+    more = ["--epochs", "2", "--max-grad-norm", "0.5", "--scheduler", "cosine", "--warmup", "0.2"]
+    more += ["--weight-decay", "0.01", "--save-every", "3"]
+
+    def args(out, batch):
+        a = _args(data, tmp_path / out, batch)
+        a[a.index("--epochs") : a.index("--epochs") + 2] = []
+        return a + more
+
+    one = subprocess.run(
+        [sys.executable, "-m", "geomscope", *args("one", 4)], env=_env(), capture_output=True, text=True
+    )
+    assert one.returncode == 0, one.stderr
+    launch = [str(BIN / "accelerate"), "launch", "--config_file", str(_deepspeed_yaml(tmp_path, stage))]
+    launch += ["--main_process_port", str(_free_port()), "-m", "geomscope"]
+    two = subprocess.run([*launch, *args("ds", 2)], env=_env(), capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr
+    s1, s2 = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "ds"))
+    assert s2["engine"] == f"DeepSpeed ZeRO-{stage}" and s2["world_size"] == 2
+    assert s1["engine"] == "one process" and s1["global_batch"] == s2["global_batch"] == 8
+    steps = [_steps(tmp_path / d) for d in ("one", "ds")]
+    assert len(steps[0]) == len(steps[1]) == 8
+    for a, b in zip(*steps, strict=True):
+        assert a["lr"] == b["lr"]  # the schedule is stepped once per update, not per micro-batch
+        for k in ("task_loss", "penalty", "isoscore_star", "grad_norm"):
+            assert abs(a[k] - b[k]) < 1e-5, (k, a, b)
+    for k in ("accuracy", "eval_loss", "isoscore_star"):
+        assert abs(s1["final"][k] - s2["final"][k]) < 1e-5, k
+    w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "ds")
+    assert w1.keys() == w2.keys() and all((w1[k] - w2[k]).abs().max() < 1e-5 for k in w1)
+    state = json.loads((tmp_path / "ds" / "checkpoint" / "state.json").read_text())
+    assert state["resumable"] is False
+    snaps = sorted(p.name for p in (tmp_path / "ds" / "checkpoints").iterdir())
+    assert snaps == ["step0", "step3", "step6"]
+
+
+class _PluginEngine:
+    """An Engine with a DeepSpeed plugin's config and nothing else (configure_deepspeed's inputs)."""
+
+    deepspeed = True
+
+    def __init__(self, ds_config: dict, world: int = 2):
+        plugin = type("Plugin", (), {"deepspeed_config": ds_config})()
+        self.acc = type(
+            "Acc", (), {"num_processes": world, "state": type("S", (), {"deepspeed_plugin": plugin})()}
+        )()
+
+
+def test_finetunes_flags_fill_the_deepspeed_config_or_a_disagreeing_one_is_refused():
+    from geomscope.train.engine import configure_deepspeed
+
+    ds = {"train_batch_size": "auto", "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 3}}
+    configure_deepspeed(_PluginEngine(ds), batch_size=4, grad_accum=1, max_grad_norm=None)
+    assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["train_batch_size"] == 8
+    assert (
+        ds["gradient_clipping"] == 0.0
+        and ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
+    )
+    for key, value, flag in (
+        ("gradient_accumulation_steps", 4, "--grad-accum"),
+        ("gradient_clipping", 1.0, "--max-grad-norm"),
+        ("train_micro_batch_size_per_gpu", 16, "--batch-size"),
+    ):
+        with pytest.raises(InputError, match=f"sets {key} {value} but finetune has {flag}"):
+            configure_deepspeed(_PluginEngine({key: value}), batch_size=4, grad_accum=2, max_grad_norm=0.5)
+    for section in ("optimizer", "scheduler"):
+        with pytest.raises(InputError, match=f"has a {section} section"):
+            configure_deepspeed(_PluginEngine({section: {"type": "AdamW"}}), 4, 1, None)
+    agreeing = {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5, "train_batch_size": 16}
+    configure_deepspeed(_PluginEngine(agreeing), batch_size=4, grad_accum=2, max_grad_norm=0.5)
+
+
+def test_a_deepspeed_launch_without_deepspeed_is_one_line(monkeypatch):
     from geomscope.train import engine
 
-    class _Acc:
-        distributed_type = DistributedType.DEEPSPEED
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import fails
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(InputError, match=r"pip install 'geomscope\[deepspeed\]'"):
+        engine.start("cpu", "fp32")
 
-    with pytest.raises(InputError, match="does not run under DeepSpeed yet"):
-        engine._refuse_deepspeed(_Acc())
-    engine._refuse_deepspeed(type("A", (), {"distributed_type": DistributedType.MULTI_CPU})())
+
+def test_options_a_deepspeed_launch_cannot_honour_are_refused_before_writing(data, tmp_path, monkeypatch):
+    from geomscope.train import engine
+
+    monkeypatch.setattr(engine.Engine, "sharded", property(lambda self: True))
+    monkeypatch.setattr(engine.Engine, "kind", property(lambda self: "DeepSpeed ZeRO-2"))
+    with pytest.raises(InputError, match="--lora is not available under DeepSpeed ZeRO-2"):
+        finetune(_cfg(data, tmp_path / "l", save_every=None, lora=4), quiet=True, note=lambda m: None)
+    assert not (tmp_path / "l").exists()
+
+
+class _NaNOnSecondCall:
+    """A classifier whose logits are NaN from its second forward on (the second micro-batch)."""
+
+    def __init__(self):
+        import torch
+
+        self.lin, self.calls = torch.nn.Linear(3, 2), 0
+
+    def __call__(self, input_ids, attention_mask, output_hidden_states=False):
+        import torch
+
+        self.calls += 1
+        logits = self.lin(input_ids.float())
+        return type("Out", (), {"logits": logits * (torch.nan if self.calls > 1 else 1.0)})()
+
+    def train(self):
+        return self
+
+
+class _Engine:
+    def __init__(self, deepspeed: bool):
+        from contextlib import nullcontext
+
+        from geomscope.distributed import Dist
+
+        self.deepspeed, self.scaler, self.steps = deepspeed, None, 0
+        self.d = Dist(rank=0, world_size=1, local_rank=0, device=__import__("torch").device("cpu"))
+        self.autocast = self.micro_batch_ctx = nullcontext
+
+    def micro_batch(self, model, last):
+        return self.micro_batch_ctx()
+
+    def backward(self, loss, model=None):
+        loss.backward()
+
+    def step(self, model, optimizer, max_grad_norm):
+        self.steps += 1
+
+
+@pytest.mark.parametrize("deepspeed", [False, True])
+def test_a_non_finite_later_micro_batch_skips_the_step_or_stops_under_deepspeed(deepspeed):
+    """Elsewhere the step is skipped (the accumulated gradients are cleared by zero_grad); DeepSpeed
+    keeps them inside its engine with no call to discard them, so the run stops with one line."""
+    import torch
+
+    from geomscope.errors import DataError
+    from geomscope.train.step import train_step
+
+    model, eng = _NaNOnSecondCall(), _Engine(deepspeed)
+    opt = torch.optim.SGD(model.lin.parameters(), lr=0.1)
+    mb = {
+        "input_ids": torch.ones(2, 3, dtype=torch.long),
+        "attention_mask": torch.ones(2, 3),
+        "labels": torch.tensor([0, 1]),
+    }
+    if deepspeed:
+        with pytest.raises(DataError, match="not finite in micro-batch 2 of a step under DeepSpeed"):
+            train_step(model, [mb, mb], 4, None, 0.0, opt, eng)
+    else:
+        rec = train_step(model, [mb, mb], 4, None, 0.0, opt, eng)
+        assert rec["finite"] is False and eng.steps == 0
+        assert all(p.grad is None for p in model.lin.parameters())
 
 
 # -- what Accelerate and transformers give nearly for free ------------------------------------------

@@ -4,7 +4,8 @@ question-answering model on SQuAD-format data) with I-STAR / CosReg.
 Thin wrapper over :func:`geomscope.train.finetune`; torch and transformers are imported only
 inside the command.  The loop runs on Hugging Face Accelerate (:mod:`geomscope.train.engine`):
 multi-GPU is the same command under ``torchrun --nproc_per_node N -m geomscope finetune ...`` or
-``accelerate launch [--config_file fsdp.yaml] -m geomscope finetune ...`` (DDP, FSDP).
+``accelerate launch [--config_file fsdp.yaml|zero3.yaml] -m geomscope finetune ...`` (DDP, FSDP,
+DeepSpeed ZeRO).
 """
 
 from __future__ import annotations

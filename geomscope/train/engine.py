@@ -9,9 +9,16 @@ pads the last batch by repeating examples. (2) C0 is recomputed in eval mode at 
 number of processes see the same examples. (4) Checkpoints are never pickles; Trainer's
 ``rng_state.pth`` and ``optimizer.pt`` are. Accelerate gives the parts that are library work without
 taking the loop: the process group and device (``torchrun``, ``accelerate launch``, ``srun``),
-model wrapping by the launch configuration (DDP, FSDP) in ``prepare``, mixed precision
-(autocast and the fp16 gradient scaler), ``backward``, ``no_sync`` for accumulation, and gathering
-a sharded model's full state dict for saving.
+model wrapping by the launch configuration (DDP, FSDP, DeepSpeed ZeRO) in ``prepare``, mixed
+precision (autocast and the fp16 gradient scaler), ``backward``, ``no_sync`` for accumulation, and
+gathering a sharded model's full state dict for saving.
+
+DeepSpeed is the one engine that owns more of the step: its ``backward`` scales the loss by its
+accumulation count and its ``step`` clips, updates and clears the gradients.  The loop already
+scales each micro-batch's loss itself (:mod:`geomscope.train.step`), so :class:`Engine` calls
+DeepSpeed's engine directly, with the accumulation boundary set per micro-batch and its own loss
+scaling off, and :func:`configure_deepspeed` writes geomscope's batch, accumulation and clipping
+options into the launch's DeepSpeed config (refusing a config that asks for something else).
 
 :func:`start` builds the :class:`Engine`: one ``Accelerator`` and the :class:`geomscope.distributed.Dist`
 the penalties use (the same processes; the penalty's all-reduces run on a second process group so they
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 from geomscope import distributed as dd
@@ -44,13 +52,29 @@ class Engine:
     owns_group: bool = False  # the process group was made by start() (closed by stop())
 
     @property
-    def sharded(self) -> bool:
-        """FSDP (from ``accelerate launch --config_file``; DeepSpeed is refused by :func:`start`):
-        parameters and optimizer state are split over the processes, so saving gathers them and
-        resume is not offered."""
+    def deepspeed(self) -> bool:
+        """A DeepSpeed launch (``accelerate launch`` with ``distributed_type: DEEPSPEED``)."""
         from accelerate.utils import DistributedType
 
-        return self.acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+        return self.acc.distributed_type == DistributedType.DEEPSPEED
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP or DeepSpeed ZeRO (from ``accelerate launch --config_file``): the optimizer state (and
+        under FSDP and ZeRO-3 the parameters) is split over the processes, so saving gathers the
+        model and resume is not offered."""
+        from accelerate.utils import DistributedType
+
+        return self.deepspeed or self.acc.distributed_type == DistributedType.FSDP
+
+    @property
+    def kind(self) -> str:
+        """The launch's engine, for messages: ``FSDP``, ``DeepSpeed ZeRO-2``, ``DDP`` or ``one process``."""
+        if self.deepspeed:
+            return f"DeepSpeed ZeRO-{self.acc.state.deepspeed_plugin.zero_stage}"
+        if self.sharded:
+            return "FSDP"
+        return "DDP" if self.d.active else "one process"
 
     @property
     def scaler(self):
@@ -61,16 +85,49 @@ class Engine:
         return self.acc.autocast()
 
     def prepare(self, model, optimizer):
-        """The model wrapped for the launch (DDP, FSDP or as it is) and the optimizer."""
+        """The model wrapped for the launch (DDP, FSDP, a DeepSpeed engine or as it is) and the optimizer."""
         if not self.sharded:
             model.to(self.d.device)
-        return self.acc.prepare(model, optimizer)
+        if not self.deepspeed:
+            return self.acc.prepare(model, optimizer)
+        try:
+            return self.acc.prepare(model, optimizer)
+        except (AssertionError, ValueError, TypeError) as e:  # its config checks
+            raise InputError(f"DeepSpeed refused its config: {str(e).splitlines()[0][:240]}") from None
 
-    def backward(self, loss) -> None:
-        self.acc.backward(loss)
+    def forward_model(self, prepared, module):
+        """What the no-gradient passes (C0, evaluation) call: FSDP's wrapper, the only one that gathers
+        the shards a forward needs; otherwise the module itself (DeepSpeed's ZeRO-3 gathers through
+        hooks on the module, and its engine's ``config`` is not the model's)."""
+        from accelerate.utils import DistributedType
 
-    def no_sync(self, model):
-        return self.acc.no_sync(model)
+        return prepared if self.acc.distributed_type == DistributedType.FSDP else module
+
+    def micro_batch(self, model, last: bool):
+        """The context of one micro-batch's forward and backward: gradients are synchronised (and under
+        DeepSpeed accumulated into the update) at the ``last`` micro-batch of a step only."""
+        if self.deepspeed:
+            model.set_gradient_accumulation_boundary(last)
+            return nullcontext()
+        return nullcontext() if last else self.acc.no_sync(model)
+
+    def backward(self, loss, model=None) -> None:
+        if self.deepspeed:  # the loop has scaled the loss for accumulation already
+            model.backward(loss, scale_wrt_gas=False)
+        else:
+            self.acc.backward(loss)
+
+    def step(self, model, optimizer, max_grad_norm: float | None) -> float | None:
+        """Clip (``max_grad_norm``) and update; the global gradient norm before clipping, when clipping.
+        Under DeepSpeed its engine does both, with the clip :func:`configure_deepspeed` set."""
+        if self.deepspeed:
+            model.step()
+            return None if max_grad_norm is None else float(model.get_global_grad_norm())
+        norm = None
+        if max_grad_norm is not None:
+            norm = float(self.acc.clip_grad_norm_(model.parameters(), max_grad_norm))
+        optimizer.step()  # Accelerate's optimizer: unscales and skips on overflow under fp16
+        return norm
 
     def unwrap(self, model):
         return self.acc.unwrap_model(model)
@@ -120,16 +177,26 @@ def start(device: str, precision: str) -> Engine:
             f"{precision}; geomscope's flag decides, so pass --precision {launched.replace('no', 'fp32')}"
         )
     AcceleratorState._reset_state(reset_partial_state=True)
-    timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=dd.timeout_seconds()))
+    _name_deepspeed_accelerator()
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if deepspeed:
+        _need_deepspeed()
+    # DeepSpeed runs on the CPU too (its CPU accelerator, gloo), but Accelerate starts it only for a
+    # process not marked cpu, and then needs the backend named
+    on_cpu = dev.type == "cpu"
+    group = InitProcessGroupKwargs(
+        timeout=datetime.timedelta(seconds=dd.timeout_seconds()),
+        **({"backend": "gloo"} if deepspeed and on_cpu else {}),
+    )
     try:
         with warnings.catch_warnings():  # its thread-count notice for CPU processes
             warnings.filterwarnings("ignore", message=".*OMP_NUM_THREADS.*")
             acc = Accelerator(
-                cpu=dev.type == "cpu",
+                cpu=on_cpu and not deepspeed,
                 mixed_precision=MIXED_PRECISION[precision],
                 device_placement=False,
                 step_scheduler_with_optimizer=False,
-                kwargs_handlers=[timeout],
+                kwargs_handlers=[group],
             )
     except (RuntimeError, ValueError) as e:  # no rendezvous (DistStoreError / DistNetworkError)
         if world <= 1:
@@ -139,7 +206,6 @@ def start(device: str, precision: str) -> Engine:
             f"{dd.timeout_seconds():g} s ({str(e).splitlines()[0][:160]}); start them all, with the "
             "same MASTER_ADDR and MASTER_PORT"
         ) from None
-    _refuse_deepspeed(acc)
     d = dd.setup(device)  # the group exists now: this adds the penalties' own group
     if acc.num_processes != d.world_size:  # cannot happen with a launcher; guards a half-made group
         raise InputError(
@@ -154,17 +220,71 @@ def start(device: str, precision: str) -> Engine:
     return eng
 
 
-def _refuse_deepspeed(acc) -> None:
-    """DeepSpeed's engine takes the optimiser step inside ``backward`` and scales the loss itself: the
-    loop's micro-batch accumulation with a per-micro-batch penalty and its skip of a non-finite step
-    would have to be rebuilt around that, and no DeepSpeed could be run here to check it."""
-    from accelerate.utils import DistributedType
+def _name_deepspeed_accelerator() -> None:
+    """Where DeepSpeed is installed, transformers imports it at every ``save_pretrained`` and it warns
+    that it found no GPU; on a machine without one, name its CPU accelerator so it need not guess."""
+    import torch
 
-    if acc.distributed_type == DistributedType.DEEPSPEED:
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def _need_deepspeed() -> None:
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
         raise InputError(
-            "finetune does not run under DeepSpeed yet (its engine steps the optimizer inside backward, "
-            "around the I-STAR accumulation); use an FSDP config (distributed_type: FSDP) or DDP"
-        )
+            "the launch asks for DeepSpeed (distributed_type: DEEPSPEED) but it is not installed; "
+            "pip install 'geomscope[deepspeed]'"
+        ) from None
+
+
+def _same_number(a, b) -> bool:
+    try:
+        return float(a) == float(b)
+    except (TypeError, ValueError):
+        return False
+
+
+def configure_deepspeed(
+    engine: Engine, batch_size: int, grad_accum: int, max_grad_norm: float | None
+) -> None:
+    """Write finetune's options into the launch's DeepSpeed config before ``prepare``: the per-process
+    micro-batch (``--batch-size``), the accumulation count (``--grad-accum``) and the clip
+    (``--max-grad-norm``; 0 is DeepSpeed's "off"), and under ZeRO-3 the gathering of the 16-bit weights
+    for saving.  geomscope's flags decide; a config that sets one of them to another number, or has an
+    optimizer or scheduler section, is refused with one line (as a launch's ``--mixed_precision``
+    is), rather than silently overridden."""
+    if not engine.deepspeed:
+        return
+    ds = engine.acc.state.deepspeed_plugin.deepspeed_config
+    for section, flags in (
+        ("optimizer", "--lr and --weight-decay"),
+        ("scheduler", "--scheduler and --warmup"),
+    ):
+        if section in ds:  # DeepSpeed would make its own, beside the run's AdamW and schedule
+            raise InputError(
+                f"the DeepSpeed config has a {section} section, but finetune makes its own from "
+                f"{flags}; remove the section"
+            )
+    world = engine.acc.num_processes
+    wanted = {
+        "train_micro_batch_size_per_gpu": (batch_size, "--batch-size"),
+        "gradient_accumulation_steps": (grad_accum, "--grad-accum"),
+        "train_batch_size": (batch_size * grad_accum * world, "--batch-size x --grad-accum x processes"),
+        "gradient_clipping": (max_grad_norm or 0.0, "--max-grad-norm"),
+    }
+    for key, (value, flag) in wanted.items():
+        have = ds.get(key, "auto")
+        if have not in ("auto", None) and not _same_number(have, value):
+            raise InputError(
+                f"the DeepSpeed config sets {key} {have} but finetune has {flag} = {value:g}; "
+                f"geomscope's flags decide, so set it to auto in the config or change {flag}"
+            )
+        ds[key] = value
+    zero = ds.setdefault("zero_optimization", {})
+    if int(zero.get("stage", 0)) == 3:  # the saved model is the gathered full weights
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
 
 
 def stop(engine: Engine) -> None:

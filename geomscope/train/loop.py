@@ -60,6 +60,7 @@ from geomscope.train.data import (
     load_table,
     rank_slice,
 )
+from geomscope.train.engine import configure_deepspeed
 from geomscope.train.step import make_scheduler, optimizer_groups, split_micro, train_step
 
 __all__ = ["FinetuneConfig", "finetune"]
@@ -102,7 +103,7 @@ def _prepare_out(cfg: FinetuneConfig, out: Path) -> dict | None:
     return state
 
 
-#: what a sharded run (FSDP) does not offer, and why
+#: what a sharded run (FSDP, DeepSpeed ZeRO) does not offer, and why
 _NOT_SHARDED = {
     "--resume": "the sharded optimizer state is not checkpointed, only the gathered model",
     "--lora": "the adapters are merged into the full weights at the end, which a shard does not hold",
@@ -110,15 +111,15 @@ _NOT_SHARDED = {
 }
 
 
-def _check_sharded(cfg: FinetuneConfig, sharded: bool) -> None:
+def _check_sharded(cfg: FinetuneConfig, eng) -> None:
     """One line, before anything is written, for an option a sharded launch cannot honour."""
-    if not sharded:
+    if not eng.sharded:
         return
     used = {"--resume": cfg.resume, "--lora": cfg.lora is not None, "--log-geometry": cfg.log_geometry}
     for flag, why in _NOT_SHARDED.items():
         if used[flag]:
             raise InputError(
-                f"{flag} is not available under FSDP ({why}); launch with DDP "
+                f"{flag} is not available under {eng.kind} ({why}); launch with DDP "
                 "(accelerate launch --multi_gpu, or torchrun) for it"
             )
 
@@ -183,7 +184,7 @@ class _Trainer:
     # -- set-up ------------------------------------------------------------------------------
     def setup(self) -> _Trainer:
         cfg, d = self.cfg, self.d
-        _check_sharded(cfg, self.eng.sharded)
+        _check_sharded(cfg, self.eng)
         self.state = _on_main(lambda: _prepare_out(cfg, self.out), d)  # rank 0 decides, before anyone writes
         self._load_data()
         _seed_all(cfg.seed)
@@ -312,11 +313,10 @@ class _Trainer:
             optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)  # as before the options
         else:
             optimizer = torch.optim.AdamW(optimizer_groups(self.model, cfg.weight_decay), lr=cfg.lr)
-        # the model as the launch wraps it (DDP across processes), and Accelerate's optimizer
+        # the model as the launch wraps it (DDP across processes, FSDP, DeepSpeed), and Accelerate's optimizer
+        configure_deepspeed(self.eng, cfg.batch_size, cfg.grad_accum, cfg.max_grad_norm)
         self.ddp_model, self.optimizer = self.eng.prepare(self.model, optimizer)
-        # the no-gradient passes (C0, evaluation): the module itself, unless it is sharded (FSDP: only
-        # the wrapper gathers the parameters a forward needs)
-        self.fwd_model = self.ddp_model if self.eng.sharded else self.model
+        self.fwd_model = self.eng.forward_model(self.ddp_model, self.model)  # C0, evaluation
         self.per_epoch = len(self._batches(list(range(len(self.train_enc)))))
         self.scheduler = make_scheduler(cfg, optimizer, self.per_epoch * cfg.epochs)
         self.scaler = self.eng.scaler
@@ -371,6 +371,7 @@ class _Trainer:
                         "config": config_record(cfg),
                         "layers": self.layers,
                         "world_size": d.world_size,
+                        "engine": self.eng.kind,
                         "device": str(d.device),
                         "batch_isoscore_target": "C0" if cfg.reg == "istar" else "trace-matched identity",
                         **(
@@ -503,7 +504,7 @@ class _Trainer:
                 ck.save_snapshot(self.out, self.model, self.tokenizer, self.step, weights)
 
     def _sharded_weights(self) -> dict | None:
-        """The whole model's state dict under FSDP, gathered by every process (each must
+        """The whole model's state dict under FSDP or DeepSpeed, gathered by every process (each must
         call this at the same point); None otherwise (``save_pretrained`` reads the module)."""
         return self.eng.full_state_dict(self.ddp_model) if self.eng.sharded else None
 
@@ -640,6 +641,7 @@ class _Trainer:
                 "lr": cfg.lr,
                 "batch_size": cfg.batch_size,
                 "world_size": d.world_size,
+                "engine": self.eng.kind,  # one process, DDP, FSDP or DeepSpeed ZeRO-n
                 "global_batch": cfg.batch_size * cfg.grad_accum * d.world_size,  # examples per optimiser step
                 "precision": cfg.precision,
                 "penalty_precision": cfg.penalty_precision,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
 
 from geomscope import distributed as dd
 from geomscope.train.config import FinetuneConfig
@@ -106,8 +105,7 @@ def train_step(
     ce_total, pens, isos, geo, finite = 0.0, [], [], None, True
     w_pen = lam / len(micro)  # lam itself for one batch
     for i, mb in enumerate(micro):
-        last = i == len(micro) - 1
-        with nullcontext() if last else engine.no_sync(model):
+        with engine.micro_batch(model, last=i == len(micro) - 1):
             ce, pen_v, iso, finite, geo = _micro_step(
                 model, mb, n_global, reg, w_pen, engine, monitor, geometry
             )
@@ -117,13 +115,11 @@ def train_step(
         if iso is not None:
             isos.append(iso)
         if not finite:  # global: every rank stops here
+            if i > 0 and engine.deepspeed:
+                raise _accumulated_inside_deepspeed(i)
             break
-    grad_norm = None
-    if finite and max_grad_norm is not None:
-        grad_norm = float(engine.acc.clip_grad_norm_(model.parameters(), max_grad_norm))
-    if finite:
-        optimizer.step()  # Accelerate's optimizer: unscales and skips on overflow under fp16
     lr = optimizer.param_groups[0]["lr"]
+    grad_norm = engine.step(model, optimizer, max_grad_norm) if finite else None
     if finite and scheduler is not None:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -141,6 +137,18 @@ def train_step(
         "finite": finite,
         **(geo or {}),
     }
+
+
+def _accumulated_inside_deepspeed(i: int):
+    """DeepSpeed holds the earlier micro-batches' gradients inside its engine (reduced into its
+    partitions) and has no call that discards them, so the step cannot be skipped as elsewhere."""
+    from geomscope.errors import DataError
+
+    return DataError(
+        f"the loss is not finite in micro-batch {i + 1} of a step under DeepSpeed, after earlier "
+        "micro-batches were accumulated; lower --lr or the regulariser's weight, or use --grad-accum 1 "
+        "(a non-finite step is then skipped)"
+    )
 
 
 def _micro_step(model, batch, n_global, reg, w_pen, engine, monitor, geometry):
@@ -188,5 +196,5 @@ def _micro_step(model, batch, n_global, reg, w_pen, engine, monitor, geometry):
         del grads
         geo = {"geometry": rec, "geometry_seconds": round(time.perf_counter() - t_geo, 5)}
     if finite:
-        engine.backward(loss.float() if engine.scaler is not None else loss)
+        engine.backward(loss.float() if engine.scaler is not None else loss, model)
     return ce, pen_v, None if iso is None else float(iso.detach()), finite, geo
