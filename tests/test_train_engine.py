@@ -10,8 +10,8 @@
 * DeepSpeed ZeRO-2 and ZeRO-3 under ``accelerate launch`` (its CPU accelerator, gloo): 2 processes
   equal one process with the doubled batch, with accumulation, clipping, a schedule and weight decay;
   a DeepSpeed config that disagrees with finetune's flags is refused in one line.
-* A sharded (FSDP) run's side that geomscope owns, on the CPU: lockstep passes, gathered saves,
-  refusals.
+* A sharded run's side that geomscope owns: lockstep passes, gathered saves, refusals; and real
+  FSDP2 on 2 CPU processes (geomscope takes Accelerate's FSDP path there), equal to one process.
 * What the libraries give nearly for free: ``--max-grad-norm``, ``--gradient-checkpointing``.
 """
 
@@ -241,10 +241,9 @@ def test_one_accelerator_per_run_in_a_process():
 
 
 # -- sharded launches (FSDP) -----------------------------------------------------------------------
-# Accelerate turns FSDP on only for GPU-type processes (accelerate/state.py: the FSDP plugin is taken
-# for MULTI_GPU and its kin, never MULTI_CPU), so these tests run geomscope's side of a sharded run on
-# the CPU: every process makes the same number of forwards, the weights come from the gathered state
-# dict, and what a sharded run cannot honour is refused.
+# Real FSDP2 and DeepSpeed launches run below (test_a_sharded_launch_equals_one_process); these tests
+# pin geomscope's own side of a sharded run: every process makes the same number of forwards, the
+# weights come from the gathered state dict, and what a sharded run cannot honour is refused.
 
 
 def _lockstep_worker(rank, tmp, payload):
@@ -377,12 +376,22 @@ def test_a_sharded_run_saves_the_gathered_model_and_cannot_be_resumed(data, tmp_
 # launched by `accelerate launch` with a DeepSpeed config against one process with the doubled batch.
 
 
-def _deepspeed_yaml(tmp: Path, stage: int) -> Path:
-    cfg = tmp / f"zero{stage}.yaml"
+SHARDED_LAUNCHES = {
+    "zero2": "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n",
+    "zero3": "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n",
+    # FSDP2 on CPU processes (gloo): geomscope takes Accelerate's FSDP path there (engine._fsdp_on_cpu)
+    "fsdp2": "distributed_type: FSDP\nuse_cpu: true\nfsdp_config:\n  fsdp_version: 2\n"
+    "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_transformer_layer_cls_to_wrap: BertLayer\n"
+    "  fsdp_state_dict_type: FULL_STATE_DICT\n",
+}
+ENGINE_KIND = {"zero2": "DeepSpeed ZeRO-2", "zero3": "DeepSpeed ZeRO-3", "fsdp2": "FSDP"}
+
+
+def _launch_yaml(tmp: Path, launch: str) -> Path:
+    cfg = tmp / f"{launch}.yaml"
     cfg.write_text(
-        "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\n"
-        f"deepspeed_config:\n  zero_stage: {stage}\n"
-        "num_processes: 2\nnum_machines: 1\nmachine_rank: 0\nmixed_precision: 'no'\n"
+        "compute_environment: LOCAL_MACHINE\nnum_processes: 2\nnum_machines: 1\nmachine_rank: 0\n"
+        "mixed_precision: 'no'\n" + SHARDED_LAUNCHES[launch]
     )
     return cfg
 
@@ -395,13 +404,14 @@ def _weights(out: Path) -> dict:
     return AutoModelForSequenceClassification.from_pretrained(str(out)).state_dict()
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_a_deepspeed_launch_equals_one_process(data, tmp_path, stage):
-    pytest.importorskip("deepspeed")
-    if not (shutil.which("c++") or shutil.which("g++")):
-        pytest.skip(
-            "DeepSpeed's CPU backend compiles its shared-memory op at start and there is no C++ compiler"
-        )
+@pytest.mark.parametrize("launch", list(SHARDED_LAUNCHES))
+def test_a_sharded_launch_equals_one_process(data, tmp_path, launch):
+    """DeepSpeed ZeRO-2 / ZeRO-3 and FSDP2, 2 CPU processes under `accelerate launch`, against one
+    process with the doubled batch: every step, the evaluation, the saved weights."""
+    if launch.startswith("zero"):
+        pytest.importorskip("deepspeed")
+        if not (shutil.which("c++") or shutil.which("g++")):
+            pytest.skip("DeepSpeed's CPU backend compiles its shared-memory op at start; no C++ compiler")
     more = ["--epochs", "2", "--max-grad-norm", "0.5", "--scheduler", "cosine", "--warmup", "0.2"]
     more += ["--weight-decay", "0.01", "--save-every", "3"]
 
@@ -414,12 +424,12 @@ def test_a_deepspeed_launch_equals_one_process(data, tmp_path, stage):
         [sys.executable, "-m", "geomscope", *args("one", 4)], env=_env(), capture_output=True, text=True
     )
     assert one.returncode == 0, one.stderr
-    launch = [str(BIN / "accelerate"), "launch", "--config_file", str(_deepspeed_yaml(tmp_path, stage))]
-    launch += ["--main_process_port", str(_free_port()), "-m", "geomscope"]
-    two = subprocess.run([*launch, *args("ds", 2)], env=_env(), capture_output=True, text=True, timeout=600)
+    cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(_launch_yaml(tmp_path, launch))]
+    cmd += ["--main_process_port", str(_free_port()), "-m", "geomscope"]
+    two = subprocess.run([*cmd, *args("ds", 2)], env=_env(), capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stderr
     s1, s2 = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "ds"))
-    assert s2["engine"] == f"DeepSpeed ZeRO-{stage}" and s2["world_size"] == 2
+    assert s2["engine"] == ENGINE_KIND[launch] and s2["world_size"] == 2
     assert s1["engine"] == "one process" and s1["global_batch"] == s2["global_batch"] == 8
     steps = [_steps(tmp_path / d) for d in ("one", "ds")]
     assert len(steps[0]) == len(steps[1]) == 8
@@ -471,6 +481,18 @@ def test_finetunes_flags_fill_the_deepspeed_config_or_a_disagreeing_one_is_refus
             configure_deepspeed(_PluginEngine({section: {"type": "AdamW"}}), 4, 1, None)
     agreeing = {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5, "train_batch_size": 16}
     configure_deepspeed(_PluginEngine(agreeing), batch_size=4, grad_accum=2, max_grad_norm=0.5)
+
+
+def test_fsdp1_on_cpu_processes_is_refused_in_one_line(monkeypatch):
+    from accelerate.utils import DistributedType
+
+    from geomscope.train import engine
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    acc = type("Acc", (), {"distributed_type": DistributedType.MULTI_CPU, "mixed_precision": "no"})()
+    with pytest.raises(InputError, match="needs fsdp_version: 2"):
+        engine._fsdp_on_cpu(acc)
 
 
 def test_a_deepspeed_launch_without_deepspeed_is_one_line(monkeypatch):
@@ -582,7 +604,7 @@ def test_max_grad_norm_clips_the_global_norm_and_logs_it(data):
     ref_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in ref_grads])))
     eng = engine.start("cpu", "fp32")
     try:
-        model, opt = eng.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        model, opt, _ = eng.prepare(model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
         seen = []
         opt.step = lambda *a, **k: seen.append([p.grad.clone() for p in model.parameters()])
         rec = train_step(model, batch, 8, None, 0.0, opt, eng, max_grad_norm=ref_norm / 10)

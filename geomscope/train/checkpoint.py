@@ -205,7 +205,7 @@ def save_checkpoint(
 ) -> Path:
     """Write the epoch checkpoint atomically (call on the main rank only).
 
-    ``weights``: the model's full state dict when it is sharded (FSDP, gathered by every
+    ``weights``: the model's full state dict when it is sharded (FSDP, DeepSpeed; gathered by every
     process beforehand); ``optimizer`` None then: the sharded optimizer state is not kept, the model
     alone is, and ``state.json`` says ``"resumable": false``."""
     from safetensors.torch import save_file
@@ -291,7 +291,7 @@ def load_trainer_state(out: Path, optimizer, scaler, rank: int, scheduler=None) 
     ck = out / CKPT
     if read_state(out).get("resumable", True) is False:
         raise InputError(
-            f"{ck} was written by a sharded run (FSDP) and holds the model only, not the "
+            f"{ck} was written by a sharded run (FSDP or DeepSpeed) and holds the model only, not the "
             f"optimizer state; start a new --out with --model {ck} instead of --resume"
         )
     if (ck / "trainer.pt").exists():

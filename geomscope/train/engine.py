@@ -84,14 +84,23 @@ class Engine:
     def autocast(self):
         return self.acc.autocast()
 
-    def prepare(self, model, optimizer):
-        """The model wrapped for the launch (DDP, FSDP, a DeepSpeed engine or as it is) and the optimizer."""
+    def prepare(self, model, make_optimizer):
+        """(the model wrapped for the launch -- DDP, FSDP, a DeepSpeed engine or as it is --, Accelerate's
+        optimizer, the torch optimizer inside it).  ``make_optimizer(module)`` builds the torch optimizer
+        over the module's parameters."""
+        from accelerate.utils import DistributedType
+
         if not self.sharded:
             model.to(self.d.device)
+        optimizer = make_optimizer(model)
+        if self.acc.distributed_type == DistributedType.FSDP:
+            model, wrapped = self.acc.prepare(model, optimizer)
+            _hold_sharded_parameters(optimizer, make_optimizer(model))
+            return model, wrapped, optimizer
         if not self.deepspeed:
-            return self.acc.prepare(model, optimizer)
+            return *self.acc.prepare(model, optimizer), optimizer
         try:
-            return self.acc.prepare(model, optimizer)
+            return *self.acc.prepare(model, optimizer), optimizer
         except (AssertionError, ValueError, TypeError) as e:  # its config checks
             raise InputError(f"DeepSpeed refused its config: {str(e).splitlines()[0][:240]}") from None
 
@@ -136,6 +145,17 @@ class Engine:
         """The whole model's state dict, gathered from the shards under FSDP (a collective:
         every process calls it; only the main process gets the tensors under FSDP)."""
         return self.acc.get_state_dict(model)
+
+
+def _hold_sharded_parameters(optimizer, fresh) -> None:
+    """Point ``optimizer``'s parameter groups at the sharded parameters, group for group, as ``fresh`` (the
+    same optimizer built over the sharded model) holds them.  Accelerate remaps an FSDP2 optimizer
+    itself, but in a 2-process test its remapping gave one rank's optimizer a parameter twice and
+    another none (so that parameter never moved there); building the groups again cannot mismatch."""
+    if len(optimizer.param_groups) != len(fresh.param_groups) or optimizer.state:
+        raise RuntimeError("the optimizer changed between its two builds")
+    for group, new in zip(optimizer.param_groups, fresh.param_groups, strict=True):
+        group["params"] = list(new["params"])
 
 
 def _export_world(rank: int, world: int, local: int) -> None:
@@ -206,6 +226,8 @@ def start(device: str, precision: str) -> Engine:
             f"{dd.timeout_seconds():g} s ({str(e).splitlines()[0][:160]}); start them all, with the "
             "same MASTER_ADDR and MASTER_PORT"
         ) from None
+    if on_cpu:
+        _fsdp_on_cpu(acc)
     d = dd.setup(device)  # the group exists now: this adds the penalties' own group
     if acc.num_processes != d.world_size:  # cannot happen with a launcher; guards a half-made group
         raise InputError(
@@ -218,6 +240,31 @@ def start(device: str, precision: str) -> Engine:
     if eng.sharded:  # each forward gathers parameters from every process: no pass may skip one
         eng.d = replace(d, lockstep=True)
     return eng
+
+
+def _fsdp_on_cpu(acc) -> None:
+    """An FSDP launch of CPU processes.  Accelerate takes its FSDP path for GPU-type processes only and
+    would run CPU processes as DDP, silently unsharded; torch's FSDP2 (``fully_shard``) runs on CPU
+    processes with gloo, so the state is switched to Accelerate's FSDP path here.  FSDP1 needs GPUs:
+    refused in one line."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if not asked or acc.distributed_type != DistributedType.MULTI_CPU:
+        return
+    plugin = FullyShardedDataParallelPlugin()  # from the launch's FSDP_* variables
+    if plugin.fsdp_version != 2:
+        raise InputError(
+            "FSDP on CPU processes needs fsdp_version: 2 in the launch's FSDP config (FSDP1 needs GPUs)"
+        )
+    if acc.mixed_precision != "no":
+        plugin.set_mixed_precision(acc.mixed_precision)
+    from accelerate.state import PartialState
+
+    acc.state.fsdp_plugin = plugin
+    acc.state.distributed_type = DistributedType.FSDP
+    # as Accelerate does for GPU processes: its state objects are re-read from PartialState's
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
 def _name_deepspeed_accelerator() -> None:

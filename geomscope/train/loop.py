@@ -274,7 +274,14 @@ class _Trainer:
                 f"{type(self.model).__name__} does not support gradient checkpointing; run without "
                 "--gradient-checkpointing"
             )
-        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        enable = getattr(
+            self.model, "activation_checkpointing_enable", None
+        )  # its name from transformers 5.x
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
     def _wrap_lora(self) -> None:
         """--lora: adapters on the chosen modules (the head trains in full); on resume the checkpoint's
@@ -309,13 +316,15 @@ class _Trainer:
         import torch
 
         cfg, d = self.cfg, self.d
-        if cfg.weight_decay is None and cfg.lora is None:
-            optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)  # as before the options
-        else:
-            optimizer = torch.optim.AdamW(optimizer_groups(self.model, cfg.weight_decay), lr=cfg.lr)
+
+        def adamw(module):
+            if cfg.weight_decay is None and cfg.lora is None:
+                return torch.optim.AdamW(module.parameters(), lr=cfg.lr)  # as before the options
+            return torch.optim.AdamW(optimizer_groups(module, cfg.weight_decay), lr=cfg.lr)
+
         # the model as the launch wraps it (DDP across processes, FSDP, DeepSpeed), and Accelerate's optimizer
         configure_deepspeed(self.eng, cfg.batch_size, cfg.grad_accum, cfg.max_grad_norm)
-        self.ddp_model, self.optimizer = self.eng.prepare(self.model, optimizer)
+        self.ddp_model, self.optimizer, optimizer = self.eng.prepare(self.model, adamw)
         self.fwd_model = self.eng.forward_model(self.ddp_model, self.model)  # C0, evaluation
         self.per_epoch = len(self._batches(list(range(len(self.train_enc)))))
         self.scheduler = make_scheduler(cfg, optimizer, self.per_epoch * cfg.epochs)
