@@ -75,11 +75,12 @@ def _setup(device: str, batch: int, n_batches: int, c0_points: int):
 
         lm = copy.deepcopy(model)
         lm = lora_mod.wrap(lm, 8, 16.0, lora_mod.resolve_targets(lm, "q,v")).to(d.device)
-        lopt = torch.optim.AdamW([p for p in lm.parameters() if p.requires_grad], lr=1e-5)
-        lora = eng.prepare(lm, lopt)
+        lora = eng.prepare(
+            lm, lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-5)
+        )[:2]
     except ImportError:  # no peft: no LoRA row
         pass
-    model, opt = eng.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-5))
+    model, opt, _ = eng.prepare(model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-5))
     tokens = sum(int(b["attention_mask"].sum()) for b in batches) / len(batches)
     return model, batches, regs, opt, autocast, eng, tokens, lora
 
