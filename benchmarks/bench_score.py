@@ -29,7 +29,10 @@ single-threaded and computes the float64 block statistics of a task in (usable c
 threads, reading the next block meanwhile, so ``--workers 1`` uses every core too (see
 geomscope/score/executor.py and geomscope/metrics/moments.py). On a machine shared with other
 jobs both sides lose cores: report the load average beside the numbers.
-Timings alternate the sides (``_common.alternate``), medians of several repeats after a warm-up.
+Timings alternate the sides (``_common.alternate``), medians of several repeats after a warm-up. The
+throughput rows' notes add each side's CPU seconds for one run (all threads) and the load average:
+with other jobs on the cores the package's torch threads wait for each other (one run measured 5 s
+instead of 0.6 s at load 3), so the wall ratio flatters geomscope there; the CPU ratio does not.
 """
 
 from __future__ import annotations
@@ -172,10 +175,31 @@ def stream_bound(n: int, d: int, itemsize: int) -> float:
     return max(read, syrk)
 
 
+def _cpu_seconds(fn) -> float:
+    """CPU seconds (user + system, all threads of this process) of one call of ``fn``: unlike the wall
+    time, it does not depend on how many cores other jobs leave free (a multi-threaded side whose
+    threads wait for a busy core loses wall time, not CPU time)."""
+    import resource
+
+    def now() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    c0 = now()
+    fn()
+    return now() - c0
+
+
+def _cpu_note(g, p) -> str:
+    cg, cp = _cpu_seconds(g), _cpu_seconds(p)
+    return f"; CPU s per run {cg:.2f} vs {cp:.2f} ({cp / cg:.2f}x); load {os.getloadavg()[0]:.2f}"
+
+
 def _throughput_rows(label: str, path: Path, n: int, x: np.ndarray, repeats: int) -> list[dict]:
     rows = []
     itemsize = 2 if "float16" in label else 4
     t = alternate({"g": lambda: _score(path, ("isoscore",)), "p": lambda: _package(x)}, repeats=repeats)
+    cpu = _cpu_note(lambda: _score(path, ("isoscore",)), lambda: _package(x))
     g_val = _score(path, ("isoscore",))["layers"][0]["isoscore"]
     err = abs(g_val - _package(x))
     rows.append(
@@ -187,12 +211,13 @@ def _throughput_rows(label: str, path: Path, n: int, x: np.ndarray, repeats: int
             "target": ">= 1.5",
             "of bound": of_bound(stream_bound(n, x.shape[1], itemsize), t["g"]),
             "note": f"rows/s, median of {repeats}; geomscope streams from disk (+ jackknife SE, checksums), "
-            f"package on float32 rows in memory; |difference| {err:.1e}",
+            f"package on float32 rows in memory; |difference| {err:.1e}{cpu}",
         }
     )
     t = alternate(
         {"g": lambda: _score(path, MOMENT_SUITE), "p": lambda: _package(x, star=True)}, repeats=repeats
     )
+    cpu = _cpu_note(lambda: _score(path, MOMENT_SUITE), lambda: _package(x, star=True))
     rows.append(
         {
             "benchmark": f"moment suite, {label}",
@@ -203,7 +228,7 @@ def _throughput_rows(label: str, path: Path, n: int, x: np.ndarray, repeats: int
             "of bound": of_bound(stream_bound(n, x.shape[1], itemsize), t["g"]),
             "note": "rows/s; geomscope: isoscore, isoscore*, avgcos x3 (2nd pass), spectrum, outliers, "
             "all with "
-            "jackknife SE; package: IsoScore + IsoScore* only",
+            f"jackknife SE; package: IsoScore + IsoScore* only{cpu}",
         }
     )
     return rows

@@ -181,8 +181,8 @@ def test_package_identity_target_on_float16_run(tmp_path):
 
 def test_moment_suite_two_passes_threads_identical(tmp_path):
     """Both passes (moments; unit-vector sums of the centred / standardised rows of every jackknife
-    replicate) in threads give the same numbers as one thread, and the centred cosine of rows with a
-    1e4 offset matches a direct float64 computation."""
+    replicate) in threads give the same numbers as one thread, and the centred and standardised
+    cosines of rows with a 1e4 offset match a direct float64 computation."""
     stored = _write_run(tmp_path / "run", _rows(10_000, D, 7, 1e4), "float32", shards=2)
     suite = ("isoscore", "isoscore_star", "avgcos", "spectrum", "outliers")
     one, two = _score(tmp_path / "run", 1, suite), _score(tmp_path / "run", 2, suite)
@@ -193,6 +193,11 @@ def test_moment_suite_two_passes_threads_identical(tmp_path):
     y = stored - stored.mean(axis=0)
     u = y / np.linalg.norm(y, axis=1, keepdims=True)
     assert one["avgcos_centred"] == pytest.approx(avgcos_from_sum(u.sum(axis=0), len(u)), rel=1e-9, abs=1e-12)
+    z = y / stored.std(axis=0, ddof=1)  # the standardised variant, computed in the same pass
+    u = z / np.linalg.norm(z, axis=1, keepdims=True)
+    assert one["avgcos_standardised"] == pytest.approx(
+        avgcos_from_sum(u.sum(axis=0), len(u)), rel=1e-9, abs=1e-12
+    )
 
 
 def test_read_ahead_keeps_order_errors_and_closes_early():

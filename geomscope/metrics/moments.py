@@ -11,11 +11,15 @@
 Each ``update`` converts its rows block by block (``block_rows``) to float64, once, into a reused
 buffer; centres each block on its own mean and merges (n, mean, M2) with Chan et al.'s parallel
 formula, so a large common offset (mean 1e4, std 1) costs no precision. The block scatter is a
-symmetric rank-k update in float64 (BLAS dsyrk, upper triangle only); the lower triangle is filled
-when ``M2``/``covariance()`` is read. (Float32 products of the centred blocks would run about twice
-as fast but carry ~1e-8 relative error into the covariance and IsoScore, measured on 50k x 384;
-the results here must match a float64 reference to 1e-10.) The unit-vector and |x| statistics run
-over cache-sized sub-blocks of 256 rows of the same float64 copy. Memory is O(block_rows * D + D^2)
+symmetric rank-k update in float64 (BLAS syrk through numpy, which releases the GIL: scipy's dsyrk
+wrapper does not, and serialised the threads); the merge's rank-one correction is a BLAS dsyr on the
+upper triangle, in place, and the lower triangle is filled when ``M2``/``covariance()`` is read.
+syrk runs at ~80 % of this machine's float64 GEMM rate: it is most of the time of a pass. (Float32
+products of the centred blocks run the product ~2x as fast but carry ~1e-8 relative error into the
+covariance and IsoScore, measured on 50k x 384 and on a 200k x 384 float16 run, where the whole
+score was then only ~25 % faster; the results here must match a float64 reference to 1e-10.) The
+unit-vector and |x| statistics run over cache-sized sub-blocks of 256 rows of the same float64 copy,
+sweeping x^2 then |x|, with the sums over rows as matrix-vector products. Memory is O(block_rows * D + D^2)
 per thread, independent of N. ``merge`` is the same exact formula, so partial accumulators from
 shards/processes combine into the same numbers (up to float64 rounding) as one pass. Instances hold
 plain numpy attributes and pickle.
@@ -51,6 +55,12 @@ from geomscope.metrics._validate import (
 BLOCK_ROWS = 4096  # rows per symmetric rank-k update (and Chan merge)
 SUB_ROWS = 256  # rows per cache-sized pass of the unit-vector / |x| statistics
 MAX_THREADED_M2_BYTES = 64 * 2**20  # larger D x D scatters: blocks one at a time (memory)
+
+
+def _blas():
+    from scipy.linalg import blas  # lazy: keeps `import geomscope.metrics` numpy-only
+
+    return blas
 
 
 def _unit_stats(b: np.ndarray, sq: np.ndarray, work: np.ndarray):
@@ -299,9 +309,7 @@ class Moments:
         """The statistics of one block of rows ``xb`` as a new Moments (``a``: the whole input, for the
         count of bad rows in an error). The rows are converted to float64 once, into ``work.buf``; the
         extras read them there, then they are centred on the block's own mean in place and multiplied
-        (BLAS dsyrk, upper triangle) in float64."""
-        from scipy.linalg import blas  # lazy: keeps `import geomscope.metrics` numpy-only
-
+        (BLAS syrk) in float64."""
         m, d = xb.shape
         b = work.buf[:m]
         np.copyto(b, xb)
@@ -313,17 +321,20 @@ class Moments:
         if self.extras:
             blk._extras_from_block(b, work.sub, a)
         b -= blk.mean
-        # the lower triangle of the Fortran-ordered result, transposed: the upper one in C order, the
-        # order of every other scatter here (mixed orders make each merge a strided add)
-        blk._m2 = blas.dsyrk(1.0, b.T, trans=0, lower=1).T
-        blk._m2_filled = False
+        # numpy runs b.T @ b as a BLAS syrk (one triangle, mirrored) and releases the GIL meanwhile;
+        # scipy.linalg.blas.dsyrk holds the GIL, which serialised the blocks of all threads (measured:
+        # 2 threads took 2.1x the time of one for twice the blocks, numpy's product 1.0x)
+        blk._m2 = b.T @ b
         return blk
 
     def _extras_from_block(self, b: np.ndarray, work: np.ndarray, a: np.ndarray) -> None:
         """Unit-vector and |x| statistics of the float64 rows ``b``, in cache-sized sub-blocks of
-        ``len(work)`` rows (``work``: scratch space of that many rows)."""
+        ``len(work)`` rows (``work``: scratch space of that many rows). Each sub-block is swept a few
+        times: x^2 (its row sums are the squared norms, its weighted column sums sum_unit_sq), then |x|;
+        the sums over rows are matrix-vector products (faster than numpy's reductions over axis 0)."""
         d = self.dim
         thr = self.abs_threshold
+        ones = np.ones(max(d, work.shape[0]))
         su, su2, asum = np.zeros(d), np.zeros(d), np.zeros(d)
         amax = np.zeros(d)
         cnt = np.zeros(d, dtype=np.int64)
@@ -331,15 +342,18 @@ class Moments:
         for j in range(0, b.shape[0], work.shape[0]):
             bs = b[j : j + work.shape[0]]
             w = work[: bs.shape[0]]
-            sq = np.einsum("ij,ij->i", bs, bs)
+            x2 = np.square(bs, out=w)
+            sq = x2 @ ones[:d]
             _check_block(sq, a)
             ssq += float(sq.sum())
-            u, u2, z = _unit_stats(bs, sq, w)
-            su += u
-            su2 += u2
-            nz += z
+            pos = sq > 0
+            inv = np.zeros_like(sq)
+            np.divide(1.0, np.sqrt(sq, where=pos, out=np.zeros_like(sq)), out=inv, where=pos)
+            su += inv @ bs
+            su2 += (inv * inv) @ x2
+            nz += int(sq.size - np.count_nonzero(pos))
             ab = np.abs(bs, out=w)  # |x| of the float64 copy: exact
-            asum += np.add.reduce(ab, axis=0)
+            asum += ones[: bs.shape[0]] @ ab
             bmax = ab.max(axis=0)
             np.maximum(amax, bmax, out=amax)
             cols = np.flatnonzero(bmax >= thr)
@@ -384,7 +398,9 @@ class Moments:
         delta = other.mean - self.mean
         self.mean = self.mean + delta * (nb / n)
         self._m2 += other._m2
-        self._m2 += np.outer(delta, delta * (na * nb / n))
+        # the rank-one correction on the upper triangle only (BLAS dsyr on the Fortran view, in place
+        # for a contiguous M2, else on a copy: hence the assignment; the lower triangle is filled on read)
+        self._m2 = _blas().dsyr(na * nb / n, delta, lower=1, a=self._m2.T, overwrite_a=1).T
         self._m2_filled = False
         self.n = n
         if self.extras:

@@ -175,7 +175,7 @@ def _run(task: Task, spec: PassSpec, progress, parts: dict) -> dict[str, LayerPa
                     keys = block.keys if whole else block.keys[keep]
                     lp.reservoir.add(row_hash(keys, spec.seed, STREAM_ID_SAMPLE), xs)
             else:
-                _update_units(lp.unit, xs, gs, spec, name)
+                _update_units(lp.unit, xs, gs, spec)
         if progress:
             progress(len(block.keys))
     return parts
@@ -227,28 +227,28 @@ def _read_ahead(blocks):
         th.join()
 
 
-def _update_units(unit: dict, xs: np.ndarray, gs: np.ndarray, spec: PassSpec, name: str) -> None:
-    """Every cosine variant's unit-vector sums of the rows ``xs`` (one reused float64 scratch block per
-    thread). With ``spec.threads`` > 1 each block of MultiUnitSum's size goes into fresh sums in a
-    thread; those are added in row order: the same additions as one ``update``, so the same numbers."""
+def _update_units(unit: dict, xs: np.ndarray, gs: np.ndarray, spec: PassSpec) -> None:
+    """Every cosine variant's unit-vector sums of the rows ``xs``, the variants together (they share
+    the shifted rows: multiunit.update_all), with one reused float64 scratch space per thread. With
+    ``spec.threads`` > 1 each block of multiunit's size goes into fresh sums in a thread; those are
+    added in row order: the same additions as one update, so the same numbers."""
     from geomscope.metrics.moments import map_in_order
-    from geomscope.score.multiunit import BLOCK_ROWS, MultiUnitSum
+    from geomscope.score.multiunit import BLOCK_ROWS, new_work, update_all
 
-    rows = min(BLOCK_ROWS, len(xs))
+    sums = list(unit.values())
     if spec.threads <= 1 or len(xs) <= BLOCK_ROWS:
-        work = np.empty((rows, xs.shape[1]))
-        for mus in unit.values():
-            mus.update(xs, gs, work)
+        update_all(sums, xs, gs, new_work(len(xs), xs.shape[1]))
         return
 
     def one(i, work):
-        xb, gb = xs[i : i + BLOCK_ROWS], gs[i : i + BLOCK_ROWS]
-        return {v: MultiUnitSum(sh, sc).update(xb, gb, work) for v, (sh, sc) in spec.unit[name].items()}
+        part = [s.fresh() for s in sums]
+        update_all(part, xs[i : i + BLOCK_ROWS], gs[i : i + BLOCK_ROWS], work)
+        return part
 
     starts = list(range(0, len(xs), BLOCK_ROWS))
-    for part in map_in_order(one, starts, spec.threads, lambda: np.empty((rows, xs.shape[1]))):
-        for v, mus in part.items():
-            unit[v].merge(mus)
+    for part in map_in_order(one, starts, spec.threads, lambda: new_work(BLOCK_ROWS, xs.shape[1])):
+        for s, p in zip(sums, part, strict=True):
+            s.merge(p)
 
 
 def _run_accumulated(task: Task, spec: PassSpec, progress, parts: dict) -> dict[str, LayerPart]:

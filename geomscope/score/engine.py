@@ -11,7 +11,7 @@ held whole, memory does not depend on the number of rows):
    from these.
 2. Only for the centred / standardised average cosine: their definitions subtract the global mean
    (and divide by the standard deviation), known only after pass 1, so a second pass sums the unit
-   vectors of the shifted rows (for every jackknife replicate at once: multiunit.py).
+   vectors of the shifted rows (for every jackknife replicate and both variants at once: multiunit.py).
 
 Memory: each layer holds G Moments of D x D float64 (G = jackknife groups) in every process and
 in-flight result; layers are processed in batches so that G * D^2 * 8 bytes * (in-flight + 2) stays

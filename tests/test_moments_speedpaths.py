@@ -1,0 +1,123 @@
+"""The faster paths of the streaming accumulators give the numbers of the plain ones.
+
+- multiunit.update_all: the centred and standardised cosine sums of every jackknife replicate
+  computed together (one shifted block, products side by side) equal each MultiUnitSum alone and a
+  UnitSum per replicate, across several blocks, float16 input, zero-norm rows, constant dimensions
+  and sums with different reference shifts.
+- the threaded second pass (accumulate._update_units) adds the same blocks in the same order as one
+  thread: bitwise equal.
+- Moments.merge's in-place rank-one update (BLAS dsyr) also serves an M2 that is not C-contiguous.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from geomscope.metrics import Moments, UnitSum
+from geomscope.score import multiunit
+from geomscope.score.accumulate import PassSpec, _update_units
+from geomscope.score.multiunit import MultiUnitSum, update_all
+
+D = 7
+R = 5  # replicates: groups 0..3 left out, then all rows
+
+
+def _rows(n, seed, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, D)) * [1, 2, 0.5, 3, 1, 1, 4] + 5.0
+    x[:, 4] = 7.0  # a constant dimension (scale 0 -> divided by 1)
+    return x.astype(dtype), rng.integers(0, R - 1, n)
+
+
+def _shifts_scales(x, seed):
+    rng = np.random.default_rng(seed)
+    xf = x.astype(np.float64)
+    shifts = xf.mean(0) + rng.normal(scale=0.05, size=(R, D))
+    shifts[-1] = xf.mean(0)  # the last replicate: all rows, the full mean (the shared reference)
+    scales = xf.std(0, ddof=1) * rng.uniform(0.9, 1.1, size=(R, D))
+    scales[:, 4] = 0.0
+    return shifts, scales
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float16])
+def test_variants_together_equal_each_alone_and_unitsums(dtype):
+    n = 2 * multiunit.BLOCK_ROWS + 300  # several blocks
+    x, g = _rows(n, 0, dtype)
+    shifts, scales = _shifts_scales(x, 1)
+    x[10] = shifts[2].astype(dtype)  # (close to) replicate 2's shift: zero norm there in float64
+    together = [MultiUnitSum(shifts), MultiUnitSum(shifts, scales)]
+    update_all(together, x, g)
+    for mus, sc in zip(together, (None, scales), strict=True):
+        alone = MultiUnitSum(shifts, sc).update(x, g)
+        np.testing.assert_allclose(mus.sum_unit, alone.sum_unit, rtol=1e-12, atol=1e-12)
+        np.testing.assert_array_equal(mus.n, alone.n)
+        np.testing.assert_array_equal(mus.n_zero_norm, alone.n_zero_norm)
+        for r in range(R):
+            rows = x[g != r] if r < R - 1 else x
+            u = UnitSum(shifts[r], None if sc is None else sc[r]).update(rows)
+            np.testing.assert_allclose(mus.sum_unit[r], u.sum_unit, rtol=1e-10, atol=1e-10)
+            assert mus.n[r] == u.n and mus.n_zero_norm[r] == u.n_zero_norm
+        if dtype == np.float64:  # row 10 is exactly replicate 2's shift
+            assert mus.n_zero_norm[2] == (1 if g[10] != 2 else 0)
+
+
+def test_sums_with_different_references_are_kept_apart():
+    x, g = _rows(900, 2)
+    shifts, scales = _shifts_scales(x, 3)
+    other = shifts + 0.5  # another reference shift: its own shifted block
+    sums = [MultiUnitSum(shifts), MultiUnitSum(other, scales), MultiUnitSum(shifts, scales)]
+    update_all(sums, x, g)
+    for mus, (sh, sc) in zip(sums, ((shifts, None), (other, scales), (shifts, scales)), strict=True):
+        for r in range(R):
+            rows = x[g != r] if r < R - 1 else x
+            u = UnitSum(sh[r], None if sc is None else sc[r]).update(rows)
+            np.testing.assert_allclose(mus.sum_unit[r], u.sum_unit, rtol=1e-10, atol=1e-10)
+
+
+def test_threaded_second_pass_is_bitwise_one_thread():
+    x, g = _rows(3 * multiunit.BLOCK_ROWS + 77, 4, np.float32)
+    shifts, scales = _shifts_scales(x, 5)
+    out = []
+    for threads in (1, 2, 3):
+        spec = PassSpec("unit", ["l"], threads=threads)
+        unit = {"centred": MultiUnitSum(shifts), "standardised": MultiUnitSum(shifts, scales)}
+        _update_units(unit, x, g, spec)
+        out.append(unit)
+    for other in out[1:]:
+        for v in ("centred", "standardised"):
+            np.testing.assert_array_equal(out[0][v].sum_unit, other[v].sum_unit)
+            np.testing.assert_array_equal(out[0][v].n_zero_norm, other[v].n_zero_norm)
+
+
+def test_fresh_shares_the_setup_not_the_sums():
+    x, g = _rows(200, 6)
+    shifts, scales = _shifts_scales(x, 7)
+    base = MultiUnitSum(shifts, scales).update(x, g)
+    f = base.fresh()
+    assert not f.sum_unit.any() and not f.n.any() and not f.n_zero_norm.any()
+    f.update(x, g)
+    np.testing.assert_array_equal(f.sum_unit, base.sum_unit)  # same setup, same rows: same numbers
+    before = base.sum_unit.copy()
+    f.update(x, g)
+    np.testing.assert_array_equal(base.sum_unit, before)
+
+
+@pytest.mark.parametrize("layout", ["fortran", "strided"])
+def test_merge_rank_one_update_on_a_non_contiguous_m2(layout):
+    rng = np.random.default_rng(8)
+    a = rng.normal(size=(400, D)) * 3 + 100.0
+    b = rng.normal(size=(300, D)) - 50.0
+    m = Moments.from_rows(a)
+    full = m.M2.copy()
+    if layout == "fortran":
+        m._m2 = np.asfortranarray(full)
+    else:  # a view with row strides of a larger array
+        big = np.zeros((D, 2 * D))
+        big[:, ::2] = full
+        m._m2 = big[:, ::2]
+    m.merge(Moments.from_rows(b))
+    ref = np.vstack([a, b])
+    y = ref - ref.mean(0)
+    np.testing.assert_allclose(m.M2, y.T @ y, rtol=1e-12)
+    np.testing.assert_allclose(m.mean, ref.mean(0), rtol=1e-14)
