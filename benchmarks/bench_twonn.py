@@ -1,6 +1,7 @@
 """TwoNN intrinsic dimension: geomscope vs scikit-dimension 0.5.0, fastwonn 0.0.9 and torch.cdist + topk.
 
-    python benchmarks/bench_twonn.py [--quick] [--sizes 20000,50000]
+    python benchmarks/bench_twonn.py [--quick] [--sizes 20000,50000] [--repeats 3]
+                                     [--only geomscope,brute,skdim,fastwonn,cdist]
 
 Data: float32 (N, 768) points = a random 20-d Gaussian subspace + isotropic noise (sigma 0.1), no
 duplicates, seed 0. Contenders, each computing the linear TwoNN (discard 0.1, F_i = i/N):
@@ -143,9 +144,16 @@ def _row(name, t, ours, alt, repeats, frac, target, note):
     }
 
 
-def run(quick: bool = False, sizes: list[int] | None = None) -> list[dict]:
+CONTENDERS = ("geomscope", "brute", "skdim", "fastwonn", "cdist")
+
+
+def run(
+    quick: bool = False, sizes: list[int] | None = None, repeats: int | None = None, only=None
+) -> list[dict]:
+    """Rows for each size; ``only``: the contenders to run (geomscope always runs)."""
     sizes = sizes or ([3000, 6000] if quick else [5000, 10000, 20000, 50000])
-    repeats = 2 if quick else 3
+    repeats = repeats or (2 if quick else 3)
+    only = set(only or CONTENDERS) | {"geomscope"}
     skdim_max = fastwonn_max = 20000
     has_fastwonn = fastwonn_available()
     rows = []
@@ -161,6 +169,7 @@ def run(quick: bool = False, sizes: list[int] | None = None) -> list[dict]:
             fns["skdim"] = lambda x=x: skdim_twonn(x)
         if has_fastwonn and n <= fastwonn_max:
             fns["fastwonn"] = lambda x=x: fastwonn_twonn(x)
+        fns = {k: f for k, f in fns.items() if k in only}
         # values once (outside timing), then timings alternating
         from geomscope.metrics.twonn import twonn
 
@@ -172,7 +181,8 @@ def run(quick: bool = False, sizes: list[int] | None = None) -> list[dict]:
         load = f"; load {os.getloadavg()[0]:.1f}"
         # the bound: the float32 GEMM of half the distance matrix, N^2 D flops (of 2 N^2 D for all pairs)
         bound = n * n * D / (machine_limits(quick)["gemm_f32_gflops"] * 1e9)
-        frac, frac_brute = of_bound(bound, t["geomscope"]), of_bound(bound, t["brute"])
+        frac = of_bound(bound, t["geomscope"])
+        frac_brute = of_bound(bound, t["brute"]) if "brute" in t else None
         how = (
             f"pruned: k={info['prune_width']} directions, {info['pair_fraction']:.1e} of pairs exact"
             if info.get("pruned")
@@ -195,19 +205,20 @@ def run(quick: bool = False, sizes: list[int] | None = None) -> list[dict]:
                     f"{med}; d = {ours:.4f} vs {sk:.4f} (rel. diff {abs(ours / sk - 1):.1e}){load}",
                 )
             )
-            rows.append(
-                _row(
-                    f"{tag} brute force (prune=False) vs skdim 0.5.0",
-                    t["brute"],
-                    ours,
-                    t["skdim"],
-                    repeats,
-                    frac_brute,
-                    "-",
-                    f"seconds (median of {repeats}){load}",
+            if "brute" in t:
+                rows.append(
+                    _row(
+                        f"{tag} brute force (prune=False) vs skdim 0.5.0",
+                        t["brute"],
+                        ours,
+                        t["skdim"],
+                        repeats,
+                        frac_brute,
+                        "-",
+                        f"seconds (median of {repeats}){load}",
+                    )
                 )
-            )
-        else:
+        elif "brute" in t:
             extra = ""
             if skdim_20k is not None:
                 est = skdim_20k * (n / 20000) ** 2 * math.log(n) / math.log(20000)
@@ -240,7 +251,7 @@ def run(quick: bool = False, sizes: list[int] | None = None) -> list[dict]:
                     f"{'yes' if TORCHSORT_STANDIN else 'no'}{load}",
                 )
             )
-        elif n <= fastwonn_max:
+        elif n <= fastwonn_max and "fastwonn" in only:
             rows.append(
                 _row(
                     f"{tag} vs fastwonn 0.0.9",
@@ -253,26 +264,38 @@ def run(quick: bool = False, sizes: list[int] | None = None) -> list[dict]:
                     f"fastwonn not installed: skipped{load}",
                 )
             )
-        rows.append(
-            _row(
-                f"{tag} vs cdist+topk blocks",
-                t["geomscope"],
-                ours,
-                t["cdist"],
-                repeats,
-                frac,
-                "> 1",
-                f"{med}; d = {ours:.4f} vs {vals['cdist']:.4f} (float32 distances){load}",
+        if "cdist" in t:
+            rows.append(
+                _row(
+                    f"{tag} vs cdist+topk blocks",
+                    t["geomscope"],
+                    ours,
+                    t["cdist"],
+                    repeats,
+                    frac,
+                    "> 1",
+                    f"{med}; d = {ours:.4f} vs {vals['cdist']:.4f} (float32 distances){load}",
+                )
             )
-        )
     return rows
 
 
-def _sizes(argv: list[str]) -> list[int] | None:
-    if "--sizes" not in argv:
-        return None
-    return [int(v) for v in argv[argv.index("--sizes") + 1].split(",")]
+def main(argv=None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="sizes 3,000 and 6,000, 2 repeats (a smoke run)")
+    ap.add_argument("--sizes", default="", help="comma list of N, e.g. 20000 (default 5k,10k,20k,50k)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs per contender (default 3)")
+    ap.add_argument("--only", default="", help="comma list of contenders: " + ",".join(CONTENDERS))
+    args = ap.parse_args(argv)
+    sizes = [int(v) for v in args.sizes.split(",") if v.strip()] or None
+    only = [v.strip() for v in args.only.split(",") if v.strip()] or None
+    bad = set(only or ()) - set(CONTENDERS)
+    if bad:
+        ap.error(f"unknown contender(s) {', '.join(sorted(bad))}; use {', '.join(CONTENDERS)}")
+    print_rows(run(args.quick, sizes, args.repeats, only), "TwoNN intrinsic dimension")
 
 
 if __name__ == "__main__":
-    print_rows(run(quick="--quick" in sys.argv, sizes=_sizes(sys.argv)), "TwoNN intrinsic dimension")
+    main()

@@ -34,18 +34,27 @@ ESTIMATORS = TWONN_FITS
 def _canonical_rows(a: np.ndarray) -> np.ndarray:
     """Contiguous float32/float64 copy with -0.0 -> 0.0 and every NaN the same bit pattern."""
     dt = np.float64 if a.dtype.kind != "f" or a.dtype.itemsize > 4 else np.float32
-    c = np.array(a, dtype=dt, order="C", copy=True)
-    c += 0.0  # -0.0 + 0.0 == +0.0
-    c[np.isnan(c)] = np.nan
+    c = np.add(a, dt(0.0), dtype=dt, order="C")  # a copy, and -0.0 + 0.0 == +0.0
+    if not np.isfinite(c.sum()):  # NaNs (or an overflowing sum): only then the NaN pass
+        c[np.isnan(c)] = np.nan
     return c
+
+
+def _row_keys(c: np.ndarray) -> np.ndarray:
+    """uint64 key per row of a contiguous float array: a seeded multiply-add of its 32-bit words
+    modulo 2^64 (integer arithmetic: equal rows always get equal keys, in any order of summation)."""
+    words = c.view(np.uint32)
+    mult = np.random.default_rng(0).integers(1, 2**63, size=words.shape[1], dtype=np.uint64)
+    return np.einsum("ij,j->i", words, mult | np.uint64(1))  # wraps modulo 2^64
 
 
 def dedup_rows(X):
     """Remove exact duplicate rows, keeping each row's first occurrence in the original order.
 
     Rows are compared byte for byte in one dtype: float64, or float32 when X is float32 or float16
-    (float16 -> float32 is exact), with -0.0 == 0.0 and all NaNs equal (a sort of the row bytes:
-    no hash collisions to guard against, and faster than hashing with numpy). Returns
+    (float16 -> float32 is exact), with -0.0 == 0.0 and all NaNs equal. Rows are hashed
+    (``_row_keys``) and only rows whose key is shared are compared byte for byte (a sort of their
+    bytes), so a hash collision costs time, never a wrong answer. Returns
     ``(X_unique, n_removed, index)`` with ``X_unique = X[index]`` (ascending indices).
     """
     a = as_rows(X)
@@ -53,9 +62,18 @@ def dedup_rows(X):
     if n == 0:
         return a.copy(), 0, np.zeros(0, dtype=np.int64)
     c = _canonical_rows(a)
-    rows = c.view(np.dtype((np.void, c.dtype.itemsize * d))).ravel()
-    _, first = np.unique(rows, return_index=True)
-    index = np.sort(first).astype(np.int64)
+    keys = _row_keys(c)
+    order = np.argsort(keys, kind="stable")
+    same = keys[order[1:]] == keys[order[:-1]]
+    shared = np.zeros(n, dtype=bool)
+    shared[order[1:][same]] = shared[order[:-1][same]] = True
+    keep = ~shared
+    cand = np.flatnonzero(shared)
+    if cand.size:
+        rows = np.ascontiguousarray(c[cand]).view(np.dtype((np.void, c.dtype.itemsize * d))).ravel()
+        _, first = np.unique(rows, return_index=True)
+        keep[cand[first]] = True
+    index = np.flatnonzero(keep).astype(np.int64)
     return a[index], int(n - index.size), index
 
 
