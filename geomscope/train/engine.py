@@ -59,13 +59,19 @@ class Engine:
         return self.acc.distributed_type == DistributedType.DEEPSPEED
 
     @property
+    def fsdp(self) -> bool:
+        """An FSDP launch (``distributed_type: FSDP``; on CPU processes too, see :func:`_fsdp_on_cpu`)."""
+        from accelerate.utils import DistributedType
+
+        return self.acc.distributed_type == DistributedType.FSDP
+
+    @property
     def sharded(self) -> bool:
         """FSDP or DeepSpeed ZeRO (from ``accelerate launch --config_file``): the optimizer state (and
         under FSDP and ZeRO-3 the parameters) is split over the processes, so saving gathers the
         model and resume is not offered."""
-        from accelerate.utils import DistributedType
 
-        return self.deepspeed or self.acc.distributed_type == DistributedType.FSDP
+        return self.deepspeed or self.fsdp
 
     @property
     def kind(self) -> str:
@@ -88,29 +94,26 @@ class Engine:
         """(the model wrapped for the launch -- DDP, FSDP, a DeepSpeed engine or as it is --, Accelerate's
         optimizer, the torch optimizer inside it).  ``make_optimizer(module)`` builds the torch optimizer
         over the module's parameters."""
-        from accelerate.utils import DistributedType
-
         if not self.sharded:
             model.to(self.d.device)
         optimizer = make_optimizer(model)
-        if self.acc.distributed_type == DistributedType.FSDP:
+        if self.fsdp:
             model, wrapped = self.acc.prepare(model, optimizer)
             _hold_sharded_parameters(optimizer, make_optimizer(model))
             return model, wrapped, optimizer
-        if not self.deepspeed:
-            return *self.acc.prepare(model, optimizer), optimizer
         try:
             return *self.acc.prepare(model, optimizer), optimizer
-        except (AssertionError, ValueError, TypeError) as e:  # its config checks
+        except (AssertionError, ValueError, TypeError) as e:
+            if not self.deepspeed:
+                raise
+            # DeepSpeed's config checks
             raise InputError(f"DeepSpeed refused its config: {str(e).splitlines()[0][:240]}") from None
 
     def forward_model(self, prepared, module):
         """What the no-gradient passes (C0, evaluation) call: FSDP's wrapper, the only one that gathers
         the shards a forward needs; otherwise the module itself (DeepSpeed's ZeRO-3 gathers through
         hooks on the module, and its engine's ``config`` is not the model's)."""
-        from accelerate.utils import DistributedType
-
-        return prepared if self.acc.distributed_type == DistributedType.FSDP else module
+        return prepared if self.fsdp else module
 
     def micro_batch(self, model, last: bool):
         """The context of one micro-batch's forward and backward: gradients are synchronised (and under
