@@ -86,11 +86,11 @@ def _scatter(a: np.ndarray) -> tuple[float, float, Moments | None]:
         xc = np.asarray(a, dtype=np.float64)
         mean = xc.mean(axis=0)
         xc = xc - mean
-        from scipy.linalg import blas
-
-        g = blas.dsyrk(1.0, xc.T, trans=1, lower=0)  # upper triangle of xc xc^T
+        # numpy runs xc @ xc.T as a BLAS syrk and mirrors it, with the GIL released (scipy's dsyrk
+        # wrapper holds it, which stalls every other thread of a scorer)
+        g = xc @ xc.T
         tr = float(np.trace(g))
-        fro2 = 2.0 * float(np.vdot(g, g)) - float(np.vdot(np.diagonal(g), np.diagonal(g)))
+        fro2 = float(np.vdot(g, g))
         if variance_is_zero(tr / (n - 1), mean, d):
             raise DataError(ZERO_VARIANCE_MESSAGE.format(name="X", what="IsoScore"))
         return tr, fro2, None

@@ -7,10 +7,10 @@ it; only the D x D result is copied to the host, once per shard, as a numpy ``Mo
 The arithmetic mirrors ``Moments.update`` (so the two agree to float64 rounding, tested): each
 update centres its block on the block's own float64 mean and merges (n, mean, M2) by Chan et al.'s
 parallel formula, which keeps a large common offset harmless; the unit-vector and |x| statistics
-use the uncentred rows. The scatter is a symmetric product of the upper triangle only: BLAS dsyrk
-on the CPU (where torch tensors share numpy's memory) and, on an accelerator, a blocked product of
-the column blocks on or above the diagonal (b(b+1)/2 of b^2 block products, e.g. 0.53 of the full
-GEMM for D = 4096 in 256-wide blocks). The lower triangle is never read.
+use the uncentred rows. The scatter is a symmetric product: BLAS syrk through numpy on the CPU
+(where torch tensors share numpy's memory) and, on an accelerator, a blocked product of the column
+blocks on or above the diagonal (b(b+1)/2 of b^2 block products, e.g. 0.53 of the full GEMM for
+D = 4096 in 256-wide blocks). Only the upper triangle is read.
 
 :func:`device_moments` picks the accumulator for a device: on the CPU the numpy ``Moments`` itself
 (zero-copy views of the tensors; its cache-sized sub-blocks make it 2.4x faster there than these
@@ -47,9 +47,8 @@ def _syrk_upper(b, blocked: bool | None = None):
         blocked = b.device.type != "cpu"
     if blocked:
         return _syrk_upper_blocked(b)
-    from scipy.linalg import blas
-
-    return torch.from_numpy(blas.dsyrk(1.0, b.numpy().T, trans=0, lower=0))
+    a = b.numpy()  # the CPU: numpy's a.T @ a is a BLAS syrk that releases the GIL (scipy's dsyrk does not)
+    return torch.from_numpy(a.T @ a)
 
 
 def device_moments(dim: int, device, abs_threshold: float):
