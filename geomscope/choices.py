@@ -18,6 +18,20 @@ OUTLIER_RULES = ("variance", "zscore", "quantile", "magnitude")
 OUTLIER_STATS = ("variance", "mean_abs")
 #: score: TwoNN fits (geomscope.metrics.twonn)
 TWONN_FITS = ("linear", "mle")
+#: score: the scikit-dimension estimators behind --id-estimator (name -> class in skdim.id;
+#: geomscope.metrics.intrinsic wraps them), here so that validating names imports no scikit-learn
+SKDIM_ESTIMATORS = {
+    "mle": "MLE",
+    "lpca": "lPCA",
+    "danco": "DANCo",
+    "mada": "MADA",
+    "corrint": "CorrInt",
+    "fishers": "FisherS",
+    "mom": "MOM",
+    "tle": "TLE",
+    "mind_ml": "MiND_ML",
+    "gride": "GRIDE",
+}
 #: finetune
 REGULARISERS = ("istar", "cosreg", "none")
 PRECISIONS = ("fp32", "fp16", "bf16")

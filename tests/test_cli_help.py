@@ -42,3 +42,26 @@ def test_version(cli):
 def test_python_dash_m():
     r = subprocess.run([sys.executable, "-m", "geomscope", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "extract" in r.stdout
+
+
+def test_score_without_id_estimators_imports_no_sklearn(tmp_path):
+    """scikit-learn takes about a second to import: scoring (and every worker process it spawns) loads
+    it only when a scikit-dimension estimator runs."""
+    import numpy as np
+
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((300, 8)))
+    code = (
+        "import sys, json\n"
+        "from geomscope.score import ScoreOptions, score\n"
+        f"score({str(tmp_path / 'x.npy')!r}, ScoreOptions(metrics=('isoscore', 'twonn', 'avgcos')))\n"
+        "print(json.dumps([m for m in ('sklearn', 'skdim') if m in sys.modules]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out.strip().splitlines()[-1]) == []
+
+
+def test_id_estimator_names_are_the_registry():
+    from geomscope.metrics.intrinsic import ID_ESTIMATORS
+    from geomscope.score.options import id_estimator_names
+
+    assert id_estimator_names() == tuple(ID_ESTIMATORS)

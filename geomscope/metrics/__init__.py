@@ -13,20 +13,6 @@ from geomscope.metrics.cosine import (
     cosreg_penalty_torch,
     unit_sum,
 )
-
-# --- intrinsic dimension (twonn engineer adds its import line below this marker) ---
-from geomscope.metrics.intrinsic import (
-    ID_ESTIMATORS,
-    IDResult,
-    TwoNN,
-    TwoNNError,
-    TwoNNResult,
-    dedup_rows,
-    estimate_id,
-    two_nearest,
-    twonn,
-    twonn_error,
-)  # isort: skip
 from geomscope.metrics.isotropy import (
     SHRINKAGE_TARGETS,
     isoscore,
@@ -42,6 +28,7 @@ from geomscope.metrics.isotropy import (
     shrinkage_target,
 )
 from geomscope.metrics.moments import Moments, UnitSum
+from geomscope.metrics.neighbors import two_nearest
 from geomscope.metrics.outliers import (
     OUTLIER_INPUTS,
     OUTLIER_RULES,
@@ -54,3 +41,20 @@ from geomscope.metrics.outliers import (
 )
 from geomscope.metrics.partition import partition_isotropy, partition_log_z
 from geomscope.metrics.spectrum import effective_rank, eigenvalues, participation_ratio, spectrum
+from geomscope.metrics.twonn import TwoNNError, TwoNNResult, dedup_rows, twonn, twonn_error
+
+# The scikit-learn-style estimators (intrinsic.py) derive from sklearn's BaseEstimator, and importing
+# scikit-learn takes about a second: they load on first use, so that scoring without them (and every
+# worker process a scorer spawns) does not pay for it.
+_INTRINSIC = ("ID_ESTIMATORS", "IDResult", "TwoNN", "estimate_id")
+_LAZY = dict.fromkeys(_INTRINSIC, "geomscope.metrics.intrinsic")
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from sklearn.base import BaseEstimator
 
+from geomscope.choices import SKDIM_ESTIMATORS
 from geomscope.errors import DataError, InputError
 from geomscope.metrics.neighbors import two_nearest
 from geomscope.metrics.twonn import (
@@ -48,20 +49,6 @@ __all__ = [
     "twonn",
     "twonn_error",
 ]
-
-#: registry name -> scikit-dimension class name
-SKDIM_ESTIMATORS = {
-    "mle": "MLE",
-    "lpca": "lPCA",
-    "danco": "DANCo",
-    "mada": "MADA",
-    "corrint": "CorrInt",
-    "fishers": "FisherS",
-    "mom": "MOM",
-    "tle": "TLE",
-    "mind_ml": "MiND_ML",
-    "gride": "GRIDE",
-}
 
 
 @dataclass

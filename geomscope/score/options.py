@@ -17,11 +17,10 @@ DEFAULT_OUTLIER_THRESHOLD = {"variance": 5.0, "zscore": 3.0, "quantile": 0.99, "
 
 
 def id_estimator_names() -> tuple[str, ...]:
-    """Names of the intrinsic-dimension estimators (TwoNN first), from the metrics registry."""
-    from geomscope.metrics.intrinsic import ID_ESTIMATORS
+    """Names of the intrinsic-dimension estimators, TwoNN first (metrics.intrinsic.ID_ESTIMATORS's keys)."""
+    from geomscope.choices import SKDIM_ESTIMATORS  # the registry's names, without importing sklearn
 
-    names = [str(n) for n in ID_ESTIMATORS]
-    return tuple(["twonn"] + [n for n in names if n != "twonn"])
+    return ("twonn", *SKDIM_ESTIMATORS)
 
 
 @dataclass
