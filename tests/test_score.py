@@ -426,6 +426,51 @@ def test_streams_in_bounded_blocks(run, monkeypatch):
     assert seen and max(seen) <= 64
 
 
+def test_streamed_tasks_equal_one_task_at_a_time(run, tmp_path):
+    """The local executor reads the next shard while computing this one (run_tasks): the same blocks in
+    the same order as run_task per task, so bitwise the same accumulators; a corrupt shard still stops
+    it with its name, after the blocks read before it."""
+    from geomscope.score.accumulate import PassSpec, run_task, run_tasks
+    from geomscope.score.sources import open_source
+
+    d, _ = run
+    tasks = open_source(d).tasks
+    assert len(tasks) >= 3
+    spec = PassSpec("moments", list(LAYERS), n_groups=4, threads=2, checksum=True)
+    seen = []
+    streamed = run_tasks(tasks, spec, progress=seen.append)
+    one_by_one: dict = {}
+    for t in tasks:
+        run_task(t, spec, into=one_by_one)
+    assert sum(seen) == sum(t.rows for t in tasks)  # every block reported once
+    for name in LAYERS:
+        for a, b in zip(streamed[name].groups, one_by_one[name].groups, strict=True):
+            assert a.n == b.n and np.array_equal(a.M2, b.M2) and np.array_equal(a.mean, b.mean)
+            assert np.array_equal(a.sum_unit, b.sum_unit) and np.array_equal(a.abs_max, b.abs_max)
+        assert streamed[name].counts == one_by_one[name].counts
+    m = one_by_one[LAYERS[0]].groups[0].mean
+    unit = {n: {"avgcos_centred": (np.tile(m, (5, 1)), None)} for n in LAYERS}
+    uspec = PassSpec("unit", list(LAYERS), n_groups=4, threads=2, unit=unit)
+    ua, ub = run_tasks(tasks, uspec), {}
+    for t in tasks:
+        run_task(t, uspec, into=ub)
+    for name in LAYERS:
+        assert np.array_equal(
+            ua[name].unit["avgcos_centred"].sum_unit, ub[name].unit["avgcos_centred"].sum_unit
+        )
+
+    bad = tmp_path / "r"
+    make_run(bad, n_shards=3)
+    shard = bad / "shard-00001.h5"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    rows = []
+    with pytest.raises(DataError, match="shard-00001.h5.*checksum"):
+        run_tasks(open_source(bad).tasks, spec, progress=rows.append)
+    assert sum(rows) == 2 * 400  # shards 0 and 1 were read (the checksum is due after shard 1's blocks)
+
+
 def test_partial_run(tmp_path):
     make_run(tmp_path / "r", n_shards=2, finalize=False)
     with pytest.raises(InputError, match="incomplete run.*--partial"):

@@ -134,18 +134,65 @@ def run_task(task: Task, spec: PassSpec, progress=None, into: dict | None = None
     """Process one task; ``progress(rows)`` is called after each block when given. A shard's size is
     checked first, its checksum (``spec.checksum``) while it is read. ``into``: accumulate into these
     parts (in place: one set of accumulators when tasks run in this process) instead of new ones."""
-    finish = check_shard_file(task, checksum=spec.checksum) if task.kind == "shard" else (lambda: None)
+    finish = _check(task, spec)
     parts = _run(task, spec, progress, {} if into is None else into)
     finish()
     return parts
 
 
-def _run(task: Task, spec: PassSpec, progress, parts: dict) -> dict[str, LayerPart]:
+def run_tasks(tasks: list[Task], spec: PassSpec, progress=None, into: dict | None = None) -> dict:
+    """``run_task`` for every task in order, into one set of accumulators (``into``, or new ones).
+
+    With ``spec.threads`` > 1 one reader thread reads the next block while this one is computed,
+    across task boundaries: a shard of a few tens of MB is a single block, so a read-ahead inside
+    each task overlapped nothing and every shard's read waited (measured on the 200k x 384 benchmark
+    run: 0.10 s of IsoScore's 0.72 s, 0.18 s of the suite's 1.35 s). The blocks, the order in which
+    they are added and so the numbers are those of ``run_task`` one task after another; a bad
+    shard's error comes after the blocks read before it, as there."""
+    parts = {} if into is None else into
+    streamed = spec.threads > 1 and spec.kind != "select" and not any(t.accumulated for t in tasks)
+    if not streamed or len(tasks) <= 1:
+        for t in tasks:
+            run_task(t, spec, progress, into=parts)
+        return parts
+    _new_parts(parts, spec)
+
+    def stream():
+        for t in tasks:
+            finish = _check(t, spec)
+            yield from iter_blocks(t, spec.layers, spec.n_groups, spec.block_rows)
+            yield _TaskDone(finish)  # the task's last block is in: its checksum is due
+
+    for item in _read_ahead(stream()):
+        if isinstance(item, _TaskDone):
+            item.finish()
+            continue
+        _add_block(item, spec, parts)
+        if progress:
+            progress(len(item.keys))
+    return parts
+
+
+@dataclass
+class _TaskDone:
+    finish: object  # check_shard_file's finish()
+
+
+def _check(task: Task, spec: PassSpec):
+    """A shard's size now and its checksum in the background (sources.check_shard_file): ``finish()``."""
+    return check_shard_file(task, checksum=spec.checksum) if task.kind == "shard" else (lambda: None)
+
+
+def _new_parts(parts: dict, spec: PassSpec) -> None:
     for name in spec.layers:
         if name not in parts:
             parts[name] = _new_part(spec, None)
             if spec.kind == "unit":
                 parts[name].unit = _unit_part(spec, name)
+
+
+def _run(task: Task, spec: PassSpec, progress, parts: dict) -> dict[str, LayerPart]:
+    _new_parts(parts, spec)
     if task.accumulated:
         return _run_accumulated(task, spec, progress, parts)
     if spec.kind == "select":
@@ -160,25 +207,30 @@ def _run(task: Task, spec: PassSpec, progress, parts: dict) -> dict[str, LayerPa
         return parts
     blocks = iter_blocks(task, spec.layers, spec.n_groups, spec.block_rows)
     for block in _read_ahead(blocks) if spec.threads > 1 else blocks:
-        for name in spec.layers:
-            x = block.layers[name]
-            lp = parts[name]
-            keep = _filter(block, name, spec, lp.counts if spec.kind == "moments" else None)
-            if not keep.any():
-                continue
-            whole = bool(keep.all())  # the common case: no copy
-            xs = x if whole else x[keep]
-            gs = block.group if whole else block.group[keep]
-            if spec.kind == "moments":
-                update_groups(lp.groups, xs, gs, threads=spec.threads)
-                if lp.reservoir is not None:
-                    keys = block.keys if whole else block.keys[keep]
-                    lp.reservoir.add(row_hash(keys, spec.seed, STREAM_ID_SAMPLE), xs)
-            else:
-                _update_units(lp.unit, xs, gs, spec)
+        _add_block(block, spec, parts)
         if progress:
             progress(len(block.keys))
     return parts
+
+
+def _add_block(block, spec: PassSpec, parts: dict) -> None:
+    """One block of rows into the "moments" or "unit" accumulators of every layer."""
+    for name in spec.layers:
+        x = block.layers[name]
+        lp = parts[name]
+        keep = _filter(block, name, spec, lp.counts if spec.kind == "moments" else None)
+        if not keep.any():
+            continue
+        whole = bool(keep.all())  # the common case: no copy
+        xs = x if whole else x[keep]
+        gs = block.group if whole else block.group[keep]
+        if spec.kind == "moments":
+            update_groups(lp.groups, xs, gs, threads=spec.threads)
+            if lp.reservoir is not None:
+                keys = block.keys if whole else block.keys[keep]
+                lp.reservoir.add(row_hash(keys, spec.seed, STREAM_ID_SAMPLE), xs)
+        else:
+            _update_units(lp.unit, xs, gs, spec)
 
 
 def _read_ahead(blocks):

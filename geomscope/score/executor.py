@@ -27,7 +27,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-from geomscope.score.accumulate import PassSpec, merge_parts, run_task
+from geomscope.score.accumulate import PassSpec, merge_parts, run_task, run_tasks
 from geomscope.score.sources import Task
 
 
@@ -81,10 +81,7 @@ class Executor:
 
     def run(self, tasks: list[Task], spec: PassSpec, advance: Callable[[int], None] | None = None) -> dict:
         if self.workers <= 1 or len(tasks) <= 1:
-            acc: dict = {}
-            for t in tasks:
-                run_task(t, spec, advance, into=acc)
-            return acc
+            return run_tasks(tasks, spec, advance)
         pool = self._get_pool()
         window = 2 * self.workers
         acc = {}
