@@ -321,6 +321,7 @@ class _Scorer:
                 c0 if c0 is not None else self.target,
             )
             state.keep_groups = self.basis is not None and name in self.basis.pairs
+            state.threads = self.threads  # layers are finished one per --workers thread at a time
         self._each(entries.values(), LayerResult.moments)
         if self.basis is not None:
             self._gradient_energy(entries)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from geomscope.metrics.moments import map_in_order
 from geomscope.schema import EXTRA_ID_PREFIX, SCALAR_METRIC_NAMES
 from geomscope.score import compute, idest, outliers
 from geomscope.score.options import ScoreOptions
@@ -35,6 +36,7 @@ class LayerResult:
         self.extra: dict = {}
         self.dim = src.dim
         self.keep_groups = False  # True: the groups outlive moments() (score --basis: energy SEs)
+        self.threads = 1  # threads for the jackknife replicates (the scorer: its cores per layer at a time)
         if self.counts.get("nonfinite"):
             self.flags.append("nonfinite_rows_dropped")
 
@@ -70,14 +72,22 @@ class LayerResult:
         self.live = live
         shifts = {v: [] for v in o.avgcos_variants if v != "plain"} if o.needs_second_pass else {}
         self.rep_stats = []
-        for r in live:
+
+        def replicate(r, _scratch):  # replicate r's numbers (an eigensolve each: threads pay)
             m = compute.merged(groups, skip=r)
-            vals = compute.moment_values(m, o, c0, {}, full=False)
+            shift_scale = {v: compute.unit_shift_scale(m, v) for v in shifts}
+            return (
+                compute.moment_values(m, o, c0, {}, full=False),
+                outliers.replicate_statistic(m, o),
+                shift_scale,
+            )
+
+        for vals, stat, shift_scale in map_in_order(replicate, live, self.threads):
             for k, v in vals.items():
                 self.reps.setdefault(k, []).append(v)
-            self.rep_stats.append(outliers.replicate_statistic(m, o))
+            self.rep_stats.append(stat)
             for v in shifts:
-                shifts[v].append(compute.unit_shift_scale(m, v))
+                shifts[v].append(shift_scale[v])
         if shifts:
             spec = {}
             for v, lst in shifts.items():
