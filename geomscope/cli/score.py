@@ -145,7 +145,8 @@ def score_cmd(
         min=1,
         metavar="N",
         help="Processes reading shards (and threads finishing layers) in parallel; "
-        "BLAS runs single-threaded in each.",
+        "BLAS runs single-threaded in each. One process already computes on every usable core "
+        "(threads over blocks); more pay where reading or many layers are the limit.",
     ),
     scheduler: Optional[str] = typer.Option(
         None,
