@@ -24,6 +24,12 @@ duplicates, seed 0. Contenders, each computing the linear TwoNN (discard 0.1, F_
   ``torch.cdist(X[block], X)`` (float32, matrix-product mode), self masked, ``topk(2)``, same fit;
   its blocks use the same 256 MiB budget. Not exact for near-duplicates (no refinement).
 
+MiniLM rows (full run): the bundled all-MiniLM-L6-v2's own activations on sample_data/sentences.txt
+(the first 8,000 tokens of its 400 sentences; layers 1, 3 and 6), pruning forced (``prune=True``,
+one run) against brute force: how many pairs pruning leaves to compute exactly, the speed-up, and
+which one the automatic choice takes there (real activations have far flatter spectra than the
+synthetic data).
+
 Timings alternate the contenders on the same array (``_common.alternate``), 1 warm-up (none at
 N >= 20,000), medians of ``repeats``; ratio = alternative seconds / geomscope seconds (> 1:
 geomscope is faster). Each note ends with the 1-minute load average when the row finished: on a
@@ -144,7 +150,68 @@ def _row(name, t, ours, alt, repeats, frac, target, note):
     }
 
 
-CONTENDERS = ("geomscope", "brute", "skdim", "fastwonn", "cdist")
+MINILM_LAYERS = (1, 3, 6)
+MINILM_ROWS = 8000  # the first 8,000 tokens: forced pruning takes 50-110 s per layer on all 15,492
+
+
+def minilm_layers(layers=MINILM_LAYERS) -> dict[int, np.ndarray]:
+    """Token rows (float32) of the bundled MiniLM's ``layers`` over sample_data/sentences.txt."""
+    import shutil
+    import tempfile
+
+    from geomscope.extract.run import extract
+    from geomscope.store import Run, iter_shard
+
+    text = Path(__file__).resolve().parents[1] / "sample_data" / "sentences.txt"
+    work = Path(tempfile.mkdtemp(prefix="bench-twonn-minilm-"))
+    try:
+        extract("bundled:minilm", [text], work / "run", layers=",".join(map(str, layers)), device="cpu")
+        run = Run(work / "run")
+        out = {}
+        for i, name in zip(layers, [la["name"] for la in run.layers], strict=True):
+            chunks = [c.layers[name] for s in run.shards for c in iter_shard(run.shard_path(s), [name])]
+            out[i] = np.concatenate(chunks).astype(np.float32)
+        return out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def minilm_rows(repeats: int) -> list[dict]:
+    """Pruning forced vs brute force on the bundled MiniLM's layers (both exact: the same neighbours)."""
+    import time
+
+    from geomscope.metrics.twonn import twonn
+
+    rows = []
+    for layer, x in minilm_layers().items():
+        x = x[:MINILM_ROWS]
+        t0 = time.perf_counter()
+        pruned = twonn(x, prune=True)  # timed once: 20-80x slower than brute force here
+        t = {"pruned": time.perf_counter() - t0}
+        brute, auto = twonn(x, prune=False), twonn(x)
+        info = pruned.neighbor_info
+        choice = "pruned" if auto.neighbor_info.get("pruned") else "brute force"
+        t["brute"] = alternate({"brute": lambda x=x: twonn(x, prune=False)}, repeats=repeats)["brute"]
+        rows.append(
+            _row(
+                f"TwoNN, bundled MiniLM layer {layer} ({x.shape[0]:,} x {x.shape[1]} tokens): pruning "
+                "forced vs brute force",
+                t["pruned"],
+                pruned.dimension,
+                t["brute"],
+                repeats,
+                None,
+                "brute force kept where pruning does not pay",
+                f"seconds (pruned: one run; brute: median of {repeats}); pruned: k={info.get('prune_width')} "
+                "directions, "
+                f"{info.get('pair_fraction', float('nan')):.1e} of pairs exact; automatic choice: {choice}; "
+                f"d = {pruned.dimension:.4f} (brute {brute.dimension:.4f}); load {os.getloadavg()[0]:.1f}",
+            )
+        )
+    return rows
+
+
+CONTENDERS = ("geomscope", "brute", "skdim", "fastwonn", "cdist", "minilm")
 
 
 def run(
@@ -153,12 +220,13 @@ def run(
     """Rows for each size; ``only``: the contenders to run (geomscope always runs)."""
     sizes = sizes or ([3000, 6000] if quick else [5000, 10000, 20000, 50000])
     repeats = repeats or (2 if quick else 3)
+    synthetic = not only or bool(set(only) - {"minilm"})  # `--only minilm`: the MiniLM rows alone
     only = set(only or CONTENDERS) | {"geomscope"}
     skdim_max = fastwonn_max = 20000
     has_fastwonn = fastwonn_available()
     rows = []
     skdim_20k = None
-    for n in sizes:
+    for n in sizes if synthetic else []:
         x = make_data(n)
         fns = {
             "geomscope": lambda x=x: geomscope_twonn(x),
@@ -277,6 +345,8 @@ def run(
                     f"{med}; d = {ours:.4f} vs {vals['cdist']:.4f} (float32 distances){load}",
                 )
             )
+    if not quick and "minilm" in only:
+        rows.extend(minilm_rows(repeats))
     return rows
 
 
