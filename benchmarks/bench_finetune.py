@@ -168,6 +168,7 @@ def run(quick: bool = False, threads: int | None = 1, device: str = "cpu") -> li
             "alternative": med[baseline[k]],
             "ratio": med[k] / med[baseline[k]],
             "target": names[k][1],
+            "of bound": med[baseline[k]] / med[k],  # the bound: the plain step, no regulariser at all
             "note": note,
         }
         for k in contenders
