@@ -22,7 +22,7 @@ from pathlib import Path
 
 from geomscope.errors import DataError, InputError
 from geomscope.extract.batching import Doc, length_order, plan_batches, tokenize
-from geomscope.extract.capture import trim_heap
+from geomscope.extract.capture import HeapTrim
 from geomscope.extract.layers import LAYER_NOTE, describe_layers, parse_layers, split_final_norm
 from geomscope.extract.options import ExtractOptions
 from geomscope.extract.plan import bytes_per_row, check_disk, estimate_tokens, human_bytes, scan_inputs
@@ -472,6 +472,7 @@ class _ShardRun:
         else:
             self.capture = Capture(lm, plan.read_layers, opts.store_dtype)
         self.names = [la["name"] for la in plan.layer_desc]
+        self.heap = HeapTrim()  # trims the heap after spreading batches and at shard boundaries
         self.entries = {s["index"]: s for s in writer.manifest["shards"]}
         self.counts = {"records": 0, "docs_empty": 0}
         self.total_rows = self.new_rows = self.written = self.resumed = 0
@@ -516,7 +517,7 @@ class _ShardRun:
                 if labels is not None:
                     self._set_labels(group_labels)
                 budget_hit = self._write(k, group, prog)
-                trim_heap()  # the shard's token ids and buffers are free now: hand back their pages
+                self.heap.shard_done()  # the shard's token ids and buffers are free: hand back their pages
                 if budget_hit or self._budget_spent():
                     break
         return time.perf_counter() - t0
@@ -594,6 +595,8 @@ class _ShardRun:
                     arrays, meta = self.capture.device_rows(batch)
                     keeper.add(arrays, meta)
                 prog.advance(len(batch), work=len(meta["token_id"]))
+                del arrays  # the batch's rows are stored: free them before measuring the heap
+                self.heap.batch_done()
             if keeper is not None:
                 sw.keep_accumulators(keeper, sample, self.opts.seed)
             info = sw.close()
