@@ -19,6 +19,7 @@ numbers (to float64 rounding of the merge tree, which is the same tree either wa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -175,7 +176,7 @@ def run_tasks(tasks: list[Task], spec: PassSpec, progress=None, into: dict | Non
 
 @dataclass
 class _TaskDone:
-    finish: object  # check_shard_file's finish()
+    finish: Callable[[], None]  # check_shard_file's finish()
 
 
 def _check(task: Task, spec: PassSpec):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from geomscope.metrics.moments import map_in_order
+from geomscope.metrics.moments import MAX_THREADED_M2_BYTES, map_in_order
 from geomscope.schema import EXTRA_ID_PREFIX, SCALAR_METRIC_NAMES
 from geomscope.score import compute, idest, outliers
 from geomscope.score.options import ScoreOptions
@@ -82,7 +82,9 @@ class LayerResult:
                 shift_scale,
             )
 
-        for vals, stat, shift_scale in map_in_order(replicate, live, self.threads):
+        # each replicate in flight holds a merged D x D scatter: large ones one at a time, as in moments.py
+        threads = self.threads if 8 * full.dim**2 <= MAX_THREADED_M2_BYTES else 1
+        for vals, stat, shift_scale in map_in_order(replicate, live, threads):
             for k, v in vals.items():
                 self.reps.setdefault(k, []).append(v)
             self.rep_stats.append(stat)

@@ -70,7 +70,6 @@ class Engine:
         """FSDP or DeepSpeed ZeRO (from ``accelerate launch --config_file``): the optimizer state (and
         under FSDP and ZeRO-3 the parameters) is split over the processes, so saving gathers the
         model and resume is not offered."""
-
         return self.deepspeed or self.fsdp
 
     @property
