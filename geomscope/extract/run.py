@@ -5,8 +5,9 @@ input order (after ``max_docs``), so the plan depends only on the inputs and opt
 same command skips the shards the manifest lists as finished and redoes the rest, and the result
 equals an uninterrupted run.  Within a shard, documents are processed and stored by descending
 length (ties by doc id), in batches cut by a token budget; each batch is moved to the CPU and
-appended to the shard before the next one runs, so memory is bounded by one shard's token ids and
-one batch's activations, whatever the size of the input.
+appended to the shard while the next one runs (extract/storing.py: one store thread appends and
+publishes, in order), so memory is bounded by one shard's token ids and two batches' activations,
+whatever the size of the input.
 
 ``max_tokens`` caps the number of rows: documents are taken in input order and the one that reaches
 the cap is cut to the tokens that remain (its first positions are kept).
@@ -18,6 +19,7 @@ import datetime as _dt
 import json
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from geomscope.errors import DataError, InputError
@@ -27,6 +29,7 @@ from geomscope.extract.layers import LAYER_NOTE, describe_layers, parse_layers, 
 from geomscope.extract.options import ExtractOptions
 from geomscope.extract.plan import bytes_per_row, check_disk, estimate_tokens, human_bytes, scan_inputs
 from geomscope.extract.sources import close_inputs, hash_input, iter_all, open_inputs, uses_column, uses_field
+from geomscope.extract.storing import StoreThread
 from geomscope.progress import Progress
 from geomscope.provenance import package_versions
 
@@ -488,7 +491,8 @@ class _ShardRun:
         """Keep the finished shards, write this process's others; the seconds it took."""
         t0 = time.perf_counter()
         labels = None
-        if self.opts.gradients and self.lm.info.get("loss") == "classification":
+        self.labelled = self.opts.gradients and self.lm.info.get("loss") == "classification"
+        if self.labelled:
             from geomscope.extract.sources import iter_labels
 
             labels = iter_labels(self.ins, self.opts.label_field)
@@ -501,26 +505,34 @@ class _ShardRun:
             self.counts,
             labels,
         )
-        with Progress(self.progress) as bar:
-            prog = bar.add("extract", self.plan.docs, unit="docs", rate_unit="tok")
-            for k, (group, group_labels) in enumerate(groups):
-                if self._budget_spent():
-                    break
-                done = self.writer.finished.get(k)
-                if done is not None and (done.doc_start, done.doc_stop) == (group[0][0], group[-1][0] + 1):
-                    self._keep(k, done)
-                    prog.skip(len(group))
-                    continue
-                if k % self.world != self.rank:  # another process's shard
-                    prog.skip(len(group))
-                    continue
-                if labels is not None:
-                    self._set_labels(group_labels)
-                budget_hit = self._write(k, group, prog)
-                self.heap.shard_done()  # the shard's token ids and buffers are free: hand back their pages
-                if budget_hit or self._budget_spent():
-                    break
+        self.store = StoreThread()
+        try:
+            with Progress(self.progress) as bar:
+                self._write_groups(groups, bar.add("extract", self.plan.docs, unit="docs", rate_unit="tok"))
+        except BaseException:
+            self.store.drain_quietly()  # what was captured before the failure is still stored
+            raise
+        self.store.drain()  # every shard published, in order
         return time.perf_counter() - t0
+
+    def _write_groups(self, groups, prog) -> None:
+        for k, (group, group_labels) in enumerate(groups):
+            if self._budget_spent():
+                break
+            done = self.writer.finished.get(k)
+            if done is not None and (done.doc_start, done.doc_stop) == (group[0][0], group[-1][0] + 1):
+                self._keep(k, done)
+                prog.skip(len(group))
+                continue
+            if k % self.world != self.rank:  # another process's shard
+                prog.skip(len(group))
+                continue
+            if self.labelled:
+                self._set_labels(group_labels)
+            budget_hit = self._write(k, group, prog)
+            self.heap.shard_done()  # the shard's token ids and buffers are free: hand back their pages
+            if budget_hit or self._budget_spent():
+                break
 
     def _set_labels(self, raw: dict) -> None:
         """The shard's class indices for the classification loss (a bad label: one line, before any work)."""
@@ -581,8 +593,8 @@ class _ShardRun:
             expected_rows=max(1, rows if sample is None else min(rows, 2 * sample)),
             row_flags=("loss_target",) if self.opts.gradients else (),
         )
+        keeper, measured = None, 0
         try:
-            keeper = None
             if sample is not None:
                 from geomscope.extract.keep import SampleKeeper
 
@@ -590,30 +602,41 @@ class _ShardRun:
             for batch in plan_batches(length_order(kept), self.opts.batch_tokens):
                 if keeper is None:
                     arrays, meta = self.capture(batch)
-                    sw.append(arrays, **meta)
+                    # the previous batch was stored during this forward: its rows are free now, and
+                    # at most one batch's rows are ever waiting to be stored
+                    self.store.wait_idle()
+                    self.heap.batch_done()
+                    self.store.submit(sw, partial(sw.append, arrays, **meta))
                 else:
                     arrays, meta = self.capture.device_rows(batch)
                     keeper.add(arrays, meta)
+                    del arrays  # measured: free the rows before measuring the heap
+                    self.heap.batch_done()
+                measured += len(meta["token_id"])
                 prog.advance(len(batch), work=len(meta["token_id"]))
-                del arrays  # the batch's rows are stored: free them before measuring the heap
-                self.heap.batch_done()
-            if keeper is not None:
-                sw.keep_accumulators(keeper, sample, self.opts.seed)
-            info = sw.close()
         except BaseException:
+            self.store.drain_quietly()  # the store thread is done with sw before it goes
             sw.abort()
             raise
-        if sw.nonfinite_by_layer:
-            stats["nonfinite_by_layer"] = dict(sw.nonfinite_by_layer)
         if self.opts.gradients:
             loss_sum, loss_docs, without = self.capture.reset_totals()
             stats.update(loss_sum=loss_sum, loss_docs=loss_docs, docs_without_targets=without)
-        self.writer.add_shard(info, stats=stats)
+        self.store.submit(sw, partial(self._publish, sw, stats, keeper))
         prog.skip(len(group) - len(kept))
-        self.total_rows += info.n_tokens
-        self.new_rows += info.n_tokens
+        self.total_rows += measured
+        self.new_rows += measured
         self.written += 1
         return budget_hit
+
+    def _publish(self, sw, stats: dict, keeper) -> None:
+        """(Store thread) finish shard ``sw`` -- a --keep sample shard gets its sample and
+        accumulators -- publish it and record it in the manifest."""
+        if keeper is not None:
+            sw.keep_accumulators(keeper, self.opts.sample_size, self.opts.seed)
+        info = sw.close()
+        if sw.nonfinite_by_layer:
+            stats["nonfinite_by_layer"] = dict(sw.nonfinite_by_layer)
+        self.writer.add_shard(info, stats=stats)
 
     def _gradient_summary(self, stats: dict) -> dict:
         if not self.opts.gradients:

@@ -6,6 +6,7 @@ import hashlib
 import os
 import re
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -259,8 +260,12 @@ class ShardWriter:
         self._f.attrs["doc_stop"] = self.doc_stop
         self._f.flush()
         self._f.close()
-        with open(self.tmp_path, "rb") as fh:
-            os.fsync(fh.fileno())
+        # the checksum (reading the file back from the page cache: CPU) while fsync waits for the disk
+        with ThreadPoolExecutor(1, thread_name_prefix="geomscope-sha256") as pool:
+            digest = pool.submit(file_sha256, self.tmp_path)
+            with open(self.tmp_path, "rb") as fh:
+                os.fsync(fh.fileno())
+            sha256 = digest.result()
         os.replace(self.tmp_path, self.path)
         fsync_dir(self.path.parent)
         return ShardInfo(
@@ -272,7 +277,7 @@ class ShardWriter:
             doc_stop=self.doc_stop,
             nonfinite_rows=self._measured["nonfinite_rows"] if self._measured else self.nonfinite_rows,
             bytes=self.path.stat().st_size,
-            sha256=file_sha256(self.path),
+            sha256=sha256,
             tokens=self._measured["tokens"] if self._measured else self.rows,
         )
 

@@ -1,0 +1,233 @@
+"""extract's store thread (extract/storing.py): batches are appended and shards published in one
+background thread, in order, while the next forward runs. The shard files are the ones a synchronous
+store writes, byte for byte; a failure of the store surfaces in the caller with its own exception, removes
+the unfinished shard's temporary file and leaves the published shards resumable; a failure of the
+main thread still publishes what was captured before it."""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+
+import numpy as np
+import pytest
+from helpers_models import SAMPLE_TEXTS, make_tiny_model
+
+import geomscope.extract.run as run_mod
+import geomscope.extract.storing as storing
+from geomscope.extract import capture as cap
+from geomscope.extract.models import load_model
+from geomscope.extract.run import extract
+from geomscope.store import Run, iter_shard
+from geomscope.store.shard import ShardWriter
+
+TEXTS = [t for t in SAMPLE_TEXTS if t.strip()] * 3  # several shards of several batches
+
+
+class FakeWriter:
+    def __init__(self):
+        self.aborted = 0
+
+    def abort(self):
+        self.aborted += 1
+
+
+class SyncStore:
+    """The store thread's interface, every job run at once in the caller: the synchronous store."""
+
+    def __init__(self, depth=1):
+        pass
+
+    def submit(self, writer, job):
+        try:
+            job()
+        except BaseException:
+            writer.abort()
+            raise
+
+    def wait_idle(self):
+        pass
+
+    drain = drain_quietly = wait_idle
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    return load_model(str(make_tiny_model("bert", tmp_path_factory.mktemp("models"))))
+
+
+@pytest.fixture
+def src(tmp_path):
+    p = tmp_path / "in.txt"
+    p.write_text("\n".join(TEXTS) + "\n")
+    return p
+
+
+def stored(run_dir) -> dict[str, np.ndarray]:
+    run = Run(run_dir)
+    parts = [ch for info in run.shards for ch in iter_shard(run.shard_path(info))]
+    out = {k: np.concatenate([getattr(c, k) for c in parts]) for k in ("token_id", "doc_id", "position")}
+    return out | {"L:" + n: np.concatenate([c.layers[n] for c in parts]) for n in run.layer_names}
+
+
+def assert_same_rows(a_dir, b_dir):
+    a, b = stored(a_dir), stored(b_dir)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def no_temp_files(run_dir) -> bool:
+    return not list(run_dir.glob(".*.tmp"))
+
+
+def store_threads() -> list:
+    """Store threads still running: none once extract has returned or raised."""
+    return [t for t in threading.enumerate() if t.name == "geomscope-store" and t.is_alive()]
+
+
+KW = {"shard_docs": 4, "batch_tokens": 48}
+
+
+# ------------------------------------------------------------------------------ the thread itself
+def test_jobs_run_in_order_in_one_background_thread():
+    store = storing.StoreThread()
+    seen, threads = [], set()
+
+    def job(i):
+        time.sleep(0.002 * (i % 3))  # uneven jobs: order must not follow duration
+        seen.append(i)
+        threads.add(threading.get_ident())
+
+    for i in range(20):
+        store.submit(FakeWriter(), lambda i=i: job(i))
+    store.wait_idle()
+    assert seen == list(range(20))
+    store.drain()
+    assert threads and threading.get_ident() not in threads and len(threads) == 1
+    with pytest.raises(RuntimeError, match="drained"):
+        store.submit(FakeWriter(), lambda: None)
+
+
+def test_at_most_one_batch_waits_besides_the_one_being_stored():
+    store = storing.StoreThread(depth=1)
+    gate, waiting = threading.Event(), []
+    store.submit(FakeWriter(), gate.wait)  # the thread is busy until the gate opens
+    store.submit(FakeWriter(), lambda: None)  # queued
+
+    def third():
+        store.submit(FakeWriter(), lambda: None)
+        waiting.append("submitted")
+
+    t = threading.Thread(target=third)
+    t.start()
+    time.sleep(0.2)
+    assert waiting == []  # blocked: the queue holds one job already
+    gate.set()
+    t.join(5)
+    assert waiting == ["submitted"]
+    store.drain()
+
+
+def test_a_failure_surfaces_once_later_jobs_skipped_and_their_writers_aborted():
+    store = storing.StoreThread()
+    ran, writers = [], [FakeWriter() for _ in range(4)]
+    gate = threading.Event()
+    store.submit(writers[0], gate.wait)
+
+    def fail():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    store.submit(writers[1], fail)
+    gate.set()
+    with pytest.raises(OSError, match="No space"):
+        for w in writers[2:]:
+            store.submit(w, lambda: ran.append(1))
+            store.wait_idle()
+    with pytest.raises(OSError, match="No space"):
+        store.drain()
+    store.drain_quietly()  # a caller already raising: nothing more
+    assert ran == []
+    assert writers[0].aborted == 0 and writers[1].aborted == 1
+    assert all(w.aborted <= 1 for w in writers[2:])
+
+
+# ------------------------------------------------------------------------------ inside extract
+def test_rows_equal_a_synchronous_store(bert, src, tmp_path, monkeypatch):
+    a = extract(bert, [src], tmp_path / "thread", **KW)
+    assert store_threads() == []
+    monkeypatch.setattr(run_mod, "StoreThread", SyncStore)
+    b = extract(bert, [src], tmp_path / "sync", **KW)
+    assert a["shards_written"] == b["shards_written"] >= 3 and a["rows"] == b["rows"]
+    assert_same_rows(tmp_path / "thread", tmp_path / "sync")
+    # the shard files themselves are byte for byte the synchronous store's
+    sha = [[s["sha256"] for s in Run(d).manifest["shards"]] for d in (tmp_path / "thread", tmp_path / "sync")]
+    assert sha[0] == sha[1]
+
+
+def test_a_store_failure_is_raised_and_the_run_resumes(bert, src, tmp_path, monkeypatch):
+    extract(bert, [src], tmp_path / "clean", **KW)
+    real, calls = ShardWriter.append, {"n": 0}
+
+    def full_disk(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 7:  # inside the second or a later shard
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(ShardWriter, "append", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        extract(bert, [src], tmp_path / "run", **KW)
+    assert store_threads() == []
+    monkeypatch.setattr(ShardWriter, "append", real)
+    partial = Run(tmp_path / "run")
+    assert not partial.complete and 0 < len(partial.shards) < partial.manifest["planned_shards"]
+    assert no_temp_files(tmp_path / "run")  # the failed shard's temporary file is gone
+    for info in partial.shards:  # what was published is whole: its checksum holds
+        assert (tmp_path / "run" / info.file).is_file()
+    s = extract(bert, [src], tmp_path / "run", **KW)
+    assert s["shards_resumed"] == len(partial.shards) and Run(tmp_path / "run").complete
+    assert_same_rows(tmp_path / "clean", tmp_path / "run")
+
+
+def test_a_failure_in_the_forward_still_publishes_the_shard_before_it(bert, src, tmp_path, monkeypatch):
+    real, calls = cap.Capture.__call__, {"n": 0}
+
+    def count(self, docs):
+        calls["n"] += 1
+        return real(self, docs)
+
+    monkeypatch.setattr(cap.Capture, "__call__", count)
+    first = extract(bert, [src], tmp_path / "count", **KW)
+    assert first["shards_written"] >= 3
+    n_fail = calls["n"] // 2 + 1  # a batch well inside the run
+    calls["n"] = 0
+
+    def flaky(self, docs):
+        calls["n"] += 1
+        if calls["n"] == n_fail:
+            raise KeyboardInterrupt
+        return real(self, docs)
+
+    write, handed_over = run_mod._ShardRun._write, []
+
+    def counted_write(self, k, group, prog):
+        out = write(self, k, group, prog)
+        handed_over.append(k)  # all of shard k's batches ran; its publishing is queued
+        return out
+
+    monkeypatch.setattr(cap.Capture, "__call__", flaky)
+    monkeypatch.setattr(run_mod._ShardRun, "_write", counted_write)
+    with pytest.raises(KeyboardInterrupt):
+        extract(bert, [src], tmp_path / "run", **KW)
+    assert store_threads() == []  # nothing goes on writing after extract raised
+    monkeypatch.setattr(cap.Capture, "__call__", real)
+    partial = Run(tmp_path / "run")
+    # every shard whose batches all ran before the failure is published, the last one's publishing
+    # still queued when the failure came among them
+    assert handed_over and [i.index for i in partial.shards] == handed_over
+    assert no_temp_files(tmp_path / "run")
+    s = extract(bert, [src], tmp_path / "run", **KW)
+    assert s["shards_resumed"] == len(partial.shards)
+    assert_same_rows(tmp_path / "count", tmp_path / "run")
