@@ -200,3 +200,58 @@ def test_cli_errors(cli, run6, tmp_path, monkeypatch):
     code, o, e = cli(["score", run6, "--out", out, "--quiet", "--scheduler", "local:2"])
     assert_one_line_error(code, o, e, "pip install 'geomscope[dask]'")
     assert not out.with_suffix(".json").exists()
+
+
+# ---------------------------------------------------------------- how local:N starts its workers
+FORKED_SCORE = """
+import json, sys
+import geomscope.score.dask_executor as de
+from geomscope.score import ScoreOptions, score
+
+sys._geomscope_parent_marker = True  # a forked worker has it, a spawned one does not
+seen = {}
+run = de.DaskExecutor.run
+
+def spy(self, tasks, spec, advance=None):
+    if not seen:
+        seen["method"] = self.start_method
+        seen["forked"] = sorted(
+            self.client.run(lambda: getattr(sys, "_geomscope_parent_marker", False)).values()
+        )
+    return run(self, tasks, spec, advance)
+
+de.DaskExecutor.run = spy
+rep = score(sys.argv[1], ScoreOptions(scheduler="local:2", id_sample=60, jackknife_groups=4))
+print(json.dumps({"seen": seen, "report": rep}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="local:N forks its workers on Linux only")
+def test_local_workers_forked_when_safe_give_the_same_report(run6, local2):
+    """A fresh process (no torch, no HDF5 file open): the workers are forked, have this process's
+    modules, and the report is bit for bit the spawned workers' (same chunks, same merge order)."""
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-c", FORKED_SCORE, str(run6)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["seen"] == {"method": "fork", "forked": [True, True]}
+    assert_same_report(local2, out["report"], exact=True)
+
+
+def test_spawned_when_torch_is_loaded(run6, local2):
+    """This test process has torch loaded (the tiny models): local:N spawns, restored afterwards."""
+    import dask
+
+    from geomscope.score.dask_executor import DaskExecutor
+
+    assert "torch" in sys.modules
+    before = dask.config.get("distributed.worker.multiprocessing-method")
+    with DaskExecutor("local:1") as ex:
+        assert ex.start_method == "spawn"
+        assert ex.client.run(lambda: getattr(sys, "_geomscope_parent_marker", False)) == {
+            w: False for w in ex.client.nthreads()
+        }
+    assert dask.config.get("distributed.worker.multiprocessing-method") == before
