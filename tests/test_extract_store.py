@@ -106,7 +106,7 @@ def test_jobs_run_in_order_in_one_background_thread():
     assert seen == list(range(20))
     store.drain()
     assert threads and threading.get_ident() not in threads and len(threads) == 1
-    with pytest.raises(RuntimeError, match="drained"):
+    with pytest.raises(RuntimeError, match="ended"):
         store.submit(FakeWriter(), lambda: None)
 
 
@@ -231,3 +231,82 @@ def test_a_failure_in_the_forward_still_publishes_the_shard_before_it(bert, src,
     s = extract(bert, [src], tmp_path / "run", **KW)
     assert s["shards_resumed"] == len(partial.shards)
     assert_same_rows(tmp_path / "count", tmp_path / "run")
+
+
+def test_a_writer_whose_abort_fails_does_not_stop_the_thread():
+    """A failed append whose clean-up fails too (read-only disk): the first failure is raised; the
+    thread lives on, so nobody waits for ever."""
+
+    class BadAbort(FakeWriter):
+        def abort(self):
+            super().abort()
+            raise OSError(errno.EROFS, "Read-only file system")
+
+    store = storing.StoreThread()
+    w = BadAbort()
+
+    def fail():
+        raise OSError(errno.EIO, "Input/output error")
+
+    store.submit(w, fail)
+    store.submit(w, lambda: None)  # skipped: abort fails again
+    with pytest.raises(OSError, match="Input/output"):
+        store.wait_idle()
+    assert w.aborted == 2 and store._thread.is_alive()
+    with pytest.raises(OSError, match="Input/output"):
+        store.drain()
+
+
+def test_waiting_on_a_thread_that_ended_raises_instead_of_hanging():
+    store = storing.StoreThread()
+    store.drain()
+    store._jobs.put((FakeWriter(), lambda: None))  # a job nobody will take
+    with pytest.raises(RuntimeError, match="ended"):
+        store.wait_idle()
+    with pytest.raises(RuntimeError, match="ended"):
+        store.submit(FakeWriter(), lambda: None)  # the queue is full: would block for ever
+
+
+def test_at_most_one_stored_batch_alive_when_the_heap_is_measured(bert, src, tmp_path, monkeypatch):
+    """The rows of every batch but the one just captured are freed (the store thread drops a job
+    before it counts as done) when extract measures the heap."""
+    import gc
+    import weakref
+
+    real, alive, seen = cap.Capture.__call__, [], []
+
+    def tracked(self, docs):
+        arrays, meta = real(self, docs)
+        alive.append([weakref.ref(a) for a in arrays.values()])
+        return arrays, meta
+
+    def measure(self):
+        gc.collect()
+        seen.append(sum(any(r() is not None for r in refs) for refs in alive))
+
+    monkeypatch.setattr(cap.Capture, "__call__", tracked)
+    monkeypatch.setattr(cap.HeapTrim, "batch_done", measure)
+    extract(bert, [src], tmp_path / "run", **KW)
+    assert len(seen) > 10 and max(seen) == 1
+
+
+def test_one_sample_keeper_at_a_time(bert, src, tmp_path, monkeypatch):
+    """--keep sample: a shard's keeper (device accumulators of every layer) is published and freed
+    before the next shard's is made."""
+    import gc
+    import weakref
+
+    from geomscope.extract import keep
+
+    made, alive_at_start = weakref.WeakSet(), []
+    init = keep.SampleKeeper.__init__
+
+    def tracked(self, *a, **k):
+        gc.collect()
+        alive_at_start.append(len(made))
+        init(self, *a, **k)
+        made.add(self)
+
+    monkeypatch.setattr(keep.SampleKeeper, "__init__", tracked)
+    s = extract(bert, [src], tmp_path / "run", keep="sample:8", **KW)
+    assert s["shards_written"] >= 3 and alive_at_start == [0] * s["shards_written"]

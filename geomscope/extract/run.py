@@ -598,6 +598,9 @@ class _ShardRun:
             if sample is not None:
                 from geomscope.extract.keep import SampleKeeper
 
+                # the previous shard's keeper (device accumulators of every layer) is published and
+                # freed before this one is made: one keeper at a time, as without the store thread
+                self.store.wait_idle()
                 keeper = SampleKeeper(self.names, self.lm.hidden_size, self.lm.device, sample, self.opts.seed)
             for batch in plan_batches(length_order(kept), self.opts.batch_tokens):
                 if keeper is None:
@@ -614,14 +617,14 @@ class _ShardRun:
                     self.heap.batch_done()
                 measured += len(meta["token_id"])
                 prog.advance(len(batch), work=len(meta["token_id"]))
+            if self.opts.gradients:
+                loss_sum, loss_docs, without = self.capture.reset_totals()
+                stats.update(loss_sum=loss_sum, loss_docs=loss_docs, docs_without_targets=without)
+            self.store.submit(sw, partial(self._publish, sw, stats, keeper))
         except BaseException:
             self.store.drain_quietly()  # the store thread is done with sw before it goes
             sw.abort()
             raise
-        if self.opts.gradients:
-            loss_sum, loss_docs, without = self.capture.reset_totals()
-            stats.update(loss_sum=loss_sum, loss_docs=loss_docs, docs_without_targets=without)
-        self.store.submit(sw, partial(self._publish, sw, stats, keeper))
         prog.skip(len(group) - len(kept))
         self.total_rows += measured
         self.new_rows += measured

@@ -34,6 +34,8 @@ from collections.abc import Callable
 
 #: jobs that may wait in the store thread's queue (a job holds at most one batch's rows)
 DEPTH = 1
+#: how often a waiting caller checks that the store thread is still alive (seconds)
+_POLL_S = 0.1
 
 
 class StoreThread:
@@ -50,28 +52,40 @@ class StoreThread:
         """Queue ``job`` (it stores into ``writer``, a ShardWriter, aborted if the job fails or is
         skipped); raises the exception of a job that already failed instead."""
         self._raise_failure()
-        if not self._thread.is_alive():
-            raise RuntimeError("the store thread was drained; no more jobs can run")
-        self._jobs.put((writer, job))
+        while True:
+            self._check_alive()
+            try:
+                self._jobs.put((writer, job), timeout=_POLL_S)
+                return
+            except queue.Full:
+                continue
 
     def wait_idle(self) -> None:
         """Wait until every job submitted so far has run (the thread goes on); raise a failure."""
-        self._jobs.join()
+        with self._jobs.all_tasks_done:
+            while self._jobs.unfinished_tasks:
+                self._check_alive()
+                self._jobs.all_tasks_done.wait(_POLL_S)
         self._raise_failure()
 
     def drain(self) -> None:
         """Wait until every submitted job has run, end the thread, raise the first job's failure."""
         if self._thread.is_alive():
-            self._jobs.put(None)
+            self._jobs.put(None)  # the thread takes every job, whatever happens to them: never blocks long
             self._thread.join()
         self._raise_failure()
 
     def drain_quietly(self) -> None:
-        """:meth:`drain` for a caller that is already raising its own exception (which goes on)."""
+        """:meth:`drain` for a caller that is already raising its own exception (which goes on); a
+        second Ctrl-C while waiting goes on too (then the thread may still run: nothing is aborted)."""
         try:
             self.drain()
-        except BaseException:
+        except Exception:
             pass
+
+    def _check_alive(self) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError("the store thread has ended; no more jobs can run")
 
     def _raise_failure(self) -> None:
         if self._error is not None:
@@ -90,6 +104,11 @@ class StoreThread:
                         continue
                     except BaseException as e:  # handed to the main thread
                         self._error = e
-                writer.abort()
+                try:
+                    writer.abort()
+                except Exception:  # the first failure is the one to report; the next run cleans up
+                    pass
             finally:
+                # the job (one batch's rows, a shard's keeper) is freed before it counts as done
+                item = writer = job = None
                 self._jobs.task_done()

@@ -287,8 +287,7 @@ class ShardWriter:
             self._f.close()
         except Exception:
             pass
-        if self.tmp_path.exists():
-            self.tmp_path.unlink()
+        self.tmp_path.unlink(missing_ok=True)
 
     def __enter__(self) -> ShardWriter:
         return self
