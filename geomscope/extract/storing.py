@@ -18,8 +18,9 @@ temporary files the next run deletes (a shard whose publishing was still queued 
 Memory: extract waits for the store thread to be idle before it hands over the next batch
 (storing a batch takes a small part of a forward, so it rarely waits), so at most one batch's rows
 are held besides the one being captured: peak RSS +30 MiB for MiniLM (~715 vs ~685 MiB), and the
-10x / 1x text ratio 1.06-1.09x (1.05-1.07x before; fresh processes, shards of 250 sentences).  The
-queue itself holds at most :data:`DEPTH` jobs.
+10x / 1x text ratio 1.06-1.11x in two checks of three fresh-process pairs (1.05-1.07x before;
+shards of 250 sentences): the store thread's temporaries also spread a malloc arena of their own.
+The queue itself holds at most :data:`DEPTH` jobs.
 
 Errors: the first failure of a store job is raised in the main thread (its own exception) at the
 next submit or at :meth:`StoreThread.drain`; every later job is skipped, and the shard writer of a
