@@ -19,7 +19,9 @@ Memory: extract waits for the store thread to be idle before it hands over the n
 (storing a batch takes a small part of a forward, so it rarely waits), so at most one batch's rows
 are held besides the one being captured: peak RSS +30 MiB for MiniLM (~715 vs ~685 MiB), and the
 10x / 1x text ratio 1.06-1.11x in two checks of three fresh-process pairs (1.05-1.07x before;
-shards of 250 sentences): the store thread's temporaries also spread a malloc arena of their own.
+shards of 250 sentences): the peak is the largest sum of a forward's peak and the previous batch's
+rows, which grows with the number of batches (the NaN check's temporaries are not the cause: over
+row blocks it measured the same).
 The queue itself holds at most :data:`DEPTH` jobs.
 
 Errors: the first failure of a store job is raised in the main thread (its own exception) at the
