@@ -13,7 +13,9 @@ loaded once outside the timings:
   ``output_hidden_states=True``, every layer to numpy, real tokens written as one HDF5 dataset per batch.
 
 Throughput is real (non-padding) tokens per second.  Peak RSS of ``extract`` is measured in fresh
-processes at 1x and 10x the text (the same sentences, ten times over), three pairs, median ratio.
+processes at 1x and 10x the text, three pairs each, median ratio: the same sentences ten times over
+(the same batches again: what geomscope itself adds), and ten times as many different sentences
+(larger batches turn up, and the forward's own peak grows with them: :func:`rss_rows`).
 """
 
 from __future__ import annotations
@@ -117,14 +119,27 @@ def _vm_hwm_mb() -> float | None:
     return None
 
 
-def isolated_extract(n_docs: int, workdir: str, shard_docs: int = 1000) -> dict:
-    """In a fresh process: load MiniLM, reset the peak-RSS mark, extract ``n_docs`` sentences.
+def rss_corpus(n_docs: int, work: Path, base_docs: int, repeat: bool) -> Path:
+    """The text of a peak-RSS run: the ``base_docs``-sentence corpus ``n_docs // base_docs`` times over
+    (``repeat``: the same shards, so the same batch shapes, again and again), or ``n_docs`` sentences
+    shuffled afresh (other shards: the larger text holds larger batches)."""
+    if not repeat:
+        return make_corpus(n_docs, work / f"rss-{n_docs}.txt")
+    once = make_corpus(base_docs, work / f"rss-{base_docs}.txt").read_text()
+    path = work / f"rss-{n_docs}-repeated.txt"
+    path.write_text(once * (n_docs // base_docs))
+    return path
+
+
+def isolated_extract(n_docs: int, workdir: str, shard_docs: int = 1000, base_docs: int = 0) -> dict:
+    """In a fresh process: load MiniLM, reset the peak-RSS mark, extract ``n_docs`` sentences (with
+    ``base_docs``, that many sentences over and over: :func:`rss_corpus`).
 
     Returns the peak RSS of the extraction phase (Linux VmHWM after ``clear_refs``; the parent also
     gets the whole process's peak, model loading included).
     """
     work = Path(workdir)
-    src = make_corpus(n_docs, work / f"rss-{n_docs}.txt")
+    src = rss_corpus(n_docs, work, base_docs, repeat=bool(base_docs))
     from geomscope.extract.models import load_model
     from geomscope.extract.run import extract
 
@@ -134,8 +149,9 @@ def isolated_extract(n_docs: int, workdir: str, shard_docs: int = 1000) -> dict:
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     except OSError:
         pass
-    s = extract(lm, [src], work / f"rss-run-{n_docs}", batch_tokens=BATCH_TOKENS, shard_docs=shard_docs)
-    shutil.rmtree(work / f"rss-run-{n_docs}", ignore_errors=True)
+    out = work / f"rss-run-{n_docs}-{base_docs}"
+    s = extract(lm, [src], out, batch_tokens=BATCH_TOKENS, shard_docs=shard_docs)
+    shutil.rmtree(out, ignore_errors=True)
     return {"rows": s["rows"], "extract_peak_mb": _vm_hwm_mb(), "after_load_peak_mb": loaded}
 
 
@@ -160,12 +176,114 @@ def isolated_plain(n_docs: int, workdir: str, shard_docs: int = 1000) -> dict:
     return {"rows": tokens, "extract_peak_mb": _vm_hwm_mb()}
 
 
+def _median_pair(target, docs: int, work: Path, shard: int, repeats: int, base_docs: int = 0):
+    """``repeats`` fresh-process pairs of ``target`` at 1x and 10x ``docs`` sentences, alternating (the
+    peak of one process varies by a few % with where the heap's blocks land); returns the pair of
+    median 10x / 1x ratio and every ratio."""
+    from _common import run_isolated
+
+    pairs = [
+        {k: run_isolated(target, k * docs, str(work), shard, base_docs) for k in (1, 10)}
+        for _ in range(repeats)
+    ]
+    ratios = [
+        p[10]["result"]["extract_peak_mb"] / max(p[1]["result"]["extract_peak_mb"] or 0, 1e-9) for p in pairs
+    ]
+    return pairs[sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]], ratios
+
+
+def _largest_attention(lm, path: Path, shard: int) -> int:
+    """max over the batches of batch size x padded length^2: what a forward's attention scores hold."""
+    batches, _ = ceiling_batches(lm, path, shard)
+    return max(ids.shape[0] * ids.shape[1] ** 2 for ids, _ in batches)
+
+
+def rss_rows(lm, work: Path, docs: int, shard: int, repeats: int) -> list[dict]:
+    """Peak RSS of extract at 10x the text over 1x, in fresh processes (VmHWM reset after the model
+    loads).  Two kinds of 10x text: the same ``docs`` sentences ten times over -- the same batches
+    again, so any growth is geomscope's -- and ``10 * docs`` sentences shuffled afresh, whose largest
+    batches are larger than the 1x text's, so that the forward alone grows (the plain-forward rows)."""
+    same, same_ratios = _median_pair(isolated_extract, docs, work, shard, repeats, base_docs=docs)
+    fresh, fresh_ratios = _median_pair(isolated_extract, docs, work, shard, repeats)
+    plain = {k: run_isolated_plain(k * docs, work, shard) for k in (1, 10)}
+    mb = {
+        (name, k): pair[k]["result"]["extract_peak_mb"]
+        for name, pair in (("same", same), ("fresh", fresh), ("plain", plain))
+        for k in (1, 10)
+    }
+    if not all(mb.values()):  # no VmHWM: not Linux
+        return []
+    attention = {
+        k: _largest_attention(lm, rss_corpus(k * docs, work, docs, repeat=False), shard) for k in (1, 10)
+    }
+    rows_of = {k: fresh[k]["result"]["rows"] for k in (1, 10)}
+
+    def row(benchmark, a, b, target, note):
+        return {
+            "benchmark": benchmark,
+            "geomscope": round(mb[a]),
+            "alternative": round(mb[b]),
+            "ratio": round(mb[a] / mb[b], 3),
+            "target": target,
+            "note": note,
+        }
+
+    common = f"fresh processes, VmHWM reset after model load; --shard-docs {shard}"
+    return [
+        row(
+            f"extract peak RSS MiB, the same {docs} sentences 10 times over vs once",
+            ("same", 10),
+            ("same", 1),
+            "<= 1.1",
+            f"{common}; the same batches again: growth here is geomscope's; median of {repeats} pairs "
+            f"(ratios {', '.join(f'{r:.3f}' for r in same_ratios)})",
+        ),
+        row(
+            f"extract peak RSS MiB, {10 * docs} vs {docs} different sentences",
+            ("fresh", 10),
+            ("fresh", 1),
+            "-",
+            f"{common}; median of {repeats} pairs (ratios {', '.join(f'{r:.3f}' for r in fresh_ratios)}); "
+            f"rows {rows_of[1]:,} vs {rows_of[10]:,}; the largest batch's attention (batch x length^2) is "
+            f"{attention[10] / attention[1]:.2f}x the 1x text's, so the forward's own peak grows",
+        ),
+        row(
+            f"plain forward loop peak RSS MiB, {10 * docs} vs {docs} different sentences (reference)",
+            ("plain", 10),
+            ("plain", 1),
+            "-",
+            "same batches, forward only, nothing kept: the larger batches' growth plus the CPU "
+            "allocator's (glibc heap fragmentation under varying tensor sizes)",
+        ),
+        row(
+            f"extract vs plain forward loop, peak RSS MiB at {10 * docs} different sentences",
+            ("fresh", 10),
+            ("plain", 10),
+            "<= 1.1",
+            "what storing every layer adds on top of the forward itself",
+        ),
+        {
+            "benchmark": f"process peak RSS MiB incl. model load, the same {docs} sentences 10x vs once",
+            "geomscope": round(same[10]["peak_rss_mb"]),
+            "alternative": round(same[1]["peak_rss_mb"]),
+            "ratio": round(same[10]["peak_rss_mb"] / same[1]["peak_rss_mb"], 3),
+            "target": "<= 1.1",
+            "note": "ru_maxrss of the whole extract child process",
+        },
+    ]
+
+
+def run_isolated_plain(n_docs: int, work: Path, shard: int) -> dict:
+    from _common import run_isolated
+
+    return run_isolated(isolated_plain, n_docs, str(work), shard)
+
+
 def run(quick: bool = False, rss: bool = True) -> list[dict]:
-    """The benchmark rows; ``rss=False`` skips the peak-RSS rows (eight fresh processes, minutes)."""
+    """The benchmark rows; ``rss=False`` skips the peak-RSS rows (fourteen fresh processes, minutes)."""
     import os
 
     import torch
-    from _common import run_isolated
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -279,71 +397,8 @@ def run(quick: bool = False, rss: bool = True) -> list[dict]:
                     "note": "output_hidden_states=[6]: the other states are never kept",
                 }
             )
-        if rss and not quick:  # eight fresh processes take several minutes here: full mode only
-            # the peak of one process varies by a few % with where the heap's blocks land: the extract
-            # pair is measured rss_repeats times, 1x and 10x alternating, and the median ratio reported
-            pairs = [
-                {k: run_isolated(isolated_extract, k * rss_docs, str(work), rss_shard) for k in (1, 10)}
-                for _ in range(rss_repeats)
-            ]
-            peak = [{k: p[k]["result"]["extract_peak_mb"] or 0 for k in (1, 10)} for p in pairs]  # 0: none
-            ratios = [p[10] / max(p[1], 1e-9) for p in peak]
-            mid = pairs[sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]]
-            got = {("isolated_extract", k): mid[k] for k in (1, 10)}
-            for k in (1, 10):
-                got["isolated_plain", k] = run_isolated(isolated_plain, k * rss_docs, str(work), rss_shard)
-            e1, e10 = got["isolated_extract", 1], got["isolated_extract", 10]
-            mb = {k: v["result"]["extract_peak_mb"] for k, v in got.items()}
-            if all(mb.values()):
-                rows.append(
-                    {
-                        "benchmark": f"extract peak RSS MiB during extraction, {10 * rss_docs} vs {rss_docs} "
-                        "sentences (10x text)",
-                        "geomscope": round(mb["isolated_extract", 10]),
-                        "alternative": round(mb["isolated_extract", 1]),
-                        "ratio": round(mb["isolated_extract", 10] / mb["isolated_extract", 1], 3),
-                        "target": "<= 1.1",
-                        "note": f"fresh processes, VmHWM reset after model load; --shard-docs {rss_shard}; "
-                        f"median of {rss_repeats} pairs (ratios {', '.join(f'{r:.3f}' for r in ratios)}); "
-                        "rows "
-                        f"{e1['result']['rows']:,} vs {e10['result']['rows']:,}",
-                    }
-                )
-                rows.append(
-                    {
-                        "benchmark": f"plain forward loop peak RSS MiB, {10 * rss_docs} vs {rss_docs} "
-                        "sentences (reference)",
-                        "geomscope": round(mb["isolated_plain", 10]),
-                        "alternative": round(mb["isolated_plain", 1]),
-                        "ratio": round(mb["isolated_plain", 10] / mb["isolated_plain", 1], 3),
-                        "target": "-",
-                        "note": "same batches, forward only, nothing kept: growth here is the "
-                        "CPU allocator's "
-                        "(glibc heap fragmentation under varying tensor sizes), not geomscope's",
-                    }
-                )
-                rows.append(
-                    {
-                        "benchmark": f"extract vs plain forward loop, peak RSS MiB at "
-                        f"{10 * rss_docs} sentences",
-                        "geomscope": round(mb["isolated_extract", 10]),
-                        "alternative": round(mb["isolated_plain", 10]),
-                        "ratio": round(mb["isolated_extract", 10] / mb["isolated_plain", 10], 3),
-                        "target": "<= 1.1",
-                        "note": "what storing every layer adds on top of the forward itself",
-                    }
-                )
-            rows.append(
-                {
-                    "benchmark": f"process peak RSS MiB incl. model load, {10 * rss_docs} vs {rss_docs} "
-                    "sentences",
-                    "geomscope": round(e10["peak_rss_mb"]),
-                    "alternative": round(e1["peak_rss_mb"]),
-                    "ratio": round(e10["peak_rss_mb"] / e1["peak_rss_mb"], 3),
-                    "target": "<= 1.1",
-                    "note": "ru_maxrss of the whole extract child process",
-                }
-            )
+        if rss and not quick:  # fourteen fresh processes take several minutes here: full mode only
+            rows += rss_rows(lm, work, rss_docs, rss_shard, rss_repeats)
     finally:
         torch.set_num_threads(threads)
         shutil.rmtree(work, ignore_errors=True)
