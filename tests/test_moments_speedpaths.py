@@ -6,7 +6,9 @@
   and sums with different reference shifts.
 - the threaded second pass (accumulate._update_units) adds the same blocks in the same order as one
   thread: bitwise equal.
-- Moments.merge's in-place rank-one update (BLAS dsyr) also serves an M2 that is not C-contiguous.
+- Moments.merge's rank-one corrections, kept as rows and added together (R^T R) once MAX_PENDING
+  wait or when M2 is read, give the float64 scatter of all rows across many merges, through
+  pickling, copies and variance(); they also serve an M2 that is not C-contiguous.
 """
 
 from __future__ import annotations
@@ -121,3 +123,49 @@ def test_merge_rank_one_update_on_a_non_contiguous_m2(layout):
     y = ref - ref.mean(0)
     np.testing.assert_allclose(m.M2, y.T @ y, rtol=1e-12)
     np.testing.assert_allclose(m.mean, ref.mean(0), rtol=1e-14)
+
+
+def _scatter64(x):
+    y = x - x.mean(0)
+    return y.T @ y
+
+
+@pytest.mark.parametrize("block_rows", [7, 64])
+def test_many_merges_with_an_offset_match_the_float64_scatter(block_rows):
+    """More blocks than MAX_PENDING (the corrections are added in several batches), a 1e4 offset
+    and a drifting mean: M2, variance and the mean against float64 numpy at 1e-10."""
+    from geomscope.metrics.moments import MAX_PENDING
+
+    rng = np.random.default_rng(11)
+    n = block_rows * (2 * MAX_PENDING + 5)
+    x = rng.normal(size=(n, D)) * rng.uniform(0.5, 3, D) + 1e4
+    x += np.linspace(0, 50, n)[:, None]  # every block's mean differs: every correction matters
+    m = Moments(D, block_rows=block_rows).update(x)
+    assert 0 < len(m._pending) < MAX_PENDING  # added in batches: the waiting rows stay bounded
+    ref = _scatter64(x)
+    np.testing.assert_allclose(m.M2, ref, rtol=1e-10, atol=1e-10 * np.abs(ref).max())
+    np.testing.assert_allclose(m.variance(), np.diag(ref) / (n - 1), rtol=1e-10)
+    np.testing.assert_allclose(m.mean, x.mean(0), rtol=1e-13)
+
+
+def test_waiting_corrections_travel_with_pickles_copies_and_merges():
+    import pickle
+
+    rng = np.random.default_rng(12)
+    parts = [rng.normal(size=(20, D)) + k for k in range(9)]
+    a = Moments(D, block_rows=5)
+    for p in parts[:5]:
+        a.update(p)
+    assert a._pending  # corrections still waiting: what follows must carry them
+    b = pickle.loads(pickle.dumps(a))
+    c = Moments(D, block_rows=5)
+    c.merge(a)  # an empty accumulator copies a, waiting rows included
+    rest = Moments(D, block_rows=5)
+    for p in parts[5:]:
+        rest.update(p)
+    b.merge(rest)
+    c.merge(rest)
+    ref = _scatter64(np.vstack(parts))
+    for m in (b, c):
+        np.testing.assert_allclose(m.M2, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
+    np.testing.assert_allclose(a.M2, _scatter64(np.vstack(parts[:5])), rtol=1e-12, atol=1e-9)

@@ -12,9 +12,13 @@ Each ``update`` converts its rows block by block (``block_rows``) to float64, on
 buffer; centres each block on its own mean and merges (n, mean, M2) with Chan et al.'s parallel
 formula, so a large common offset (mean 1e4, std 1) costs no precision. The block scatter is a
 symmetric rank-k update in float64 (BLAS syrk through numpy, which releases the GIL: scipy's dsyrk
-wrapper does not, and serialised the threads); the merge's rank-one correction is a BLAS dsyr on the
-upper triangle, in place, and the lower triangle is filled when ``M2``/``covariance()`` is read.
-syrk runs at ~80 % of this machine's float64 GEMM rate: it is most of the time of a pass. (Float32
+wrapper does not, and serialised the threads). The merge's rank-one corrections c delta delta^T are
+kept as rows sqrt(c) delta and added together, R^T R through numpy's syrk, once 64 are waiting or
+when M2 is read. They were a scipy BLAS dsyr each: scipy ships its own OpenBLAS, whose threads kept
+spinning after every call beside numpy's, and with multi-threaded BLAS (an in-memory ``update``)
+the blocks' products ran at half speed (``isoscore`` of 50k x 768 float32 0.79 -> 0.39 s on 2
+cores; a scorer runs BLAS on one thread and did not suffer). syrk runs at ~80 % of this machine's
+float64 GEMM rate: it is most of the time of a pass. (Float32
 products of the centred blocks run the product ~2x as fast but carry ~1e-8 relative error into the
 covariance and IsoScore, measured on 50k x 384 and on a 200k x 384 float16 run, where the whole
 score was then only ~25 % faster; the results here must match a float64 reference to 1e-10.) The
@@ -55,12 +59,7 @@ from geomscope.metrics._validate import (
 BLOCK_ROWS = 4096  # rows per symmetric rank-k update (and Chan merge)
 SUB_ROWS = 256  # rows per cache-sized pass of the unit-vector / |x| statistics
 MAX_THREADED_M2_BYTES = 64 * 2**20  # larger D x D scatters: blocks one at a time (memory)
-
-
-def _blas():
-    from scipy.linalg import blas  # lazy: keeps `import geomscope.metrics` numpy-only
-
-    return blas
+MAX_PENDING = 64  # merge corrections waiting to be added to M2 in one product (64 x D floats)
 
 
 def _unit_stats(b: np.ndarray, sq: np.ndarray, work: np.ndarray):
@@ -251,7 +250,7 @@ class Moments:
         self.sum_sq_norm = 0.0
         self.mean = self._m2 = None
         self.sum_unit = self.sum_unit_sq = self.abs_sum = self.abs_max = self.count_abs_ge = None
-        self._m2_filled = True
+        self._pending: list[np.ndarray] = []  # rows sqrt(c) delta of merges not yet added to _m2
         if self.dim is not None:
             self._alloc(self.dim)
 
@@ -269,14 +268,19 @@ class Moments:
 
     @property
     def M2(self) -> np.ndarray:
-        """Centred scatter (D, D), symmetric (the lower triangle is filled from the upper on read)."""
+        """Centred scatter (D, D), symmetric (the merges' waiting corrections added first)."""
         if self._m2 is None:
             raise DataError("no rows accumulated yet; M2 is undefined")
-        if not self._m2_filled:
-            il = np.tril_indices(self.dim, -1)
-            self._m2[il] = self._m2.T[il]
-            self._m2_filled = True
+        self._add_pending()
         return self._m2
+
+    def _add_pending(self) -> None:
+        """Add the waiting merge corrections: M2 += R^T R for their rows R (numpy's syrk, which runs
+        on numpy's BLAS threads, the ones the blocks' products use)."""
+        if self._pending:
+            r = np.array(self._pending)
+            self._m2 += r.T @ r
+            self._pending = []
 
     # -- accumulation ------------------------------------------------------------------------
     def update(self, x, *, threads: int = 1) -> Moments:
@@ -369,7 +373,7 @@ class Moments:
             if other.abs_threshold != self.abs_threshold or self.dim not in (None, other.dim):
                 return self.merge(other)  # raises the usual error
             self.dim, self.n, self.mean = other.dim, other.n, other.mean
-            self._m2, self._m2_filled = other._m2, other._m2_filled
+            self._m2, self._pending = other._m2, other._pending
             if self.extras:
                 self.n_zero_norm, self.sum_sq_norm = other.n_zero_norm, other.sum_sq_norm
                 for k in ("sum_unit", "sum_unit_sq", "abs_sum", "abs_max", "count_abs_ge"):
@@ -398,10 +402,10 @@ class Moments:
         delta = other.mean - self.mean
         self.mean = self.mean + delta * (nb / n)
         self._m2 += other._m2
-        # the rank-one correction on the upper triangle only (BLAS dsyr on the Fortran view, in place
-        # for a contiguous M2, else on a copy: hence the assignment; the lower triangle is filled on read)
-        self._m2 = _blas().dsyr(na * nb / n, delta, lower=1, a=self._m2.T, overwrite_a=1).T
-        self._m2_filled = False
+        # Chan's rank-one correction (na nb / n) delta delta^T, kept as a row and added with the others
+        self._pending = self._pending + other._pending + [delta * np.sqrt(na * nb / n)]
+        if len(self._pending) >= MAX_PENDING:
+            self._add_pending()
         self.n = n
         if self.extras:
             self.n_zero_norm += other.n_zero_norm
@@ -417,7 +421,7 @@ class Moments:
         self.n = other.n
         self.mean = other.mean.copy()
         self._m2 = other._m2.copy()
-        self._m2_filled = other._m2_filled
+        self._pending = list(other._pending)  # rows are never changed in place
         if self.extras:
             self.n_zero_norm = other.n_zero_norm
             self.sum_sq_norm = other.sum_sq_norm
@@ -442,7 +446,7 @@ class Moments:
     def variance(self, ddof: int = 1) -> np.ndarray:
         """Per-dimension variance diag(M2) / (n - ddof)."""
         self._need(ddof)
-        return np.diagonal(self._m2) / (self.n - ddof)
+        return np.diagonal(self.M2) / (self.n - ddof)
 
     def total_variance(self, ddof: int = 1) -> float:
         """tr(C) = sum of per-dimension variances."""
@@ -470,7 +474,7 @@ class Moments:
         if self.dim < 2:
             raise DataError(f"{name} has {self.dim} column(s); at least 2 dimensions are needed")
         total = self.total_variance()
-        if not np.isfinite(total) or not np.isfinite(self._m2).all():
+        if not np.isfinite(total) or not np.isfinite(self.M2).all():
             raise DataError(OVERFLOW_MESSAGE.format(name=name))
         if variance_is_zero(total, self.mean, self.dim):
             raise DataError(ZERO_VARIANCE_MESSAGE.format(name=name, what=what))
