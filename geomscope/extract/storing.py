@@ -18,9 +18,9 @@ temporary files the next run deletes (a shard whose publishing was still queued 
 Memory: extract waits for the store thread to be idle before it hands over the next batch
 (storing a batch takes a small part of a forward, so it rarely waits), so at most one batch's rows
 are held besides the one being captured: peak RSS +30 MiB for MiniLM (~715 vs ~685 MiB).  It stays
-flat with the text: the same 500 sentences ten times over peak 1.006-1.054x the single pass (three
-fresh-process pairs in each of two benchmark runs, shards of 250).  Ten times as many *different*
-sentences peak 1.05-1.15x, as the forward alone does (1.05-1.33x): that text holds larger batches
+flat with the text: the same 500 sentences ten times over peak 1.006-1.068x the single pass (three
+fresh-process pairs in each of three benchmark runs, shards of 250).  Ten times as many *different*
+sentences peak 1.05-1.15x, as the forward alone does (1.05-1.44x): that text holds larger batches
 (the largest one's attention, batch x length^2, is 1.68x the 1x text's).  Tried and dropped:
 holding the waiting rows outside the heap (two anonymous maps taking turns, the rows gathered
 straight into them): no flatter (1.11-1.14x), and a higher peak.  The queue itself holds at most
