@@ -15,18 +15,17 @@ symmetric rank-k update in float64 (BLAS syrk through numpy, which releases the 
 wrapper does not, and serialised the threads). The merge's rank-one corrections c delta delta^T are
 kept as rows sqrt(c) delta and added together, R^T R through numpy's syrk, once 64 are waiting or
 when M2 is read. They were a scipy BLAS dsyr each: scipy ships its own OpenBLAS, whose threads kept
-spinning after every call beside numpy's, and with multi-threaded BLAS (an in-memory ``update``)
-the blocks' products ran at half speed (``isoscore`` of 50k x 768 float32 0.79 -> 0.39 s on 2
-cores; a scorer runs BLAS on one thread and did not suffer). syrk runs at ~80 % of this machine's
-float64 GEMM rate: it is most of the time of a pass. (Float32
-products of the centred blocks run the product ~2x as fast but carry ~1e-8 relative error into the
-covariance and IsoScore, measured on 50k x 384 and on a 200k x 384 float16 run, where the whole
-score was then only ~25 % faster; the results here must match a float64 reference to 1e-10.) The
-unit-vector and |x| statistics run over cache-sized sub-blocks of 256 rows of the same float64 copy,
-sweeping x^2 then |x|, with the sums over rows as matrix-vector products. Memory is O(block_rows * D + D^2)
-per thread, independent of N. ``merge`` is the same exact formula, so partial accumulators from
-shards/processes combine into the same numbers (up to float64 rounding) as one pass. Instances hold
-plain numpy attributes and pickle.
+spinning after every call beside numpy's, and with multi-threaded BLAS (an in-memory ``update``) the
+blocks' products ran at half speed (``isoscore`` of 50k x 768 float32 0.79 -> 0.39 s on 2 cores; a
+scorer runs BLAS on one thread and did not suffer). syrk runs at ~80 % of this machine's float64
+GEMM rate: it is most of the time of a pass. (Float32 products of the centred blocks run the product
+~2x as fast but carry ~1e-8 relative error into the covariance and IsoScore, measured on 50k x 384
+and on a 200k x 384 float16 run, where the whole score was then only ~25 % faster; the results here
+must match a float64 reference to 1e-10.) The unit-vector and |x| statistics run over cache-sized
+sub-blocks of 256 rows of the same float64 copy, sweeping x^2 then |x|, with the sums over rows as
+matrix-vector products. Memory is O(block_rows * D + D^2) per thread, independent of N. ``merge`` is
+the same exact formula, so partial accumulators from shards/processes combine into the same numbers
+(up to float64 rounding) as one pass. Instances hold plain numpy attributes and pickle.
 
 Threads: ``update(x, threads=T)`` and :func:`update_groups` (rows split among several accumulators,
 the jackknife groups of a scorer) compute the blocks in T threads and merge them in row order, so
