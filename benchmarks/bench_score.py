@@ -72,8 +72,9 @@ def make_run(rows: int, dim: int = 384, shards: int = 8) -> Path:
 
     d = BENCH_DIR / f"run_{rows}x{dim}"
     try:
-        if Run(d).complete and Run(d).total_rows == rows:
-            return d
+        run = Run(d)
+        if run.complete and run.total_rows == rows and all(s.xxh3_128 for s in run.shards):
+            return d  # (a run written before the shards' xxh3_128 would be checked by its sha256)
     except Exception:  # not there yet / damaged: rebuild
         pass
     ident = {"model": {"name": "synthetic", "hidden_size": dim}, "layers": [{"name": "layer_00", "index": 0}]}

@@ -20,7 +20,7 @@ def inspect_cmd(
     verify: bool = typer.Option(
         False,
         "--verify",
-        help="Also check every shard's size and sha256 against the manifest (reads every byte).",
+        help="Also check every shard's size and checksum against the manifest (reads every byte).",
     ),
 ) -> None:
     """Show a run's model, revision, layers, rows, documents, shards, dtype, size on disk and completeness."""

@@ -1,7 +1,7 @@
 """The store thread: extract's HDF5 appends and shard publishing run beside the forward passes.
 
 Storing a batch (the NaN/Inf check, chunk-aligned HDF5 appends: ~40 ms for 8,192 MiniLM tokens)
-and publishing a shard (final flush, fsync, rename, sha256 of the file, the manifest's atomic
+and publishing a shard (final flush, fsync, rename, checksums of the file, the manifest's atomic
 update: ~0.15 s for 500 sentences) used to run in the main thread between forwards, time in which
 no forward ran -- and an fsync is a wait, not work.  One background thread now does them while the
 main thread tokenizes and runs the next batch.  Measured in the benchmark's setting (MiniLM, one

@@ -43,7 +43,7 @@ class Task:
     dataset: str | None = None
     rows: int = 0
     nbytes: int = -1  # shard: recorded size (checked before reading)
-    sha256: str | None = None
+    digest: tuple[str, str] | None = None  # shard: (algorithm, hex) of its checksum (store/checksum.py)
     offset: int = 0  # formats: the source's global row number of row ``start``
     meta: tuple[str, ...] = ()  # formats: the optional per-row columns present (doc_id, special)
     dim: int = 0  # formats: the layers' width (sizes the read blocks)
@@ -74,13 +74,14 @@ def _rows_per_block(dim: int, itemsize: int, n_layers: int) -> int:
 
 # --------------------------------------------------------------------------------------- runs
 def check_shard_file(task: Task, *, checksum: bool):
-    """Size of a shard against the manifest now; its sha256 (``checksum``) in a background thread
-    while the shard is streamed (hashlib releases the GIL). Returns ``finish()``, which waits for the
+    """Size of a shard against the manifest now; its checksum (``checksum``: ``task.digest``) in a
+    background thread while the shard is streamed. Returns ``finish()``, which waits for the
     hash and raises DataError naming the shard if it differs. Missing/short files raise at once.
     ``task.path`` is a path or a URL (its bytes are then streamed through fsspec)."""
     import threading
 
     from geomscope.store import remote
+    from geomscope.store.checksum import matches
 
     p = remote.location(task.path)
     if not remote.exists(p):
@@ -91,13 +92,13 @@ def check_shard_file(task: Task, *, checksum: bool):
             f"shard {p} is corrupt or truncated ({size} bytes on disk, "
             f"{task.nbytes} recorded); rerun the same `geomscope extract` command to redo it"
         )
-    if not (checksum and task.sha256):
+    if not (checksum and task.digest):
         return lambda: None
     result: dict = {}
 
     def run() -> None:
         try:
-            result["sha"] = remote.sha256(p)
+            result["same"] = matches(p, task.digest)
         except Exception as e:  # OSError, or whatever a remote filesystem raises
             result["error"] = e
 
@@ -106,7 +107,7 @@ def check_shard_file(task: Task, *, checksum: bool):
 
     def finish() -> None:
         th.join()
-        if "error" in result or result.get("sha") != task.sha256:
+        if "error" in result or not result.get("same"):
             err = result.get("error")
             why = (
                 f"cannot read it: {(str(err).strip().splitlines() or [type(err).__name__])[0]}"
@@ -466,7 +467,7 @@ def _open_run(p: Path | str, layers: list[str] | None, partial: bool) -> SourceI
             index=s.index,
             rows=s.rows,
             nbytes=s.bytes,
-            sha256=s.sha256,
+            digest=s.digest,
             accumulated=sample is not None,
         )
         for s in sorted(shards, key=lambda s: s.index)

@@ -4,7 +4,8 @@
 
     run/
       manifest.json      identity (model, revision, layers, inputs, options), one entry per
-                         finished shard, totals, ``complete``
+                         finished shard (rows, documents, size, sha256 and xxh3_128 checksums:
+                         checksum.py), totals, ``complete``
       shard-00000.h5     /layers/<name> (rows, D) float16|float32, chunked ~2 MiB, all of D per chunk
                          /token_id /doc_id /position (rows,) int64, /is_special (rows,) bool
                          /nonfinite/<name> (rows,) bool -- rows whose activations hold NaN/Inf

@@ -29,7 +29,7 @@ def describe_run(run_dir: Path | str, *, verify: bool = False) -> dict:
     ``run_dir``: a path, or an fsspec URL (read through fsspec; ``in_progress`` is then only known
     for a ``file://`` URL -- the writer's lock is a local file lock -- and is False elsewhere).
 
-    ``verify=True`` also checks every finished shard's size and sha256 against the manifest; the
+    ``verify=True`` also checks every finished shard's size and checksum against the manifest; the
     result's ``verify.bad`` lists the shards that fail (the caller decides whether that is an error).
     """
     run = Run(run_dir)
@@ -101,7 +101,7 @@ def describe_run(run_dir: Path | str, *, verify: bool = False) -> dict:
 
 
 def _verify(run: Run, shards) -> dict:
-    """Every shard's size and sha256, its stored rows and documents against its manifest entry, and
+    """Every shard's size and checksum, its stored rows and documents against its manifest entry, and
     the manifest's totals against the entries (an edited total is caught, not trusted)."""
     bad = []
     for s in shards:

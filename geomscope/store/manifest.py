@@ -12,6 +12,7 @@ from pathlib import Path
 
 from geomscope.errors import DataError, InputError
 from geomscope.fileio import TEMP_PREFIX, write_text_atomic
+from geomscope.store import checksum
 from geomscope.store.shard import SHARD_FILE_RE, SHARD_TEMP_RE, ShardInfo, ShardWriter
 
 FORMAT_VERSION = 1
@@ -31,8 +32,7 @@ _SHARD_FIELDS = {
     "doc_stop": int,
     "nonfinite_rows": int,
     "bytes": int,
-    "sha256": str,
-}
+}  # and the checksums (store/checksum.py)
 
 
 def _damaged(path: Path, why: str) -> InputError:
@@ -52,6 +52,10 @@ def _check_shard_entry(s, i: int, path: Path) -> None:
                 f"shards[{i}].{key} is {v!r}, not a{'n' if kind is int else ''} "
                 f"{'non-negative integer' if kind is int else 'string'}",
             )
+    for algorithm in (checksum.SLOW, checksum.FAST):  # xxh3_128: runs written since it existed
+        v = s.get(algorithm)
+        if (v is not None or algorithm == checksum.SLOW) and not checksum.well_formed(algorithm, v):
+            raise _damaged(path, f"shards[{i}].{algorithm} is {v!r}, not a {algorithm} hex digest")
     tokens = s.get("tokens")
     if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0):
         raise _damaged(path, f"shards[{i}].tokens is {tokens!r}, not a non-negative integer")

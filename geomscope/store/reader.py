@@ -10,9 +10,9 @@ import h5py
 import numpy as np
 
 from geomscope.errors import DataError, InputError
-from geomscope.store import remote
+from geomscope.store import checksum, remote
 from geomscope.store.manifest import MANIFEST_NAME, check_manifest, read_manifest
-from geomscope.store.shard import META_FIELDS, ShardInfo, file_sha256
+from geomscope.store.shard import META_FIELDS, ShardInfo
 
 READ_CHUNK_BYTES = 64 * 1024 * 1024  # default bytes of one layer read at a time
 
@@ -183,12 +183,13 @@ def verify_shard(path: Path, info: ShardInfo) -> None:
         size = remote.size(path)
         if size != info.bytes:
             raise _corrupt(path, f"{size} bytes on disk, {info.bytes} recorded")
-        digest = remote.sha256(path) if remote.is_url(path) else file_sha256(path)
+        digest = info.digest
+        same = digest is not None and checksum.matches(path, digest)
     except FileNotFoundError as e:
         raise _missing(path) from e
     except OSError as e:
         raise _corrupt(path, f"cannot read it: {e}") from e
-    if digest != info.sha256:
+    if not same:
         raise _corrupt(path, "checksum differs from the manifest")
 
 

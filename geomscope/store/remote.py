@@ -10,7 +10,6 @@ filesystem object is ever pickled. ``memory://`` filesystems live in one process
 
 from __future__ import annotations
 
-import hashlib
 import io
 import posixpath
 import re
@@ -23,7 +22,6 @@ URL_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*)://")
 #: more, so that a Windows drive (``C:``) is never taken for a scheme
 _COLLAPSED_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]+):")
 _LOCAL_PROTOCOLS = ("file", "local")
-HASH_BLOCK = 8 * 1024 * 1024
 
 
 def is_url(loc) -> bool:
@@ -180,12 +178,3 @@ def open_binary(loc):
 def read_text(loc) -> str:
     with open_binary(loc) as f:
         return f.read().decode("utf-8")
-
-
-def sha256(loc, bufsize: int = HASH_BLOCK) -> str:
-    """sha256 of a file, streamed in blocks."""
-    h = hashlib.sha256()
-    with open_binary(loc) as f:
-        while chunk := f.read(bufsize):
-            h.update(chunk)
-    return h.hexdigest()

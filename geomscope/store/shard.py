@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import secrets
@@ -15,6 +14,7 @@ import numpy as np
 
 from geomscope.errors import InputError
 from geomscope.fileio import create_exclusive, fsync_dir
+from geomscope.store import checksum
 
 #: the only names geomscope gives shards, and their temporary names while being written
 SHARD_FILE_RE = re.compile(r"shard-\d{5,}\.h5")
@@ -40,6 +40,7 @@ class ShardInfo:
     bytes: int
     sha256: str
     tokens: int | None = None  # token rows measured (= rows unless the run keeps a sample); None: older runs
+    xxh3_128: str | None = None  # the checksum that is checked (store/checksum.py); None: older runs
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -49,17 +50,14 @@ class ShardInfo:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
     @property
+    def digest(self) -> tuple[str, str] | None:
+        """(algorithm, hex digest) to check the file against (``checksum.expected``)."""
+        return checksum.expected(self)
+
+    @property
     def n_tokens(self) -> int:
         """Token rows this shard measured: its stored rows, or more when it keeps a sample."""
         return self.rows if self.tokens is None else int(self.tokens)
-
-
-def file_sha256(path: Path, bufsize: int = 8 * 1024 * 1024) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(bufsize):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def nonfinite_rows(a: np.ndarray) -> np.ndarray:
@@ -260,12 +258,12 @@ class ShardWriter:
         self._f.attrs["doc_stop"] = self.doc_stop
         self._f.flush()
         self._f.close()
-        # the checksum (reading the file back from the page cache: CPU) while fsync waits for the disk
-        with ThreadPoolExecutor(1, thread_name_prefix="geomscope-sha256") as pool:
-            digest = pool.submit(file_sha256, self.tmp_path)
+        # the checksums (reading the file back from the page cache: CPU) while fsync waits for the disk
+        with ThreadPoolExecutor(1, thread_name_prefix="geomscope-checksum") as pool:
+            pending = pool.submit(checksum.digests, self.tmp_path)
             with open(self.tmp_path, "rb") as fh:
                 os.fsync(fh.fileno())
-            sha256 = digest.result()
+            digests = pending.result()
         os.replace(self.tmp_path, self.path)
         fsync_dir(self.path.parent)
         return ShardInfo(
@@ -277,8 +275,9 @@ class ShardWriter:
             doc_stop=self.doc_stop,
             nonfinite_rows=self._measured["nonfinite_rows"] if self._measured else self.nonfinite_rows,
             bytes=self.path.stat().st_size,
-            sha256=sha256,
+            sha256=digests[checksum.SLOW],
             tokens=self._measured["tokens"] if self._measured else self.rows,
+            xxh3_128=digests[checksum.FAST],
         )
 
     def abort(self) -> None:
