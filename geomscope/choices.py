@@ -16,6 +16,8 @@ STACKS = ("encoder", "decoder")
 #: score: outlier rules (the functions live in geomscope.metrics.outliers.OUTLIER_RULES)
 OUTLIER_RULES = ("variance", "zscore", "quantile", "magnitude")
 OUTLIER_STATS = ("variance", "mean_abs")
+#: score: the dtype of the covariance's block products (geomscope.metrics.moments)
+PRODUCT_DTYPES = ("float64", "float32")
 #: score: TwoNN fits (geomscope.metrics.twonn)
 TWONN_FITS = ("linear", "mle")
 #: score: the scikit-dimension estimators behind --id-estimator (name -> class in skdim.id;

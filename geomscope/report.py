@@ -9,7 +9,8 @@ JSON (``format: "geomscope-report"``, ``format_version: 1``), top-level keys :da
   "layer:<name>"), avgcos_variants, outlier_rule, outlier_threshold, id_estimator (comma list of the
   ID estimators that ran), twonn_fit, discard_fraction, id_sample, seed, exclude_special, max_rows,
   layers, duplicates_removed {layer: n}, uncertainty {moments, twonn, id_<name>: method},
-  jackknife_groups, workers, scheduler (score --scheduler, or null), layer_batch_size, rows_total.
+  jackknife_groups, product_dtype (score --product-dtype), workers, scheduler (score --scheduler, or
+  null), layer_batch_size, rows_total.
 - ``layers``: one entry per layer in depth order with the keys :data:`LAYER_KEYS` -- layer, index,
   n_rows (rows the metrics saw); the scalar metrics isoscore, isoscore_star, avgcos,
   avgcos_centred, avgcos_standardised, pr, erank, top1_share, top5_share, top10_share, twonn
@@ -311,6 +312,8 @@ def _caption(report: dict) -> str:
     unc = params.get("uncertainty", {}).get("moments")
     if unc:
         bits.append(f"±: SE, {unc}")
+    if params.get("product_dtype") == "float32":
+        bits.append("covariance from float32 block products (~1e-8 relative error)")
     emb = report.get("embeddings")
     if emb:
         line = f"I(W) input raw {emb['input']['raw']:.3g} centred {emb['input']['centred']:.3g}"

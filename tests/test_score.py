@@ -619,6 +619,7 @@ def test_report_is_json_serialisable_with_stable_keys(run):
         "duplicates_removed",
         "uncertainty",
         "jackknife_groups",
+        "product_dtype",
         "workers",
         "scheduler",
         "layer_batch_size",

@@ -70,6 +70,33 @@ def test_array_default_output_next_to_file(cli, tmp_path):
     assert (tmp_path / "emb_report.json").exists() and (tmp_path / "emb_report.csv").exists()
 
 
+def test_float32_products_are_recorded_and_captioned(cli, tmp_path):
+    X = np.random.default_rng(1).normal(size=(3000, 12)) + 50.0
+    np.save(tmp_path / "emb.npy", X)
+    reports = {}
+    for dtype in ("float64", "float32"):
+        out_prefix = tmp_path / dtype
+        code, out, err = cli(
+            [
+                "score",
+                tmp_path / "emb.npy",
+                "-m",
+                "isoscore,spectrum",
+                "--product-dtype",
+                dtype,
+                "-o",
+                out_prefix,
+            ]
+        )
+        assert code == 0, err
+        said = "float32 block products" in " ".join(err.split())  # the table's caption (wrapped)
+        assert said == (dtype == "float32")
+        reports[dtype] = json.loads(out_prefix.with_suffix(".json").read_text())
+        assert reports[dtype]["params"]["product_dtype"] == dtype
+    a, b = (reports[k]["layers"][0]["isoscore"] for k in ("float64", "float32"))
+    assert a == pytest.approx(b, rel=1e-6)
+
+
 def test_warnings_for_transposed_and_nan_arrays(cli, tmp_path):
     rng = np.random.default_rng(0)
     np.save(tmp_path / "wide.npy", rng.normal(size=(8, 30)))
@@ -94,6 +121,7 @@ def test_warnings_for_transposed_and_nan_arrays(cli, tmp_path):
         (["--seed", "-1"], "Invalid value for '--seed'"),
         (["--id-sample", "2"], "Invalid value for '--id-sample'"),
         (["--outlier-rule", "nope"], "outlier-rule"),
+        (["--product-dtype", "float16"], "product-dtype"),
         (["--shrinkage-target", "layer:missing"], "not in this run"),
     ],
 )

@@ -17,6 +17,7 @@ from geomscope.cli._app import app, state
 from geomscope.cli._options import (
     OutlierRule,
     OutlierStat,
+    ProductDtype,
     TwoNNFit,
     choice_metavar,
     json_option,
@@ -164,6 +165,14 @@ def score_cmd(
         metavar="N",
         help="Document groups of the jackknife SE (0 = off; otherwise >= 2).",
     ),
+    product_dtype: ProductDtype = typer.Option(
+        "float64",
+        "--product-dtype",
+        metavar=choice_metavar(choices.PRODUCT_DTYPES),
+        help="Dtype of the covariance's block products. float32: each block, centred in float64, is "
+        "multiplied in float32 and added in float64; ~1.7x faster scoring on 2 cores, ~1e-8 relative "
+        "error in IsoScore and the spectrum (the isoscore package: ~1e-6).",
+    ),
     memory_mb: float = typer.Option(
         2048, "--memory-mb", min=1.0, metavar="MIB", help="Memory budget of the per-layer accumulators."
     ),
@@ -245,6 +254,7 @@ def score_cmd(
         partial=partial,
         jackknife_groups=jackknife_groups,
         memory_mb=memory_mb,
+        product_dtype=value(product_dtype),
         verify=not no_verify,
         dataset=dataset,
         columns=tuple(split_list(column)) or None,

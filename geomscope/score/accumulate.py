@@ -42,6 +42,7 @@ class PassSpec:
     thresholds: dict[str, int] | None = None  # max-rows hash threshold per layer
     extras: bool = True
     abs_threshold: float = 6.0
+    product_dtype: str = "float64"  # "moments": the dtype of the covariance's block products
     id_k: int = 0
     unit: dict | None = None  # layer -> variant -> (shifts (R, D), scales (R, D) | None)
     checksum: bool = False
@@ -117,7 +118,10 @@ def _new_part(spec: PassSpec, dim: int | None) -> LayerPart:
 
     lp = LayerPart()
     if spec.kind == "moments":
-        lp.groups = [Moments(dim, spec.abs_threshold, extras=spec.extras) for _ in range(spec.n_groups)]
+        lp.groups = [
+            Moments(dim, spec.abs_threshold, extras=spec.extras, product_dtype=spec.product_dtype)
+            for _ in range(spec.n_groups)
+        ]
         if spec.id_k > 0:
             lp.reservoir = Reservoir(spec.id_k)
     elif spec.kind == "select":

@@ -33,7 +33,7 @@ def merged(groups: list, skip: int | None = None):
     from geomscope.metrics import Moments
 
     g0 = groups[0]
-    out = Moments(g0.dim, g0.abs_threshold, extras=g0.extras)
+    out = Moments(g0.dim, g0.abs_threshold, extras=g0.extras, product_dtype=g0.product_dtype)
     for i, g in enumerate(groups):
         if i != skip:
             out.merge(g)

@@ -137,6 +137,7 @@ class _Scorer:
             exclude_special=o.exclude_special,
             seed=o.seed,
             block_rows=o.block_rows,
+            product_dtype=o.product_dtype,
             threads=self.threads,
             **kw,
         )
@@ -456,6 +457,7 @@ class _Scorer:
                 "duplicates_removed": dup,
                 "uncertainty": unc,
                 "jackknife_groups": self.G if self.G >= 2 else 0,
+                "product_dtype": o.product_dtype,
                 "workers": o.workers,
                 "scheduler": o.scheduler,
                 "layer_batch_size": self.batch_size,

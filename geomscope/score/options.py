@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from geomscope.choices import OUTLIER_RULES, OUTLIER_STATS, TWONN_FITS
+from geomscope.choices import OUTLIER_RULES, OUTLIER_STATS, PRODUCT_DTYPES, TWONN_FITS
 from geomscope.errors import InputError
 
 MOMENT_METRICS = ("isoscore", "isoscore_star", "avgcos", "spectrum", "outliers")
@@ -58,6 +58,7 @@ class ScoreOptions:
     dataset: str | None = None
     columns: tuple[str, ...] | None = None  # arrays of an .npz/.safetensors/.pt/Arrow/Parquet source
     block_rows: int | None = None
+    product_dtype: str = "float64"  # the covariance's block products (metrics/moments.py): float64 | float32
     basis: str | None = None  # a run of activations: gradient energy in its top-r subspaces (gradenergy.py)
     ranks: tuple[int, ...] = (8, 32, 128)
     controls: int = 20
@@ -91,6 +92,7 @@ class ScoreOptions:
             id_repeats=n.whole("id_repeats", lo=2),
             seed=n.whole("seed", lo=0),
             twonn_fit=_one_of("--twonn-fit", self.twonn_fit, TWONN_FITS),
+            product_dtype=_one_of("--product-dtype", self.product_dtype, PRODUCT_DTYPES),
             layers=tuple(self.layers) if self.layers else None,
             shrinkage_target=normalise_target(self.shrinkage_target),
             ranks=_checked_ranks(self.ranks),
