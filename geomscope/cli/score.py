@@ -170,8 +170,8 @@ def score_cmd(
         "--product-dtype",
         metavar=choice_metavar(choices.PRODUCT_DTYPES),
         help="Dtype of the covariance's block products. float32: each block, centred in float64, is "
-        "multiplied in float32 and added in float64; ~1.7x faster scoring on 2 cores, ~1e-8 relative "
-        "error in IsoScore and the spectrum (the isoscore package: ~1e-6).",
+        "multiplied in float32 and added in float64: ~1.5x faster on 2 cores, ~1e-8 relative error in "
+        "the covariance and the metrics from it (the isoscore package: ~1e-6).",
     ),
     memory_mb: float = typer.Option(
         2048, "--memory-mb", min=1.0, metavar="MIB", help="Memory budget of the per-layer accumulators."
