@@ -183,6 +183,18 @@ def test_minilm_sample_run_scores_like_full_run(minilm_pair, exclude_special):
     assert summary["rows_stored"] < summary["rows"] and summary["keep"] == "sample:60"
 
 
+def test_float32_products_change_nothing_on_a_sample_run_and_say_so(minilm_pair):
+    """A sample run's moments are float64 accumulators made at extraction: --product-dtype float32
+    has no products to make there; the report records float64 and a warning says why."""
+    _, kept, _ = minilm_pair
+    said = []
+    a = score(kept, ScoreOptions(id_sample=60, product_dtype="float32"), log=said.append)
+    b = _scores(kept)
+    assert a["params"]["product_dtype"] == "float64"
+    assert len(said) == 1 and "--product-dtype float32 changes nothing" in said[0]
+    assert [la["isoscore"] for la in a["layers"]] == [lb["isoscore"] for lb in b["layers"]]
+
+
 def test_sample_run_is_small_and_inspectable(minilm_pair, cli):
     full, kept, _ = minilm_pair
     code, out, err = cli(["inspect", kept, "--verify", "--json"])

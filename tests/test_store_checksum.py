@@ -3,6 +3,7 @@ manifest's checksum text never trusted unchecked."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 
@@ -109,12 +110,34 @@ def test_runs_from_before_xxh3_are_checked_by_sha256(run):
 
 @pytest.mark.parametrize(
     "field, value",
-    [("xxh3_128", "ZZ" * 16), ("xxh3_128", "0" * 31), ("xxh3_128", 12), ("sha256", "abc"), ("sha256", None)],
+    [
+        ("xxh3_128", "ZZ" * 16),
+        ("xxh3_128", "0" * 31),
+        ("xxh3_128", "AB" * 16),  # upper case: never what geomscope writes
+        ("xxh3_128", "ab" * 16 + "\n"),
+        ("xxh3_128", ["ab" * 16]),
+        ("xxh3_128", 12),
+        ("xxh3_128", "f" * 1_000_000),  # named in a short line, not echoed whole
+        ("sha256", "abc"),
+        ("sha256", None),
+    ],
 )
 def test_malformed_checksums_are_refused(run, cli, field, value):
+    """A malformed digest is refused, never passed over for the other one (the sha256 beside each
+    bad xxh3_128 here is right)."""
     _edit_manifest(run, lambda e: e.update({field: value}) if value is not None else e.pop(field))
-    with pytest.raises(InputError, match=rf"damaged \(shards\[0\]\.{field} is .*not a {field} hex digest"):
+    with pytest.raises(InputError, match=rf"damaged \(shards\[0\]\.{field} is .*not an {field} digest") as e:
         Run(run)
+    assert len(str(e.value)) < 400
     code, out, err = cli(["score", run, "--metrics", "isoscore", "--out", run.parent / "r.json"])
     assert code != 0 and err.startswith("error:") and len(err.strip().splitlines()) == 1
     assert not (run.parent / "r.json").exists()
+
+
+def test_a_digest_not_of_its_form_fails_closed(run):
+    """A ShardInfo built by hand (no manifest check) with a malformed xxh3_128 is not checked against
+    its sha256 instead: the check fails."""
+    info = dataclasses.replace(Run(run).shards[0], xxh3_128="not hex")
+    assert info.digest is None
+    with pytest.raises(DataError, match="shard-00000.h5.*checksum differs"):
+        verify_shard(run / info.file, info)

@@ -173,18 +173,31 @@ def test_float32_products_within_1e6_of_the_reference(dtype, offset):
     n=st.integers(2, 3000),
     d=st.integers(1, 40),
     offset=st.floats(-1e4, 1e4),
-    scale=st.floats(1e-3, 1e3),
+    scale=st.sampled_from([1e-30, 1e-21, 1e-6, 1.0, 1e3, 1e18, 1e30]),
     block_rows=st.integers(1, 5000),
     seed=st.integers(0, 2**16),
 )
 def test_float32_products_any_shape_offset_and_scale(n, d, offset, scale, block_rows, seed):
-    """Normwise within 1e-5 of the float64 covariance for any shape, block size, offset and scale:
-    each block is centred in float64 before it is rounded, and the blocks' sums are float64."""
+    """Normwise within 1e-5 of the float64 covariance for any shape, block size, offset and scale
+    that float32 rows can hold: each block is centred in float64 before it is rounded (and scaled by
+    a power of two where its values lie far from 1), and the blocks' sums are float64."""
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((n, d)) * rng.uniform(0.1, 3.0, d) + offset) * scale
     fast = Moments(block_rows=block_rows, product_dtype="float32").update(x.astype(np.float32))
     _, cov = _reference(x.astype(np.float32).astype(np.float64))
     assert _rel(fast.covariance(), cov) < 1e-5
+
+
+@pytest.mark.parametrize("scale", [1e-150, 1e-45, 1e45, 1e150])  # (float64 holds their squares)
+def test_float32_products_of_float64_rows_outside_float32s_range(scale):
+    """float64 rows far outside float32's range (1.2e-38 .. 3.4e38): scaled by a power of two before
+    rounding, so the products neither underflow nor overflow; no warning, the same 1e-6."""
+    x = _rows(6_000, D, 11, 0.0) * scale
+    with np.errstate(over="raise", invalid="raise"):  # (the extras' float64 squares may underflow)
+        fast = Moments(block_rows=1000, extras=False, product_dtype="float32").update(x)
+    _, cov = _reference(x)
+    unit = scale * scale  # compared at unit scale: the norms of 1e-300 entries would underflow
+    assert 0 < _rel(fast.covariance() / unit, cov / unit) < REL32
 
 
 def test_float32_products_threads_identical_and_merge_with_float64():

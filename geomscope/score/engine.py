@@ -111,6 +111,8 @@ class _Scorer:
             self.G = min(self.G, len(src.tasks))
         self.rows = src.run["rows"] if src.kind == "run" else sum(t.rows for t in src.tasks)
         self.checksum_pending = opts.verify
+        # a --keep sample run's moments are float64 accumulators made at extraction: no products here
+        self.product_dtype = "float64" if src.sample is not None else opts.product_dtype
         self.target, self.target_layer = self._parse_target()
         # the block statistics of a task run in threads (BLAS stays single-threaded in each): the
         # cores this process may use, shared among --workers processes; one per Dask task
@@ -137,7 +139,7 @@ class _Scorer:
             exclude_special=o.exclude_special,
             seed=o.seed,
             block_rows=o.block_rows,
-            product_dtype=o.product_dtype,
+            product_dtype=self.product_dtype,
             threads=self.threads,
             **kw,
         )
@@ -157,6 +159,11 @@ class _Scorer:
         o, src = self.opts, self.src
         if src.sample is not None:
             self._check_sample_run()
+            if o.product_dtype != self.product_dtype:
+                self.log(
+                    f"{src.path} kept float64 accumulators made at extraction, not rows: "
+                    "--product-dtype float32 changes nothing there (the report records float64)"
+                )
         self.thresholds = self._select_rows() if o.max_rows else None
         self.c0_fixed = None
         if self.target.startswith("file:"):
@@ -457,7 +464,7 @@ class _Scorer:
                 "duplicates_removed": dup,
                 "uncertainty": unc,
                 "jackknife_groups": self.G if self.G >= 2 else 0,
-                "product_dtype": o.product_dtype,
+                "product_dtype": self.product_dtype,
                 "workers": o.workers,
                 "scheduler": o.scheduler,
                 "layer_batch_size": self.batch_size,

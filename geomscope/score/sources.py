@@ -92,8 +92,10 @@ def check_shard_file(task: Task, *, checksum: bool):
             f"shard {p} is corrupt or truncated ({size} bytes on disk, "
             f"{task.nbytes} recorded); rerun the same `geomscope extract` command to redo it"
         )
-    if not (checksum and task.digest):
+    if not checksum:
         return lambda: None
+    if task.digest is None:  # a shard task always has one (checked manifest): fail closed, never skip
+        raise DataError(f"shard {p} has no usable checksum in its manifest; rerun `geomscope extract`")
     result: dict = {}
 
     def run() -> None:

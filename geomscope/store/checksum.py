@@ -22,11 +22,14 @@ from __future__ import annotations
 import hashlib
 import re
 
+import xxhash  # imported here, not when a digest is due: a missing package is not a corrupt shard
+
 from geomscope.store import remote
 
 FAST = "xxh3_128"
 SLOW = "sha256"
-_FORMS = {FAST: re.compile(r"[0-9a-f]{32}"), SLOW: re.compile(r"[0-9a-f]{64}")}
+_HEX_DIGITS = {FAST: 32, SLOW: 64}
+_FORMS = {a: re.compile(f"[0-9a-f]{{{n}}}") for a, n in _HEX_DIGITS.items()}
 READ_BYTES = 8 * 1024 * 1024
 
 
@@ -34,8 +37,6 @@ def _hasher(algorithm: str):
     if algorithm == SLOW:
         return hashlib.sha256()
     if algorithm == FAST:
-        import xxhash
-
         return xxhash.xxh3_128()
     raise ValueError(f"unknown checksum algorithm {algorithm!r}")
 
@@ -52,18 +53,26 @@ def digests(loc, algorithms: tuple[str, ...] = (SLOW, FAST)) -> dict[str, str]:
 
 def expected(entry) -> tuple[str, str] | None:
     """(algorithm, hex digest) to check for a manifest entry (a dict or an object with the digest
-    attributes): ``xxh3_128`` when recorded, else ``sha256``; None when neither is recorded in its
-    proper form (the manifest's checks refuse such an entry before this is asked)."""
-    for algorithm in (FAST, SLOW):
-        value = entry.get(algorithm) if isinstance(entry, dict) else getattr(entry, algorithm, None)
-        if isinstance(value, str) and _FORMS[algorithm].fullmatch(value):
-            return algorithm, value
-    return None
+    attributes): ``xxh3_128`` when recorded (not None), else ``sha256``. None when the digest to
+    check is not of its proper form -- never a quiet fall back to another one; the manifest's checks
+    refuse such an entry before this is asked, and a check against None fails."""
+
+    def get(algorithm):
+        return entry.get(algorithm) if isinstance(entry, dict) else getattr(entry, algorithm, None)
+
+    algorithm = FAST if get(FAST) is not None else SLOW
+    value = get(algorithm)
+    return (algorithm, value) if well_formed(algorithm, value) else None
 
 
 def well_formed(algorithm: str, value) -> bool:
     """Whether ``value`` is a lower-case hex digest of ``algorithm``'s length."""
     return isinstance(value, str) and _FORMS[algorithm].fullmatch(value) is not None
+
+
+def describe(algorithm: str) -> str:
+    """What a well-formed digest of ``algorithm`` is, for error messages."""
+    return f"an {algorithm} digest ({_HEX_DIGITS[algorithm]} lower-case hex digits)"
 
 
 def matches(loc, digest: tuple[str, str]) -> bool:

@@ -49,16 +49,18 @@ def _check_shard_entry(s, i: int, path: Path) -> None:
         if not isinstance(v, kind) or isinstance(v, bool) or (kind is int and v < 0):
             raise _damaged(
                 path,
-                f"shards[{i}].{key} is {v!r}, not a{'n' if kind is int else ''} "
+                f"shards[{i}].{key} is {_short(v)}, not a{'n' if kind is int else ''} "
                 f"{'non-negative integer' if kind is int else 'string'}",
             )
     for algorithm in (checksum.SLOW, checksum.FAST):  # xxh3_128: runs written since it existed
         v = s.get(algorithm)
         if (v is not None or algorithm == checksum.SLOW) and not checksum.well_formed(algorithm, v):
-            raise _damaged(path, f"shards[{i}].{algorithm} is {v!r}, not a {algorithm} hex digest")
+            raise _damaged(
+                path, f"shards[{i}].{algorithm} is {_short(v)}, not {checksum.describe(algorithm)}"
+            )
     tokens = s.get("tokens")
     if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0):
-        raise _damaged(path, f"shards[{i}].tokens is {tokens!r}, not a non-negative integer")
+        raise _damaged(path, f"shards[{i}].tokens is {_short(tokens)}, not a non-negative integer")
     if not SHARD_FILE_RE.fullmatch(s["file"]):  # never a path: nothing outside the run is read or deleted
         raise _damaged(path, f"shards[{i}].file {s['file']!r} is not a shard name geomscope writes")
 
@@ -366,7 +368,8 @@ class RunWriter:
             raise
 
     def _intact(self, entry: dict) -> bool:
-        """A finished shard is kept on resume only if it is a plain file of the recorded size and sha256."""
+        """A finished shard is kept on resume only if it is a plain file of the recorded size and
+        checksum (xxh3_128, or the sha256 of a run written before it: store/checksum.py)."""
         from geomscope.store.reader import verify_shard
 
         p = self.dir / entry["file"]
