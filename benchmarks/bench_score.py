@@ -212,61 +212,70 @@ def _cpu_note(g, p) -> str:
     return f"; CPU s per run {cg:.2f} vs {cp:.2f} ({cp / cg:.2f}x); load {os.getloadavg()[0]:.2f}"
 
 
+def _timed_row(benchmark: str, g, p, *, n: int, bound: float, target: str, repeats: int, note) -> dict:
+    """One throughput row: geomscope ``g`` and the package ``p`` timed alternately (medians), rows/s,
+    the ratio, the fraction of ``bound``; ``note(t)`` (t: the median seconds) starts the note, each
+    side's CPU seconds end it."""
+    t = alternate({"g": g, "p": p}, repeats=repeats)
+    return {
+        "benchmark": benchmark,
+        "geomscope": n / t["g"],
+        "alternative": n / t["p"],
+        "ratio": t["p"] / t["g"],
+        "target": target,
+        "of bound": of_bound(bound, t["g"]),
+        "note": note(t) + _cpu_note(g, p),
+    }
+
+
 def _throughput_rows(label: str, path: Path, n: int, x: np.ndarray, repeats: int) -> list[dict]:
-    rows = []
-    itemsize = 2 if "float16" in label else 4
-    t = alternate({"g": lambda: _score(path, ("isoscore",)), "p": lambda: _package(x)}, repeats=repeats)
-    cpu = _cpu_note(lambda: _score(path, ("isoscore",)), lambda: _package(x))
-    g_val = _score(path, ("isoscore",))["layers"][0]["isoscore"]
-    err = abs(g_val - _package(x))
-    rows.append(
-        {
-            "benchmark": f"IsoScore, {label}",
-            "geomscope": n / t["g"],
-            "alternative": n / t["p"],
-            "ratio": t["p"] / t["g"],
-            "target": ">= 1.5",
-            "of bound": of_bound(stream_bound(n, x.shape[1], itemsize), t["g"]),
-            "note": f"rows/s, median of {repeats}; geomscope streams from disk (+ jackknife SE, checksums), "
-            f"package on float32 rows in memory; |difference| {err:.1e}; of the float64 bound "
-            f"{of_bound(stream_bound_f64(n, x.shape[1]), t['g']):.2f}{cpu}",
-        }
-    )
+    d = x.shape[1]
+    bound = stream_bound(n, d, 2 if "float16" in label else 4)
+    same = {"n": n, "bound": bound, "repeats": repeats}
+
+    def f64_bound(t) -> str:
+        return f"of the float64 bound {of_bound(stream_bound_f64(n, d), t['g']):.2f}"
+
+    exact = lambda: _score(path, ("isoscore",))  # noqa: E731
     fast = lambda: _score(path, ("isoscore",), product_dtype="float32")  # noqa: E731
-    t = alternate({"g": fast, "p": lambda: _package(x)}, repeats=repeats)
-    cpu = _cpu_note(fast, lambda: _package(x))
+    g_val = exact()["layers"][0]["isoscore"]
     f_val = fast()["layers"][0]["isoscore"]
-    rows.append(
-        {
-            "benchmark": f"IsoScore, --product-dtype float32 (opt-in), {label}",
-            "geomscope": n / t["g"],
-            "alternative": n / t["p"],
-            "ratio": t["p"] / t["g"],
-            "target": ">= 1.5",
-            "of bound": of_bound(stream_bound(n, x.shape[1], itemsize), t["g"]),
-            "note": f"as above with float32 block products: relative difference to the float64 "
-            f"products {abs(f_val - g_val) / abs(g_val):.1e}, the package's {err / abs(g_val):.1e}{cpu}",
-        }
-    )
-    t = alternate(
-        {"g": lambda: _score(path, MOMENT_SUITE), "p": lambda: _package(x, star=True)}, repeats=repeats
-    )
-    cpu = _cpu_note(lambda: _score(path, MOMENT_SUITE), lambda: _package(x, star=True))
-    rows.append(
-        {
-            "benchmark": f"moment suite, {label}",
-            "geomscope": n / t["g"],
-            "alternative": n / t["p"],
-            "ratio": t["p"] / t["g"],
-            "target": ">= 1",
-            "of bound": of_bound(stream_bound(n, x.shape[1], itemsize), t["g"]),
-            "note": "rows/s; geomscope: isoscore, isoscore*, avgcos x3 (2nd pass), spectrum, outliers, "
-            "all with "
-            f"jackknife SE; package: IsoScore + IsoScore* only; of the float64 bound "
-            f"{of_bound(stream_bound_f64(n, x.shape[1]), t['g']):.2f}{cpu}",
-        }
-    )
-    return rows
+    err = abs(g_val - _package(x))
+    return [
+        _timed_row(
+            f"IsoScore, {label}",
+            exact,
+            lambda: _package(x),
+            target=">= 1.5",
+            note=lambda t: (
+                f"rows/s, median of {repeats}; geomscope streams from disk (+ jackknife SE, "
+                f"checksums), package on float32 rows in memory; |difference| {err:.1e}; {f64_bound(t)}"
+            ),
+            **same,
+        ),
+        _timed_row(
+            f"IsoScore, --product-dtype float32 (opt-in), {label}",
+            fast,
+            lambda: _package(x),
+            target=">= 1.5",
+            note=lambda t: (
+                "as above with float32 block products: relative difference to the float64 "
+                f"products {abs(f_val - g_val) / abs(g_val):.1e}, the package's {err / abs(g_val):.1e}"
+            ),
+            **same,
+        ),
+        _timed_row(
+            f"moment suite, {label}",
+            lambda: _score(path, MOMENT_SUITE),
+            lambda: _package(x, star=True),
+            target=">= 1",
+            note=lambda t: (
+                "rows/s; geomscope: isoscore, isoscore*, avgcos x3 (2nd pass), spectrum, "
+                f"outliers, all with jackknife SE; package: IsoScore + IsoScore* only; {f64_bound(t)}"
+            ),
+            **same,
+        ),
+    ]
 
 
 def process_times(run_dir: str, repeats: int, workers: bool, dask: bool) -> dict:
