@@ -77,3 +77,27 @@ def test_dedup_property(n, d, levels, seed):
     X = rng.integers(-levels // 2, levels, size=(n, d)).astype(np.float64) * 0.5
     X[X == 0] *= -1.0 if seed % 2 else 1.0
     np.testing.assert_array_equal(dedup_rows(X)[2], reference(X))
+
+
+def test_nothing_removed_returns_the_rows_themselves():
+    # no duplicates: no copy of what may be gigabytes, and the same answer
+    X = np.random.default_rng(3).standard_normal((500, 64))
+    U, removed, idx = dedup_rows(X)
+    assert U is X and removed == 0
+    np.testing.assert_array_equal(idx, np.arange(500))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_count_nonfinite_rows_fast_path_is_exact(dtype):
+    from geomscope.metrics._validate import count_nonfinite_rows
+
+    rng = np.random.default_rng(4)
+    X = rng.standard_normal((200, 8)).astype(dtype)
+    assert count_nonfinite_rows(X) == 0
+    X[3, 1], X[7, 0], X[7, 5] = np.nan, np.inf, -np.inf  # +inf and -inf in one row: the sum is NaN
+    X[9, 2] = -np.inf
+    assert count_nonfinite_rows(X) == 3
+    # every value finite but the float64 sum overflows: the full check runs and finds nothing
+    big = np.full((4, 3), np.finfo(np.float64).max)
+    assert not np.isfinite(big.sum()) and count_nonfinite_rows(big) == 0
+    assert count_nonfinite_rows(np.zeros((0, 3))) == 0
