@@ -572,3 +572,46 @@ def test_final_norm_layer_choice(tmp_path, loaded):
     with pytest.raises(InputError, match="no final norm to store separately.*post-LN"):
         extract(loaded("bert"), [src], tmp_path / "d", layers="final_norm")
     assert not (tmp_path / "d").exists()
+
+
+def test_the_device_side_nan_check_records_what_the_store_check_does(tmp_path, monkeypatch):
+    """On a GPU the capture checks NaN/Inf on the device and the store thread takes its answer;
+    forced here on the CPU (the same code, .cpu() a no-op): the same rows, flags and summary, and
+    the store's own check never runs on rows already in the store dtype."""
+    import geomscope.store.shard as shard_mod
+    from geomscope.extract import capture as cap
+
+    model = make_tiny_model("bert", tmp_path, name="poisoned-device")
+    poison_token(model, "poison")
+    src = write_lines(tmp_path / "in.txt", ["the dog", "a poison here", "the cat"])
+    ref = extract(str(model), [src], tmp_path / "ref", allow_nonfinite=True)
+    real_init, checked = cap.Capture.__init__, []
+
+    def as_if_on_a_gpu(self, *a, **k):
+        real_init(self, *a, **k)
+        self.on_cpu = False
+
+    real_check = shard_mod.nonfinite_rows
+    monkeypatch.setattr(cap.Capture, "__init__", as_if_on_a_gpu)
+    monkeypatch.setattr(shard_mod, "nonfinite_rows", lambda a: checked.append(1) or real_check(a))
+    dev = extract(str(model), [src], tmp_path / "dev", allow_nonfinite=True)
+    assert checked == []
+    assert dev["nonfinite_rows"] == ref["nonfinite_rows"] > 0
+    assert dev["nonfinite_by_layer"] == ref["nonfinite_by_layer"]
+    a, b = read_run(tmp_path / "ref"), read_run(tmp_path / "dev")
+    for n in a["nonfinite"]:
+        np.testing.assert_array_equal(a["nonfinite"][n], b["nonfinite"][n])
+        np.testing.assert_array_equal(a["layers"][n], b["layers"][n])
+
+
+def test_append_takes_a_given_nan_check_only_for_rows_in_the_store_dtype(tmp_path):
+    from geomscope.store.shard import ShardWriter
+
+    meta = {"token_id": [1, 2], "doc_id": [0, 0], "position": [0, 1], "is_special": [False, False]}
+    w = ShardWriter(tmp_path / "a.h5", index=0, layer_names=["x"], dim=3)
+    w.append({"x": np.ones((2, 3), np.float16)}, **meta, nonfinite={"x": np.array([True, False])})
+    assert w.nonfinite_rows == 1  # the caller's check of these very values is taken as given
+    # float32 rows are cast here: 1e6 overflows float16, so the given check cannot know it
+    w.append({"x": np.full((2, 3), 1e6, np.float32)}, **meta, nonfinite={"x": np.zeros(2, bool)})
+    assert w.nonfinite_rows == 3 and w.nonfinite_by_layer == {"x": 3}
+    w.abort()

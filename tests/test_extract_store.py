@@ -41,7 +41,9 @@ class SyncStore:
 
     def submit(self, writer, job):
         try:
-            job()
+            then = job()
+            if callable(then):  # a shard's publishing
+                then()
         except BaseException:
             writer.abort()
             raise
@@ -83,8 +85,9 @@ def no_temp_files(run_dir) -> bool:
 
 
 def store_threads() -> list:
-    """Store threads still running: none once extract has returned or raised."""
-    return [t for t in threading.enumerate() if t.name == "geomscope-store" and t.is_alive()]
+    """Store and publisher threads still running: none once extract has returned or raised."""
+    names = ("geomscope-store", "geomscope-publish")
+    return [t for t in threading.enumerate() if t.name in names and t.is_alive()]
 
 
 KW = {"shard_docs": 4, "batch_tokens": 48}
@@ -151,6 +154,52 @@ def test_a_failure_surfaces_once_later_jobs_skipped_and_their_writers_aborted():
     assert ran == []
     assert writers[0].aborted == 0 and writers[1].aborted == 1
     assert all(w.aborted <= 1 for w in writers[2:])
+
+
+def test_publishings_run_in_order_beside_the_next_jobs():
+    """A job's returned callable (a shard's publishing) runs on the publisher thread, in order; the
+    store thread goes on with the next jobs meanwhile, and drain waits for every publishing."""
+    store = storing.StoreThread()
+    gate, log, threads = threading.Event(), [], {}
+
+    def job(i):
+        log.append(f"job{i}")
+        threads.setdefault("store", threading.get_ident())
+
+        def publish():
+            if i == 0:
+                gate.wait(5)  # the first publishing is slow: the store thread must not wait for it
+            log.append(f"pub{i}")
+            threads.setdefault("publish", threading.get_ident())
+
+        return publish
+
+    for i in range(3):
+        store.submit(FakeWriter(), lambda i=i: job(i))
+    store.wait_idle()  # every job ran while the first publishing still waits
+    assert log == ["job0", "job1", "job2"]
+    gate.set()
+    store.drain()
+    assert log[3:] == ["pub0", "pub1", "pub2"]
+    assert threads["store"] != threads["publish"] and threading.get_ident() not in threads.values()
+    assert store_threads() == []
+
+
+def test_a_publishing_failure_surfaces_and_later_ones_are_skipped_and_aborted():
+    store = storing.StoreThread()
+    writers, published, gate = [FakeWriter() for _ in range(3)], [], threading.Event()
+
+    def fail():
+        gate.wait(5)  # not before both jobs are submitted
+        raise OSError(errno.EIO, "Input/output error")
+
+    store.submit(writers[0], lambda: fail)
+    store.submit(writers[1], lambda: lambda: published.append(1))
+    gate.set()
+    with pytest.raises(OSError, match="Input/output"):
+        store.drain()
+    assert published == [] and writers[0].aborted == 1 and writers[1].aborted == 1
+    assert writers[2].aborted == 0
 
 
 # ------------------------------------------------------------------------------ inside extract

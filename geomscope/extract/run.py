@@ -631,15 +631,16 @@ class _ShardRun:
         self.written += 1
         return budget_hit
 
-    def _publish(self, sw, stats: dict, keeper) -> None:
+    def _publish(self, sw, stats: dict, keeper):
         """(Store thread) finish shard ``sw`` -- a --keep sample shard gets its sample and
-        accumulators -- publish it and record it in the manifest."""
+        accumulators -- and return its publishing, which the publisher thread runs: checksums,
+        fsync and rename, then the shard's record in the manifest (storing.py)."""
         if keeper is not None:
             sw.keep_accumulators(keeper, self.opts.sample_size, self.opts.seed)
-        info = sw.close()
+        sw.finish()
         if sw.nonfinite_by_layer:
             stats["nonfinite_by_layer"] = dict(sw.nonfinite_by_layer)
-        self.writer.add_shard(info, stats=stats)
+        return lambda: self.writer.add_shard(sw.publish(), stats=stats)
 
     def _gradient_summary(self, stats: dict) -> dict:
         if not self.opts.gradients:

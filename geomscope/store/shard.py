@@ -147,9 +147,11 @@ class ShardWriter:
         for name in ("is_special", *self.row_flags):
             self._f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=bool, chunks=(self.chunk * 8,))
 
-    def append(self, layers: dict, token_id, doc_id, position, is_special, **flags) -> None:
+    def append(self, layers: dict, token_id, doc_id, position, is_special, nonfinite=None, **flags) -> None:
         """Add rows: ``layers[name]`` is (rows, D) for every layer name; the rest are (rows,), and
-        ``flags`` gives each of the writer's ``row_flags``."""
+        ``flags`` gives each of the writer's ``row_flags``. ``nonfinite``: optionally, per layer,
+        the (rows,) bool NaN/Inf check the caller already made of those very values (extract does
+        it on the GPU); used only for a layer given in the store dtype, else checked here."""
         n = len(token_id)
         if n == 0:
             return
@@ -171,7 +173,8 @@ class ShardWriter:
             # so one check of the stored values flags both
             with np.errstate(over="ignore", invalid="ignore"):
                 stored = a.astype(self.dtype, copy=False)
-            bad = nonfinite_rows(stored)
+            given = None if nonfinite is None or a.dtype != self.dtype else nonfinite.get(name)
+            bad = nonfinite_rows(stored) if given is None else np.asarray(given, bool).reshape(n)
             any_bad |= bad
             batch["L:" + name] = stored
             batch["N:" + name] = bad
@@ -252,12 +255,22 @@ class ShardWriter:
 
     def close(self) -> ShardInfo:
         """Flush, fsync and publish the shard under its final name; return its manifest entry."""
+        self.finish()
+        return self.publish()
+
+    def finish(self) -> None:
+        """Write the buffered rows and close the HDF5 file: the shard is complete, still under its
+        temporary name (:meth:`publish` does the rest, possibly in another thread)."""
         self._flush(final=True)
         self._f.attrs["rows"] = self.rows
         self._f.attrs["doc_start"] = self.doc_start
         self._f.attrs["doc_stop"] = self.doc_stop
         self._f.flush()
         self._f.close()
+
+    def publish(self) -> ShardInfo:
+        """Checksum and fsync the finished file, rename it to its final name and return its
+        manifest entry."""
         # the checksums (reading the file back from the page cache: CPU) while fsync waits for the disk
         with ThreadPoolExecutor(1, thread_name_prefix="geomscope-checksum") as pool:
             pending = pool.submit(checksum.digests, self.tmp_path)
