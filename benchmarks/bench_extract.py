@@ -52,7 +52,7 @@ def make_corpus(n: int, path: Path, seed: int = 0) -> Path:
     return path
 
 
-def ceiling_batches(lm, path: Path, shard_docs: int = 1000):
+def ceiling_batches(lm, path: Path, shard_docs: int = 1000, batch_tokens: int = BATCH_TOKENS):
     """The padded tensors extract() would run, built ahead of time (same tokenization, order and cuts)."""
     import torch
 
@@ -63,7 +63,7 @@ def ceiling_batches(lm, path: Path, shard_docs: int = 1000):
     out, tokens = [], 0
     for s in range(0, len(texts), shard_docs):
         docs = tokenize(lm.tokenizer, list(enumerate(texts[s : s + shard_docs], s)), lm.max_length)
-        for b in plan_batches(length_order(docs), BATCH_TOKENS):
+        for b in plan_batches(length_order(docs), batch_tokens):
             ids, mask = pad_right(b, pad)
             out.append((torch.from_numpy(ids), torch.from_numpy(mask)))
             tokens += int(mask.sum())

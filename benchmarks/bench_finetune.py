@@ -34,7 +34,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from _common import print_rows  # noqa: E402
 
 
-def _setup(device: str, batch: int, n_batches: int, c0_points: int):
+def _setup(device: str, batch: int, n_batches: int, c0_points: int, precision: str = "fp32"):
     import torch
 
     from geomscope.extract.models import bundled_minilm_dir
@@ -53,7 +53,7 @@ def _setup(device: str, batch: int, n_batches: int, c0_points: int):
     label2id = build_label_map(table)
     torch.manual_seed(0)
     model, tok, _ = load_classifier(path, label2id, lambda s: None)
-    eng = engine.start(device, "fp32")  # the Accelerator finetune runs on
+    eng = engine.start(device, precision)  # the Accelerator finetune runs on
     d = eng.d
     model.to(d.device)
     enc = Encoded(tok, table, label2id, 128)
@@ -92,7 +92,9 @@ def _sync(d):
         torch.cuda.synchronize()
 
 
-def run(quick: bool = False, threads: int | None = 1, device: str = "cpu") -> list[dict]:
+def run(
+    quick: bool = False, threads: int | None = 1, device: str = "cpu", precision: str = "fp32"
+) -> list[dict]:
     import torch
 
     from geomscope.train.step import train_step
@@ -102,7 +104,7 @@ def run(quick: bool = False, threads: int | None = 1, device: str = "cpu") -> li
     batch = 32
     steps, repeats = (1, 3) if quick else (3, 7)
     model, batches, regs, opt, autocast, eng, tokens, lora = _setup(
-        device, batch, steps, 20_000 if quick else 250_000
+        device, batch, steps, 20_000 if quick else 250_000, precision
     )
     d = eng.d
 
@@ -150,7 +152,7 @@ def run(quick: bool = False, threads: int | None = 1, device: str = "cpu") -> li
     med = {k: statistics.median(v) for k, v in times.items()}
     where = f"{d.device.type}" + (f", {torch.get_num_threads()} thread(s)" if d.device.type == "cpu" else "")
     note = (
-        f"MiniLM-L6 (D=384, 6 blocks), batch {batch}, ~{tokens:.0f} real tokens/batch, fp32, {where}; "
+        f"MiniLM-L6 (D=384, 6 blocks), batch {batch}, ~{tokens:.0f} real tokens/batch, {precision}, {where}; "
         f"s/step, median of {repeats}x{len(batches)} steps"
     )
     names = {
@@ -180,5 +182,8 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | auto")
+    ap.add_argument("--precision", default="fp32", help="fp32 | bf16 | fp16 (fp16: CUDA only)")
     a = ap.parse_args()
-    print_rows(run(quick=a.quick, threads=a.threads or None, device=a.device), "finetune")
+    print_rows(
+        run(quick=a.quick, threads=a.threads or None, device=a.device, precision=a.precision), "finetune"
+    )
