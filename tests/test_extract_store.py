@@ -261,8 +261,8 @@ def test_a_failure_in_the_forward_still_publishes_the_shard_before_it(bert, src,
 
     write, handed_over = run_mod._ShardRun._write, []
 
-    def counted_write(self, k, group, prog):
-        out = write(self, k, group, prog)
+    def counted_write(self, k, group, prog, *rest):
+        out = write(self, k, group, prog, *rest)
         handed_over.append(k)  # all of shard k's batches ran; its publishing is queued
         return out
 
@@ -359,3 +359,54 @@ def test_one_sample_keeper_at_a_time(bert, src, tmp_path, monkeypatch):
     monkeypatch.setattr(keep.SampleKeeper, "__init__", tracked)
     s = extract(bert, [src], tmp_path / "run", keep="sample:8", **KW)
     assert s["shards_written"] >= 3 and alive_at_start == [0] * s["shards_written"]
+
+
+# ------------------------------------------------------------------------------ tokenizing ahead
+def _tokenize_threads(monkeypatch) -> list[tuple[int, str]]:
+    """(first doc id, thread name) of every tokenize call extract makes."""
+    real, seen = run_mod.tokenize, []
+
+    def spy(tok, group, max_length):
+        seen.append((group[0][0], threading.current_thread().name))
+        return real(tok, group, max_length)
+
+    monkeypatch.setattr(run_mod, "tokenize", spy)
+    return seen
+
+
+def test_the_next_shard_is_tokenized_in_a_thread_with_the_same_rows(bert, src, tmp_path, monkeypatch):
+    monkeypatch.setattr(run_mod, "StoreThread", SyncStore)
+    ref = extract(bert, [src], tmp_path / "ref", **KW, max_tokens=10**9)  # --max-tokens: nothing ahead
+    seen = _tokenize_threads(monkeypatch)
+    s = extract(bert, [src], tmp_path / "ahead", **KW)
+    assert s["shards_written"] == ref["shards_written"] >= 3 and s["rows"] == ref["rows"]
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)  # each shard once, in order
+    assert seen[0][1] == "MainThread"
+    assert all(name.startswith("geomscope-tokenize") for _, name in seen[1:])
+    assert_same_rows(tmp_path / "ref", tmp_path / "ahead")
+    assert not [t for t in threading.enumerate() if t.name.startswith("geomscope-tokenize")]
+    seen.clear()
+    extract(bert, [src], tmp_path / "budget", **KW, max_tokens=10**9)
+    assert {name for _, name in seen} == {"MainThread"}
+
+
+def test_a_tokenizer_failure_ahead_is_one_line_and_the_shards_before_it_stay(
+    bert, src, tmp_path, monkeypatch
+):
+    real = run_mod.tokenize
+
+    def fails_on_the_third_shard(tok, group, max_length):
+        if group[0][0] >= 2 * KW["shard_docs"]:
+            raise RuntimeError("Already borrowed")
+        return real(tok, group, max_length)
+
+    monkeypatch.setattr(run_mod, "tokenize", fails_on_the_third_shard)
+    with pytest.raises(
+        run_mod.InputError, match=r"failed on documents 8\.\.11 \(RuntimeError: Already borrowed\)"
+    ):
+        extract(bert, [src], tmp_path / "run", **KW)
+    assert store_threads() == []
+    assert [i.index for i in Run(tmp_path / "run").shards] == [0, 1]
+    monkeypatch.setattr(run_mod, "tokenize", real)
+    s = extract(bert, [src], tmp_path / "run", **KW)
+    assert s["shards_resumed"] == 2 and Run(tmp_path / "run").complete

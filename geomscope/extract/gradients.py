@@ -166,7 +166,10 @@ class GradientCapture(Capture):
         self.loss_sum = 0.0
         self.loss_docs = 0
         self.docs_without_targets = 0
-        if loss == "masked-lm" and lm.tokenizer.mask_token_id is None:
+        # read once: the next shard may be being tokenized meanwhile (extract/run.py), and a fast
+        # tokenizer used from two threads at once can fail ("Already borrowed")
+        self.mask_id = lm.tokenizer.mask_token_id
+        if loss == "masked-lm" and self.mask_id is None:
             raise InputError(
                 f"the tokenizer of {lm.info['name']} has no mask token; --loss masked-lm needs one"
             )
@@ -188,7 +191,7 @@ class GradientCapture(Capture):
                 targets[b, : len(d) - 1] = d.ids[1:]
         elif self.loss == "masked-lm":
             ids = ids.copy()
-            mask_id = int(self.lm.tokenizer.mask_token_id)
+            mask_id = self.mask_id
             for b, d in enumerate(docs):
                 pos = mask_positions(d, self.mlm_probability, self.seed)
                 targets[b, pos] = d.ids[pos]
