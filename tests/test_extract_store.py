@@ -187,7 +187,7 @@ def test_publishings_run_in_order_beside_the_next_jobs():
 
 def test_a_publishing_failure_surfaces_and_later_ones_are_skipped_and_aborted():
     store = storing.StoreThread()
-    writers, published, gate = [FakeWriter() for _ in range(3)], [], threading.Event()
+    writers, published, gate = [FakeWriter() for _ in range(2)], [], threading.Event()
 
     def fail():
         gate.wait(5)  # not before both jobs are submitted
@@ -196,10 +196,41 @@ def test_a_publishing_failure_surfaces_and_later_ones_are_skipped_and_aborted():
     store.submit(writers[0], lambda: fail)
     store.submit(writers[1], lambda: lambda: published.append(1))
     gate.set()
+    with pytest.raises(OSError, match="Input/output"):  # surfaces at a wait once it happened
+        for _ in range(250):
+            store.wait_idle()
+            time.sleep(0.02)
+    with pytest.raises(OSError, match="Input/output"):
+        store.submit(FakeWriter(), lambda: None)  # and at the next submit
     with pytest.raises(OSError, match="Input/output"):
         store.drain()
     assert published == [] and writers[0].aborted == 1 and writers[1].aborted == 1
-    assert writers[2].aborted == 0
+
+
+def test_a_finished_shard_is_published_though_a_later_append_failed():
+    """A full disk while shard k+1 is appended: shard k, whose rows were all written, is still
+    published (resume keeps it); the later store jobs are skipped."""
+    store = storing.StoreThread()
+    gate, published, later = threading.Event(), [], []
+    shard_k, shard_k1 = FakeWriter(), FakeWriter()
+
+    def publish_k():
+        gate.wait(5)  # still queued when the next shard's append fails
+        published.append("k")
+
+    def full_disk():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    store.submit(shard_k, lambda: publish_k)
+    store.submit(shard_k1, full_disk)
+    with pytest.raises(OSError, match="No space"):
+        store.wait_idle()
+    with pytest.raises(OSError, match="No space"):
+        store.submit(shard_k1, lambda: later.append(1))
+    gate.set()
+    with pytest.raises(OSError, match="No space"):
+        store.drain()
+    assert published == ["k"] and shard_k.aborted == 0 and shard_k1.aborted == 1 and later == []
 
 
 # ------------------------------------------------------------------------------ inside extract
@@ -364,11 +395,19 @@ def test_one_sample_keeper_at_a_time(bert, src, tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------ tokenizing ahead
 def _tokenize_threads(monkeypatch) -> list[tuple[int, str]]:
     """(first doc id, thread name) of every tokenize call extract makes."""
-    real, seen = run_mod.tokenize, []
+    real, seen, inside, lock = run_mod.tokenize, [], [0], threading.Lock()
 
     def spy(tok, group, max_length):
         seen.append((group[0][0], threading.current_thread().name))
-        return real(tok, group, max_length)
+        with lock:
+            inside[0] += 1
+            assert inside[0] == 1, "two threads in the tokenizer at once"
+        try:
+            time.sleep(0.01)  # widen the window an overlap would need
+            return real(tok, group, max_length)
+        finally:
+            with lock:
+                inside[0] -= 1
 
     monkeypatch.setattr(run_mod, "tokenize", spy)
     return seen

@@ -244,6 +244,28 @@ def test_extract_float16_store_on_device(tiny, tmp_path):
     _same_rows(_read(tmp_path / "dev"), _read(tmp_path / "cpu"), **FLOAT16_TOL)
 
 
+@pytest.mark.parametrize("value", [float("nan"), 1e6])
+def test_nonfinite_rows_flagged_on_device_as_on_cpu(tmp_path, value):
+    """On a GPU the NaN/Inf check is made on the device (capture.py) and the store takes its
+    answer: a poisoned token (NaN; or 1e6, finite in float32 and Inf in the float16 store) is
+    flagged in the same rows and layers, with the same summary, as the CPU's own check."""
+    from helpers_models import poison_token
+
+    from geomscope.extract.run import extract
+
+    model = poison_token(make_tiny_model("gpt2", tmp_path, name="poisoned"), "poison", value=value)
+    src = tmp_path / "in.txt"
+    src.write_text("the dog\na poison here\nthe cat\npoison\n")
+    kw = {"batch_tokens": 16, "allow_nonfinite": True}
+    s_dev = extract(str(model), [src], tmp_path / "dev", device=DEVICE, **kw)
+    s_cpu = extract(str(model), [src], tmp_path / "cpu", device="cpu", **kw)
+    assert s_dev["nonfinite_rows"] == s_cpu["nonfinite_rows"] > 0
+    assert s_dev["nonfinite_by_layer"] == s_cpu["nonfinite_by_layer"]
+    for g, r in zip(_read(tmp_path / "dev"), _read(tmp_path / "cpu"), strict=True):
+        for n in r["nonfinite"]:
+            np.testing.assert_array_equal(g["nonfinite"][n], r["nonfinite"][n], err_msg=n)
+
+
 #: float16 spacing is 2^-10 relative (2^-11 rounding): a float32 difference of ~1e-6 can move a
 #: value across a rounding boundary, one ulp (1e-3 relative), plus the float32 difference itself
 FLOAT16_TOL = {"rtol": 2e-3, "atol_scale": 1e-4}

@@ -5,9 +5,10 @@ input order (after ``max_docs``), so the plan depends only on the inputs and opt
 same command skips the shards the manifest lists as finished and redoes the rest, and the result
 equals an uninterrupted run.  Within a shard, documents are processed and stored by descending
 length (ties by doc id), in batches cut by a token budget; each batch is moved to the CPU and
-appended to the shard while the next one runs (extract/storing.py: one store thread appends and
-publishes, in order), so memory is bounded by one shard's token ids and two batches' activations,
-whatever the size of the input.
+appended to the shard while the next one runs (extract/storing.py: one store thread appends, one
+publisher thread publishes the finished shards, each in order), and the next shard's documents are
+tokenized meanwhile (one process: the next shard is then this process's), so memory is bounded by
+two shards' token ids and texts and two batches' activations, whatever the size of the input.
 
 ``max_tokens`` caps the number of rows: documents are taken in input order and the one that reaches
 the cap is cut to the tokens that remain (its first positions are kept).
@@ -18,7 +19,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -565,6 +566,8 @@ class _ShardRun:
                         self._set_labels(group_labels)
                     # this shard's documents first: the tokenizer is never used by two threads at once
                     ready = tokenized is not None and tokenized[0] == k
+                    if tokenized is not None and not ready:  # not expected; never two tokenizers
+                        wait([tokenized[1]])
                     docs = tokenized[1].result() if ready else self._tokenize(group)
                     tokenized = None
                     if upcoming is not None:
@@ -647,8 +650,9 @@ class _ShardRun:
             if sample is not None:
                 from geomscope.extract.keep import SampleKeeper
 
-                # the previous shard's keeper (device accumulators of every layer) is published and
-                # freed before this one is made: one keeper at a time, as without the store thread
+                # the previous shard's keeper (device accumulators of every layer) is written into
+                # its shard and freed before this one is made: one keeper at a time, as without the
+                # store thread
                 self.store.wait_idle()
                 keeper = SampleKeeper(self.names, self.lm.hidden_size, self.lm.device, sample, self.opts.seed)
             for batch in plan_batches(length_order(kept), self.opts.batch_tokens):

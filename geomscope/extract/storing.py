@@ -35,9 +35,10 @@ straight into them): no flatter (1.11-1.14x), and a higher peak.  The queue itse
 :data:`DEPTH` jobs.
 
 Errors: the first failure of a store job or a publishing is raised in the main thread (its own
-exception) at the next submit or wait, or at :meth:`StoreThread.drain`; every later job and
-publishing is skipped, and the shard writer of a failed or skipped one is aborted (its temporary
-file removed) -- a published shard is never touched.
+exception) at the next submit or wait, or at :meth:`StoreThread.drain`. After it every later store
+job is skipped; the publishings go on until one fails (a shard whose rows were all written is
+published even when a later shard's append failed, so that resume keeps it). The shard writer of a
+failed or skipped job is aborted (its temporary file removed) -- a published shard is never touched.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class StoreThread:
     def __init__(self, depth: int = DEPTH):
         self._jobs: queue.Queue = queue.Queue(maxsize=max(1, int(depth)))
         self._publishing: queue.Queue = queue.Queue()  # unbounded: a publishing holds no rows
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # the first failure, of either thread
+        self._publish_failed = False  # a publishing failed: the later ones are skipped
         self._error_lock = threading.Lock()
         self._thread = threading.Thread(target=self._work, name="geomscope-store", daemon=True)
         self._publisher = threading.Thread(target=self._publish_work, name="geomscope-publish", daemon=True)
@@ -99,6 +101,8 @@ class StoreThread:
             self._publishing.put(None)
             self._publisher.join()
         self._raise_failure()
+        if not self._publishing.empty():  # cannot happen while _run catches everything; never silent
+            raise RuntimeError("the publisher thread ended with shards left unpublished")
 
     def drain_quietly(self) -> None:
         """:meth:`drain` for a caller that is already raising its own exception (which goes on); a
@@ -116,15 +120,21 @@ class StoreThread:
         if self._error is not None:
             raise self._error
 
-    def _run(self, writer, job) -> object:
-        """Run one job unless one has failed; a failed or skipped job's writer is aborted."""
-        if self._error is None:
+    def _run(self, writer, job, publishing: bool = False) -> object:
+        """Run one job unless it must be skipped; a failed or skipped job's writer is aborted.
+
+        A store job is skipped after any failure. A publishing is skipped only after a failed
+        publishing: a shard whose rows were all written is published even when a later shard's
+        append failed (a full disk), so that resume keeps it."""
+        skip = self._publish_failed if publishing else self._error is not None
+        if not skip:
             try:
                 return job()
             except BaseException as e:  # handed to the main thread; the first failure is the one raised
                 with self._error_lock:
                     if self._error is None:
                         self._error = e
+                    self._publish_failed |= publishing
         try:
             writer.abort()
         except Exception:  # the first failure is the one to report; the next run cleans up
@@ -150,5 +160,5 @@ class StoreThread:
             item = self._publishing.get()
             if item is None:
                 return
-            self._run(*item)
+            self._run(*item, publishing=True)
             item = None
