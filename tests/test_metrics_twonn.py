@@ -91,6 +91,64 @@ def test_two_nearest_float32_trap_near_duplicates_far_from_the_mean():
     assert np.max(np.abs(fast[1][:150] / b2[:150] - 1)) > 1e-3
 
 
+def test_rescreen_stays_exact_when_a_small_budget_splits_it(monkeypatch):
+    # Every member of a tight cluster far from the mean needs the float64 rescreen. With a budget of
+    # a few KiB its rows' float64 copies come a group at a time, the columns a chunk at a time, and
+    # each block's pairs are folded into the rows' best two as they come: the result must not move.
+    import geomscope.metrics.neighbors as nb
+
+    rng = np.random.default_rng(12)
+    D = 48
+    far = 300.0 * rng.normal(size=D)
+    cluster = far + 1e-2 * rng.normal(size=(150, D))
+    X = np.concatenate([cluster, rng.normal(size=(250, D)) - far]).astype(np.float32)
+    folds, groups = [], set()
+    fold = nb._RunningBestTwo.fold
+
+    def spy(self, pos, cols, dist):
+        folds.append(len(pos))
+        groups.add(id(self))
+        return fold(self, pos, cols, dist)
+
+    monkeypatch.setattr(nb._RunningBestTwo, "fold", spy)
+    roomy = two_nearest(X, block_size=64, return_info=True)
+    roomy_folds = len(folds)
+    folds.clear()
+    budget = 32 * D * 8  # 8 rows per float64 chunk, 16 per group, 64 columns per chunk
+    tight = two_nearest(X, block_size=64, memory_budget=budget, return_info=True)
+    assert tight[4]["n_flagged"] >= 150 and roomy[4]["n_flagged"] >= 150
+    assert len(folds) > 10 * roomy_folds  # many blocks, each folded on its own
+    assert_same_neighbours(X, tight)
+    for a, b in zip(tight[:4], roomy[:4], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert tight[4]["n_rescreen_pairs"] == roomy[4]["n_rescreen_pairs"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 6))
+def test_running_best_two_folds_to_the_one_shot_best_two(seed, pieces):
+    # folding a pair list in any number of pieces gives what the whole list gives at once, ties to
+    # the smaller index included (distances drawn from a few values so that ties are common)
+    from geomscope.metrics.neighbors import _best_two, _RunningBestTwo
+
+    rng = np.random.default_rng(seed)
+    m, n = 7, 30
+    pos = np.concatenate([np.repeat(np.arange(m), 2), rng.integers(0, m, 40)])
+    cols = np.concatenate([np.tile([0, 1], m), rng.integers(0, n, 40)])  # >= 2 columns per row
+    keys = np.unique(np.stack([pos, cols], 1), axis=0)  # each pair once, as the rescreen gives them
+    keys = keys[rng.permutation(len(keys))]
+    pos, cols = keys[:, 0], keys[:, 1]
+    dist = rng.choice([0.0, 0.5, 1.0, 1.5], size=len(pos))
+    best = _RunningBestTwo(m, n)
+    for part in np.array_split(np.arange(len(pos)), pieces):
+        if len(part):
+            best.fold(pos[part], cols[part], dist[part])
+    rows, d1, j1, d2, j2 = _best_two(pos, cols, dist)
+    np.testing.assert_array_equal(rows, np.arange(m))
+    np.testing.assert_array_equal(best.dist, np.stack([d1, d2], 1))
+    np.testing.assert_array_equal(best.idx, np.stack([j1, j2], 1))
+
+
 def test_two_nearest_near_duplicates_at_large_common_offset():
     rng = np.random.default_rng(3)
     X = 1e4 + rng.normal(size=(250, 32))

@@ -307,49 +307,90 @@ def _best_two(rows: np.ndarray, cols: np.ndarray, dist: np.ndarray):
     return r[first], d[first], c[first], d[first + 1], c[first + 1]
 
 
-def _rescreen(Xt, x32, n32, rows, shift, scale, ub2, err32, memory_budget: int):
-    """Pairs (row, j), j != row, that cannot be excluded from d(row, j)^2 <= ub2[row] (scaled units).
+class _RunningBestTwo:
+    """Each of ``m`` rows' two nearest so far (distances ``dist``, indices ``idx``, (m, 2)), into
+    which pair lists are folded as they come: ties go to the smaller index, as in
+    :func:`_best_two`. A row starts with two placeholders (infinite, index ``n``), which any real
+    pair beats."""
+
+    def __init__(self, m: int, n: int):
+        self.dist = np.full((m, 2), np.inf)
+        self.idx = np.full((m, 2), n, dtype=np.int64)
+
+    def fold(self, pos: np.ndarray, cols: np.ndarray, dist: np.ndarray) -> None:
+        """Add the pairs (row ``pos[t]`` of the m, column ``cols[t]``) at exact distance ``dist[t]``."""
+        mine = np.unique(pos)
+        rows, d1, j1, d2, j2 = _best_two(
+            np.concatenate([np.repeat(mine, 2), pos]),
+            np.concatenate([self.idx[mine].ravel(), cols]),
+            np.concatenate([self.dist[mine].ravel(), dist]),
+        )
+        self.dist[rows] = np.stack([d1, d2], axis=1)
+        self.idx[rows] = np.stack([j1, j2], axis=1)
+
+
+def _rescreen(Xt, x32, n32, rows, shift, scale, ub2, err32, memory_budget: int, chunk: int):
+    """Exact two nearest of the ``rows`` the float32 search could not certify, given
+    ``ub2[t]``, the scaled square of an exact distance from ``rows[t]`` to a second row (so its r2
+    is at most that): ``(r1, r2, i1, i2)`` numpy arrays aligned with ``rows``, and the number of
+    pairs recomputed exactly.
 
     1. float32 screen against all rows: every pair's float32 value is within ``err32[row]`` of
-       the true squared distance, so pairs with value > ub2 + err32 are excluded.
+       the true squared distance, so columns whose value exceeds ub2 + err32 for every one of the
+       rows are dropped.
     2. float64 screen of the remaining columns on ``(x - shift) * scale`` in float64: each value V
        is within ``c64 (|a|^2 + |b|^2)`` of the truth (c64: twice the float64 bound, which also
        covers the float64 norms), so pairs with V - c64 |b|^2 > ub2 + c64 |a|^2 are excluded.
-    Whatever is left (at least the row's current two candidates) is recomputed exactly.
+    Whatever is left (at least the row's current two candidates) is recomputed exactly, block by
+    block, and folded into the rows' best two at once.
+
+    Memory stays within the budget however many rows there are (all of them, on data in tight
+    clusters far from the mean): the screen's columns are one (N,) mask; the float64 copies of
+    the rows are made a group at a time, half the budget each, the columns' copies a chunk at a
+    time; and no pair list outlives its block.
     """
     import torch
 
     n, d = Xt.shape
+    m = rows.shape[0]
     thr32 = ((ub2 + err32[rows]) * (1.0 + 2.0**-20)).float()  # margin over float32 rounding
-    step = max(1, min(rows.shape[0], memory_budget // (4 * n)))
-    cols = []
-    for a in range(0, rows.shape[0], step):
+    step = max(1, min(m, memory_budget // (4 * n)))
+    hit = torch.zeros(n, dtype=torch.bool, device=x32.device)
+    for a in range(0, m, step):
         r = rows[a : a + step]
         V = torch.addmm(n32[None, :], x32[r], x32.T, alpha=-2.0).add_(n32[r][:, None])
-        cols.append((V <= thr32[a : a + step, None]).nonzero(as_tuple=True)[1])
-    U = torch.unique(torch.cat(cols))
+        hit |= (V <= thr32[a : a + step, None]).any(0)
+    U = hit.nonzero().flatten()
     c64 = 2.0 * _bound_coefficient(d, _U64, 0.0)
     s64 = shift.double()
-    chunk_rows = max(1, min(rows.shape[0], memory_budget // (32 * d)))
+    chunk_rows = max(1, min(m, memory_budget // (32 * d)))
     chunk_cols = max(64, memory_budget // (16 * (d + chunk_rows)))
-    blocks = []
-    for a in range(0, rows.shape[0], chunk_rows):
-        r = rows[a : a + chunk_rows]
-        A = (Xt[r].double() - s64).mul_(scale)
-        na = torch.linalg.vector_norm(A, dim=1).square_()
-        blocks.append((r, A, na, ub2[a : a + chunk_rows] + c64 * na))
-    out_r, out_c = [], []
-    for s in range(0, U.shape[0], chunk_cols):
-        u = U[s : s + chunk_cols]
-        B = (Xt[u].double() - s64).mul_(scale)
-        nb = torch.linalg.vector_norm(B, dim=1).square_()
-        for r, A, na, thr in blocks:
-            V = torch.addmm((1.0 - c64) * nb[None, :], A, B.T, alpha=-2.0).add_(na[:, None])
-            ii, jj = (V <= thr[:, None]).nonzero(as_tuple=True)
-            keep = r[ii] != u[jj]
-            out_r.append(r[ii][keep])
-            out_c.append(u[jj][keep])
-    return torch.cat(out_r), torch.cat(out_c)
+    group_rows = chunk_rows * max(1, memory_budget // (16 * d * chunk_rows))  # float64 copies: half
+    best = _RunningBestTwo(m, n)
+    pairs = 0
+    for g in range(0, m, group_rows):
+        blocks = []
+        for a in range(g, min(m, g + group_rows), chunk_rows):
+            r = rows[a : a + chunk_rows]
+            A = (Xt[r].double() - s64).mul_(scale)
+            na = torch.linalg.vector_norm(A, dim=1).square_()
+            pos = torch.arange(a, a + r.shape[0], device=r.device)
+            blocks.append((pos, r, A, na, ub2[a : a + chunk_rows] + c64 * na))
+        for s in range(0, U.shape[0], chunk_cols):
+            u = U[s : s + chunk_cols]
+            B = (Xt[u].double() - s64).mul_(scale)
+            nb = torch.linalg.vector_norm(B, dim=1).square_()
+            for pos, r, A, na, thr in blocks:
+                V = torch.addmm((1.0 - c64) * nb[None, :], A, B.T, alpha=-2.0).add_(na[:, None])
+                ii, jj = (V <= thr[:, None]).nonzero(as_tuple=True)
+                keep = r[ii] != u[jj]
+                if not bool(keep.any()):
+                    continue
+                pr, pc = r[ii][keep], u[jj][keep]
+                exact = _exact_pairs(Xt, pr, pc, chunk)
+                best.fold(pos[ii][keep].cpu().numpy(), pc.cpu().numpy(), exact.cpu().numpy())
+                pairs += int(pr.shape[0])
+    return best.dist[:, 0], best.dist[:, 1], best.idx[:, 0], best.idx[:, 1], pairs
 
 
 def _refine(Xt, x32, n32, best_v, best_i, shift, scale, memory_budget: int, info: dict):
@@ -388,13 +429,12 @@ def _refine(Xt, x32, n32, best_v, best_i, shift, scale, memory_budget: int, info
     info["n_flagged"] = int(flagged.numel())
     if flagged.numel():
         ub2 = (r2[flagged] * scale) ** 2
-        pr, pc = _rescreen(Xt, x32, n32, flagged, shift, scale, ub2, err, memory_budget)
-        info["n_rescreen_pairs"] = int(pr.numel())
-        pd = _exact_pairs(Xt, pr, pc, max(1, chunk // 2))
-        fr, d1, j1, d2, j2 = _best_two(pr.cpu().numpy(), pc.cpu().numpy(), pd.cpu().numpy())
-        fr = torch.from_numpy(fr).to(dev)
-        r1[fr], r2[fr] = torch.from_numpy(d1).to(dev), torch.from_numpy(d2).to(dev)
-        i1[fr], i2[fr] = torch.from_numpy(j1).to(dev), torch.from_numpy(j2).to(dev)
+        d1, d2, j1, j2, pairs = _rescreen(
+            Xt, x32, n32, flagged, shift, scale, ub2, err, memory_budget, max(1, chunk // 2)
+        )
+        info["n_rescreen_pairs"] = pairs
+        r1[flagged], r2[flagged] = torch.from_numpy(d1).to(dev), torch.from_numpy(d2).to(dev)
+        i1[flagged], i2[flagged] = torch.from_numpy(j1).to(dev), torch.from_numpy(j2).to(dev)
     return r1, r2, i1, i2
 
 
