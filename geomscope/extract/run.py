@@ -496,7 +496,8 @@ class _ShardRun:
             self.capture = Capture(lm, plan.read_layers, opts.store_dtype)
         self.names = [la["name"] for la in plan.layer_desc]
         self.heap = HeapTrim()  # trims the heap after spreading batches and at shard boundaries
-        self.entries = {s["index"]: s for s in writer.manifest["shards"]}
+        # what an earlier run finished, read once (rebuilt for every shard, it cost O(shards^2))
+        self.resumable = writer.finished
         self.counts = {"records": 0, "docs_empty": 0}
         self.total_rows = self.new_rows = self.written = self.resumed = 0
         self.rank, self.world = 0, 1  # a multi-process run (extract/ranks.py): shard k is rank k % world's
@@ -537,7 +538,7 @@ class _ShardRun:
 
     def _is_done(self, k: int, group) -> object | None:
         """The manifest entry of shard ``k`` when an earlier run finished it with the same documents."""
-        done = self.writer.finished.get(k)
+        done = self.resumable.get(k)
         if done is not None and (done.doc_start, done.doc_stop) == (group[0][0], group[-1][0] + 1):
             return done
         return None
