@@ -340,9 +340,15 @@ def _rescreen(Xt, x32, n32, rows, shift, scale, ub2, err32, memory_budget: int, 
        rows are dropped.
     2. float64 screen of the remaining columns on ``(x - shift) * scale`` in float64: each value V
        is within ``c64 (|a|^2 + |b|^2)`` of the truth (c64: twice the float64 bound, which also
-       covers the float64 norms), so pairs with V - c64 |b|^2 > ub2 + c64 |a|^2 are excluded.
-    Whatever is left (at least the row's current two candidates) is recomputed exactly, block by
-    block, and folded into the rows' best two at once.
+       covers the float64 norms). A first pass tightens each row's bound: V + c64 (|a|^2 + |b|^2)
+       bounds a pair's true square from above, so the second smallest over the row's other
+       columns bounds its r2^2 (padded by 4 c64 for the rounding of the exact distances). Where
+       the float32 search could not rank a cluster its candidates are typical members, and their
+       r2 keeps half the cluster: 3,225 pairs per row on 16,000 x 768 in two tight clusters, 51.6
+       M exact distances, where the tightened bound keeps a few. The second pass excludes the pairs
+       with V - c64 |b|^2 > ub2 + c64 |a|^2.
+    Whatever is left (at least the row's two nearest) is recomputed exactly, block by block, and
+    folded into the rows' best two at once.
 
     Memory stays within the budget however many rows there are (all of them, on data in tight
     clusters far from the mean): the screen's columns are one (N,) mask; the float64 copies of
@@ -375,11 +381,9 @@ def _rescreen(Xt, x32, n32, rows, shift, scale, ub2, err32, memory_budget: int, 
             A = (Xt[r].double() - s64).mul_(scale)
             na = torch.linalg.vector_norm(A, dim=1).square_()
             pos = torch.arange(a, a + r.shape[0], device=r.device)
-            blocks.append((pos, r, A, na, ub2[a : a + chunk_rows] + c64 * na))
-        for s in range(0, U.shape[0], chunk_cols):
-            u = U[s : s + chunk_cols]
-            B = (Xt[u].double() - s64).mul_(scale)
-            nb = torch.linalg.vector_norm(B, dim=1).square_()
+            blocks.append((pos, r, A, na, ub2[a : a + chunk_rows]))
+        blocks = _tightened(blocks, _column_chunks(Xt, U, chunk_cols, s64, scale), c64)
+        for u, B, nb in _column_chunks(Xt, U, chunk_cols, s64, scale):
             for pos, r, A, na, thr in blocks:
                 V = torch.addmm((1.0 - c64) * nb[None, :], A, B.T, alpha=-2.0).add_(na[:, None])
                 ii, jj = (V <= thr[:, None]).nonzero(as_tuple=True)
@@ -391,6 +395,43 @@ def _rescreen(Xt, x32, n32, rows, shift, scale, ub2, err32, memory_budget: int, 
                 best.fold(pos[ii][keep].cpu().numpy(), pc.cpu().numpy(), exact.cpu().numpy())
                 pairs += int(pr.shape[0])
     return best.dist[:, 0], best.dist[:, 1], best.idx[:, 0], best.idx[:, 1], pairs
+
+
+def _column_chunks(Xt, U, chunk_cols: int, s64, scale):
+    """(columns, their shifted and scaled float64 rows, squared norms), ``chunk_cols`` at a time."""
+    import torch
+
+    for s in range(0, U.shape[0], chunk_cols):
+        u = U[s : s + chunk_cols]
+        B = (Xt[u].double() - s64).mul_(scale)
+        yield u, B, torch.linalg.vector_norm(B, dim=1).square_()
+
+
+def _tightened(blocks, columns, c64: float) -> list:
+    """The rescreen's row blocks with each row's bound ub2 lowered to what the float64 values
+    prove (``_rescreen``, step 2), and turned into the second pass's threshold ub2 + c64 |a|^2."""
+    import torch
+
+    firsts = [
+        torch.full((r.shape[0], 2), math.inf, dtype=torch.float64, device=A.device)
+        for _, r, A, _, _ in blocks
+    ]
+    for u, B, nb in columns:
+        for (_, r, A, na, _), two in zip(blocks, firsts, strict=True):
+            # an upper bound of each pair's true squared distance; a row is not its own neighbour
+            up = torch.addmm((1.0 + c64) * nb[None, :], A, B.T, alpha=-2.0).add_(na[:, None], alpha=1.0 + c64)
+            up.masked_fill_(r[:, None] == u[None, :], math.inf)
+            k = min(2, up.shape[1])
+            two.copy_(
+                torch.cat([two, up.topk(k, dim=1, largest=False).values], dim=1)
+                .topk(2, dim=1, largest=False)
+                .values
+            )
+    out = []
+    for (pos, r, A, na, ub2), two in zip(blocks, firsts, strict=True):
+        bound = torch.minimum(ub2, two[:, 1] * (1.0 + 4.0 * c64))
+        out.append((pos, r, A, na, bound + c64 * na))
+    return out
 
 
 def _refine(Xt, x32, n32, best_v, best_i, shift, scale, memory_budget: int, info: dict):
