@@ -429,6 +429,35 @@ def test_the_next_shard_is_tokenized_in_a_thread_with_the_same_rows(bert, src, t
     assert {name for _, name in seen} == {"MainThread"}
 
 
+def test_lookahead_gives_the_item_depth_places_on():
+    items = list(range(7))
+    assert list(run_mod._lookahead(items)) == [(i, i + 1 if i < 6 else None) for i in items]
+    assert list(run_mod._lookahead(items, depth=3)) == [(i, i + 3 if i < 4 else None) for i in items]
+    assert list(run_mod._lookahead([], depth=2)) == []
+    assert list(run_mod._lookahead([5], depth=2)) == [(5, None)]
+
+
+def test_a_process_of_several_tokenizes_its_own_next_shard_ahead(bert, src, tmp_path, monkeypatch):
+    # process 1 of 2 writes shards 1, 3, 5...: the one read ahead is two places on, never the
+    # other process's (which it would have tokenized for nothing)
+    monkeypatch.setattr(run_mod, "StoreThread", SyncStore)
+    init = run_mod._ShardRun.__init__
+
+    def second_of_two(self, *a, **k):
+        init(self, *a, **k)
+        self.rank, self.world = 1, 2
+
+    monkeypatch.setattr(run_mod._ShardRun, "__init__", second_of_two)
+    seen = _tokenize_threads(monkeypatch)
+    s = extract(bert, [src], tmp_path / "odd", **KW)
+    planned = Run(tmp_path / "odd").manifest["planned_shards"]
+    ours = [k * KW["shard_docs"] for k in range(1, planned, 2)]
+    assert s["shards_written"] == len(ours) >= 2
+    assert [d for d, _ in seen] == ours
+    assert seen[0][1] == "MainThread"
+    assert all(name.startswith("geomscope-tokenize") for _, name in seen[1:])
+
+
 def test_a_tokenizer_failure_ahead_is_one_line_and_the_shards_before_it_stay(
     bert, src, tmp_path, monkeypatch
 ):

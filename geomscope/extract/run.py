@@ -6,9 +6,10 @@ same command skips the shards the manifest lists as finished and redoes the rest
 equals an uninterrupted run.  Within a shard, documents are processed and stored by descending
 length (ties by doc id), in batches cut by a token budget; each batch is moved to the CPU and
 appended to the shard while the next one runs (extract/storing.py: one store thread appends, one
-publisher thread publishes the finished shards, each in order), and the next shard's documents are
-tokenized meanwhile (one process: the next shard is then this process's), so memory is bounded by
-two shards' token ids and texts and two batches' activations, whatever the size of the input.
+publisher thread publishes the finished shards, each in order), and this process's next shard's
+documents are tokenized meanwhile, so memory is bounded by two shards' token ids (and, with
+``world`` processes, ``world + 1`` shards' texts) and two batches' activations, whatever the size
+of the input.
 
 ``max_tokens`` caps the number of rows: documents are taken in input order and the one that reaches
 the cap is cut to the tokens that remain (its first positions are kept).
@@ -19,6 +20,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from functools import partial
@@ -41,14 +43,17 @@ ROW_ORDER = (
 )
 
 
-def _lookahead(items):
-    """``(item, next item or None)`` for each item: one item is read ahead."""
+def _lookahead(items, depth: int = 1):
+    """``(item, the item depth places later or None)`` for each item: ``depth`` items are read ahead
+    (a process of ``world`` writes every world-th shard: its next one is ``world`` places on)."""
     it = iter(items)
-    cur = next(it, _END)
-    while cur is not _END:
-        nxt = next(it, _END)
-        yield cur, (None if nxt is _END else nxt)
-        cur = nxt
+    window = deque()
+    for item in it:
+        window.append(item)
+        if len(window) > depth:
+            yield window.popleft(), item
+    while window:
+        yield window.popleft(), None
 
 
 def _no_lookahead(groups):
@@ -544,11 +549,15 @@ class _ShardRun:
         return None
 
     def _write_groups(self, groups, prog) -> None:
-        # The next shard's documents are tokenized in a thread while this shard's batches run (the
-        # tokenizer releases the GIL): on an H100 the forward of 10,000 sentences through MiniLM took
-        # 0.45 s and their tokenization 0.3 s (16 cores; 1.4 s on one). Only where the next shard is
-        # surely read: without --max-tokens, which may stop the run inside this one.
-        ahead = _lookahead(enumerate(groups)) if self.opts.max_tokens is None else _no_lookahead(groups)
+        # This process's next shard's documents (world places on: extract/ranks.py) are tokenized in
+        # a thread while this shard's batches run (the tokenizer releases the GIL): on an H100 the
+        # forward of 10,000 sentences through MiniLM took 0.45 s and their tokenization 0.3 s (16
+        # cores; 1.4 s on one). Only where the next shard is surely read: without --max-tokens,
+        # which may stop the run inside this one.
+        if self.opts.max_tokens is None:
+            ahead = _lookahead(enumerate(groups), depth=self.world)
+        else:
+            ahead = _no_lookahead(groups)
         with ThreadPoolExecutor(1, thread_name_prefix="geomscope-tokenize") as pool:
             tokenized = None  # (k, future): a shard tokenized ahead
             try:
