@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -120,3 +121,120 @@ def test_resolve_layers(tmp_path):
     assert run.resolve_layers(["1", "-2", "layer_01"]) == ["layer_01", "layer_00", "layer_01"]
     with pytest.raises(InputError, match="not in this run"):
         run.resolve_layers(["7"])
+
+
+# ------------------------------------------------------------------------------ the shard log
+def _shard(w, i, rows=20):
+    sw = w.shard_writer(i, layer_names=["layer_00", "layer_01"], dim=8, store_dtype="float16")
+    x = np.full((rows, 8), float(i), np.float32)
+    sw.append(
+        {"layer_00": x, "layer_01": x},
+        token_id=np.arange(rows),
+        doc_id=np.full(rows, i),
+        position=np.arange(rows),
+        is_special=np.zeros(rows, bool),
+    )
+    return sw.close()
+
+
+def _manifest_indices(run_dir) -> list[int]:
+    return [s["index"] for s in json.loads((run_dir / "manifest.json").read_text())["shards"]]
+
+
+def _killed(w) -> None:
+    """What SIGKILL leaves: nothing saved, the lock gone with the process."""
+    w.log.close()
+    os.close(w._lock_fd)
+    w._lock_fd = None
+
+
+def test_a_shard_is_recorded_in_the_log_without_rewriting_the_manifest(tmp_path, monkeypatch):
+    from geomscope.store import manifest as mf
+
+    monkeypatch.setattr(mf, "REWRITE_RATIO", float("inf"))  # never due: only the log records shards
+    run = tmp_path / "run"
+    w = RunWriter(run, IDENT)
+    for i in range(4):
+        w.add_shard(_shard(w, i))
+    log = run / mf.part_name(0)
+    assert _manifest_indices(run) == []
+    assert len(log.read_text().splitlines()) == 1 + 4  # the header, then a line per shard
+    assert [s.index for s in Run(run).shards] == [0, 1, 2, 3]  # a reader folds the log in
+    w.release()  # a run that stopped: the manifest catches up
+    assert _manifest_indices(run) == [0, 1, 2, 3]
+    with RunWriter(run, IDENT) as w:  # resumed: the log is folded in and removed
+        assert set(w.finished) == {0, 1, 2, 3} and not log.exists()
+        w.add_shard(_shard(w, 4))
+        w.finalize({})
+    assert _manifest_indices(run) == [0, 1, 2, 3, 4] and not log.exists()
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".geomscope")) == [".geomscope.lock"]
+
+
+def test_after_a_kill_resume_keeps_every_logged_shard_and_skips_a_torn_line(tmp_path, monkeypatch):
+    from geomscope.store import manifest as mf
+
+    monkeypatch.setattr(mf, "REWRITE_RATIO", float("inf"))
+    run = tmp_path / "run"
+    w = RunWriter(run, IDENT)
+    for i in range(3):
+        w.add_shard(_shard(w, i))
+    sw = _shard(w, 3)
+    with open(run / mf.part_name(0), "a") as f:  # killed while recording shard 3: half a line
+        f.write(json.dumps(sw.to_dict())[:40])
+    _killed(w)
+    assert _manifest_indices(run) == []
+    assert [s.index for s in Run(run).shards] == [0, 1, 2]
+    w = RunWriter(run, IDENT)
+    assert set(w.finished) == {0, 1, 2}  # shard 3's file is redone, its torn line ignored
+    w.add_shard(_shard(w, 3))
+    _killed(w)
+    # the log the resumed run started after the fold: every shard is there, shard 3's line whole
+    with RunWriter(run, IDENT) as w:
+        assert set(w.finished) == {0, 1, 2, 3}
+
+
+def test_a_log_appended_after_a_torn_line_starts_on_a_new_line(tmp_path):
+    from geomscope.store.manifest import ShardLog, read_parts
+
+    log = ShardLog(tmp_path / ".geomscope-rank-00001.jsonl", IDENT)
+    entry = {"index": 0, "file": "shard-00000.h5", "rows": 1, "docs": 1, "doc_start": 0}
+    entry.update(doc_stop=1, nonfinite_rows=0, bytes=10, sha256="0" * 64)
+    log.append(entry)
+    log.close()
+    with open(log.path, "a") as f:
+        f.write('{"index": 1, "fi')  # torn
+    log.append({**entry, "index": 2, "file": "shard-00002.h5"})
+    log.close()
+    got, files = read_parts(tmp_path, IDENT)
+    assert [e["index"] for e in got] == [0, 2] and files == [log.path]
+    assert read_parts(tmp_path, {"model": {"name": "another"}, "layers": []})[0] == []
+
+
+def test_part_files_of_before_the_log_are_still_folded(tmp_path):
+    from geomscope.store.manifest import identity_digest
+
+    run = tmp_path / "run"
+    w = RunWriter(run, IDENT)
+    info = _shard(w, 1)
+    old = run / ".geomscope-rank-00001.json"  # one JSON document, as geomscope wrote it before
+    old.write_text(json.dumps({"identity_sha256": identity_digest(IDENT), "shards": [info.to_dict()]}))
+    _killed(w)
+    with RunWriter(run, IDENT) as w:
+        assert set(w.finished) == {1} and not old.exists()
+
+
+def test_the_manifest_is_rewritten_when_due(tmp_path, monkeypatch):
+    # with a rewrite that costs nothing every shard is due at once; with REWRITE_RATIO = inf, none
+    from geomscope.store import manifest as mf
+
+    run = tmp_path / "run"
+    w = RunWriter(run, IDENT)
+    monkeypatch.setattr(mf, "REWRITE_RATIO", 0.0)
+    w.add_shard(_shard(w, 0))
+    assert _manifest_indices(run) == [0]
+    monkeypatch.setattr(mf, "REWRITE_RATIO", float("inf"))
+    w.add_shard(_shard(w, 1))
+    assert _manifest_indices(run) == [0]
+    w.update(planned_shards=2)  # any other save brings it up to date
+    assert _manifest_indices(run) == [0, 1]
+    w.release()

@@ -8,10 +8,10 @@ process reads the inputs (cheap next to the model) and skips the shards that are
 
 Process 0 opens the run directory as one process would (identity check, ``--overwrite``, resume,
 the lock that keeps other commands out), then the others join it. Each process > 0 records its
-finished shards in its own part file (``.geomscope-rank-<r>.json``); process 0 writes the manifest,
+finished shards in its own shard log (``.geomscope-rank-<r>.jsonl``); process 0 writes the manifest,
 and when every process is done it folds the parts in and finalizes the run with the same totals a
 single process would have written. A process killed mid-run loses only its unfinished shard: the
-part files outlive it, and rerunning the command -- with any number of processes -- folds them in
+shard logs outlive it, and rerunning the command -- with any number of processes -- folds them in
 and writes only what is missing.
 
 The processes meet at four points (plan, open, shards written, run finalized); at each, a failure
@@ -71,7 +71,6 @@ def extract_ranks(model, inputs, out: Path, opts, *, progress: bool, log, stdin)
     """The multi-process ``extract`` (see the module docstring); every process returns the summary."""
     from geomscope.extract import run as single
     from geomscope.extract.sources import close_inputs, open_inputs
-    from geomscope.store import RunWriter
     from geomscope.store.manifest import RankWriter
 
     d = dd.setup(opts.device, backend="gloo")  # coordination only: small CPU tensors
@@ -114,7 +113,7 @@ def extract_ranks(model, inputs, out: Path, opts, *, progress: bool, log, stdin)
         finally:
             close_inputs(ins)
     finally:
-        if isinstance(writer, RunWriter):
+        if writer is not None:
             writer.release()
         dd.teardown(d)
     say(single.done_line(summary))

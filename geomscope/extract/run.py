@@ -96,7 +96,12 @@ def _existing_finished_bytes(out: Path, identity: dict) -> int:
         return 0
     if json.loads(json.dumps(m.get("identity"))) != json.loads(json.dumps(identity)):
         return 0
-    return sum(int(s.get("bytes", 0)) for s in m.get("shards", []) if (out / s.get("file", "")).exists())
+    from geomscope.store.manifest import read_parts
+
+    shards = {s.get("index"): s for s in m.get("shards", []) if isinstance(s, dict)}
+    for e in read_parts(out, identity)[0]:  # recorded in a shard log, not yet in the manifest
+        shards.setdefault(e["index"], e)
+    return sum(int(s.get("bytes", 0)) for s in shards.values() if (out / s.get("file", "")).exists())
 
 
 def extract(

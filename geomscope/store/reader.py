@@ -228,6 +228,19 @@ class Run:
                 "run `geomscope extract` first"
             )
         self.manifest = _read_manifest(self.dir)
+        if not self.complete and not remote.is_url(self.dir):
+            self._fold_logs()
+
+    def _fold_logs(self) -> None:
+        """An unfinished run's shards that its processes' shard logs hold and its manifest does not
+        yet (a run being written or stopped: store/manifest.py); nothing is written."""
+        from geomscope.store.manifest import read_parts
+
+        shards = {s["index"]: s for s in self.manifest["shards"]}
+        for e in read_parts(Path(self.dir), self.identity)[0]:
+            shards.setdefault(e["index"], e)
+        if len(shards) > len(self.manifest["shards"]):
+            self.manifest["shards"] = [shards[k] for k in sorted(shards)]
 
     @property
     def identity(self) -> dict:
