@@ -1,7 +1,7 @@
 """TwoNN intrinsic dimension: geomscope vs scikit-dimension 0.5.0, fastwonn 0.0.9 and torch.cdist + topk.
 
     python benchmarks/bench_twonn.py [--quick] [--sizes 20000,50000] [--repeats 3]
-                                     [--only geomscope,brute,skdim,fastwonn,cdist]
+                                     [--only geomscope,brute,skdim,fastwonn,cdist,minilm,clusters]
 
 Data: float32 (N, 768) points = a random 20-d Gaussian subspace + isotropic noise (sigma 0.1), no
 duplicates, seed 0. Contenders, each computing the linear TwoNN (discard 0.1, F_i = i/N):
@@ -23,6 +23,11 @@ duplicates, seed 0. Contenders, each computing the linear TwoNN (discard 0.1, F_
 - cdist+topk: the fastest plain alternative from installed libraries: row blocks of
   ``torch.cdist(X[block], X)`` (float32, matrix-product mode), self masked, ``topk(2)``, same fit;
   its blocks use the same 256 MiB budget. Not exact for near-duplicates (no refinement).
+
+Clusters row: 16,000 x 768 float32 rows in two tight clusters (sigma 1e-3) far from the mean, where
+the float32 search cannot rank any cluster's members and every row goes to the certified float64
+rescreen; against blocked ``torch.cdist`` + ``topk`` in float64 (right here, though nothing
+certifies it), with the float32 one's answer in the note (it cannot tell the members apart).
 
 MiniLM rows (full run): the bundled all-MiniLM-L6-v2's own activations on sample_data/sentences.txt
 (the first 8,000 tokens of its 400 sentences; layers 1, 3 and 6), pruning forced (``prune=True``,
@@ -119,16 +124,17 @@ def fastwonn_twonn(x) -> float:
     return float(fastwonn.twonn_id(torch.from_numpy(x)))
 
 
-def cdist_topk_twonn(x) -> float:
+def cdist_topk_twonn(x, dtype=None) -> float:
+    """Blocked ``torch.cdist`` + ``topk(2)`` in ``x``'s dtype (or ``dtype``), then the same fit."""
     import torch
 
     from geomscope.metrics.twonn import fit_mu
 
-    xt = torch.from_numpy(x)
+    xt = torch.from_numpy(x if dtype is None else x.astype(dtype))
     n = xt.shape[0]
-    block = max(64, min(n, BUDGET // (4 * n)))
-    r1 = torch.empty(n, dtype=torch.float32)
-    r2 = torch.empty(n, dtype=torch.float32)
+    block = max(64, min(n, BUDGET // (xt.element_size() * n)))
+    r1 = torch.empty(n, dtype=xt.dtype)
+    r2 = torch.empty(n, dtype=xt.dtype)
     for s in range(0, n, block):
         e = min(s + block, n)
         dist = torch.cdist(xt[s:e], xt)
@@ -148,6 +154,58 @@ def _row(name, t, ours, alt, repeats, frac, target, note):
         "of bound": frac,
         "note": note,
     }
+
+
+CLUSTER_ROWS = 16000
+
+
+def two_clusters(n: int = CLUSTER_ROWS, d: int = D, seed: int = 0) -> np.ndarray:
+    """Two tight clusters (sigma 1e-3) at +-c, |c| ~ 30 sqrt(D), float32: the float32 search cannot
+    rank a cluster's members, so every row goes to the float64 rescreen (real [CLS] / first-token
+    rows are such a cluster, a few hundred rows rather than all)."""
+    rng = np.random.default_rng(seed)
+    c = 30.0 * rng.normal(size=d)
+    half = n // 2
+    x = np.concatenate([c + 1e-3 * rng.normal(size=(half, d)), -c + 1e-3 * rng.normal(size=(n - half, d))])
+    return x.astype(np.float32)
+
+
+def cluster_rows(repeats: int, quick: bool) -> list[dict]:
+    """geomscope's exact TwoNN where every row needs the float64 rescreen, against float64 blocked
+    cdist + topk (right here, and not certified) and the float32 one (wrong here)."""
+    from geomscope.metrics.twonn import twonn
+
+    n = 4000 if quick else CLUSTER_ROWS
+    x = two_clusters(n)
+    res = twonn(x, prune=False)
+    info = res.neighbor_info
+    from geomscope.errors import DataError
+
+    f64 = cdist_topk_twonn(x, np.float64)
+    try:
+        f32 = f"{cdist_topk_twonn(x):.4f}"
+    except DataError:  # every r2 / r1 rounds to 1: float32 cannot tell the members apart
+        f32 = "undefined (every r2/r1 = 1)"
+    t = alternate(
+        {"geomscope": lambda: twonn(x, prune=False), "cdist64": lambda: cdist_topk_twonn(x, np.float64)},
+        repeats=repeats,
+        warmup=0,
+    )
+    bound = n * n * D / (machine_limits(quick)["gemm_f32_gflops"] * 1e9)
+    return [
+        _row(
+            f"TwoNN N={n:,} x {D}, two tight clusters far from the mean, vs float64 cdist+topk blocks",
+            t["geomscope"],
+            res.dimension,
+            t["cdist64"],
+            repeats,
+            of_bound(bound, t["geomscope"]),
+            "-",
+            f"seconds (median of {repeats}); {info['n_flagged']:,} rows rescreened in float64, "
+            f"{info['n_rescreen_pairs']:,} pairs exact; d = {res.dimension:.4f} vs float64 {f64:.4f}, "
+            f"float32 cdist {f32}; load {os.getloadavg()[0]:.1f}",
+        )
+    ]
 
 
 MINILM_LAYERS = (1, 3, 6)
@@ -211,7 +269,7 @@ def minilm_rows(repeats: int) -> list[dict]:
     return rows
 
 
-CONTENDERS = ("geomscope", "brute", "skdim", "fastwonn", "cdist", "minilm")
+CONTENDERS = ("geomscope", "brute", "skdim", "fastwonn", "cdist", "minilm", "clusters")
 
 
 def run(
@@ -220,7 +278,7 @@ def run(
     """Rows for each size; ``only``: the contenders to run (geomscope always runs)."""
     sizes = sizes or ([3000, 6000] if quick else [5000, 10000, 20000, 50000])
     repeats = repeats or (2 if quick else 3)
-    synthetic = not only or bool(set(only) - {"minilm"})  # `--only minilm`: the MiniLM rows alone
+    synthetic = not only or bool(set(only) - {"minilm", "clusters"})  # `--only minilm`: those rows alone
     only = set(only or CONTENDERS) | {"geomscope"}
     skdim_max = fastwonn_max = 20000
     has_fastwonn = fastwonn_available()
@@ -345,6 +403,8 @@ def run(
                     f"{med}; d = {ours:.4f} vs {vals['cdist']:.4f} (float32 distances){load}",
                 )
             )
+    if "clusters" in only:
+        rows.extend(cluster_rows(repeats, quick))
     if not quick and "minilm" in only:
         rows.extend(minilm_rows(repeats))
     return rows
