@@ -241,7 +241,7 @@ class ShardLog:
     def append(self, entry: dict) -> None:
         if self._fd is None:
             self._open()
-        os.write(self._fd, (json.dumps(entry) + "\n").encode("utf-8"))
+        _write_all(self._fd, (json.dumps(entry) + "\n").encode("utf-8"))
         os.fsync(self._fd)
 
     def _open(self) -> None:
@@ -252,12 +252,12 @@ class ShardLog:
             raise InputError(f"cannot record a finished shard in {self.path} ({e.strerror})") from None
         size = os.fstat(fd).st_size
         if size == 0:
-            os.write(fd, (json.dumps({"identity_sha256": self.digest}) + "\n").encode())
+            _write_all(fd, (json.dumps({"identity_sha256": self.digest}) + "\n").encode())
         else:  # a log a crashed run left: a torn last line must not swallow the next entry
             with open(self.path, "rb") as f:
                 f.seek(size - 1)
                 if f.read(1) != b"\n":
-                    os.write(fd, b"\n")
+                    _write_all(fd, b"\n")
         os.fsync(fd)
         fsync_dir(self.path.parent)
         self._fd = fd
@@ -271,6 +271,14 @@ class ShardLog:
         """Close and delete the log: its shards are all in the manifest now."""
         self.close()
         self.path.unlink(missing_ok=True)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write every byte (a short write, as on a nearly full disk, is followed by the rest or by the
+    error that stopped it)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _flatten(d, prefix=""):
