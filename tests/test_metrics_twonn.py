@@ -102,12 +102,11 @@ def test_rescreen_stays_exact_when_a_small_budget_splits_it(monkeypatch):
     far = 300.0 * rng.normal(size=D)
     cluster = far + 1e-2 * rng.normal(size=(150, D))
     X = np.concatenate([cluster, rng.normal(size=(250, D)) - far]).astype(np.float32)
-    folds, groups = [], set()
+    folds = []
     fold = nb._RunningBestTwo.fold
 
     def spy(self, pos, cols, dist):
         folds.append(len(pos))
-        groups.add(id(self))
         return fold(self, pos, cols, dist)
 
     monkeypatch.setattr(nb._RunningBestTwo, "fold", spy)
@@ -125,6 +124,20 @@ def test_rescreen_stays_exact_when_a_small_budget_splits_it(monkeypatch):
     # the float32 candidates of a cluster it cannot rank are typical members, whose r2 let 9,301
     # pairs through here; the bound the float64 values prove lets each row's two nearest through
     assert roomy[4]["n_rescreen_pairs"] <= 3 * roomy[4]["n_flagged"]
+
+
+def test_rescreen_of_copies_far_from_the_mean_slices_its_pairs_and_stays_exact():
+    # groups of exact copies in a tight cluster far from the mean, kept (no dedup): nearly every
+    # pair of a group survives both screens, more than a tiny budget's pairs per block
+    rng = np.random.default_rng(13)
+    D = 32
+    far = 300.0 * rng.normal(size=D)
+    base = far + 1e-2 * rng.normal(size=(12, D))
+    X = np.concatenate([np.repeat(base, 20, axis=0), rng.normal(size=(200, D)) - far]).astype(np.float32)
+    got = two_nearest(X, block_size=64, memory_budget=32 * D * 8, return_info=True)
+    assert got[4]["n_flagged"] >= 240
+    assert_same_neighbours(X, got)
+    assert np.all(got[0][:240] == 0.0) and np.all(got[1][:240] == 0.0)
 
 
 @settings(max_examples=60, deadline=None)

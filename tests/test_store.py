@@ -238,3 +238,71 @@ def test_the_manifest_is_rewritten_when_due(tmp_path, monkeypatch):
     w.update(planned_shards=2)  # any other save brings it up to date
     assert _manifest_indices(run) == [0, 1]
     w.release()
+
+
+def test_overwrite_removes_the_shards_only_a_log_records(tmp_path, monkeypatch):
+    from geomscope.store import manifest as mf
+
+    monkeypatch.setattr(mf, "REWRITE_RATIO", float("inf"))
+    run = tmp_path / "run"
+    w = RunWriter(run, IDENT)
+    w.add_shard(_shard(w, 0))
+    _killed(w)
+    assert _manifest_indices(run) == [] and (run / "shard-00000.h5").exists()
+    other = json.loads(json.dumps(IDENT))
+    other["model"]["name"] = "other"
+    with RunWriter(run, other, overwrite=True) as w:
+        assert w.finished == {}
+    assert not (run / "shard-00000.h5").exists() and not (run / mf.part_name(0)).exists()
+
+
+def test_a_reader_folds_in_every_process_log(tmp_path):
+    from geomscope.store.manifest import RankWriter
+
+    run = tmp_path / "run"
+    w = RunWriter(run, IDENT)
+    w.add_shard(_shard(w, 0))
+    w.update(planned_shards=4)
+    r1 = RankWriter(run, 1)
+    r1.add_shard(_shard(r1, 1))
+    r1.add_shard(_shard(r1, 3))
+    assert _manifest_indices(run) == [0]
+    assert [s.index for s in Run(run).shards] == [0, 1, 3]
+    r1.release()
+    w.fold_parts()
+    assert _manifest_indices(run) == [0, 1, 3] and not list(run.glob(".geomscope-rank-*"))
+    w.release()
+
+
+def test_a_link_at_a_log_name_is_replaced_and_a_directory_there_refused(tmp_path):
+    from geomscope.store.manifest import part_name
+
+    run = tmp_path / "run"
+    w = RunWriter(run, IDENT)
+    w.add_shard(_shard(w, 0))
+    w.release()
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep\n")
+    (run / part_name(0)).unlink()  # the manifest has shard 0 (release saved it): a link in its place
+    (run / part_name(0)).symlink_to(outside)
+    with RunWriter(run, IDENT) as w:  # the link is removed, never written through
+        w.add_shard(_shard(w, 1))
+        assert not (run / part_name(0)).is_symlink()
+    assert outside.read_text() == "keep\n"
+    (run / part_name(2)).mkdir()
+    with pytest.raises(InputError, match="not a file geomscope wrote"):
+        RunWriter(run, IDENT, overwrite=True)
+    assert (run / "shard-00000.h5").exists() and (run / "shard-00001.h5").exists()  # nothing removed
+
+
+def test_a_log_removed_under_a_writer_stops_it(tmp_path):
+    from geomscope.store.manifest import ShardLog
+
+    log = ShardLog(tmp_path / ".geomscope-rank-00001.jsonl", IDENT)
+    entry = {"index": 0, "file": "shard-00000.h5", "rows": 1, "docs": 1, "doc_start": 0}
+    entry.update(doc_stop=1, nonfinite_rows=0, bytes=10, sha256="0" * 64)
+    log.append(entry)
+    log.path.unlink()  # a run that took the directory over folded and removed it
+    with pytest.raises(InputError, match="another geomscope run took it over"):
+        log.append({**entry, "index": 1, "file": "shard-00001.h5"})
+    log.close()

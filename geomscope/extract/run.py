@@ -61,9 +61,6 @@ def _no_lookahead(groups):
     return ((item, None) for item in enumerate(groups))
 
 
-_END = object()
-
-
 def _groups(inputs, text_field, text_column, shard_docs, max_docs, counts, labels=None):
     """``(items, labels)``: consecutive runs of ``shard_docs`` non-empty documents as ``(doc_id, text)``,
     and (with a ``labels`` iterator over the same records) ``{doc_id: raw label}``."""

@@ -350,10 +350,11 @@ def _rescreen(Xt, x32, n32, rows, shift, scale, ub2, err32, memory_budget: int, 
     Whatever is left (at least the row's two nearest) is recomputed exactly, block by block, and
     folded into the rows' best two at once.
 
-    Memory stays within the budget however many rows there are (all of them, on data in tight
-    clusters far from the mean): the screen's columns are one (N,) mask; the float64 copies of
+    Memory stays within about the budget however many rows there are (all of them, on data in
+    tight clusters far from the mean): the screen's columns are one (N,) mask; the float64 copies of
     the rows are made a group at a time, half the budget each, the columns' copies a chunk at a
-    time; and no pair list outlives its block.
+    time; a block's surviving pairs are taken a slice of rows at a time, half the budget each; and
+    no pair list outlives its slice.
     """
     import torch
 
@@ -372,6 +373,7 @@ def _rescreen(Xt, x32, n32, rows, shift, scale, ub2, err32, memory_budget: int, 
     chunk_rows = max(1, min(m, memory_budget // (32 * d)))
     chunk_cols = max(64, memory_budget // (16 * (d + chunk_rows)))
     group_rows = chunk_rows * max(1, memory_budget // (16 * d * chunk_rows))  # float64 copies: half
+    max_pairs = max(chunk_cols, memory_budget // (2 * 128))
     best = _RunningBestTwo(m, n)
     pairs = 0
     for g in range(0, m, group_rows):
@@ -386,14 +388,24 @@ def _rescreen(Xt, x32, n32, rows, shift, scale, ub2, err32, memory_budget: int, 
         for u, B, nb in _column_chunks(Xt, U, chunk_cols, s64, scale):
             for pos, r, A, na, thr in blocks:
                 V = torch.addmm((1.0 - c64) * nb[None, :], A, B.T, alpha=-2.0).add_(na[:, None])
-                ii, jj = (V <= thr[:, None]).nonzero(as_tuple=True)
-                keep = r[ii] != u[jj]
-                if not bool(keep.any()):
-                    continue
-                pr, pc = r[ii][keep], u[jj][keep]
-                exact = _exact_pairs(Xt, pr, pc, chunk)
-                best.fold(pos[ii][keep].cpu().numpy(), pc.cpu().numpy(), exact.cpu().numpy())
-                pairs += int(pr.shape[0])
+                near = V <= thr[:, None]
+                del V
+                survivors = int(near.sum())
+                # the pairs' index lists and gathers take ~128 B each, V 8 B per entry: a block
+                # where most pairs survive (exact duplicates kept) is taken a slice of rows at a time
+                step = max(1, r.shape[0] * max_pairs // survivors) if survivors > max_pairs else r.shape[0]
+                for a in range(0, r.shape[0] if survivors else 0, step):
+                    ii, jj = near[a : a + step].nonzero(as_tuple=True)
+                    ii += a
+                    keep = r[ii] != u[jj]
+                    if not bool(keep.any()):
+                        continue
+                    pr, pc = r[ii][keep], u[jj][keep]
+                    exact = _exact_pairs(Xt, pr, pc, chunk)
+                    best.fold(pos[ii][keep].cpu().numpy(), pc.cpu().numpy(), exact.cpu().numpy())
+                    pairs += int(pr.shape[0])
+    if not (np.isfinite(best.dist).all() and (best.idx < n).all()):  # the row's own two always survive
+        raise RuntimeError("internal error: a flagged row lost its two nearest in the float64 rescreen")
     return best.dist[:, 0], best.dist[:, 1], best.idx[:, 0], best.idx[:, 1], pairs
 
 
@@ -429,7 +441,9 @@ def _tightened(blocks, columns, c64: float) -> list:
             )
     out = []
     for (pos, r, A, na, ub2), two in zip(blocks, firsts, strict=True):
-        bound = torch.minimum(ub2, two[:, 1] * (1.0 + 4.0 * c64))
+        # either bound, from a rounded exact distance or from the float64 values, is padded for
+        # the rounding of the exact distances it is compared with
+        bound = torch.minimum(ub2, two[:, 1]) * (1.0 + 4.0 * c64)
         out.append((pos, r, A, na, bound + c64 * na))
     return out
 

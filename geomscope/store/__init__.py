@@ -6,6 +6,8 @@
       manifest.json      identity (model, revision, layers, inputs, options), one entry per
                          finished shard (rows, documents, size, sha256 and xxh3_128 checksums:
                          checksum.py), totals, ``complete``
+      .geomscope-rank-00000.jsonl   while a run is written: each process's shard log, one line per
+                         shard it finished (manifest.py); folded into the manifest and removed
       shard-00000.h5     /layers/<name> (rows, D) float16|float32, chunked ~2 MiB, all of D per chunk
                          /token_id /doc_id /position (rows,) int64, /is_special (rows,) bool
                          /nonfinite/<name> (rows,) bool -- rows whose activations hold NaN/Inf

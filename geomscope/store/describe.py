@@ -7,7 +7,7 @@ from pathlib import Path
 
 from geomscope.errors import DataError
 from geomscope.store import remote
-from geomscope.store.manifest import MANIFEST_NAME, being_written
+from geomscope.store.manifest import MANIFEST_NAME, PART_RE, being_written
 from geomscope.store.reader import Run, shard_counts, verify_shard
 
 OPTION_KEYS = (
@@ -47,6 +47,7 @@ def describe_run(run_dir: Path | str, *, verify: bool = False) -> dict:
     on_disk = [n for n in names if fnmatchcase(n, "shard-*.h5")]
     size = sum(remote.size(remote.join(run.dir, f)) for f in on_disk)
     size += remote.size(remote.join(run.dir, MANIFEST_NAME))
+    size += sum(remote.size(remote.join(run.dir, n)) for n in names if PART_RE.fullmatch(n))  # shard logs
     layers = run.layers
     final = [la["name"] for la in layers if la.get("final_norm")]
     out = {

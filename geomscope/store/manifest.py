@@ -17,6 +17,8 @@ import hashlib
 import json
 import os
 import re
+import stat
+import threading
 import time
 from pathlib import Path
 
@@ -180,42 +182,35 @@ def identity_digest(identity: dict) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
-def read_parts(run_dir: Path, identity: dict) -> tuple[list[dict], list[Path]]:
-    """(shard entries, part files) of the shard logs (and older part files) of ``run_dir`` written
-    for ``identity``; those of another identity, or damaged ones, contribute no entries (their
-    shards are redone) but are listed so that they are removed. A damaged line of a log (the last
-    one, torn by a crash) loses only its own shard."""
-    entries, files = [], []
-    digest = identity_digest(identity)
+def read_logs(run_dir: Path) -> list[tuple[Path, str | None, list[dict]]]:
+    """Every shard log (and older part file) of ``run_dir``, links and other non-files left out:
+    (path, the identity digest it was written for -- None when its header is damaged --, its
+    well-formed shard entries). A damaged line of a log (the last one, torn by a crash) loses only
+    its own shard; a damaged older part file, all of its."""
+    out = []
     for p in sorted(Path(run_dir).iterdir()):
         if not PART_RE.fullmatch(p.name) or p.is_symlink() or not p.is_file():
             continue
-        files.append(p)
         try:
             text = p.read_text(encoding="utf-8")
-            if p.suffix == ".jsonl":
-                entries.extend(_log_entries(text, digest, p))
-                continue
-            part = json.loads(text)
-            if part.get("identity_sha256") != digest:
-                continue
-            shards = part.get("shards")
-            for i, e in enumerate(shards):
-                _check_shard_entry(e, i, p)
-            entries.extend(shards)
+            digest, entries = _log_entries(text, p) if p.suffix == ".jsonl" else _part_entries(text, p)
         except (OSError, ValueError, AttributeError, TypeError, InputError):
-            continue
-    return entries, files
+            digest, entries = None, []
+        out.append((p, digest, entries))
+    return out
 
 
-def _log_entries(text: str, digest: str, path: Path) -> list[dict]:
-    """The well-formed shard entries of a shard log written for the identity ``digest``."""
+def read_parts(run_dir: Path, identity: dict) -> tuple[list[dict], list[Path]]:
+    """(shard entries, files) of the shard logs of ``run_dir``: the entries of those written for
+    ``identity``; every log is listed (another identity's, a damaged one) so that it is removed."""
+    digest = identity_digest(identity)
+    logs = read_logs(run_dir)
+    return [e for _, d, entries in logs if d == digest for e in entries], [p for p, _, _ in logs]
+
+
+def _log_entries(text: str, path: Path) -> tuple[str, list[dict]]:
     lines = text.split("\n")
-    try:
-        if json.loads(lines[0]).get("identity_sha256") != digest:
-            return []
-    except (ValueError, AttributeError):
-        return []
+    digest = json.loads(lines[0])["identity_sha256"]
     out = []
     for i, line in enumerate(lines[1:], 1):
         try:
@@ -224,7 +219,16 @@ def _log_entries(text: str, digest: str, path: Path) -> list[dict]:
         except (ValueError, InputError):
             continue
         out.append(e)
-    return out
+    return digest, out
+
+
+def _part_entries(text: str, path: Path) -> tuple[str, list[dict]]:
+    """A part file of geomscope before the logs: one JSON document, checked whole."""
+    part = json.loads(text)
+    shards = part.get("shards")
+    for i, e in enumerate(shards):
+        _check_shard_entry(e, i, path)
+    return part.get("identity_sha256"), shards
 
 
 class ShardLog:
@@ -243,21 +247,27 @@ class ShardLog:
             self._open()
         _write_all(self._fd, (json.dumps(entry) + "\n").encode("utf-8"))
         os.fsync(self._fd)
+        if os.fstat(self._fd).st_nlink == 0:  # folded and removed by a run that took the directory over
+            raise InputError(
+                f"{self.path} was removed while this process was writing {self.path.parent}: "
+                "another geomscope run took it over; let that run finish it"
+            )
 
     def _open(self) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+        # never through a planted link, never blocked on a FIFO; read and write for the last byte
+        flags = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
             fd = os.open(self.path, flags, 0o644)
         except OSError as e:
             raise InputError(f"cannot record a finished shard in {self.path} ({e.strerror})") from None
-        size = os.fstat(fd).st_size
-        if size == 0:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise InputError(f"{self.path} is not a plain file; move it out of {self.path.parent}")
+        if st.st_size == 0:
             _write_all(fd, (json.dumps({"identity_sha256": self.digest}) + "\n").encode())
-        else:  # a log a crashed run left: a torn last line must not swallow the next entry
-            with open(self.path, "rb") as f:
-                f.seek(size - 1)
-                if f.read(1) != b"\n":
-                    _write_all(fd, b"\n")
+        elif os.pread(fd, 1, st.st_size - 1) != b"\n":  # a torn last line must not swallow the next
+            _write_all(fd, b"\n")
         os.fsync(fd)
         fsync_dir(self.path.parent)
         self._fd = fd
@@ -320,9 +330,9 @@ def identity_differences(old: dict, new: dict) -> list[str]:
 def dumps_manifest(obj: dict) -> str:
     """JSON text of a manifest: indented, except that each ``shards`` entry is one line.
 
-    The manifest is rewritten after every shard; ``json.dump(indent=2)`` runs Python's pure encoder
-    over every entry each time (0.7 s per 100 saves of a 100-shard run), while one line per entry uses
-    the C encoder and keeps the file readable and diffable.
+    The manifest is rewritten whole (when due: module docstring); ``json.dump(indent=2)`` runs
+    Python's pure encoder over every entry each time (0.7 s per 100 saves of a 100-shard run), while
+    one line per entry uses the C encoder and keeps the file readable and diffable.
     """
     parts = []
     for k, v in obj.items():
@@ -392,8 +402,11 @@ class RunWriter:
         self.path = self.dir / MANIFEST_NAME
         self.log = ShardLog(self.dir / part_name(0), identity)
         # when the manifest was last rewritten and how long that took (REWRITE_RATIO); whether it
-        # lacks shards that the log has
+        # lacks shards that the log has; the publisher thread records shards while the main thread
+        # may save or release (a second Ctrl-C does not wait for the publisher)
         self._saved_at, self._save_cost, self._unsaved = 0.0, 0.0, False
+        self._guard = threading.RLock()
+        self._released = False
         if self.dir.exists() and not self.dir.is_dir():
             raise InputError(f"--out {self.dir} is a file; give a directory for the run")
         existing = self._read_existing(overwrite)
@@ -414,6 +427,11 @@ class RunWriter:
             raise InputError(
                 f"another geomscope process is writing {self.dir}; wait for it or choose another --out"
             ) from None
+        try:
+            self._clear_log_names()
+        except BaseException:
+            self.release()
+            raise
         if existing is not None and overwrite:
             try:
                 self._wipe(existing)
@@ -455,6 +473,18 @@ class RunWriter:
             self.manifest["shards"] = [s for s in self.manifest["shards"] if self._intact(s)]
             self.manifest["complete"] = False
             self.fold_parts()
+
+    def _clear_log_names(self) -> None:
+        """Before anything is removed or written: a link at a shard log's name is removed (it is
+        replaced by the log, never written through); anything else that is not a plain file there
+        is refused."""
+        logs = [p for p in self.dir.iterdir() if PART_RE.fullmatch(p.name)]
+        for p in logs:
+            if not p.is_symlink() and not p.is_file():
+                raise InputError(f"{p} is not a file geomscope wrote; move it out of {self.dir} and rerun")
+        for p in logs:
+            if p.is_symlink():
+                p.unlink()
 
     # -- reading -------------------------------------------------------------------------------------
     def _read_existing(self, overwrite: bool) -> dict | None:
@@ -522,18 +552,23 @@ class RunWriter:
         must be able to total without re-reading the shard.
         """
         entry = _entry(info, stats)
-        self.log.append(entry)
-        shards = self.manifest["shards"]
-        if shards and shards[-1]["index"] >= info.index:  # a gap a resumed run fills: rare
-            shards = [s for s in shards if s["index"] != info.index]
-            shards.append(entry)
-            shards.sort(key=lambda s: s["index"])
-            self.manifest["shards"] = shards
-        else:  # shards are published in order: appending keeps the list sorted
-            shards.append(entry)
-        self._unsaved = True
-        if time.monotonic() - self._saved_at >= REWRITE_RATIO * self._save_cost:
-            self._save()
+        with self._guard:
+            if self._released:
+                raise InputError(
+                    f"{self.dir} was closed before shard {info.index} was recorded; rerun to redo it"
+                )
+            self.log.append(entry)
+            shards = self.manifest["shards"]
+            if shards and shards[-1]["index"] >= info.index:  # a gap a resumed run fills: rare
+                shards = [s for s in shards if s["index"] != info.index]
+                shards.append(entry)
+                shards.sort(key=lambda s: s["index"])
+                self.manifest["shards"] = shards
+            else:  # shards are published in order: appending keeps the list sorted
+                shards.append(entry)
+            self._unsaved = True
+            if time.monotonic() - self._saved_at >= REWRITE_RATIO * self._save_cost:
+                self._save()
 
     def fold_parts(self) -> None:
         """Move the intact shards that the processes recorded in their shard logs (this one's
@@ -572,11 +607,12 @@ class RunWriter:
         return self.manifest
 
     def _save(self) -> None:
-        start = time.monotonic()
-        write_json_atomic(self.path, self.manifest)
-        self._saved_at = time.monotonic()
-        self._save_cost = self._saved_at - start
-        self._unsaved = False
+        with self._guard:
+            start = time.monotonic()
+            write_json_atomic(self.path, self.manifest)
+            self._saved_at = time.monotonic()
+            self._save_cost = self._saved_at - start
+            self._unsaved = False
 
     def _wipe(self, existing: dict) -> None:
         """--overwrite: remove exactly what the manifest lists and geomscope's own temporary files.
@@ -606,12 +642,14 @@ class RunWriter:
         """Bring the manifest up to date with the log (a run that stopped or failed) and unlock."""
         if self._lock_fd is None:
             return
-        if self._unsaved:
-            try:
-                self._save()
-            except OSError:
-                pass  # the log has every shard: resume and readers fold it in
-        self.log.close()
+        with self._guard:  # after a shard being recorded; none is recorded after this
+            self._released = True
+            if self._unsaved:
+                try:
+                    self._save()
+                except OSError:
+                    pass  # the log has every shard: resume and readers fold it in
+            self.log.close()
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
         except OSError:

@@ -11,7 +11,7 @@ import numpy as np
 
 from geomscope.errors import DataError, InputError
 from geomscope.store import checksum, remote
-from geomscope.store.manifest import MANIFEST_NAME, check_manifest, read_manifest
+from geomscope.store.manifest import MANIFEST_NAME, check_manifest, identity_digest, read_logs, read_manifest
 from geomscope.store.shard import META_FIELDS, ShardInfo
 
 READ_CHUNK_BYTES = 64 * 1024 * 1024  # default bytes of one layer read at a time
@@ -227,18 +227,21 @@ class Run:
                 f"{self.dir} is not a geomscope run directory (no {MANIFEST_NAME}); "
                 "run `geomscope extract` first"
             )
+        # the shard logs before the manifest: a writer rewrites the manifest before it removes a
+        # log, so a shard is in one or the other whenever this reads them
+        logs = [] if remote.is_url(self.dir) else read_logs(Path(self.dir))
         self.manifest = _read_manifest(self.dir)
-        if not self.complete and not remote.is_url(self.dir):
-            self._fold_logs()
+        if logs and not self.complete:
+            self._fold_logs(logs)
 
-    def _fold_logs(self) -> None:
+    def _fold_logs(self, logs) -> None:
         """An unfinished run's shards that its processes' shard logs hold and its manifest does not
         yet (a run being written or stopped: store/manifest.py); nothing is written."""
-        from geomscope.store.manifest import read_parts
-
+        digest = identity_digest(self.identity)
         shards = {s["index"]: s for s in self.manifest["shards"]}
-        for e in read_parts(Path(self.dir), self.identity)[0]:
-            shards.setdefault(e["index"], e)
+        for _, d, entries in logs:
+            for e in entries if d == digest else ():
+                shards.setdefault(e["index"], e)
         if len(shards) > len(self.manifest["shards"]):
             self.manifest["shards"] = [shards[k] for k in sorted(shards)]
 
