@@ -362,25 +362,30 @@ def test_max_docs_max_tokens_max_length(tmp_path, loaded):
 
 
 # ---------------------------------------------------------------- resume, identity, disk
-def test_resume_after_crash_equals_clean_run(tmp_path, loaded, monkeypatch):
+def interrupted_extract(monkeypatch, at: int, *args, **kw) -> None:
+    """``extract(*args, **kw)`` stopped by a KeyboardInterrupt at its ``at``-th batch (Ctrl-C)."""
     from geomscope.extract import capture as cap
 
-    lm = loaded("gpt_neox")
-    src = write_lines(tmp_path / "in.txt", TEXTS * 4)
-    extract(lm, [src], tmp_path / "clean", shard_docs=5, batch_tokens=64)
     real = cap.Capture.__call__
     calls = {"n": 0}
 
-    def flaky(self, docs):
+    def stops(self, docs):
         calls["n"] += 1
-        if calls["n"] == 9:
+        if calls["n"] == at:
             raise KeyboardInterrupt
         return real(self, docs)
 
-    monkeypatch.setattr(cap.Capture, "__call__", flaky)
+    monkeypatch.setattr(cap.Capture, "__call__", stops)
     with pytest.raises(KeyboardInterrupt):
-        extract(lm, [src], tmp_path / "run", shard_docs=5, batch_tokens=64)
+        extract(*args, **kw)
     monkeypatch.setattr(cap.Capture, "__call__", real)
+
+
+def test_resume_after_crash_equals_clean_run(tmp_path, loaded, monkeypatch):
+    lm = loaded("gpt_neox")
+    src = write_lines(tmp_path / "in.txt", TEXTS * 4)
+    extract(lm, [src], tmp_path / "clean", shard_docs=5, batch_tokens=64)
+    interrupted_extract(monkeypatch, 9, lm, [src], tmp_path / "run", shard_docs=5, batch_tokens=64)
     partial = Run(tmp_path / "run")
     assert not partial.complete and 0 < len(partial.shards) < partial.manifest["planned_shards"]
     assert not list((tmp_path / "run").glob(".*.tmp"))
@@ -399,24 +404,12 @@ def test_resume_after_crash_equals_clean_run(tmp_path, loaded, monkeypatch):
 def test_resume_reads_the_finished_shards_once(tmp_path, loaded, monkeypatch):
     # each shard asks whether an earlier run finished it; rebuilding the finished shards for every
     # question made resuming O(shards^2) (3,000 one-document shards: 13 s before a shard was run)
-    from geomscope.extract import capture as cap
     from geomscope.store.manifest import RunWriter
 
     lm = loaded("bert")
     src = write_lines(tmp_path / "in.txt", TEXTS * 2)
-    real = cap.Capture.__call__
-    calls = {"n": 0}
-
-    def stops(self, docs):  # one document per shard and per batch: 5 shards, then a crash
-        calls["n"] += 1
-        if calls["n"] == 6:
-            raise KeyboardInterrupt
-        return real(self, docs)
-
-    monkeypatch.setattr(cap.Capture, "__call__", stops)
-    with pytest.raises(KeyboardInterrupt):
-        extract(lm, [src], tmp_path / "run", shard_docs=1)
-    monkeypatch.setattr(cap.Capture, "__call__", real)
+    # one document per shard and per batch: 5 shards, then Ctrl-C
+    interrupted_extract(monkeypatch, 6, lm, [src], tmp_path / "run", shard_docs=1)
     built = {"n": 0}
     finished = RunWriter.finished.fget
 

@@ -46,9 +46,8 @@ ROW_ORDER = (
 def _lookahead(items, depth: int = 1):
     """``(item, the item depth places later or None)`` for each item: ``depth`` items are read ahead
     (a process of ``world`` writes every world-th shard: its next one is ``world`` places on)."""
-    it = iter(items)
     window = deque()
-    for item in it:
+    for item in items:
         window.append(item)
         if len(window) > depth:
             yield window.popleft(), item
@@ -93,12 +92,11 @@ def _existing_finished_bytes(out: Path, identity: dict) -> int:
         return 0
     if json.loads(json.dumps(m.get("identity"))) != json.loads(json.dumps(identity)):
         return 0
-    from geomscope.store.manifest import read_parts
+    from geomscope.store.manifest import read_parts, with_logged
 
-    shards = {s.get("index"): s for s in m.get("shards", []) if isinstance(s, dict)}
-    for e in read_parts(out, identity)[0]:  # recorded in a shard log, not yet in the manifest
-        shards.setdefault(e["index"], e)
-    return sum(int(s.get("bytes", 0)) for s in shards.values() if (out / s.get("file", "")).exists())
+    listed = [s for s in m.get("shards", []) if isinstance(s, dict) and "index" in s]
+    shards = with_logged(listed, read_parts(out, identity)[0])
+    return sum(int(s.get("bytes", 0)) for s in shards if (out / s.get("file", "")).exists())
 
 
 def extract(

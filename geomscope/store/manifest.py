@@ -208,6 +208,15 @@ def read_parts(run_dir: Path, identity: dict) -> tuple[list[dict], list[Path]]:
     return [e for _, d, entries in logs if d == digest for e in entries], [p for p, _, _ in logs]
 
 
+def with_logged(shards: list[dict], logged: list[dict]) -> list[dict]:
+    """The manifest's ``shards`` with the logged entries of shards it lacks, by index (a run being
+    written or stopped: its logs run ahead of its manifest)."""
+    by_index = {s["index"]: s for s in shards}
+    for e in logged:
+        by_index.setdefault(e["index"], e)
+    return shards if len(by_index) == len(shards) else [by_index[k] for k in sorted(by_index)]
+
+
 def _log_entries(text: str, path: Path) -> tuple[str, list[dict]]:
     lines = text.split("\n")
     digest = json.loads(lines[0])["identity_sha256"]

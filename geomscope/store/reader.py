@@ -11,7 +11,14 @@ import numpy as np
 
 from geomscope.errors import DataError, InputError
 from geomscope.store import checksum, remote
-from geomscope.store.manifest import MANIFEST_NAME, check_manifest, identity_digest, read_logs, read_manifest
+from geomscope.store.manifest import (
+    MANIFEST_NAME,
+    check_manifest,
+    identity_digest,
+    read_logs,
+    read_manifest,
+    with_logged,
+)
 from geomscope.store.shard import META_FIELDS, ShardInfo
 
 READ_CHUNK_BYTES = 64 * 1024 * 1024  # default bytes of one layer read at a time
@@ -238,12 +245,8 @@ class Run:
         """An unfinished run's shards that its processes' shard logs hold and its manifest does not
         yet (a run being written or stopped: store/manifest.py); nothing is written."""
         digest = identity_digest(self.identity)
-        shards = {s["index"]: s for s in self.manifest["shards"]}
-        for _, d, entries in logs:
-            for e in entries if d == digest else ():
-                shards.setdefault(e["index"], e)
-        if len(shards) > len(self.manifest["shards"]):
-            self.manifest["shards"] = [shards[k] for k in sorted(shards)]
+        logged = [e for _, d, entries in logs if d == digest for e in entries]
+        self.manifest["shards"] = with_logged(self.manifest["shards"], logged)
 
     @property
     def identity(self) -> dict:
