@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
@@ -92,9 +93,11 @@ def test_two_nearest_float32_trap_near_duplicates_far_from_the_mean():
 
 
 def test_rescreen_stays_exact_when_a_small_budget_splits_it(monkeypatch):
-    # Every member of a tight cluster far from the mean needs the float64 rescreen. With a budget of
-    # a few KiB its rows' float64 copies come a group at a time, the columns a chunk at a time, and
-    # each block's pairs are folded into the rows' best two as they come: the result must not move.
+    # Every member of a tight cluster far from the mean needs the float64 rescreen. With the default
+    # budget all their float64 copies fit at once and each pair among them is computed once (the
+    # upper triangle, read by row and by column); with a budget of a few KiB the rows come a group
+    # at a time against every column, a tile at a time, and the kept pairs are folded into the
+    # rows' best two as they outgrow their share: the result must not move.
     import geomscope.metrics.neighbors as nb
 
     rng = np.random.default_rng(12)
@@ -138,6 +141,92 @@ def test_rescreen_of_copies_far_from_the_mean_slices_its_pairs_and_stays_exact()
     assert got[4]["n_flagged"] >= 240
     assert_same_neighbours(X, got)
     assert np.all(got[0][:240] == 0.0) and np.all(got[1][:240] == 0.0)
+
+
+def clusters_far_from_the_mean(rng, sizes, d, rest):
+    """Tight clusters (sigma 1e-2..1e-4) hundreds of units from the mean, plus ``rest`` ordinary
+    rows, shuffled: the float32 search cannot rank the clusters' members."""
+    parts = [
+        rng.normal(size=d) * rng.choice([30.0, 300.0])
+        + rng.choice([1e-2, 1e-3, 1e-4]) * rng.normal(size=(s, d))
+        for s in sizes
+    ]
+    X = np.concatenate(parts + [rng.normal(size=(rest, d))])
+    return X[rng.permutation(len(X))]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.integers(0, 2**32 - 1),
+    st.lists(st.integers(2, 120), min_size=1, max_size=4),
+    st.sampled_from([8, 32]),
+    st.integers(0, 150),
+    st.sampled_from([2**12, 2**16, None]),
+    st.booleans(),
+)
+def test_rescreen_is_exact_on_clusters_at_any_budget(seed, sizes, d, rest, budget, float32):
+    # several tight clusters far from the mean, ordinary rows, sometimes exact copies; budgets from
+    # a few KiB (groups of rows against every column, kept pairs flushed often) to the default (the
+    # flagged rows' pairs once each): always the float64 brute force, indices and ties included
+    rng = np.random.default_rng(seed)
+    X = clusters_far_from_the_mean(rng, sizes, d, rest)
+    if seed % 3 == 0:
+        X = np.concatenate([X, X[rng.integers(0, len(X), size=len(X) // 4)]])
+    X = X.astype(np.float32 if float32 else np.float64)
+    if len(X) < 3:
+        return
+    got = two_nearest(X, block_size=64, memory_budget=budget, prune=False, return_info=True)
+    assert_same_neighbours(X, got)
+
+
+def test_rescreen_screen_decides_the_work_not_the_result(monkeypatch):
+    # The float32 screen stops early (every column kept) when the columns it could still exclude
+    # cannot repay the rows it has left: stopping always, or never, gives the same answer, and the
+    # full screen keeps far fewer columns on data where most rows are far from every flagged one.
+    import geomscope.metrics.neighbors as nb
+
+    rng = np.random.default_rng(21)
+    X = clusters_far_from_the_mean(rng, [300, 200], 32, 900).astype(np.float32)
+    kept = []
+    screen = nb._screened_columns
+
+    def spy(*args):
+        kept.append(int(screen(*args).shape[0]))
+        return screen(*args)
+
+    monkeypatch.setattr(nb, "_screened_columns", spy)
+    results = {}
+    for cost in (0.0, math.inf):
+        monkeypatch.setattr(nb, "_FLOAT64_PAIR_COST", cost)
+        results[cost] = two_nearest(X, block_size=128, return_info=True, prune=False)
+    assert results[0.0][4]["n_flagged"] >= 500
+    assert kept[0] == len(X) and kept[1] < 600  # all columns, then the two clusters' own
+    assert_same_neighbours(X, results[math.inf])
+    for a, b in zip(results[0.0][:4], results[math.inf][:4], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_rescreen_products_use_every_thread(monkeypatch):
+    # the bandwidth-bound exact recompute runs on half the threads; the rescreen's float64 GEMMs
+    # (all of the work when every row is flagged) must not inherit that
+    import geomscope.metrics.neighbors as nb
+
+    seen = []
+    tile = nb._Float64Pass.tile
+
+    def spy(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return tile(self, *args, **kwargs)
+
+    monkeypatch.setattr(nb._Float64Pass, "tile", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        X = clusters_far_from_the_mean(np.random.default_rng(22), [200], 16, 50).astype(np.float32)
+        assert_same_neighbours(X, two_nearest(X, block_size=64))
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {2}
 
 
 @settings(max_examples=60, deadline=None)

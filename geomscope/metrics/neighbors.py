@@ -24,7 +24,8 @@ Algorithm (torch; the same code on ``device="cpu"`` and ``device="cuda"``):
    non-candidate j has float32 value >= the K-th candidate value v_K, hence true d2 >= v_K - err_i.
    Rows with exact r2^2 <= v_K - err_i are proven right. The others (near-duplicates far from the
    mean, the float32 trap of real [CLS] vectors) are screened again against all rows, in float32
-   with that bound, then in float64 GEMM with the float64 bound, and every pair neither screen
+   with that bound, then in one float64 GEMM pass whose own bound also tightens each row's r2
+   (the pairs among these rows computed once each when they fit), and every pair neither screen
    can exclude is recomputed exactly. The result is exact for every row, whatever the conditioning.
 
 Pruning (CPU, N >= 4096, when a 128-row sample says it pays; ``prune=`` forces either way): lower
@@ -335,78 +336,197 @@ def _rescreen(Xt, x32, n32, rows, shift, scale, ub2, err32, memory_budget: int, 
     is at most that): ``(r1, r2, i1, i2)`` numpy arrays aligned with ``rows``, and the number of
     pairs recomputed exactly.
 
-    1. float32 screen against all rows: every pair's float32 value is within ``err32[row]`` of
-       the true squared distance, so columns whose value exceeds ub2 + err32 for every one of the
-       rows are dropped.
-    2. float64 screen of the remaining columns on ``(x - shift) * scale`` in float64: each value V
-       is within ``c64 (|a|^2 + |b|^2)`` of the truth (c64: twice the float64 bound, which also
-       covers the float64 norms). A first pass tightens each row's bound: V + c64 (|a|^2 + |b|^2)
-       bounds a pair's true square from above, so the second smallest over the row's other
-       columns bounds its r2^2 (padded by 4 c64 for the rounding of the exact distances). Where
-       the float32 search could not rank a cluster its candidates are typical members, and their
-       r2 keeps half the cluster: 3,225 pairs per row on 16,000 x 768 in two tight clusters, 51.6
-       M exact distances, where the tightened bound keeps a few. The second pass excludes the pairs
-       with V - c64 |b|^2 > ub2 + c64 |a|^2.
-    Whatever is left (at least the row's two nearest) is recomputed exactly, block by block, and
-    folded into the rows' best two at once.
+    1. float32 screen against all rows (:func:`_screened_columns`): the columns no row can reach.
+    2. One float64 pass over the remaining pairs on ``(x - shift) * scale`` (:class:`_Float64Pass`):
+       each value is within ``c64 (|a|^2 + |b|^2)`` of the true squared distance (c64: twice the
+       float64 bound, which also covers the float64 norms), so it gives every pair a lower and an
+       upper bound. The second smallest upper bound over a row's other columns bounds its r2^2 and
+       tightens ``ub2`` as the pass goes; the pairs whose lower bound is within the row's bound
+       are kept, and those still within it at the end are recomputed exactly and folded into the
+       row's best two. Where the float32 search could not rank a cluster its candidates are typical
+       members, whose r2 would keep half the cluster (51.6 M exact distances on 16,000 x 768 in two
+       tight clusters); the tightened bound keeps a few per row.
+    3. When the rows' float64 copies fit in half the budget at once, the pairs among the rows
+       themselves are computed once each (the upper triangle; both rows of a pair learn from it),
+       and only the other screened columns as a rectangle: a tight cluster where every row is
+       flagged costs half a float64 distance matrix.
 
-    Memory stays within about the budget however many rows there are (all of them, on data in
-    tight clusters far from the mean): the screen's columns are one (N,) mask; the float64 copies of
-    the rows are made a group at a time, half the budget each, the columns' copies a chunk at a
-    time; a block's surviving pairs are taken a slice of rows at a time, half the budget each; and
-    no pair list outlives its slice.
+    Memory stays within about the budget however many rows there are: the screen's columns are
+    one (N,) mask; the float64 copies of the rows come a group at a time (half the budget), the
+    columns' a tile at a time; the kept pairs are pruned against the tightened bounds, and computed
+    and folded, whenever they outgrow their share.
     """
     import torch
 
     n, d = Xt.shape
     m = rows.shape[0]
     thr32 = ((ub2 + err32[rows]) * (1.0 + 2.0**-20)).float()  # margin over float32 rounding
-    step = max(1, min(m, memory_budget // (4 * n)))
-    hit = torch.zeros(n, dtype=torch.bool, device=x32.device)
-    for a in range(0, m, step):
-        r = rows[a : a + step]
-        V = torch.addmm(n32[None, :], x32[r], x32.T, alpha=-2.0).add_(n32[r][:, None])
-        hit |= (V <= thr32[a : a + step, None]).any(0)
-    U = hit.nonzero().flatten()
+    U = _screened_columns(x32, n32, rows, thr32, memory_budget)
     c64 = 2.0 * _bound_coefficient(d, _U64, 0.0)
     s64 = shift.double()
-    chunk_rows = max(1, min(m, memory_budget // (32 * d)))
-    chunk_cols = max(64, memory_budget // (16 * (d + chunk_rows)))
-    group_rows = chunk_rows * max(1, memory_budget // (16 * d * chunk_rows))  # float64 copies: half
-    max_pairs = max(chunk_cols, memory_budget // (2 * 128))
+    group_rows = max(1, memory_budget // (16 * d))  # the rows' float64 copies: half the budget
+    tile = max(64, math.isqrt(max(1, memory_budget // 128)))  # tile side: 16 MiB of float64 at 256 MiB
     best = _RunningBestTwo(m, n)
+    max_pairs = max(tile * tile, memory_budget // 256)  # kept pairs: 24 B each
     pairs = 0
     for g in range(0, m, group_rows):
-        blocks = []
-        for a in range(g, min(m, g + group_rows), chunk_rows):
-            r = rows[a : a + chunk_rows]
-            A = (Xt[r].double() - s64).mul_(scale)
-            na = torch.linalg.vector_norm(A, dim=1).square_()
-            pos = torch.arange(a, a + r.shape[0], device=r.device)
-            blocks.append((pos, r, A, na, ub2[a : a + chunk_rows]))
-        blocks = _tightened(blocks, _column_chunks(Xt, U, chunk_cols, s64, scale), c64)
-        for u, B, nb in _column_chunks(Xt, U, chunk_cols, s64, scale):
-            for pos, r, A, na, thr in blocks:
-                V = torch.addmm((1.0 - c64) * nb[None, :], A, B.T, alpha=-2.0).add_(na[:, None])
-                near = V <= thr[:, None]
-                del V
-                survivors = int(near.sum())
-                # the pairs' index lists and gathers take ~128 B each, V 8 B per entry: a block
-                # where most pairs survive (exact duplicates kept) is taken a slice of rows at a time
-                step = max(1, r.shape[0] * max_pairs // survivors) if survivors > max_pairs else r.shape[0]
-                for a in range(0, r.shape[0] if survivors else 0, step):
-                    ii, jj = near[a : a + step].nonzero(as_tuple=True)
-                    ii += a
-                    keep = r[ii] != u[jj]
-                    if not bool(keep.any()):
-                        continue
-                    pr, pc = r[ii][keep], u[jj][keep]
-                    exact = _exact_pairs(Xt, pr, pc, chunk)
-                    best.fold(pos[ii][keep].cpu().numpy(), pc.cpu().numpy(), exact.cpu().numpy())
-                    pairs += int(pr.shape[0])
+        r = rows[g : g + group_rows]
+        A = (Xt[r].double() - s64).mul_(scale)
+        group = _Float64Pass(Xt, r, A, ub2[g : g + group_rows], c64, best, g, max_pairs, chunk)
+        whole = m <= group_rows  # every flagged row is in this group: pairs among them once
+        if whole:
+            group.among_rows(tile)
+        for u, B, nb in _column_chunks(Xt, U[~torch.isin(U, r)] if whole else U, tile, s64, scale):
+            group.against(u, B, nb, tile)
+        pairs += group.finish()
     if not (np.isfinite(best.dist).all() and (best.idx < n).all()):  # the row's own two always survive
         raise RuntimeError("internal error: a flagged row lost its two nearest in the float64 rescreen")
     return best.dist[:, 0], best.dist[:, 1], best.idx[:, 0], best.idx[:, 1], pairs
+
+
+#: What one pair costs the rescreen's float64 pass, in pairs of its float32 screen (the float64
+#: GEMM runs at about half the float32 rate on a 2-core EPYC, plus its passes over the tile): the
+#: screen stops once the columns it could still exclude cannot repay the rows it has left.
+_FLOAT64_PAIR_COST = 2.0
+
+
+def _screened_columns(x32, n32, rows, thr32, memory_budget: int):
+    """The columns some flagged row may reach (float32 value <= ``thr32``, the row's bound plus the
+    float32 error bound), a sorted index tensor. The rows are screened in a fixed random order, a
+    small sample first: when the columns already reached leave too few to exclude to repay the
+    rest of the screen (every row of data in a few tight clusters), every column is kept. That
+    decides only how much work the float64 pass does, never its result."""
+    import torch
+
+    n = x32.shape[0]
+    m = rows.shape[0]
+    order = torch.randperm(m, generator=torch.Generator().manual_seed(0)).to(rows.device)
+    step = max(1, min(m, memory_budget // (4 * n)))
+    hit = torch.zeros(n, dtype=torch.bool, device=x32.device)
+    a = 0
+    while a < m:
+        t = order[a : a + (min(step, 256) if a == 0 else step)]
+        a += t.shape[0]
+        r = rows[t]
+        V = torch.addmm(n32[None, :], x32[r], x32.T, alpha=-2.0).add_(n32[r][:, None])
+        hit |= (V <= thr32[t, None]).any(0)
+        del V
+        unreached = n - int(hit.sum())
+        if a < m and unreached * m * _FLOAT64_PAIR_COST < (m - a) * n:
+            return torch.arange(n, device=x32.device)
+    return hit.nonzero().flatten()
+
+
+class _Float64Pass:
+    """The rescreen's float64 pass over one group of flagged rows (``r``, their shifted and scaled
+    float64 copies ``A``), tile by tile; see :func:`_rescreen`. For a tile of values
+    ``L = (1 - c64) (|a|^2 + |b|^2) - 2 a.b`` (a lower bound of each pair's true squared distance;
+    ``L + 2 c64 (|a|^2 + |b|^2)`` an upper one) it keeps each row's two smallest upper bounds
+    (``two``), lowers the row's bound to the second (padded by 4 c64 for the rounding of the exact
+    distances it is compared with), and keeps the pairs with ``L <= bound``. The kept pairs are
+    pruned against the bounds as those fall, and recomputed exactly and folded into ``best`` (rows
+    ``offset + local index``) when they outgrow ``max_pairs`` and at :meth:`finish`."""
+
+    def __init__(self, Xt, r, A, ub2, c64: float, best, offset: int, max_pairs: int, chunk: int):
+        import torch
+
+        self.Xt, self.r, self.A, self.c64 = Xt, r, A, c64
+        self.na = torch.linalg.vector_norm(A, dim=1).square_()
+        self.bound = ub2 * (1.0 + 4.0 * c64)
+        self.two = torch.full((r.shape[0], 2), math.inf, dtype=torch.float64, device=A.device)
+        self.best, self.offset, self.max_pairs, self.chunk = best, offset, max_pairs, chunk
+        self.kept: list = []  # (local row, column, L) tensors
+        self.n_kept = 0
+        self.pairs = 0  # recomputed exactly
+
+    def among_rows(self, tile: int) -> None:
+        """Every pair of the group's rows, once: the tiles on and above the diagonal, each also
+        read by column for the rows it holds as columns."""
+        m = self.r.shape[0]
+        for c in range(0, m, tile):
+            u, B, nb = self.r[c : c + tile], self.A[c : c + tile], self.na[c : c + tile]
+            for a in range(0, c + 1, tile):
+                self.tile(a, min(a + tile, m), u, B, nb, mirror=c if a != c else None)
+
+    def against(self, u, B, nb, tile: int) -> None:
+        """The group's rows against columns ``u`` (not among them, or the group not the whole)."""
+        for a in range(0, self.r.shape[0], tile):
+            self.tile(a, min(a + tile, self.r.shape[0]), u, B, nb)
+
+    def tile(self, a: int, b: int, u, B, nb, mirror: int | None = None) -> None:
+        """Rows ``a:b`` of the group against columns ``u`` (``B``, ``nb``: their float64 copies and
+        squared norms). ``mirror``: the columns are the group's rows from that local index on, and
+        the tile also serves them, read by column (the tile below the diagonal is never computed)."""
+        import torch
+
+        c64, r, na = self.c64, self.r[a:b], self.na[a:b]
+        L = torch.addmm(nb[None, :], self.A[a:b], B.T, beta=1.0 - c64, alpha=-2.0)
+        L.add_(na[:, None], alpha=1.0 - c64)
+        # a row is not its own neighbour (u and r are sorted)
+        at = torch.searchsorted(u, r).clamp_(max=u.shape[0] - 1)
+        own = (u[at] == r).nonzero().flatten()
+        L[own, at[own]] = math.inf
+        self._learn(a, b, L, na, nb, dim=1)
+        near = (L <= self.bound[a:b, None]).nonzero(as_tuple=True)
+        self._keep(near[0] + a, u[near[1]], L[near])
+        if mirror is not None:
+            e = mirror + u.shape[0]
+            self._learn(mirror, e, L, nb, na, dim=0)
+            near = (L <= self.bound[None, mirror:e]).nonzero(as_tuple=True)
+            self._keep(near[1] + mirror, r[near[0]], L[near])
+
+    def _learn(self, a: int, b: int, L, n_rows, n_cols, dim: int) -> None:
+        """Rows a:b's two smallest upper bounds merged into ``two`` and their bound lowered to the
+        second. The rows run along ``dim`` of ``L``; ``n_rows``, ``n_cols``: the squared norms
+        along and across it. The two smallest values of ``L`` are two distinct columns, and each
+        gets its own pair's upper bound: any two columns' upper bounds bound r2^2."""
+        import torch
+
+        k = min(2, L.shape[dim])
+        low, at = L.topk(k, dim=dim, largest=False)
+        if dim == 0:
+            low, at = low.T, at.T
+        up = low + 2.0 * self.c64 * (n_rows[:, None] + n_cols[at])
+        two = torch.cat([self.two[a:b], up], dim=1).topk(2, dim=1, largest=False).values
+        self.two[a:b] = two
+        torch.minimum(self.bound[a:b], two[:, 1] * (1.0 + 4.0 * self.c64), out=self.bound[a:b])
+
+    def _keep(self, pos, cols, low) -> None:
+        """Keep pairs (local row, column, lower bound); prune, then flush, when they outgrow their share."""
+        if pos.numel():
+            self.kept.append((pos, cols, low))
+            self.n_kept += int(pos.numel())
+        if self.n_kept > self.max_pairs:
+            self._prune()
+            if self.n_kept > self.max_pairs // 2:
+                self._flush()
+
+    def _prune(self) -> None:
+        """Drop the kept pairs that the bounds have fallen below."""
+        import torch
+
+        if not self.kept:
+            return
+        pos, cols, low = (torch.cat(t) for t in zip(*self.kept, strict=True))
+        live = low <= self.bound[pos]
+        self.kept = [(pos[live], cols[live], low[live])]
+        self.n_kept = int(live.sum())
+
+    def _flush(self) -> None:
+        """Compute the kept pairs exactly and fold them into the rows' best two."""
+        if self.n_kept:
+            pos, cols, _ = self.kept[0]
+            rows = self.r[pos]
+            exact = _exact_pairs(self.Xt, rows, cols, self.chunk)
+            self.best.fold(pos.cpu().numpy() + self.offset, cols.cpu().numpy(), exact.cpu().numpy())
+            self.pairs += int(pos.numel())
+        self.kept, self.n_kept = [], 0
+
+    def finish(self) -> int:
+        """Fold what is left; the number of pairs this group recomputed exactly."""
+        self._prune()
+        self._flush()
+        return self.pairs
 
 
 def _column_chunks(Xt, U, chunk_cols: int, s64, scale):
@@ -417,35 +537,6 @@ def _column_chunks(Xt, U, chunk_cols: int, s64, scale):
         u = U[s : s + chunk_cols]
         B = (Xt[u].double() - s64).mul_(scale)
         yield u, B, torch.linalg.vector_norm(B, dim=1).square_()
-
-
-def _tightened(blocks, columns, c64: float) -> list:
-    """The rescreen's row blocks with each row's bound ub2 lowered to what the float64 values
-    prove (``_rescreen``, step 2), and turned into the second pass's threshold ub2 + c64 |a|^2."""
-    import torch
-
-    firsts = [
-        torch.full((r.shape[0], 2), math.inf, dtype=torch.float64, device=A.device)
-        for _, r, A, _, _ in blocks
-    ]
-    for u, B, nb in columns:
-        for (_, r, A, na, _), two in zip(blocks, firsts, strict=True):
-            # an upper bound of each pair's true squared distance; a row is not its own neighbour
-            up = torch.addmm((1.0 + c64) * nb[None, :], A, B.T, alpha=-2.0).add_(na[:, None], alpha=1.0 + c64)
-            up.masked_fill_(r[:, None] == u[None, :], math.inf)
-            k = min(2, up.shape[1])
-            two.copy_(
-                torch.cat([two, up.topk(k, dim=1, largest=False).values], dim=1)
-                .topk(2, dim=1, largest=False)
-                .values
-            )
-    out = []
-    for (pos, r, A, na, ub2), two in zip(blocks, firsts, strict=True):
-        # either bound, from a rounded exact distance or from the float64 values, is padded for
-        # the rounding of the exact distances it is compared with
-        bound = torch.minimum(ub2, two[:, 1]) * (1.0 + 4.0 * c64)
-        out.append((pos, r, A, na, bound + c64 * na))
-    return out
 
 
 def _refine(Xt, x32, n32, best_v, best_i, shift, scale, memory_budget: int, info: dict):
@@ -466,15 +557,16 @@ def _refine(Xt, x32, n32, best_v, best_i, shift, scale, memory_budget: int, info
     need = (v - err[:, None]) <= (v[:, 1] + err)[:, None]
     cnt = need.sum(1)
     dist = torch.full((n, k), math.inf, dtype=torch.float64, device=dev)
-    dist[:, :2] = _exact_candidates(Xt, idx[:, :2], max(1, chunk // 4))
-    for m in range(2, k):
-        rm = torch.nonzero(cnt > m).flatten()
-        if rm.numel():
-            dist[rm, m] = _exact_pairs(Xt, rm, idx[rm, m], max(1, chunk // 2))
-    o = idx.argsort(1)  # ties broken by the smaller index
-    dist_s, idx_s = dist.gather(1, o), idx.gather(1, o)
-    o = dist_s.argsort(dim=1, stable=True)
-    dist_s, idx_s = dist_s.gather(1, o), idx_s.gather(1, o)
+    with _threads(dev):  # bandwidth-bound; the rescreen's GEMMs below keep every thread
+        dist[:, :2] = _exact_candidates(Xt, idx[:, :2], max(1, chunk // 4))
+        for m in range(2, k):
+            rm = torch.nonzero(cnt > m).flatten()
+            if rm.numel():
+                dist[rm, m] = _exact_pairs(Xt, rm, idx[rm, m], max(1, chunk // 2))
+        o = idx.argsort(1)  # ties broken by the smaller index
+        dist_s, idx_s = dist.gather(1, o), idx.gather(1, o)
+        o = dist_s.argsort(dim=1, stable=True)
+        dist_s, idx_s = dist_s.gather(1, o), idx_s.gather(1, o)
     r1, r2 = dist_s[:, 0].clone(), dist_s[:, 1].clone()
     i1, i2 = idx_s[:, 0].clone(), idx_s[:, 1].clone()
     if k == n - 1:  # every other row is a candidate
@@ -1001,7 +1093,6 @@ def _two_nearest(a: np.ndarray, block_size, device, refine, memory_budget, retur
         r, idx = r.cpu().numpy(), idx.cpu().numpy()
         out = (r[:, 0].copy(), r[:, 1].copy(), idx[:, 0].copy(), idx[:, 1].copy())
         return out + (dict(info, refined=False),) if return_info else out
-    with _threads(dev):
-        r1, r2, i1, i2 = _refine(Xt, x32, n32, best_v, best_i, shift, scale, memory_budget, info)
+    r1, r2, i1, i2 = _refine(Xt, x32, n32, best_v, best_i, shift, scale, memory_budget, info)
     out = (r1.cpu().numpy(), r2.cpu().numpy(), i1.cpu().numpy(), i2.cpu().numpy())
     return out + (dict(info, refined=True),) if return_info else out
