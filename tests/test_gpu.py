@@ -210,6 +210,28 @@ def _load(path, device, **kw):
     return load_model(str(path), device=device, **kw)
 
 
+def test_host_arrays_are_complete_copies():
+    """The rows' copy to the host (page-locked memory, queued without waiting, one wait at the end
+    on a GPU): behind a long product on the same stream, each array equals the device tensor's
+    values, and later writes to the tensor do not reach it."""
+    from geomscope.extract.capture import host_arrays
+
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    big = torch.randn(4096, 4096, device=DEVICE, generator=g)
+    rows = torch.randn(20_000, 384, device=DEVICE, generator=g)
+    for _ in range(4):  # keep the stream busy, so an early read would see unwritten memory
+        big = big @ big / 64.0
+    tensors = [rows + big[0, 0], (rows + big[0, 0]).half(), rows[:, 0] > 0]
+    got = host_arrays(tensors)  # queued while the products run
+    want = [t.cpu().numpy() for t in tensors]
+    for t in tensors:
+        t.fill_(0)
+    _sync()
+    for g_, w in zip(got, want, strict=True):
+        assert g_.dtype == w.dtype and g_.shape == w.shape
+        np.testing.assert_array_equal(g_, w)
+
+
 @pytest.mark.parametrize("kind", ["bert", "gpt2", "llama"])
 def test_extract_on_device_equals_cpu(tiny, tmp_path, kind):
     """A model loaded on the device (load_model(device=...)): the same probe results, the same rows
