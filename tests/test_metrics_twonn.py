@@ -206,6 +206,59 @@ def test_rescreen_screen_decides_the_work_not_the_result(monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
+def test_rescreen_of_a_tile_of_copies_folds_a_bounded_share_at_a_time(monkeypatch):
+    # 300 exact copies far from the mean: every pair among them survives the float64 pass (89,700
+    # of them), and they are recomputed and folded max(4096, budget / 1024) at a time, never all
+    # at once; the answer is the brute force's, ties to the smaller index
+    import geomscope.metrics.neighbors as nb
+
+    rng = np.random.default_rng(23)
+    X = np.concatenate([np.repeat(300.0 * rng.normal(size=(1, 8)), 300, axis=0), rng.normal(size=(40, 8))])
+    sizes = []
+    fold = nb._RunningBestTwo.fold
+
+    def spy(self, pos, cols, dist):
+        sizes.append(len(pos))
+        return fold(self, pos, cols, dist)
+
+    monkeypatch.setattr(nb._RunningBestTwo, "fold", spy)
+    got = two_nearest(X.astype(np.float32), memory_budget=2**16, return_info=True, prune=False)
+    assert got[4]["n_rescreen_pairs"] >= 300 * 299 and max(sizes) <= 4096
+    assert_same_neighbours(X.astype(np.float32), got)
+
+
+def test_identical_rows_break_ties_by_the_smaller_index():
+    # every float32 value is 0 after the shift, so the float32 error bound is 0 and a row whose r2
+    # equals its bound must still be rescreened: the two nearest are the two smallest other indices
+    for X in (
+        np.full((6, 3), 5.0),
+        (1e8 + 1e-3 * np.random.default_rng(24).normal(size=(7, 4))).astype(np.float32),
+    ):
+        got = two_nearest(X, return_info=True)
+        assert_same_neighbours(X, got)
+        assert np.all(got[0] == 0) and list(got[2][:2]) == [1, 0] and list(got[3][:2]) == [2, 2]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rescreen_below_float64s_normal_range(seed):
+    # rows at 1e-158..1e-161 beside rows at +-1: scaled for the large rows, the small rows' squared
+    # distances are subnormal in float64, where an operation's error is absolute, not relative;
+    # the bounds cover it (seeds 0, 1 and 4 gave a wrong r2 or "lost its two nearest" before). d = 1:
+    # the exact distances are |x_i - x_j|, a reference without squares
+    rng = np.random.default_rng(seed)
+    X = np.concatenate([[[1.0], [-1.0]], rng.normal(size=(30, 1)) * [1e-160, 1e-161, 1e-158][seed % 3]])
+    D = np.abs(X - X.T)
+    np.fill_diagonal(D, np.inf)
+    order = np.argsort(D, axis=1, kind="stable")[:, :2]
+    rows = np.arange(len(X))
+    for prune in (False, True):
+        r1, r2, i1, i2 = two_nearest(X, prune=prune, block_size=16)
+        np.testing.assert_array_equal(i1, order[:, 0])
+        np.testing.assert_array_equal(i2, order[:, 1])
+        np.testing.assert_allclose(r1, D[rows, order[:, 0]], rtol=1e-12, atol=0)
+        np.testing.assert_allclose(r2, D[rows, order[:, 1]], rtol=1e-12, atol=0)
+
+
 def test_rescreen_products_use_every_thread(monkeypatch):
     # the bandwidth-bound exact recompute runs on half the threads; the rescreen's float64 GEMMs
     # (all of the work when every row is flagged) must not inherit that

@@ -339,7 +339,8 @@ def _rescreen(Xt, x32, n32, rows, shift, scale, ub2, err32, memory_budget: int, 
     1. float32 screen against all rows (:func:`_screened_columns`): the columns no row can reach.
     2. One float64 pass over the remaining pairs on ``(x - shift) * scale`` (:class:`_Float64Pass`):
        each value is within ``c64 (|a|^2 + |b|^2)`` of the true squared distance (c64: twice the
-       float64 bound, which also covers the float64 norms), so it gives every pair a lower and an
+       float64 bound, which also covers the float64 norms; plus a few subnormal units where squares
+       fall below float64's normal range), so it gives every pair a lower and an
        upper bound. The second smallest upper bound over a row's other columns bounds its r2^2 and
        tightens ``ub2`` as the pass goes; the pairs whose lower bound is within the row's bound
        are kept, and those still within it at the end are recomputed exactly and folded into the
@@ -367,7 +368,9 @@ def _rescreen(Xt, x32, n32, rows, shift, scale, ub2, err32, memory_budget: int, 
     group_rows = max(1, memory_budget // (16 * d))  # the rows' float64 copies: half the budget
     tile = max(64, math.isqrt(max(1, memory_budget // 128)))  # tile side: 16 MiB of float64 at 256 MiB
     best = _RunningBestTwo(m, n)
-    max_pairs = max(tile * tile, memory_budget // 256)  # kept pairs: 24 B each
+    # pairs recomputed and folded at once: ~150 B each at the fold's peak (index lists, gathers,
+    # the exact distances, the fold's concatenations and sort)
+    max_pairs = max(4096, memory_budget // 1024)
     pairs = 0
     for g in range(0, m, group_rows):
         r = rows[g : g + group_rows]
@@ -420,8 +423,9 @@ def _screened_columns(x32, n32, rows, thr32, memory_budget: int):
 class _Float64Pass:
     """The rescreen's float64 pass over one group of flagged rows (``r``, their shifted and scaled
     float64 copies ``A``), tile by tile; see :func:`_rescreen`. For a tile of values
-    ``L = (1 - c64) (|a|^2 + |b|^2) - 2 a.b`` (a lower bound of each pair's true squared distance;
-    ``L + 2 c64 (|a|^2 + |b|^2)`` an upper one) it keeps each row's two smallest upper bounds
+    ``L = (1 - c64) (|a|^2 + |b|^2) - 2 a.b - tau`` (a lower bound of each pair's true squared
+    distance; ``L + 2 c64 (|a|^2 + |b|^2) + 2 tau`` an upper one; tau covers the absolute error of
+    squares below float64's normal range) it keeps each row's two smallest upper bounds
     (``two``), lowers the row's bound to the second (padded by 4 c64 for the rounding of the exact
     distances it is compared with), and keeps the pairs with ``L <= bound``. The kept pairs are
     pruned against the bounds as those fall, and recomputed exactly and folded into ``best`` (rows
@@ -431,8 +435,12 @@ class _Float64Pass:
         import torch
 
         self.Xt, self.r, self.A, self.c64 = Xt, r, A, c64
+        # below float64's normal range (squares under 2^-1022) an operation's error is absolute, up
+        # to half the smallest subnormal: the d products, their sums and the few other operations
+        # on each value are covered by tau on top of the relative bound
+        self.tau = (A.shape[1] + 8) * 2.0**-1074
         self.na = torch.linalg.vector_norm(A, dim=1).square_()
-        self.bound = ub2 * (1.0 + 4.0 * c64)
+        self.bound = ub2 * (1.0 + 4.0 * c64) + self.tau
         self.two = torch.full((r.shape[0], 2), math.inf, dtype=torch.float64, device=A.device)
         self.best, self.offset, self.max_pairs, self.chunk = best, offset, max_pairs, chunk
         self.kept: list = []  # (local row, column, L) tensors
@@ -461,19 +469,17 @@ class _Float64Pass:
 
         c64, r, na = self.c64, self.r[a:b], self.na[a:b]
         L = torch.addmm(nb[None, :], self.A[a:b], B.T, beta=1.0 - c64, alpha=-2.0)
-        L.add_(na[:, None], alpha=1.0 - c64)
+        L.add_(na[:, None], alpha=1.0 - c64).sub_(self.tau)
         # a row is not its own neighbour (u and r are sorted)
         at = torch.searchsorted(u, r).clamp_(max=u.shape[0] - 1)
         own = (u[at] == r).nonzero().flatten()
         L[own, at[own]] = math.inf
         self._learn(a, b, L, na, nb, dim=1)
-        near = (L <= self.bound[a:b, None]).nonzero(as_tuple=True)
-        self._keep(near[0] + a, u[near[1]], L[near])
+        self._keep_near(L, L <= self.bound[a:b, None], lambda i, j: (i + a, u[j]))
         if mirror is not None:
             e = mirror + u.shape[0]
             self._learn(mirror, e, L, nb, na, dim=0)
-            near = (L <= self.bound[None, mirror:e]).nonzero(as_tuple=True)
-            self._keep(near[1] + mirror, r[near[0]], L[near])
+            self._keep_near(L, L <= self.bound[None, mirror:e], lambda i, j: (j + mirror, r[i]))
 
     def _learn(self, a: int, b: int, L, n_rows, n_cols, dim: int) -> None:
         """Rows a:b's two smallest upper bounds merged into ``two`` and their bound lowered to the
@@ -486,10 +492,26 @@ class _Float64Pass:
         low, at = L.topk(k, dim=dim, largest=False)
         if dim == 0:
             low, at = low.T, at.T
-        up = low + 2.0 * self.c64 * (n_rows[:, None] + n_cols[at])
+        up = low + 2.0 * self.c64 * (n_rows[:, None] + n_cols[at]) + 2.0 * self.tau
         two = torch.cat([self.two[a:b], up], dim=1).topk(2, dim=1, largest=False).values
         self.two[a:b] = two
-        torch.minimum(self.bound[a:b], two[:, 1] * (1.0 + 4.0 * self.c64), out=self.bound[a:b])
+        torch.minimum(self.bound[a:b], two[:, 1] * (1.0 + 4.0 * self.c64) + self.tau, out=self.bound[a:b])
+
+    def _keep_near(self, L, near, pairs) -> None:
+        """Keep the tile's entries where ``near`` holds, as pairs ``pairs(i, j) -> (local row,
+        column)`` with their ``L``: a slice of the tile's rows at a time where they are many (a tile
+        of exact copies keeps every entry, and each costs ~40 B in index lists)."""
+        import torch
+
+        count = int(torch.count_nonzero(near))  # (a bool sum makes an int64 copy of the tile)
+        if not count:
+            return
+        step = near.shape[0] if count <= self.max_pairs else max(1, near.shape[0] * self.max_pairs // count)
+        for s in range(0, near.shape[0], step):
+            i, j = near[s : s + step].nonzero(as_tuple=True)
+            i += s
+            pos, cols = pairs(i, j)
+            self._keep(pos, cols, L[i, j])
 
     def _keep(self, pos, cols, low) -> None:
         """Keep pairs (local row, column, lower bound); prune, then flush, when they outgrow their share."""
@@ -513,12 +535,14 @@ class _Float64Pass:
         self.n_kept = int(live.sum())
 
     def _flush(self) -> None:
-        """Compute the kept pairs exactly and fold them into the rows' best two."""
+        """Compute the kept pairs exactly and fold them into the rows' best two, ``max_pairs`` at a
+        time (a tile of exact copies can keep every one of its pairs)."""
         if self.n_kept:
             pos, cols, _ = self.kept[0]
-            rows = self.r[pos]
-            exact = _exact_pairs(self.Xt, rows, cols, self.chunk)
-            self.best.fold(pos.cpu().numpy() + self.offset, cols.cpu().numpy(), exact.cpu().numpy())
+            for s in range(0, pos.shape[0], self.max_pairs):
+                p, c = pos[s : s + self.max_pairs], cols[s : s + self.max_pairs]
+                exact = _exact_pairs(self.Xt, self.r[p], c, self.chunk)
+                self.best.fold(p.cpu().numpy() + self.offset, c.cpu().numpy(), exact.cpu().numpy())
             self.pairs += int(pos.numel())
         self.kept, self.n_kept = [], 0
 
@@ -572,7 +596,9 @@ def _refine(Xt, x32, n32, best_v, best_i, shift, scale, memory_budget: int, info
     if k == n - 1:  # every other row is a candidate
         return r1, r2, i1, i2
     # certified: no non-candidate (true d^2 >= v_K - err) can be closer than the exact r2
-    flagged = torch.nonzero((r2 * scale) ** 2 > v[:, k - 1] - err).flatten()
+    # (>=: a row whose r2 ties the bound, e.g. identical rows where err is 0, may have a
+    # non-candidate at the same distance and a smaller index)
+    flagged = torch.nonzero((r2 * scale) ** 2 >= v[:, k - 1] - err).flatten()
     info["n_flagged"] = int(flagged.numel())
     if flagged.numel():
         ub2 = (r2[flagged] * scale) ** 2
