@@ -115,7 +115,9 @@ def host_arrays(tensors: list) -> list[np.ndarray]:
     where a copy into ordinary pageable memory ran at about 2 GB/s), every copy queued before one
     wait per device: the arrays are complete when this returns. Where no page-locked memory can
     be had, the ordinary copy. A page-locked block goes back to torch's cache of them when its
-    array is freed, and is reused for later batches."""
+    array is freed and is reused for a later batch of its size class (torch rounds a block up to
+    a power of two, and keeps the cache for the process's life: at most about twice the rows of
+    the batches in flight)."""
     import torch
 
     out, devices = [], set()

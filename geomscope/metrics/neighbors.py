@@ -374,7 +374,7 @@ def _rescreen(Xt, x32, n32, rows, shift, scale, ub2, err32, memory_budget: int, 
     pairs = 0
     for g in range(0, m, group_rows):
         r = rows[g : g + group_rows]
-        A = (Xt[r].double() - s64).mul_(scale)
+        A = Xt[r].double().sub_(s64).mul_(scale)  # in place: 8 B an element, not 16
         group = _Float64Pass(Xt, r, A, ub2[g : g + group_rows], c64, best, g, max_pairs, chunk)
         whole = m <= group_rows  # every flagged row is in this group: pairs among them once
         if whole:
@@ -559,7 +559,7 @@ def _column_chunks(Xt, U, chunk_cols: int, s64, scale):
 
     for s in range(0, U.shape[0], chunk_cols):
         u = U[s : s + chunk_cols]
-        B = (Xt[u].double() - s64).mul_(scale)
+        B = Xt[u].double().sub_(s64).mul_(scale)
         yield u, B, torch.linalg.vector_norm(B, dim=1).square_()
 
 
