@@ -92,27 +92,34 @@ def test_two_nearest_float32_trap_near_duplicates_far_from_the_mean():
     assert np.max(np.abs(fast[1][:150] / b2[:150] - 1)) > 1e-3
 
 
-def test_rescreen_stays_exact_when_a_small_budget_splits_it(monkeypatch):
+@pytest.fixture
+def folds(monkeypatch):
+    """The number of pairs in each fold into the rescreen's running best two, as they happen."""
+    import geomscope.metrics.neighbors as nb
+
+    sizes = []
+    fold = nb._RunningBestTwo.fold
+
+    def spy(self, pos, cols, dist):
+        sizes.append(len(pos))
+        return fold(self, pos, cols, dist)
+
+    monkeypatch.setattr(nb._RunningBestTwo, "fold", spy)
+    return sizes
+
+
+def test_rescreen_stays_exact_when_a_small_budget_splits_it(folds):
     # Every member of a tight cluster far from the mean needs the float64 rescreen. With the default
     # budget all their float64 copies fit at once and each pair among them is computed once (the
     # upper triangle, read by row and by column); with a budget of a few KiB the rows come a group
     # at a time against every column, a tile at a time, and the kept pairs are folded into the
     # rows' best two as they outgrow their share: the result must not move.
-    import geomscope.metrics.neighbors as nb
 
     rng = np.random.default_rng(12)
     D = 48
     far = 300.0 * rng.normal(size=D)
     cluster = far + 1e-2 * rng.normal(size=(150, D))
     X = np.concatenate([cluster, rng.normal(size=(250, D)) - far]).astype(np.float32)
-    folds = []
-    fold = nb._RunningBestTwo.fold
-
-    def spy(self, pos, cols, dist):
-        folds.append(len(pos))
-        return fold(self, pos, cols, dist)
-
-    monkeypatch.setattr(nb._RunningBestTwo, "fold", spy)
     roomy = two_nearest(X, block_size=64, return_info=True)
     roomy_folds = len(folds)
     folds.clear()
@@ -206,24 +213,15 @@ def test_rescreen_screen_decides_the_work_not_the_result(monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
-def test_rescreen_of_a_tile_of_copies_folds_a_bounded_share_at_a_time(monkeypatch):
+def test_rescreen_of_a_tile_of_copies_folds_a_bounded_share_at_a_time(folds):
     # 300 exact copies far from the mean: every pair among them survives the float64 pass (89,700
     # of them), and they are recomputed and folded max(4096, budget / 1024) at a time, never all
     # at once; the answer is the brute force's, ties to the smaller index
-    import geomscope.metrics.neighbors as nb
 
     rng = np.random.default_rng(23)
     X = np.concatenate([np.repeat(300.0 * rng.normal(size=(1, 8)), 300, axis=0), rng.normal(size=(40, 8))])
-    sizes = []
-    fold = nb._RunningBestTwo.fold
-
-    def spy(self, pos, cols, dist):
-        sizes.append(len(pos))
-        return fold(self, pos, cols, dist)
-
-    monkeypatch.setattr(nb._RunningBestTwo, "fold", spy)
     got = two_nearest(X.astype(np.float32), memory_budget=2**16, return_info=True, prune=False)
-    assert got[4]["n_rescreen_pairs"] >= 300 * 299 and max(sizes) <= 4096
+    assert got[4]["n_rescreen_pairs"] >= 300 * 299 and max(folds) <= 4096
     assert_same_neighbours(X.astype(np.float32), got)
 
 
