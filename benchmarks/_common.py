@@ -7,6 +7,7 @@ used by the test suite: speed is never asserted in tests.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -125,33 +126,105 @@ def machine_info() -> dict:
         info["numpy"] = numpy.__version__
     except ImportError:
         pass
+    info["blas"] = blas_info()
     return info
 
 
 _LIMITS: dict = {}
+_LIMIT_SOURCES: dict = {}
+#: the variable that pins OpenBLAS (numpy's BLAS) to one kernel set instead of the one it detects
+BLAS_PIN = "OPENBLAS_CORETYPE"
+
+
+def blas_info() -> dict:
+    """numpy's BLAS in this process: library, version, kernel set (threadpoolctl's "architecture")
+    and threads, with ``OPENBLAS_CORETYPE`` where the environment sets it."""
+    info: dict = {}
+    try:
+        import numpy  # noqa: F401 - loads the BLAS that threadpoolctl reports
+        from threadpoolctl import threadpool_info
+
+        for lib in threadpool_info():
+            if lib.get("user_api") == "blas":
+                info = {k: lib.get(k) for k in ("internal_api", "version", "architecture", "num_threads")}
+                break
+    except ImportError:
+        pass
+    if os.environ.get(BLAS_PIN):
+        info[BLAS_PIN] = os.environ[BLAS_PIN]
+    return info
+
+
+@contextlib.contextmanager
+def own_blas_kernels():
+    """Processes started inside run OpenBLAS on the kernels it detects for this CPU:
+    ``OPENBLAS_CORETYPE`` is removed from the environment meanwhile (OpenBLAS reads it once, when it
+    loads, so this process's numpy keeps the kernels it has)."""
+    pinned = os.environ.pop(BLAS_PIN, None)
+    try:
+        yield pinned
+    finally:
+        if pinned is not None:
+            os.environ[BLAS_PIN] = pinned
+
+
+def gemm_rates(n: int, library: str = "numpy") -> dict:
+    """float32 and float64 GEMM rates (GFLOP/s) of square n x n products with ``library``'s
+    multi-threaded BLAS (numpy's OpenBLAS or torch's), best of 3 after a warm-up."""
+    import numpy as np
+
+    rates = {}
+    for name, dt in (("gemm_f32_gflops", np.float32), ("gemm_f64_gflops", np.float64)):
+        a = np.random.default_rng(0).standard_normal((n, n)).astype(dt)
+        if library == "torch":
+            import torch
+
+            a = torch.from_numpy(a)
+        a @ a  # warm-up (threads, pages)
+        best = min(timeit(lambda a=a: a @ a, repeats=3))
+        rates[name] = 2 * n**3 / best / 1e9
+    return rates
 
 
 def machine_limits(quick: bool = False) -> dict:
-    """This machine's own limits, measured in this run (once per process): float32 and float64 GEMM
-    rates (GFLOP/s, numpy's multi-threaded BLAS on square products, best of 3) and the memory
-    bandwidth of a large copy (GB/s counting read + write, best of 3). Each benchmark row states
-    the fraction of the bound it reaches (``of bound``: the hardware's minimum time / measured)."""
+    """This machine's own limits, measured in this run (once per process): the float32 and float64
+    GEMM rates (GFLOP/s) and the memory bandwidth of a large copy (GB/s counting read + write, best
+    of 3). Each benchmark row states the fraction of the bound it reaches (``of bound``: the
+    hardware's minimum time / measured).
+
+    A GEMM rate is the best of numpy's BLAS in this process, torch's, and -- where the environment
+    pins OpenBLAS's kernels with ``OPENBLAS_CORETYPE`` -- numpy's in a fresh process on the kernels
+    OpenBLAS picks for this CPU by itself: the limit is the hardware's, not one library's setting
+    (this machine's environment pins OpenBLAS to its AVX2 kernels on a CPU with AVX-512, which
+    halves numpy's float32 rate). :func:`limit_sources` says which one gave each rate."""
     if _LIMITS:
         return _LIMITS
     import numpy as np
 
     n = 1024 if quick else 2048
-    for name, dt in (("gemm_f32_gflops", np.float32), ("gemm_f64_gflops", np.float64)):
-        a = np.random.default_rng(0).standard_normal((n, n)).astype(dt)
-        a @ a  # warm-up (threads, pages)
-        best = min(timeit(lambda a=a: a @ a, repeats=3))
-        _LIMITS[name] = 2 * n**3 / best / 1e9
+    measured = {"numpy": gemm_rates(n)}
+    try:
+        measured["torch"] = gemm_rates(n, "torch")
+    except ImportError:
+        pass
+    if os.environ.get(BLAS_PIN):
+        with own_blas_kernels():
+            measured["numpy, OpenBLAS's own kernels"] = run_isolated(gemm_rates, n)["result"]
+    for key in ("gemm_f32_gflops", "gemm_f64_gflops"):
+        best = max(measured, key=lambda src: measured[src][key])
+        _LIMITS[key] = measured[best][key]
+        _LIMIT_SOURCES[key] = {src: round(r[key], 1) for src, r in measured.items()} | {"best": best}
     src = np.ones(64 * 2**20 // 8 * (1 if quick else 4))  # 64 / 256 MiB
     dst = np.empty_like(src)
     np.copyto(dst, src)
     best = min(timeit(lambda: np.copyto(dst, src), repeats=3))
     _LIMITS["bandwidth_gbs"] = 2 * src.nbytes / best / 1e9
     return _LIMITS
+
+
+def limit_sources() -> dict:
+    """Each GEMM rate of :func:`machine_limits` by library and kernels, and which one was the best."""
+    return dict(_LIMIT_SOURCES)
 
 
 def of_bound(bound_seconds: float | None, seconds: float | None) -> float | None:
@@ -192,3 +265,4 @@ def print_rows(rows: list[dict], title: str | None = None) -> None:
     print()
     print("machine: " + json.dumps(machine_info()))
     print("limits: " + json.dumps({k: round(v, 1) for k, v in machine_limits().items()}))
+    print("limit sources: " + json.dumps(limit_sources()) + "; numpy's BLAS: " + json.dumps(blas_info()))

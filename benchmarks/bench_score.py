@@ -16,6 +16,11 @@ Rows (throughput in rows/s; ratio = geomscope rows/s / alternative rows/s, > 1 m
 - Moment suite: isoscore, isoscore_star, avgcos (plain, centred, standardised: a second pass),
   spectrum, outliers, all with jackknife SE, vs the package's IsoScore + IsoScore_star (the
   subset it can compute) on the in-memory rows.
+- IsoScore on OpenBLAS's own kernels (only where the environment sets ``OPENBLAS_CORETYPE``): the
+  first row again in a fresh process without that variable, both sides, so numpy's OpenBLAS runs the
+  kernels it detects for this CPU (this machine's environment pins its AVX2 ones on an AVX-512 CPU;
+  geomscope keeps whatever the environment sets). The package multiplies with torch (MKL), which
+  the variable does not touch.
 - Peak RSS (full run only): each side once in a fresh spawned process that imports numpy, torch, the
   package and geomscope first; geomscope scores the file, the package side loads the rows (as a user
   must) and scores them. Reported: the peak RSS over the baseline after the imports, sampled every
@@ -53,7 +58,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
-from _common import alternate, machine_limits, of_bound, peak_rss_mb, print_rows, run_isolated  # noqa: E402
+from _common import (  # noqa: E402
+    BLAS_PIN,
+    alternate,
+    blas_info,
+    machine_limits,
+    of_bound,
+    own_blas_kernels,
+    peak_rss_mb,
+    print_rows,
+    run_isolated,
+)
 
 BENCH_DIR = Path(os.environ.get("GEOMSCOPE_BENCH_DIR", "/tmp/geomscope_bench_score"))
 MOMENT_SUITE = ("isoscore", "isoscore_star", "avgcos", "spectrum", "outliers")
@@ -278,6 +293,41 @@ def _throughput_rows(label: str, path: Path, n: int, x: np.ndarray, repeats: int
     ]
 
 
+def own_kernel_times(run_dir: str, repeats: int) -> dict:
+    """(In a fresh process whose OpenBLAS runs the kernels it picks for this CPU: see
+    ``own_kernel_row``.) Median seconds of the streaming IsoScore and of the package on the rows in
+    memory, alternating, and this process's BLAS."""
+    path = Path(run_dir)
+    x = load_rows(path)
+    t = alternate({"g": lambda: _score(path, ("isoscore",)), "p": lambda: _package(x)}, repeats=repeats)
+    return {"times": t, "blas": blas_info()}
+
+
+def own_kernel_row(run_dir: Path, n: int, repeats: int) -> list[dict]:
+    """Where the environment pins OpenBLAS's kernels (``OPENBLAS_CORETYPE``): the streaming IsoScore
+    row again in a fresh process without the pin, so OpenBLAS runs the kernels it detects for this
+    CPU. geomscope keeps the environment it is given; this row says what the pin costs it (the
+    package multiplies with torch's MKL, which the variable does not touch)."""
+    if not os.environ.get(BLAS_PIN):
+        return []  # the rows above already run on OpenBLAS's own kernels
+    with own_blas_kernels() as pinned:
+        got = run_isolated(own_kernel_times, str(run_dir), repeats)["result"]
+    t, arch = got["times"], got["blas"].get("architecture")
+    return [
+        {
+            "benchmark": f"IsoScore, run {n:,}x384 float16, numpy's OpenBLAS on its own kernels ({arch})",
+            "geomscope": n / t["g"],
+            "alternative": n / t["p"],
+            "ratio": t["p"] / t["g"],
+            "target": ">= 1.5",
+            "of bound": of_bound(stream_bound(n, 384, 2), t["g"]),
+            "note": f"rows/s; the first row in a fresh process without {BLAS_PIN}={pinned} (this "
+            f"environment's pin, kept everywhere else); of the float64 bound "
+            f"{of_bound(stream_bound_f64(n, 384), t['g']):.2f}; median of {repeats}",
+        }
+    ]
+
+
 def process_times(run_dir: str, repeats: int, workers: bool, dask: bool) -> dict:
     """(In a fresh spawned process, torch not loaded -- as in the CLI's ``score`` -- so worker
     processes start as they do for a user.) Median seconds of ``--workers 1`` vs ``2`` (IsoScore, the
@@ -359,6 +409,7 @@ def run(quick: bool = False, only: str | None = None) -> list[dict]:
     x_run = load_rows(run_dir)
     rows += _throughput_rows(f"run {n_run:,}x384 float16 (8 shards)", run_dir, n_run, x_run, repeats)
     del x_run
+    rows += own_kernel_row(run_dir, n_run, repeats)
     x_arr = load_rows(arr)
     rows += _throughput_rows(f"array {n_arr:,}x768 float32 .npy", arr, n_arr, x_arr, repeats)
     del x_arr

@@ -22,7 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import STANDARD_HEADERS, machine_info, machine_limits, markdown_table  # noqa: E402
+from _common import STANDARD_HEADERS, limit_sources, machine_info, machine_limits, markdown_table  # noqa: E402
 
 AREAS = ["metrics", "twonn", "score", "extract", "processes", "finetune"]
 
@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     areas = [a.strip() for a in args.only.split(",") if a.strip()] or AREAS
     limits = machine_limits(args.quick)  # first, on an idle machine: every row's bound uses it
     print("[limits] " + ", ".join(f"{k}={v:.1f}" for k, v in limits.items()), file=sys.stderr, flush=True)
+    print(f"[limits] by library: {json.dumps(limit_sources())}", file=sys.stderr, flush=True)
     rows, failed = [], []
     for area in areas:
         path = HERE / f"bench_{area}.py"
@@ -66,10 +67,19 @@ def main(argv=None) -> int:
         + ", ".join(f"{k}={v:.1f}" for k, v in limits.items())
         + "; 'of bound' = the hardware's minimum time for the row's work / the measured time"
     )
+    print("GEMM rates by library (the best is the limit): " + json.dumps(limit_sources()))
     if args.json:
         args.json.write_text(
             json.dumps(
-                {"rows": rows, "machine": info, "limits": limits, "quick": args.quick}, indent=2, default=str
+                {
+                    "rows": rows,
+                    "machine": info,
+                    "limits": limits,
+                    "limit_sources": limit_sources(),
+                    "quick": args.quick,
+                },
+                indent=2,
+                default=str,
             )
         )
     if failed:
