@@ -227,6 +227,25 @@ def limit_sources() -> dict:
     return dict(_LIMIT_SOURCES)
 
 
+def stream_bound_f64(n: int, d: int) -> float:
+    """The bound of :func:`stream_bound` with the float64 product that the 1e-10 accuracy needs
+    (the product dominates)."""
+    return n * d * d / (machine_limits()["gemm_f64_gflops"] * 1e9)
+
+
+def stream_bound(n: int, d: int, itemsize: int) -> float:
+    """Seconds the hardware needs at least to score n x d rows in one pass (from disk or memory):
+    max(reading the stored values and converting them (bytes in + float32 out over the memory
+    bandwidth), the scatter update (a symmetric rank-n product, n d^2 flops, at the float32 GEMM
+    rate, all cores)). The bound keeps float32 products although geomscope multiplies in float64
+    (float32 products of the centred blocks carry ~1e-8 relative error; its results must match
+    float64 to 1e-10), so geomscope can reach about gemm_f64 / gemm_f32 of it (0.4 here)."""
+    lim = machine_limits()
+    read = n * d * (itemsize + 4) / (lim["bandwidth_gbs"] * 1e9)
+    syrk = n * d * d / (lim["gemm_f32_gflops"] * 1e9)
+    return max(read, syrk)
+
+
 def of_bound(bound_seconds: float | None, seconds: float | None) -> float | None:
     """The fraction of the hardware bound a measured time reaches (1 = at the limit)."""
     if not bound_seconds or not seconds:

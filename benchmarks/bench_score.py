@@ -62,12 +62,13 @@ from _common import (  # noqa: E402
     BLAS_PIN,
     alternate,
     blas_info,
-    machine_limits,
     of_bound,
     own_blas_kernels,
     peak_rss_mb,
     print_rows,
     run_isolated,
+    stream_bound,
+    stream_bound_f64,
 )
 
 BENCH_DIR = Path(os.environ.get("GEOMSCOPE_BENCH_DIR", "/tmp/geomscope_bench_score"))
@@ -187,24 +188,6 @@ def memory_child(side: str, path: str) -> dict:
     done.set()
     th.join()
     return {"extra_mb": max(peak[0], _rss_now_mb()) - before, "peak_rss_mb": peak_rss_mb(), "value": value}
-
-
-def stream_bound_f64(n: int, d: int) -> float:
-    """The same bound with the float64 product that the 1e-10 accuracy needs (the product dominates)."""
-    return n * d * d / (machine_limits()["gemm_f64_gflops"] * 1e9)
-
-
-def stream_bound(n: int, d: int, itemsize: int) -> float:
-    """Seconds the hardware needs at least to score n x d rows in one pass: max(reading the stored
-    values and converting them (bytes in + float32 out over the memory bandwidth), the scatter
-    update (a symmetric rank-n product, n d^2 flops, at the float32 GEMM rate, all cores)). The
-    bound keeps float32 products although geomscope multiplies in float64 (float32 products of the
-    centred blocks carry ~1e-8 relative error; its results must match float64 to 1e-10), so
-    geomscope can reach about gemm_f64 / gemm_f32 (~0.5) of it."""
-    lim = machine_limits()
-    read = n * d * (itemsize + 4) / (lim["bandwidth_gbs"] * 1e9)
-    syrk = n * d * d / (lim["gemm_f32_gflops"] * 1e9)
-    return max(read, syrk)
 
 
 def _cpu_seconds(fn) -> float:
