@@ -233,6 +233,11 @@ def stream_bound_f64(n: int, d: int) -> float:
     return n * d * d / (machine_limits()["gemm_f64_gflops"] * 1e9)
 
 
+def f64_bound_note(n: int, d: int, seconds: float) -> str:
+    """The note's "of the float64 bound x.xx": the fraction of :func:`stream_bound_f64` reached."""
+    return f"of the float64 bound {of_bound(stream_bound_f64(n, d), seconds):.2f}"
+
+
 def stream_bound(n: int, d: int, itemsize: int) -> float:
     """Seconds the hardware needs at least to score n x d rows in one pass (from disk or memory):
     max(reading the stored values and converting them (bytes in + float32 out over the memory

@@ -31,12 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 from _common import (  # noqa: E402
     alternate,
+    f64_bound_note,
     of_bound,
     peak_rss_mb,
     print_rows,
     run_isolated,
     stream_bound,
-    stream_bound_f64,
 )
 
 D = 768
@@ -130,10 +130,10 @@ def run(quick: bool = False) -> list[dict]:
     ref = isoscore_published(x)
     size = f"{n:,}x{D} float32"
     rows = []
-    bound, bound_f64 = stream_bound(n, D, 4), stream_bound_f64(n, D)
+    bound = stream_bound(n, D, 4)
 
     def f64(t: dict) -> str:
-        return f"; of the float64 bound {of_bound(bound_f64, t['g']):.2f}"
+        return "; " + f64_bound_note(n, D, t["g"])
 
     t = alternate({"g": lambda: isoscore(x), "p": lambda: isp.IsoScore(x)}, repeats=repeats)
     err_g, err_p = abs(isoscore(x) - ref), abs(float(isp.IsoScore(x)) - ref)

@@ -62,13 +62,13 @@ from _common import (  # noqa: E402
     BLAS_PIN,
     alternate,
     blas_info,
+    f64_bound_note,
     of_bound,
     own_blas_kernels,
     peak_rss_mb,
     print_rows,
     run_isolated,
     stream_bound,
-    stream_bound_f64,
 )
 
 BENCH_DIR = Path(os.environ.get("GEOMSCOPE_BENCH_DIR", "/tmp/geomscope_bench_score"))
@@ -232,7 +232,7 @@ def _throughput_rows(label: str, path: Path, n: int, x: np.ndarray, repeats: int
     same = {"n": n, "bound": bound, "repeats": repeats}
 
     def f64_bound(t) -> str:
-        return f"of the float64 bound {of_bound(stream_bound_f64(n, d), t['g']):.2f}"
+        return f64_bound_note(n, d, t["g"])
 
     exact = lambda: _score(path, ("isoscore",))  # noqa: E731
     fast = lambda: _score(path, ("isoscore",), product_dtype="float32")  # noqa: E731
@@ -305,8 +305,8 @@ def own_kernel_row(run_dir: Path, n: int, repeats: int) -> list[dict]:
             "target": ">= 1.5",
             "of bound": of_bound(stream_bound(n, 384, 2), t["g"]),
             "note": f"rows/s; the first row in a fresh process without {BLAS_PIN}={pinned} (this "
-            f"environment's pin, kept everywhere else); of the float64 bound "
-            f"{of_bound(stream_bound_f64(n, 384), t['g']):.2f}; median of {repeats}",
+            f"environment's pin, kept everywhere else); {f64_bound_note(n, 384, t['g'])}; "
+            f"median of {repeats}",
         }
     ]
 
