@@ -61,3 +61,69 @@ def test_pad_right_and_row_meta():
     assert m["token_id"].tolist() == [1, 2, 3, 9] and m["is_special"].tolist() == [True, False, True, False]
     d = row_meta(docs, decoder_start=0)
     assert d["token_id"].tolist() == [0, 1, 2, 0] and d["is_special"].tolist() == [True, True, False, True]
+
+
+def _direct_plan(lengths: list[int], budget: int) -> list[int]:
+    """The batch ends of the direct programme: for each document i, from the last, every batch end j
+    in its window priced in full (the definition plan_batches's sliding minimum must reproduce)."""
+    n, c = len(lengths), budget / 32
+    best, nxt = [0.0] * (n + 1), [0] * n
+    for i in range(n - 1, -1, -1):
+        top = min(n, i + max(1, budget // lengths[i]))
+        costs = [((j - i) * float(lengths[i]) + c + best[j], j) for j in range(i + 1, top + 1)]
+        low = min(cost for cost, _ in costs)
+        best[i], nxt[i] = low, max(j for cost, j in costs if cost == low)  # ties: the larger batch
+    ends, i = [], 0
+    while i < n:
+        ends.append(nxt[i])
+        i = nxt[i]
+    return ends
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(st.integers(1, 8), st.integers(1, 700)),  # few distinct lengths, or many
+        min_size=1,
+        max_size=250,
+    ),
+    st.one_of(st.integers(1, 64), st.integers(64, 40000)),
+)
+def test_plan_equals_the_direct_programme(lengths, budget):
+    docs = docs_of(lengths)
+    batches = plan_batches(docs, budget)
+    ends = list(np.cumsum([len(b) for b in batches]))
+    assert ends == _direct_plan([len(d) for d in docs], budget)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.integers(1, 30), min_size=1, max_size=20),
+    st.one_of(st.none(), st.integers(0, 50)),
+    st.integers(0, 2**31),
+)
+def test_pad_right_and_row_meta_match_document_by_document(lengths, decoder_start, seed):
+    rng = np.random.default_rng(seed)
+    docs = [
+        Doc(int(rng.integers(0, 10**9)), rng.integers(0, 50000, n).astype(np.int64), rng.random(n) < 0.3)
+        for n in lengths
+    ]
+    ids, mask = pad_right(docs, pad_id=-1)
+    assert ids.dtype == mask.dtype == np.int64 and ids.shape == (len(docs), max(lengths))
+    meta = row_meta(docs, decoder_start=decoder_start)
+    rows = 0
+    for b, d in enumerate(docs):
+        n = len(d)
+        assert ids[b, :n].tolist() == d.ids.tolist() and (ids[b, n:] == -1).all()
+        assert mask[b].tolist() == [1] * n + [0] * (ids.shape[1] - n)
+        part = slice(rows, rows + n)
+        if decoder_start is None:
+            tokens, special = d.ids.tolist(), d.special.tolist()
+        else:  # the decoder's inputs: the start token, then the document shifted right by one
+            tokens, special = [decoder_start, *d.ids[:-1].tolist()], [True, *d.special[:-1].tolist()]
+        assert meta["token_id"][part].tolist() == tokens and meta["is_special"][part].tolist() == special
+        assert meta["doc_id"][part].tolist() == [d.doc_id] * n and meta["position"][part].tolist() == list(
+            range(n)
+        )
+        rows += n
+    assert all(len(v) == rows for v in meta.values()) and meta["token_id"].dtype == np.int64

@@ -15,8 +15,9 @@ mmap threshold rises to the largest block freed (up to 32 MiB), so activations c
 and batches of varying shapes fragment it: a batch's blocks land on fresh pages, the more so the
 more batches ran before, so the peak within a shard grew with the number of shards (the resident set
 after a trim stays flat).  The heap's free pages are handed back (malloc_trim) at every shard
-boundary and after any batch that left the resident set more than 1/4 above where the last trim
-left it (about one batch in three here): a trim costs the refaulting of the pages it hands back,
+boundary (on the store thread, once the shard's last rows are stored) and after any batch that
+left the resident set more than 1/4 above where the last trim left it (about one batch in three
+here): a trim costs the refaulting of the pages it hands back,
 so trimming only when the heap has spread keeps most of the flattening of a trim after every
 batch at a part of its cost.  Measured (MiniLM, 500 vs 5,000 sentences, shards of 250, fresh
 processes, 5 alternating pairs): peak at 10x the text over 1x 1.25-1.29x with the shard trims
