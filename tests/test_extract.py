@@ -366,7 +366,7 @@ def interrupted_extract(monkeypatch, at: int, *args, **kw) -> None:
     """``extract(*args, **kw)`` stopped by a KeyboardInterrupt at its ``at``-th batch (Ctrl-C)."""
     from geomscope.extract import capture as cap
 
-    real = cap.Capture.__call__
+    real = cap.Capture.launch
     calls = {"n": 0}
 
     def stops(self, docs):
@@ -375,10 +375,10 @@ def interrupted_extract(monkeypatch, at: int, *args, **kw) -> None:
             raise KeyboardInterrupt
         return real(self, docs)
 
-    monkeypatch.setattr(cap.Capture, "__call__", stops)
+    monkeypatch.setattr(cap.Capture, "launch", stops)
     with pytest.raises(KeyboardInterrupt):
         extract(*args, **kw)
-    monkeypatch.setattr(cap.Capture, "__call__", real)
+    monkeypatch.setattr(cap.Capture, "launch", real)
 
 
 def test_resume_after_crash_equals_clean_run(tmp_path, loaded, monkeypatch):
@@ -630,6 +630,73 @@ def test_the_device_side_nan_check_records_what_the_store_check_does(tmp_path, m
     for n in a["nonfinite"]:
         np.testing.assert_array_equal(a["nonfinite"][n], b["nonfinite"][n])
         np.testing.assert_array_equal(a["layers"][n], b["layers"][n])
+
+
+def test_on_a_gpu_the_next_batch_is_queued_before_the_last_is_waited_for(tmp_path, monkeypatch):
+    """On a GPU a batch's forward and copies are queued (capture.launch) before the previous batch's
+    rows are waited for, so the GPU runs while the host hands those over. Forced here on the CPU:
+    copies that stay "in flight" until waited for. In every shard batch k is waited for right after
+    batch k + 1 is launched, the last one before the shard is published, and the run stores what
+    the plain run stores."""
+    import geomscope.extract.run as run_mod
+    from geomscope.extract import capture as cap
+
+    model = make_tiny_model("bert", tmp_path, name="pipelined")
+    src = write_lines(tmp_path / "in.txt", TEXTS * 3)
+    kw = {"shard_docs": 6, "batch_tokens": 24}
+    ref = extract(str(model), [src], tmp_path / "ref", **kw)
+    log: list[str] = []
+
+    class Event:  # stands for a CUDA event recorded after a batch's copies
+        def __init__(self, n):
+            self.n = n
+
+        def synchronize(self):
+            log.append(f"W{self.n}")
+
+    real_init, real_launch, real_copies = cap.Capture.__init__, cap.Capture.launch, cap.start_host_copies
+    real_write = run_mod._ShardRun._write
+
+    def as_if_on_a_gpu(self, *a, **k):
+        real_init(self, *a, **k)
+        self.on_cpu = False
+
+    def launch(self, docs):
+        log.append(f"L{sum(e[0] == 'L' for e in log)}")
+        return real_launch(self, docs)
+
+    def in_flight(tensors):
+        return cap.HostCopies(real_copies(tensors).value, [Event(sum(e[0] == "L" for e in log) - 1)])
+
+    def write(self, k, *a):
+        log.append("|")
+        return real_write(self, k, *a)
+
+    monkeypatch.setattr(cap.Capture, "__init__", as_if_on_a_gpu)
+    monkeypatch.setattr(cap.Capture, "launch", launch)
+    monkeypatch.setattr(cap, "start_host_copies", in_flight)
+    monkeypatch.setattr(run_mod._ShardRun, "_write", write)
+    got = extract(str(model), [src], tmp_path / "got", **kw)
+    shards = " ".join(log).split("|")[1:]
+    assert len(shards) == got["shards_written"] >= 3
+    several = 0
+    for shard in shards:
+        steps = shard.split()
+        first = int(steps[0][1:])
+        n = len(steps) // 2
+        want = [f"L{first}"]
+        for i in range(first + 1, first + n):
+            want += [f"L{i}", f"W{i - 1}"]
+        assert steps == [*want, f"W{first + n - 1}"]
+        several += n > 1
+    assert several >= 2  # shards of several batches, so that the overlap is seen
+    for k in ("rows", "shards_written", "nonfinite_rows"):
+        assert got[k] == ref[k]
+    a, b = read_run(tmp_path / "ref"), read_run(tmp_path / "got")
+    for n in a["layers"]:
+        np.testing.assert_array_equal(a["layers"][n], b["layers"][n])
+    for k in ("token_id", "doc_id", "position"):
+        np.testing.assert_array_equal(a[k], b[k])
 
 
 def test_append_takes_a_given_nan_check_only_for_rows_in_the_store_dtype(tmp_path):

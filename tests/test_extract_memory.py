@@ -48,13 +48,13 @@ def count_trims(monkeypatch, real: bool) -> list[int]:
 
 def count_batches(monkeypatch) -> list[int]:
     calls: list[int] = []
-    call = capture.Capture.__call__
+    call = capture.Capture.launch
 
     def counted(self, docs):
         calls.append(len(docs))
         return call(self, docs)
 
-    monkeypatch.setattr(capture.Capture, "__call__", counted)
+    monkeypatch.setattr(capture.Capture, "launch", counted)
     return calls
 
 

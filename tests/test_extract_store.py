@@ -272,13 +272,13 @@ def test_a_store_failure_is_raised_and_the_run_resumes(bert, src, tmp_path, monk
 
 
 def test_a_failure_in_the_forward_still_publishes_the_shard_before_it(bert, src, tmp_path, monkeypatch):
-    real, calls = cap.Capture.__call__, {"n": 0}
+    real, calls = cap.Capture.launch, {"n": 0}
 
     def count(self, docs):
         calls["n"] += 1
         return real(self, docs)
 
-    monkeypatch.setattr(cap.Capture, "__call__", count)
+    monkeypatch.setattr(cap.Capture, "launch", count)
     first = extract(bert, [src], tmp_path / "count", **KW)
     assert first["shards_written"] >= 3
     n_fail = calls["n"] // 2 + 1  # a batch well inside the run
@@ -297,12 +297,12 @@ def test_a_failure_in_the_forward_still_publishes_the_shard_before_it(bert, src,
         handed_over.append(k)  # all of shard k's batches ran; its publishing is queued
         return out
 
-    monkeypatch.setattr(cap.Capture, "__call__", flaky)
+    monkeypatch.setattr(cap.Capture, "launch", flaky)
     monkeypatch.setattr(run_mod._ShardRun, "_write", counted_write)
     with pytest.raises(KeyboardInterrupt):
         extract(bert, [src], tmp_path / "run", **KW)
     assert store_threads() == []  # nothing goes on writing after extract raised
-    monkeypatch.setattr(cap.Capture, "__call__", real)
+    monkeypatch.setattr(cap.Capture, "launch", real)
     partial = Run(tmp_path / "run")
     # every shard whose batches all ran before the failure is published, the last one's publishing
     # still queued when the failure came among them
@@ -353,18 +353,19 @@ def test_at_most_one_stored_batch_alive_when_the_heap_is_measured(bert, src, tmp
     import gc
     import weakref
 
-    real, alive, seen = cap.Capture.__call__, [], []
+    real, alive, seen = cap.Capture.launch, [], []
 
     def tracked(self, docs):
-        arrays, meta = real(self, docs)
+        captured = real(self, docs)
+        arrays, _ = captured.value
         alive.append([weakref.ref(a) for a in arrays.values()])
-        return arrays, meta
+        return captured
 
     def measure(self):
         gc.collect()
         seen.append(sum(any(r() is not None for r in refs) for refs in alive))
 
-    monkeypatch.setattr(cap.Capture, "__call__", tracked)
+    monkeypatch.setattr(cap.Capture, "launch", tracked)
     monkeypatch.setattr(cap.HeapTrim, "batch_done", measure)
     extract(bert, [src], tmp_path / "run", **KW)
     assert len(seen) > 10 and max(seen) == 1

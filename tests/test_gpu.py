@@ -210,11 +210,12 @@ def _load(path, device, **kw):
     return load_model(str(path), device=device, **kw)
 
 
-def test_host_arrays_are_complete_copies():
-    """The rows' copy to the host (page-locked memory, queued without waiting, one wait at the end
-    on a GPU): behind a long product on the same stream, each array equals the device tensor's
-    values, and on a GPU later writes to the tensor do not reach it (on the CPU they are views)."""
-    from geomscope.extract.capture import host_arrays
+def test_host_copies_are_complete_once_waited_for():
+    """The rows' copy to the host (page-locked memory, queued without waiting, one event per device
+    on a GPU): behind a long product on the same stream, the copies are in flight until waited
+    for; then each array equals the device tensor's values, and on a GPU later writes to the
+    tensor do not reach it (on the CPU they are views)."""
+    from geomscope.extract.capture import start_host_copies
 
     g = torch.Generator(device=DEVICE).manual_seed(0)
     big = torch.randn(4096, 4096, device=DEVICE, generator=g)
@@ -222,7 +223,10 @@ def test_host_arrays_are_complete_copies():
     for _ in range(4):  # keep the stream busy, so an early read would see unwritten memory
         big = big @ big / 64.0
     tensors = [rows + big[0, 0], (rows + big[0, 0]).half(), rows[:, 0] > 0]
-    arrays = host_arrays(tensors)  # queued while the products run
+    copies = start_host_copies(tensors)  # queued while the products run
+    assert copies.in_flight == ON_CUDA
+    arrays = copies.result()
+    assert not copies.in_flight
     got = [a.copy() for a in arrays]  # read at once (a host copy waits for nothing on the GPU)
     want = [t.cpu().numpy().copy() for t in tensors]
     for g_, w in zip(got, want, strict=True):

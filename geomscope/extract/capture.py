@@ -7,7 +7,7 @@ raw output, ``layer_N``) or its output (``final_norm``) is kept: ``output_hidden
 only one of the two, and which one differs by family.  Each kept hidden state is cast to the store
 dtype and gathered by torch where it lives (7x faster than numpy's float32 -> float16 cast on the
 CPU); on an accelerator only the gathered rows, in the store dtype, are copied to the host,
-through page-locked memory (:func:`host_arrays`) -- or none of them, when ``extract --keep
+through page-locked memory (:func:`start_host_copies`) -- or none of them, when ``extract --keep
 sample:N`` measures them where they are (keep.py).
 
 Host memory (:class:`HeapTrim`): on the CPU, torch takes every activation from glibc's malloc, whose
@@ -110,18 +110,42 @@ class HeapTrim:
             self._trim()
 
 
-def host_arrays(tensors: list) -> list[np.ndarray]:
-    """numpy copies of ``tensors``, wherever they live. From a GPU each goes into page-locked
-    host memory, which the GPU writes at the link's speed (54 GB/s measured on an H100 host,
-    where a copy into ordinary pageable memory ran at about 2 GB/s), every copy queued before one
-    wait per device: the arrays are complete when this returns. Where no page-locked memory can
-    be had, the ordinary copy. A page-locked block goes back to torch's cache of them when its
-    array is freed and is reused for a later batch of its size class (torch rounds a block up to
-    a power of two, and keeps the cache for the process's life: at most about twice the rows of
-    the batches in flight)."""
+class HostCopies:
+    """Arrays on their way to the host: ``in_flight`` while a GPU still writes them (an event per
+    device marks the end of its copies); ``result()`` waits for them and returns ``value``."""
+
+    def __init__(self, value, events: list | None = None):
+        self.value = value
+        self._events = list(events or ())
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self._events)
+
+    def result(self):
+        for event in self._events:
+            event.synchronize()
+        self._events = []
+        return self.value
+
+    def carrying(self, value) -> HostCopies:
+        """The same copies, with ``value`` (built from the arrays) as their result."""
+        return HostCopies(value, self._events)
+
+
+def start_host_copies(tensors: list) -> HostCopies:
+    """numpy copies of ``tensors``, wherever they live, queued without waiting (``HostCopies.value``:
+    the list of arrays, complete once ``result()`` returns). From a GPU each goes into page-locked
+    host memory, which the GPU writes at the link's speed (54 GB/s measured on an H100 host, where
+    a copy into ordinary pageable memory ran at about 2 GB/s), every copy queued on the device's
+    current stream, after the work that computes it. Where no page-locked memory can be had, the
+    ordinary copy (which waits). A page-locked block goes back to torch's cache of them when its
+    array is freed and is reused for a later batch of its size class (torch rounds a block up to a
+    power of two, and keeps the cache for the process's life: at most about twice the rows of the
+    batches in flight)."""
     import torch
 
-    out, devices = [], set()
+    out, devices = [], []
     for t in tensors:
         host = None
         if t.device.type == "cuda":
@@ -133,11 +157,15 @@ def host_arrays(tensors: list) -> list[np.ndarray]:
             out.append(t.cpu())
             continue
         host.copy_(t, non_blocking=True)  # on the device's current stream, after the gather
-        devices.add(t.device)
+        if t.device not in devices:
+            devices.append(t.device)
         out.append(host)
+    events = []
     for dev in devices:
-        torch.cuda.current_stream(dev).synchronize()
-    return [h.numpy() for h in out]
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(dev))
+        events.append(event)
+    return HostCopies([h.numpy() for h in out], events)
 
 
 class Capture:
@@ -175,9 +203,16 @@ class Capture:
         self.batches = 0
 
     def __call__(self, docs: list[Doc]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        return self.launch(docs).result()
+
+    def launch(self, docs: list[Doc]) -> HostCopies:
+        """The capture of ``docs``, queued: ``result()`` gives ``(layers, meta)`` as calling the
+        capture does. On the CPU it is complete at once; on a GPU the forward, the gathers and the
+        copies to the host are queued, and ``result()`` waits for them (extract queues the next
+        batch first: run.py)."""
         rows, meta = self.device_rows(docs)
         if self.on_cpu:
-            return {k: v.numpy() for k, v in rows.items()}, meta
+            return HostCopies(({k: v.numpy() for k, v in rows.items()}, meta))
         import torch
 
         # on a GPU the NaN/Inf check of the stored values is nearly free, and it spares the store
@@ -185,9 +220,11 @@ class Capture:
         # ShardWriter.append takes it when the rows are already in the store dtype
         names = list(rows)
         bad = [~torch.isfinite(rows[k]).all(dim=1) for k in names]
-        host = host_arrays([rows[k] for k in names] + bad)
+        copies = start_host_copies([rows[k] for k in names] + bad)
+        host = copies.value
         flags = dict(zip(names, host[len(names) :], strict=True))
-        return dict(zip(names, host[: len(names)], strict=True)), {**meta, "nonfinite": flags}
+        layers = dict(zip(names, host[: len(names)], strict=True))
+        return copies.carrying((layers, {**meta, "nonfinite": flags}))
 
     def device_rows(self, docs: list[Doc]) -> tuple[dict, dict[str, np.ndarray]]:
         """Like calling the capture, but each layer's rows stay a tensor on the model's device."""

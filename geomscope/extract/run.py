@@ -664,21 +664,29 @@ class _ShardRun:
                 # store thread
                 self.store.wait_idle()
                 keeper = SampleKeeper(self.names, self.lm.hidden_size, self.lm.device, sample, self.opts.seed)
+            waiting = None  # (batch, its rows still on their way from a GPU)
             for batch in plan_batches(length_order(kept), self.opts.batch_tokens):
                 if keeper is None:
-                    arrays, meta = self.capture(batch)
-                    # the previous batch was stored during this forward: its rows are free now, and
-                    # at most one batch's rows are ever waiting to be stored
-                    self.store.wait_idle()
-                    self.heap.batch_done()
-                    self.store.submit(sw, partial(sw.append, arrays, **meta))
+                    # on a GPU this batch's forward and copies are queued before the previous batch's
+                    # rows are waited for, so the GPU runs it while this thread hands those over and
+                    # prepares the next one; on the CPU the rows are complete at once and are handed
+                    # over at once, as before (holding them would only hold memory)
+                    captured = self.capture.launch(batch)
+                    if waiting is not None:
+                        measured += self._hand_over(sw, *waiting, prog)
+                    waiting = (batch, captured)
+                    if not captured.in_flight:
+                        measured += self._hand_over(sw, *waiting, prog)
+                        waiting = None
                 else:
                     arrays, meta = self.capture.device_rows(batch)
                     keeper.add(arrays, meta)
                     del arrays  # measured: free the rows before measuring the heap
                     self.heap.batch_done()
-                measured += len(meta["token_id"])
-                prog.advance(len(batch), work=len(meta["token_id"]))
+                    measured += len(meta["token_id"])
+                    prog.advance(len(batch), work=len(meta["token_id"]))
+            if waiting is not None:
+                measured += self._hand_over(sw, *waiting, prog)
             if self.opts.gradients:
                 loss_sum, loss_docs, without = self.capture.reset_totals()
                 stats.update(loss_sum=loss_sum, loss_docs=loss_docs, docs_without_targets=without)
@@ -692,6 +700,19 @@ class _ShardRun:
         self.new_rows += measured
         self.written += 1
         return budget_hit
+
+    def _hand_over(self, sw, batch, captured, prog) -> int:
+        """Give a batch's rows to the store thread (waiting for them first, when a GPU still copies
+        them); the number of rows."""
+        arrays, meta = captured.result()
+        # the batch before was stored during this forward: its rows are free now, and at most one
+        # batch's rows are ever waiting to be stored
+        self.store.wait_idle()
+        self.heap.batch_done()
+        self.store.submit(sw, partial(sw.append, arrays, **meta))
+        rows = len(meta["token_id"])
+        prog.advance(len(batch), work=rows)
+        return rows
 
     def _publish(self, sw, stats: dict, keeper):
         """(Store thread) finish shard ``sw`` -- a --keep sample shard gets its sample and
