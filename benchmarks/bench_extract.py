@@ -11,6 +11,9 @@ loaded once outside the timings:
 - keep: ``extract(keep="sample:2000")``, the per-shard accumulators and sample of a corpus-scale run;
 - common loop: what most scripts do -- input order, fixed batch of 32 padded to the longest,
   ``output_hidden_states=True``, every layer to numpy, real tokens written as one HDF5 dataset per batch.
+- forward stubbed: ``extract()`` with the model's forward replaced by a stand-in that returns
+  hidden states of the right shapes at once (:func:`forward_stubbed`), every layer and one, against
+  the plain forward: the host's own work, the rate a GPU whose forward is faster waits on.
 
 Throughput is real (non-padding) tokens per second.  Peak RSS of ``extract`` is measured in fresh
 processes at 1x and 10x the text, three pairs each, median ratio: the same sentences ten times over
