@@ -260,6 +260,31 @@ def test_extract_on_device_equals_cpu(tiny, tmp_path, kind):
     _same_rows(_read(tmp_path / "dev"), _read(tmp_path / "cpu"), rtol=1e-4, atol_scale=1e-5)
 
 
+def test_a_capture_on_the_device_is_in_flight_until_waited_for(tiny):
+    """``Capture.launch`` on a GPU queues the forward, gathers and copies and returns at once (extract
+    queues the next batch before waiting: the pipeline); once waited for, its rows and flags equal
+    the CPU capture's."""
+    from geomscope.extract.batching import length_order, tokenize
+    from geomscope.extract.capture import Capture
+
+    models, _ = tiny
+    lm_dev, lm_cpu = _load(models["bert"], DEVICE), _load(models["bert"], "cpu")
+    layers = [{"index": i, "name": f"layer_{i}"} for i in range(lm_cpu.n_hidden_states)]
+    docs = length_order(tokenize(lm_cpu.tokenizer, list(enumerate(t for t in TEXTS if t.strip())), None))
+    captured = Capture(lm_dev, layers, "float32").launch(docs)
+    assert captured.in_flight == ON_CUDA
+    (got, meta), (want, want_meta) = captured.result(), Capture(lm_cpu, layers, "float32")(docs)
+    assert not captured.in_flight
+    for k in ("token_id", "doc_id", "position"):
+        np.testing.assert_array_equal(meta[k], want_meta[k])
+    for name, rows in want.items():
+        scale = float(np.abs(rows).max())
+        np.testing.assert_allclose(got[name], rows, rtol=1e-4, atol=1e-5 * scale)
+    flags = meta.get("nonfinite")  # on a GPU checked there, before the copy; on the CPU by the store
+    assert (flags is not None) == ON_CUDA
+    assert flags is None or not any(f.any() for f in flags.values())
+
+
 def test_extract_float16_store_on_device(tiny, tmp_path):
     """The default float16 store: the device's rows equal the CPU's to one float16 ulp; the same
     counts and manifest."""
