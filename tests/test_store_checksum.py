@@ -141,3 +141,36 @@ def test_a_digest_not_of_its_form_fails_closed(run):
     assert info.digest is None
     with pytest.raises(DataError, match="shard-00000.h5.*checksum differs"):
         verify_shard(run / info.file, info)
+
+
+class _ReadOnly:
+    """A file object with ``read`` and no ``readinto`` (as some fsspec file systems give)."""
+
+    def __init__(self, path):
+        self._f = open(path, "rb")  # noqa: SIM115
+
+    def read(self, n=-1):
+        return self._f.read(n)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+@pytest.mark.parametrize("readinto", [True, False], ids=["readinto", "read"])
+@pytest.mark.parametrize("size", [0, 1, 999, 1000, 1001, 10_007])
+def test_digests_over_a_reused_buffer_equal_the_libraries(tmp_path, monkeypatch, readinto, size):
+    """The file is read into one reused buffer (here 1000 bytes): every length around it, through
+    ``readinto`` or through ``read`` where a file object has no ``readinto``, hashes as the libraries do."""
+    from geomscope.store import checksum, remote
+
+    path = tmp_path / "f.bin"
+    raw = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    path.write_bytes(raw)
+    monkeypatch.setattr(checksum, "READ_BYTES", 1000)
+    if not readinto:
+        monkeypatch.setattr(remote, "open_binary", _ReadOnly)
+    got = checksum.digests(path)
+    assert got == {"sha256": hashlib.sha256(raw).hexdigest(), "xxh3_128": xxhash.xxh3_128_hexdigest(raw)}

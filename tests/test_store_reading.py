@@ -1,0 +1,111 @@
+"""Reading a shard's rows: the direct chunk reads of ``store/reader.py`` against h5py's own reads.
+
+A dataset stored as geomscope writes it is read chunk by chunk with ``readinto`` (h5py holds the GIL
+for a whole read); everything else goes through h5py. Both must give exactly ``ds[start:stop]``.
+"""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from geomscope.errors import DataError
+from geomscope.store import ShardWriter, iter_shard
+from geomscope.store.reader import _RowReader
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 70), min_size=1, max_size=6),
+    expected=st.integers(1, 90),
+    dim=st.integers(1, 9),
+    dtype=st.sampled_from(["float16", "float32"]),
+    step=st.integers(1, 100),
+)
+def test_every_chunk_of_rows_equals_what_h5py_reads(tmp_path_factory, sizes, expected, dim, dtype, step):
+    """Shards of several chunk sizes (``expected_rows``) with a partly filled last chunk, read in steps
+    that start and end anywhere in a chunk: the direct reads are taken, and equal h5py's."""
+    path = tmp_path_factory.mktemp("shard") / "s.h5"
+    sw = ShardWriter(
+        path, index=0, layer_names=["a", "b"], dim=dim, store_dtype=dtype, expected_rows=expected
+    )
+    rng = np.random.default_rng(len(sizes) * 1000 + dim)
+    start = 0
+    for n in sizes:
+        x = rng.standard_normal((n, dim)).astype(np.float32)
+        ids = np.arange(start, start + n)
+        sw.append({"a": x, "b": -x}, ids, ids, ids, np.zeros(n, bool))
+        start += n
+    sw.close()
+    got = list(iter_shard(path, ["a", "b"], chunk_rows=step))
+    with h5py.File(path, "r") as f:
+        reader = _RowReader(path)
+        try:
+            for name in ("a", "b"):
+                ds = f["layers"][name]
+                assert ds.shape == (start, dim)
+                if start:
+                    assert reader._chunk_spans(ds, 0, start) is not None  # the direct path, not h5py's
+                for ch in got:
+                    want = ds[ch.start : ch.stop]
+                    assert ch.layers[name].dtype == want.dtype == np.dtype(dtype)
+                    np.testing.assert_array_equal(ch.layers[name], want)
+        finally:
+            reader.close()
+    assert sum(len(ch) for ch in got) == start
+
+
+def _datasets(path):
+    """Datasets that h5py must read: compressed, contiguous, big-endian, with a chunk never written."""
+    x = np.arange(60, dtype=np.float32).reshape(20, 3)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("gzip", data=x, chunks=(8, 3), compression="gzip")
+        f.create_dataset("contiguous", data=x)
+        f.create_dataset("big_endian", data=x.astype(">f4"), chunks=(8, 3))
+        f.create_dataset("part_of_a_row", data=x, chunks=(8, 2))
+        holes = f.create_dataset("unwritten", shape=(20, 3), dtype=np.float32, chunks=(8, 3), fillvalue=-7)
+        holes[:8] = x[:8]
+        plain = f.create_dataset("plain", data=x, chunks=(8, 3))
+        assert plain.id.get_create_plist().get_layout() == h5py.h5d.CHUNKED
+    return x
+
+
+def test_other_layouts_are_read_by_h5py_with_the_same_rows(tmp_path):
+    path = tmp_path / "f.h5"
+    x = _datasets(path)
+    reader = _RowReader(path)
+    try:
+        with h5py.File(path, "r") as f:
+            for name in ("gzip", "contiguous", "big_endian", "part_of_a_row", "unwritten", "plain"):
+                ds = f[name]
+                direct = reader._chunk_spans(ds, 3, 17) is not None
+                assert direct == (name == "plain"), name
+                for start, stop in ((0, 20), (3, 17), (8, 16), (19, 20)):
+                    got = reader.rows(ds, start, stop)
+                    np.testing.assert_array_equal(got, ds[start:stop])
+                    if name != "unwritten":
+                        np.testing.assert_array_equal(got, x[start:stop])
+            assert (reader.rows(f["unwritten"], 6, 12)[2:] == -7).all()  # h5py's fill value
+    finally:
+        reader.close()
+
+
+def test_a_chunk_past_the_end_of_the_file_is_a_corrupt_shard(tmp_path):
+    """Rows whose chunk the file no longer holds (a copy cut short) are refused, not read as zeros."""
+    path = tmp_path / "f.h5"
+    x = _datasets(path)
+    with h5py.File(path, "r") as f:
+        ds = f["plain"]
+        last_offset, size = ds.id.get_chunk_info_by_coord((16, 0))[2:4]
+        cut = tmp_path / "cut.h5"
+        cut.write_bytes(path.read_bytes()[: last_offset + size // 4])  # 2 of its 4 rows in use
+        reader = _RowReader(cut)
+        try:
+            np.testing.assert_array_equal(reader.rows(ds, 0, 16), x[:16])  # chunks still whole
+            with pytest.raises(DataError, match="cut.h5 is corrupt or truncated .*past the end of the file"):
+                reader.rows(ds, 10, 20)
+        finally:
+            reader.close()
