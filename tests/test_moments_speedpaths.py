@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from geomscope.metrics import Moments, UnitSum
+from geomscope.metrics.moments import OrderedWork
 from geomscope.score import multiunit
-from geomscope.score.accumulate import PassSpec, _update_units
+from geomscope.score.accumulate import _update_units
 from geomscope.score.multiunit import MultiUnitSum, update_all
 
 D = 7
@@ -81,11 +82,15 @@ def test_threaded_second_pass_is_bitwise_one_thread():
     x, g = _rows(3 * multiunit.BLOCK_ROWS + 77, 4, np.float32)
     shifts, scales = _shifts_scales(x, 5)
     out = []
+    cut = 2 * multiunit.BLOCK_ROWS  # a second call's blocks queued behind the first's, still computing
     for threads in (1, 2, 3):
-        spec = PassSpec("unit", ["l"], threads=threads)
-        unit = {"centred": MultiUnitSum(shifts), "standardised": MultiUnitSum(shifts, scales)}
-        _update_units(unit, x, g, spec)
-        out.append(unit)
+        for calls in ([slice(None)], [slice(0, cut), slice(cut, None)]):
+            unit = {"centred": MultiUnitSum(shifts), "standardised": MultiUnitSum(shifts, scales)}
+            with OrderedWork(threads) as work:
+                for rows in calls:
+                    _update_units(unit, x[rows], g[rows], work)
+                work.drain()
+            out.append(unit)
     for other in out[1:]:
         for v in ("centred", "standardised"):
             np.testing.assert_array_equal(out[0][v].sum_unit, other[v].sum_unit)

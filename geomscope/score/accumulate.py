@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from geomscope.metrics.moments import update_groups
+from geomscope.metrics.moments import OrderedWork, update_groups
 from geomscope.score.select import STREAM_ID_SAMPLE, STREAM_MAX_ROWS, BottomK, Reservoir, row_hash
 from geomscope.score.sources import Task, check_shard_file, iter_blocks, iter_meta
 
@@ -168,13 +168,15 @@ def run_tasks(tasks: list[Task], spec: PassSpec, progress=None, into: dict | Non
             yield from iter_blocks(t, spec.layers, spec.n_groups, spec.block_rows)
             yield _TaskDone(finish)  # the task's last block is in: its checksum is due
 
-    for item in _read_ahead(stream()):
-        if isinstance(item, _TaskDone):
-            item.finish()
-            continue
-        _add_block(item, spec, parts)
-        if progress:
-            progress(len(item.keys))
+    with OrderedWork(spec.threads) as work:
+        for item in _read_ahead(stream()):
+            if isinstance(item, _TaskDone):
+                work.then(item.finish)  # once the task's blocks are merged: errors in row order
+                continue
+            _add_block(item, spec, parts, work)
+            if progress:
+                progress(len(item.keys))
+        work.drain()
     return parts
 
 
@@ -211,15 +213,19 @@ def _run(task: Task, spec: PassSpec, progress, parts: dict) -> dict[str, LayerPa
                 progress(len(block.keys))
         return parts
     blocks = iter_blocks(task, spec.layers, spec.n_groups, spec.block_rows)
-    for block in _read_ahead(blocks) if spec.threads > 1 else blocks:
-        _add_block(block, spec, parts)
-        if progress:
-            progress(len(block.keys))
+    with OrderedWork(spec.threads) as work:
+        for block in _read_ahead(blocks) if spec.threads > 1 else blocks:
+            _add_block(block, spec, parts, work)
+            if progress:
+                progress(len(block.keys))
+        work.drain()
     return parts
 
 
-def _add_block(block, spec: PassSpec, parts: dict) -> None:
-    """One block of rows into the "moments" or "unit" accumulators of every layer."""
+def _add_block(block, spec: PassSpec, parts: dict, work: OrderedWork) -> None:
+    """One block of rows into the "moments" or "unit" accumulators of every layer: its statistics are
+    queued on ``work`` (merged in order by its later calls, so the threads never wait for a block's
+    last piece before the next block's first; ``work.drain()`` completes them)."""
     for name in spec.layers:
         x = block.layers[name]
         lp = parts[name]
@@ -230,12 +236,12 @@ def _add_block(block, spec: PassSpec, parts: dict) -> None:
         xs = x if whole else x[keep]
         gs = block.group if whole else block.group[keep]
         if spec.kind == "moments":
-            update_groups(lp.groups, xs, gs, threads=spec.threads)
+            update_groups(lp.groups, xs, gs, work=work)
             if lp.reservoir is not None:
                 keys = block.keys if whole else block.keys[keep]
                 lp.reservoir.add(row_hash(keys, spec.seed, STREAM_ID_SAMPLE), xs)
         else:
-            _update_units(lp.unit, xs, gs, spec)
+            _update_units(lp.unit, xs, gs, work)
 
 
 def _read_ahead(blocks):
@@ -284,28 +290,32 @@ def _read_ahead(blocks):
         th.join()
 
 
-def _update_units(unit: dict, xs: np.ndarray, gs: np.ndarray, spec: PassSpec) -> None:
+def _update_units(unit: dict, xs: np.ndarray, gs: np.ndarray, work: OrderedWork) -> None:
     """Every cosine variant's unit-vector sums of the rows ``xs``, the variants together (they share
     the shifted rows: multiunit.update_all), with one reused float64 scratch space per thread. With
-    ``spec.threads`` > 1 each block of multiunit's size goes into fresh sums in a thread; those are
+    ``work.threads`` > 1 each block of multiunit's size goes into fresh sums in a thread; those are
     added in row order: the same additions as one update, so the same numbers."""
-    from geomscope.metrics.moments import map_in_order
     from geomscope.score.multiunit import BLOCK_ROWS, new_work, update_all
 
     sums = list(unit.values())
-    if spec.threads <= 1 or len(xs) <= BLOCK_ROWS:
-        update_all(sums, xs, gs, new_work(len(xs), xs.shape[1]))
+    d = xs.shape[1]
+    if work.threads <= 1:
+        work.drain()
+        update_all(sums, xs, gs, new_work(len(xs), d))
         return
 
-    def one(i, work):
-        part = [s.fresh() for s in sums]
-        update_all(part, xs[i : i + BLOCK_ROWS], gs[i : i + BLOCK_ROWS], work)
-        return part
-
-    starts = list(range(0, len(xs), BLOCK_ROWS))
-    for part in map_in_order(one, starts, spec.threads, lambda: new_work(BLOCK_ROWS, xs.shape[1])):
+    def merge(part):
         for s, p in zip(sums, part, strict=True):
             s.merge(p)
+
+    for i in range(0, len(xs), BLOCK_ROWS):
+
+        def compute(scratch, i=i):
+            part = [s.fresh() for s in sums]
+            update_all(part, xs[i : i + BLOCK_ROWS], gs[i : i + BLOCK_ROWS], scratch)
+            return part
+
+        work.submit(compute, merge, (("unit sums", d), lambda: new_work(BLOCK_ROWS, d)))
 
 
 def _run_accumulated(task: Task, spec: PassSpec, progress, parts: dict) -> dict[str, LayerPart]:
