@@ -25,7 +25,7 @@ def _scratch(made: list):
         made.append(object())
         return made[-1]
 
-    return ("test", make)
+    return ("test", make, lambda s: True)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -141,3 +141,19 @@ def test_update_groups_queued_across_calls_equals_one_call_at_a_time(monkeypatch
         np.testing.assert_array_equal(w.mean, q.mean)
         np.testing.assert_array_equal(w.M2, q.M2)
         np.testing.assert_array_equal(w.sum_unit, q.sum_unit)
+
+
+def test_scratch_spaces_stay_bounded_when_block_sizes_vary():
+    """A pass over shards that each end in a block of another size (a few rows to a full block):
+    a spare scratch space too small is replaced, so at most ``threads`` are kept, not one per size."""
+    rng = np.random.default_rng(5)
+    accs = [Moments(block_rows=64) for _ in range(3)]
+    sizes = [*range(1, 60), *range(59, 0, -7), 200]
+    with OrderedWork(2) as work:
+        for n in sizes:
+            update_groups(accs, rng.standard_normal((n, 5)), rng.integers(0, 3, n), work=work)
+        work.drain()
+        kept = [s for spare in work._spare.values() for s in spare]
+    assert 1 <= len(kept) <= 2
+    assert all(s.buf.shape[0] <= 64 for s in kept)
+    assert sum(m.n for m in accs) == sum(sizes)

@@ -186,7 +186,9 @@ class OrderedWork:
     submitted -- across calls, so a stream of blocks keeps every thread busy.
 
     ``submit(compute, merge, scratch)``: ``merge(compute(s))`` for a reused scratch space ``s``
-    (``scratch``: (key, factory); a running item holds one, so at most ``threads`` exist per key).
+    (``scratch``: (key, factory, fits): a spare one of the same key that ``fits(s)`` is reused, and
+    one that does not is dropped for a new one, so at most ``threads`` exist per key however the
+    sizes vary along a pass).
     At most ``threads + 1`` items are in flight (bounded memory: each result may hold a D x D array,
     and each item its rows); submitting one more first merges the oldest. ``then(fn)`` runs ``fn()``
     once everything submitted before it is merged; ``drain()`` merges everything. An error from a
@@ -250,10 +252,12 @@ class OrderedWork:
             self._queue.popleft()[1]()
 
     def _run(self, compute, scratch):
-        key, make = scratch
+        key, make, fits = scratch
         with self._lock:
             spare = self._spare.setdefault(key, [])
-            s = spare.pop() if spare else make()
+            s = spare.pop() if spare else None
+        if s is None or not fits(s):
+            s = make()
         try:
             return compute(s)
         finally:
@@ -263,8 +267,9 @@ class OrderedWork:
 
 def _block_jobs(pieces: list, a: np.ndarray, threads: int):
     """(jobs, scratch, threads) for the blocks of ``pieces``: one job (accumulator, rows, selection)
-    per block of the accumulator's ``block_rows``; ``scratch`` = (key, factory) of one thread's
-    ``_Work``; ``threads`` is 1 where each block's D x D scatter is too large to hold several."""
+    per block of the accumulator's ``block_rows``; ``scratch`` = (key, factory, fits) of one thread's
+    ``_Work`` (OrderedWork.submit); ``threads`` is 1 where each block's D x D scatter is too large to
+    hold several."""
     jobs = []
     for acc, rows, sel in pieces:
         n = len(range(*sel.indices(rows.shape[0]))) if isinstance(sel, slice) else len(sel)
@@ -281,8 +286,9 @@ def _block_jobs(pieces: list, a: np.ndarray, threads: int):
     float32_products = any(acc.product_dtype == "float32" for acc, _, _ in pieces)
     if 8 * d * d > MAX_THREADED_M2_BYTES:  # each block in flight holds a D x D scatter
         threads = 1
-    key = (rows, d, extras, float32_products)
-    return jobs, (key, lambda: _Work(rows, d, extras, float32_products)), threads
+    key = (d, extras, float32_products)
+    scratch = (key, lambda: _Work(rows, d, extras, float32_products), lambda w: w.buf.shape[0] >= rows)
+    return jobs, scratch, threads
 
 
 def _block_parts(pieces: list, a: np.ndarray, threads: int):
@@ -293,7 +299,7 @@ def _block_parts(pieces: list, a: np.ndarray, threads: int):
     are computed in a thread pool (numpy and BLAS release the GIL), each thread converting into its
     own reused buffer. The blocks, and so the numbers, are the same for any ``threads``.
     """
-    jobs, (_, make), threads = _block_jobs(pieces, a, threads)
+    jobs, (_, make, _), threads = _block_jobs(pieces, a, threads)
     if not jobs:
         return
 

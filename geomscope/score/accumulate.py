@@ -315,7 +315,7 @@ def _update_units(unit: dict, xs: np.ndarray, gs: np.ndarray, work: OrderedWork)
             update_all(part, xs[i : i + BLOCK_ROWS], gs[i : i + BLOCK_ROWS], scratch)
             return part
 
-        work.submit(compute, merge, (("unit sums", d), lambda: new_work(BLOCK_ROWS, d)))
+        work.submit(compute, merge, (("unit sums", d), lambda: new_work(BLOCK_ROWS, d), lambda w: True))
 
 
 def _run_accumulated(task: Task, spec: PassSpec, progress, parts: dict) -> dict[str, LayerPart]:
