@@ -109,3 +109,31 @@ def test_a_chunk_past_the_end_of_the_file_is_a_corrupt_shard(tmp_path):
                 reader.rows(ds, 10, 20)
         finally:
             reader.close()
+
+
+def test_without_hdf5s_chunk_index_query_h5py_reads_the_rows(tmp_path):
+    """h5py built on an HDF5 older than 1.10.5 has no ``get_chunk_info_by_coord``: h5py reads."""
+
+    class OldID:
+        def __init__(self, real):
+            self.get_create_plist = real.get_create_plist
+
+    class OldDataset:
+        def __init__(self, real):
+            self.real, self.id = real, OldID(real.id)
+            self.ndim, self.chunks, self.shape, self.dtype = real.ndim, real.chunks, real.shape, real.dtype
+
+        def __getitem__(self, key):
+            return self.real[key]
+
+    path = tmp_path / "f.h5"
+    x = _datasets(path)
+    reader = _RowReader(path)
+    try:
+        with h5py.File(path, "r") as f:
+            old = OldDataset(f["plain"])
+            assert reader._chunk_spans(f["plain"], 0, 20) is not None
+            assert reader._chunk_spans(old, 0, 20) is None
+            np.testing.assert_array_equal(reader.rows(old, 2, 19), x[2:19])
+    finally:
+        reader.close()

@@ -168,6 +168,8 @@ class _RowReader:
             return None
         if not ds.dtype.isnative or ds.dtype.kind not in "fiub" or stop <= start:
             return None
+        if not hasattr(ds.id, "get_chunk_info_by_coord"):  # h5py built on HDF5 before 1.10.5
+            return None
         plist = ds.id.get_create_plist()
         if plist.get_layout() != h5py.h5d.CHUNKED or plist.get_nfilters() != 0:
             return None
