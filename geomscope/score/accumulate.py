@@ -299,8 +299,7 @@ def _update_units(unit: dict, xs: np.ndarray, gs: np.ndarray, work: OrderedWork)
 
     sums = list(unit.values())
     d = xs.shape[1]
-    if work.threads <= 1:
-        work.drain()
+    if work.threads <= 1:  # (one thread: nothing is ever left in flight)
         update_all(sums, xs, gs, new_work(len(xs), d))
         return
 
