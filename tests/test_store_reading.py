@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from geomscope.errors import DataError
 from geomscope.store import ShardWriter, iter_shard
+from geomscope.store.chunks import row_spans
 from geomscope.store.reader import _RowReader
 
 
@@ -48,7 +49,7 @@ def test_every_chunk_of_rows_equals_what_h5py_reads(tmp_path_factory, sizes, exp
                 ds = f["layers"][name]
                 assert ds.shape == (start, dim)
                 if start:
-                    assert reader._chunk_spans(ds, 0, start) is not None  # the direct path, not h5py's
+                    assert row_spans(ds, 0, start) is not None  # the direct path, not h5py's
                 for ch in got:
                     want = ds[ch.start : ch.stop]
                     assert ch.layers[name].dtype == want.dtype == np.dtype(dtype)
@@ -81,7 +82,7 @@ def test_other_layouts_are_read_by_h5py_with_the_same_rows(tmp_path):
         with h5py.File(path, "r") as f:
             for name in ("gzip", "contiguous", "big_endian", "part_of_a_row", "unwritten", "plain"):
                 ds = f[name]
-                direct = reader._chunk_spans(ds, 3, 17) is not None
+                direct = row_spans(ds, 3, 17) is not None
                 assert direct == (name == "plain"), name
                 for start, stop in ((0, 20), (3, 17), (8, 16), (19, 20)):
                     got = reader.rows(ds, start, stop)
@@ -132,8 +133,8 @@ def test_without_hdf5s_chunk_index_query_h5py_reads_the_rows(tmp_path):
     try:
         with h5py.File(path, "r") as f:
             old = OldDataset(f["plain"])
-            assert reader._chunk_spans(f["plain"], 0, 20) is not None
-            assert reader._chunk_spans(old, 0, 20) is None
+            assert row_spans(f["plain"], 0, 20) is not None
+            assert row_spans(old, 0, 20) is None
             np.testing.assert_array_equal(reader.rows(old, 2, 19), x[2:19])
     finally:
         reader.close()

@@ -12,6 +12,7 @@ import numpy as np
 
 from geomscope.errors import DataError, InputError
 from geomscope.store import checksum, remote
+from geomscope.store.chunks import row_spans
 from geomscope.store.manifest import (
     MANIFEST_NAME,
     check_manifest,
@@ -150,7 +151,7 @@ class _RowReader:
             self._raw.close()
 
     def rows(self, ds: h5py.Dataset, start: int, stop: int) -> np.ndarray:
-        spans = self._chunk_spans(ds, start, stop)
+        spans = None if self._raw is None else row_spans(ds, start, stop)
         if spans is None:
             return ds[start:stop]
         out = np.empty((stop - start, ds.shape[1]), ds.dtype)
@@ -160,28 +161,6 @@ class _RowReader:
             self._read_exactly(offset, flat[at : at + nbytes])
             at += nbytes
         return out
-
-    def _chunk_spans(self, ds: h5py.Dataset, start: int, stop: int) -> list[tuple[int, int]] | None:
-        """(file offset, bytes) of the rows ``start:stop`` in each chunk they fall in, or None when
-        h5py must read them."""
-        if self._raw is None or ds.ndim != 2 or ds.chunks is None or ds.chunks[1] != ds.shape[1]:
-            return None
-        if not ds.dtype.isnative or ds.dtype.kind not in "fiub" or stop <= start:
-            return None
-        if not hasattr(ds.id, "get_chunk_info_by_coord"):  # h5py built on HDF5 before 1.10.5
-            return None
-        plist = ds.id.get_create_plist()
-        if plist.get_layout() != h5py.h5d.CHUNKED or plist.get_nfilters() != 0:
-            return None
-        per_chunk, row_bytes = ds.chunks[0], ds.shape[1] * ds.dtype.itemsize
-        spans = []
-        for first in range(start - start % per_chunk, stop, per_chunk):
-            info = ds.id.get_chunk_info_by_coord((first, 0))
-            if info.byte_offset is None or info.filter_mask != 0 or info.size != per_chunk * row_bytes:
-                return None  # never written (h5py gives its fill value), or not stored as plain rows
-            lo, hi = max(start, first) - first, min(stop, first + per_chunk) - first
-            spans.append((info.byte_offset + lo * row_bytes, (hi - lo) * row_bytes))
-        return spans
 
     def _read_exactly(self, offset: int, into: memoryview) -> None:
         self._raw.seek(offset)

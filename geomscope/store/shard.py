@@ -15,6 +15,7 @@ import numpy as np
 from geomscope.errors import InputError
 from geomscope.fileio import create_exclusive, fsync_dir
 from geomscope.store import checksum
+from geomscope.store.chunks import row_spans
 
 #: the only names geomscope gives shards, and their temporary names while being written
 SHARD_FILE_RE = re.compile(r"shard-\d{5,}\.h5")
@@ -73,6 +74,56 @@ def nonfinite_rows(a: np.ndarray) -> np.ndarray:
 
 def chunk_rows_for(dim: int, itemsize: int) -> int:
     return max(64, CHUNK_BYTES // max(1, dim * itemsize))
+
+
+def _rows_in_place():
+    """Creation settings of a layer dataset: each chunk's file space is allocated when ``resize``
+    takes the dataset over it, never filled (every row is written once), so its place in the file is
+    known before its rows are written and :class:`_DirectRows` can write them there."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    return dcpl
+
+
+class _DirectRows:
+    """Writes a layer's rows with ``os.pwrite`` straight into the chunks HDF5 allocated for them.
+
+    h5py holds the GIL for the whole of a write, and extract's store thread writes while the thread
+    that feeds the GPU needs it for every kernel it queues; ``os.pwrite`` releases it. A chunk is only
+    ever written here or only by h5py: the shard's rows are written chunk-aligned and every chunk once
+    (:meth:`ShardWriter._flush`), and once h5py has had to write a dataset it writes all of it, so no
+    chunk that h5py holds in its cache is written behind its back. Where the rows cannot be placed
+    (``store/chunks.py``: an HDF5 before 1.10.5, say) :meth:`write` returns False and h5py writes."""
+
+    def __init__(self, path: Path):
+        # os.pwrite is POSIX's; elsewhere h5py writes every row
+        self._fd: int | None = os.open(path, os.O_WRONLY) if hasattr(os, "pwrite") else None
+        self._by_h5py: set[str] = set()
+
+    def write(self, ds: h5py.Dataset, start: int, rows: np.ndarray) -> bool:
+        """Write ``rows`` (already in the dataset's dtype) as rows ``start:`` of ``ds`` (already
+        resized over them); False when h5py must."""
+        if self._fd is None or ds.name in self._by_h5py:
+            return False
+        spans = row_spans(ds, start, start + len(rows))
+        if spans is None or rows.dtype != ds.dtype:
+            self._by_h5py.add(ds.name)
+            return False
+        flat = memoryview(np.ascontiguousarray(rows).reshape(-1).view(np.uint8))
+        at = 0
+        for offset, nbytes in spans:
+            piece = flat[at : at + nbytes]
+            while len(piece):
+                written = os.pwrite(self._fd, piece, offset)
+                piece, offset = piece[written:], offset + written
+            at += nbytes
+        return True
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class ShardWriter:
@@ -138,6 +189,7 @@ class ShardWriter:
                 maxshape=(None, self.dim),
                 dtype=self.dtype,
                 chunks=(self.chunk, self.dim),
+                dcpl=_rows_in_place(),
             )
             nf.create_dataset(name, shape=(0,), maxshape=(None,), dtype=bool, chunks=(self.chunk * 8,))
         for name in META_FIELDS:
@@ -146,6 +198,7 @@ class ShardWriter:
             )
         for name in ("is_special", *self.row_flags):
             self._f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=bool, chunks=(self.chunk * 8,))
+        self._direct = _DirectRows(self.tmp_path)
 
     def append(self, layers: dict, token_id, doc_id, position, is_special, nonfinite=None, **flags) -> None:
         """Add rows: ``layers[name]`` is (rows, D) for every layer name; the rest are (rows,), and
@@ -225,7 +278,8 @@ class ShardWriter:
             else:
                 ds = self._f[key]
             ds.resize(stop, axis=0)
-            ds[start:stop] = arr
+            if not (key.startswith("L:") and self._direct.write(ds, start, arr)):
+                ds[start:stop] = arr
         self.rows = stop
 
     def keep_accumulators(self, keeper, sample: int, seed: int) -> None:
@@ -267,6 +321,7 @@ class ShardWriter:
         self._f.attrs["doc_stop"] = self.doc_stop
         self._f.flush()
         self._f.close()
+        self._direct.close()
 
     def publish(self) -> ShardInfo:
         """Checksum and fsync the finished file, rename it to its final name and return its
@@ -299,6 +354,7 @@ class ShardWriter:
             self._f.close()
         except Exception:
             pass
+        self._direct.close()
         self.tmp_path.unlink(missing_ok=True)
 
     def __enter__(self) -> ShardWriter:

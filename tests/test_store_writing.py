@@ -1,0 +1,139 @@
+"""Writing a shard's rows: ``os.pwrite`` into the chunks HDF5 allocated (store/shard.py ``_DirectRows``)
+against h5py's own writes. Either way the file must hold exactly the rows appended, as h5py reads them."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import h5py
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import geomscope.store.shard as shard_mod
+from geomscope.store import ShardWriter, iter_shard
+
+
+def _write(path, sizes, dim, dtype="float16", expected=None, layers=("a", "b")):
+    """A shard of ``sizes`` appends; returns the rows appended per layer, in the store dtype."""
+    sw = ShardWriter(
+        path, index=0, layer_names=list(layers), dim=dim, store_dtype=dtype, expected_rows=expected
+    )
+    rng = np.random.default_rng(sum(sizes) * 31 + dim)
+    parts, start = [], 0
+    for n in sizes:
+        x = rng.standard_normal((n, dim)).astype(np.float32)
+        ids = np.arange(start, start + n)
+        sw.append({name: x * (k + 1) for k, name in enumerate(layers)}, ids, ids, ids, np.zeros(n, bool))
+        parts.append(x)
+        start += n
+    sw.close()
+    x = np.concatenate(parts)
+    return {name: (x * (k + 1)).astype(dtype) for k, name in enumerate(layers)}
+
+
+def _assert_holds(path, want):
+    with h5py.File(path, "r") as f:
+        for name, rows in want.items():
+            np.testing.assert_array_equal(f["layers"][name][:], rows)  # h5py's own read
+    got = list(iter_shard(path, list(want), chunk_rows=37))
+    for name, rows in want.items():
+        read = np.concatenate([c.layers[name] for c in got]) if got else rows[:0]
+        np.testing.assert_array_equal(read, rows)
+
+
+@contextmanager
+def _direct_writes():
+    """Every ``_DirectRows.write`` answer while inside, in order (True: written with os.pwrite)."""
+    calls = []
+    real = shard_mod._DirectRows.write
+
+    def spy(self, ds, start, rows):
+        calls.append(real(self, ds, start, rows))
+        return calls[-1]
+
+    shard_mod._DirectRows.write = spy
+    try:
+        yield calls
+    finally:
+        shard_mod._DirectRows.write = real
+
+
+@pytest.fixture
+def direct_calls():
+    with _direct_writes() as calls:
+        yield calls
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 70), min_size=1, max_size=6),
+    expected=st.integers(1, 90),
+    dim=st.integers(1, 9),
+    dtype=st.sampled_from(["float16", "float32"]),
+)
+def test_rows_written_in_place_are_what_h5py_reads(tmp_path_factory, sizes, expected, dim, dtype):
+    """Shards of many chunk sizes with a partly filled last chunk: every layer's rows are written with
+    os.pwrite (none by h5py), and h5py and iter_shard read back exactly the rows appended."""
+    path = tmp_path_factory.mktemp("shard") / "s.h5"
+    with _direct_writes() as calls:
+        want = _write(path, sizes, dim, dtype, expected)
+    assert (len(calls) > 0) == (sum(sizes) > 0) and all(calls)
+    _assert_holds(path, want)
+
+
+def test_where_rows_cannot_be_placed_h5py_writes_them(tmp_path, monkeypatch, direct_calls):
+    """No place for the rows (``row_spans`` None: an HDF5 before 1.10.5, say): h5py writes them."""
+    monkeypatch.setattr(shard_mod, "row_spans", lambda ds, start, stop: None)
+    want = _write(tmp_path / "s.h5", [40, 7, 90], dim=5, expected=64)
+    assert direct_calls and not any(direct_calls)
+    _assert_holds(tmp_path / "s.h5", want)
+
+
+def test_once_h5py_writes_a_layer_it_writes_the_rest_of_it(tmp_path, monkeypatch, direct_calls):
+    """A layer whose rows could not be placed once is written by h5py from then on (h5py may hold
+    its chunks in its cache); the other layer goes on in place; the file holds every row."""
+    real = shard_mod.row_spans
+    asked = {"a": 0}
+
+    def fails_once_for_a(ds, start, stop):
+        if ds.name.endswith("/a"):
+            asked["a"] += 1
+            if asked["a"] == 2:
+                return None
+        return real(ds, start, stop)
+
+    monkeypatch.setattr(shard_mod, "row_spans", fails_once_for_a)
+    want = _write(tmp_path / "s.h5", [64, 64, 64, 64, 10], dim=3, expected=64)
+    assert asked["a"] == 2  # asked twice, then never again
+    assert direct_calls.count(False) == 4  # "a"'s second write and the three after it
+    _assert_holds(tmp_path / "s.h5", want)
+
+
+def test_without_pwrite_h5py_writes_every_row(tmp_path, monkeypatch, direct_calls):
+    monkeypatch.delattr(shard_mod.os, "pwrite")
+    want = _write(tmp_path / "s.h5", [100, 3], dim=4, expected=32)
+    assert direct_calls and not any(direct_calls)
+    _assert_holds(tmp_path / "s.h5", want)
+
+
+def test_a_short_write_is_continued(tmp_path, monkeypatch):
+    """os.pwrite may write fewer bytes than asked: the rest is written after them."""
+    real = shard_mod.os.pwrite
+
+    def short(fd, data, offset):
+        return real(fd, data[: max(1, len(data) // 3)], offset)
+
+    monkeypatch.setattr(shard_mod.os, "pwrite", short)
+    want = _write(tmp_path / "s.h5", [70, 70], dim=6, expected=64)
+    _assert_holds(tmp_path / "s.h5", want)
+
+
+def test_an_aborted_shard_leaves_no_file_and_no_handle(tmp_path):
+    sw = ShardWriter(tmp_path / "s.h5", index=0, layer_names=["a"], dim=3, expected_rows=10)
+    ids = np.arange(12)
+    sw.append({"a": np.ones((12, 3), np.float32)}, ids, ids, ids, np.zeros(12, bool))
+    sw.abort()
+    assert sw._direct._fd is None
+    assert list(tmp_path.iterdir()) == []
