@@ -240,6 +240,25 @@ def test_host_copies_are_complete_once_waited_for():
             np.testing.assert_array_equal(a, w)
 
 
+def test_a_batch_goes_to_the_device_without_waiting_for_the_stream():
+    """A batch's token ids go to the GPU through page-locked memory: the copy is queued behind the
+    work already on the stream (the previous batch's forward) instead of waiting for it, as a copy
+    from pageable memory would; once the stream is done the device holds the values."""
+    from geomscope.extract.capture import _to_device
+
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    big = torch.randn(4096, 4096, device=DEVICE, generator=g)
+    ids = np.arange(50_000, dtype=np.int64) * 7
+    for _ in range(8):  # keep the stream busy for a while
+        big = big @ big / 64.0
+    t = _to_device(ids, torch.device(DEVICE))
+    if ON_CUDA:
+        assert not torch.cuda.current_stream().query(), "the upload waited for the queued products"
+    _sync()
+    assert t.device.type == torch.device(DEVICE).type and t.dtype == torch.int64
+    np.testing.assert_array_equal(t.cpu().numpy(), ids)
+
+
 @pytest.mark.parametrize("kind", ["bert", "gpt2", "llama"])
 def test_extract_on_device_equals_cpu(tiny, tmp_path, kind):
     """A model loaded on the device (load_model(device=...)): the same probe results, the same rows

@@ -170,6 +170,20 @@ def start_host_copies(tensors: list) -> HostCopies:
     return HostCopies([h.numpy() for h in out], events)
 
 
+def _to_device(a: np.ndarray, dev):
+    """``a`` as a tensor on ``dev``, the copy queued without waiting. To a GPU it goes through
+    page-locked memory: a copy from ordinary (pageable) memory first waits for everything already
+    queued on the stream, which is the previous batch's forward, so the next batch could not be
+    queued while the GPU runs it (extract's pipeline, run.py). torch keeps the page-locked block
+    until the copy has read it."""
+    import torch
+
+    t = torch.from_numpy(a)
+    if dev.type == "cuda":  # dev: a torch.device
+        t = t.pin_memory()
+    return t.to(dev, non_blocking=True)
+
+
 class Capture:
     """``capture(docs) -> (layers, meta)``: ``layers[name]`` (rows, D) in the store dtype,
     ``meta`` per row."""
@@ -236,8 +250,7 @@ class Capture:
         flat = np.flatnonzero(mask.reshape(-1))
         dev = self.lm.device
         with torch.inference_mode():
-            t_ids = torch.from_numpy(ids).to(dev, non_blocking=True)
-            t_mask = torch.from_numpy(mask).to(dev, non_blocking=True)
+            t_ids, t_mask = (_to_device(a, dev) for a in (ids, mask))
             grabbed: dict = {}
             handle = None
             if self.hook_norm:
@@ -253,7 +266,7 @@ class Capture:
                 if handle is not None:
                     handle.remove()
             by_index = dict(enumerate(hs)) if self.wanted is None else dict(zip(self.wanted, hs, strict=True))
-            idx = {dev: torch.from_numpy(flat).to(dev)}  # per device: --device-map spreads the layers
+            idx = {dev: _to_device(flat, dev)}  # per device: --device-map spreads the layers
             out = {}
             for name, (src, i) in zip(self.names, self.sources, strict=True):
                 h = by_index[i] if src == "hs" else grabbed[src]
