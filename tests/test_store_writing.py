@@ -3,6 +3,9 @@ against h5py's own writes. Either way the file must hold exactly the rows append
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import threading
 from contextlib import contextmanager
 
 import h5py
@@ -12,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import geomscope.store.shard as shard_mod
-from geomscope.store import ShardWriter, iter_shard
+from geomscope.store import ShardWriter, checksum, iter_shard
 
 
 def _write(path, sizes, dim, dtype="float16", expected=None, layers=("a", "b")):
@@ -84,8 +87,8 @@ def test_rows_written_in_place_are_what_h5py_reads(tmp_path_factory, sizes, expe
 
 
 def test_where_rows_cannot_be_placed_h5py_writes_them(tmp_path, monkeypatch, direct_calls):
-    """No place for the rows (``row_spans`` None: an HDF5 before 1.10.5, say): h5py writes them."""
-    monkeypatch.setattr(shard_mod, "row_spans", lambda ds, start, stop: None)
+    """Rows not stored as plain rows (an HDF5 before 1.10.5, say): h5py writes them."""
+    monkeypatch.setattr(shard_mod, "stored_as_rows", lambda ds: False)
     want = _write(tmp_path / "s.h5", [40, 7, 90], dim=5, expected=64)
     assert direct_calls and not any(direct_calls)
     _assert_holds(tmp_path / "s.h5", want)
@@ -94,7 +97,7 @@ def test_where_rows_cannot_be_placed_h5py_writes_them(tmp_path, monkeypatch, dir
 def test_once_h5py_writes_a_layer_it_writes_the_rest_of_it(tmp_path, monkeypatch, direct_calls):
     """A layer whose rows could not be placed once is written by h5py from then on (h5py may hold
     its chunks in its cache); the other layer goes on in place; the file holds every row."""
-    real = shard_mod.row_spans
+    real = shard_mod.chunk_spans
     asked = {"a": 0}
 
     def fails_once_for_a(ds, start, stop):
@@ -104,7 +107,7 @@ def test_once_h5py_writes_a_layer_it_writes_the_rest_of_it(tmp_path, monkeypatch
                 return None
         return real(ds, start, stop)
 
-    monkeypatch.setattr(shard_mod, "row_spans", fails_once_for_a)
+    monkeypatch.setattr(shard_mod, "chunk_spans", fails_once_for_a)
     want = _write(tmp_path / "s.h5", [64, 64, 64, 64, 10], dim=3, expected=64)
     assert asked["a"] == 2  # asked twice, then never again
     assert direct_calls.count(False) == 4  # "a"'s second write and the three after it
@@ -137,3 +140,87 @@ def test_an_aborted_shard_leaves_no_file_and_no_handle(tmp_path):
     sw.abort()
     assert sw._direct._fd is None
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("block", [7, 50, 1 << 16])
+def test_per_row_fields_written_in_blocks_hold_every_row(tmp_path, monkeypatch, block):
+    """The ids, positions and flags are kept and written ``META_BLOCK_ROWS`` at a time (a block
+    smaller than a chunk, a few chunks, the whole shard): each field holds every row appended, in
+    order, beside its layer rows."""
+    monkeypatch.setattr(shard_mod, "META_BLOCK_ROWS", block)
+    sw = ShardWriter(
+        tmp_path / "s.h5", index=0, layer_names=["a"], dim=2, expected_rows=16, row_flags=("loss_target",)
+    )
+    rng = np.random.default_rng(5)
+    want = {k: [] for k in ("a", "token_id", "doc_id", "position", "is_special", "loss_target", "bad")}
+    start = 0
+    for n in (5, 30, 1, 64, 17):
+        x = rng.standard_normal((n, 2)).astype(np.float16)
+        x[rng.random(n) < 0.2, 1] = np.inf
+        ids = np.arange(start, start + n)
+        special, target = rng.random(n) < 0.3, rng.random(n) < 0.5
+        sw.append({"a": x}, ids * 3, ids // 4, ids % 11, special, loss_target=target)
+        new = (x, ids * 3, ids // 4, ids % 11, special, target, ~np.isfinite(x).all(1))
+        for k, v in zip(want, new, strict=True):
+            want[k].append(v)
+        start += n
+    info = sw.close()
+    want = {k: np.concatenate(v) for k, v in want.items()}
+    assert info.rows == start == 117 and info.nonfinite_rows == int(want["bad"].sum()) > 0
+    with h5py.File(tmp_path / "s.h5", "r") as f:
+        np.testing.assert_array_equal(f["layers/a"][:], want["a"])
+        np.testing.assert_array_equal(f["nonfinite/a"][:], want["bad"])
+        for k in ("token_id", "doc_id", "position", "is_special", "loss_target"):
+            np.testing.assert_array_equal(f[k][:], want[k], err_msg=k)
+
+
+# ---------------------------------------------------------------- checksums of finished shards
+
+
+def _finished(path, n=50):
+    sw = ShardWriter(path, index=0, layer_names=["a"], dim=3, expected_rows=n)
+    ids = np.arange(n)
+    sw.append({"a": np.ones((n, 3), np.float32)}, ids, ids, ids, np.zeros(n, bool))
+    sw.finish()
+    return sw
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU: one checksum thread")
+def test_shards_finished_back_to_back_are_checksummed_side_by_side(tmp_path, monkeypatch):
+    """A shard's checksums start when it is finished, in a shared pool: the second shard's start
+    while the first's still run (each waits here until both have started), and each shard is
+    published with its own file's digests."""
+    both = threading.Barrier(2, timeout=20)
+    real = shard_mod.checksum.digests
+
+    def meeting(path):
+        both.wait()  # raises BrokenBarrierError if the other never starts
+        return real(path)
+
+    monkeypatch.setattr(shard_mod.checksum, "digests", meeting)
+    first, second = _finished(tmp_path / "shard-00000.h5"), _finished(tmp_path / "shard-00001.h5", 70)
+    infos = [first.publish(), second.publish()]
+    for info in infos:
+        want = real(tmp_path / info.file)
+        assert (info.sha256, info.xxh3_128) == (want[checksum.SLOW], want[checksum.FAST])
+    assert infos[0].sha256 != infos[1].sha256
+
+
+def _publish_in_child(path, out):
+    out.put(_finished(path).publish().rows)
+
+
+def test_a_forked_child_checksums_with_threads_of_its_own(tmp_path):
+    """The pool's threads are not the child's after a fork: a shard finished in a forked child is
+    still checksummed and published (not left waiting on threads that do not exist there)."""
+    _finished(tmp_path / "shard-00000.h5").publish()  # the parent's pool exists
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_publish_in_child, args=(tmp_path / "shard-00001.h5", out))
+    child.start()
+    child.join(60)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    assert not alive and child.exitcode == 0
+    assert out.get(timeout=5) == 50
