@@ -19,6 +19,21 @@ import time
 from collections.abc import Callable
 
 
+def bench_args(doc: str | None, argv=None, *, only: tuple[str, ...] = (), json_out: bool = False):
+    """The command line of a benchmark script: ``--quick`` (small sizes), ``--only AREA`` where the
+    script offers ``only`` areas, ``--json`` (the rows as JSON after the table) where ``json_out``.
+    ``--help`` prints the script's docstring; an unknown argument is an error, not a full run."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    if only:
+        ap.add_argument("--only", choices=only, default=None, help="run one area")
+    if json_out:
+        ap.add_argument("--json", action="store_true", help="print the rows as JSON after the table")
+    return ap.parse_args(argv)
+
+
 def timeit(fn: Callable[[], object], repeats: int = 3, warmup: int = 0) -> list[float]:
     """Wall-clock seconds of ``fn()`` for each of ``repeats`` calls (after ``warmup`` calls)."""
     for _ in range(warmup):

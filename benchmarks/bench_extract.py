@@ -36,7 +36,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
-from _common import median, print_rows  # noqa: E402
+from _common import bench_args, median, print_rows  # noqa: E402
 
 SENTENCES = ROOT / "sample_data" / "sentences.txt"
 BATCH_TOKENS = 8192
@@ -468,6 +468,6 @@ def run(quick: bool = False, rss: bool = True) -> list[dict]:
 
 
 if __name__ == "__main__":
-    quick = "--quick" in sys.argv
+    quick = bench_args(__doc__).quick
     rows = run(quick=quick)
     print_rows(rows, title="extract" + (" (quick)" if quick else ""))

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 from _common import (  # noqa: E402
     alternate,
+    bench_args,
     f64_bound_note,
     of_bound,
     peak_rss_mb,
@@ -199,4 +200,4 @@ def run(quick: bool = False) -> list[dict]:
 
 
 if __name__ == "__main__":
-    print_rows(run(quick="--quick" in sys.argv), "metrics: IsoScore vs the isoscore package")
+    print_rows(run(quick=bench_args(__doc__).quick), "metrics: IsoScore vs the isoscore package")

@@ -24,7 +24,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
-from _common import median, print_rows  # noqa: E402
+from _common import bench_args, median, print_rows  # noqa: E402
 from bench_extract import make_corpus  # noqa: E402
 
 
@@ -111,4 +111,4 @@ def run(quick: bool = False, repeats: int | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    print_rows(run(quick="--quick" in sys.argv), "extract processes")
+    print_rows(run(quick=bench_args(__doc__).quick), "extract processes")

@@ -61,6 +61,7 @@ import numpy as np  # noqa: E402
 from _common import (  # noqa: E402
     BLAS_PIN,
     alternate,
+    bench_args,
     blas_info,
     f64_bound_note,
     of_bound,
@@ -415,8 +416,8 @@ def run(quick: bool = False, only: str | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
-    out = run(quick="--quick" in sys.argv, only=only)
+    args = bench_args(__doc__, only=("dask",), json_out=True)
+    out = run(quick=args.quick, only=args.only)
     print_rows(out, "score: streaming scorer vs the isoscore package")
-    if "--json" in sys.argv:
+    if args.json:
         print(json.dumps(out, indent=1))
