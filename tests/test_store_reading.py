@@ -1,7 +1,8 @@
 """Reading a shard's rows: the direct chunk reads of ``store/reader.py`` against h5py's own reads.
 
 A dataset stored as geomscope writes it is read chunk by chunk with ``readinto`` (h5py holds the GIL
-for a whole read); everything else goes through h5py. Both must give exactly ``ds[start:stop]``.
+for a whole read); everything else goes through h5py. Both must give exactly ``ds[start:stop]``. Shards
+that geomscope wrote, read in steps of every size: tests/test_store_writing.py.
 """
 
 from __future__ import annotations
@@ -9,54 +10,10 @@ from __future__ import annotations
 import h5py
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from geomscope.errors import DataError
-from geomscope.store import ShardWriter, iter_shard
 from geomscope.store.chunks import row_spans
 from geomscope.store.reader import _RowReader
-
-
-@settings(max_examples=30, deadline=None)
-@given(
-    sizes=st.lists(st.integers(0, 70), min_size=1, max_size=6),
-    expected=st.integers(1, 90),
-    dim=st.integers(1, 9),
-    dtype=st.sampled_from(["float16", "float32"]),
-    step=st.integers(1, 100),
-)
-def test_every_chunk_of_rows_equals_what_h5py_reads(tmp_path_factory, sizes, expected, dim, dtype, step):
-    """Shards of several chunk sizes (``expected_rows``) with a partly filled last chunk, read in steps
-    that start and end anywhere in a chunk: the direct reads are taken, and equal h5py's."""
-    path = tmp_path_factory.mktemp("shard") / "s.h5"
-    sw = ShardWriter(
-        path, index=0, layer_names=["a", "b"], dim=dim, store_dtype=dtype, expected_rows=expected
-    )
-    rng = np.random.default_rng(len(sizes) * 1000 + dim)
-    start = 0
-    for n in sizes:
-        x = rng.standard_normal((n, dim)).astype(np.float32)
-        ids = np.arange(start, start + n)
-        sw.append({"a": x, "b": -x}, ids, ids, ids, np.zeros(n, bool))
-        start += n
-    sw.close()
-    got = list(iter_shard(path, ["a", "b"], chunk_rows=step))
-    with h5py.File(path, "r") as f:
-        reader = _RowReader(path)
-        try:
-            for name in ("a", "b"):
-                ds = f["layers"][name]
-                assert ds.shape == (start, dim)
-                if start:
-                    assert row_spans(ds, 0, start) is not None  # the direct path, not h5py's
-                for ch in got:
-                    want = ds[ch.start : ch.stop]
-                    assert ch.layers[name].dtype == want.dtype == np.dtype(dtype)
-                    np.testing.assert_array_equal(ch.layers[name], want)
-        finally:
-            reader.close()
-    assert sum(len(ch) for ch in got) == start
 
 
 def _datasets(path):

@@ -10,8 +10,10 @@ batches, 3 repeats): 0.934x -> 0.964x the plain forward's tokens/s; with two tor
 1,500 sentences 0.869x -> 0.876x (the store thread then competes for the cores).
 
 Publishing a shard has two parts. Its final flush and the closing of its HDF5 file run on the
-store thread; its checksums (a read of the whole file), fsync, rename and manifest update run on a
-second, publisher thread, so the store thread goes on appending the next shard's rows meanwhile.
+store thread, and its checksums (a read of the whole file) start then, in a pool shared by the
+process's shards (``store/shard.py``); its fsync, rename and manifest update run on a second,
+publisher thread, which waits for those checksums, so the store thread goes on appending the next
+shard's rows meanwhile, and consecutive shards are hashed side by side.
 On a GPU the forward is no longer what limits extraction: with every layer of MiniLM stored
 (2.2 GB for 387,000 tokens on an H100), the store thread spent 3.4 s appending and 3.0 s
 publishing, one after the other, in a 6.9 s run.

@@ -159,11 +159,13 @@ if hasattr(os, "register_at_fork"):
 class ShardWriter:
     """Append token rows of every captured layer to one shard.
 
-    Rows are buffered until a whole chunk is ready, so every HDF5 write is chunk-aligned.  HDF5 stores
-    whole chunks, so a writer that knows how many rows the shard will get passes ``expected_rows``
-    and small shards get small chunks (a 10-row shard would otherwise take 2 MiB per layer).  The
-    file lives under ``.<name>.tmp`` until :meth:`close`, which flushes, fsyncs and renames it; a
-    crash leaves at most a temporary file that the next run deletes.
+    Rows are buffered until a whole chunk is ready, so every write is chunk-aligned and every chunk
+    is written once; a layer's rows go straight into their chunk's place in the file
+    (:class:`_DirectRows`), the per-row fields in blocks of :data:`META_BLOCK_ROWS` rows.  HDF5
+    stores whole chunks, so a writer that knows how many rows the shard will get passes
+    ``expected_rows`` and small shards get small chunks (a 10-row shard would otherwise take 2 MiB
+    per layer).  The file lives under ``.<name>.tmp`` until :meth:`close`, which flushes, fsyncs
+    and renames it; a crash leaves at most a temporary file that the next run deletes.
     """
 
     def __init__(
