@@ -12,12 +12,14 @@ Not part of ``make bench`` (which runs on the CPU): run it where a CUDA GPU is. 
   go to (1 GiB written and fsynced). Every row's "of bound" uses them.
 - **extract**: ``extract()`` on the GPU against a plain forward over the very same length-sorted,
   padded batches (pre-built, moved to the GPU batch by batch, nothing kept; synchronised at the
-  end), alternated chunk by chunk, median of ``repeats``. Models: the bundled all-MiniLM-L6-v2
-  (real weights, float32) and a BERT-large-shaped encoder (24 blocks x 1024, random weights, bf16:
-  the speed of a forward does not depend on the weights' values). Each stores every layer, then one
-  layer; every layer is also compared with the common loop (benchmarks/bench_extract.py's, with
-  the real tokens gathered on the GPU). The bound of a run is max(the plain forward's time, bytes
-  stored / the disk's write rate): storing every layer of a fast forward is a disk-bound job.
+  end), alternated chunk by chunk (each after an untimed ``os.sync()`` and the removal of the run
+  before, so that none waits on the disk for another's writes), median of ``repeats``. Models: the
+  bundled all-MiniLM-L6-v2 (real weights, float32) and a BERT-large-shaped encoder (24 blocks x
+  1024, random weights, bf16: the speed of a forward does not depend on the weights' values).
+  Each stores every layer, then one layer; every layer is also compared with the common loop
+  (benchmarks/bench_extract.py's, with the real tokens gathered on the GPU). The bound of a run
+  is max(the plain forward's time, bytes stored / the disk's write rate): storing every layer of a
+  fast forward is a disk-bound job.
 - **twonn**: ``twonn(X, device="cuda")`` on 200,000 x 4096 float32 points (a random 20-d Gaussian
   subspace + isotropic noise, no duplicates), the default (pruning where a sample says it pays) and
   pruning forced, against blocked ``torch.cdist`` + ``topk(2)`` on the same GPU (float32, 4 GiB
@@ -205,9 +207,16 @@ def _extract_model_rows(dev, work, lm, label, chunk_docs, batch_tokens, repeats,
                 f.create_dataset(f"batch_{i // 32:06d}", data=rows)
 
     def ours(corpus, layers):
-        shutil.rmtree(work / "run", ignore_errors=True)
         s = extract(lm, [corpus], work / "run", layers=layers, batch_tokens=batch_tokens)
         return s["rows"], s["bytes"]
+
+    def settle():
+        """Untimed, before each contender: the last run's files removed and every dirty page
+        written, so no contender's fsyncs wait on the disk for what the one before left (the
+        common loop leaves its file unsynced)."""
+        shutil.rmtree(work / "run", ignore_errors=True)
+        (work / "common.h5").unlink(missing_ok=True)
+        os.sync()
 
     warm = make_corpus(16, work / "warm.txt", seed=99)
     ours(warm, "all")
@@ -222,6 +231,7 @@ def _extract_model_rows(dev, work, lm, label, chunk_docs, batch_tokens, repeats,
         for corpus, (batches, tokens) in zip(chunks, prebuilt, strict=True):
             n_tok += tokens
             for k in spent:
+                settle()
                 t0 = time.perf_counter()
                 if k == "plain":
                     plain(batches)
