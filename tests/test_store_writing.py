@@ -241,3 +241,12 @@ def test_a_forked_child_checksums_with_threads_of_its_own(tmp_path):
         child.kill()
     assert not alive and child.exitcode == 0
     assert out.get(timeout=5) == 50
+
+
+def test_publish_checksums_a_shard_whose_checksums_were_not_started(tmp_path):
+    """A writer published without finish() having started its checksums computes them then."""
+    sw = _finished(tmp_path / "shard-00000.h5")
+    sw._digests = None
+    info = sw.publish()
+    want = checksum.digests(tmp_path / info.file)
+    assert (info.sha256, info.xxh3_128) == (want[checksum.SLOW], want[checksum.FAST])

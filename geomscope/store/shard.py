@@ -240,6 +240,7 @@ class ShardWriter:
         # the per-row fields and flags of rows already in the layers, written META_BLOCK_ROWS at a time
         self._meta_parts: list[dict] = []
         self._meta_rows = 0
+        self._digests = None  # the checksums of the finished file, started by finish()
         self._direct = _DirectRows(self.tmp_path)
 
     def append(self, layers: dict, token_id, doc_id, position, is_special, nonfinite=None, **flags) -> None:
@@ -394,7 +395,7 @@ class ShardWriter:
         # the checksums (reading the file back from the page cache: CPU) while fsync waits for the disk
         with open(self.tmp_path, "rb") as fh:
             os.fsync(fh.fileno())
-        digests = self._digests.result()
+        digests = self._digests.result() if self._digests else checksum.digests(self.tmp_path)
         os.replace(self.tmp_path, self.path)
         fsync_dir(self.path.parent)
         return ShardInfo(
