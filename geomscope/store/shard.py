@@ -93,17 +93,23 @@ class _DirectRows:
     """Writes a layer's rows with ``os.pwrite`` straight into the chunks HDF5 allocated for them.
 
     h5py holds the GIL for the whole of a write, and extract's store thread writes while the thread
-    that feeds the GPU needs it for every kernel it queues; ``os.pwrite`` releases it. A chunk is only
-    ever written here or only by h5py: the shard's rows are written chunk-aligned and every chunk once
-    (:meth:`ShardWriter._flush`), and once h5py has had to write a dataset it writes all of it, so no
-    chunk that h5py holds in its cache is written behind its back. Where the rows cannot be placed
-    (``store/chunks.py``: an HDF5 before 1.10.5, say) :meth:`write` returns False and h5py writes."""
+    that feeds the GPU needs it for every kernel it queues; ``os.pwrite`` releases it. Rows may start
+    and end anywhere in a chunk: its file space exists from the ``resize`` on. Once h5py has had to
+    write a dataset it writes all the rest of it, so no chunk that h5py holds in its cache is written
+    here behind its back (a chunk written here before, h5py reads from the file). Where the rows cannot
+    be placed (``store/chunks.py``: an HDF5 before 1.10.5, say) :meth:`write` returns False and h5py
+    writes."""
 
     def __init__(self, path: Path):
         # os.pwrite is POSIX's; elsewhere h5py writes every row
         self._fd: int | None = os.open(path, os.O_WRONLY) if hasattr(os, "pwrite") else None
         self._by_h5py: set[str] = set()
         self._as_rows: dict[str, bool] = {}
+
+    @property
+    def usable(self) -> bool:
+        """Whether every layer written so far was written here (so rows need not be chunk-aligned)."""
+        return self._fd is not None and not self._by_h5py
 
     def write(self, ds: h5py.Dataset, start: int, rows: np.ndarray) -> bool:
         """Write ``rows`` (already in the dataset's dtype) as rows ``start:`` of ``ds`` (already
@@ -159,9 +165,9 @@ if hasattr(os, "register_at_fork"):
 class ShardWriter:
     """Append token rows of every captured layer to one shard.
 
-    Rows are buffered until a whole chunk is ready, so every write is chunk-aligned and every chunk
-    is written once; a layer's rows go straight into their chunk's place in the file
-    (:class:`_DirectRows`), the per-row fields in blocks of :data:`META_BLOCK_ROWS` rows.  HDF5
+    A layer's rows go straight to their place in the file as they are appended (:class:`_DirectRows`),
+    the per-row fields in blocks of :data:`META_BLOCK_ROWS` rows. Where h5py must write a layer, rows
+    are buffered until a whole chunk is ready, so that its writes are chunk-aligned.  HDF5
     stores whole chunks, so a writer that knows how many rows the shard will get passes
     ``expected_rows`` and small shards get small chunks (a 10-row shard would otherwise take 2 MiB
     per layer).  The file lives under ``.<name>.tmp`` until :meth:`close`, which flushes, fsyncs
@@ -278,6 +284,11 @@ class ShardWriter:
                 self.nonfinite_by_layer[name] = self.nonfinite_by_layer.get(name, 0) + int(bad.sum())
         self.nonfinite_rows += int(any_bad.sum())
         self._docs.update(np.unique(batch["doc_id"]).tolist())
+        if not self._buf and self._direct.usable:
+            # every layer so far went in place: these rows go to their place in the file now, whatever
+            # chunk they start in -- no chunk assembled by copying, no tail kept (copies hold the GIL)
+            self._write(batch)
+            return
         self._buf_rows += n
         if self._buf_rows >= self.chunk:
             self._buf.append(batch)
