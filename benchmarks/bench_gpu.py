@@ -2,6 +2,7 @@
 
     python benchmarks/bench_gpu.py [--quick] [--only limits,extract,twonn,finetune] [--device cuda]
                                    [--repeats N] [--json rows.json]
+                                   [--batch-tokens N] [--shard-docs N] [--no-common]
 
 Not part of ``make bench`` (which runs on the CPU): run it where a CUDA GPU is. ``--device cpu
 --quick`` runs every code path at small sizes on the CPU (a smoke run of the script itself).
@@ -19,7 +20,9 @@ Not part of ``make bench`` (which runs on the CPU): run it where a CUDA GPU is. 
   Each stores every layer, then one layer; every layer is also compared with the common loop
   (benchmarks/bench_extract.py's, with the real tokens gathered on the GPU). The bound of a run
   is max(the plain forward's time, bytes stored / the disk's write rate): storing every layer of a
-  fast forward is a disk-bound job.
+  fast forward is a disk-bound job. ``--batch-tokens`` (default 32,768 on a GPU) and
+  ``--shard-docs`` (default 1,000: extract's) set both contenders' batches (a batch never crosses
+  a shard); ``--no-common`` leaves out the common loop, whose batches they do not change.
 - **twonn**: ``twonn(X, device="cuda")`` on 200,000 x 4096 float32 points (a random 20-d Gaussian
   subspace + isotropic noise, no duplicates), the default (pruning where a sample says it pays) and
   pruning forced, against blocked ``torch.cdist`` + ``topk(2)`` on the same GPU (float32, 4 GiB
@@ -149,10 +152,13 @@ def bert_large_shaped(work: Path) -> Path:
     return out
 
 
-def extract_rows(dev, work: Path, quick: bool, repeats: int) -> list[dict]:
+def extract_rows(
+    dev, work: Path, quick: bool, repeats: int, batch_tokens=None, shard_docs: int = 1000, common: bool = True
+) -> list[dict]:
     from geomscope.extract.models import load_model
 
-    batch_tokens = 8192 if dev.type == "cpu" else 32768  # a GPU wants larger batches than extract's default
+    if batch_tokens is None:  # a GPU wants larger batches than extract's default
+        batch_tokens = 8192 if dev.type == "cpu" else 32768
     models = [("MiniLM-L6 (bundled weights)", "bundled:minilm", "float32", 40 if quick else 5000)]
     if not quick or dev.type == "cuda":
         big = str(bert_large_shaped(work))
@@ -161,7 +167,7 @@ def extract_rows(dev, work: Path, quick: bool, repeats: int) -> list[dict]:
     for label, name, dtype, chunk_docs in models:
         lm = load_model(name, device=str(dev), dtype=dtype)
         rows += _extract_model_rows(
-            dev, work, lm, f"{label}, {dtype}", chunk_docs, batch_tokens, repeats, quick
+            dev, work, lm, f"{label}, {dtype}", chunk_docs, (batch_tokens, shard_docs), repeats, quick, common
         )
         del lm
         if dev.type == "cuda":
@@ -171,7 +177,9 @@ def extract_rows(dev, work: Path, quick: bool, repeats: int) -> list[dict]:
     return rows
 
 
-def _extract_model_rows(dev, work, lm, label, chunk_docs, batch_tokens, repeats, quick) -> list[dict]:
+def _extract_model_rows(
+    dev, work, lm, label, chunk_docs, batching, repeats, quick, common_loop
+) -> list[dict]:
     """extract() of every layer and of the last one against the plain forward, alternated per chunk."""
     import torch
     from bench_extract import ceiling_batches, make_corpus
@@ -181,7 +189,8 @@ def _extract_model_rows(dev, work, lm, label, chunk_docs, batch_tokens, repeats,
     limits = gpu_limits(dev, work, quick)
     n_layers = lm.model.config.num_hidden_layers
     chunks = [make_corpus(chunk_docs, work / f"corpus-{i}.txt", seed=i) for i in range(2)]
-    prebuilt = [ceiling_batches(lm, c, batch_tokens=batch_tokens) for c in chunks]
+    batch_tokens, shard_docs = batching
+    prebuilt = [ceiling_batches(lm, c, shard_docs=shard_docs, batch_tokens=batch_tokens) for c in chunks]
 
     def plain(batches):
         with torch.inference_mode():
@@ -207,7 +216,9 @@ def _extract_model_rows(dev, work, lm, label, chunk_docs, batch_tokens, repeats,
                 f.create_dataset(f"batch_{i // 32:06d}", data=rows)
 
     def ours(corpus, layers):
-        s = extract(lm, [corpus], work / "run", layers=layers, batch_tokens=batch_tokens)
+        s = extract(
+            lm, [corpus], work / "run", layers=layers, batch_tokens=batch_tokens, shard_docs=shard_docs
+        )
         return s["rows"], s["bytes"]
 
     def settle():
@@ -222,7 +233,12 @@ def _extract_model_rows(dev, work, lm, label, chunk_docs, batch_tokens, repeats,
     ours(warm, "all")
     common(warm)
     plain(ceiling_batches(lm, warm, batch_tokens=batch_tokens)[0])
-    spent: dict[str, list[float]] = {"all": [], "one": [], "plain": [], "common": []}
+    spent: dict[str, list[float]] = {
+        "all": [],
+        "one": [],
+        "plain": [],
+        **({"common": []} if common_loop else {}),
+    }
     stored = {"all": 0, "one": 0}
     n_tok = 0
     for _ in range(repeats):
@@ -246,6 +262,9 @@ def _extract_model_rows(dev, work, lm, label, chunk_docs, batch_tokens, repeats,
             spent[k].append(t[k])
     med = {k: median(v) for k, v in spent.items()}
     rows = []
+    each = "; seconds per repeat: " + ", ".join(
+        f"{k} " + "/".join(f"{t:.2f}" for t in v) for k, v in spent.items()
+    )
     for k in ("all", "one"):
         bound = max(med["plain"], stored[k] / (limits["disk_write_gbs"] * 1e9))
         what = f"all {n_layers + 1} layers" if k == "all" else f"one layer ({n_layers})"
@@ -259,9 +278,12 @@ def _extract_model_rows(dev, work, lm, label, chunk_docs, batch_tokens, repeats,
                 "of bound": round(bound / med[k], 3),
                 "note": f"{len(chunks) * chunk_docs} sentences, {n_tok:,} tokens, {stored[k] / 1e9:.2f} GB "
                 f"stored (float16) per repeat; bound = max(plain forward {med['plain']:.2f} s, bytes / disk "
-                f"{limits['disk_write_gbs']:.2f} GB/s); median of {repeats}; --batch-tokens {batch_tokens}",
+                f"{limits['disk_write_gbs']:.2f} GB/s); median of {repeats}; --batch-tokens {batch_tokens} "
+                f"--shard-docs {shard_docs}" + each,
             }
         )
+    if not common_loop:
+        return rows
     rows.append(
         {
             "benchmark": f"extract on {dev.type}, {label}, all {n_layers + 1} layers: vs the common loop",
@@ -405,6 +427,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu for a smoke run")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats (default 3; 1 with --quick)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows, limits and machine here")
+    ap.add_argument("--batch-tokens", type=int, default=None, help="extract: padded tokens a batch (32768)")
+    ap.add_argument("--shard-docs", type=int, default=1000, help="extract: documents a shard (1000)")
+    ap.add_argument("--no-common", action="store_true", help="extract: leave out the common loop")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -421,8 +446,12 @@ def main(argv=None) -> int:
             try:
                 if area == "limits":
                     gpu_limits(dev, work, args.quick)
+                elif area == "extract":
+                    rows += extract_rows(
+                        dev, work, args.quick, repeats, args.batch_tokens, args.shard_docs, not args.no_common
+                    )
                 else:
-                    rows += {"extract": extract_rows, "twonn": twonn_rows, "finetune": finetune_rows}[area](
+                    rows += {"twonn": twonn_rows, "finetune": finetune_rows}[area](
                         dev, work, args.quick, repeats
                     )
             except Exception:
