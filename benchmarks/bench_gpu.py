@@ -232,7 +232,7 @@ def _extract_model_rows(
     warm = make_corpus(16, work / "warm.txt", seed=99)
     ours(warm, "all")
     common(warm)
-    plain(ceiling_batches(lm, warm, batch_tokens=batch_tokens)[0])
+    plain(ceiling_batches(lm, warm, shard_docs=shard_docs, batch_tokens=batch_tokens)[0])
     spent: dict[str, list[float]] = {
         "all": [],
         "one": [],
