@@ -255,3 +255,22 @@ def test_spawned_when_torch_is_loaded(run6, local2):
             w: False for w in ex.client.nthreads()
         }
     assert dask.config.get("distributed.worker.multiprocessing-method") == before
+
+
+def test_local_cluster_settings_applied_and_restored():
+    """local:N's own Dask settings (no profiling thread, queueing on the scheduler instead of work
+    stealing, results straight from the workers) reach its scheduler and workers, and are not left
+    behind in this process's Dask config."""
+    import dask
+
+    from geomscope.score.dask_executor import LOCAL_CLUSTER_CONFIG, DaskExecutor
+
+    before = {k: dask.config.get(k) for k in LOCAL_CLUSTER_CONFIG}
+    with DaskExecutor("local:2") as ex:
+        scheduler = ex._cluster.scheduler
+        assert scheduler.WORKER_SATURATION == 1.0 and "stealing" not in scheduler.extensions
+        assert ex.client.direct_to_workers is True
+        profiling = ex.client.run(lambda: dask.config.get("distributed.worker.profile.enabled"))
+        assert profiling and set(profiling.values()) == {False}
+        assert ex.client.submit(sum, [1, 2], pure=False).result() == 3
+    assert {k: dask.config.get(k) for k in LOCAL_CLUSTER_CONFIG} == before

@@ -22,18 +22,25 @@ and of threads, never on timing or on which worker ran what; it equals ``--worke
 rounding (not ``--workers N``'s bit for bit: a different, equally exact merge tree). The seeded
 TwoNN / quantile samples depend only on row keys, so they are identical.
 
-``local:N`` starts the scheduler, then asks for its N workers without waiting for all of them: tasks
-start as soon as one worker is up, the others join as they come. The chunking uses N, not the workers
-up at that moment. The N workers are forked from this process where that is safe (Dask's
-``distributed.worker.multiprocessing-method`` = ``fork`` while they start; all N are then awaited,
-about 0.1 s) instead of spawned: a spawned worker starts a fresh interpreter and imports Dask and
-geomscope again (first task 0.69 s after the cluster was asked for, close 0.14 s), a forked one has
-them already (0.13 s, close 0.02 s). Safe means what it means for ``--workers``
-(executor.worker_start_method: Linux, torch not loaded, no HDF5 file open), so a library caller that
-has torch loaded, a notebook that extracted first, gets spawned workers. The fork happens before any
-pass, when this process runs no threads of geomscope's; a worker the Nanny restarts later (one that
-died) is spawned. A forked worker inherits numpy's BLAS already loaded, so Dask's
-``OMP_NUM_THREADS=1`` for new processes cannot limit it: the task function does (below).
+``local:N`` starts the scheduler and a client, then asks for its N workers. The N workers are
+forked from this process where that is safe (Dask's ``distributed.worker.multiprocessing-method`` =
+``fork`` while they start) instead of spawned: a spawned worker starts a fresh interpreter and imports
+Dask and geomscope again (first task 0.69 s after the cluster was asked for, close 0.14 s), a forked
+one has them already. Safe means what it means for ``--workers`` (executor.worker_start_method: Linux,
+torch not loaded, no HDF5 file open), so a library caller that has torch loaded, a notebook that
+extracted first, gets spawned workers. Forked workers are all awaited (the forks must be over before
+a pass starts, when this process runs no threads of geomscope's); of spawned ones the first, and tasks
+start on it while the others join. The chunking uses N, not the workers up at that moment. A worker
+the Nanny restarts later (one that died) is spawned. A forked worker inherits numpy's BLAS already
+loaded, so Dask's ``OMP_NUM_THREADS=1`` for new processes cannot limit it: the task function does
+(below).
+
+What a local cluster costs beside the pool of ``--workers N`` (the benchmark's 200k x 384 run, moment
+suite, 2 cores; 2.2-2.3 s with ``--workers 2``): Dask's defaults made it 0.83-0.88x the pool, now
+0.98-0.99x, with the same CPU seconds. The changes: LOCAL_CLUSTER_CONFIG (below: 4.59 -> 4.09 CPU s
+per call); results gathered straight from the workers; the client made before the workers, and the
+workers awaited by reading the in-process scheduler's table (start 165 -> 120 ms); numpy.random
+imported before the fork.
 
 BLAS runs on one thread in every worker: the Nanny of ``local:N`` starts spawned workers with
 OMP/MKL/OPENBLAS_NUM_THREADS=1 (Dask's default ``distributed.nanny.pre-spawn-environ``), and the
@@ -49,6 +56,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -62,6 +70,19 @@ INSTALL_HINT = "pip install 'geomscope[dask]'"
 CONNECT_TIMEOUT_S = 10
 SCHEDULER_FORMS = "local:N, tcp://HOST:PORT or a Dask scheduler file FILE.json"
 CHUNKS_PER_THREAD = 2
+# Dask settings for the local:N cluster geomscope starts (an external scheduler keeps its own). What they
+# switch off serves a dashboard local:N never starts, and costs CPU on the cores the tasks need: on the
+# benchmark's 200k x 384 run on 2 cores, 4.59 -> 4.09 CPU seconds per score call (--workers 2: 4.13).
+# Each is read when a scheduler, Nanny or worker is made.
+LOCAL_CLUSTER_CONFIG = {
+    "distributed.worker.profile.enabled": False,  # a thread sampling every server's stacks every 10 ms
+    "distributed.admin.system-monitor.interval": "10s",  # psutil readings twice a second per server
+    "distributed.admin.tick.interval": "1s",  # event-loop latency probe, 50 times a second per server
+    # a worker is given a chunk only when its thread is free, the rest wait on the scheduler, which
+    # hands each to the first worker free: balanced without work stealing (and its 100 ms rebalancing)
+    "distributed.scheduler.worker-saturation": 1.0,
+    "distributed.scheduler.work-stealing": False,
+}
 
 _limited = threading.local()
 
@@ -132,7 +153,8 @@ class DaskExecutor:
         self.client = None
         try:
             self.client = self._connect(distributed)
-            self.client.wait_for_workers(1, timeout=CONNECT_TIMEOUT_S)
+            if self._cluster is None:  # local:N has waited for its own workers
+                self.client.wait_for_workers(1, timeout=CONNECT_TIMEOUT_S)
         except InputError:
             self.close()
             raise
@@ -155,40 +177,60 @@ class DaskExecutor:
     def _connect(self, distributed):
         s = self.scheduler
         if s.startswith("local:"):
-            import dask
-
-            n = int(s[len("local:") :])
-            self.start_method = worker_start_method()
-            # read when a Nanny starts a worker process (in Dask's own thread): held until the N
-            # workers are up, so a worker restarted later is spawned
-            with dask.config.set({"distributed.worker.multiprocessing-method": self.start_method}):
-                # the scheduler first, then the N workers without waiting for them: tasks start on
-                # the first worker up (DaskExecutor waits for one), the others join as they come
-                self._cluster = distributed.LocalCluster(
-                    n_workers=0,
-                    threads_per_worker=1,
-                    processes=True,
-                    host="127.0.0.1",
-                    dashboard_address=None,
-                    worker_dashboard_address=None,
-                    # no dashboard; the scheduler's bare HTTP endpoint on a free localhost port, not 8787
-                    scheduler_kwargs={"dashboard": False, "dashboard_address": "127.0.0.1:0"},
-                    silence_logs=logging.ERROR,
-                )
-                self._cluster.scale(n)
-                client = distributed.Client(self._cluster, set_as_default=False)
-                if self.start_method == "fork":  # forked workers are up within ~0.1 s
-                    try:
-                        client.wait_for_workers(n, timeout=CONNECT_TIMEOUT_S)
-                    except TimeoutError:  # slow ones join later (spawned); one up is enough, as ever
-                        pass
-                    except BaseException:
-                        client.close()
-                        raise
-            return client
+            return self._start_local(distributed, int(s[len("local:") :]))
         if s.startswith("tcp://"):
             return distributed.Client(s, timeout=CONNECT_TIMEOUT_S, set_as_default=False)
         return distributed.Client(scheduler_file=s, timeout=CONNECT_TIMEOUT_S, set_as_default=False)
+
+    def _start_local(self, distributed, n: int):
+        """``local:N``: the scheduler and a client first, then the N workers. Waits for all N when
+        they are forked (the forks must be over before a pass starts), for one when spawned."""
+        import dask
+
+        self.start_method = worker_start_method()
+        if self.start_method == "fork":
+            # Dask's worker initializer reseeds numpy's global generator, importing numpy.random in
+            # every worker (25-30 ms each): imported once here, the forked workers have it
+            import numpy.random  # noqa: F401
+        # read when each Server (scheduler, Nanny, worker) is made, and when a Nanny starts its worker
+        # process: held until the N workers are up, so a worker restarted later is spawned
+        config = {**LOCAL_CLUSTER_CONFIG, "distributed.worker.multiprocessing-method": self.start_method}
+        with dask.config.set(config):
+            self._cluster = distributed.LocalCluster(
+                n_workers=0,
+                threads_per_worker=1,
+                processes=True,
+                host="127.0.0.1",
+                dashboard_address=None,
+                worker_dashboard_address=None,
+                # no dashboard; the scheduler's bare HTTP endpoint on a free localhost port, not 8787
+                scheduler_kwargs={"dashboard": False, "dashboard_address": "127.0.0.1:0"},
+                silence_logs=logging.ERROR,
+            )
+            # the client before the workers: made with workers to come, it waits for every Nanny's
+            # start, which Dask learns by polling its worker's start-up queue every 50 ms. Results
+            # straight from the workers (localhost): by default a client gathers them through the
+            # scheduler, which here shares this process's event loop: every 12 MB result crossed a
+            # socket twice and reached the merge 50-300 ms after its chunk ended
+            client = distributed.Client(self._cluster, set_as_default=False, direct_to_workers=True)
+            try:
+                self._cluster.scale(n)
+                self._wait_for_local_workers(n if self.start_method == "fork" else 1)
+            except BaseException:
+                client.close()
+                raise
+        return client
+
+    def _wait_for_local_workers(self, n: int) -> None:
+        """Until ``n`` workers have registered with the cluster's scheduler (it runs in this process:
+        its worker table is read directly, every 2 ms, where ``Client.wait_for_workers`` asks every
+        100 ms). At least one within CONNECT_TIMEOUT_S, else TimeoutError; the rest join later."""
+        workers = self._cluster.scheduler.workers
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        while len(workers) < n and time.monotonic() < deadline:
+            time.sleep(0.002)
+        if not workers:
+            raise TimeoutError(f"no worker of {self.scheduler} started")
 
     def __enter__(self) -> DaskExecutor:
         return self
