@@ -321,40 +321,42 @@ def gpu_summary(timeline: Timeline, main: str, busy, start: float, stop: float, 
 
 
 def markdown(report: dict) -> str:
+    from _common import markdown_table
+
     wall, n = report["wall_s"], max(report["batches"], 1)
-    lines = [
+    main = report["main_thread"]
+    stage_rows = [
+        {
+            "thread": thread,
+            "stage": stage,
+            "calls": s["calls"],
+            "self s": f"{s['self_s']:.3f}",
+            "ms per batch": f"{1e3 * s['self_s'] / n:.2f}",
+            "share of the call": f"{s['self_s'] / wall:.1%}",
+        }
+        for thread in sorted(report["threads"], key=lambda t: (t != main, t))
+        for stage, s in sorted(report["threads"][thread].items(), key=lambda kv: -kv[1]["self_s"])
+    ]
+    parts = [
         f"extract: {report['rows']:,} rows, {report['batches']} batches, {report['shards']} shards, "
         f"{wall:.3f} s ({report['rows'] / wall:,.0f} rows/s)",
-        "",
-        "| thread | stage | calls | self s | ms per batch | share of the call |",
-        "|---|---|---|---|---|---|",
+        markdown_table(stage_rows),
     ]
-    main = report["main_thread"]
-    order = sorted(report["threads"], key=lambda t: (t != main, t))
-    for thread in order:
-        stages = report["threads"][thread]
-        for stage, s in sorted(stages.items(), key=lambda kv: -kv[1]["self_s"]):
-            lines.append(
-                f"| {thread} | {stage} | {s['calls']} | {s['self_s']:.3f} | {1e3 * s['self_s'] / n:.2f} | "
-                f"{s['self_s'] / wall:.1%} |"
-            )
     gpu = report.get("gpu")
     if gpu:
         if "wall_s_without_profiler" in report:
-            alone = report["wall_s_without_profiler"]
-            lines += ["", f"(the same call without torch.profiler: {alone:.3f} s)"]
-        lines += [
-            "",
+            parts.append(f"(the same call without torch.profiler: {report['wall_s_without_profiler']:.3f} s)")
+        parts.append(
             f"GPU, first launch to the end ({gpu['window_s']:.3f} s): busy {gpu['busy_s']:.3f} s "
             f"({gpu['busy_s'] / gpu['window_s']:.1%}), idle {gpu['idle_s']:.3f} s; per batch "
-            f"{gpu['per_batch_ms']['busy']:.2f} ms busy, {gpu['per_batch_ms']['idle']:.2f} ms idle",
-            "",
-            "| the main thread was in | GPU idle s | ms per batch |",
-            "|---|---|---|",
+            f"{gpu['per_batch_ms']['busy']:.2f} ms busy, {gpu['per_batch_ms']['idle']:.2f} ms idle"
+        )
+        idle_rows = [
+            {"the main thread was in": stage, "GPU idle s": f"{s:.3f}", "ms per batch": f"{1e3 * s / n:.2f}"}
+            for stage, s in gpu["idle_by_main_stage_s"].items()
         ]
-        for stage, s in gpu["idle_by_main_stage_s"].items():
-            lines.append(f"| {stage} | {s:.3f} | {1e3 * s / n:.2f} |")
-    return "\n".join(lines)
+        parts.append(markdown_table(idle_rows))
+    return "\n\n".join(parts)
 
 
 def main(argv=None) -> dict:

@@ -93,6 +93,28 @@ def test_innermost_matches_brute_force(ivs, start, length):
     assert sum(got.values()) == pytest.approx(sum(b - a for a, b in windows))
 
 
+def test_gpu_summary_splits_idle_time_by_the_main_threads_stage():
+    """The GPU branch's arithmetic, on a made-up timeline: GPU busy 1-3 and 5-9 of the window 0-10;
+    the main thread queued a forward 0-4 (an upload inside it 0-1), waited for rows 4-6, then ran
+    its loop."""
+    timeline = pe.Timeline()
+    timeline.records = [
+        ("MainThread", "upload", 0.0, 1.0, 1.0),
+        ("MainThread", "forward", 0.0, 4.0, 3.0),
+        ("MainThread", "wait for rows", 4.0, 6.0, 2.0),
+        ("geomscope-store", "append", 5.0, 8.0, 3.0),  # another thread: not the main thread's stage
+    ]
+    got = pe.gpu_summary(timeline, "MainThread", [(1.0, 3.0), (5.0, 9.0)], 0.0, 10.0, batches=2)
+    assert got["busy_s"] == 6.0 and got["idle_s"] == 4.0
+    # idle: 0-1 (upload), 3-4 (forward), 4-5 (wait for rows), 9-10 (the loop)
+    assert got["idle_by_main_stage_s"] == {"upload": 1.0, "forward": 1.0, "wait for rows": 1.0, pe.LOOP: 1.0}
+    assert got["per_batch_ms"] == {"busy": 3000.0, "idle": 2000.0}
+    report = {"wall_s": 10.0, "rows": 5, "batches": 2, "shards": 1, "main_thread": "MainThread"}
+    report |= {"threads": timeline.by_thread(), "gpu": got, "wall_s_without_profiler": 9.0}
+    text = pe.markdown(report)
+    assert "| wait for rows | 1.000 | 500.00 |" in text and "without torch.profiler: 9.000 s" in text
+
+
 # ---------------------------------------------------------------- a profiled extract on the CPU
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory):
