@@ -174,3 +174,26 @@ def test_waiting_corrections_travel_with_pickles_copies_and_merges():
     for m in (b, c):
         np.testing.assert_allclose(m.M2, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
     np.testing.assert_allclose(a.M2, _scatter64(np.vstack(parts[:5])), rtol=1e-12, atol=1e-9)
+
+
+def test_batches_of_lays_out_every_replicate_once_and_drops_the_zero_linear_columns():
+    x, g = _rows(700, 9)
+    shifts, scales = _shifts_scales(x, 10)
+    other = shifts + 0.5
+    sums = [MultiUnitSum(shifts), MultiUnitSum(other, scales), MultiUnitSum(shifts, scales)]
+    batches = multiunit.batches_of(sums)
+    assert [b.index for b in batches] == [[0, 2], [1]]  # by reference shift, in order
+    first = batches[0]
+    assert first.group.tolist() == [0, 1, 2, 3, -1] * 2
+    assert first.qcol.tolist() == [0] * R + list(range(1, R + 1))  # ||y||^2, then each w_r
+    # the full-data replicate of each sum expands around its own shift: e = 0, no linear column
+    assert first.lincol.tolist() == [0, 1, 2, 3, 5, 6, 7, 8]
+    np.testing.assert_array_equal(first.lin[:, 4:], -2.0 * (sums[2].e * sums[2].w)[: R - 1].T)
+    # the layout built once serves fresh copies: the same numbers as one built per call
+    a = [s.fresh() for s in sums]
+    update_all(a, x, g, batches=batches)
+    b = [s.fresh() for s in sums]
+    update_all(b, x, g)
+    for p, q in zip(a, b, strict=True):
+        np.testing.assert_array_equal(p.sum_unit, q.sum_unit)
+        np.testing.assert_array_equal(p.n_zero_norm, q.n_zero_norm)

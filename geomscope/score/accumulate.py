@@ -295,12 +295,13 @@ def _update_units(unit: dict, xs: np.ndarray, gs: np.ndarray, work: OrderedWork)
     the shifted rows: multiunit.update_all), with one reused float64 scratch space per thread. With
     ``work.threads`` > 1 each block of multiunit's size goes into fresh sums in a thread; those are
     added in row order: the same additions as one update, so the same numbers."""
-    from geomscope.score.multiunit import BLOCK_ROWS, new_work, update_all
+    from geomscope.score.multiunit import BLOCK_ROWS, batches_of, new_work, update_all
 
     sums = list(unit.values())
     d = xs.shape[1]
+    batches = batches_of(sums)  # the layout of their columns, which fresh copies share
     if work.threads <= 1:  # (one thread: nothing is ever left in flight)
-        update_all(sums, xs, gs, new_work(len(xs), d))
+        update_all(sums, xs, gs, new_work(len(xs), d), batches)
         return
 
     def merge(part):
@@ -311,7 +312,7 @@ def _update_units(unit: dict, xs: np.ndarray, gs: np.ndarray, work: OrderedWork)
 
         def compute(scratch, i=i):
             part = [s.fresh() for s in sums]
-            update_all(part, xs[i : i + BLOCK_ROWS], gs[i : i + BLOCK_ROWS], scratch)
+            update_all(part, xs[i : i + BLOCK_ROWS], gs[i : i + BLOCK_ROWS], scratch, batches)
             return part
 
         work.submit(compute, merge, (("unit sums", d), lambda: new_work(BLOCK_ROWS, d), lambda w: True))
