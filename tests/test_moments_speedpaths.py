@@ -197,3 +197,32 @@ def test_batches_of_lays_out_every_replicate_once_and_drops_the_zero_linear_colu
     for p, q in zip(a, b, strict=True):
         np.testing.assert_array_equal(p.sum_unit, q.sum_unit)
         np.testing.assert_array_equal(p.n_zero_norm, q.n_zero_norm)
+
+
+def test_group_labels_of_any_integer_range_or_dtype_count_as_before():
+    """Labels outside 0..R-2 leave no replicate out (every replicate takes the row), as the
+    comparison with each replicate's group always did; labels need not be int64."""
+    x, g = _rows(600, 11)
+    shifts, scales = _shifts_scales(x, 12)
+    odd = np.where(g == 3, 2**31, g)  # group 3's rows: a label no replicate leaves out
+    for labels in (odd, odd.astype(np.float64), odd.astype(np.uint32)):
+        mus = MultiUnitSum(shifts, scales).update(x, labels)
+        for r in range(R):
+            rows = x[(labels != r)] if r < R - 1 else x
+            u = UnitSum(shifts[r], scales[r]).update(rows)
+            np.testing.assert_allclose(mus.sum_unit[r], u.sum_unit, rtol=1e-10, atol=1e-10)
+            assert mus.n[r] == len(rows)
+    with pytest.raises(ValueError, match="label >= 0"):
+        MultiUnitSum(shifts).update(x, np.where(g == 3, -1, g))
+    with pytest.raises(ValueError, match="other sums"):
+        sums = [MultiUnitSum(shifts), MultiUnitSum(shifts, scales)]
+        update_all(sums[:1], x, g, batches=multiunit.batches_of(sums))
+
+
+def test_one_replicate_no_jackknife_is_the_unitsum_of_all_rows():
+    x, g = _rows(300, 13)
+    shifts, scales = _shifts_scales(x, 14)
+    mus = MultiUnitSum(shifts[-1:], scales[-1:]).update(x, np.zeros_like(g))
+    u = UnitSum(shifts[-1], scales[-1]).update(x)
+    np.testing.assert_allclose(mus.sum_unit[0], u.sum_unit, rtol=1e-12)
+    assert mus.n.dtype == np.int64 and mus.n.tolist() == [300] and mus.n_zero_norm.tolist() == [0]

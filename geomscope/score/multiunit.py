@@ -75,7 +75,8 @@ class MultiUnitSum:
         return self.shifts.shape[0]
 
     def update(self, x, groups, work: np.ndarray | None = None) -> MultiUnitSum:
-        """Add rows ``x`` of jackknife ``groups``; ``work``: optional scratch space from
+        """Add rows ``x`` of jackknife ``groups`` (labels >= 0: replicate r < R - 1 leaves out the rows
+        labelled r; a label >= R - 1 leaves out none); ``work``: optional scratch space from
         :func:`new_work` (a fresh block-sized array per block costs as much in page faults as its use)."""
         update_all([self], x, groups, work)
         return self
@@ -147,7 +148,8 @@ def batches_of(sums: list[MultiUnitSum]) -> list[_Batch]:
             nxt += 0 if s.w is None else r
             group.append(np.r_[np.arange(r - 1), -1])
         lin = np.vstack([s.lin for s in part])  # (K, D)
-        nonzero = np.flatnonzero(lin.any(axis=1))  # the last replicate of each sum: e = 0
+        # e = 0: the last replicate of each sum (the full mean), and a replicate of an empty group
+        nonzero = np.flatnonzero(lin.any(axis=1))
         out.append(
             _Batch(
                 index=index,
@@ -169,15 +171,21 @@ def update_all(sums: list[MultiUnitSum], x, groups, work: np.ndarray | None = No
     Sums with the same reference shift (the centred and the standardised cosine: both expand around
     the full mean) share one shifted float64 block y and each of its matrix products (their columns
     side by side), so two variants cost about one pass over y instead of two. ``batches``: this
-    layout from :func:`_batches` of sums with the same shifts and scales (a caller that updates
+    layout from :func:`batches_of` of sums with the same shifts and scales (a caller that updates
     fresh copies block by block builds it once).
     """
     x = np.asarray(x)
     g = np.asarray(groups)
     if not sums or x.shape[0] == 0:
         return
+    if g.shape != (x.shape[0],) or not g.min() >= 0:
+        raise ValueError("groups must give each row a jackknife group label >= 0")
     if batches is None:
         batches = batches_of(sums)
+    elif sorted(j for b in batches for j in b.index) != list(range(len(sums))) or any(
+        b.group.size != sum(sums[j].replicates for j in b.index) for b in batches
+    ):
+        raise ValueError("batches were laid out for other sums")
     if work is None or work.shape[1] < min(BLOCK_ROWS, x.shape[0]):
         work = new_work(x.shape[0], x.shape[1])
     for i in range(0, x.shape[0], BLOCK_ROWS):  # the same blocks whatever the scratch: the same numbers
@@ -207,7 +215,8 @@ def _block(sums: list[MultiUnitSum], b: _Batch, xb: np.ndarray, gb: np.ndarray, 
     np.copyto(sq, np.inf, where=~keep)  # 1 / sqrt(inf) = 0: the rows left out add nothing
     inv = np.sqrt(sq, out=sq)
     np.divide(1.0, inv, out=inv)
-    left_out = np.append(np.bincount(gb, minlength=int(b.group.max()) + 1), 0)  # [-1]: no group
+    # rows of each group (by comparison: labels of any dtype or range); [-1]: the full data leaves none out
+    left_out = np.array([np.count_nonzero(gb == r) for r in range(int(b.group.max()) + 1)] + [0], np.int64)
     n_in = m - left_out[b.group]
     kept = np.count_nonzero(keep)
     n_zero = np.zeros_like(n_in) if kept == n_in.sum() else n_in - np.count_nonzero(keep, axis=0)
