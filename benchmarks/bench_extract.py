@@ -126,8 +126,8 @@ def forward_stubbed(lm):
         nonlocal buffer
         b, t = input_ids.shape
         size = b * t * lm.hidden_size
-        if buffer.numel() < size:
-            buffer = torch.randn(size)
+        if buffer.numel() < size or buffer.device != input_ids.device:  # where the model's would be
+            buffer = torch.randn(size, device=input_ids.device)
         h = buffer[:size].view(b, t, lm.hidden_size)
         return [h] * (lm.n_hidden_states if wanted is None else len(wanted))
 

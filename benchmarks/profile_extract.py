@@ -3,7 +3,7 @@ doing while the GPU waited.
 
     python benchmarks/profile_extract.py [--model bundled:minilm] [--sentences 10000] [--layers all]
                                          [--batch-tokens N] [--shard-docs 1000] [--device auto]
-                                         [--stub-forward] [--repeats 2] [--json F] [--trace F]
+                                         [--stub-forward] [--repeats 3] [--json F] [--trace F]
 
 Not a benchmark (nothing is compared): a timeline, for finding the host work that keeps a fast GPU
 waiting. ``make bench`` does not run it; ``--device cpu`` runs it anywhere.
@@ -21,18 +21,27 @@ waiting. ``make bench`` does not run it; ``--device cpu`` runs it anywhere.
   end, while the store and publisher threads finish. The wrappers are removed afterwards
   and change nothing that is written (tested).
 - **On a GPU** the same call runs under ``torch.profiler`` with CUDA activity: the union of the
-  kernels' and copies' intervals is the GPU's busy time, and every idle gap is split by what the
-  main thread was doing at that moment (its innermost stage). A forward whose kernels are queued
-  faster than the GPU runs them leaves no gap; an idle gap inside "forward" is the forward's own
-  queueing (or a read-back inside it), one inside "wait for the store thread" is the store thread
-  holding the main thread back. ``--trace F`` writes the profiler's Chrome trace, in which every
-  stage is a ``geomscope.*`` range on its thread.
+  kernels', copies' and memsets' intervals is the GPU's busy time (not the profiler's GPU-side
+  annotation ranges, which span a stage's first to last kernel, gaps included, nor stream waits),
+  and every idle gap is split by what the main thread was doing at that moment (its innermost
+  stage). A forward whose kernels are queued faster than the GPU runs them leaves no gap; an idle
+  gap inside "forward" is the forward's own queueing (or a read-back inside it), one inside "wait
+  for the store thread" is the store thread holding the main thread back. The idle time before the
+  first GPU work and after the last is reported apart from the idle time between batches. The
+  profiler's clock is put on the stage timers' by the main thread's own stage calls, which the
+  profiler records as ``geomscope.*`` ranges: the median difference of their midpoints, whose spread
+  the report gives. No GPU work recorded (CUPTI unavailable) is said, not reported as 100 % idle.
+  ``--trace F`` writes the profiler's Chrome trace, with the main thread's stages as
+  ``geomscope.*`` ranges (the profiler records the thread that started it, not the store,
+  publisher or tokenizer threads); it is written after the report, and a failed export is said
+  in the report.
 - ``--stub-forward`` replaces the forward by a stand-in that returns hidden states of the right
   shape at once (benchmarks/bench_extract.py's): the host's own work with an infinitely fast model.
-- ``--repeats N`` runs the call N times and profiles the last (the first warms the allocator, the
-  kernels' autotuning and the page cache). torch.profiler records every op the main thread runs,
-  which slows the host: on a GPU the warm-up calls run with the stage timers alone, and the report
-  gives the last one's time beside the profiled call's.
+- ``--repeats N`` runs the call N times and profiles the last (the first warms CUDA's libraries and
+  lazily loaded kernels, the allocator, autotuning and the page cache). torch.profiler records
+  every op the main thread runs, which slows the host: on a GPU the warm-up calls run with the
+  stage timers alone, and the report gives each one's time and the fastest after the first (the
+  first alone is cold: use at least 3) beside the profiled call's.
 """
 
 from __future__ import annotations
@@ -231,46 +240,88 @@ def overlap_by_label(pieces, windows) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------ the profiled call
-def _gpu_intervals(prof, anchor_perf: float) -> list[tuple[float, float]]:
-    """The CUDA kernels' and copies' intervals on the perf_counter clock, aligned by the
-    ``geomscope.anchor`` range opened at ``anchor_perf``."""
+#: kineto's activity types of the GPU's own work (torch's FunctionEvent.activity_type); its other
+#: device-side events are annotations (a stage's first to last kernel, gaps included) and waits
+GPU_WORK = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+
+def gpu_work(events) -> list[tuple[float, float]]:
+    """``(start, end)`` in seconds on the profiler's clock of every kernel, copy and memset among the
+    profiler's ``events``. (Without ``activity_type``, in an older torch: every CUDA event that is not
+    a user annotation.)"""
     from torch.autograd import DeviceType
 
-    events = prof.events()
-    anchor = next(e for e in events if e.name == "geomscope.anchor")
-    shift = anchor_perf - anchor.time_range.start / 1e6
-    return [
-        (e.time_range.start / 1e6 + shift, e.time_range.end / 1e6 + shift)
-        for e in events
-        if e.device_type == DeviceType.CUDA
-    ]
+    out = []
+    for e in events:
+        if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
+            continue
+        kind = getattr(e, "activity_type", None)
+        if kind is not None and kind not in GPU_WORK:
+            continue
+        out.append((e.time_range.start / 1e6, e.time_range.end / 1e6))
+    return out
+
+
+def clock_offset(events, timeline: Timeline, main: str) -> dict:
+    """The stage timers' clock less the profiler's: for every stage the main thread ran, its calls
+    (the profiler's CPU ``geomscope.<stage>`` ranges and the timeline's records, each in order) are
+    paired, and each pair gives the difference of their midpoints (the lags of opening and closing a
+    range cancel). Returns {"offset_s": the median, "spread_us": the largest distance of a pair's
+    difference from it, "pairs": how many}. Stages whose call counts differ are left out."""
+    from torch.autograd import DeviceType
+
+    profiled: dict[str, list[float]] = {}
+    for e in events:
+        if e.device_type == DeviceType.CPU and e.name.startswith("geomscope."):
+            mid = (e.time_range.start + e.time_range.end) / 2e6
+            profiled.setdefault(e.name.removeprefix("geomscope."), []).append(mid)
+    timed: dict[str, list[float]] = {}
+    for t0, t1, stage in timeline.thread_intervals(main):
+        timed.setdefault(stage, []).append((t0 + t1) / 2)
+    diffs = []
+    for stage, mids in timed.items():
+        theirs = sorted(profiled.get(stage, []))
+        if len(theirs) == len(mids):
+            diffs += [ours - t for ours, t in zip(sorted(mids), theirs, strict=True)]
+    if not diffs:
+        raise RuntimeError("torch.profiler recorded none of the main thread's stages: no clock to align")
+    diffs.sort()
+    offset = diffs[len(diffs) // 2]
+    return {"offset_s": offset, "spread_us": 1e6 * max(abs(d - offset) for d in diffs), "pairs": len(diffs)}
 
 
 def profile_call(
-    lm, corpus: Path, out: Path, options: dict, trace: Path | None = None, gpu_timeline: bool = True
+    lm,
+    corpus: Path,
+    out: Path,
+    options: dict,
+    trace: Path | None = None,
+    gpu_timeline: bool = True,
+    profiled: bool | None = None,
 ) -> dict:
     """One ``extract()`` of ``corpus`` into ``out`` (removed first), timed by stage; on a GPU (and
-    ``gpu_timeline``) under torch.profiler. Returns the report dict (see :func:`summarise`)."""
+    ``gpu_timeline``) under torch.profiler. ``profiled=True`` runs the profiler on the CPU too (its
+    CPU activity only: the GPU branch's code without a GPU, for tests). Returns the report dict (see
+    :func:`summarise`); a trace that cannot be written is said in ``report["trace"]``."""
     import torch
 
     from geomscope.extract.run import extract
 
     shutil.rmtree(out, ignore_errors=True)
     timeline = Timeline()
-    cuda = lm.device.type == "cuda" and gpu_timeline
-    if cuda:
-        from torch.profiler import ProfilerActivity, profile, record_function
+    cuda = lm.device.type == "cuda"
+    if profiled is None:
+        profiled = cuda and gpu_timeline
+    if profiled:
+        from torch.profiler import ProfilerActivity, profile
 
-        prof_ctx = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        prof_ctx = profile(activities=activities)
     else:
         prof_ctx = nullcontext()
     with ExitStack() as stack:
         prof = stack.enter_context(prof_ctx)
         stack.enter_context(instrumented(timeline, lm=lm))
-        anchor_perf = time.perf_counter()
-        if cuda:
-            with record_function("geomscope.anchor"):
-                pass
         main = threading.current_thread().name
         t0 = time.perf_counter()
         summary = extract(lm, [corpus], out, **options)
@@ -278,12 +329,19 @@ def profile_call(
             torch.cuda.synchronize(lm.device)
         t1 = time.perf_counter()
     report = summarise(timeline, main, t0, t1, summary)
-    if cuda:
-        busy = union(_gpu_intervals(prof, anchor_perf))
+    if profiled:
+        events = prof.events()
+        clock = clock_offset(events, timeline, main)
+        work = [(a + clock["offset_s"], b + clock["offset_s"]) for a, b in gpu_work(events)]
         first = min((a for a, _b, s in timeline.thread_intervals(main) if s == "launch"), default=t0)
-        report["gpu"] = gpu_summary(timeline, main, busy, first, t1, report["batches"])
+        report["gpu"] = gpu_summary(timeline, main, work, first, t1, report["batches"]) | {"clock": clock}
         if trace is not None:
-            prof.export_chrome_trace(str(trace))
+            trace.unlink(missing_ok=True)
+            try:  # (kineto logs a failed write and raises nothing: the file says)
+                prof.export_chrome_trace(str(trace))
+                report["trace"] = str(trace) if trace.is_file() else f"not written to {trace}"
+            except Exception as e:  # the report matters more than the trace
+                report["trace"] = f"not written: {type(e).__name__}: {e}"
     return report
 
 
@@ -304,19 +362,39 @@ def summarise(timeline: Timeline, main: str, t0: float, t1: float, summary: dict
     }
 
 
-def gpu_summary(timeline: Timeline, main: str, busy, start: float, stop: float, batches: int) -> dict:
+def gpu_summary(timeline: Timeline, main: str, work, start: float, stop: float, batches: int) -> dict:
     """The GPU's busy share of ``[start, stop]`` (first launch to the end) and its idle time split
-    by the main thread's innermost stage."""
+    by the main thread's innermost stage. ``work``: the GPU's kernels, copies and memsets on the
+    stage timers' clock. The idle time before the first work ("head") and after the last ("tail":
+    the last shards' storing) is given apart; the per-batch idle time is the rest's, between the
+    first and the last work."""
+    work = list(work)
+    n = max(batches, 1)
+    if not work:
+        return {
+            "error": "torch.profiler recorded no GPU work (is CUPTI available?): no GPU timeline",
+            "kernels": 0,
+        }
+    busy = union(work)
     idle = gaps(busy, start, stop)
     pieces = innermost(timeline.thread_intervals(main), start, stop)
-    window, n = stop - start, max(batches, 1)
+    window = stop - start
     idle_s = sum(b - a for a, b in idle)
+    head = max(0.0, min(busy[0][0], stop) - start)
+    tail = max(0.0, stop - max(busy[-1][1], start))
+    between = idle_s - head - tail
+    inside = sum(max(0.0, min(b, stop) - max(a, start)) for a, b in busy)
     return {
+        "kernels": len(work),
+        "work_s": sum(b - a for a, b in work),
+        "work_inside_window": inside / max(sum(b - a for a, b in busy), 1e-300),
         "window_s": window,
         "busy_s": window - idle_s,
         "idle_s": idle_s,
+        "head_s": head,
+        "tail_s": tail,
         "idle_by_main_stage_s": dict(sorted(overlap_by_label(pieces, idle).items(), key=lambda kv: -kv[1])),
-        "per_batch_ms": {"busy": 1e3 * (window - idle_s) / n, "idle": 1e3 * idle_s / n},
+        "per_batch_ms": {"busy": 1e3 * (window - idle_s) / n, "idle": 1e3 * between / n},
     }
 
 
@@ -343,19 +421,34 @@ def markdown(report: dict) -> str:
         markdown_table(stage_rows),
     ]
     gpu = report.get("gpu")
-    if gpu:
-        if "wall_s_without_profiler" in report:
-            parts.append(f"(the same call without torch.profiler: {report['wall_s_without_profiler']:.3f} s)")
+    if "wall_s_without_profiler" in report:
+        warm = ", ".join(f"{t:.3f}" for t in report.get("warmup_wall_s", []))
+        parts.append(
+            f"(the same call without torch.profiler: {report['wall_s_without_profiler']:.3f} s"
+            + (f"; the warm-up calls: {warm} s" if warm else "")
+            + (", the first alone: cold" if len(report.get("warmup_wall_s", [])) == 1 else "")
+            + ")"
+        )
+    if gpu and "error" in gpu:
+        parts.append(f"GPU: {gpu['error']}")
+    elif gpu:
+        clock = gpu.get("clock", {})
         parts.append(
             f"GPU, first launch to the end ({gpu['window_s']:.3f} s): busy {gpu['busy_s']:.3f} s "
-            f"({gpu['busy_s'] / gpu['window_s']:.1%}), idle {gpu['idle_s']:.3f} s; per batch "
-            f"{gpu['per_batch_ms']['busy']:.2f} ms busy, {gpu['per_batch_ms']['idle']:.2f} ms idle"
+            f"({gpu['busy_s'] / gpu['window_s']:.1%}), idle {gpu['idle_s']:.3f} s (before the first "
+            f"GPU work {gpu['head_s']:.3f} s, after the last {gpu['tail_s']:.3f} s); per batch "
+            f"{gpu['per_batch_ms']['busy']:.2f} ms busy, {gpu['per_batch_ms']['idle']:.2f} ms idle "
+            f"between. {gpu['kernels']:,} kernels/copies, {gpu['work_s']:.3f} s of GPU work, "
+            f"{gpu['work_inside_window']:.1%} of it inside the window; clocks aligned on "
+            f"{clock.get('pairs', 0)} stage calls, spread {clock.get('spread_us', float('nan')):.0f} us"
         )
         idle_rows = [
             {"the main thread was in": stage, "GPU idle s": f"{s:.3f}", "ms per batch": f"{1e3 * s / n:.2f}"}
             for stage, s in gpu["idle_by_main_stage_s"].items()
         ]
         parts.append(markdown_table(idle_rows))
+    if "trace" in report:
+        parts.append(f"trace: {report['trace']}")
     return "\n\n".join(parts)
 
 
@@ -364,13 +457,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default="bundled:minilm")
     ap.add_argument("--sentences", type=int, default=10_000)
     ap.add_argument("--layers", default="all")
-    ap.add_argument("--batch-tokens", type=int, default=None, help="default: extract's for the device")
+    ap.add_argument("--batch-tokens", type=int, default=None, help="default: extract's (8192)")
     ap.add_argument("--shard-docs", type=int, default=1000)
     ap.add_argument("--store-dtype", default="float16")
     ap.add_argument("--dtype", default=None, help="the model's dtype (default: extract's)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--stub-forward", action="store_true", help="a forward that returns at once")
-    ap.add_argument("--repeats", type=int, default=2, help="calls made; the last is profiled")
+    ap.add_argument("--repeats", type=int, default=3, help="calls made; the last is profiled")
     ap.add_argument("--workdir", default=None, help="where the corpus and the run go (default: a temp dir)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--trace", default=None, help="a GPU run's Chrome trace")
@@ -389,14 +482,17 @@ def main(argv=None) -> dict:
     if args.batch_tokens:
         options["batch_tokens"] = args.batch_tokens
     with forward_stubbed(lm) if args.stub_forward else nullcontext():
-        host_only = None
+        warmups = []
         for _ in range(max(0, args.repeats - 1)):  # the stage timers alone, no torch.profiler
-            host_only = profile_call(lm, corpus, work / "run", options, gpu_timeline=False)
-        report = profile_call(lm, corpus, work / "run", options, Path(args.trace) if args.trace else None)
-    if host_only is not None and "gpu" in report:
+            warmups.append(profile_call(lm, corpus, work / "run", options, gpu_timeline=False)["wall_s"])
+        trace = Path(args.trace) if args.trace else None
+        # --trace on the CPU: the profiler's CPU activity (the main thread's ops and stages)
+        report = profile_call(lm, corpus, work / "run", options, trace, profiled=True if trace else None)
+    if warmups and "gpu" in report:
         # torch.profiler records every op of the main thread, which slows the host: the call's
-        # time without it, from the last warm-up call, says by how much
-        report["wall_s_without_profiler"] = host_only["wall_s"]
+        # time without it says by how much (the fastest warm call: the first is cold)
+        report["warmup_wall_s"] = warmups
+        report["wall_s_without_profiler"] = min(warmups[1:] or warmups)
     report["setup"] = {
         **vars(args),
         "device": str(lm.device),

@@ -108,11 +108,87 @@ def test_gpu_summary_splits_idle_time_by_the_main_threads_stage():
     assert got["busy_s"] == 6.0 and got["idle_s"] == 4.0
     # idle: 0-1 (upload), 3-4 (forward), 4-5 (wait for rows), 9-10 (the loop)
     assert got["idle_by_main_stage_s"] == {"upload": 1.0, "forward": 1.0, "wait for rows": 1.0, pe.LOOP: 1.0}
-    assert got["per_batch_ms"] == {"busy": 3000.0, "idle": 2000.0}
+    # 1 s before the first GPU work and 1 s after the last: the 2 s between are the batches' idle time
+    assert got["head_s"] == 1.0 and got["tail_s"] == 1.0
+    assert got["per_batch_ms"] == {"busy": 3000.0, "idle": 1000.0}
+    assert got["kernels"] == 2 and got["work_s"] == 6.0 and got["work_inside_window"] == 1.0
     report = {"wall_s": 10.0, "rows": 5, "batches": 2, "shards": 1, "main_thread": "MainThread"}
     report |= {"threads": timeline.by_thread(), "gpu": got, "wall_s_without_profiler": 9.0}
+    report["warmup_wall_s"] = [12.0, 9.0]
     text = pe.markdown(report)
-    assert "| wait for rows | 1.000 | 500.00 |" in text and "without torch.profiler: 9.000 s" in text
+    assert "| wait for rows | 1.000 | 500.00 |" in text
+    assert "without torch.profiler: 9.000 s; the warm-up calls: 12.000, 9.000 s)" in text
+    assert "before the first GPU work 1.000 s, after the last 1.000 s" in text
+    # overlapping work on two streams counts once; no work at all is said, not shown as idle
+    assert pe.gpu_summary(timeline, "MainThread", [(1.0, 3.0), (2.0, 4.0)], 0.0, 10.0, 2)["busy_s"] == 3.0
+    none = pe.gpu_summary(timeline, "MainThread", [], 0.0, 10.0, batches=2)
+    assert none["kernels"] == 0 and "no GPU work" in pe.markdown(report | {"gpu": none})
+
+
+def _event(name, start_us, end_us, device="CPU", **kw):
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    return FunctionEvent(0, name, 1, start_us, end_us, device_type=getattr(DeviceType, device), **kw)
+
+
+def test_gpu_work_is_kernels_copies_and_memsets_not_annotations_or_waits():
+    """The profiler's device-side annotation of a stage spans its first to its last kernel, gaps
+    included: counted as busy it would hide the very idle time the script is for."""
+    events = [
+        _event(
+            "geomscope.forward",
+            1000,
+            10000,
+            "CUDA",
+            is_user_annotation=True,
+            activity_type="gpu_user_annotation",
+        ),
+        _event("gemm", 1000, 2000, "CUDA", activity_type="kernel"),
+        _event("Memcpy HtoD", 2500, 3000, "CUDA", activity_type="gpu_memcpy"),
+        _event("Memset", 3000, 3100, "CUDA", activity_type="gpu_memset"),
+        _event("Stream Wait Event", 3100, 8000, "CUDA", activity_type="cuda_sync"),
+        _event("gemm", 9000, 10000, "CUDA", activity_type="kernel"),
+        _event("cudaLaunchKernel", 900, 950, "CPU", activity_type="cuda_runtime"),
+        _event("old torch: a kernel without an activity type", 11000, 11500, "CUDA"),
+        _event("old torch: an annotation", 11000, 20000, "CUDA", is_user_annotation=True),
+    ]
+    assert pe.gpu_work(events) == [
+        (0.001, 0.002),
+        (0.0025, 0.003),
+        (0.003, 0.0031),
+        (0.009, 0.01),
+        (0.011, 0.0115),
+    ]
+
+
+def test_clock_offset_pairs_the_main_threads_stage_calls():
+    """The profiler's clock starts at 0 where the timers read 100 s; its ranges open 40 us after the
+    timer starts and close 40 us before it stops (nested in the timer's: the midpoints differ by the
+    clocks' offset alone), one call of a stage
+    is missing from the profiler (that stage is left out), and another thread's stage is not used."""
+    timeline = pe.Timeline()
+    timeline.records = [
+        ("MainThread", "forward", 100.001, 100.004, 0.003),
+        ("MainThread", "forward", 100.010, 100.014, 0.004),
+        ("MainThread", "pad", 100.000, 100.0005, 0.0005),
+        ("MainThread", "upload", 100.0006, 100.0008, 0.0002),
+        ("MainThread", "upload", 100.0106, 100.0108, 0.0002),
+        ("geomscope-store", "append", 100.005, 100.009, 0.004),
+    ]
+    events = [
+        _event("geomscope.forward", 1040, 3960),
+        _event("geomscope.forward", 10040, 13960),
+        _event("geomscope.pad", 40, 460),
+        _event("geomscope.upload", 640, 760),  # the second upload was not recorded
+        _event("geomscope.append", 0, 99999),  # (the store thread: not recorded by default anyway)
+        _event("geomscope.forward", 1040, 4040, "CUDA", is_user_annotation=True),
+    ]
+    clock = pe.clock_offset(events, timeline, "MainThread")
+    assert clock["pairs"] == 3 and clock["offset_s"] == pytest.approx(100.0, abs=1e-9)
+    assert clock["spread_us"] < 1e-3
+    with pytest.raises(RuntimeError, match="none of the main thread's stages"):
+        pe.clock_offset([], timeline, "MainThread")
 
 
 # ---------------------------------------------------------------- a profiled extract on the CPU
@@ -166,6 +242,33 @@ def test_profiled_extract_times_every_stage_where_it_runs(tiny_bert, tmp_path):
     np.testing.assert_array_equal(_rows(tmp_path / "run"), _rows(tmp_path / "plain"))
     text = pe.markdown(report)
     assert f"{batches} batches" in text and "| append |" in text
+
+
+def test_profiled_branch_runs_on_the_cpu(tiny_bert, tmp_path):
+    """The GPU branch's code under torch.profiler with CPU activity only: the clocks are aligned on
+    the main thread's stage calls, no GPU work is said as such, and the trace is written."""
+    from bench_extract import make_corpus
+
+    from geomscope.extract.models import load_model
+
+    lm = load_model(str(tiny_bert), device="cpu")
+    corpus = make_corpus(60, tmp_path / "corpus.txt")
+    options = {"layers": "all", "shard_docs": 30, "batch_tokens": 256, "store_dtype": "float16"}
+    trace = tmp_path / "trace.json"
+    report = pe.profile_call(lm, corpus, tmp_path / "run", options, trace, profiled=True)
+    gpu = report["gpu"]
+    assert gpu["kernels"] == 0 and "no GPU work" in gpu["error"]
+    assert report["trace"] == str(trace) and "geomscope.forward" in trace.read_text()
+    # every main-thread stage call is a profiler range: as many pairs as the main thread's records
+    main = report["main_thread"]
+    assert gpu["clock"]["pairs"] == sum(
+        s["calls"] for k, s in report["threads"][main].items() if k != pe.LOOP
+    )
+    assert "GPU: torch.profiler recorded no GPU work" in pe.markdown(report)
+    bad = pe.profile_call(
+        lm, corpus, tmp_path / "run", options, tmp_path / "no" / "dir" / "t.json", profiled=True
+    )
+    assert bad["trace"].startswith("not written") and bad["rows"] == report["rows"]
 
 
 def test_script_with_the_forward_stubbed(tiny_bert, tmp_path, capsys):
