@@ -274,3 +274,70 @@ def test_local_cluster_settings_applied_and_restored():
         assert profiling and set(profiling.values()) == {False}
         assert ex.client.submit(sum, [1, 2], pure=False).result() == 3
     assert {k: dask.config.get(k) for k in LOCAL_CLUSTER_CONFIG} == before
+
+
+def test_overlapping_local_starts_in_threads_leave_no_settings_behind(monkeypatch):
+    """dask.config.set restores what it saw on entry: two local:N starts overlapping in threads (A in,
+    B in, A out, B out) would leave A's settings on for the process. The starts take turns."""
+    import threading
+    import time
+
+    import dask
+    import distributed
+
+    from geomscope.score import dask_executor as de
+
+    keys = [*de.LOCAL_CLUSTER_CONFIG, "distributed.worker.multiprocessing-method"]
+    before = {k: dask.config.get(k) for k in keys}
+    real = distributed.LocalCluster
+    hold = {"A": 0.05, "B": 0.6}  # B enters after A and stays longer: A leaves first
+
+    def slow_cluster(*args, **kwargs):
+        time.sleep(hold[threading.current_thread().name])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(distributed, "LocalCluster", slow_cluster)
+    errors = []
+
+    def start():
+        try:
+            with de.DaskExecutor("local:1") as ex:
+                assert ex.client.submit(sum, [1, 2], pure=False).result() == 3
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    a = threading.Thread(target=start, name="A")
+    b = threading.Thread(target=start, name="B")
+    a.start()
+    time.sleep(0.02)
+    b.start()
+    a.join()
+    b.join()
+    assert not errors
+    assert {k: dask.config.get(k) for k in keys} == before
+
+
+PRELOAD_FAILS = "raise RuntimeError('this preload cannot start')\n"
+
+
+def test_a_worker_that_cannot_start_is_one_error_at_once(tmp_path, monkeypatch, capfd):
+    """A worker process that fails to start (here: a Dask preload that raises) is an InputError with
+    its cause as soon as it fails -- not a 10 s wait and Dask's tracebacks -- and nothing is left."""
+    import time
+
+    import dask
+
+    from geomscope.score import dask_executor as de
+
+    pre = tmp_path / "badpre.py"
+    pre.write_text(PRELOAD_FAILS)
+    before = {k: dask.config.get(k) for k in de.LOCAL_CLUSTER_CONFIG}
+    t0 = time.monotonic()
+    with dask.config.set({"distributed.worker.preload": [str(pre)]}):
+        with pytest.raises(InputError) as err:
+            de.DaskExecutor("local:2")
+    assert time.monotonic() - t0 < de.CONNECT_TIMEOUT_S - 2
+    msg = str(err.value)
+    assert "\n" not in msg and "failed to start" in msg and "--workers N" in msg
+    assert {k: dask.config.get(k) for k in de.LOCAL_CLUSTER_CONFIG} == before
+    assert "Traceback" not in capfd.readouterr().err

@@ -78,13 +78,18 @@ LOCAL_CLUSTER_CONFIG = {
     "distributed.worker.profile.enabled": False,  # a thread sampling every server's stacks every 10 ms
     "distributed.admin.system-monitor.interval": "10s",  # psutil readings twice a second per server
     "distributed.admin.tick.interval": "1s",  # event-loop latency probe, 50 times a second per server
-    # a worker is given a chunk only when its thread is free, the rest wait on the scheduler, which
-    # hands each to the first worker free: balanced without work stealing (and its 100 ms rebalancing)
+    # where chunks wait on the scheduler (Dask queues a group of more tasks than twice the threads of
+    # the workers up: spawned workers, the first one up alone), a worker is given one only when its
+    # thread is free; once all are up, a pass's two chunks per thread are placed at once, balanced by
+    # their equal sizes, so work stealing's 100 ms rebalancing is off
     "distributed.scheduler.worker-saturation": 1.0,
     "distributed.scheduler.work-stealing": False,
 }
 
 _limited = threading.local()
+# dask.config.set restores on exit what it saw on entry, without a lock: two local:N starts
+# overlapping in threads (A in, B in, A out, B out) would leave A's settings on for the process
+_LOCAL_START = threading.Lock()
 
 
 def parse_scheduler(value) -> str:
@@ -195,7 +200,9 @@ class DaskExecutor:
         # read when each Server (scheduler, Nanny, worker) is made, and when a Nanny starts its worker
         # process: held until the N workers are up, so a worker restarted later is spawned
         config = {**LOCAL_CLUSTER_CONFIG, "distributed.worker.multiprocessing-method": self.start_method}
-        with dask.config.set(config):
+        # (the settings are the process's while the block runs: a Dask server another thread makes
+        # meanwhile gets them too; the block lasts ~0.1 s when forking, ~0.7 s when spawning)
+        with _LOCAL_START, dask.config.set(config):
             self._cluster = distributed.LocalCluster(
                 n_workers=0,
                 threads_per_worker=1,
@@ -205,7 +212,7 @@ class DaskExecutor:
                 worker_dashboard_address=None,
                 # no dashboard; the scheduler's bare HTTP endpoint on a free localhost port, not 8787
                 scheduler_kwargs={"dashboard": False, "dashboard_address": "127.0.0.1:0"},
-                silence_logs=logging.ERROR,
+                silence_logs=logging.CRITICAL,  # its failures come back as errors (start, tasks)
             )
             # the client before the workers: made with workers to come, it waits for every Nanny's
             # start, which Dask learns by polling its worker's start-up queue every 50 ms. Results
@@ -224,10 +231,22 @@ class DaskExecutor:
     def _wait_for_local_workers(self, n: int) -> None:
         """Until ``n`` workers have registered with the cluster's scheduler (it runs in this process:
         its worker table is read directly, every 2 ms, where ``Client.wait_for_workers`` asks every
-        100 ms). At least one within CONNECT_TIMEOUT_S, else TimeoutError; the rest join later."""
+        100 ms). At least one within CONNECT_TIMEOUT_S, else TimeoutError; the rest join later. A
+        worker process that failed to start is an InputError at once, with its cause, not a wait."""
+        from distributed.core import Status
+
         workers = self._cluster.scheduler.workers
         deadline = time.monotonic() + CONNECT_TIMEOUT_S
         while len(workers) < n and time.monotonic() < deadline:
+            # (the cluster lists its Nannies once every one has started or failed)
+            failed = [w for w in list(self._cluster.workers.values()) if w.status == Status.failed]
+            if failed:
+                cause = getattr(failed[0], "_Server__startup_exc", None)  # what Dask's Server keeps
+                raise InputError(
+                    f"--scheduler {self.scheduler}: {len(failed)} of its worker processes failed to start"
+                    f" ({_first_line(cause) if cause is not None else 'no cause given'}); "
+                    "fix that cause, or score with --workers N instead"
+                )
             time.sleep(0.002)
         if not workers:
             raise TimeoutError(f"no worker of {self.scheduler} started")
@@ -239,12 +258,14 @@ class DaskExecutor:
         self.close()
 
     def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
-            self.client = None
-        if self._cluster is not None:
-            self._cluster.close()
-            self._cluster = None
+        client, cluster = self.client, self._cluster
+        self.client = self._cluster = None
+        try:
+            if client is not None:
+                client.close()
+        finally:  # (a second Ctrl-C in the client's close still closes the cluster)
+            if cluster is not None:
+                cluster.close()
 
     def chunk_size(self, n_tasks: int) -> int:
         """Tasks per Dask task: consecutive task indices ``[k c, (k + 1) c)`` run in one worker call.
