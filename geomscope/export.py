@@ -94,7 +94,7 @@ def export_run(run_dir, to: str, out_dir, *, layers: list[str] | None = None, pr
 def _chunks(run, shard, names):
     from geomscope.store import iter_shard
 
-    yield from iter_shard(run.shard_path(shard), names)
+    yield from iter_shard(run.shard_path(shard), names, rows=shard.rows, dim=run.dim)
 
 
 def _meta(ch) -> dict[str, np.ndarray]:

@@ -20,6 +20,7 @@ numbers (to float64 rounding of the merge tree, which is the same tree either wa
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -140,9 +141,24 @@ def run_task(task: Task, spec: PassSpec, progress=None, into: dict | None = None
     checked first, its checksum (``spec.checksum``) while it is read. ``into``: accumulate into these
     parts (in place: one set of accumulators when tasks run in this process) instead of new ones."""
     finish = _check(task, spec)
-    parts = _run(task, spec, progress, {} if into is None else into)
+    with _checksum_first([finish]):
+        parts = _run(task, spec, progress, {} if into is None else into)
     finish()
     return parts
+
+
+@contextmanager
+def _checksum_first(finishes: list):
+    """A pass that fails is first held to the checksums of the shards it began (``finishes``: their
+    check_shard_file ``finish()``es, read when it fails): a changed file is said as such -- its
+    damage, not what the damage made the reading or the statistics find (a flipped bit read as an
+    Inf, a chunk index pointing nowhere)."""
+    try:
+        yield
+    except Exception:
+        for finish in list(finishes):
+            finish()  # raises the checksum's DataError when the bytes differ
+        raise
 
 
 def run_tasks(tasks: list[Task], spec: PassSpec, progress=None, into: dict | None = None) -> dict:
@@ -162,21 +178,25 @@ def run_tasks(tasks: list[Task], spec: PassSpec, progress=None, into: dict | Non
         return parts
     _new_parts(parts, spec)
 
+    started = []  # the checksums of the tasks begun
+
     def stream():
         for t in tasks:
             finish = _check(t, spec)
+            started.append(finish)
             yield from iter_blocks(t, spec.layers, spec.n_groups, spec.block_rows)
             yield _TaskDone(finish)  # the task's last block is in: its checksum is due
 
-    with OrderedWork(spec.threads) as work:
-        for item in _read_ahead(stream()):
-            if isinstance(item, _TaskDone):
-                work.then(item.finish)  # once the task's blocks are merged: errors in row order
-                continue
-            _add_block(item, spec, parts, work)
-            if progress:
-                progress(len(item.keys))
-        work.drain()
+    with _checksum_first(started):  # (the list fills as the tasks begin)
+        with OrderedWork(spec.threads) as work:
+            for item in _read_ahead(stream()):
+                if isinstance(item, _TaskDone):
+                    work.then(item.finish)  # once the task's blocks are merged: errors in row order
+                    continue
+                _add_block(item, spec, parts, work)
+                if progress:
+                    progress(len(item.keys))
+            work.drain()
     return parts
 
 

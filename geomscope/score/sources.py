@@ -46,7 +46,7 @@ class Task:
     digest: tuple[str, str] | None = None  # shard: (algorithm, hex) of its checksum (store/checksum.py)
     offset: int = 0  # formats: the source's global row number of row ``start``
     meta: tuple[str, ...] = ()  # formats: the optional per-row columns present (doc_id, special)
-    dim: int = 0  # formats: the layers' width (sizes the read blocks)
+    dim: int = 0  # formats: the layers' width (sizes the read blocks); shard: the run's, checked
     accumulated: bool = False  # shard of a --keep sample run: accumulators and a sample, not every row
 
 
@@ -82,10 +82,12 @@ def check_shard_file(task: Task, *, checksum: bool):
 
     from geomscope.store import remote
     from geomscope.store.checksum import matches
+    from geomscope.store.reader import check_regular_file
 
     p = remote.location(task.path)
     if not remote.exists(p):
         raise DataError(f"shard {p} is missing; rerun the same `geomscope extract` command to redo it")
+    check_regular_file(p)  # (a FIFO or a device would block the size check and the hash)
     size = remote.size(p)
     if task.nbytes >= 0 and size != task.nbytes:
         raise DataError(
@@ -128,7 +130,7 @@ def _shard_meta(task: Task, layers: list[str], n_groups: int) -> Iterator[Block]
     """Metadata (keys, groups, special, non-finite flags) of a shard, without activations."""
     from geomscope.store import iter_shard
 
-    for ch in iter_shard(task.path, layers, chunk_rows=1 << 20, activations=False):
+    for ch in iter_shard(task.path, layers, chunk_rows=1 << 20, activations=False, rows=task.rows):
         n = ch.stop - ch.start
         nf = {
             name: np.asarray(ch.nonfinite[name], bool) if name in ch.nonfinite else np.zeros(n, bool)
@@ -145,7 +147,7 @@ def _shard_meta(task: Task, layers: list[str], n_groups: int) -> Iterator[Block]
 def _shard_blocks(task: Task, layers: list[str], n_groups: int, block_rows: int | None) -> Iterator[Block]:
     from geomscope.store import iter_shard
 
-    for ch in iter_shard(task.path, layers, chunk_rows=block_rows):
+    for ch in iter_shard(task.path, layers, chunk_rows=block_rows, rows=task.rows, dim=task.dim or None):
         nf = {}
         for n in layers:
             if n in ch.nonfinite:  # the store flags every row whose stored values hold NaN/Inf
@@ -470,6 +472,7 @@ def _open_run(p: Path | str, layers: list[str] | None, partial: bool) -> SourceI
             rows=s.rows,
             nbytes=s.bytes,
             digest=s.digest,
+            dim=dim,  # every shard's layers are checked to be this wide before they are read
             accumulated=sample is not None,
         )
         for s in sorted(shards, key=lambda s: s.index)

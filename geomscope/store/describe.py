@@ -8,7 +8,7 @@ from pathlib import Path
 from geomscope.errors import DataError
 from geomscope.store import remote
 from geomscope.store.manifest import MANIFEST_NAME, PART_RE, being_written
-from geomscope.store.reader import Run, shard_counts, verify_shard
+from geomscope.store.reader import Run, shard_counts, verify_layout, verify_shard
 
 OPTION_KEYS = (
     "store_dtype",
@@ -108,7 +108,8 @@ def _verify(run: Run, shards) -> dict:
     for s in shards:
         try:
             verify_shard(run.shard_path(s), s)
-            rows, docs = shard_counts(run.shard_path(s))
+            verify_layout(run.shard_path(s), run.layer_names, rows=s.rows, dim=run.dim)
+            rows, docs = shard_counts(run.shard_path(s), s.rows)
             _check_documents_in_range(run.shard_path(s), s)
             if s.n_tokens != s.rows:  # a --keep sample shard stores a sample of the documents' rows
                 docs = s.docs
@@ -139,7 +140,7 @@ def _check_documents_in_range(path, s) -> None:
     """Every document id a shard stores lies in the range its entry assigns it."""
     from geomscope.store.reader import read_shard_index
 
-    doc = read_shard_index(path)["doc_id"]
+    doc = read_shard_index(path, s.rows)["doc_id"]
     if doc.size and (int(doc.min()) < s.doc_start or int(doc.max()) >= s.doc_stop):
         raise DataError(
             f"shard {s.file} stores documents {int(doc.min())}..{int(doc.max())}, outside its range "

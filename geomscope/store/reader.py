@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,10 +75,32 @@ class _StreamedFile(h5py.File):
             self._fobj.close()
 
 
+def check_regular_file(path) -> None:
+    """A local shard must be a regular file in its run: not a symbolic link (its bytes would come
+    from elsewhere, unchecked by where the run lies), a FIFO or a device (a read that blocks or never
+    ends). DataError (one line) otherwise; a URL is left to its filesystem."""
+    if remote.is_url(path):
+        return
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError as e:
+        raise _missing(path) from e
+    except OSError as e:
+        raise _corrupt(path, f"cannot read it: {e}") from e
+    if stat.S_ISLNK(mode):
+        raise DataError(
+            f"shard {path} is a symbolic link; geomscope reads only the files extract wrote into the "
+            "run: put the shard itself there"
+        )
+    if not stat.S_ISREG(mode):
+        raise _corrupt(path, "not a regular file")
+
+
 def _open(path) -> h5py.File:
     """A shard at a location (a Path, or a URL read through fsspec) opened for reading."""
     if not remote.exists(path):
         raise _missing(path)
+    check_regular_file(path)
     try:
         if remote.is_url(path):
             f = _StreamedFile(remote.open_binary(path), path)
@@ -111,13 +135,80 @@ def read_accumulated(f: h5py.File, layer: str, *, extras: bool):
         raise _corrupt(getattr(f, "location", f.filename), f"no accumulators of layer {layer}") from e
 
 
-def read_shard_index(path: Path) -> dict[str, np.ndarray]:
-    """The per-row metadata of a shard (token_id, doc_id, position, is_special), no activations."""
+#: what a damaged or crafted shard's structure makes h5py or numpy raise while it is read
+READ_ERRORS = (OSError, KeyError, ValueError, TypeError, IndexError, AttributeError, OverflowError)
+
+
+def _own_dataset(f: h5py.File, key: str, path) -> h5py.Dataset:
+    """``f[key]``, a dataset whose data lie in the shard itself: not a link to another file or place,
+    not external raw storage, not a virtual dataset (each would read files outside the run, which the
+    shard's checksum does not cover)."""
+    link = f.get(key, getlink=True)
+    if link is None:
+        raise _corrupt(path, f"no {key}")
+    if not isinstance(link, h5py.HardLink):
+        raise _corrupt(path, f"{key} is a link to another file or place")
+    ds = f[key]
+    if not isinstance(ds, h5py.Dataset):
+        raise _corrupt(path, f"{key} is not a dataset")
+    if ds.external or ds.is_virtual:
+        raise _corrupt(path, f"{key} keeps its data outside the shard")
+    return ds
+
+
+def check_layout(f: h5py.File, path, layers=(), *, rows: int | None = None, dim: int | None = None) -> int:
+    """A shard's structure before anything is read or allocated from it: the row index (token_id,
+    doc_id, position, is_special) one-dimensional integer columns of one length n (``rows``: the
+    manifest's count, when known), each of ``layers`` an (n, D) float dataset (``dim``: the run's D,
+    when known), its non-finite flags (n,) booleans, every one stored in the shard itself. Returns n;
+    DataError (one line, naming the shard) for anything else: a crafted shape cannot make a read
+    allocate beyond what the manifest announced, nor loop over rows that are not there."""
+    n = None
+    for key in (*META_FIELDS, "is_special"):
+        ds = _own_dataset(f, key, path)
+        if ds.ndim != 1 or ds.dtype.kind not in "iub":
+            raise _corrupt(path, f"{key} is not a column of integers")
+        if n is None:
+            n = int(ds.shape[0])
+        elif ds.shape[0] != n:
+            raise _corrupt(path, f"{key} has {ds.shape[0]} rows, token_id has {n}")
+    if rows is not None and n != rows:
+        raise _corrupt(path, f"it stores {n} rows, its manifest entry says {rows}")
+    for name in layers:
+        ds = _own_dataset(f, f"layers/{name}", path)
+        if ds.ndim != 2 or ds.dtype.kind != "f":
+            raise _corrupt(path, f"layer {name} is not a (rows, D) float array")
+        if ds.shape[0] != n:
+            raise _corrupt(path, f"layer {name} has {ds.shape[0]} rows, the index has {n}")
+        if dim is not None and ds.shape[1] != dim:
+            raise _corrupt(path, f"layer {name} is {ds.shape[1]} wide, the run's layers {dim}")
+        if f.get(f"nonfinite/{name}", getlink=True) is not None:
+            flags = _own_dataset(f, f"nonfinite/{name}", path)
+            if flags.shape != (n,) or flags.dtype.kind not in "bui":
+                raise _corrupt(path, f"the non-finite flags of layer {name} are not {n} booleans")
+    return n
+
+
+def verify_layout(path, layers, *, rows: int | None = None, dim: int | None = None) -> None:
+    """:func:`check_layout` of a shard (``inspect --verify``: a shard that would stop ``score`` is
+    reported as damaged there too)."""
     path = remote.location(path)
     with _open(path) as f:
         try:
+            check_layout(f, path, layers, rows=rows, dim=dim)
+        except READ_ERRORS as e:
+            raise _corrupt(path, str(e)) from e
+
+
+def read_shard_index(path: Path, rows: int | None = None) -> dict[str, np.ndarray]:
+    """The per-row metadata of a shard (token_id, doc_id, position, is_special), no activations;
+    ``rows``: the manifest's count, checked before anything is read."""
+    path = remote.location(path)
+    with _open(path) as f:
+        try:
+            check_layout(f, path, rows=rows)
             return {k: f[k][:] for k in (*META_FIELDS, "is_special")}
-        except (OSError, KeyError) as e:
+        except READ_ERRORS as e:
             raise _corrupt(path, str(e)) from e
 
 
@@ -172,12 +263,20 @@ class _RowReader:
 
 
 def iter_shard(
-    path: Path, layers: list[str] | None = None, *, chunk_rows: int | None = None, activations: bool = True
+    path: Path,
+    layers: list[str] | None = None,
+    *,
+    chunk_rows: int | None = None,
+    activations: bool = True,
+    rows: int | None = None,
+    dim: int | None = None,
 ) -> Iterator[ShardChunk]:
     """Stream a shard in chunks of rows; memory is bounded by ``chunk_rows`` x D x len(layers).
 
     ``activations=False`` reads only the row index and the non-finite flags of ``layers`` (a chunk's
     ``layers`` is then empty): the metadata pass of ``score --max-rows``. ``path``: a path or a URL.
+    ``rows``, ``dim``: the manifest's row count and the run's width, checked (:func:`check_layout`)
+    before anything is read.
     """
     path = remote.location(path)
     with _open(path) as f, contextlib.closing(_RowReader(path)) as reader:
@@ -188,7 +287,7 @@ def iter_shard(
                     f"layer {n!r} is not in {remote.name(path)} (it has {', '.join(f['layers'].keys())})"
                 )
         try:
-            n_rows = int(f["token_id"].shape[0])
+            n_rows = check_layout(f, path, names, rows=rows, dim=dim)
             if names and activations:
                 d = f["layers"][names[0]].shape[1]
                 item = f["layers"][names[0]].dtype.itemsize
@@ -214,13 +313,13 @@ def iter_shard(
                     position=meta["position"],
                     is_special=meta["is_special"],
                 )
-        except (OSError, KeyError) as e:  # truncated file, broken chunk
-            raise _corrupt(path, str(e).split("(")[0].strip()) from e
+        except READ_ERRORS as e:  # truncated file, broken chunk, a structure no writer made
+            raise _corrupt(path, str(e).split("(")[0].strip() or type(e).__name__) from e
 
 
-def shard_counts(path: Path) -> tuple[int, int]:
-    """(rows, distinct documents) actually stored in a shard."""
-    idx = read_shard_index(path)
+def shard_counts(path: Path, rows: int | None = None) -> tuple[int, int]:
+    """(rows, distinct documents) actually stored in a shard (``rows``: see read_shard_index)."""
+    idx = read_shard_index(path, rows)
     return int(idx["doc_id"].shape[0]), int(np.unique(idx["doc_id"]).size)
 
 
@@ -230,6 +329,7 @@ def verify_shard(path: Path, info: ShardInfo) -> None:
     path = remote.location(path)
     if not remote.exists(path):
         raise _missing(path)
+    check_regular_file(path)
     try:
         size = remote.size(path)
         if size != info.bytes:

@@ -1,0 +1,222 @@
+"""Crafted and damaged shards: `score` and `inspect --verify` give one `error:` line naming the shard,
+promptly, without reading files outside the run or allocating from shapes the manifest did not
+announce. Most cases rewrite the manifest's size and checksums to match the altered shard (a manifest
+that lies), so the structure checks themselves, not the checksum, must catch them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from conftest import assert_one_line_error
+
+from geomscope.store import RunWriter
+from geomscope.store.checksum import digests
+
+D, ROWS = 16, 300
+
+
+def _run(dest: Path) -> Path:
+    """Two shards of ROWS float16 rows x D, one layer, written by the store."""
+    ident = {"model": {"name": "synthetic", "hidden_size": D}, "layers": [{"name": "layer_00", "index": 0}]}
+    rng = np.random.default_rng(0)
+    with RunWriter(dest, ident) as w:
+        for s in range(2):
+            sw = w.shard_writer(
+                s,
+                layer_names=["layer_00"],
+                dim=D,
+                store_dtype="float16",
+                expected_rows=ROWS,
+                doc_start=10 * s,
+                doc_stop=10 * s + 10,
+            )
+            sw.append(
+                {"layer_00": rng.normal(size=(ROWS, D)).astype(np.float32)},
+                token_id=np.arange(ROWS),
+                doc_id=s * 10 + np.arange(ROWS) // 30,
+                position=np.arange(ROWS) % 30,
+                is_special=np.arange(ROWS) % 30 == 0,
+            )
+            w.add_shard(sw.close())
+        w.finalize({"docs": 20})
+    return dest
+
+
+def _shard(run: Path) -> Path:
+    return run / json.loads((run / "manifest.json").read_text())["shards"][1]["file"]
+
+
+def _lie(run: Path) -> None:
+    """The manifest's entry of shard 1 rewritten to match the file as it now is."""
+    m = json.loads((run / "manifest.json").read_text())
+    entry = m["shards"][1]
+    path = run / entry["file"]
+    entry["bytes"] = path.stat().st_size
+    for algo, hexd in digests(path).items():
+        entry[algo] = hexd
+    (run / "manifest.json").write_text(json.dumps(m))
+
+
+def _rewrite(run: Path, edit) -> None:
+    """Shard 1 rebuilt with ``edit(f, data)`` applied: ``data`` holds its datasets' arrays, ``f`` the
+    new file with its attributes; ``edit`` writes the datasets."""
+    path = _shard(run)
+    with h5py.File(path, "r") as old:
+        attrs = dict(old.attrs)
+        data = {k: old[k][()] for k in ("token_id", "doc_id", "position", "is_special")}
+        data["layers/layer_00"] = old["layers/layer_00"][()]
+        data["nonfinite/layer_00"] = old["nonfinite/layer_00"][()] if "nonfinite/layer_00" in old else None
+    path.unlink()
+    with h5py.File(path, "w") as f:
+        f.attrs.update(attrs)
+        f.create_group("layers")
+        f.create_group("nonfinite")
+        edit(f, data)
+    _lie(run)
+
+
+def _plain(f, data, skip=()):
+    for k, v in data.items():
+        if k not in skip and v is not None:
+            f.create_dataset(k, data=v)
+
+
+def _fails(cli, run, *needles, out_dir=None):
+    out = (out_dir or run.parent) / "report"
+    code, o, e = cli(["score", run, "--out", out, "--quiet"])
+    line = assert_one_line_error(code, o, e, *needles)
+    assert not out.with_suffix(".json").exists()
+    code, o, e = cli(["inspect", run, "--verify"])
+    assert code != 0 and "Traceback" not in e, e
+    return line
+
+
+@pytest.fixture
+def run(tmp_path):
+    return _run(tmp_path / "run")
+
+
+def test_the_untouched_run_scores(cli, run, tmp_path):
+    code, _o, e = cli(["score", run, "--out", tmp_path / "ok", "--quiet"])
+    assert code == 0, e
+    assert cli(["inspect", run, "--verify"])[0] == 0
+
+
+def test_data_kept_outside_the_shard_is_refused(cli, run, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    secret = outside / "secret.bin"
+    np.random.default_rng(1).normal(size=(ROWS, D)).astype(np.float16).tofile(secret)
+
+    def external(f, data):
+        _plain(f, data, skip=("layers/layer_00",))
+        f.create_dataset(
+            "layers/layer_00", shape=(ROWS, D), dtype=np.float16, external=[(str(secret), 0, ROWS * D * 2)]
+        )
+
+    _rewrite(run, external)
+    assert "outside the shard" in _fails(cli, run, "shard-00001")
+
+
+def test_links_to_other_files_are_refused(cli, run, tmp_path):
+    other = tmp_path / "other.h5"
+    with h5py.File(other, "w") as g:
+        g["x"] = np.zeros((ROWS, D), np.float16)
+
+    def linked(f, data):
+        _plain(f, data, skip=("layers/layer_00",))
+        f["layers/layer_00"] = h5py.ExternalLink(str(other), "x")
+
+    _rewrite(run, linked)
+    assert "link to another file" in _fails(cli, run)
+
+
+def test_a_symlinked_shard_is_refused(cli, run, tmp_path):
+    shard = _shard(run)
+    copy = tmp_path / "elsewhere.h5"
+    shard.rename(copy)
+    shard.symlink_to(copy)
+    assert "symbolic link" in _fails(cli, run)
+
+
+def test_a_fifo_named_like_a_shard_does_not_hang(run, tmp_path):
+    shard = _shard(run)
+    shard.unlink()
+    os.mkfifo(shard)
+    m = json.loads((run / "manifest.json").read_text())
+    m["shards"][1]["bytes"] = 0
+    (run / "manifest.json").write_text(json.dumps(m))
+    for args in (
+        ["score", str(run), "--out", str(tmp_path / "r"), "--quiet"],
+        ["inspect", str(run), "--verify"],
+    ):
+        p = subprocess.run(
+            [sys.executable, "-m", "geomscope", *args], capture_output=True, text=True, timeout=120
+        )
+        assert p.returncode != 0 and "Traceback" not in p.stderr
+        last = p.stderr.strip().splitlines()[-1]
+        assert last.startswith("error:") and "shard-00001" in last
+        assert args[0] == "inspect" or "not a regular file" in last
+
+
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("huge_rows", "manifest entry says 300"),
+        ("huge_width", "wide"),
+        ("one_dimensional_layer", "(rows, D) float array"),
+        ("short_doc_id", "doc_id has 100 rows"),
+        ("text_doc_id", "doc_id is not a column of integers"),
+        ("short_flags", "non-finite flags"),
+        ("layer_is_a_group", "not a dataset"),
+    ],
+)
+def test_shapes_no_writer_makes_are_refused_before_anything_is_allocated(cli, run, case, needle):
+    def edit(f, data):
+        if case == "huge_rows":  # 2^40 rows declared, none written: a loop over fill values, or TiBs
+            for k, v in data.items():
+                if v is not None:
+                    shape = (2**40, *v.shape[1:])
+                    f.create_dataset(k, shape=shape, dtype=v.dtype, chunks=(1024, *v.shape[1:]))
+        elif case == "huge_width":
+            _plain(f, data, skip=("layers/layer_00",))
+            f.create_dataset("layers/layer_00", shape=(ROWS, 2**27), dtype=np.float16, chunks=(1, 2**16))
+        elif case == "one_dimensional_layer":
+            _plain(f, data, skip=("layers/layer_00",))
+            f["layers/layer_00"] = data["layers/layer_00"].ravel()[:ROWS]
+        elif case == "short_doc_id":
+            _plain(f, data, skip=("doc_id",))
+            f["doc_id"] = data["doc_id"][:100]
+        elif case == "text_doc_id":
+            _plain(f, data, skip=("doc_id",))
+            f["doc_id"] = data["doc_id"].astype("S8")
+        elif case == "short_flags":
+            _plain(f, data, skip=("nonfinite/layer_00",))
+            f["nonfinite/layer_00"] = np.zeros(100, bool)
+        else:
+            _plain(f, data, skip=("layers/layer_00",))
+            f["layers"].create_group("layer_00")
+
+    _rewrite(run, edit)
+    assert needle in _fails(cli, run, "shard-00001")
+
+
+def test_a_changed_byte_is_said_as_damage_not_as_what_it_reads_as(cli, run):
+    """A bit flipped in the activations (an Inf where a number was; the manifest untouched): the
+    checksum speaks first, not the statistics' "rows contain NaN or Inf"."""
+    shard = _shard(run)
+    with h5py.File(shard, "r") as f:
+        ds = f["layers/layer_00"]
+        offset = ds.id.get_chunk_info(0).byte_offset if ds.chunks else ds.id.get_offset()
+    raw = bytearray(shard.read_bytes())
+    raw[offset : offset + 2] = np.array([np.inf], np.float16).tobytes()
+    shard.write_bytes(bytes(raw))
+    line = _fails(cli, run, "checksum differs")
+    assert "NaN" not in line
