@@ -220,3 +220,20 @@ def test_a_changed_byte_is_said_as_damage_not_as_what_it_reads_as(cli, run):
     shard.write_bytes(bytes(raw))
     line = _fails(cli, run, "checksum differs")
     assert "NaN" not in line
+
+
+def test_a_chunk_of_the_wrong_size_is_damage_not_a_read_of_unfilled_memory():
+    """HDF5 stores every chunk of an unfiltered dataset whole; a chunk index giving another size
+    (a patched file) would make h5py return memory it never filled for the rest of the chunk."""
+    from types import SimpleNamespace
+
+    from geomscope.store.chunks import chunk_spans
+
+    def info(coord):
+        return SimpleNamespace(byte_offset=4096, filter_mask=0, size=100 if coord[0] == 8 else 8 * D * 2)
+
+    ds = SimpleNamespace(chunks=(8, D), shape=(ROWS, D), dtype=np.dtype(np.float16))
+    ds.id = SimpleNamespace(get_chunk_info_by_coord=info)
+    assert chunk_spans(ds, 0, 8) == [(4096, 8 * D * 2)]
+    with pytest.raises(ValueError, match="holds 100 bytes"):
+        chunk_spans(ds, 0, 16)

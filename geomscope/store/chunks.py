@@ -29,13 +29,17 @@ def stored_as_rows(ds: h5py.Dataset) -> bool:
 def chunk_spans(ds: h5py.Dataset, start: int, stop: int) -> list[tuple[int, int]] | None:
     """(file offset, bytes) of rows ``start:stop`` (``stop > start``) of a dataset
     :func:`stored_as_rows`, in each chunk they fall in, in row order; None when a chunk has no file
-    space yet (h5py gives its fill value) or is not stored as plain rows."""
+    space yet (h5py gives its fill value) or is not stored as plain rows. ValueError for a chunk of
+    another size: HDF5 stores every chunk of an unfiltered dataset whole, so that is damage (h5py would
+    return memory it never filled for the missing part)."""
     per_chunk, row_bytes = ds.chunks[0], ds.shape[1] * ds.dtype.itemsize
     spans = []
     for first in range(start - start % per_chunk, stop, per_chunk):
         info = ds.id.get_chunk_info_by_coord((first, 0))
-        if info.byte_offset is None or info.filter_mask != 0 or info.size != per_chunk * row_bytes:
+        if info.byte_offset is None or info.filter_mask != 0:
             return None
+        if info.size != per_chunk * row_bytes:
+            raise ValueError(f"the chunk at row {first} holds {info.size} bytes, not {per_chunk * row_bytes}")
         lo, hi = max(start, first) - first, min(stop, first + per_chunk) - first
         spans.append((info.byte_offset + lo * row_bytes, (hi - lo) * row_bytes))
     return spans
