@@ -108,8 +108,9 @@ def new_work(rows: int, dim: int) -> np.ndarray:
 @dataclass(frozen=True)
 class _Batch:
     """The sums of one reference shift, laid out as the K columns of one (rows, K) problem: every
-    replicate of every sum is a column. Built once per call of :func:`update_all` from the sums'
-    shifts and scales, which fresh copies share."""
+    replicate of every sum is a column. Built by :func:`batches_of` from the sums' shifts and
+    scales, which fresh copies share: once per call of :func:`update_all`, or once by a caller that
+    fills fresh copies block by block (accumulate._update_units)."""
 
     index: list[int]  # the positions of these sums in update_all's list
     ref: np.ndarray  # (D,) the shared reference shift
