@@ -162,7 +162,7 @@ def run(
         "none": ("--reg none", 1.05),
         "istar_lora": ("I-STAR + --lora 8 (q,v)", 1.15),
     }
-    return [
+    rows = [
         {
             "benchmark": f"finetune step: {names[k][0]} vs plain "
             + ("peft LoRA step" if baseline[k] == "plain_lora" else "HF step"),
@@ -175,6 +175,57 @@ def run(
         }
         for k in contenders
     ]
+    return rows + [_penalty_row(model, batches[0], regs["istar"], d, repeats)]
+
+
+def _penalty_row(model, batch, reg, d, repeats: int) -> dict:
+    """The I-STAR penalty alone, forward and backward, on one batch's real hidden states: the
+    library's closed-form backward against the same penalty built from autograd's pieces (rows,
+    covariance, IsoScore* of the covariance).  On a GPU a step of this model is bound by the host
+    that queues its kernels, so this is the time a step pays for the penalty there."""
+    import torch
+
+    from geomscope.metrics.isotropy import isoscore_star_from_cov_torch
+    from geomscope.train.regularizers import batch_covariance, select_tokens
+
+    inputs = {k: v.to(d.device) for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        out = model(**inputs, output_hidden_states=True)
+    hs = tuple(h.detach().requires_grad_() for h in out.hidden_states)
+    mask = inputs["attention_mask"]
+
+    def by_autograd():
+        X = select_tokens(hs, reg.layers, mask)
+        return 1 - isoscore_star_from_cov_torch(batch_covariance(X), reg.zeta, reg.C0, check=False)
+
+    def timed(penalty):
+        def f():
+            for _ in range(20):
+                torch.autograd.grad(penalty(), hs, allow_unused=True)
+            _sync(d)
+
+        return f
+
+    fns = {"ours": timed(lambda: reg(hs, mask)[0]), "autograd": timed(by_autograd)}
+    for f in fns.values():
+        f()
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append((time.perf_counter() - t0) / 20)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "benchmark": "I-STAR penalty alone, forward + backward (6 blocks, one batch's real tokens, fp64): "
+        "closed-form backward vs the same penalty by autograd",
+        "geomscope": med["ours"],
+        "alternative": med["autograd"],
+        "ratio": med["ours"] / med["autograd"],
+        "target": None,
+        "of bound": None,
+        "note": f"s/call, median of {repeats}x20 calls on {d.device.type}",
+    }
 
 
 if __name__ == "__main__":

@@ -100,6 +100,166 @@ def test_scatter_backward_and_fp32_penalty():
     assert torch.allclose(g32, g64, atol=1e-5 * float(g64.abs().max()))
 
 
+def _istar_by_autograd(hs, mask, layers, zeta, c0, include_padding=False):
+    """The penalty built from autograd's pieces: rows, covariance, IsoScore* of the covariance."""
+    from geomscope.metrics.isotropy import isoscore_star_from_cov_torch
+
+    X = select_tokens(hs, layers, mask, include_padding)
+    return 1 - isoscore_star_from_cov_torch(batch_covariance(X), zeta, c0)
+
+
+@pytest.mark.parametrize("zeta", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("target", ["trace", "c0"])
+@pytest.mark.parametrize("padding", ["excluded", "included", "none"])
+def test_istar_closed_form_gradient_equals_autograd(zeta, target, padding):
+    """The penalty's own backward (dX = 2 Xc (a I + b C + c C0) / (n - 1)) against autograd through
+    the definition, to rounding: every layer's gradient, padding rows included (zero when excluded)."""
+    hs, mask = _hidden(seed=5, B=4, T=6, D=5, L=3)
+    hs = tuple(
+        (h * torch.linspace(0.5, 3, 5) + 2.0).detach().requires_grad_() for h in hs
+    )  # anisotropic, off-centre
+    if padding == "none":
+        mask = torch.ones_like(mask)
+    c0 = (
+        None
+        if target == "trace"
+        else torch.cov(torch.randn(30, 5, generator=torch.Generator().manual_seed(1)).T).double()
+    )
+    reg = IStar([0, 2], zeta, c0, include_padding=padding == "included")
+    pen, iso = reg(hs, mask)
+    ref = _istar_by_autograd(hs, mask, [0, 2], zeta, c0, padding == "included")
+    assert pen.dtype == iso.dtype == torch.float64
+    assert float(pen.detach()) == pytest.approx(float(ref.detach()), rel=1e-13, abs=1e-15)
+    got = torch.autograd.grad(pen, hs, allow_unused=True)
+    want = torch.autograd.grad(ref, hs, allow_unused=True)
+    assert got[1] is None and want[1] is None  # layer 1 is not chosen
+    for g, w in zip((got[0], got[2]), (want[0], want[2]), strict=True):
+        scale = float(w.abs().max())
+        if zeta == 1.0:  # the score no longer depends on the rows
+            assert scale < 1e-12 and float(g.abs().max()) < 1e-12
+            continue
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12 * scale)
+        if padding == "excluded":
+            assert float(g[~mask.bool()].abs().max()) == 0.0
+
+
+def test_istar_gradcheck_by_finite_differences():
+    hs, mask = _hidden(seed=2, B=3, T=4, D=4, L=2)
+    c0 = torch.eye(4, dtype=torch.float64) * 2 + 0.1
+    for reg in (IStar([0, 1], 0.25), IStar([1], 0.4, c0)):
+        assert torch.autograd.gradcheck(lambda *h, reg=reg: reg(h, mask)[0], hs)
+
+
+def test_istar_costs_the_same_few_operations_whatever_the_number_of_layers():
+    """On a GPU the penalty's cost in a short step is its operations (each queued by the host), so
+    it must not do per-layer work beyond handing each layer its gradient; and the backward never
+    waits for the device (no nonzero, no item)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    views = {"view", "select", "detach", "squeeze", "unsqueeze", "permute", "expand", "diagonal", "alias"}
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def ops(L):
+        hs, mask = _hidden(seed=1, B=3, T=5, D=6, L=L)
+        reg = IStar(list(range(L)), 0.2)
+        with Ops() as fwd:
+            pen, _ = reg(hs, mask)
+        with Ops() as bwd:
+            torch.autograd.grad(pen, hs)
+        return [n for n in fwd.names if n not in views], [n for n in bwd.names if n not in views]
+
+    fwd2, bwd2 = ops(2)
+    fwd7, bwd7 = ops(7)
+    assert fwd2 == fwd7 and bwd2 == bwd7, (fwd2, fwd7, bwd2, bwd7)
+    assert fwd7.count("nonzero") == 1 and len(fwd7) <= 20 and len(bwd7) <= 15
+    assert not {"nonzero", "_local_scalar_dense", "item"} & set(bwd7)
+
+
+def test_istar_target_can_be_replaced_and_must_fit():
+    hs, mask = _hidden()
+    g = torch.Generator().manual_seed(7)
+    c0a, c0b = (torch.cov(torch.randn(40, 6, generator=g).T).double() for _ in range(2))
+
+    def iso(reg):
+        return float(reg(hs, mask)[1].detach())
+
+    reg = IStar([1, 2], 0.3, c0a)
+    first = iso(reg)
+    reg.C0 = c0b  # as the loop does each epoch
+    assert iso(reg) == pytest.approx(iso(IStar([1, 2], 0.3, c0b)), rel=1e-14) and iso(reg) != first
+    reg.C0 = None
+    assert iso(reg) == pytest.approx(iso(IStar([1, 2], 0.3)), rel=1e-14)
+    reg.C0 = torch.eye(5, dtype=torch.float64)
+    with pytest.raises(DataError, match="C0 is"):
+        reg(hs, mask)
+
+
+def test_istar_takes_any_target_layout_and_layer_dtypes():
+    """A non-contiguous or non-symmetric C0 (only its symmetric part counts), a C0 changed in place,
+    and layers of different dtypes: value and gradients as by autograd through the definition."""
+    hs, mask = _hidden(seed=3, B=3, T=5, D=4, L=3)
+    g = torch.Generator().manual_seed(2)
+    A = torch.randn(4, 4, generator=g, dtype=torch.float64)
+    for c0 in (
+        A.T @ A + torch.eye(4, dtype=torch.float64),
+        (A @ A.T).T,
+        A.abs() + 4 * torch.eye(4, dtype=torch.float64),
+    ):
+        pen = IStar([0, 2], 0.4, c0)(hs, mask)[0]
+        ref = _istar_by_autograd(hs, mask, [0, 2], 0.4, c0)
+        for a, b in zip(
+            torch.autograd.grad(pen, (hs[0], hs[2])), torch.autograd.grad(ref, (hs[0], hs[2])), strict=True
+        ):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13)
+    reg = IStar([0, 2], 0.4, A.T @ A)
+    reg(hs, mask)
+    reg.C0.mul_(3).add_(torch.eye(4, dtype=torch.float64))  # in place, after a first use
+    assert float(reg(hs, mask)[1].detach()) == pytest.approx(
+        float(IStar([0, 2], 0.4, reg.C0.clone())(hs, mask)[1].detach()), rel=1e-14
+    )
+    mixed = (hs[0].float().detach().requires_grad_(), hs[1], hs[2])
+    pen, ref = IStar([0, 2], 0.2)(mixed, mask)[0], _istar_by_autograd(mixed, mask, [0, 2], 0.2, None)
+    for a, b in zip(
+        torch.autograd.grad(pen, (mixed[0], mixed[2])),
+        torch.autograd.grad(ref, (mixed[0], mixed[2])),
+        strict=True,
+    ):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=1e-6 if a.dtype == torch.float32 else 1e-10, atol=1e-12)
+
+
+def test_istar_edge_cases_are_nan_or_one_line_errors():
+    hs, mask = _hidden()
+    one = torch.zeros_like(mask)
+    one[0, 0] = 1  # a single real token: no covariance, a NaN penalty (the step skips it)
+    pen = IStar([1], 0.2)(hs, one)[0]
+    assert torch.isnan(pen)
+    assert all(torch.isnan(g[0, 0]).all() for g in torch.autograd.grad(pen, hs[1:2]))
+    with pytest.raises(DataError, match="at least 2 dimensions"):
+        IStar([0], 0.2)((torch.ones(2, 3, 1, dtype=torch.float64),), None)
+    with pytest.raises(InputError, match="zeta"):
+        IStar([0], 0.2).zeta = 1.5
+
+
+def test_istar_of_a_batch_without_variance_is_nan_not_an_error():
+    """The step reads a non-finite penalty and skips the update; the penalty must not raise."""
+    hs = tuple(torch.ones(2, 3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mask = torch.ones(2, 3, dtype=torch.long)
+    assert torch.isnan(IStar([0, 1], 0.2)(hs, mask)[0])
+    # with a given C0 the shrunk covariance is zeta * C0 alone: isotropic here, so exactly 1
+    assert float(IStar([0, 1], 0.2, torch.eye(4, dtype=torch.float64))(hs, mask)[1].detach()) == 1.0
+    with torch.no_grad():
+        assert torch.isnan(IStar([0, 1], 0.0)(hs, mask)[1])
+
+
 def test_batch_covariance_is_stable_under_a_large_offset():
     X = torch.randn(500, 4, generator=torch.Generator().manual_seed(0)).double() + 1e7
     C = batch_covariance(X)

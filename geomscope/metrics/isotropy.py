@@ -213,11 +213,20 @@ def _terms_torch(x64):
     return g.diagonal().sum() * s, (g * g).sum() * (s * s), xc
 
 
-def _star_terms(tr, fro2, d, z, C0=None, cross=None):
-    if C0 is None:  # trace-matched identity: tr(C_z) = tr(C)
+def star_terms(tr, fro2, d, z, target=None):
+    """(tr(C_z), ||C_z||_F^2) of C_z = (1 - z) C + z C0 from C's trace and squared Frobenius norm.
+
+    ``target`` None: C0 = tr(C)/d * I (trace-matched, so tr(C_z) = tr(C)); else the triple
+    (tr(C0), ||C0||_F^2, <C, C0>_F).  Plain arithmetic: tensors (with grad) or floats alike.
+    """
+    if target is None:
         return tr, (1 - z) ** 2 * fro2 + (1 - (1 - z) ** 2) * tr * tr / d
-    tr0 = C0.diagonal().sum()
-    return (1 - z) * tr + z * tr0, (1 - z) ** 2 * fro2 + 2 * z * (1 - z) * cross + z * z * (C0 * C0).sum()
+    tr0, fro0, cross = target
+    return (1 - z) * tr + z * tr0, (1 - z) ** 2 * fro2 + 2 * z * (1 - z) * cross + z * z * fro0
+
+
+def _target_terms(c0, cross):
+    return None if c0 is None else (c0.diagonal().sum(), (c0 * c0).sum(), cross)
 
 
 def isoscore_torch(X, *, check: bool = True):
@@ -248,7 +257,7 @@ def isoscore_star_torch(X, zeta, C0=None, *, check: bool = True):
     if C0 is not None:
         c0 = _c0_torch(C0, d, x)
         cross = ((xc @ c0) * xc).sum() / (n - 1)
-    tz, fz = _star_terms(tr, fro2, d, z, c0, cross)
+    tz, fz = star_terms(tr, fro2, d, z, _target_terms(c0, cross))
     score = (tz * tz / fz - 1) / (d - 1)
     return _checked(score, check, "IsoScore*").to(_out_dtype(X))
 
@@ -280,6 +289,6 @@ def isoscore_star_from_cov_torch(C, zeta, C0=None, *, check: bool = True):
     if C0 is not None:
         c0 = _c0_torch(C0, d, c)
         cross = (c * c0).sum()
-    tz, fz = _star_terms(tr, fro2, d, z, c0, cross)
+    tz, fz = star_terms(tr, fro2, d, z, _target_terms(c0, cross))
     score = (tz * tz / fz - 1) / (d - 1)
     return _checked(score, check, "IsoScore*").to(_out_dtype(C))

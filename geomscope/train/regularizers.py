@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from geomscope.metrics.isotropy import isoscore_star_from_cov_torch
+from geomscope.errors import DataError
+from geomscope.metrics.isotropy import _check_zeta, star_terms
 
 
 def select_tokens(
@@ -80,6 +81,7 @@ class _AllReduceSum(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         return _AllReduceSum.apply(grad, ctx.group), None
 
@@ -107,12 +109,127 @@ def batch_covariance(X: torch.Tensor, group=None) -> torch.Tensor:
     return S.to(torch.float64) / (float(n) - 1)
 
 
+class _IStarRows(torch.autograd.Function):
+    """IsoScore* of the chosen layers' real tokens, its forward and backward in a few kernels each.
+
+    On a GPU a fine-tuning step of a small model is bound by the host that queues its kernels, so
+    the penalty's cost is its number of operations, not its arithmetic: built from autograd's
+    pieces it took ~115 (a gather, a cast and a scatter per layer, a dozen scalar ops each way).
+    Here the forward stacks the layers, keeps the real tokens with one gather, centres them on the
+    (global) mean and forms S = Xc^T Xc; tr(S), ||S||_F^2 and <S, C0>_F come back to the host in
+    one transfer (the step reads the loss right after the penalty, so the wait is the step's
+    own), and the score and its gradient's coefficients are float64 host arithmetic.  With
+    C = S / (n - 1), dIsoScore*/dC = a I + b C + c C0 (docs/metrics.md), so the backward is one
+    D x D combination, one product dX = 2 Xc (a I + b C + c C0) / (n - 1) and one scatter of the
+    rows back to the layers.  The mean's share of the gradient, -sum(dX)/n, is left out: sum(Xc)
+    is zero, so it is zero in exact arithmetic (rounding apart).  The backward is not itself
+    differentiable: nothing in fine-tuning takes second derivatives of the penalty.
+    """
+
+    @staticmethod
+    def forward(ctx, spec: IStar, keep, *hidden):
+        L, D = len(hidden), hidden[0].shape[-1]
+        H = torch.stack(hidden).view(L, -1, D)
+        X = (H if keep is None else H.index_select(1, keep)).reshape(-1, D).to(spec.dtype)
+        total, n = X.sum(0), X.shape[0]
+        group, c0 = spec.group, spec.target_on(X.device)
+        many = _world_size(group) > 1
+        if many:  # count and sum in one all-reduce
+            import torch.distributed as dist
+
+            packed = torch.nn.functional.pad(total, (0, 1), value=float(n))
+            dist.all_reduce(packed, group=group)
+            total, n = packed[:-1], packed[-1:]
+        Xc = X - total / n
+        S = Xc.T @ Xc
+        if many:
+            dist.all_reduce(S, group=group)
+        S64 = S.double()
+        flat = S64.view(-1)
+        parts = [S64.trace(), flat.dot(flat)]
+        if c0 is not None:
+            parts.append(flat.dot(c0.view(-1)))
+        if many:
+            parts.append(n[0].double())
+        terms = torch.stack(parts).tolist()  # the one wait for the device
+        score, (a, b, c) = _istar_with_gradient(terms, D, spec.zeta, spec.target_terms, None if many else n)
+        if any(ctx.needs_input_grad[2:]):
+            ctx.save_for_backward(Xc, S64, keep)
+            ctx.coef, ctx.group, ctx.many, ctx.c0 = (a, b, c), group, many, c0
+            ctx.hidden = [(h.shape, h.dtype) for h in hidden]
+            ctx.rows = H.shape[1]
+        return torch.full((), score, dtype=torch.float64, device=X.device)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        Xc, S64, keep = ctx.saved_tensors
+        a, b, c = ctx.coef
+        G = S64 * b
+        if ctx.c0 is not None:
+            G.add_(ctx.c0, alpha=c)
+        G.diagonal().add_(a)
+        G.mul_(grad)
+        if ctx.many:  # as the autograd all-reduce of S: its gradient summed over the ranks
+            import torch.distributed as dist
+
+            dist.all_reduce(G, group=ctx.group)
+        L, D = len(ctx.hidden), Xc.shape[1]
+        dtypes = {dtype for _, dtype in ctx.hidden}
+        # one cast for layers of one dtype (the rule); from the arithmetic's dtype to each otherwise
+        dX = (Xc @ G.to(Xc.dtype)).view(L, -1, D)
+        if len(dtypes) == 1:
+            dX = dX.to(dtypes.pop())
+        if keep is not None:
+            dX = dX.new_zeros(L, ctx.rows, D).index_copy_(1, keep, dX)
+        wanted = zip(ctx.hidden, ctx.needs_input_grad[2:], strict=True)
+        grads = [dX[i].view(shape).to(dtype) if w else None for i, ((shape, dtype), w) in enumerate(wanted)]
+        return (None, None, *grads)
+
+
+def _istar_with_gradient(terms, d, z, target, n=None):
+    """IsoScore* of C = S / (n - 1) and the coefficients (a, b, c) of ``dX = Xc (a I + b S + c C0)``.
+
+    ``terms``: tr(S), ||S||_F^2, [<S, C0>_F], [n] (the count comes last when ``n`` is None);
+    ``target``: None (trace-matched identity) or (tr(C0), ||C0||_F^2).  With tz = tr(C_z),
+    fz = ||C_z||_F^2, score = (tz^2 / fz - 1) / (d - 1), and dscore/dC =
+    (2 tz / fz dtz - tz^2 / fz^2 dfz) / (d - 1).  Division by zero gives inf/NaN, as on the device
+    (a batch with no variance is then not finite, and the step is skipped).
+    """
+    import numpy as np
+
+    terms = [np.float64(t) for t in terms]
+    m = (terms.pop() if n is None else np.float64(n)) - 1
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        tr, fro2 = terms[0] / m, terms[1] / (m * m)
+        cross = terms[2] / m if target is not None else None
+        tz, fz = star_terms(tr, fro2, d, z, None if target is None else (*target, cross))
+        score = (tz * tz / fz - 1) / (d - 1)
+        k1, k2 = 2 * tz / (fz * (d - 1)), tz * tz / (fz * fz * (d - 1))
+        if target is None:  # tz = tr, fz = (1 - z)^2 ||C||^2 + (1 - (1 - z)^2) tr^2 / d
+            on_i, on_c0 = k1 - k2 * (1 - (1 - z) ** 2) * 2 * tr / d, 0.0
+        else:  # tz = (1 - z) tr + z tr0, fz = (1 - z)^2 ||C||^2 + 2 z (1 - z) <C, C0> + z^2 ||C0||^2
+            on_i, on_c0 = k1 * (1 - z), -k2 * 2 * z * (1 - z)
+        on_c = -k2 * 2 * (1 - z) ** 2
+        # dX = Xc (G + G^T) with G = dscore/dS = dscore/dC / m, and C = S / m
+        coef = (2 * on_i / m, 2 * on_c / (m * m), 2 * on_c0 / m)
+    return float(score), tuple(float(x) for x in coef)
+
+
+def _world_size(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
 class IStar:
     """The I-STAR penalty ``1 - IsoScore*(X~; C0, zeta)`` of a mini-batch (see module docstring).
 
-    ``C0``: (D, D) float64 shrinkage target (the training covariance of this epoch); ``None``
-    uses the trace-matched identity of the batch covariance.  ``dtype``: arithmetic of the batch
-    covariance (float64 default; float32 = centred rows, float32 scatter, float64 from there on).
+    ``C0``: (D, D) shrinkage target, a constant (the training covariance of this epoch; it may be
+    replaced or changed in place between steps; only its symmetric part counts, as for any
+    covariance); ``None`` uses the trace-matched identity of the batch covariance.
+    ``dtype``: arithmetic of the batch covariance (float64 default; float32 = centred rows,
+    float32 scatter, float64 from there on).
     """
 
     def __init__(
@@ -126,17 +243,57 @@ class IStar:
     ):
         self.dtype = dtype
         self.layers = list(layers)
-        self.zeta = float(zeta)
+        self.zeta = zeta
         self.C0 = C0
         self.include_padding = include_padding
         self.group = group
 
+    @property
+    def zeta(self) -> float:
+        return self._zeta
+
+    @zeta.setter
+    def zeta(self, zeta: float) -> None:
+        self._zeta = _check_zeta(zeta)
+
+    @property
+    def C0(self) -> torch.Tensor | None:
+        return self._C0
+
+    @C0.setter
+    def C0(self, C0: torch.Tensor | None) -> None:
+        """A new target: its trace and squared norm once, its copy on the device when first asked."""
+        self._C0, self._on_device = C0, {}
+        self._C0_version = None if C0 is None else C0._version
+        c0 = None if C0 is None else C0.detach().to(torch.float64)
+        self.target_terms = None if c0 is None else (float(c0.trace()), float(c0.square().sum()))
+
+    def target_on(self, device) -> torch.Tensor | None:
+        """The symmetric part of C0 as contiguous float64 on ``device`` (copied there once per target;
+        <S, C0> only sees that part, and the gradient needs it as such)."""
+        if self._C0 is None:
+            return None
+        if self._C0._version != self._C0_version:  # changed in place since it was set
+            self.C0 = self._C0
+        if device not in self._on_device:
+            c0 = self._C0.detach().to(device=device, dtype=torch.float64)
+            self._on_device[device] = ((c0 + c0.T) / 2).contiguous()
+        return self._on_device[device]
+
     def isoscore_star(self, hidden_states, attention_mask) -> torch.Tensor:
         """Differentiable IsoScore* of the (global) batch, a 0-dim float64 tensor."""
-        X = select_tokens(hidden_states, self.layers, attention_mask, self.include_padding, self.dtype)
-        C = batch_covariance(X, self.group)
-        C0 = None if self.C0 is None else self.C0.to(device=C.device, dtype=C.dtype)
-        return isoscore_star_from_cov_torch(C, self.zeta, C0, check=False)
+        hidden = [hidden_states[i] for i in self.layers]
+        D = hidden[0].shape[-1]
+        if D < 2:
+            raise DataError(f"IsoScore* needs at least 2 dimensions; the hidden states have D = {D}")
+        if tuple(self.C0.shape if self.C0 is not None else (D, D)) != (D, D):
+            raise DataError(f"shrinkage covariance C0 is {tuple(self.C0.shape)} but the data has D = {D}")
+        keep = None
+        if attention_mask is not None and not self.include_padding:
+            keep = attention_mask.reshape(-1).nonzero().squeeze(1)
+            if keep.numel() == attention_mask.numel():  # no padding in this batch
+                keep = None
+        return _IStarRows.apply(self, keep, *hidden)
 
     def __call__(self, hidden_states, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
         """(penalty = 1 - IsoScore*, IsoScore*) as 0-dim float64 tensors; the penalty has grad."""
