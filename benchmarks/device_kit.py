@@ -18,6 +18,7 @@ On the device (``DIR`` carried; ``bench_out/`` is ignored by git, so it must be 
     python3 benchmarks/device_kit.py unpack bench_out/kit && export PYTHONPATH=bench_out/kit
     python3 benchmarks/profile_extract.py --layers 6 --batch-tokens 131072 --shard-docs 4000 \\
         --repeats 3 --trace $OUT/trace.json --json $OUT/profile.json
+    python3 benchmarks/bench_finetune.py --device cuda --quick   # the step and the penalty alone
 """
 
 from __future__ import annotations

@@ -10,10 +10,11 @@ attention mask unless ``include_padding`` (the official code's behaviour).  The 
 comes from one float64 ``X~^T X~`` of the concatenated layer tokens centred on their mean (D x D),
 so the cost does not grow with the number of layers beyond the concatenation.  Under
 ``torch.distributed`` the count, the sum (for the global mean) and the centred scatter are summed
-over ranks with an autograd-aware all-reduce, so the penalty is IsoScore* of the *global* batch on
-every rank.  With DDP's gradient averaging and the
-all-reduce's summing backward, the parameter gradient equals the single-process gradient of the
-same global batch.
+over ranks, so the penalty is IsoScore* of the *global* batch on every rank, and the backward sums
+the scatter's gradient over ranks as an all-reduce's backward does.  With DDP's gradient
+averaging, the parameter gradient then equals the single-process gradient of the same global
+batch.  Both penalties have their gradients in closed form (``_IStarRows``, ``_CosRegRows``): a
+few operations each way, whatever the number of layers.
 
 CosReg (Gao et al., 2019)::
 
@@ -24,6 +25,7 @@ over the last hidden-state layer's token vectors (x^ = x / ||x||), padding exclu
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from geomscope.errors import DataError
@@ -196,8 +198,6 @@ def _istar_with_gradient(terms, d, z, target, n=None):
     (2 tz / fz dtz - tz^2 / fz^2 dfz) / (d - 1).  Division by zero gives inf/NaN, as on the device
     (a batch with no variance is then not finite, and the step is skipped).
     """
-    import numpy as np
-
     terms = [np.float64(t) for t in terms]
     m = (terms.pop() if n is None else np.float64(n)) - 1
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -214,6 +214,14 @@ def _istar_with_gradient(terms, d, z, target, n=None):
         # dX = Xc (G + G^T) with G = dscore/dS = dscore/dC / m, and C = S / m
         coef = (2 * on_i / m, 2 * on_c / (m * m), 2 * on_c0 / m)
     return float(score), tuple(float(x) for x in coef)
+
+
+def _real_rows(attention_mask, include_padding: bool) -> torch.Tensor | None:
+    """Indices of the real tokens among a batch's flattened positions; None for all of them."""
+    if attention_mask is None or include_padding:
+        return None
+    keep = attention_mask.reshape(-1).nonzero().squeeze(1)
+    return None if keep.numel() == attention_mask.numel() else keep
 
 
 def _world_size(group) -> int:
@@ -288,11 +296,7 @@ class IStar:
             raise DataError(f"IsoScore* needs at least 2 dimensions; the hidden states have D = {D}")
         if tuple(self.C0.shape if self.C0 is not None else (D, D)) != (D, D):
             raise DataError(f"shrinkage covariance C0 is {tuple(self.C0.shape)} but the data has D = {D}")
-        keep = None
-        if attention_mask is not None and not self.include_padding:
-            keep = attention_mask.reshape(-1).nonzero().squeeze(1)
-            if keep.numel() == attention_mask.numel():  # no padding in this batch
-                keep = None
+        keep = _real_rows(attention_mask, self.include_padding)
         return _IStarRows.apply(self, keep, *hidden)
 
     def __call__(self, hidden_states, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,9 +305,51 @@ class IStar:
         return 1.0 - iso, iso
 
 
-def cosreg_from_sum(u_sum: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """R = (||sum x^||^2 - N) / N^2 from the sum of unit vectors and the count."""
-    return (u_sum.dot(u_sum) - n) / (n * n)
+class _CosRegRows(torch.autograd.Function):
+    """CosReg's R of one layer's real tokens, forward and backward in a few kernels (as
+    :class:`_IStarRows`, and for the same reason).  With u = x / |x| and s = sum_i u_i (summed over
+    ranks), R = (s.s - N) / N^2, so dR/du_i = v = 2 s / N^2 for every row and
+    dx_i = (v - (u_i . v) u_i) / |x_i|: one product with v and two elementwise passes.  A norm is
+    clamped at 1e-30 as before, so a zero row gets v / 1e-30 (its u is zero)."""
+
+    @staticmethod
+    def forward(ctx, group, keep, h):
+        D = h.shape[-1]
+        X = h.reshape(-1, D)
+        X = (X if keep is None else X.index_select(0, keep)).to(torch.float64)
+        norms = torch.linalg.vector_norm(X, dim=1, keepdim=True).clamp_min_(1e-30)
+        U = X / norms
+        s, n = U.sum(0), U.shape[0]
+        many = _world_size(group) > 1
+        if many:
+            import torch.distributed as dist
+
+            packed = torch.nn.functional.pad(s, (0, 1), value=float(n))
+            dist.all_reduce(packed, group=group)
+            s = packed[:-1]
+            ss, n = torch.stack([s.dot(s), packed[-1]]).tolist()
+        else:
+            ss = s.dot(s).item()  # the one wait for the device
+        with np.errstate(divide="ignore", invalid="ignore"):
+            R, v_scale = (np.float64(ss) - n) / np.float64(n * n), 2 / np.float64(n * n)
+        if ctx.needs_input_grad[2]:
+            ctx.save_for_backward(U, norms, s, keep)
+            ctx.group, ctx.many, ctx.v_scale, ctx.hidden = group, many, float(v_scale), (h.shape, h.dtype)
+        return torch.full((), float(R), dtype=torch.float64, device=X.device)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        U, norms, s, keep = ctx.saved_tensors
+        v = (s * grad).mul_(ctx.v_scale)
+        if ctx.many:  # as the autograd all-reduce of s: its gradient summed over the ranks
+            import torch.distributed as dist
+
+            dist.all_reduce(v, group=ctx.group)
+        dX = ((v - (U @ v).unsqueeze(1) * U) / norms).to(ctx.hidden[1])
+        if keep is not None:
+            dX = dX.new_zeros(ctx.hidden[0].numel() // dX.shape[1], dX.shape[1]).index_copy_(0, keep, dX)
+        return None, None, dX.view(ctx.hidden[0])
 
 
 class CosReg:
@@ -316,11 +362,5 @@ class CosReg:
 
     def __call__(self, hidden_states, attention_mask) -> torch.Tensor:
         """R of the (global) batch, a 0-dim float64 tensor with grad."""
-        h = hidden_states[self.layer]
-        X = select_tokens((h,), [0], attention_mask, self.include_padding)
-        U = X / X.norm(dim=1, keepdim=True).clamp_min(1e-30)
-        u_sum = _all_reduce_sum(U.sum(0), self.group)
-        n = _all_reduce_sum(
-            torch.tensor([float(U.shape[0])], dtype=torch.float64, device=U.device), self.group
-        ).detach()[0]
-        return cosreg_from_sum(u_sum, n)
+        keep = _real_rows(attention_mask, self.include_padding)
+        return _CosRegRows.apply(self.group, keep, hidden_states[self.layer])
