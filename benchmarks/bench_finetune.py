@@ -175,14 +175,15 @@ def run(
         }
         for k in contenders
     ]
-    return rows + [_penalty_row(model, batches[0], regs["istar"], d, repeats)]
+    return rows + _penalty_rows(model, batches[0], regs["istar"], regs["cosreg"], d, repeats)
 
 
-def _penalty_row(model, batch, reg, d, repeats: int) -> dict:
-    """The I-STAR penalty alone, forward and backward, on one batch's real hidden states: the
-    library's closed-form backward against the same penalty built from autograd's pieces (rows,
-    covariance, IsoScore* of the covariance).  On a GPU a step of this model is bound by the host
-    that queues its kernels, so this is the time a step pays for the penalty there."""
+def _penalty_rows(model, batch, istar, cosreg, d, repeats: int) -> list[dict]:
+    """Each penalty alone, forward and backward, on one batch's real hidden states: the library's
+    closed-form backward against the same penalty built from autograd's pieces (I-STAR: rows,
+    covariance, IsoScore* of the covariance; CosReg: rows, unit vectors, their sum).  On a GPU a
+    step of this model is bound by the host that queues its kernels, so this is the time a step
+    pays for the penalty there."""
     import torch
 
     from geomscope.metrics.isotropy import isoscore_star_from_cov_torch
@@ -194,9 +195,14 @@ def _penalty_row(model, batch, reg, d, repeats: int) -> dict:
     hs = tuple(h.detach().requires_grad_() for h in out.hidden_states)
     mask = inputs["attention_mask"]
 
-    def by_autograd():
-        X = select_tokens(hs, reg.layers, mask)
-        return 1 - isoscore_star_from_cov_torch(batch_covariance(X), reg.zeta, reg.C0, check=False)
+    def istar_by_autograd():
+        X = select_tokens(hs, istar.layers, mask)
+        return 1 - isoscore_star_from_cov_torch(batch_covariance(X), istar.zeta, istar.C0, check=False)
+
+    def cosreg_by_autograd():
+        X = select_tokens(hs, [cosreg.layer], mask)
+        s = (X / X.norm(dim=1, keepdim=True).clamp_min(1e-30)).sum(0)
+        return (s.dot(s) - X.shape[0]) / X.shape[0] ** 2
 
     def timed(penalty):
         def f():
@@ -206,26 +212,34 @@ def _penalty_row(model, batch, reg, d, repeats: int) -> dict:
 
         return f
 
-    fns = {"ours": timed(lambda: reg(hs, mask)[0]), "autograd": timed(by_autograd)}
-    for f in fns.values():
-        f()
-    times = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            times[k].append((time.perf_counter() - t0) / 20)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return {
-        "benchmark": "I-STAR penalty alone, forward + backward (6 blocks, one batch's real tokens, fp64): "
-        "closed-form backward vs the same penalty by autograd",
-        "geomscope": med["ours"],
-        "alternative": med["autograd"],
-        "ratio": med["ours"] / med["autograd"],
-        "target": None,
-        "of bound": None,
-        "note": f"s/call, median of {repeats}x20 calls on {d.device.type}",
+    contenders = {
+        "I-STAR (6 blocks, fp64)": (timed(lambda: istar(hs, mask)[0]), timed(istar_by_autograd)),
+        "CosReg (last block)": (timed(lambda: cosreg(hs, mask)), timed(cosreg_by_autograd)),
     }
+    rows = []
+    for name, fns in contenders.items():
+        for f in fns:
+            f()
+        times = ([], [])
+        for _ in range(repeats):
+            for t, f in zip(times, fns, strict=True):
+                t0 = time.perf_counter()
+                f()
+                t.append((time.perf_counter() - t0) / 20)
+        ours, alt = (statistics.median(t) for t in times)
+        rows.append(
+            {
+                "benchmark": f"{name} penalty alone, forward + backward, one batch's real tokens: "
+                "closed-form backward vs the same penalty by autograd",
+                "geomscope": ours,
+                "alternative": alt,
+                "ratio": ours / alt,
+                "target": None,
+                "of bound": None,
+                "note": f"s/call, median of {repeats}x20 calls on {d.device.type}",
+            }
+        )
+    return rows
 
 
 if __name__ == "__main__":

@@ -109,6 +109,29 @@ def test_cosreg_closed_form_gradient_equals_autograd(padding):
     assert torch.autograd.gradcheck(lambda h: CosReg(0, include_padding=inc)((h,), mask), (hs[2],))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cosreg_on_low_precision_layers_with_a_zero_row(dtype):
+    """The gradient comes back in the layer's dtype, as autograd's does; a zero row (no direction)
+    counts in N with x^ = 0 and gets no gradient, nor does padding."""
+    hs, mask = _hidden(seed=6)
+    h = (hs[2].detach() + 1).to(dtype)
+    h[1, 0] = 0  # a real token
+    h.requires_grad_()
+    R = CosReg(0)((h,), mask)
+    X = select_tokens((h,), [0], mask)
+    norms = X.norm(dim=1, keepdim=True)
+    U = torch.where(norms > 0, X / norms.clamp_min(1e-300), torch.zeros_like(X))
+    n = X.shape[0]
+    ref = (U.sum(0).dot(U.sum(0)) - n) / n**2
+    assert float(R.detach()) == pytest.approx(float(ref.detach()), rel=1e-12)
+    (g,) = torch.autograd.grad(R, h)
+    (w,) = torch.autograd.grad(ref, h)
+    assert g.dtype == w.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(g.float(), w.float(), rtol=tol, atol=tol * float(w.abs().max()))
+    assert float(g[1, 0].abs().max()) == 0.0 and float(g[~mask.bool()].abs().max()) == 0.0
+
+
 def test_scatter_backward_and_fp32_penalty():
     from geomscope.train.regularizers import _Scatter
 
@@ -173,7 +196,7 @@ def test_istar_gradcheck_by_finite_differences():
         assert torch.autograd.gradcheck(lambda *h, reg=reg: reg(h, mask)[0], hs)
 
 
-def test_istar_costs_the_same_few_operations_whatever_the_number_of_layers():
+def test_penalties_cost_a_few_operations_whatever_the_number_of_layers():
     """On a GPU the penalty's cost in a short step is its operations (each queued by the host), so
     it must not do per-layer work beyond handing each layer its gradient; and the backward never
     waits for the device (no nonzero, no item)."""
@@ -204,6 +227,13 @@ def test_istar_costs_the_same_few_operations_whatever_the_number_of_layers():
     assert fwd2 == fwd7 and bwd2 == bwd7, (fwd2, fwd7, bwd2, bwd7)
     assert fwd7.count("nonzero") == 1 and len(fwd7) <= 20 and len(bwd7) <= 15
     assert not {"nonzero", "_local_scalar_dense", "item"} & set(bwd7)
+    hs, mask = _hidden(seed=1)  # CosReg: the same few operations, no wait in its backward
+    with Ops() as fwd:
+        R = CosReg(-1)(hs, mask)
+    with Ops() as bwd:
+        torch.autograd.grad(R, hs[-1])
+    fwd_c, bwd_c = ([n for n in o.names if n not in views] for o in (fwd, bwd))
+    assert len(fwd_c) <= 12 and len(bwd_c) <= 10 and not {"nonzero", "_local_scalar_dense"} & set(bwd_c)
 
 
 def test_istar_target_can_be_replaced_and_must_fit():

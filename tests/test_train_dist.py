@@ -44,6 +44,26 @@ def _penalties(lin, x, mask, C0, group=None):
     return pen, cos
 
 
+# (penalty: 0 I-STAR / 1 CosReg, each rank's loss weighted rank + 1, rank 1 without real tokens).
+# Weighted: each rank's backward sums the upstream gradients of all ranks (1 + 2), and DDP averages
+# over 2, so the parameter gradient is that of 1.5 x the penalty in one process.
+CASES = [
+    (0, False, False),
+    (1, False, False),
+    (0, True, False),
+    (1, True, False),
+    (0, False, True),
+    (1, False, True),
+]
+
+
+def _case_mask(mask, empty_rank1: bool):
+    m = mask.clone()
+    if empty_rank1:
+        m[4:] = 0  # rank 1's rows of the global batch: all padding
+    return m
+
+
 def _worker(rank, tmp, payload):
     import torch.distributed as dist
 
@@ -57,11 +77,12 @@ def _worker(rank, tmp, payload):
     lo, hi = rank * 4, rank * 4 + 4  # rank's rows of the global batch of 8
     model = torch.nn.parallel.DistributedDataParallel(lin)
     res = {}
-    for which in (0, 1):
-        pen, cos = _penalties(model, x[lo:hi], mask[lo:hi], C0, d.reg_group)
-        (pen if which == 0 else cos).backward()
-        res[f"val{which}"] = float((pen if which == 0 else cos).detach())
-        res[f"grad{which}"] = [p.grad.clone() for p in lin.parameters()]
+    for case, (which, weighted, empty_rank1) in enumerate(CASES):
+        m = _case_mask(mask, empty_rank1)
+        val = _penalties(model, x[lo:hi], m[lo:hi], C0, d.reg_group)[which]
+        (val * (rank + 1 if weighted else 1)).backward()
+        res[f"val{case}"] = float(val.detach())
+        res[f"grad{case}"] = [p.grad.clone() for p in lin.parameters()]
         lin.zero_grad()
     # C0 over a tiny model
     from geomscope.train.data import Encoded, load_table
@@ -116,13 +137,13 @@ def test_two_processes_match_one(tmp_path):
 
     # (1) penalties and DDP-averaged gradients equal the single-process ones of the global batch
     x, mask, lin, C0 = _global_batch()
-    for which in (0, 1):
-        val = _penalties(lin, x, mask, C0)[which]
-        val.backward()
+    for case, (which, weighted, empty_rank1) in enumerate(CASES):
+        val = _penalties(lin, x, _case_mask(mask, empty_rank1), C0)[which]
+        (val * (1.5 if weighted else 1)).backward()
         for rk in r:
-            assert abs(rk[f"val{which}"] - float(val.detach())) < 1e-12
-            for g_ddp, p in zip(rk[f"grad{which}"], lin.parameters(), strict=True):
-                assert torch.allclose(g_ddp, p.grad, atol=1e-10, rtol=1e-9)
+            assert abs(rk[f"val{case}"] - float(val.detach())) < 1e-12, case
+            for g_ddp, p in zip(rk[f"grad{case}"], lin.parameters(), strict=True):
+                assert torch.allclose(g_ddp, p.grad, atol=1e-10, rtol=1e-9), case
         lin.zero_grad()
 
     # (2) C0: bitwise identical on the ranks, equal to the one-process C0 of all examples

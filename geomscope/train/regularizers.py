@@ -14,13 +14,17 @@ over ranks, so the penalty is IsoScore* of the *global* batch on every rank, and
 the scatter's gradient over ranks as an all-reduce's backward does.  With DDP's gradient
 averaging, the parameter gradient then equals the single-process gradient of the same global
 batch.  Both penalties have their gradients in closed form (``_IStarRows``, ``_CosRegRows``): a
-few operations each way, whatever the number of layers.
+few operations each way, whatever the number of layers, and one read of a few numbers back to the
+host in the forward (so neither can be captured in a CUDA graph or compiled whole; geomscope does
+neither).
 
 CosReg (Gao et al., 2019)::
 
     R = (||sum_i x^_i||^2 - N) / N^2        L = L_task + lambda * R
 
-over the last hidden-state layer's token vectors (x^ = x / ||x||), padding excluded likewise.
+over the last hidden-state layer's token vectors (x^ = x / ||x||; a zero row counts in N with
+x^ = 0), padding excluded likewise; under ``torch.distributed`` the sum and N are those of the
+global batch, as for I-STAR.
 """
 
 from __future__ import annotations
@@ -123,9 +127,11 @@ class _IStarRows(torch.autograd.Function):
     own), and the score and its gradient's coefficients are float64 host arithmetic.  With
     C = S / (n - 1), dIsoScore*/dC = a I + b C + c C0 (docs/metrics.md), so the backward is one
     D x D combination, one product dX = 2 Xc (a I + b C + c C0) / (n - 1) and one scatter of the
-    rows back to the layers.  The mean's share of the gradient, -sum(dX)/n, is left out: sum(Xc)
-    is zero, so it is zero in exact arithmetic (rounding apart).  The backward is not itself
-    differentiable: nothing in fine-tuning takes second derivatives of the penalty.
+    rows back to the layers (the stack copies the chosen layers whole, padding included, for the
+    forward's duration: one copy instead of one per layer).  The mean's share of the gradient,
+    -sum(dX)/n, is left out: sum(Xc) is zero, so it is zero in exact arithmetic (rounding apart).
+    The backward is not itself differentiable: nothing in fine-tuning takes second derivatives of
+    the penalty.
     """
 
     @staticmethod
@@ -307,18 +313,21 @@ class IStar:
 
 class _CosRegRows(torch.autograd.Function):
     """CosReg's R of one layer's real tokens, forward and backward in a few kernels (as
-    :class:`_IStarRows`, and for the same reason).  With u = x / |x| and s = sum_i u_i (summed over
-    ranks), R = (s.s - N) / N^2, so dR/du_i = v = 2 s / N^2 for every row and
-    dx_i = (v - (u_i . v) u_i) / |x_i|: one product with v and two elementwise passes.  A norm is
-    clamped at 1e-30 as before, so a zero row gets v / 1e-30 (its u is zero)."""
+    :class:`_IStarRows`, and for the same reason).  With u = x / |x| and s = sum_i u_i (both s and
+    N summed over ranks), R = (s.s - N) / N^2, so dR/du_i = v = 2 s / N^2 for every row and
+    dx_i = (v - (u_i . v) u_i) / |x_i|: one matrix-vector product, one fused multiply-subtract and
+    one scaling.  A zero row has no direction: it counts in N with u = 0 and gets no gradient
+    (dividing by a clamped norm instead gave it 1e30 v, which overflows float16).  The backward sums
+    v over ranks, as an all-reduce's backward does."""
 
     @staticmethod
     def forward(ctx, group, keep, h):
         D = h.shape[-1]
         X = h.reshape(-1, D)
         X = (X if keep is None else X.index_select(0, keep)).to(torch.float64)
-        norms = torch.linalg.vector_norm(X, dim=1, keepdim=True).clamp_min_(1e-30)
-        U = X / norms
+        # 1/|x|, and 0 for a zero row (1/0 = inf, set to 0)
+        inv = torch.linalg.vector_norm(X, dim=1, keepdim=True).reciprocal_().nan_to_num_(posinf=0.0)
+        U = X * inv
         s, n = U.sum(0), U.shape[0]
         many = _world_size(group) > 1
         if many:
@@ -333,20 +342,20 @@ class _CosRegRows(torch.autograd.Function):
         with np.errstate(divide="ignore", invalid="ignore"):
             R, v_scale = (np.float64(ss) - n) / np.float64(n * n), 2 / np.float64(n * n)
         if ctx.needs_input_grad[2]:
-            ctx.save_for_backward(U, norms, s, keep)
+            ctx.save_for_backward(U, inv, s, keep)
             ctx.group, ctx.many, ctx.v_scale, ctx.hidden = group, many, float(v_scale), (h.shape, h.dtype)
         return torch.full((), float(R), dtype=torch.float64, device=X.device)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        U, norms, s, keep = ctx.saved_tensors
+        U, inv, s, keep = ctx.saved_tensors
         v = (s * grad).mul_(ctx.v_scale)
         if ctx.many:  # as the autograd all-reduce of s: its gradient summed over the ranks
             import torch.distributed as dist
 
             dist.all_reduce(v, group=ctx.group)
-        dX = ((v - (U @ v).unsqueeze(1) * U) / norms).to(ctx.hidden[1])
+        dX = torch.addcmul(v, U, (U @ v).unsqueeze(1), value=-1).mul_(inv).to(ctx.hidden[1])
         if keep is not None:
             dX = dX.new_zeros(ctx.hidden[0].numel() // dX.shape[1], dX.shape[1]).index_copy_(0, keep, dX)
         return None, None, dX.view(ctx.hidden[0])
