@@ -142,15 +142,13 @@ class _IStarRows(torch.autograd.Function):
         total, n = X.sum(0), X.shape[0]
         group, c0 = spec.group, spec.target_on(X.device)
         many = _world_size(group) > 1
-        if many:  # count and sum in one all-reduce
-            import torch.distributed as dist
-
-            packed = torch.nn.functional.pad(total, (0, 1), value=float(n))
-            dist.all_reduce(packed, group=group)
-            total, n = packed[:-1], packed[-1:]
+        if many:
+            total, n = _global_sum_and_count(total, n, group)
         Xc = X - total / n
         S = Xc.T @ Xc
         if many:
+            import torch.distributed as dist
+
             dist.all_reduce(S, group=group)
         S64 = S.double()
         flat = S64.view(-1)
@@ -158,7 +156,7 @@ class _IStarRows(torch.autograd.Function):
         if c0 is not None:
             parts.append(flat.dot(c0.view(-1)))
         if many:
-            parts.append(n[0].double())
+            parts.append(n.double())
         terms = torch.stack(parts).tolist()  # the one wait for the device
         score, (a, b, c) = _istar_with_gradient(terms, D, spec.zeta, spec.target_terms, None if many else n)
         if any(ctx.needs_input_grad[2:]):
@@ -228,6 +226,16 @@ def _real_rows(attention_mask, include_padding: bool) -> torch.Tensor | None:
         return None
     keep = attention_mask.reshape(-1).nonzero().squeeze(1)
     return None if keep.numel() == attention_mask.numel() else keep
+
+
+def _global_sum_and_count(total: torch.Tensor, n: int, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's column sums and row count summed over the ranks, in one all-reduce (the count rides
+    along as one more column, in the sums' dtype): (global sums, global count as a 0-dim tensor)."""
+    import torch.distributed as dist
+
+    packed = torch.nn.functional.pad(total, (0, 1), value=float(n))
+    dist.all_reduce(packed, group=group)
+    return packed[:-1], packed[-1]
 
 
 def _world_size(group) -> int:
@@ -331,12 +339,8 @@ class _CosRegRows(torch.autograd.Function):
         s, n = U.sum(0), U.shape[0]
         many = _world_size(group) > 1
         if many:
-            import torch.distributed as dist
-
-            packed = torch.nn.functional.pad(s, (0, 1), value=float(n))
-            dist.all_reduce(packed, group=group)
-            s = packed[:-1]
-            ss, n = torch.stack([s.dot(s), packed[-1]]).tolist()
+            s, n = _global_sum_and_count(s, n, group)
+            ss, n = torch.stack([s.dot(s), n.to(s.dtype)]).tolist()
         else:
             ss = s.dot(s).item()  # the one wait for the device
         with np.errstate(divide="ignore", invalid="ignore"):
