@@ -237,3 +237,55 @@ def test_a_chunk_of_the_wrong_size_is_damage_not_a_read_of_unfilled_memory():
     assert chunk_spans(ds, 0, 8) == [(4096, 8 * D * 2)]
     with pytest.raises(ValueError, match="holds 100 bytes"):
         chunk_spans(ds, 0, 16)
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_unflagged_nan_rows_name_the_shard_and_the_layer(cli, run, workers):
+    """A NaN that the shard's non-finite flags do not mark (the file changed after extract, its manifest
+    rewritten to match): the error names the shard and the layer and says to redo the shard, in the
+    scorer's own threads and in worker processes alike, not the statistics' "rows of X"."""
+
+    def nan_unflagged(f, data):
+        data["layers/layer_00"][[7, 250]] = np.nan
+        data["nonfinite/layer_00"] = np.zeros(ROWS, bool)
+        _plain(f, data)
+
+    _rewrite(run, nan_unflagged)
+    out = run.parent / "report"
+    code, o, e = cli(
+        ["score", run, "--metrics", "isoscore,avgcos", "--workers", workers, "--out", out, "--quiet"]
+    )
+    line = assert_one_line_error(code, o, e, "shard-00001", "layer_00", "2 of 300 rows", "rerun")
+    assert "rows of X" not in line and not out.with_suffix(".json").exists()
+
+
+def test_unflagged_nan_rows_named_whichever_block_of_a_stream_holds_them():
+    """The scorer's threads merge blocks after later ones were queued: the error names the shard and
+    layer of the block that holds the rows, not of the last one queued."""
+    import tempfile
+
+    from geomscope.score.accumulate import PassSpec, run_tasks
+    from geomscope.score.sources import Task
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run = _run(Path(tmp) / "run")
+
+        def nan_unflagged(f, data):
+            data["layers/layer_00"][ROWS - 1] = np.inf  # in its last block
+            data["nonfinite/layer_00"] = np.zeros(ROWS, bool)
+            _plain(f, data)
+
+        _rewrite(run, nan_unflagged)
+        m = json.loads((run / "manifest.json").read_text())["shards"]
+        tasks = [
+            Task("shard", str(run / e["file"]), i, rows=e["rows"], nbytes=e["bytes"], dim=D)
+            for i, e in enumerate(m)
+        ]
+        clean = tasks[0]
+        # the damaged shard first, then clean ones whose blocks are queued before its last is merged
+        for threads in (1, 2):
+            spec = PassSpec("moments", ["layer_00"], n_groups=2, block_rows=64, threads=threads)
+            with pytest.raises(Exception) as err:
+                run_tasks([tasks[1], clean, clean], spec)
+            assert "shard-00001" in str(err.value) and "layer layer_00" in str(err.value), str(err.value)
+            assert f"1 of {ROWS % 64} rows" in str(err.value)

@@ -54,10 +54,16 @@ def count_nonfinite_rows(a: np.ndarray) -> int:
     return int(a.shape[0] - np.count_nonzero(np.isfinite(a).all(axis=1)))
 
 
-def nonfinite_message(bad: int, n: int, name: str = "X") -> str:
-    return (
-        f"{bad} of {n} rows of {name} contain NaN or Inf; drop or flag those rows before computing statistics"
-    )
+class NonfiniteRows(DataError):
+    """``bad`` of the ``n`` rows of ``name`` hold a NaN or an Inf. A caller that knows where the rows
+    came from (the scorer: a shard and a layer) catches it to say so, with ``bad`` and ``n``."""
+
+    def __init__(self, bad: int, n: int, name: str = "X"):
+        super().__init__(
+            f"{bad} of {n} rows of {name} contain NaN or Inf; drop or flag those rows before computing "
+            "statistics"
+        )
+        self.bad, self.n = int(bad), int(n)
 
 
 def check_points(a: np.ndarray, name: str = "X", finite: bool = True) -> None:
@@ -72,7 +78,7 @@ def check_points(a: np.ndarray, name: str = "X", finite: bool = True) -> None:
     if finite:
         bad = count_nonfinite_rows(a)
         if bad:
-            raise DataError(nonfinite_message(bad, n, name))
+            raise NonfiniteRows(bad, n, name)
 
 
 def as_square(c, name: str = "C") -> np.ndarray:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from geomscope.errors import DataError, InputError
-from geomscope.metrics._validate import as_rows, count_nonfinite_rows, is_torch, nonfinite_message
+from geomscope.metrics._validate import NonfiniteRows, as_rows, count_nonfinite_rows, is_torch
 from geomscope.metrics.moments import UnitSum
 
 COSINE_VARIANTS = ("plain", "centred", "standardised")
@@ -60,7 +60,7 @@ def _points(X) -> np.ndarray:
         raise DataError(f"X has {a.shape[0]} row(s); the average cosine needs at least 2")
     bad = count_nonfinite_rows(a)
     if bad:
-        raise DataError(nonfinite_message(bad, a.shape[0]))
+        raise NonfiniteRows(bad, a.shape[0])
     return a
 
 

@@ -56,9 +56,9 @@ from geomscope.errors import DataError, InputError
 from geomscope.metrics._validate import (
     OVERFLOW_MESSAGE,
     ZERO_VARIANCE_MESSAGE,
+    NonfiniteRows,
     as_rows,
     count_nonfinite_rows,
-    nonfinite_message,
     variance_is_zero,
 )
 
@@ -103,7 +103,7 @@ def _check_block(sq: np.ndarray, a: np.ndarray, name: str = "X") -> None:
     if not np.isfinite(sq).all():
         bad = count_nonfinite_rows(a)
         if bad:
-            raise DataError(nonfinite_message(bad, a.shape[0], name))
+            raise NonfiniteRows(bad, a.shape[0], name)
         raise DataError(
             "values overflow float64 while accumulating; rescale the data before computing statistics"
         )

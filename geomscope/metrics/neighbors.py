@@ -48,7 +48,7 @@ import numpy as np
 
 from geomscope.devices import resolve_device
 from geomscope.errors import DataError, InputError
-from geomscope.metrics._validate import as_rows, count_nonfinite_rows, nonfinite_message
+from geomscope.metrics._validate import NonfiniteRows, as_rows, count_nonfinite_rows
 
 #: Bytes allowed for one strip of float32 candidate distances (and for each float64 chunk).
 DEFAULT_MEMORY_BUDGET = 256 * 2**20
@@ -1080,7 +1080,7 @@ def two_nearest(
         raise DataError(f"X has {n} row(s); two nearest neighbours need at least 3 points")
     bad = count_nonfinite_rows(a)
     if bad:
-        raise DataError(nonfinite_message(bad, n))
+        raise NonfiniteRows(bad, n)
     return _two_nearest(a, block_size, device, refine, memory_budget, return_info, prune)
 
 

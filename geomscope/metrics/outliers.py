@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from geomscope.errors import DataError, InputError
-from geomscope.metrics._validate import as_rows, count_nonfinite_rows, nonfinite_message
+from geomscope.metrics._validate import NonfiniteRows, as_rows, count_nonfinite_rows
 
 
 @dataclass
@@ -114,7 +114,7 @@ def outliers_quantile(X_sample, q: float = 0.99) -> OutlierResult:
         raise DataError(f"X_sample is {a.shape}; at least 1 row and 2 dimensions are needed")
     bad = count_nonfinite_rows(a)
     if bad:
-        raise DataError(nonfinite_message(bad, a.shape[0], "X_sample"))
+        raise NonfiniteRows(bad, a.shape[0], "X_sample")
     ab = np.abs(np.asarray(a, dtype=np.float64))
     cut = float(np.quantile(ab, q))
     med = np.median(ab, axis=0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from geomscope.errors import DataError
-from geomscope.metrics._validate import as_rows, count_nonfinite_rows, nonfinite_message
+from geomscope.metrics._validate import NonfiniteRows, as_rows, count_nonfinite_rows
 
 
 def partition_log_z(W, centred: bool = False, block: int = 256) -> tuple[np.ndarray, np.ndarray]:
@@ -23,7 +23,7 @@ def partition_log_z(W, centred: bool = False, block: int = 256) -> tuple[np.ndar
         raise DataError(f"W is {v_rows}x{d}; at least 2 rows (vocabulary items) and 2 dimensions are needed")
     bad = count_nonfinite_rows(a)
     if bad:
-        raise DataError(nonfinite_message(bad, v_rows, "W"))
+        raise NonfiniteRows(bad, v_rows, "W")
     from scipy.special import logsumexp
 
     w = np.asarray(a, dtype=np.float64)

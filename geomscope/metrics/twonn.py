@@ -24,7 +24,7 @@ import numpy as np
 
 from geomscope.choices import TWONN_FITS
 from geomscope.errors import DataError, InputError
-from geomscope.metrics._validate import as_rows, count_nonfinite_rows, nonfinite_message
+from geomscope.metrics._validate import NonfiniteRows, as_rows, count_nonfinite_rows
 from geomscope.metrics.neighbors import _two_nearest
 
 F_CONVENTION = "F_i = i/N"
@@ -183,7 +183,7 @@ def check_matrix(X, expect_dim: int | None = None, allow_wide: bool = True, min_
         )
     bad = count_nonfinite_rows(a)
     if bad:
-        raise DataError(nonfinite_message(bad, n))
+        raise NonfiniteRows(bad, n)
     if n < min_rows:
         raise DataError(f"X has {n} point(s); at least {min_rows} are needed")
     return a

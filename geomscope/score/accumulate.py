@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from geomscope.errors import DataError
+from geomscope.metrics._validate import NonfiniteRows
 from geomscope.metrics.moments import OrderedWork, update_groups
 from geomscope.score.select import STREAM_ID_SAMPLE, STREAM_MAX_ROWS, BottomK, Reservoir, row_hash
 from geomscope.score.sources import Task, check_shard_file, iter_blocks, iter_meta
@@ -179,21 +181,23 @@ def run_tasks(tasks: list[Task], spec: PassSpec, progress=None, into: dict | Non
     _new_parts(parts, spec)
 
     started = []  # the checksums of the tasks begun
+    merging = _Merging()
 
     def stream():
         for t in tasks:
             finish = _check(t, spec)
             started.append(finish)
-            yield from iter_blocks(t, spec.layers, spec.n_groups, spec.block_rows)
-            yield _TaskDone(finish)  # the task's last block is in: its checksum is due
+            for block in iter_blocks(t, spec.layers, spec.n_groups, spec.block_rows):
+                yield t, block
+            yield t, _TaskDone(finish)  # the task's last block is in: its checksum is due
 
-    with _checksum_first(started):  # (the list fills as the tasks begin)
+    with _checksum_first(started), _unflagged_rows_named(merging):  # (the list fills as tasks begin)
         with OrderedWork(spec.threads) as work:
-            for item in _read_ahead(stream()):
+            for task, item in _read_ahead(stream()):
                 if isinstance(item, _TaskDone):
                     work.then(item.finish)  # once the task's blocks are merged: errors in row order
                     continue
-                _add_block(item, spec, parts, work)
+                _add_block(item, spec, parts, work, task, merging)
                 if progress:
                     progress(len(item.keys))
             work.drain()
@@ -233,20 +237,58 @@ def _run(task: Task, spec: PassSpec, progress, parts: dict) -> dict[str, LayerPa
                 progress(len(block.keys))
         return parts
     blocks = iter_blocks(task, spec.layers, spec.n_groups, spec.block_rows)
-    with OrderedWork(spec.threads) as work:
+    merging = _Merging()
+    with _unflagged_rows_named(merging), OrderedWork(spec.threads) as work:
         for block in _read_ahead(blocks) if spec.threads > 1 else blocks:
-            _add_block(block, spec, parts, work)
+            _add_block(block, spec, parts, work, task, merging)
             if progress:
                 progress(len(block.keys))
         work.drain()
     return parts
 
 
-def _add_block(block, spec: PassSpec, parts: dict, work: OrderedWork) -> None:
+@dataclass
+class _Merging:
+    """The task and layer whose rows ``work`` is merging now, for an error raised by their statistics
+    (which surfaces when the block's turn to merge comes, not when it is queued)."""
+
+    task: Task | None = None
+    layer: str = ""
+
+    def mark(self, work: OrderedWork, task: Task, layer: str) -> None:
+        """The rows queued on ``work`` from now on are ``task``'s ``layer``'s (in merge order)."""
+        work.then(lambda: self._set(task, layer))
+
+    def _set(self, task: Task, layer: str) -> None:
+        self.task, self.layer = task, layer
+
+
+@contextmanager
+def _unflagged_rows_named(merging: _Merging):
+    """A shard's non-finite flags mark every row whose stored values hold a NaN or an Inf (the store
+    checks what it writes), and the scorer drops the flagged rows. Rows that the statistics still find
+    NaN or Inf mean the file changed after extract wrote it: said as a corrupt shard, with its layer
+    (the statistics alone know neither)."""
+    try:
+        yield
+    except NonfiniteRows as e:
+        task = merging.task
+        if task is None or task.kind != "shard":
+            raise
+        raise DataError(
+            f"shard {task.path} is corrupt ({e.bad} of {e.n} rows of layer {merging.layer} hold NaN or "
+            "Inf that its non-finite flags do not mark); rerun the same `geomscope extract` command to "
+            "redo it"
+        ) from e
+
+
+def _add_block(block, spec: PassSpec, parts: dict, work: OrderedWork, task: Task, merging: _Merging) -> None:
     """One block of rows into the "moments" or "unit" accumulators of every layer: its statistics are
     queued on ``work`` (merged in order by its later calls, so the threads never wait for a block's
-    last piece before the next block's first; ``work.drain()`` completes them)."""
+    last piece before the next block's first; ``work.drain()`` completes them). ``merging`` is told
+    whose rows each queued piece holds (``task``'s layer)."""
     for name in spec.layers:
+        merging.mark(work, task, name)
         x = block.layers[name]
         lp = parts[name]
         keep = _filter(block, name, spec, lp.counts if spec.kind == "moments" else None)
