@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from conftest import assert_one_line_error
 
+from geomscope.errors import DataError
 from geomscope.store import RunWriter
 from geomscope.store.checksum import digests
 
@@ -289,3 +290,54 @@ def test_unflagged_nan_rows_named_whichever_block_of_a_stream_holds_them():
                 run_tasks([tasks[1], clean, clean], spec)
             assert "shard-00001" in str(err.value) and "layer layer_00" in str(err.value), str(err.value)
             assert f"1 of {ROWS % 64} rows" in str(err.value)
+
+
+@pytest.mark.parametrize("when", ["after_its_checksum_began", "between_passes", "mtime_touched"])
+def test_a_shard_replaced_while_it_is_scored_is_refused(run, tmp_path, monkeypatch, when):
+    """Shard 1 replaced by another well-formed shard of the same size (shard 0's bytes; the manifest's
+    size check passes) while `score` runs: after its checksum began on the file as planned, or between
+    the moment pass and the unit-vector pass; or changed in place (its modification time). Reading
+    on would mix two files' rows under one checksum; every open is held to the file as planned."""
+    from geomscope.score import ScoreOptions, accumulate, score
+
+    shard, other = _shard(run), run / "shard-00000.h5"
+    assert shard.stat().st_size == other.stat().st_size
+    real = accumulate.check_shard_file
+    checks = []
+
+    def replace_shard_1():
+        if when == "mtime_touched":
+            st = shard.stat()
+            os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+        else:
+            spare = tmp_path / "spare.h5"
+            spare.write_bytes(other.read_bytes())
+            os.replace(spare, shard)
+
+    def check(task, *, checksum):
+        if task.index == 1:
+            checks.append(checksum)
+            if when != "after_its_checksum_began" and len(checks) == 2:
+                replace_shard_1()
+        checked = real(task, checksum=checksum)
+        if task.index == 1 and when == "after_its_checksum_began" and len(checks) == 1:
+            replace_shard_1()
+        return checked
+
+    monkeypatch.setattr(accumulate, "check_shard_file", check)
+    opts = ScoreOptions(metrics=("isoscore", "avgcos"), verify=True, workers=1)
+    with pytest.raises(DataError, match=r"shard-00001\.h5 was replaced or changed while geomscope read it"):
+        score(str(run), opts)
+    assert len(checks) >= (1 if when == "after_its_checksum_began" else 2)
+
+
+def test_a_run_left_alone_scores_with_every_open_checked(run, tmp_path):
+    """The same checks pass on a run nobody touches, in processes too (the identity travels in the
+    task), and the numbers are those of an unchecked read."""
+    from geomscope.score import ScoreOptions, score
+
+    a = score(str(run), ScoreOptions(metrics=("isoscore", "avgcos"), verify=True, workers=1))
+    b = score(str(run), ScoreOptions(metrics=("isoscore", "avgcos"), verify=True, workers=2))
+    for la, lb in zip(a["layers"], b["layers"], strict=True):
+        for key in ("isoscore", "avgcos", "avgcos_centred", "avgcos_standardised"):
+            assert la[key] == pytest.approx(lb[key], rel=1e-12, abs=1e-15), key

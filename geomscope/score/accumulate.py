@@ -142,7 +142,7 @@ def run_task(task: Task, spec: PassSpec, progress=None, into: dict | None = None
     """Process one task; ``progress(rows)`` is called after each block when given. A shard's size is
     checked first, its checksum (``spec.checksum``) while it is read. ``into``: accumulate into these
     parts (in place: one set of accumulators when tasks run in this process) instead of new ones."""
-    finish = _check(task, spec)
+    finish, task = _check(task, spec)
     with _checksum_first([finish]):
         parts = _run(task, spec, progress, {} if into is None else into)
     finish()
@@ -184,8 +184,8 @@ def run_tasks(tasks: list[Task], spec: PassSpec, progress=None, into: dict | Non
     merging = _Merging()
 
     def stream():
-        for t in tasks:
-            finish = _check(t, spec)
+        for planned in tasks:
+            finish, t = _check(planned, spec)
             started.append(finish)
             for block in iter_blocks(t, spec.layers, spec.n_groups, spec.block_rows):
                 yield t, block
@@ -209,9 +209,12 @@ class _TaskDone:
     finish: Callable[[], None]  # check_shard_file's finish()
 
 
-def _check(task: Task, spec: PassSpec):
-    """A shard's size now and its checksum in the background (sources.check_shard_file): ``finish()``."""
-    return check_shard_file(task, checksum=spec.checksum) if task.kind == "shard" else (lambda: None)
+def _check(task: Task, spec: PassSpec) -> tuple[Callable[[], None], Task]:
+    """A shard's size now and its checksum in the background (sources.check_shard_file): ``finish()``,
+    and the task to read (held to the file checked)."""
+    if task.kind != "shard":
+        return (lambda: None), task
+    return check_shard_file(task, checksum=spec.checksum)
 
 
 def _new_parts(parts: dict, spec: PassSpec) -> None:
@@ -388,7 +391,7 @@ def _run_accumulated(task: Task, spec: PassSpec, progress, parts: dict) -> dict[
         raise AssertionError(f"a {spec.kind!r} pass cannot read a --keep sample shard")
     from geomscope.store.reader import open_shard, read_accumulated
 
-    with open_shard(task.path) as f:
+    with open_shard(task.path, task.identity) as f:
         for name in spec.layers:
             tokens, m, special = read_accumulated(f, name, extras=spec.extras)
             n_special = special.n if special is not None else 0

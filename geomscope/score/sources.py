@@ -16,9 +16,10 @@ column, as ``geomscope export`` writes); array rows (no documents) by contiguous
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +45,7 @@ class Task:
     rows: int = 0
     nbytes: int = -1  # shard: recorded size (checked before reading)
     digest: tuple[str, str] | None = None  # shard: (algorithm, hex) of its checksum (store/checksum.py)
+    identity: tuple | None = None  # local shard: store.reader.identity when planned; every open must match
     offset: int = 0  # formats: the source's global row number of row ``start``
     meta: tuple[str, ...] = ()  # formats: the optional per-row columns present (doc_id, special)
     dim: int = 0  # formats: the layers' width (sizes the read blocks); shard: the run's, checked
@@ -69,40 +71,77 @@ def _array_groups(start: int, stop: int, n_total: int, n_groups: int) -> np.ndar
 
 
 def _rows_per_block(dim: int, itemsize: int, n_layers: int) -> int:
-    return max(256, READ_BYTES // max(1, dim * itemsize * max(1, n_layers)))
+    """Rows of a block of about READ_BYTES: the layers' values, what the source reads beside them
+    (store.reader.row_bytes) and the block's own keys, group (8 bytes each) and special flag."""
+    from geomscope.store.reader import row_bytes
+
+    return max(256, READ_BYTES // (row_bytes(dim, itemsize, max(1, n_layers)) + 17))
 
 
 # --------------------------------------------------------------------------------------- runs
+def _open_as_planned(p, task: Task):
+    """A local shard opened for reading (checked a regular file on the open file: a FIFO or a device
+    would block the size check and the hash) and still the file it was when the score was planned;
+    None for a URL, after its own checks."""
+    from geomscope.store import remote
+    from geomscope.store.reader import check_regular_file, check_same_file, open_regular
+
+    if remote.is_url(p):
+        check_regular_file(p)
+        return None
+    opened = open_regular(p)
+    try:
+        check_same_file(p, opened.fileno(), task.identity)
+    except BaseException:
+        opened.close()
+        raise
+    return opened
+
+
 def check_shard_file(task: Task, *, checksum: bool):
     """Size of a shard against the manifest now; its checksum (``checksum``: ``task.digest``) in a
-    background thread while the shard is streamed. Returns ``finish()``, which waits for the
-    hash and raises DataError naming the shard if it differs. Missing/short files raise at once.
-    ``task.path`` is a path or a URL (its bytes are then streamed through fsspec)."""
+    background thread while the shard is streamed. Returns ``(finish, task)``: ``finish()`` waits for
+    the hash and raises DataError naming the shard if it differs; ``task`` is the task to read,
+    holding the identity of the file checked (so the reads must come from it). Missing/short files
+    raise at once. ``task.path`` is a path or a URL (its bytes are then streamed through fsspec). A
+    local shard is opened once for the size and the hash, and must still be the file of
+    ``task.identity`` (the file as planned)."""
     import threading
 
     from geomscope.store import remote
-    from geomscope.store.checksum import matches
-    from geomscope.store.reader import check_regular_file
+    from geomscope.store.checksum import file_matches
 
     p = remote.location(task.path)
     if not remote.exists(p):
         raise DataError(f"shard {p} is missing; rerun the same `geomscope extract` command to redo it")
-    check_regular_file(p)  # (a FIFO or a device would block the size check and the hash)
-    size = remote.size(p)
-    if task.nbytes >= 0 and size != task.nbytes:
-        raise DataError(
-            f"shard {p} is corrupt or truncated ({size} bytes on disk, "
-            f"{task.nbytes} recorded); rerun the same `geomscope extract` command to redo it"
-        )
+    opened = _open_as_planned(p, task)  # None for a URL
+    try:
+        size = remote.size(p) if opened is None else os.fstat(opened.fileno()).st_size
+        if task.nbytes >= 0 and size != task.nbytes:
+            raise DataError(
+                f"shard {p} is corrupt or truncated ({size} bytes on disk, "
+                f"{task.nbytes} recorded); rerun the same `geomscope extract` command to redo it"
+            )
+        if checksum and task.digest is None:  # a shard task always has one (checked manifest)
+            raise DataError(f"shard {p} has no usable checksum in its manifest; rerun `geomscope extract`")
+    except BaseException:
+        if opened is not None:
+            opened.close()
+        raise
+    if opened is not None:
+        from geomscope.store.reader import file_identity
+
+        task = replace(task, identity=file_identity(os.fstat(opened.fileno())))
     if not checksum:
-        return lambda: None
-    if task.digest is None:  # a shard task always has one (checked manifest): fail closed, never skip
-        raise DataError(f"shard {p} has no usable checksum in its manifest; rerun `geomscope extract`")
+        if opened is not None:
+            opened.close()
+        return (lambda: None), task
     result: dict = {}
 
     def run() -> None:
         try:
-            result["same"] = matches(p, task.digest)
+            with opened if opened is not None else remote.open_binary(p) as f:
+                result["same"] = file_matches(f, task.digest)
         except Exception as e:  # OSError, or whatever a remote filesystem raises
             result["error"] = e
 
@@ -123,14 +162,16 @@ def check_shard_file(task: Task, *, checksum: bool):
                 "command to redo it"
             )
 
-    return finish
+    return finish, task
 
 
 def _shard_meta(task: Task, layers: list[str], n_groups: int) -> Iterator[Block]:
     """Metadata (keys, groups, special, non-finite flags) of a shard, without activations."""
     from geomscope.store import iter_shard
 
-    for ch in iter_shard(task.path, layers, chunk_rows=1 << 20, activations=False, rows=task.rows):
+    for ch in iter_shard(
+        task.path, layers, chunk_rows=1 << 20, activations=False, rows=task.rows, expected=task.identity
+    ):
         n = ch.stop - ch.start
         nf = {
             name: np.asarray(ch.nonfinite[name], bool) if name in ch.nonfinite else np.zeros(n, bool)
@@ -147,7 +188,9 @@ def _shard_meta(task: Task, layers: list[str], n_groups: int) -> Iterator[Block]
 def _shard_blocks(task: Task, layers: list[str], n_groups: int, block_rows: int | None) -> Iterator[Block]:
     from geomscope.store import iter_shard
 
-    for ch in iter_shard(task.path, layers, chunk_rows=block_rows, rows=task.rows, dim=task.dim or None):
+    for ch in iter_shard(
+        task.path, layers, chunk_rows=block_rows, rows=task.rows, dim=task.dim or None, expected=task.identity
+    ):
         nf = {}
         for n in layers:
             if n in ch.nonfinite:  # the store flags every row whose stored values hold NaN/Inf
@@ -436,6 +479,7 @@ def _open_format(p: Path, fmt: str, columns: list[str] | None, block_rows: int |
 
 def _open_run(p: Path | str, layers: list[str] | None, partial: bool) -> SourceInfo:
     from geomscope.store import Run
+    from geomscope.store.reader import identity as shard_identity
 
     run = Run(p)
     shards = run.shards
@@ -472,6 +516,7 @@ def _open_run(p: Path | str, layers: list[str] | None, partial: bool) -> SourceI
             rows=s.rows,
             nbytes=s.bytes,
             digest=s.digest,
+            identity=shard_identity(run.shard_path(s)),
             dim=dim,  # every shard's layers are checked to be this wide before they are read
             accumulated=sample is not None,
         )

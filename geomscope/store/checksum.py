@@ -46,13 +46,18 @@ def _hasher(algorithm: str):
 
 def digests(loc, algorithms: tuple[str, ...] = (SLOW, FAST)) -> dict[str, str]:
     """Hex digests of the file at ``loc`` (a path or an fsspec URL) for each algorithm, in one read."""
+    with remote.open_binary(loc) as f:
+        return file_digests(f, algorithms)
+
+
+def file_digests(f, algorithms: tuple[str, ...] = (SLOW, FAST)) -> dict[str, str]:
+    """Hex digests of what an open binary file holds from where it stands to its end (it stays open)."""
     hashers = {a: _hasher(a) for a in algorithms}
     buf = memoryview(bytearray(READ_BYTES))
-    with remote.open_binary(loc) as f:
-        while n := _read_into(f, buf):
-            chunk = buf[:n]
-            for h in hashers.values():
-                h.update(chunk)
+    while n := _read_into(f, buf):
+        chunk = buf[:n]
+        for h in hashers.values():
+            h.update(chunk)
     return {a: h.hexdigest() for a, h in hashers.items()}
 
 
@@ -91,5 +96,11 @@ def describe(algorithm: str) -> str:
 
 def matches(loc, digest: tuple[str, str]) -> bool:
     """Whether the file's ``digest[0]`` hash is ``digest[1]`` (OSError when it cannot be read)."""
+    with remote.open_binary(loc) as f:
+        return file_matches(f, digest)
+
+
+def file_matches(f, digest: tuple[str, str]) -> bool:
+    """:func:`matches` for an open binary file, read from where it stands."""
     algorithm, value = digest
-    return digests(loc, (algorithm,))[algorithm] == value
+    return file_digests(f, (algorithm,))[algorithm] == value

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,7 +26,14 @@ from geomscope.store.manifest import (
 )
 from geomscope.store.shard import META_FIELDS, ShardInfo
 
-READ_CHUNK_BYTES = 64 * 1024 * 1024  # default bytes of one layer read at a time
+READ_CHUNK_BYTES = 64 * 1024 * 1024  # default bytes of one read step (its rows' layers and fields)
+
+
+def row_bytes(dim: int, itemsize: int, n_layers: int) -> int:
+    """Bytes one row of a read step takes: its layers' values, its index fields (token_id, doc_id,
+    position: int64; is_special) and a non-finite flag per layer. Counting the fields keeps a step
+    bounded for narrow layers too (D = 2 in float16 would otherwise read 16M rows, 0.4 GB of fields)."""
+    return dim * itemsize * n_layers + 3 * 8 + 1 + n_layers
 
 
 @dataclass
@@ -96,8 +104,67 @@ def check_regular_file(path) -> None:
         raise _corrupt(path, "not a regular file")
 
 
-def _open(path) -> h5py.File:
-    """A shard at a location (a Path, or a URL read through fsspec) opened for reading."""
+def open_regular(path):
+    """A local shard opened for reading (an unbuffered binary file), checked as
+    :func:`check_regular_file` checks it but on the open file itself: a link is refused by the open
+    (``O_NOFOLLOW``), a FIFO does not block it (``O_NONBLOCK``), and what is not a regular file is
+    refused by its ``fstat`` -- nothing can be put in its place between the check and the reads."""
+    flags = (
+        os.O_RDONLY
+        | getattr(os, "O_NOFOLLOW", 0)
+        | getattr(os, "O_NONBLOCK", 0)
+        | getattr(os, "O_CLOEXEC", 0)
+    )
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError as e:
+        raise _missing(path) from e
+    except OSError as e:
+        check_regular_file(path)  # a link (ELOOP) or what else it is, said as such
+        raise _corrupt(path, f"cannot read it: {e.strerror}") from e
+    f = open(fd, "rb", buffering=0)  # noqa: SIM115 -- the caller closes it
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise _corrupt(path, "not a regular file")
+    return f
+
+
+def identity(path) -> tuple | None:
+    """What tells this local file from one put in its place or changed: (this machine's name, device,
+    inode, size, modification time in ns). None for a URL, or a path that is not a regular file now
+    (the checks before any read say what it is)."""
+    if remote.is_url(path):
+        return None
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return file_identity(st) if stat.S_ISREG(st.st_mode) else None
+
+
+def file_identity(st: os.stat_result) -> tuple:
+    """:func:`identity` of a file's ``os.stat`` / ``os.fstat`` result."""
+    return (socket.gethostname(), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def check_same_file(path, fd: int, expected: tuple | None) -> None:
+    """DataError unless the open file ``fd`` is the file ``expected`` (:func:`identity`) describes:
+    the shard was replaced or changed since, and the bytes checked and the rows read could otherwise
+    come from different files. An identity taken on another machine (a Dask worker elsewhere, reading
+    a shared filesystem whose device and inode numbers are its own) is not compared."""
+    if expected is None:
+        return
+    now = file_identity(os.fstat(fd))
+    if expected[0] == now[0] and tuple(expected) != now:
+        raise DataError(
+            f"shard {path} was replaced or changed while geomscope read it (another `geomscope extract` "
+            "writing into this run?); score it again once that is done"
+        )
+
+
+def _open(path, expected: tuple | None = None) -> h5py.File:
+    """A shard at a location (a Path, or a URL read through fsspec) opened for reading; a local one,
+    when ``expected`` is given, must still be that file (:func:`check_same_file`)."""
     if not remote.exists(path):
         raise _missing(path)
     check_regular_file(path)
@@ -110,16 +177,21 @@ def _open(path) -> h5py.File:
         raise _missing(path) from e
     except OSError as e:
         raise _corrupt(path, str(e).split("(")[0].strip() or "cannot open") from e
-    if f.attrs.get("format") != "geomscope-shard" or "layers" not in f:
+    try:
+        if not remote.is_url(path):
+            check_same_file(path, f.id.get_vfd_handle(), expected)
+        if f.attrs.get("format") != "geomscope-shard" or "layers" not in f:
+            raise _corrupt(path, "not a geomscope shard")
+    except BaseException:
         f.close()
-        raise _corrupt(path, "not a geomscope shard")
+        raise
     return f
 
 
-def open_shard(path) -> h5py.File:
+def open_shard(path, expected: tuple | None = None) -> h5py.File:
     """A finished shard (a path or a URL) opened for reading; DataError (one line) when it is missing
-    or not a shard."""
-    return _open(remote.location(path))
+    or not a shard, or (``expected``: :func:`identity`) no longer the file it was."""
+    return _open(remote.location(path), expected)
 
 
 def read_accumulated(f: h5py.File, layer: str, *, extras: bool):
@@ -229,20 +301,25 @@ class _RowReader:
     the 2-core benchmark machine), and ``score`` reads the next shard in a thread while its own threads
     multiply: they could not come back from a product meanwhile. A dataset stored as geomscope writes
     it -- chunks of whole rows, no filter, numbers in this machine's byte order -- is read here chunk by
-    chunk, its bytes straight into the array with ``readinto``, which releases the GIL (and is faster:
-    the 8 shards of the 200k x 384 benchmark run in 34 ms against h5py's 54-56). Any other layout, a
-    filter, a chunk never written, or a shard behind a URL is read by h5py."""
+    chunk, its bytes straight into the array with ``os.preadv``, which releases the GIL (and is faster:
+    the 8 shards of the 200k x 384 benchmark run in 34 ms against h5py's 54-56). It reads the file
+    h5py opened (a duplicate of its descriptor, read at explicit offsets), never the path again: what
+    h5py's checks and the identity check saw is what the rows come from. Any other layout, a filter,
+    a chunk never written, or a shard behind a URL is read by h5py."""
 
-    def __init__(self, path):
+    def __init__(self, path, f: h5py.File):
         self.path = path
-        self._raw = None if remote.is_url(path) else open(path, "rb", buffering=0)  # noqa: SIM115
+        self._fd = None
+        if not remote.is_url(path) and hasattr(os, "preadv"):
+            self._fd = os.dup(f.id.get_vfd_handle())
 
     def close(self) -> None:
-        if self._raw is not None:
-            self._raw.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def rows(self, ds: h5py.Dataset, start: int, stop: int) -> np.ndarray:
-        spans = None if self._raw is None else row_spans(ds, start, stop)
+        spans = None if self._fd is None else row_spans(ds, start, stop)
         if spans is None:
             return ds[start:stop]
         out = np.empty((stop - start, ds.shape[1]), ds.dtype)
@@ -254,12 +331,11 @@ class _RowReader:
         return out
 
     def _read_exactly(self, offset: int, into: memoryview) -> None:
-        self._raw.seek(offset)
         while len(into):
-            n = self._raw.readinto(into)
+            n = os.preadv(self._fd, [into], offset)
             if not n:
                 raise _corrupt(self.path, "a chunk of rows ends past the end of the file")
-            into = into[n:]
+            into, offset = into[n:], offset + n
 
 
 def iter_shard(
@@ -270,16 +346,18 @@ def iter_shard(
     activations: bool = True,
     rows: int | None = None,
     dim: int | None = None,
+    expected: tuple | None = None,
 ) -> Iterator[ShardChunk]:
     """Stream a shard in chunks of rows; memory is bounded by ``chunk_rows`` x D x len(layers).
 
     ``activations=False`` reads only the row index and the non-finite flags of ``layers`` (a chunk's
     ``layers`` is then empty): the metadata pass of ``score --max-rows``. ``path``: a path or a URL.
     ``rows``, ``dim``: the manifest's row count and the run's width, checked (:func:`check_layout`)
-    before anything is read.
+    before anything is read. ``expected``: the shard's :func:`identity` when it was planned (checked
+    on the open file).
     """
     path = remote.location(path)
-    with _open(path) as f, contextlib.closing(_RowReader(path)) as reader:
+    with _open(path, expected) as f, contextlib.closing(_RowReader(path, f)) as reader:
         names = list(f["layers"].keys()) if layers is None else list(layers)
         for n in names:
             if n not in f["layers"]:
@@ -291,9 +369,9 @@ def iter_shard(
             if names and activations:
                 d = f["layers"][names[0]].shape[1]
                 item = f["layers"][names[0]].dtype.itemsize
-                default = max(1024, READ_CHUNK_BYTES // max(1, d * item * len(names)))
+                default = max(1024, READ_CHUNK_BYTES // row_bytes(d, item, len(names)))
             else:
-                default = 1 << 20
+                default = max(1024, READ_CHUNK_BYTES // row_bytes(0, 0, len(names)))
             step = chunk_rows or default
             for ds in [f["layers"][n] for n in names]:
                 if ds.shape[0] != n_rows:
