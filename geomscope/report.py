@@ -145,8 +145,11 @@ class Report(dict):
         """A pandas DataFrame. Wide (default): one row per layer, the CSV's columns (``layer``,
         ``index``, ``n_rows``, one per scalar metric, ``outliers`` as lists, ``se_<metric>``).
         ``long=True``: the tidy form, one row per (layer, metric) with ``value`` and ``se``, only
-        metrics with a value in some layer."""
-        import pandas as pd
+        metrics with a value in some layer. Needs pandas (not one of geomscope's dependencies)."""
+        try:
+            import pandas as pd
+        except ImportError:
+            raise InputError("Report.to_frame needs pandas; install it with `pip install pandas`") from None
 
         rows = layer_rows(self)
         wide = pd.DataFrame(rows, columns=csv_columns(self))

@@ -47,6 +47,16 @@ def test_load_report_is_a_dict_with_a_frame(tmp_path):
     assert len(long) == len(rep["layers"]) * long.metric.nunique()
 
 
+def test_to_frame_without_pandas_says_how_to_get_it(tmp_path, monkeypatch):
+    """pandas is not one of geomscope's dependencies: a frame asked for without it is one line."""
+    from geomscope.errors import InputError
+
+    got = geomscope.load_report(write_report(tmp_path / "r.json", make_report(**SMALL)))
+    monkeypatch.setitem(__import__("sys").modules, "pandas", None)  # import pandas -> ImportError
+    with pytest.raises(InputError, match="pip install pandas"):
+        got.to_frame()
+
+
 def test_repr_html_is_the_layer_table(tmp_path):
     rep = geomscope.load_report(write_report(tmp_path / "r.json", make_report(**SMALL)))
     page = rep._repr_html_()

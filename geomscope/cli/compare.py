@@ -15,7 +15,7 @@ from geomscope.cli._options import json_option, quiet_option
 @app.command("compare")
 def compare_cmd(
     dirs: List[Path] = typer.Argument(
-        ..., metavar="DIR...", help="Finetune outputs: runs, sweeps, or folders of runs."
+        ..., metavar="DIR", help="Finetune outputs: runs, sweeps, or folders of runs."
     ),
     out: Optional[Path] = typer.Option(
         None,

@@ -246,7 +246,7 @@ def finetune_cmd(
     Writes the fine-tuned model and tokenizer (readable by `geomscope extract OUT`), steps.jsonl,
     eval.jsonl, summary.json and an epoch checkpoint into --out. Comma lists in --reg, --lambda and
     --seed run the grid, each run in --out/<reg>_lambda<L>_seed<S>/ (finished runs are skipped on
-    rerun); `geomscope compare --out` then relates isotropy to accuracy.
+    rerun); `geomscope compare OUT` then relates isotropy to accuracy.
     """
     from geomscope.study.sweep import grid, run_sweep
     from geomscope.train import FinetuneConfig, finetune

@@ -27,7 +27,7 @@ from geomscope.cli._options import (
 def plot_cmd(
     inputs: List[str] = typer.Argument(
         ...,
-        metavar="REPORT...",
+        metavar="REPORT",
         help="Score report JSON files, a trajectory.csv (or finetune output dirs / steps.jsonl).",
     ),
     out: str = typer.Option(

@@ -17,7 +17,7 @@ from geomscope.cli._options import json_option, quiet_option, split_list
 @app.command("report")
 def report_cmd(
     inputs: List[str] = typer.Argument(
-        ..., metavar="REPORT...", help="Score report JSON files (or directories holding report.json)."
+        ..., metavar="REPORT", help="Score report JSON files (or directories holding report.json)."
     ),
     html_out: Path = typer.Option(..., "--html", metavar="FILE.html", help="The page to write."),
     kind: Optional[List[str]] = typer.Option(

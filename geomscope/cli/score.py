@@ -50,7 +50,7 @@ def _default_out(source: str) -> str:
 def score_cmd(
     sources: List[str] = typer.Argument(
         ...,
-        metavar="SOURCE...",
+        metavar="SOURCE",
         help="A run directory written by `geomscope extract`; an (N, D) array (.npy, .h5); or one "
         "(N, D) array per layer: .npz, .safetensors, .pt (tensors only), .arrow, .parquet, or a "
         "directory of them (datasets.save_to_disk, SAELens activation cache). Several runs, or a "
