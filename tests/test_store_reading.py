@@ -66,7 +66,9 @@ def test_a_chunk_past_the_end_of_the_file_is_a_corrupt_shard(tmp_path):
         cut.write_bytes(path.read_bytes()[: last_offset + size // 4])  # 2 of its 4 rows in use
         # (HDF5 itself refuses to open the cut file: the reader reads it with the intact file's layout)
         fd = os.open(cut, os.O_RDONLY)
-        reader = _RowReader(cut, SimpleNamespace(id=SimpleNamespace(get_vfd_handle=lambda: fd)))
+        reader = _RowReader(
+            cut, SimpleNamespace(driver="sec2", id=SimpleNamespace(get_vfd_handle=lambda: fd))
+        )
         os.close(fd)  # the reader holds its own duplicate
         try:
             np.testing.assert_array_equal(reader.rows(ds, 0, 16), x[:16])  # chunks still whole
@@ -167,3 +169,29 @@ def test_a_read_step_counts_the_rows_fields_as_well_as_their_values(tmp_path, mo
         assert step * dim * 2 + meta + ch.nonfinite["layer_00"].nbytes == step * per_row
         seen += step
     assert seen == rows
+
+
+def test_under_another_hdf5_driver_h5py_reads_and_the_path_is_checked(tmp_path, monkeypatch):
+    """Where h5py does not read through a plain descriptor (another HDF5 driver), the rows come from
+    h5py and the identity is checked on the path opened again."""
+    from geomscope.store import reader as store_reader
+
+    path = tmp_path / "f.h5"
+    x = _datasets(path)
+    with h5py.File(path, "r+") as f:  # what _open asks of a shard
+        f.attrs["format"] = "geomscope-shard"
+        f.create_group("layers")
+    monkeypatch.setattr(store_reader, "_descriptor", lambda f: None)
+    planned = store_reader.identity(path)
+    with store_reader._open(path, planned) as f:
+        reader = _RowReader(path, f)
+        try:
+            assert reader._fd is None
+            np.testing.assert_array_equal(reader.rows(f["plain"], 2, 19), x[2:19])
+        finally:
+            reader.close()
+    spare = tmp_path / "spare.h5"
+    spare.write_bytes(path.read_bytes())
+    os.replace(spare, path)
+    with pytest.raises(DataError, match="replaced or changed"):
+        store_reader._open(path, planned)

@@ -162,6 +162,14 @@ def check_same_file(path, fd: int, expected: tuple | None) -> None:
         )
 
 
+def _descriptor(f: h5py.File) -> int | None:
+    """The file descriptor through which h5py reads a local shard (HDF5's default "sec2" driver);
+    None for a URL's file object or another driver (set by ``HDF5_DRIVER``, say)."""
+    if f.driver != "sec2":
+        return None
+    return f.id.get_vfd_handle()
+
+
 def _open(path, expected: tuple | None = None) -> h5py.File:
     """A shard at a location (a Path, or a URL read through fsspec) opened for reading; a local one,
     when ``expected`` is given, must still be that file (:func:`check_same_file`)."""
@@ -178,8 +186,12 @@ def _open(path, expected: tuple | None = None) -> h5py.File:
     except OSError as e:
         raise _corrupt(path, str(e).split("(")[0].strip() or "cannot open") from e
     try:
-        if not remote.is_url(path):
-            check_same_file(path, f.id.get_vfd_handle(), expected)
+        fd = _descriptor(f)
+        if fd is not None:
+            check_same_file(path, fd, expected)
+        elif expected is not None and not remote.is_url(path):  # another HDF5 driver: by path
+            with open_regular(path) as again:
+                check_same_file(path, again.fileno(), expected)
         if f.attrs.get("format") != "geomscope-shard" or "layers" not in f:
             raise _corrupt(path, "not a geomscope shard")
     except BaseException:
@@ -309,9 +321,8 @@ class _RowReader:
 
     def __init__(self, path, f: h5py.File):
         self.path = path
-        self._fd = None
-        if not remote.is_url(path) and hasattr(os, "preadv"):
-            self._fd = os.dup(f.id.get_vfd_handle())
+        fd = _descriptor(f) if hasattr(os, "preadv") else None
+        self._fd = None if fd is None else os.dup(fd)
 
     def close(self) -> None:
         if self._fd is not None:
