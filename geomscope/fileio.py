@@ -5,6 +5,11 @@ through a link (``O_CREAT | O_EXCL | O_NOFOLLOW``), flushed and fsynced, then re
 destination, and the directory is fsynced so that the rename survives a crash. A reader sees the
 old file or the new one, never half of one; a link planted at the temporary or the final name is
 never written through (``os.replace`` replaces the link itself).
+
+An output a user names (a report, a figure, a page, a comparison) replaces only geomscope's own
+earlier output of that kind: :func:`ensure_replaceable` refuses any other file, a link or a directory
+at that name. Each kind says how it recognises its own bytes (a report's ``"format"``, a CSV's
+header, the ``geomscope`` a figure or page records as its creator).
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import stat
+from collections.abc import Callable
 from pathlib import Path
 
 TEMP_PREFIX = ".geomscope-tmp-"
@@ -41,6 +48,58 @@ def temp_path(dest: str | os.PathLike) -> Path:
     """A fresh temporary name next to ``dest`` (same directory, so the final rename is atomic)."""
     dest = Path(dest)
     return dest.with_name(f"{TEMP_PREFIX}{secrets.token_hex(6)}-{dest.name}")
+
+
+#: the most bytes of an existing output read to recognise it (geomscope's figures and reports are
+#: far smaller; a larger file is not one of them)
+MAX_RECOGNISED_BYTES = 256 * 2**20
+
+
+def ensure_replaceable(
+    path: str | os.PathLike, ours: Callable[[bytes], bool], *, option: str = "--out"
+) -> None:
+    """Nothing at ``path``, or a regular file whose bytes ``ours`` recognises as geomscope's earlier
+    output of this kind (rewritten, as a rerun expects); anything else -- a user's file, a link, a
+    directory -- is an InputError naming ``option``, before anything is written."""
+    from geomscope.errors import InputError
+
+    p = Path(path)
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise InputError(f"cannot check {p} ({e.strerror or e}); choose another {option}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise InputError(f"{p} is a directory; choose another {option}")
+    mine = False
+    if stat.S_ISREG(st.st_mode) and st.st_size <= MAX_RECOGNISED_BYTES:
+        try:
+            with open(p, "rb") as f:
+                mine = ours(f.read())
+        except OSError:
+            mine = False
+    if not mine:
+        what = "a link" if stat.S_ISLNK(st.st_mode) else "a file geomscope did not write"
+        raise InputError(f"{p} exists and is {what}; choose another {option}, or move it away first")
+
+
+def json_format_is(expected: str) -> Callable[[bytes], bool]:
+    """A recogniser (:func:`ensure_replaceable`) of a JSON object whose ``"format"`` is ``expected``."""
+
+    def ours(data: bytes) -> bool:
+        try:
+            obj = json.loads(data)
+        except (ValueError, RecursionError):
+            return False
+        return isinstance(obj, dict) and obj.get("format") == expected
+
+    return ours
+
+
+def starts_with(prefix: bytes) -> Callable[[bytes], bool]:
+    """A recogniser (:func:`ensure_replaceable`) of a file beginning with ``prefix`` (a CSV's header)."""
+    return lambda data: data.startswith(prefix)
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:

@@ -19,6 +19,10 @@ from pathlib import Path
 
 from geomscope.schema import METRIC_LABELS, SCALAR_METRIC_NAMES, extra_id_keys
 
+#: what a page records as its generator: how a later ``report --html`` knows a file at its path for
+#: its own earlier page, which it replaces (fileio.ensure_replaceable)
+GENERATOR = "<meta name='generator' content='geomscope'>"
+
 _CSS = """
 body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:2rem auto;max-width:70rem;
 color:#222;line-height:1.4;padding:0 1rem}
@@ -214,7 +218,7 @@ def html_page(reports: Sequence[dict], *, kinds: Sequence[str] = ("auto",), titl
             f"{report_table_html(r)}{_final_norm(r)}{_notes(r)}</section>"
         )
     return (
-        "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
+        f"<!doctype html><html lang='en'><head><meta charset='utf-8'>{GENERATOR}"
         "<meta name='viewport' content='width=device-width, initial-scale=1'>"
         f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>"
         f"<h1>{_e(title)}</h1>{''.join(sections)}<h2>Figures</h2>{''.join(figures)}</body></html>\n"
@@ -228,10 +232,13 @@ def write_html(
     kinds: Sequence[str] = ("auto",),
     title: str | None = None,
 ) -> Path:
-    """Write :func:`html_page` to ``path`` atomically (a crash never leaves half a page)."""
-    from geomscope.fileio import write_text_atomic
+    """Write :func:`html_page` to ``path`` atomically (a crash never leaves half a page). A file
+    already there is replaced only if it is a page geomscope wrote."""
+    from geomscope.fileio import ensure_replaceable, write_text_atomic
 
     path = Path(path)
+    ensure_replaceable(path, lambda data: GENERATOR.encode() in data[:4096], option="--html")
+    page = html_page(reports, kinds=kinds, title=title)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, html_page(reports, kinds=kinds, title=title))
+    write_text_atomic(path, page)
     return path

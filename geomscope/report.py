@@ -55,7 +55,7 @@ import os
 from pathlib import Path
 
 from geomscope.errors import InputError
-from geomscope.fileio import write_text_atomic
+from geomscope.fileio import ensure_replaceable, json_format_is, starts_with, write_text_atomic
 from geomscope.schema import (
     LAYER_KEYS,
     METRIC_LABELS,
@@ -188,15 +188,24 @@ def report_paths(out: str | os.PathLike) -> tuple[Path, Path]:
     return p.with_name(p.name + ".json"), p.with_name(p.name + ".csv")
 
 
-def save_report(report: dict, out: str | os.PathLike) -> tuple[Path, Path]:
-    """Write the report as JSON and CSV; return (json_path, csv_path). See :func:`report_paths`."""
+def check_report_out(out: str | os.PathLike) -> tuple[Path, Path]:
+    """The (json, csv) paths of ``out`` (:func:`report_paths`) if a report may be written there: a
+    directory or prefix in a directory, and nothing at either name but an earlier report's file
+    (which is replaced); InputError (one line) otherwise. ``score`` asks before it computes."""
     jpath, cpath = report_paths(out)
     parent = jpath.parent
     if parent.exists() and not parent.is_dir():
         raise InputError(f"--out {out}: {parent} is a file; give a directory or a prefix in a directory")
-    for target in (jpath, cpath):
-        if target.is_dir() and not target.is_symlink():
-            raise InputError(f"--out {out}: {target} is a directory; give another directory or prefix")
+    ensure_replaceable(jpath, json_format_is(REPORT_FORMAT))
+    ensure_replaceable(cpath, starts_with(b"layer,index,n_rows"))
+    return jpath, cpath
+
+
+def save_report(report: dict, out: str | os.PathLike) -> tuple[Path, Path]:
+    """Write the report as JSON and CSV; return (json_path, csv_path). See :func:`report_paths`;
+    files already there are replaced only if they are a report's (:func:`check_report_out`)."""
+    jpath, cpath = check_report_out(out)
+    parent = jpath.parent
     jtext, ctext = to_json(report), to_csv(report)
     try:
         parent.mkdir(parents=True, exist_ok=True)

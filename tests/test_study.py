@@ -144,10 +144,21 @@ def test_compare_bad_inputs(cli, sweep, tmp_path):
     (other / "run.json").write_text(json.dumps(run))
     code, out, err = cli(["compare", tmp_path / "pair", other, "--out", tmp_path / "cmp"])
     assert_one_line_error(code, out, err, "different eval sets", "--allow-mixed", exit_code=2)
-    code, out, err = cli(
-        ["compare", tmp_path / "pair", other, "--out", tmp_path / "cmp", "--allow-mixed", "--quiet"]
-    )
+    mixed = ["compare", tmp_path / "pair", other, "--out", tmp_path / "cmp", "--allow-mixed", "--quiet"]
+    code, out, err = cli(mixed)
     assert code == 0, err
+    assert cli(mixed)[0] == 0  # its own outputs are replaced on a rerun
+    # a user's file at one of its names is refused before anything is written, and kept
+    (tmp_path / "cmp" / "compare.csv").write_text("my,own\n")
+    before = (tmp_path / "cmp" / "compare.json").stat().st_mtime_ns
+    code, out, err = cli(mixed)
+    assert_one_line_error(code, out, err, "compare.csv exists", "geomscope did not write", exit_code=2)
+    assert (tmp_path / "cmp" / "compare.csv").read_text() == "my,own\n"
+    assert (tmp_path / "cmp" / "compare.json").stat().st_mtime_ns == before
+    (tmp_path / "a-file").write_text("x")
+    code, out, err = cli([*mixed[:4], "--out", tmp_path / "a-file", "--allow-mixed"])
+    assert_one_line_error(code, out, err, "a-file", exit_code=2)
+    assert (tmp_path / "a-file").read_text() == "x"
 
 
 def test_sweep_restarts_a_run_cut_off_before_its_first_checkpoint(tmp_path):

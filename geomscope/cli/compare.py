@@ -41,8 +41,8 @@ def compare_cmd(
     import json
 
     from geomscope.errors import InputError
-    from geomscope.fileio import write_text_atomic
-    from geomscope.plot.figures import save_figure
+    from geomscope.fileio import ensure_replaceable, json_format_is, starts_with, write_text_atomic
+    from geomscope.plot.figures import is_figure, save_figure
     from geomscope.plot.study import study_figure
     from geomscope.study.compare import compare, to_csv
 
@@ -50,6 +50,10 @@ def compare_cmd(
     if out is None and len(dirs) != 1:
         raise InputError("several DIRs were given: name where the comparison goes with --out DIR")
     dest = out if out is not None else dirs[0]
+    # a user's file at any of these names is refused before anything is written, never replaced
+    ensure_replaceable(dest / "compare.json", json_format_is("geomscope-compare"))
+    ensure_replaceable(dest / "compare.csv", starts_with(b"reg,lambda,n"))
+    ensure_replaceable(dest / "compare.png", is_figure)
     dest.mkdir(parents=True, exist_ok=True)
     write_text_atomic(dest / "compare.json", json.dumps(result, indent=1) + "\n")
     write_text_atomic(dest / "compare.csv", to_csv(result))

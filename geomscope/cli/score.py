@@ -224,7 +224,7 @@ def score_cmd(
 
     from rich.console import Console
 
-    from geomscope.report import gradient_energy_lines, report_table, save_report, to_json
+    from geomscope.report import check_report_out, gradient_energy_lines, report_table, save_report, to_json
     from geomscope.score import ScoreOptions, score
 
     console = Console(stderr=True)
@@ -269,9 +269,11 @@ def score_cmd(
         _score_many(expanded, sources, opts, out, as_json, quiet, console, log)
         return
     source = expanded[0]
+    dest = out if out is not None else _default_out(source)
+    check_report_out(dest)  # before the work: a user's file at that name is refused, never replaced
     report = score(source, opts, progress=not quiet and sys.stderr.isatty(), log=log)
     _record_command(report)
-    jpath, cpath = save_report(report, out if out is not None else _default_out(source))
+    jpath, cpath = save_report(report, dest)
     if not quiet:
         console.print(report_table(report, split_list(columns) or None))
         for line in gradient_energy_lines(report):
@@ -305,27 +307,29 @@ def _score_many(
     import sys
     from pathlib import Path
 
-    from geomscope.report import save_report
+    from geomscope.report import check_report_out, save_report
     from geomscope.score import score
-    from geomscope.score.trajectory import TRAJECTORY_NAME, write_trajectory
+    from geomscope.score.trajectory import TRAJECTORY_NAME, check_trajectory_out, write_trajectory
 
-    reports, written = [], []
-    for i, run in enumerate(runs, 1):
-        rep = score(run, opts, progress=not quiet and sys.stderr.isatty(), log=log)
-        _record_command(rep)
-        name = Path(run).name
-        dest = str(Path(out) / name) if out is not None else _default_out(run)
-        jpath, _ = save_report(rep, dest)
-        reports.append(rep)
-        written.append(str(jpath))
-        if not quiet:
-            console.print(f"[{i}/{len(runs)}] {run}: wrote {jpath}", highlight=False, markup=False)
+    dests = [str(Path(out) / Path(run).name) if out is not None else _default_out(run) for run in runs]
     if out is not None:
         where = Path(out)
     elif len(sources) == 1:
         where = Path(sources[0])
     else:
         where = Path(os.path.commonpath([str(Path(r).resolve().parent) for r in runs]))
+    for dest in dests:  # before the work: a user's file at any of these names is refused, never replaced
+        check_report_out(dest)
+    check_trajectory_out(where / TRAJECTORY_NAME)
+    reports, written = [], []
+    for i, (run, dest) in enumerate(zip(runs, dests, strict=True), 1):
+        rep = score(run, opts, progress=not quiet and sys.stderr.isatty(), log=log)
+        _record_command(rep)
+        jpath, _ = save_report(rep, dest)
+        reports.append(rep)
+        written.append(str(jpath))
+        if not quiet:
+            console.print(f"[{i}/{len(runs)}] {run}: wrote {jpath}", highlight=False, markup=False)
     where.mkdir(parents=True, exist_ok=True)
     traj = write_trajectory(reports, where / TRAJECTORY_NAME)
     if not quiet:

@@ -20,7 +20,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from geomscope.errors import InputError
-from geomscope.fileio import write_bytes_atomic
+from geomscope.fileio import ensure_replaceable, write_bytes_atomic
 from geomscope.plot._reports import check_common_layers, read_report, select_layers
 from geomscope.plot.energy import has_energy, plot_energy
 from geomscope.plot.layers import plot_layers
@@ -110,16 +110,29 @@ def make_figures(
     return figs
 
 
+#: the creator a figure records (PNG "Software", SVG and PDF "Creator"): how a later plot knows a
+#: file at its --out for its own earlier figure, which it replaces (fileio.ensure_replaceable)
+FIGURE_CREATOR = "geomscope plot, with Matplotlib"  # no parentheses: PDF strings escape them
+_CREATOR_KEY = {"png": "Software", "svg": "Creator", "pdf": "Creator"}
+
+
+def is_figure(data: bytes) -> bool:
+    """Whether a file's bytes are a figure geomscope wrote (its recorded creator)."""
+    return FIGURE_CREATOR.encode() in data
+
+
 def save_figure(fig: Figure, path: str | os.PathLike, *, dpi: int = 150) -> Path:
     """Write ``fig`` to ``path`` (format from the extension) atomically: a temporary file in the same
-    directory, renamed over the target only once complete.  Closes the figure afterwards."""
+    directory, renamed over the target only once complete.  Closes the figure afterwards. A file
+    already at ``path`` is replaced only if it is a figure geomscope wrote."""
     path = Path(path)
     fmt = path.suffix.lower().lstrip(".")
     if fmt not in FORMATS:
         raise InputError(f"unsupported extension '{path.suffix}' for {path}; use .png, .svg or .pdf")
     buf = io.BytesIO()
     try:
-        fig.savefig(buf, format=fmt, dpi=dpi)
+        ensure_replaceable(path, is_figure)
+        fig.savefig(buf, format=fmt, dpi=dpi, metadata={_CREATOR_KEY[fmt]: FIGURE_CREATOR})
         write_bytes_atomic(path, buf.getvalue())
     except OSError as e:
         raise InputError(f"cannot write {path}: {e.strerror or e}; check the --out location") from None
@@ -214,11 +227,17 @@ def plot_files(
         raise InputError(
             f"cannot create the output folder {folder} ({e.strerror or e}); choose another --out"
         ) from None
-    written = []
-    for kind, fig in figs.items():
-        target = out_path / f"{kind}.{fmt}" if to_dir else out_path
-        written.append({"kind": kind, "path": str(save_figure(fig, target, dpi=dpi))})
-    return written
+    targets = {kind: out_path / f"{kind}.{fmt}" if to_dir else out_path for kind in figs}
+    try:
+        for target in targets.values():  # every one before the first is written
+            ensure_replaceable(target, is_figure)
+    except InputError:
+        for fig in figs.values():
+            close_figure(fig)
+        raise
+    return [
+        {"kind": kind, "path": str(save_figure(fig, targets[kind], dpi=dpi))} for kind, fig in figs.items()
+    ]
 
 
 def _training_figures(inputs, logs, kinds) -> dict[str, Figure]:

@@ -135,10 +135,22 @@ def to_trajectory_csv(reports: list[dict]) -> str:
     return buf.getvalue()
 
 
+TRAJECTORY_HEADER = b"model,revision,step,layer,index,n_rows"
+
+
+def check_trajectory_out(path) -> Path:
+    """``path`` if a trajectory may be written there: nothing, or an earlier trajectory.csv (replaced);
+    InputError (one line) for a user's file of that name."""
+    from geomscope.fileio import ensure_replaceable, starts_with
+
+    ensure_replaceable(path, starts_with(TRAJECTORY_HEADER))
+    return Path(path)
+
+
 def write_trajectory(reports: list[dict], path) -> Path:
     from geomscope.fileio import write_text_atomic
 
-    path = Path(path)
+    path = check_trajectory_out(path)
     write_text_atomic(path, to_trajectory_csv(reports))
     return path
 

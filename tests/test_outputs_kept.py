@@ -1,0 +1,135 @@
+"""Outputs a user names replace only geomscope's own earlier output of that kind: a user's file, a link
+or a directory at an output name is one `error:` line before anything is written, and stays as it was
+(`score`'s report and trajectory, `plot`'s figures, `report --html`'s page; `compare`:
+tests/test_study.py). Reruns over geomscope's own outputs still replace them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+from conftest import assert_one_line_error
+from test_plot_factory import make_report, write_report
+
+from geomscope.fileio import ensure_replaceable, json_format_is, starts_with
+
+USER = b"my own notes, not geomscope's\n"
+
+
+def _user_file(path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(USER)
+    return path
+
+
+def _kept(path) -> bool:
+    return path.read_bytes() == USER
+
+
+@pytest.fixture
+def rows(tmp_path):
+    path = tmp_path / "emb.npy"
+    np.save(path, np.random.default_rng(0).normal(size=(200, 8)))
+    return path
+
+
+def test_score_refuses_a_users_file_at_its_report_names(cli, rows, tmp_path):
+    out = tmp_path / "r"
+    assert cli(["score", rows, "--metrics", "avgcos", "--out", out, "--quiet"])[0] == 0
+    assert cli(["score", rows, "--metrics", "avgcos", "--out", out, "--quiet"])[0] == 0  # rerun
+    for name in ("r.json", "r.csv"):
+        mine = _user_file(tmp_path / "mine" / name)
+        other = mine.with_suffix(".csv" if name.endswith(".json") else ".json")
+        code, o, e = cli(["score", rows, "--metrics", "avgcos", "--out", tmp_path / "mine" / "r", "--quiet"])
+        assert_one_line_error(code, o, e, name, "geomscope did not write", exit_code=2)
+        assert _kept(mine) and not other.exists()  # nothing written, not even the other half
+        mine.unlink()
+    # the default output beside the input
+    mine = _user_file(tmp_path / "emb_report.csv")
+    code, o, e = cli(["score", rows, "--metrics", "avgcos", "--quiet"])
+    assert_one_line_error(code, o, e, "emb_report.csv", exit_code=2)
+    assert _kept(mine) and not (tmp_path / "emb_report.json").exists()
+
+
+def test_score_of_many_runs_refuses_a_users_trajectory_before_scoring(cli, tmp_path):
+    from test_score import make_run
+
+    runs = tmp_path / "runs"
+    for name in ("a", "b"):
+        make_run(runs / name, n_shards=1, rows=60)
+    mine = _user_file(runs / "trajectory.csv")
+    code, o, e = cli(["score", runs, "--metrics", "avgcos", "--quiet"])
+    assert_one_line_error(code, o, e, "trajectory.csv", exit_code=2)
+    assert _kept(mine)
+    assert not list(runs.glob("*/report*")) and not list(runs.glob("*_report*"))  # nothing scored
+    mine.unlink()
+    assert cli(["score", runs, "--metrics", "avgcos", "--quiet"])[0] == 0
+    assert cli(["score", runs, "--metrics", "avgcos", "--quiet"])[0] == 0  # its own trajectory: replaced
+
+
+def test_plot_refuses_a_users_figure_and_writes_none(cli, tmp_path):
+    rep = write_report(tmp_path / "r.json", make_report(n_layers=4, hidden=24))
+    out = tmp_path / "figs"
+    assert cli(["plot", rep, "--out", f"{out}/", "--quiet"])[0] == 0
+    written = sorted(p.name for p in out.iterdir())
+    assert len(written) >= 2
+    assert cli(["plot", rep, "--out", f"{out}/", "--quiet"])[0] == 0  # its own figures: replaced
+    shutil.rmtree(out)
+    mine = _user_file(out / written[-1])
+    code, o, e = cli(["plot", rep, "--out", f"{out}/", "--quiet"])
+    assert_one_line_error(code, o, e, written[-1], "geomscope did not write", exit_code=2)
+    assert _kept(mine) and sorted(p.name for p in out.iterdir()) == [written[-1]]  # none written
+    one = _user_file(tmp_path / "one.svg")
+    code, o, e = cli(["plot", rep, "--out", one, "--kind", "layers", "--quiet"])
+    assert_one_line_error(code, o, e, "one.svg", exit_code=2)
+    assert _kept(one)
+
+
+def test_report_html_refuses_a_users_page(cli, tmp_path):
+    rep = write_report(tmp_path / "r.json", make_report(n_layers=3, hidden=16))
+    page = tmp_path / "page.html"
+    assert cli(["report", rep, "--html", page])[0] == 0
+    assert cli(["report", rep, "--html", page])[0] == 0  # its own page: replaced
+    mine = _user_file(tmp_path / "mine.txt")
+    code, o, e = cli(["report", rep, "--html", mine])
+    assert_one_line_error(code, o, e, "mine.txt", "--html", exit_code=2)
+    assert _kept(mine)
+    (tmp_path / "adir").mkdir()
+    code, o, e = cli(["report", rep, "--html", tmp_path / "adir"])
+    assert_one_line_error(code, o, e, "adir is a directory", exit_code=2)
+
+
+def test_a_link_at_an_output_name_is_refused_and_kept(tmp_path):
+    target = _user_file(tmp_path / "target.json")
+    link = tmp_path / "link.json"
+    os.symlink(target, link)
+    from geomscope.errors import InputError
+
+    with pytest.raises(InputError, match="link.json exists and is a link"):
+        ensure_replaceable(link, json_format_is("geomscope-report"))
+    assert link.is_symlink() and _kept(target)
+
+
+@pytest.mark.parametrize(
+    "data, ours",
+    [
+        (b'{"format": "geomscope-report", "layers": []}', True),
+        (b'{"format": "something-else"}', False),
+        (b"[1, 2]", False),
+        (b"{" * 100_000, False),  # not JSON: no crash
+        (b"\xff\xfe", False),
+    ],
+)
+def test_a_report_is_recognised_by_its_format(tmp_path, data, ours):
+    from geomscope.errors import InputError
+
+    path = tmp_path / "r.json"
+    path.write_bytes(data)
+    if ours:
+        ensure_replaceable(path, json_format_is("geomscope-report"))
+    else:
+        with pytest.raises(InputError, match="geomscope did not write"):
+            ensure_replaceable(path, json_format_is("geomscope-report"))
+    ensure_replaceable(tmp_path / "absent.csv", starts_with(b"layer,"))  # nothing there: fine
