@@ -480,6 +480,178 @@ def test_score_never_unpickles_an_object_array(cli, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        (b"", "empty or cut short"),
+        (b"\x93NUMPY\x01", "empty or cut short"),
+        (bytes(range(256)) * 4, "never unpickles"),
+    ],
+)
+def test_a_broken_npy_is_one_line_that_never_suggests_unpickling(cli, tmp_path, content, needle):
+    """An empty or cut .npy is not a Ctrl-C (numpy's EOFError reads as one to click), and random bytes
+    are not "pickled data you may load unsafely"."""
+    bad = tmp_path / "bad.npy"
+    bad.write_bytes(content)
+    code, out, err = cli(["score", bad, "--quiet"])
+    line = assert_one_line_error(code, out, err, "bad.npy", needle, exit_code=2)
+    assert "unsafe" not in line and "interrupted" not in line
+    ok = tmp_path / "ok.npy"
+    np.save(ok, np.random.default_rng(0).normal(size=(50, 4)))
+    code, out, err = cli(["score", ok, "--metrics", "isoscore_star", "--shrinkage-target", bad, "--quiet"])
+    line = assert_one_line_error(code, out, err, "--shrinkage-target", needle, exit_code=2)
+    assert "interrupted" not in line
+
+
+def test_an_empty_pt_file_is_one_line(cli, tmp_path):
+    (tmp_path / "zero.pt").write_bytes(b"")
+    code, out, err = cli(["score", tmp_path / "zero.pt", "--quiet"])
+    assert_one_line_error(code, out, err, "zero.pt", exit_code=2)
+
+
+def test_a_cut_gzip_csv_is_one_line(cli, bert, tmp_path):
+    import gzip
+
+    whole = gzip.compress(("text\n" + TEXT).encode() * 50)
+    cut = tmp_path / "cut.csv.gz"
+    cut.write_bytes(whole[: len(whole) // 2])
+    code, out, err = cli(["extract", bert, cut, "--text-field", "text", "--out", tmp_path / "run", "--quiet"])
+    line = assert_one_line_error(code, out, err, "cut.csv.gz", exit_code=2)
+    assert "interrupted" not in line
+
+
+def test_an_input_cut_short_anywhere_is_not_said_as_ctrl_c(cli, tmp_path, monkeypatch):
+    """Whatever reader lets an EOFError through, click would call it an abort: main says what it is."""
+    import geomscope.score
+
+    def cut_short(*a, **k):
+        raise EOFError("Compressed file ended before the end-of-stream marker was reached")
+
+    monkeypatch.setattr(geomscope.score, "score", cut_short)
+    ok = tmp_path / "ok.npy"
+    np.save(ok, np.zeros((5, 3)))
+    code, out, err = cli(["score", ok, "--quiet"])
+    line = assert_one_line_error(code, out, err, "ended before its end", "end-of-stream", exit_code=2)
+    assert "interrupted" not in line
+
+
+def test_score_refuses_a_fifo_at_once(tmp_path):
+    fifo = tmp_path / "rows.npy"
+    os.mkfifo(fifo)
+    ok = tmp_path / "ok.npy"
+    np.save(ok, np.zeros((5, 3)))
+    for args in (["score", fifo], ["score", ok, "--metrics", "isoscore_star", "--shrinkage-target", fifo]):
+        p = subprocess.run(
+            [sys.executable, "-m", "geomscope", *map(str, args), "--quiet"],
+            capture_output=True,
+            text=True,
+            timeout=120,  # a read of the FIFO would block until then
+        )
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+        assert p.stderr.strip().splitlines()[-1].startswith("error:") and "rows.npy" in p.stderr
+
+
+def test_extract_reads_a_pipe_to_its_end_once(cli, bert, tmp_path):
+    """A named FIFO (or ``<(zcat x.gz)``) is spooled like stdin: its bytes are read once, to their end,
+    and give the rows the same text in a file gives; the spooled copy is removed."""
+    import threading
+
+    fifo = tmp_path / "docs.txt"
+    os.mkfifo(fifo)
+
+    def writer():
+        with open(fifo, "w") as f:
+            f.write(TEXT)
+
+    th = threading.Thread(target=writer, daemon=True)
+    th.start()
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    old = tempfile.tempdir
+    tempfile.tempdir = str(spool)
+    try:
+        code, _o, e = _extract(cli, bert, fifo, tmp_path / "piped")
+    finally:
+        tempfile.tempdir = old
+    th.join(timeout=10)
+    assert code == 0, e
+    assert not list(spool.iterdir())  # the spooled copy is gone
+    plain = tmp_path / "docs-file.txt"
+    plain.write_text(TEXT)
+    assert _extract(cli, bert, plain, tmp_path / "filed")[0] == 0
+    from geomscope.store import Run
+
+    piped, filed = Run(tmp_path / "piped"), Run(tmp_path / "filed")
+    assert piped.total_rows == filed.total_rows > 0
+    manifest = json.loads((tmp_path / "piped" / "manifest.json").read_text())
+    assert str(fifo) in json.dumps(manifest)  # the input is recorded as given
+
+
+@pytest.mark.parametrize("case", ["chunked", "contiguous", "external"])
+def test_an_h5_array_that_does_not_store_its_rows_is_refused_at_once(cli, tmp_path, case):
+    """10^12 declared rows in a kilobyte file would be read as fill values for hours; external raw
+    storage would read another file (here /etc/passwd's stand-in) as rows."""
+    import h5py
+
+    path = tmp_path / "a.h5"
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(np.arange(160, dtype=np.uint8).tobytes())
+    with h5py.File(path, "w") as f:
+        if case == "chunked":
+            f.create_dataset("x", shape=(10**12, 8), dtype="f4", chunks=(1024, 8))
+        elif case == "contiguous":
+            f.create_dataset("x", shape=(10**9, 8), dtype="f4")
+        else:
+            f.create_dataset("x", shape=(5, 8), dtype="f4", external=[(str(secret), 0, 160)])
+    code, out, err = cli(["score", path, "--metrics", "avgcos", "--max-rows", "100", "--quiet"])
+    needle = "other files" if case == "external" else "declares shape"
+    assert_one_line_error(code, out, err, "a.h5", needle, exit_code=2)
+
+
+def test_an_h5_array_partly_compressed_and_whole_scores(cli, tmp_path):
+    import h5py
+
+    path = tmp_path / "a.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset(
+            "x", data=np.random.default_rng(0).normal(size=(3000, 8)), chunks=(1000, 8), compression="gzip"
+        )
+    assert cli(["score", path, "--metrics", "avgcos", "--out", tmp_path / "r", "--quiet"])[0] == 0
+
+
+def test_rows_too_wide_for_this_machine_are_one_line_before_any_allocation(cli, tmp_path, monkeypatch):
+    """D x D accumulators larger than the machine's memory: said with the numbers, not numpy's 74.5 GiB
+    allocation error after the rows were read."""
+    import geomscope.score.engine as engine
+
+    monkeypatch.setattr(engine, "_physical_memory", lambda: 40 * 2**20)  # a 40 MiB machine
+    wide = tmp_path / "wide.npy"
+    np.save(wide, np.random.default_rng(0).normal(size=(20, 2000)).astype(np.float32))  # 2000^2 x 16 B
+    code, out, err = cli(["score", wide, "--metrics", "twonn", "--quiet"])
+    assert_one_line_error(code, out, err, "D = 2000 is too wide", "GiB", exit_code=2)
+    mid = tmp_path / "mid.npy"
+    np.save(mid, np.random.default_rng(0).normal(size=(40, 1000)).astype(np.float32))  # 16 MB, 10 groups: not
+    code, out, err = cli(["score", mid, "--metrics", "avgcos", "--quiet"])
+    assert_one_line_error(code, out, err, "D = 1000", "--jackknife-groups", exit_code=2)
+    code, out, err = cli(
+        ["score", mid, "--metrics", "avgcos", "--jackknife-groups", "2", "--out", tmp_path / "r", "--quiet"]
+    )
+    assert code == 0, err
+
+
+def test_running_out_of_memory_anyway_is_one_line(cli, tmp_path, monkeypatch):
+    import geomscope.score
+
+    def too_much(*a, **k):
+        raise MemoryError("Unable to allocate 74.5 GiB for an array with shape (100000, 100000)")
+
+    monkeypatch.setattr(geomscope.score, "score", too_much)
+    ok = tmp_path / "ok.npy"
+    np.save(ok, np.zeros((5, 3)))
+    code, out, err = cli(["score", ok, "--quiet"])
+    assert_one_line_error(code, out, err, "out of memory", "74.5 GiB", exit_code=1)
+
+
 def test_resume_with_a_damaged_log_or_planted_links(cli, tmp_path):
     out = tmp_path / "ft"
     assert _finetune(cli, tmp_path, out)[0] == 0

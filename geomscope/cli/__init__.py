@@ -4,7 +4,9 @@ Each command lives in its own module and registers itself on :data:`app`. :func:
 place where failures become what a user sees: a :class:`~geomscope.errors.GeomscopeError` or a
 usage error (bad type, out of range, unknown option, missing argument) becomes one ``error: ...``
 line on stderr and a non-zero exit (2 for bad input and usage, 3 for data that cannot give a
-number); Ctrl-C says that finished work is kept. ``geomscope --debug ...`` shows the traceback.
+number); Ctrl-C says that finished work is kept; an input that ends early (an ``EOFError``, which click
+would take for Ctrl-D) and running out of memory are said as such. ``geomscope --debug ...`` shows
+the traceback.
 """
 
 from __future__ import annotations
@@ -44,11 +46,28 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"error: {_first_line(str(e), type(e).__name__)}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except (KeyboardInterrupt, typer.Abort):
+    except (KeyboardInterrupt, typer.Abort) as e:
+        if isinstance(e.__cause__, EOFError):  # click reads an EOFError as Ctrl-D: here, a file cut short
+            if debug or state["debug"]:
+                raise
+            why = _first_line(str(e.__cause__), "it ended early")
+            print(
+                f"error: an input file ended before its end ({why}); check that it is whole", file=sys.stderr
+            )
+            sys.exit(2)
         print(INTERRUPTED, file=sys.stderr)
         sys.exit(130)
     except typer.Exit as e:
         sys.exit(e.exit_code)
+    except MemoryError as e:  # what no check before could foresee: one line, not numpy's traceback
+        if debug or state["debug"]:
+            raise
+        why = _first_line(str(e), "an allocation failed")
+        print(
+            f"error: out of memory ({why}); give the command less data at once or more memory",
+            file=sys.stderr,
+        )
+        sys.exit(1)
     except typer.TyperException as e:  # click's usage errors (bad value, unknown option, missing argument)
         if debug:
             raise

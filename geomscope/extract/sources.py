@@ -43,6 +43,7 @@ class InputFile:
     path: Path
     kind: str  # "text" | "jsonl" | "csv" | "tsv" | "dataset" | "stdin"
     gzip: bool = False
+    spooled: bool = False  # ``path`` is geomscope's temporary copy of a stream (stdin, a pipe): removed after
     sha256: str | None = None
     bytes: int = 0
     first_doc_id: int = 0
@@ -50,7 +51,7 @@ class InputFile:
 
     def identity(self) -> dict:
         return {
-            "path": "-" if self.kind == "stdin" else str(self.path),
+            "path": self.arg if self.spooled else str(self.path),
             "kind": self.kind,
             "sha256": self.sha256,
             "bytes": self.bytes,
@@ -75,10 +76,12 @@ def _is_dataset_dir(path: Path) -> bool:
 
 
 def open_inputs(args: list[str], *, stdin=None) -> list[InputFile]:
-    """Check that every input exists and is readable, decide its kind; spool ``-`` to a temp file.
+    """Check that every input exists and is readable, decide its kind; spool ``-`` and pipes (a named
+    FIFO, ``<(zcat x.gz)``) to a temp file, read to their end: they can be read only once, and
+    extraction reads its input more than once (its hash, its documents).
 
-    The spooled copy of stdin is removed on every exit path: by :func:`close_inputs` after the run,
-    or here when a later input is refused (or reading is interrupted).
+    A spooled copy is removed on every exit path: by :func:`close_inputs` after the run, or here
+    when a later input is refused (or reading is interrupted).
     """
     if not args:
         raise InputError(
@@ -107,6 +110,13 @@ def _open_input(a: str) -> InputFile:
         return InputFile(arg=a, path=p.resolve(), kind="dataset")
     if not os.access(p, os.R_OK):
         raise InputError(f"input {a} is not readable (permission denied); fix its permissions")
+    if not p.is_file():  # a pipe or a device: its bytes, once
+        kind, gz = _kind_of(p)
+        try:
+            with open(p, "rb") as stream:
+                return _spool(stream, a, kind, gz)
+        except OSError as e:
+            raise InputError(f"input {a} cannot be read ({e.strerror or e}); check the file") from e
     try:
         with open(p, "rb") as f:
             f.read(1)
@@ -118,25 +128,26 @@ def _open_input(a: str) -> InputFile:
 
 def _spool_stdin(stdin) -> InputFile:
     src = stdin if stdin is not None else sys.stdin
-    buf = getattr(src, "buffer", None)
-    fd, name = tempfile.mkstemp(prefix="geomscope-stdin-", suffix=".txt")
+    return _spool(getattr(src, "buffer", None) or src, "-", "stdin", False)
+
+
+def _spool(src, arg: str, kind: str, gz: bool) -> InputFile:
+    """A stream (binary, or text encoded as UTF-8) copied to a temporary file to its end."""
+    fd, name = tempfile.mkstemp(prefix="geomscope-stdin-" if arg == "-" else "geomscope-pipe-", suffix=".txt")
     try:
         with os.fdopen(fd, "wb") as f:
-            while True:
-                chunk = buf.read(1 << 20) if buf is not None else src.read(1 << 20)
-                if not chunk:
-                    break
+            while chunk := src.read(1 << 20):
                 f.write(chunk.encode("utf-8") if isinstance(chunk, str) else chunk)
     except BaseException:
         Path(name).unlink(missing_ok=True)
         raise
-    return InputFile(arg="-", path=Path(name), kind="stdin")
+    return InputFile(arg=arg, path=Path(name), kind=kind, gzip=gz, spooled=True)
 
 
 def close_inputs(inputs: list[InputFile]) -> None:
-    """Remove the temporary copy of stdin, if any."""
+    """Remove the temporary copies of stdin and pipes, if any."""
     for inp in inputs:
-        if inp.kind == "stdin":
+        if inp.spooled:
             try:
                 inp.path.unlink()
             except OSError:
@@ -252,6 +263,8 @@ def _csv_records(inp: InputFile, column: str) -> Iterator[str]:
         ) from e
     except csv.Error as e:
         raise InputError(f"input {inp.arg} is not valid {inp.kind.upper()} ({e}); check the file") from e
+    except (OSError, EOFError) as e:  # a damaged or truncated .gz (gzip's errors are OSError)
+        raise InputError(f"input {inp.arg} cannot be read ({e}); check the file") from e
 
 
 def _as_text(val, where: str) -> str:
@@ -347,17 +360,20 @@ def _jsonl_labels(inp: InputFile, field: str) -> Iterator[object]:
 
 def _csv_labels(inp: InputFile, column: str) -> Iterator[object]:
     delim = "," if inp.kind == "csv" else "\t"
-    with _open_text(inp) as f:
-        reader = csv.reader(f, delimiter=delim)
-        header = [h.strip() for h in (next(reader, None) or [])]
-        if header and column not in header:
-            raise InputError(
-                f"input {inp.arg} has no label column {column!r} (columns: {', '.join(header[:12])}); "
-                "choose it with --label-field"
-            )
-        idx = header.index(column) if header else 0
-        for row in reader:
-            yield row[idx] if idx < len(row) else None
+    try:
+        with _open_text(inp) as f:
+            reader = csv.reader(f, delimiter=delim)
+            header = [h.strip() for h in (next(reader, None) or [])]
+            if header and column not in header:
+                raise InputError(
+                    f"input {inp.arg} has no label column {column!r} (columns: {', '.join(header[:12])}); "
+                    "choose it with --label-field"
+                )
+            idx = header.index(column) if header else 0
+            for row in reader:
+                yield row[idx] if idx < len(row) else None
+    except (OSError, EOFError, UnicodeDecodeError, csv.Error) as e:
+        raise InputError(f"input {inp.arg} cannot be read as {inp.kind.upper()} ({e}); check the file") from e
 
 
 def _dataset_labels(inp: InputFile, field: str) -> Iterator[object]:

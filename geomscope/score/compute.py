@@ -17,6 +17,7 @@ fixed across replicates; the trace-matched identity follows each replicate's tra
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 
@@ -124,10 +125,16 @@ def unit_shift_scale(m, variant: str) -> tuple[np.ndarray, np.ndarray | None]:
 
 def load_cov_file(path: str, dim: int) -> np.ndarray:
     """A (D, D) covariance from a .npy file, checked: square, D matches, finite, symmetric."""
+    if not Path(path).is_file():  # (a FIFO would block the read)
+        raise InputError(
+            f"--shrinkage-target {path} is not a file; give a (D, D) covariance saved with numpy.save"
+        )
     try:
         c = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise InputError(f"--shrinkage-target {path} is not a readable .npy array ({e})") from e
+    except (OSError, ValueError, EOFError) as e:
+        from geomscope.score.sources import npy_error
+
+        raise InputError(npy_error(path, e, "--shrinkage-target ")) from e
     if c.ndim != 2 or c.shape[0] != c.shape[1]:
         raise InputError(f"--shrinkage-target {path} has shape {c.shape}; a (D, D) covariance is needed")
     if c.shape[0] != dim:

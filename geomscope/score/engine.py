@@ -28,6 +28,7 @@ depend on the thread count.
 from __future__ import annotations
 
 import datetime as _dt
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -254,6 +255,7 @@ class _Scorer:
         per_layer = self.G * self.src.dim**2 * 8 * (in_flight + 2) if o.moment_metrics else 0
         budget = int(o.memory_mb * 1024 * 1024)
         size = len(self.src.layers) if per_layer == 0 else max(1, budget // per_layer)
+        _check_fits_in_memory(per_layer, self.src.dim, self.G)
         if per_layer > budget:
             self.log(
                 f"one layer's jackknife accumulators need ~{per_layer / 2**20:.0f} MiB "
@@ -477,3 +479,32 @@ class _Scorer:
             "notes": top_notes,
             "command": None,  # the CLI records its command line here
         }
+
+
+def _physical_memory() -> int | None:
+    """This machine's memory in bytes, where the OS says (None elsewhere)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _check_fits_in_memory(per_layer: int, dim: int, groups: int) -> None:
+    """A layer's D x D accumulators are the least a pass over rows holds (every pass keeps one, the
+    moment metrics one per jackknife group): more than the machine's memory is one line before
+    anything is allocated, not a MemoryError after minutes."""
+    total = _physical_memory()
+    least = dim * dim * 8 * 2  # one accumulator and one block's product
+    if total is None or max(per_layer, least) <= total:
+        return
+    if least > total:
+        raise InputError(
+            f"D = {dim} is too wide to score on this machine: one layer's D x D covariance needs "
+            f"~{least / 2**30:.1f} GiB of its {total / 2**30:.1f} GiB; score the rows projected onto "
+            "fewer dimensions"
+        )
+    raise InputError(
+        f"D = {dim}: one layer's covariance accumulators ({groups} jackknife groups of D x D float64, with "
+        f"those in flight) need ~{per_layer / 2**30:.1f} GiB, more than this machine's "
+        f"{total / 2**30:.1f} GiB; lower --jackknife-groups and --workers"
+    )

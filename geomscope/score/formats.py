@@ -332,7 +332,8 @@ def _pt_load(path: Path) -> dict:
             "or use .safetensors"
         ) from None
     except (RuntimeError, OSError, EOFError, ValueError) as e:
-        raise InputError(f"{path} is not a readable .pt file ({str(e).splitlines()[0][:160]})") from None
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise InputError(f"{path} is not a readable .pt file ({first[:160]})") from None
     if isinstance(obj, torch.Tensor):
         return {"array": obj}
     if isinstance(obj, (list, tuple)):

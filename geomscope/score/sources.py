@@ -16,6 +16,7 @@ column, as ``geomscope export`` writes); array rows (no documents) by contiguous
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -207,14 +208,26 @@ def _shard_blocks(task: Task, layers: list[str], n_groups: int, block_rows: int 
 
 
 # -------------------------------------------------------------------------------------- arrays
+def npy_error(path, e: Exception, what: str = "") -> str:
+    """One line for a .npy numpy cannot load: what it is, never a hint to load it unsafely."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    if "allow_pickle" in first or "pickle" in first:
+        why = "it holds pickled objects, or is not a .npy file at all; geomscope never unpickles"
+    elif isinstance(e, EOFError) or "No data left" in first or first.startswith("EOF"):
+        why = "it is empty or cut short"
+    else:
+        why = first[:160]
+    return f"{what}{path} is not a readable numeric .npy array ({why}); save one with numpy.save"
+
+
 def open_array(path: str, dataset: str | None):
     """(array-like (N, D), closer) for a .npy (memory-mapped) or an .h5 dataset."""
     p = Path(path)
     if p.suffix == ".npy":
         try:
             a = np.load(p, mmap_mode="r", allow_pickle=False)
-        except (ValueError, OSError) as e:
-            raise InputError(f"{p} is not a readable .npy array ({e}); save it with numpy.save") from e
+        except (ValueError, OSError, EOFError) as e:
+            raise InputError(npy_error(p, e)) from e
         return a, (lambda: None)
     import h5py
 
@@ -236,7 +249,33 @@ def open_array(path: str, dataset: str | None):
     if dataset not in f or not isinstance(f[dataset], h5py.Dataset):
         f.close()
         raise InputError(f"{p} has no dataset {dataset!r}; name an existing one with --dataset PATH")
+    why = _not_stored_in_file(f[dataset])
+    if why:
+        f.close()
+        raise InputError(f"{p}: dataset {dataset!r} {why}")
     return f[dataset], f.close
+
+
+def _not_stored_in_file(ds) -> str | None:
+    """Why an .h5 dataset's rows are not all in its file, or None. Data kept in other files (external
+    storage, a virtual dataset) would be read from wherever they point; a shape whose chunks or bytes
+    were never written (10^12 declared rows in a 1 KB file) would be read as its fill value, for as
+    long as that takes."""
+    import h5py
+
+    if ds.external or ds.is_virtual:
+        return "keeps its data in other files (external storage or a virtual dataset); copy it into the file"
+    if ds.size == 0:
+        return None
+    layout = ds.id.get_create_plist().get_layout()
+    if layout == h5py.h5d.CHUNKED:
+        needed = math.prod(-(-n // c) for n, c in zip(ds.shape, ds.chunks, strict=True))
+        stored = ds.id.get_num_chunks()
+        if stored < needed:
+            return f"declares shape {ds.shape} but stores {stored} of its {needed} chunks; write every row"
+    elif layout == h5py.h5d.CONTIGUOUS and (stored := ds.id.get_storage_size()) < ds.size * ds.dtype.itemsize:
+        return f"declares shape {ds.shape} but stores {stored} bytes of its data; write every row"
+    return None
 
 
 def _array_blocks(task: Task, n_groups: int, block_rows: int | None, with_data: bool) -> Iterator[Block]:
@@ -391,6 +430,10 @@ def open_source(
     p = Path(path)
     if not p.exists():
         raise InputError(f"{p} does not exist; give {ACCEPTED}")
+    if not p.is_dir() and not p.is_file():  # a FIFO or a device: a read that blocks or never ends
+        raise InputError(
+            f"{p} is a pipe or a device, not a file (reading it could block); save the rows to a file"
+        )
     fmt = None if (p / MANIFEST_NAME).exists() else format_of(p)
     if dataset is not None and not (fmt is None and p.is_file() and p.suffix.lower() in (".h5", ".hdf5")):
         raise InputError("--dataset names a dataset inside an .h5 array file; use --column for other files")
