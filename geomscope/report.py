@@ -67,6 +67,7 @@ from geomscope.schema import (
     csv_columns,
     csv_metric_columns,
     extra_id_keys,
+    report_defect,
 )
 
 __all__ = [
@@ -229,15 +230,27 @@ def load_report(path: str | os.PathLike) -> Report:
     try:
         with open(p, encoding="utf-8") as f:
             rep = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"{p} is not valid JSON ({e}); give a report written by `geomscope score`") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: bad JSON, a huge integer
+        why = "nested too deeply" if isinstance(e, RecursionError) else _first_line(e)
+        raise InputError(
+            f"{p} is not valid JSON ({why}); give a report written by `geomscope score`"
+        ) from None
+    except OSError as e:
+        raise InputError(f"cannot read {p} ({e.strerror or e})") from None
     if not isinstance(rep, dict) or rep.get("format") != REPORT_FORMAT:
         raise InputError(f'{p} is not a geomscope report (no "format": "{REPORT_FORMAT}")')
-    if int(rep.get("format_version", 0)) > REPORT_FORMAT_VERSION:
+    why = report_defect(rep)
+    if why:
+        raise InputError(f"{p} is a damaged report ({why}); score the source again")
+    if rep.get("format_version", 0) > REPORT_FORMAT_VERSION:
         raise InputError(
             f"{p} has report format_version {rep.get('format_version')}; upgrade geomscope to read it"
         )
     return Report(rep)
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
 
 
 def _fmt(v, se=None) -> str:

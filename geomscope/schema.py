@@ -7,6 +7,7 @@ names and their order (README, "Report format"), so change them only with ``REPO
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -113,3 +114,120 @@ def csv_columns(report: dict) -> list[str]:
     """``layer,index,n_rows``, one column per scalar metric, ``outliers``, then ``se_<metric>``."""
     metrics = csv_metric_columns(report)
     return ["layer", "index", "n_rows", *metrics, "outliers", *[f"se_{m}" for m in metrics]]
+
+
+# ------------------------------------------------------------------------------ reading reports
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _optional_number(v) -> bool:
+    return v is None or _number(v)
+
+
+def _integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _numbers(v) -> bool:
+    return isinstance(v, list) and all(_number(x) for x in v)
+
+
+def _dict_of(v, ok) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and ok(x) for k, x in v.items())
+
+
+def report_defect(rep: dict) -> str | None:
+    """Where a loaded report JSON is not shaped as ``score`` writes it (``"layers[2].se is not ..."``),
+    or None: the fields that ``report``, ``plot`` and :class:`~geomscope.report.Report` read, each of
+    the type they read it as, so that a damaged or hand-made report is one line, not a traceback
+    wherever it is first used."""
+    if "format_version" in rep and not _integer(rep["format_version"]):
+        return "format_version is not an integer"
+    for key in ("source", "model", "run", "params", "final_norm", "gradient_energy", "embeddings"):
+        if rep.get(key) is not None and not isinstance(rep[key], dict):
+            return f"{key} is not an object"
+    if rep.get("notes") is not None and not _dict_of(rep["notes"], lambda x: isinstance(x, str)):
+        return "notes is not an object of texts"
+    layers = rep.get("layers")
+    if not isinstance(layers, list):
+        return "layers is not a list"
+    for i, entry in enumerate(layers):
+        why = _layer_defect(entry)
+        if why:
+            return f"layers[{i}]{why}"
+    return _final_norm_defect(rep.get("final_norm")) or _gradient_energy_defect(rep.get("gradient_energy"))
+
+
+def _layer_defect(e) -> str | None:
+    if not isinstance(e, dict):
+        return " is not an object"
+    if not isinstance(e.get("layer"), str):
+        return ' has no "layer" name'
+    for key in ("index", "n_rows", "twonn_n_used", "twonn_duplicates_removed"):
+        if e.get(key) is not None and not _integer(e[key]):
+            return f".{key} is not an integer"
+    for key, v in e.items():
+        if is_metric_key(key) and not _optional_number(v):
+            return f".{key} is not a number"
+    checks = {
+        "se": lambda v: _dict_of(v, _optional_number),
+        "outliers": lambda v: isinstance(v, list) and all(_integer(x) for x in v),
+        "outlier_statistic": lambda v: isinstance(v, list) and all(_optional_number(x) for x in v),
+        "outlier_support": lambda v: isinstance(v, list) and all(_optional_number(x) for x in v),
+        "dropped": lambda v: _dict_of(v, _integer),
+        "flags": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+        "notes": lambda v: _dict_of(v, lambda x: isinstance(x, str)),
+    }
+    for key, ok in checks.items():
+        if e.get(key) is not None and not ok(e[key]):
+            return f".{key} is not what score writes"
+    eig = e.get("eigenvalues")
+    if eig is not None:
+        if not _numbers(eig):
+            return ".eigenvalues is not a list of numbers"
+        if eig and min(eig) < -1e-9 * max(1e-300, max(abs(x) for x in eig)):  # a covariance's: >= 0
+            return ".eigenvalues has negative values (a covariance's are >= 0)"
+    return None
+
+
+def _final_norm_defect(fn) -> str | None:
+    if fn is None:
+        return None
+    if not isinstance(fn.get("before"), str) or not isinstance(fn.get("after"), str):
+        return "final_norm.before/after are not layer names"
+    metrics = fn.get("metrics")
+    if metrics is not None and not _dict_of(
+        metrics, lambda m: isinstance(m, dict) and all(_optional_number(x) for x in m.values())
+    ):
+        return "final_norm.metrics is not what score writes"
+    if fn.get("gain") is not None and not _dict_of(
+        fn["gain"], lambda x: _optional_number(x) or isinstance(x, str)
+    ):
+        return "final_norm.gain is not what score writes"
+    if not _optional_number((fn.get("gain") or {}).get("spearman_abs_gain_variance")):
+        return "final_norm.gain.spearman_abs_gain_variance is not a number"
+    outs = fn.get("outliers")
+    if outs is not None and not (
+        isinstance(outs, list) and all(isinstance(o, dict) and isinstance(o.get("effect"), str) for o in outs)
+    ):
+        return "final_norm.outliers is not what score writes"
+    return None
+
+
+def _gradient_energy_defect(ge) -> str | None:
+    if ge is None:
+        return None
+    layers = ge.get("layers")
+    if layers is not None and not _dict_of(
+        layers,
+        lambda rows: (
+            isinstance(rows, list)
+            and all(
+                isinstance(r, dict) and all(_optional_number(x) or isinstance(x, str) for x in r.values())
+                for r in rows
+            )
+        ),
+    ):
+        return "gradient_energy.layers is not what score writes"
+    return None
