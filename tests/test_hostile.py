@@ -735,3 +735,43 @@ def test_a_damaged_report_is_one_line_for_report_and_plot(cli, tmp_path, case):
         code, out, err = cli(args)
         assert_one_line_error(code, out, err, "r.json", exit_code=2)
     assert not (tmp_path / "figs").exists() or not list((tmp_path / "figs").iterdir())
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda row: row.update(step="abc"),
+        lambda row: row.update(isoscore="high"),
+        lambda row: row.update(n_rows="inf"),
+        lambda row: row.update(n_rows="2.5"),
+        "extra_cell",
+    ],
+)
+def test_a_damaged_trajectory_is_one_line_for_plot(cli, tmp_path, edit):
+    import csv
+
+    from test_plot_factory import make_report
+
+    from geomscope.score.trajectory import to_trajectory_csv
+
+    reps = []
+    for step in (0, 1000):
+        rep = make_report(n_layers=3, hidden=16)
+        rep["model"]["revision"] = f"step{step}"
+        reps.append(rep)
+    path = tmp_path / "trajectory.csv"
+    path.write_text(to_trajectory_csv(reps))
+    assert cli(["plot", path, "--out", f"{tmp_path}/ok/", "--quiet"])[0] == 0
+    rows = list(csv.DictReader(path.open()))
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        for i, row in enumerate(rows):
+            if i == 2 and edit != "extra_cell":
+                edit(row)
+            w.writerow(row)
+    if edit == "extra_cell":
+        with path.open("a") as f:
+            f.write(",".join(["x"] * (len(rows[0]) + 3)) + "\n")
+    code, out, err = cli(["plot", path, "--out", f"{tmp_path}/figs/", "--quiet"])
+    assert_one_line_error(code, out, err, "trajectory.csv line", exit_code=2)

@@ -155,6 +155,28 @@ def test_compare_bad_inputs(cli, sweep, tmp_path):
     assert_one_line_error(code, out, err, "compare.csv exists", "geomscope did not write", exit_code=2)
     assert (tmp_path / "cmp" / "compare.csv").read_text() == "my,own\n"
     assert (tmp_path / "cmp" / "compare.json").stat().st_mtime_ns == before
+    # damaged or hand-made run files: one line each, naming the run
+    pair0 = tmp_path / "pair" / "none_lambda0_seed0"
+    for name, edit in [
+        ("summary.json", lambda d: [1, 2]),
+        ("summary.json", lambda d: {**d, "final": "x"}),
+        ("summary.json", lambda d: {**d, "final": {**d["final"], "accuracy": "high"}}),
+        ("summary.json", lambda d: {**d, "final": {**d["final"], "accuracy": {}}}),
+        ("summary.json", lambda d: {**d, "final": {**d["final"], "isoscore_star": float("inf")}}),
+        ("run.json", lambda d: {**d, "config": [1]}),
+    ]:
+        bad = tmp_path / "bad"
+        shutil.rmtree(bad, ignore_errors=True)
+        shutil.copytree(pair0, bad)
+        doc = json.loads((bad / name).read_text())
+        (bad / name).write_text(json.dumps(edit(doc)))
+        code, out, err = cli(["compare", tmp_path / "pair", bad, "--out", tmp_path / "cmp2", "--allow-mixed"])
+        assert_one_line_error(code, out, err, "bad is not a readable finetune output", exit_code=2)
+    (bad / "summary.json").write_text("[" * 100_000 + "]" * 100_000)
+    code, out, err = cli(["compare", bad, "--out", tmp_path / "cmp2"])
+    assert_one_line_error(code, out, err, "bad", exit_code=2)
+    code, out, err = cli(["compare", tmp_path / "pair", tmp_path / "pair", "--out", tmp_path / "cmp2"])
+    assert_one_line_error(code, out, err, "same run", exit_code=2)
     (tmp_path / "a-file").write_text("x")
     code, out, err = cli([*mixed[:4], "--out", tmp_path / "a-file", "--allow-mixed"])
     assert_one_line_error(code, out, err, "a-file", exit_code=2)

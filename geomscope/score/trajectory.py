@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 from pathlib import Path
 
 from geomscope.schema import STEP_RE, csv_metric_columns
@@ -155,6 +156,50 @@ def write_trajectory(reports: list[dict], path) -> Path:
     return path
 
 
+def _cell_number(key: str, v: str) -> float | None:
+    """A trajectory cell as a number (None when empty); ValueError for anything else."""
+    if not v.strip():
+        return None
+    num = float(v)
+    if not math.isfinite(num):
+        raise ValueError(f"{key} is {v!r}")
+    return num
+
+
+def _add_trajectory_row(reports: dict[str, dict], r: dict) -> None:
+    """One trajectory.csv row into its revision's report-like dict (ValueError when malformed)."""
+    if None in r:  # csv.DictReader files the cells past the header's under None
+        raise ValueError("more cells than the header has columns")
+    rev = r["revision"] or ""
+    step = r["step"] or ""
+    rep = reports.setdefault(
+        rev,
+        {
+            "model": {"name": r.get("model"), "revision": rev},
+            "step": int(step) if step.strip() else None,
+            "params": {},
+            "layers": [],
+        },
+    )
+    entry: dict = {"layer": r["layer"] or "", "se": {}}
+    for k, v in r.items():
+        if k.startswith("uncertainty_") and v:
+            rep["params"].setdefault("uncertainty", {})[k[len("uncertainty_") :]] = v
+            continue
+        if k in ("model", "revision", "step", "layer") or k.startswith(("iw_", "uncertainty_")) or v is None:
+            continue
+        num = _cell_number(k, v)
+        if k.startswith("se_"):
+            entry["se"][k[3:]] = num
+        elif k in ("index", "n_rows"):
+            if num is not None and num != int(num):
+                raise ValueError(f"{k} is {v!r}")
+            entry[k] = int(num) if num is not None else None
+        else:
+            entry[k] = num
+    rep["layers"].append(entry)
+
+
 def read_trajectory(path) -> list[dict]:
     """``trajectory.csv`` back as one report-like dict per revision (``model``, ``step``, ``layers``
     with metrics and ``se``), the form the trajectory figure takes."""
@@ -170,34 +215,11 @@ def read_trajectory(path) -> list[dict]:
             f"{path} is not a trajectory.csv written by `geomscope score` (no revision/step/layer)"
         )
     reports: dict[str, dict] = {}
-    for r in rows:
-        rev = r["revision"]
-        rep = reports.setdefault(
-            rev,
-            {
-                "model": {"name": r.get("model"), "revision": rev},
-                "step": int(r["step"]) if r["step"].strip() else None,
-                "params": {},
-                "layers": [],
-            },
-        )
-        entry: dict = {"layer": r["layer"], "se": {}}
-        for k, v in r.items():
-            if k.startswith("uncertainty_") and v:
-                rep["params"].setdefault("uncertainty", {})[k[len("uncertainty_") :]] = v
-                continue
-            if (
-                k in ("model", "revision", "step", "layer")
-                or k.startswith(("iw_", "uncertainty_"))
-                or v is None
-            ):
-                continue
-            num = float(v) if v.strip() else None
-            if k.startswith("se_"):
-                entry["se"][k[3:]] = num
-            elif k in ("index", "n_rows"):
-                entry[k] = int(num) if num is not None else None
-            else:
-                entry[k] = num
-        rep["layers"].append(entry)
+    for line, r in enumerate(rows, 2):
+        try:
+            _add_trajectory_row(reports, r)
+        except (ValueError, OverflowError) as e:
+            raise InputError(
+                f"{path} line {line} is not what `geomscope score` writes ({e}); score the runs again"
+            ) from None
     return list(reports.values())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,26 +63,44 @@ class RunResult:
         return (self.reg, self.lam)
 
 
+def _object(v, what: str) -> dict:
+    if not isinstance(v, dict):
+        raise TypeError(f"{what} is not an object")
+    return v
+
+
+def _finite_or_none(v, what: str):
+    """A final metric as finetune writes it: a finite number, or null."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"{what} is {v!r}, not a finite number")
+    return float(v)
+
+
 def _read_run(d: Path) -> RunResult:
     try:
-        summary = json.loads((d / "summary.json").read_text(encoding="utf-8"))
-        run = json.loads((d / "run.json").read_text(encoding="utf-8"))
-        final = summary.get("final") or {}
-        cfg = run["config"]
+        summary = _object(json.loads((d / "summary.json").read_text(encoding="utf-8")), "summary.json")
+        run = _object(json.loads((d / "run.json").read_text(encoding="utf-8")), "run.json")
+        final = _object(summary.get("final") or {}, "summary.json's final")
+        cfg = _object(run["config"], "run.json's config")
         task = str(summary.get("task", "classification"))
         if task not in TASK_METRICS:
             raise ValueError(f"unknown task {task!r}")
+        lam = float(summary["lambda"])
+        if not math.isfinite(lam):
+            raise ValueError(f"lambda is {lam}")
         return RunResult(
             str(d),
             str(summary["reg"]),
-            float(summary["lambda"]),
+            lam,
             int(summary["seed"]),
             str(cfg.get("model")),
-            str(Path(cfg.get("eval", "")).resolve()),
-            {m: final.get(m) for m in metrics_of(task)},
+            str(Path(str(cfg.get("eval", ""))).resolve()),
+            {m: _finite_or_none(final.get(m), f"final {m}") for m in metrics_of(task)},
             task,
         )
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError, OverflowError) as e:
         raise InputError(
             f"{d} is not a readable finetune output ({type(e).__name__}: {e}); "
             "give directories written by `geomscope finetune`"
@@ -102,6 +121,12 @@ def find_runs(dirs) -> list[RunResult]:
                 "written by `geomscope finetune`"
             )
         runs.extend(_read_run(p) for p in subs)
+    seen: dict[str, str] = {}
+    for r in runs:  # the same run reached twice (a run and its sweep, or a DIR given twice)
+        key = str(Path(r.dir).resolve())
+        if key in seen:
+            raise InputError(f"{r.dir} is the same run as {seen[key]}; name each run once")
+        seen[key] = r.dir
     return runs
 
 
