@@ -187,3 +187,45 @@ def test_training_log_with_the_real_plotter(cli, tmp_path):
     assert code == 0, err
     assert json.loads(stdout)["kinds"] == ["training"]
     assert (tmp_path / "train.svg").read_bytes().startswith(b"<?xml")
+
+
+@pytest.mark.parametrize(
+    "damage, needle",
+    [
+        ("steps_list", "not a finetune record"),
+        ("steps_text_step", "no integer step"),
+        ("steps_text_loss", "task_loss is not a number"),
+        ("eval_text", "not a finetune record"),
+        ("energy_key", "keyed by rank"),
+        ("bytes", "not UTF-8"),
+        ("deep", "not valid JSON"),
+    ],
+)
+def test_a_damaged_training_log_is_one_line(cli, tmp_path, damage, needle):
+    """A finetune output whose logs were damaged or hand-made: one line naming the file, not a traceback
+    from inside the plot (found by a hostile-input review)."""
+    run = tmp_path / "istar"
+    run.mkdir()
+    good = {"step": 1, "epoch": 0, "task_loss": 1.0, "penalty": 0.5, "isoscore_star": 0.4}
+    lines = [json.dumps({**good, "step": s}) for s in range(1, 4)]
+    evals = [json.dumps({"step": 3, "accuracy": 0.5, "isoscore_star": 0.3})]
+    (run / "run.json").write_text(json.dumps({"config": {"reg": "istar", "lam": "x"}}))  # the legend only
+    if damage == "steps_list":
+        lines.append("[1, 2]")
+    elif damage == "steps_text_step":
+        lines.append(json.dumps({**good, "step": "abc"}))
+    elif damage == "steps_text_loss":
+        lines.append(json.dumps({**good, "step": 9, "task_loss": "high"}))
+    elif damage == "eval_text":
+        evals.append('"x"')
+    elif damage == "energy_key":
+        lines.append(json.dumps({**good, "step": 9, "geometry": {"layer_1": {"energy": {"abc": 0.1}}}}))
+    elif damage == "deep":
+        lines.append("[" * 100_000 + "]" * 100_000)
+    (run / "steps.jsonl").write_text("\n".join(lines) + "\n")
+    (run / "eval.jsonl").write_text("\n".join(evals) + "\n")
+    if damage == "bytes":
+        (run / "steps.jsonl").write_bytes(b'{"step": 1}\n\xff\xfe\n')
+    code, out, err = cli(["plot", run, "--out", tmp_path / "train.png", *FAST])
+    assert_one_line_error(code, out, err, needle, exit_code=2)
+    assert not (tmp_path / "train.png").exists()

@@ -216,14 +216,15 @@ def _jsonl_records(inp: InputFile, field: str) -> Iterator[str]:
             continue
         try:
             obj = json.loads(line)
-        except json.JSONDecodeError as e:
+        except (ValueError, RecursionError) as e:  # bad JSON, a huge integer, nesting too deep
             hint = (
                 " (a JSON array, not JSON lines: write one object per line)"
                 if line.lstrip().startswith("[")
                 else ""
             )
+            why = getattr(e, "msg", None) or ("nested too deeply" if isinstance(e, RecursionError) else e)
             raise InputError(
-                f"input {inp.arg} line {lineno} is not valid JSON ({e.msg}){hint}; "
+                f"input {inp.arg} line {lineno} is not valid JSON ({why}){hint}; "
                 "give one JSON object per line"
             ) from None
         if not isinstance(obj, dict):

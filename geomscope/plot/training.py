@@ -43,22 +43,66 @@ def is_training_log(path: str | os.PathLike) -> bool:
         with open(f, encoding="utf-8") as fh:
             first = next((ln for ln in fh if ln.strip()), "")
         rec = json.loads(first) if first else {}
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
         return False
     return isinstance(rec, dict) and _STEP_KEYS <= set(rec)
 
 
 def _read_jsonl(path: Path) -> list[dict]:
+    """A finetune log's records, each checked to be what the plot reads (:func:`_record_defect`)."""
     out = []
-    with open(path, encoding="utf-8") as fh:
-        for i, ln in enumerate(fh, 1):
-            if not ln.strip():
-                continue
-            try:
-                out.append(json.loads(ln))
-            except ValueError:
-                raise InputError(f"{path} line {i} is not valid JSON; is the file complete?") from None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for i, ln in enumerate(fh, 1):
+                if not ln.strip():
+                    continue
+                try:
+                    rec = json.loads(ln)
+                except (ValueError, RecursionError):
+                    raise InputError(f"{path} line {i} is not valid JSON; is the file complete?") from None
+                why = _record_defect(rec)
+                if why:
+                    raise InputError(f"{path} line {i} is not a finetune record ({why})")
+                out.append(rec)
+    except UnicodeDecodeError:
+        raise InputError(f"{path} is not UTF-8 text; give the logs geomscope finetune wrote") from None
     return out
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+#: the record fields the curves read (the rest of a record is left as it is)
+_PLOTTED = ("task_loss", "penalty", "isoscore_star", "f1", "exact_match", "accuracy", "macro_f1")
+
+
+def _record_defect(rec) -> str | None:
+    """Why a steps.jsonl / eval.jsonl record is not what the plot reads, or None: an object with an
+    integer ``step``, numbers (or null) where the curves read them, and a ``geometry`` of layers whose
+    ``energy`` is keyed by rank."""
+    if not isinstance(rec, dict):
+        return "not an object"
+    if not isinstance(rec.get("step"), int) or isinstance(rec.get("step"), bool):
+        return "no integer step"
+    for key in _PLOTTED:
+        if not (rec.get(key) is None or _number(rec[key])):
+            return f"{key} is not a number"
+    geometry = rec.get("geometry")
+    if geometry is None:
+        return None
+    if not isinstance(geometry, dict) or not all(isinstance(g, dict) for g in geometry.values()):
+        return "geometry is not an object of layers"
+    for g in geometry.values():
+        energy = g.get("energy")
+        if energy is not None and not (
+            isinstance(energy, dict)
+            and all(k.isdigit() and (v is None or _number(v)) for k, v in energy.items())
+        ):
+            return "geometry energy is not keyed by rank"
+        if not (g.get("isoscore_star") is None or _number(g["isoscore_star"])):
+            return "geometry isoscore_star is not a number"
+    return None
 
 
 def read_training_log(path: str | os.PathLike) -> dict:
@@ -75,9 +119,15 @@ def read_training_log(path: str | os.PathLike) -> dict:
     run = {}
     if (f.parent / "run.json").is_file():
         try:
-            run = json.loads((f.parent / "run.json").read_text()).get("config", {})
-        except ValueError:
+            run = json.loads((f.parent / "run.json").read_text(encoding="utf-8")).get("config", {})
+        except (ValueError, RecursionError, AttributeError):  # (UnicodeDecodeError is a ValueError)
             run = {}
+        if (
+            not isinstance(run, dict)
+            or not isinstance(run.get("reg", ""), str)
+            or not _number(run.get("lam", 0))
+        ):
+            run = {}  # only the legend reads it: a damaged one is left out
     name = f.parent.name if f.name == "steps.jsonl" else f.stem
     if run.get("reg"):
         name += f" ({run['reg']}" + (f", λ={run['lam']:g})" if run["reg"] != "none" else ")")

@@ -124,7 +124,7 @@ def _names_itself_ours(path: Path) -> bool:
     """A JSON object that says it is a geomscope manifest (damaged or not): --overwrite may remove it."""
     try:
         m = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return False
     return isinstance(m, dict) and m.get("format") == "geomscope-run"
 
@@ -134,10 +134,10 @@ def read_manifest(path: Path) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             m = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise InputError(
-            f"{path} is unreadable ({str(e).splitlines()[0]}); move it out of the way, or extract "
-            "into a new --out"
+            f"{path} is unreadable ({(str(e).splitlines() or [type(e).__name__])[0]}); move it out of the "
+            "way, or extract into a new --out"
         ) from e
     return check_manifest(m, path)
 

@@ -82,9 +82,12 @@ def _read_text_table(path: Path, suffix: str) -> tuple[list[str], list[dict]]:
                     continue
                 try:
                     obj = json.loads(line)
-                except json.JSONDecodeError as e:
+                except (ValueError, RecursionError) as e:  # bad JSON, a huge integer, nesting too deep
+                    why = getattr(e, "msg", None) or (
+                        "nested too deeply" if isinstance(e, RecursionError) else e
+                    )
                     raise InputError(
-                        f"{path} line {i} is not valid JSON ({e.msg}); expected one object per line"
+                        f"{path} line {i} is not valid JSON ({why}); expected one object per line"
                     ) from None
                 if not isinstance(obj, dict):
                     raise InputError(f"{path} line {i} is not a JSON object; expected one object per line")

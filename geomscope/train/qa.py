@@ -113,8 +113,8 @@ def _read_records(path: Path) -> list[dict]:
             whole = json.loads(path.read_text(encoding="utf-8-sig"))
         except UnicodeDecodeError:
             raise InputError(f"data file {path} is not UTF-8 text; convert it to UTF-8") from None
-        except json.JSONDecodeError:
-            whole = None  # JSON lines in a .json file
+        except (ValueError, RecursionError):
+            whole = None  # JSON lines in a .json file (each line is then checked on its own)
         if isinstance(whole, dict) and "data" in whole:
             return _flatten_squad(whole, path)
         if isinstance(whole, list):
