@@ -50,6 +50,21 @@ def temp_path(dest: str | os.PathLike) -> Path:
     return dest.with_name(f"{TEMP_PREFIX}{secrets.token_hex(6)}-{dest.name}")
 
 
+def make_dirs(path: str | os.PathLike, *, option: str = "--out") -> Path:
+    """``path`` and its parents created where missing; InputError (one line naming ``option``) where
+    that cannot be (a file on the way, no permission, a read-only or full disk)."""
+    from geomscope.errors import InputError
+
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(
+            f"cannot create the folder {p} ({e.strerror or e}); choose another {option}"
+        ) from None
+    return p
+
+
 #: the most bytes of an existing output read to recognise it (geomscope's figures and reports are
 #: far smaller; a larger file is not one of them)
 MAX_RECOGNISED_BYTES = 256 * 2**20

@@ -234,11 +234,11 @@ def write_html(
 ) -> Path:
     """Write :func:`html_page` to ``path`` atomically (a crash never leaves half a page). A file
     already there is replaced only if it is a page geomscope wrote."""
-    from geomscope.fileio import ensure_replaceable, write_text_atomic
+    from geomscope.fileio import ensure_replaceable, make_dirs, write_text_atomic
 
     path = Path(path)
     ensure_replaceable(path, lambda data: GENERATOR.encode() in data[:4096], option="--html")
     page = html_page(reports, kinds=kinds, title=title)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent, option="--html")
     write_text_atomic(path, page)
     return path

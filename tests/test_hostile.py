@@ -775,3 +775,14 @@ def test_a_damaged_trajectory_is_one_line_for_plot(cli, tmp_path, edit):
             f.write(",".join(["x"] * (len(rows[0]) + 3)) + "\n")
     code, out, err = cli(["plot", path, "--out", f"{tmp_path}/figs/", "--quiet"])
     assert_one_line_error(code, out, err, "trajectory.csv line", exit_code=2)
+
+
+def test_an_out_under_a_file_is_one_line(cli, bert, text, tmp_path):
+    """--out a/sub where a is a file: NotADirectoryError was a traceback in extract and finetune."""
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    code, out, err = _extract(cli, bert, text, afile / "sub")
+    assert_one_line_error(code, out, err, "afile/sub", "Not a directory", exit_code=2)
+    code, out, err = _finetune(cli, tmp_path, afile / "sub")
+    assert_one_line_error(code, out, err, "afile/sub", "Not a directory", exit_code=2)
+    assert afile.read_text() == "mine"

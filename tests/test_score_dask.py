@@ -181,6 +181,15 @@ def test_scheduler_option_values():
         ScoreOptions(scheduler="local:2", workers=2).validate()
 
 
+@pytest.mark.parametrize("content", ["{bad", '{"address": 5}', "[1]", '{"id": "x"}'])
+def test_a_malformed_scheduler_file_is_refused_at_once(tmp_path, content):
+    """Dask would poll such a file until its timeout and then say only that it timed out."""
+    f = tmp_path / "scheduler.json"
+    f.write_text(content)
+    with pytest.raises(InputError, match="is not a Dask scheduler file"):
+        ScoreOptions(scheduler=str(f)).validate()
+
+
 def test_cli_errors(cli, run6, tmp_path, monkeypatch):
     import geomscope.score.dask_executor as dx
 

@@ -41,7 +41,7 @@ def compare_cmd(
     import json
 
     from geomscope.errors import InputError
-    from geomscope.fileio import ensure_replaceable, json_format_is, starts_with, write_text_atomic
+    from geomscope.fileio import ensure_replaceable, json_format_is, make_dirs, starts_with, write_text_atomic
     from geomscope.plot.figures import is_figure, save_figure
     from geomscope.plot.study import study_figure
     from geomscope.study.compare import compare, to_csv
@@ -54,7 +54,7 @@ def compare_cmd(
     ensure_replaceable(dest / "compare.json", json_format_is("geomscope-compare"))
     ensure_replaceable(dest / "compare.csv", starts_with(b"reg,lambda,n"))
     ensure_replaceable(dest / "compare.png", is_figure)
-    dest.mkdir(parents=True, exist_ok=True)
+    make_dirs(dest)
     write_text_atomic(dest / "compare.json", json.dumps(result, indent=1) + "\n")
     write_text_atomic(dest / "compare.csv", to_csv(result))
     save_figure(study_figure(result), dest / "compare.png")

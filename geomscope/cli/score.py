@@ -307,6 +307,7 @@ def _score_many(
     import sys
     from pathlib import Path
 
+    from geomscope.fileio import make_dirs
     from geomscope.report import check_report_out, save_report
     from geomscope.score import score
     from geomscope.score.trajectory import TRAJECTORY_NAME, check_trajectory_out, write_trajectory
@@ -330,7 +331,7 @@ def _score_many(
         written.append(str(jpath))
         if not quiet:
             console.print(f"[{i}/{len(runs)}] {run}: wrote {jpath}", highlight=False, markup=False)
-    where.mkdir(parents=True, exist_ok=True)
+    make_dirs(where)
     traj = write_trajectory(reports, where / TRAJECTORY_NAME)
     if not quiet:
         console.print(f"wrote {traj}", highlight=False, markup=False)

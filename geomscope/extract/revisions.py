@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from geomscope.errors import GeomscopeError, InputError
+from geomscope.fileio import make_dirs
 
 #: Machina & Mercer (NAACL 2024), as their released code lists the Pythia revisions:
 #: step0 and step{int(i * 143 / 20)}000 for i = 1..20 (step7000 ... step143000).
@@ -191,7 +192,7 @@ def extract_revisions(
     if len(revisions) > 1 and any(str(i) == "-" for i in ([inputs] if isinstance(inputs, str) else inputs)):
         raise InputError("stdin (-) can be read once; save the text to a file to extract several revisions")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    make_dirs(out)
     runs, failures = [], []
     for i, rev in enumerate(revisions, 1):
         run_dir = out / rev.name

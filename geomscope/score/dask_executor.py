@@ -113,8 +113,29 @@ def parse_scheduler(value) -> str:
                 f"--scheduler file {s} does not exist; give the file a Dask scheduler wrote "
                 "(dask scheduler --scheduler-file FILE.json)"
             )
+        _check_scheduler_file(s)
         return s
     raise InputError(f"--scheduler must be {SCHEDULER_FORMS}; got {s!r}")
+
+
+def _check_scheduler_file(path: str) -> None:
+    """A scheduler file must hold what Dask writes there (a JSON object with the scheduler's
+    ``address``, ``tcp://...``); Dask itself would poll a malformed one until its timeout and then
+    say only that it timed out."""
+    import json
+
+    try:
+        info = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        info, why = None, _first_line(e)
+    else:
+        why = "no scheduler address in it"
+    address = info.get("address") if isinstance(info, dict) else None
+    if not isinstance(address, str) or "://" not in address:
+        raise InputError(
+            f"--scheduler file {path} is not a Dask scheduler file ({why}); give the file "
+            "`dask scheduler --scheduler-file FILE.json` wrote"
+        )
 
 
 def require_distributed():

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from geomscope.errors import DataError, InputError
-from geomscope.fileio import TEMP_PREFIX, fsync_dir, write_text_atomic
+from geomscope.fileio import TEMP_PREFIX, fsync_dir, make_dirs, write_text_atomic
 from geomscope.store import checksum
 from geomscope.store.shard import SHARD_FILE_RE, SHARD_TEMP_RE, ShardInfo, ShardWriter
 
@@ -427,7 +427,7 @@ class RunWriter:
             raise InputError(
                 f"--out {self.dir} is not empty and holds no geomscope run; choose a new or empty directory"
             )
-        self.dir.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.dir)
         self._lock_fd = open_lock(self.dir, create=True)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from geomscope.errors import GeomscopeError, InputError
-from geomscope.fileio import write_json_atomic
+from geomscope.fileio import make_dirs, write_json_atomic
 
 SWEEP_FILE = "sweep.json"
 
@@ -48,7 +48,7 @@ def _claim(out: Path, points: list[GridPoint]) -> None:
         raise InputError(
             f"--out {out} holds files and is not a geomscope sweep; choose a new or empty directory"
         )
-    out.mkdir(parents=True, exist_ok=True)
+    make_dirs(out)
     write_json_atomic(
         out / SWEEP_FILE,
         {

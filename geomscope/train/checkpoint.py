@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 
 from geomscope.errors import InputError
-from geomscope.fileio import write_json_atomic, write_text_atomic
+from geomscope.fileio import make_dirs, write_json_atomic, write_text_atomic
 
 CKPT = "checkpoint"
 MARKER = ".geomscope-finetune.json"
@@ -87,7 +87,7 @@ def take_output(out: Path, *, resume: bool) -> None:
     if marker is not None and not resume:
         _remove_previous_output(out, marker)
         marker = None
-    out.mkdir(parents=True, exist_ok=True)
+    make_dirs(out)
     write_json_atomic(
         out / MARKER, {"format": "geomscope-finetune", "files": (marker or {}).get("files", [])}
     )
