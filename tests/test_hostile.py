@@ -786,3 +786,58 @@ def test_an_out_under_a_file_is_one_line(cli, bert, text, tmp_path):
     code, out, err = _finetune(cli, tmp_path, afile / "sub")
     assert_one_line_error(code, out, err, "afile/sub", "Not a directory", exit_code=2)
     assert afile.read_text() == "mine"
+
+
+def test_a_checkpoint_whose_weights_need_pickle_is_one_line_and_never_loaded(cli, bert, text, tmp_path):
+    """A pytorch_model.bin holding more than tensors: transformers' torch.load(weights_only=True) refuses
+    it with a 70-line UnpicklingError; geomscope says what it is, and nothing in it runs."""
+    marker = tmp_path / "PWNED"
+    models = []
+    for name, src in (("enc", bert), ("clf", make_checkpoint(tmp_path / "m", words_of([])))):
+        bad = tmp_path / name
+        shutil.copytree(src, bad)
+        for f in bad.glob("*.safetensors"):
+            f.unlink()
+        with open(bad / "pytorch_model.bin", "wb") as fh:
+            pickle.dump({"weight": _Planted(marker)}, fh)
+        models.append(bad)
+    code, out, err = _extract(cli, models[0], text, tmp_path / "run")
+    assert_one_line_error(code, out, err, "never unpickles", "safetensors", exit_code=2)
+    train = write_csv(tmp_path / "train.csv", synthetic_rows(16, 0))
+    code, out, err = cli(
+        ["finetune", models[1], "--train", train, "--eval", train, "--out", tmp_path / "ft", "--quiet"]
+    )
+    assert_one_line_error(code, out, err, "never unpickles", exit_code=2)
+    assert not marker.exists()
+
+
+def test_damaged_training_inputs_are_one_line(cli, tmp_path):
+    """A saved dataset whose dataset_dict.json or state.json was damaged, a QA answer_start that is not
+    a finite number, a --revisions file that is not text: one line each (they were tracebacks)."""
+    from geomscope.extract.revisions import resolve_revisions
+    from geomscope.train.data import load_table
+    from geomscope.train.qa import load_qa
+
+    dsdict = tmp_path / "dsdict"
+    dsdict.mkdir()
+    (dsdict / "dataset_dict.json").write_text("{bad")
+    with pytest.raises(InputError, match="DatasetDict"):
+        load_table(dsdict)
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "state.json").write_text("{}")
+    (state / "dataset_info.json").write_text("{}")
+    with pytest.raises(InputError, match="not a readable datasets save_to_disk directory"):
+        load_table(state)
+    for start in ("NaN", "Infinity", "1e400"):
+        qa = tmp_path / f"qa-{start}.jsonl"
+        qa.write_text(
+            '{"id": "1", "question": "q?", "context": "the answer is here", '
+            f'"answers": {{"text": ["answer"], "answer_start": [{start}]}}}}\n'
+        )
+        with pytest.raises(InputError, match="not a whole number"):
+            load_qa(qa)
+    revs = tmp_path / "revs.txt"
+    revs.write_bytes(b"step1\n\xff\xfe\n")
+    with pytest.raises(InputError, match="cannot be read as UTF-8"):
+        resolve_revisions(str(tmp_path), str(revs))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import os
+import pickle
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -348,6 +349,16 @@ def _natural_key(s: str):
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
+def pickled_weights_error(name: str) -> InputError:
+    """A checkpoint whose weights file needs pickle for more than tensors (torch.load with
+    ``weights_only=True`` refuses it): said as such, never loaded the unsafe way."""
+    return InputError(
+        f"model {name}: its weights file (pytorch_model.bin) holds pickled objects besides tensors, and "
+        "geomscope never unpickles; save the model as safetensors (save_pretrained(dir, "
+        "safe_serialization=True)) where you trust it, and give that directory"
+    )
+
+
 def _load_error(exc: Exception, name: str, info: dict, revision: str | None) -> InputError:
     msg = " ".join(str(exc).split())
     at = f"{name}@{revision}" if revision else name
@@ -543,6 +554,8 @@ def _load_parts(
                 load_from, config=config, **{_transformers_dtype_kw(): tdtype}, **kw, **(placement or {})
             )
             return config, tok, model, None
+        except pickle.UnpicklingError:
+            raise pickled_weights_error(info["name"]) from None
         except ValueError as e:  # this auto class does not know the architecture: try the next one
             if "Unrecognized configuration class" not in str(e):
                 raise _load_error(e, info["name"], info, revision) from e
@@ -566,6 +579,8 @@ def _load_head(load_from: str, kw: dict, tdtype, info: dict, revision, config, a
         model, loading = auto.from_pretrained(
             load_from, config=config, output_loading_info=True, **{_transformers_dtype_kw(): tdtype}, **kw
         )
+    except pickle.UnpicklingError:
+        raise pickled_weights_error(info["name"]) from None
     except ValueError as e:
         if "Unrecognized configuration class" in str(e):
             raise InputError(

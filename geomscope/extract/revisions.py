@@ -56,7 +56,12 @@ def resolve_revisions(model: str, spec: str) -> list[Revision]:
     if spec in PRESETS:
         items = list(PRESETS[spec])
     elif spec and not _is_glob(spec) and "," not in spec and Path(spec).is_file():
-        lines = Path(spec).read_text(encoding="utf-8").splitlines()
+        try:
+            lines = Path(spec).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(
+                f"--revisions file {spec} cannot be read as UTF-8 text ({e}); one revision per line"
+            ) from None
         items = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
     else:
         items = [s.strip() for s in spec.split(",") if s.strip()]

@@ -314,21 +314,25 @@ def _pt_load(path: Path) -> dict:
     """name -> tensor, through ``torch.load(weights_only=True)`` (memory-mapped when the file is a
     zip archive). A file that needs pickle to load is refused, never unpickled."""
     import pickle
+    import warnings
 
     import torch
 
     try:
-        try:
-            obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e) and "zip" not in str(e):
-                raise
-            obj = torch.load(str(path), map_location="cpu", weights_only=True)  # legacy format
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        # torch warns about a pickle protocol it may not read before it refuses the file: the
+        # refusal below says what matters, in one line
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            try:
+                obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as e:
+                if "mmap" not in str(e) and "zip" not in str(e):
+                    raise
+                obj = torch.load(str(path), map_location="cpu", weights_only=True)  # legacy format
+    except pickle.UnpicklingError:
         raise InputError(
-            f"{path} needs pickle to load ({first[:120]}); geomscope reads .pt files with "
-            "weights_only=True only -- save tensors (torch.save of a tensor or a dict of tensors), "
+            f"{path} holds pickled objects besides tensors, and geomscope never unpickles (it reads .pt "
+            "files with weights_only=True); save tensors (torch.save of a tensor or a dict of tensors), "
             "or use .safetensors"
         ) from None
     except (RuntimeError, OSError, EOFError, ValueError) as e:

@@ -101,8 +101,12 @@ def _read_text_table(path: Path, suffix: str) -> tuple[list[str], list[dict]]:
 
 def _read_saved_dataset(path: Path) -> tuple[list[str], list[dict]]:
     if (path / "dataset_dict.json").exists():
-        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
-        raise InputError(f"{path} is a DatasetDict with splits {', '.join(splits)}; pass {path}/<split>")
+        try:
+            splits = json.loads((path / "dataset_dict.json").read_text(encoding="utf-8")).get("splits", [])
+            names = ", ".join(map(str, splits))
+        except (OSError, ValueError, RecursionError, AttributeError, TypeError):
+            names = "unreadable"
+        raise InputError(f"{path} is a DatasetDict (splits: {names}); pass {path}/<split>")
     if not (path / "dataset_info.json").exists() and not (path / "state.json").exists():
         raise InputError(f"{path} is a directory but not a datasets save_to_disk directory")
     try:
@@ -111,7 +115,18 @@ def _read_saved_dataset(path: Path) -> tuple[list[str], list[dict]]:
         raise InputError(
             "reading a save_to_disk directory needs the `datasets` package: pip install datasets"
         ) from None
-    ds = datasets.load_from_disk(str(path))
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except MemoryError:
+        raise
+    except Exception as e:  # a damaged state.json / dataset_info.json: datasets raises what it meets
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise InputError(
+            f"{path} is not a readable datasets save_to_disk directory ({type(e).__name__}: {first}); "
+            "save it again with Dataset.save_to_disk"
+        ) from None
+    if not hasattr(ds, "column_names") or not hasattr(ds, "to_list"):  # a DatasetDict after all
+        raise InputError(f"{path} holds several splits; pass {path}/<split>")
     return list(ds.column_names), ds.to_list()
 
 

@@ -8,10 +8,12 @@ for ``AutoModelForQuestionAnswering`` (a base checkpoint gets a new start/end sp
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 
 from geomscope.errors import InputError
+from geomscope.extract.models import pickled_weights_error
 
 
 def quiet_transformers() -> None:
@@ -74,6 +76,8 @@ def load_classifier(source: str | Path, label2id: dict[str, int], note: Callable
             output_loading_info=True,
             trust_remote_code=False,
         )
+    except pickle.UnpicklingError:
+        raise pickled_weights_error(str(src)) from None
     except ValueError as e:
         raise InputError(
             f"{src} ({config.model_type}) has no sequence-classification model class in transformers: "
@@ -123,6 +127,8 @@ def load_qa_model(source: str | Path, note: Callable[[str], None]):
         model, info = AutoModelForQuestionAnswering.from_pretrained(
             src, num_labels=2, ignore_mismatched_sizes=True, output_loading_info=True, trust_remote_code=False
         )
+    except pickle.UnpicklingError:
+        raise pickled_weights_error(str(src)) from None
     except ValueError as e:
         raise InputError(
             f"{src} ({config.model_type}) has no question-answering model class in transformers: "

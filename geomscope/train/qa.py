@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import re
 import string
 from dataclasses import dataclass
@@ -178,7 +179,12 @@ def _answers(rec: dict, where: str) -> list[tuple[str, int]]:
     for text, start in pairs:
         if not isinstance(text, str) or not text.strip():
             raise InputError(f"{where}: an answer text is empty or not a string")
-        if isinstance(start, bool) or not isinstance(start, (int, float)) or int(start) != start:
+        if (
+            isinstance(start, bool)
+            or not isinstance(start, (int, float))
+            or not math.isfinite(start)
+            or int(start) != start
+        ):
             raise InputError(f"{where}: answer_start {start!r} is not a whole number")
         out.append((text, int(start)))
     return out
