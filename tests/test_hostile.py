@@ -211,7 +211,7 @@ def test_a_models_own_code_never_runs_unless_asked(cli, bert, text, tmp_path):
     code, out, err = _extract(cli, unknown, text, tmp_path / "run")
     assert_one_line_error(code, out, err, exit_code=2)
     code, out, err = cli(["finetune", unknown, "--train", train, "--eval", train, "--out", tmp_path / "ft"])
-    assert_one_line_error(code, out, err, exit_code=2)
+    assert_one_line_error(code, out, err, "never runs a model's code", exit_code=2)
     assert not marker.exists()
 
 
@@ -841,3 +841,22 @@ def test_damaged_training_inputs_are_one_line(cli, tmp_path):
     revs.write_bytes(b"step1\n\xff\xfe\n")
     with pytest.raises(InputError, match="cannot be read as UTF-8"):
         resolve_revisions(str(tmp_path), str(revs))
+
+
+@pytest.mark.parametrize("target", [-np.eye(8), np.zeros((8, 8)), np.diag([1.0, 1, 1, 1, 1, 1, 1, -0.5])])
+def test_a_shrinkage_target_that_is_no_covariance_is_refused(cli, tmp_path, target):
+    """IsoScore* shrinks toward C0: a matrix with negative eigenvalues (or none above 0) gave a number."""
+    np.save(tmp_path / "c0.npy", target)
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).normal(size=(100, 8)))
+    code, out, err = cli(
+        [
+            "score",
+            tmp_path / "x.npy",
+            "--metrics",
+            "isoscore_star",
+            "--shrinkage-target",
+            tmp_path / "c0.npy",
+            "--quiet",
+        ]
+    )
+    assert_one_line_error(code, out, err, "is not a covariance", exit_code=2)

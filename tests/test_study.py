@@ -207,3 +207,39 @@ def test_sweep_restarts_a_run_cut_off_before_its_first_checkpoint(tmp_path):
     (tmp_path / "g" / "sweep.json").write_text('{"format": "geomscope-sweep", "runs": []}')
     assert [r["status"] for r in run_sweep(base, points, quiet=True)] == ["done", "done"]
     assert [r["status"] for r in run_sweep(base, points, quiet=True)] == ["skipped", "skipped"]
+
+
+def test_a_grid_stops_at_a_bad_input_and_says_why(cli, sweep, tmp_path):
+    """Bad data fails every point the same way: the first failure is the error line (it was "sweep: 0
+    of N runs finished" with no cause, after loading the model for every point)."""
+    d, args = sweep
+    nolabel = tmp_path / "nolabel.csv"
+    nolabel.write_text("sentence\nhello there\nanother one\n")
+    bad = [str(a) for a in args]
+    bad[bad.index("--train") + 1] = str(nolabel)
+    bad[bad.index("--out") + 1] = str(tmp_path / "grid")
+    code, out, err = cli(bad)
+    assert_one_line_error(code, out, err, "nolabel.csv", "label", exit_code=2)
+
+
+def test_a_grid_with_failed_points_ends_with_one_error_line(cli, sweep, tmp_path, monkeypatch):
+    """A point that fails on its own (a DataError: a lambda that diverges) leaves the others running;
+    the command ends with one error line that names the first failure."""
+    import geomscope.train
+    from geomscope.errors import DataError
+
+    real = geomscope.train.finetune
+
+    def diverging(cfg, **kw):
+        if cfg.lam == 1.0:
+            raise DataError("the loss became NaN at step 2; lower --lambda or --lr")
+        return real(cfg, **kw)
+
+    monkeypatch.setattr(geomscope.train, "finetune", diverging)
+    d, args = sweep
+    grid_args = [str(a) for a in args]
+    grid_args[grid_args.index("--out") + 1] = str(tmp_path / "grid")
+    grid_args[grid_args.index("--seed") + 1] = "0"
+    code, out, err = cli(grid_args)
+    assert_one_line_error(code, out, err, "1 of 3 runs failed", "istar_lambda1_seed0", "NaN", exit_code=1)
+    assert (tmp_path / "grid" / "istar_lambda-1_seed0" / "summary.json").is_file()

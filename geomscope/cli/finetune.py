@@ -248,6 +248,7 @@ def finetune_cmd(
     --seed run the grid, each run in --out/<reg>_lambda<L>_seed<S>/ (finished runs are skipped on
     rerun); `geomscope compare OUT` then relates isotropy to accuracy.
     """
+    from geomscope.errors import GeomscopeError
     from geomscope.study.sweep import grid, run_sweep
     from geomscope.train import FinetuneConfig, finetune
 
@@ -300,8 +301,12 @@ def finetune_cmd(
         results = run_sweep(cfg, points, quiet=quiet, note=lambda msg: print(msg, file=sys.stderr))
         if as_json:
             typer.echo(json.dumps({"sweep": str(out), "runs": results}))
-        if any(r["status"] == "failed" for r in results):
-            raise typer.Exit(1)
+        failed = [r for r in results if r["status"] == "failed"]
+        if failed:
+            raise GeomscopeError(
+                f"{len(failed)} of {len(results)} runs failed (first: {failed[0]['name']}: "
+                f"{failed[0]['error']}); the others finished and a rerun skips them"
+            )
         return
     summary = finetune(cfg, quiet=quiet, note=lambda msg: print(msg, file=sys.stderr))
     if os.environ.get("RANK", "0") != "0":  # non-main rank of a torchrun / accelerate run: rank 0 reports

@@ -146,4 +146,10 @@ def load_cov_file(path: str, dim: int) -> np.ndarray:
         raise InputError(f"--shrinkage-target {path} contains NaN or Inf")
     if not np.allclose(c, c.T, rtol=1e-6, atol=1e-12 * max(1.0, float(np.abs(c).max()))):
         raise InputError(f"--shrinkage-target {path} is not symmetric; a covariance matrix is needed")
+    eig = np.linalg.eigvalsh((c + c.T) / 2)
+    if eig[-1] <= 0 or eig[0] < -1e-9 * eig[-1]:  # a covariance is positive semi-definite, and not 0
+        raise InputError(
+            f"--shrinkage-target {path} is not a covariance (eigenvalues from {eig[0]:.3g} to {eig[-1]:.3g}; "
+            "a covariance's are >= 0 and not all 0)"
+        )
     return c

@@ -62,7 +62,10 @@ def run_sweep(base, points: list[GridPoint], *, quiet: bool = False, note=None) 
     """Run every grid point of ``base`` (a FinetuneConfig whose ``out`` is the sweep directory).
 
     Returns one record per point: ``{name, dir, reg, lambda, seed, status, error}`` with status
-    ``done`` | ``skipped`` (finished earlier) | ``failed`` (one-line reason in ``error``).
+    ``done`` | ``skipped`` (finished earlier) | ``failed`` (one-line reason in ``error``). A point that
+    fails on its data (a DataError: a diverging lambda, say) is recorded and the sweep goes on; one
+    that fails on the inputs every point shares (an InputError: the data files, the model) stops the
+    sweep with that error, as the next points would fail the same way after loading the model again.
     """
     from geomscope.progress import Progress
     from geomscope.train import finetune
@@ -103,6 +106,8 @@ def run_sweep(base, points: list[GridPoint], *, quiet: bool = False, note=None) 
                 )
                 try:
                     finetune(cfg, quiet=True, note=lambda msg: None)
+                except InputError:
+                    raise
                 except GeomscopeError as e:
                     rec["status"], rec["error"] = "failed", str(e).splitlines()[0]
                     bar.print(f"failed: {p.name}: {rec['error']}")

@@ -42,9 +42,13 @@ def _checked_config(source: str | Path):
     try:
         return src, AutoConfig.from_pretrained(src, trust_remote_code=False)
     except (OSError, ValueError) as e:
-        raise InputError(
-            f"cannot load model {src!r}: {str(e).splitlines()[0]}; give a checkpoint directory"
-        ) from None
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if "custom code" in first or "trust_remote_code" in first:
+            raise InputError(
+                f"model {src!r} needs its own code to load, and finetune never runs a model's code; "
+                "give a checkpoint of an architecture transformers ships"
+            ) from None
+        raise InputError(f"cannot load model {src!r}: {first}; give a checkpoint directory") from None
 
 
 def _tokenizer(src: str):
