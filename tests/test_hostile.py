@@ -160,9 +160,13 @@ def test_links_in_a_run_directory_are_never_written_through(cli, bert, text, tmp
     assert _extract(cli, bert, text, run)[0] == 0
     (run / "report.json").symlink_to(outside)  # score's report would be written through it
     (run / "report.csv").symlink_to(outside)
+    code, out, err = cli(["score", run, "--metrics", "isoscore", "--quiet"])  # refused, link kept
+    assert_one_line_error(code, out, err, "report.json exists and is a link", exit_code=2)
+    assert outside.read_text() == "precious" and (run / "report.json").is_symlink()
+    (run / "report.json").unlink()
+    (run / "report.csv").unlink()
     code, _, err = cli(["score", run, "--metrics", "isoscore", "--quiet"])
     assert code == 0, err
-    assert outside.read_text() == "precious" and not (run / "report.json").is_symlink()
     assert json.loads((run / "report.json").read_text())["format"] == "geomscope-report"
 
 
