@@ -81,9 +81,18 @@ def free_bytes(path: Path) -> int:
     return int(shutil.disk_usage(p).free)
 
 
+def _total_bytes(path: Path) -> int:
+    p = Path(path).resolve()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return int(shutil.disk_usage(p).total)
+
+
 def check_disk(out: Path, needed: int) -> int:
     """Refuse (InputError) when the file system of ``out`` has fewer than ``needed`` bytes free."""
     free = free_bytes(out)
+    if needed > free and _total_bytes(out) == 0:  # /proc, /sys: no disk at all
+        raise InputError(f"--out {out} is on a file system that stores no files; choose another --out")
     if needed > free:
         raise InputError(
             f"not enough disk space for {out}: the run needs about {human_bytes(needed)}, "

@@ -99,6 +99,8 @@ def open_inputs(args: list[str], *, stdin=None) -> list[InputFile]:
 
 def _open_input(a: str) -> InputFile:
     p = Path(a).expanduser()
+    if p.is_symlink() and not p.exists():
+        raise InputError(f"input {a} is a link to nothing (a missing target, or a loop); check the path")
     if not p.exists():
         raise InputError(f"input {a} does not exist; check the path")
     if p.is_dir():

@@ -177,7 +177,9 @@ def check_common_layers(reports: Sequence[dict]) -> None:
     common = set.intersection(*({lay["layer"] for lay in r["layers"]} for r in reports))
     if not common:
         desc = "; ".join(f"{report_name(r)}: {_span(r)}" for r in reports[:3])
-        raise InputError(f"the reports share no layer ({desc}); plot them separately")
+        raise InputError(
+            f"the reports share no layer ({desc}); draw them in separate figures (one plot or report each)"
+        )
 
 
 def _span(rep: dict) -> str:
