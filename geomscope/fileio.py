@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import stat
 from collections.abc import Callable
@@ -71,11 +72,18 @@ MAX_RECOGNISED_BYTES = 256 * 2**20
 
 
 def ensure_replaceable(
-    path: str | os.PathLike, ours: Callable[[bytes], bool], *, option: str = "--out"
+    path: str | os.PathLike,
+    ours: Callable[[bytes], bool],
+    *,
+    option: str = "--out",
+    head: int | None = None,
+    hint: str = "",
 ) -> None:
     """Nothing at ``path``, or a regular file whose bytes ``ours`` recognises as geomscope's earlier
     output of this kind (rewritten, as a rerun expects); anything else -- a user's file, a link, a
-    directory -- is an InputError naming ``option``, before anything is written."""
+    directory -- is an InputError naming ``option``, before anything is written. ``head``: the
+    recogniser needs only the file's first ``head`` bytes (a report of any size); ``hint``: added to
+    the refusal."""
     from geomscope.errors import InputError
 
     p = Path(path)
@@ -88,28 +96,27 @@ def ensure_replaceable(
     if stat.S_ISDIR(st.st_mode):
         raise InputError(f"{p} is a directory; choose another {option}")
     mine = False
-    if stat.S_ISREG(st.st_mode) and st.st_size <= MAX_RECOGNISED_BYTES:
+    if stat.S_ISREG(st.st_mode) and (head is not None or st.st_size <= MAX_RECOGNISED_BYTES):
         try:
             with open(p, "rb") as f:
-                mine = ours(f.read())
+                mine = ours(f.read(head) if head is not None else f.read())
         except OSError:
             mine = False
     if not mine:
-        what = "a link" if stat.S_ISLNK(st.st_mode) else "a file geomscope did not write"
+        what = "a link" if stat.S_ISLNK(st.st_mode) else f"a file geomscope did not write{hint}"
         raise InputError(f"{p} exists and is {what}; choose another {option}, or move it away first")
 
 
+#: the bytes of an output's start a recogniser reads (``head=``): a JSON output's first key, a CSV's
+#: header
+HEAD_BYTES = 4096
+
+
 def json_format_is(expected: str) -> Callable[[bytes], bool]:
-    """A recogniser (:func:`ensure_replaceable`) of a JSON object whose ``"format"`` is ``expected``."""
-
-    def ours(data: bytes) -> bool:
-        try:
-            obj = json.loads(data)
-        except (ValueError, RecursionError):
-            return False
-        return isinstance(obj, dict) and obj.get("format") == expected
-
-    return ours
+    """A recogniser (:func:`ensure_replaceable`, ``head=HEAD_BYTES``) of the JSON objects geomscope
+    writes with ``"format": expected`` as their first key."""
+    pattern = re.compile(rb'\A\s*\{\s*"format"\s*:\s*"' + re.escape(expected.encode()) + rb'"')
+    return lambda data: pattern.match(data) is not None
 
 
 def starts_with(prefix: bytes) -> Callable[[bytes], bool]:

@@ -225,6 +225,12 @@ def html_page(reports: Sequence[dict], *, kinds: Sequence[str] = ("auto",), titl
     )
 
 
+def _is_page(data: bytes) -> bool:
+    """A page geomscope wrote: its generator mark, or (pages from before the mark) the sections of
+    reports it lays out."""
+    return GENERATOR.encode() in data[:4096] or b"<section class='report'><h2>" in data
+
+
 def write_html(
     reports: Sequence[dict],
     path: str | os.PathLike,
@@ -237,7 +243,7 @@ def write_html(
     from geomscope.fileio import ensure_replaceable, make_dirs, write_text_atomic
 
     path = Path(path)
-    ensure_replaceable(path, lambda data: GENERATOR.encode() in data[:4096], option="--html")
+    ensure_replaceable(path, _is_page, option="--html")
     page = html_page(reports, kinds=kinds, title=title)
     make_dirs(path.parent, option="--html")
     write_text_atomic(path, page)

@@ -55,7 +55,7 @@ import os
 from pathlib import Path
 
 from geomscope.errors import InputError
-from geomscope.fileio import ensure_replaceable, json_format_is, starts_with, write_text_atomic
+from geomscope.fileio import HEAD_BYTES, ensure_replaceable, json_format_is, starts_with, write_text_atomic
 from geomscope.schema import (
     LAYER_KEYS,
     METRIC_LABELS,
@@ -197,8 +197,8 @@ def check_report_out(out: str | os.PathLike) -> tuple[Path, Path]:
     parent = jpath.parent
     if parent.exists() and not parent.is_dir():
         raise InputError(f"--out {out}: {parent} is a file; give a directory or a prefix in a directory")
-    ensure_replaceable(jpath, json_format_is(REPORT_FORMAT))
-    ensure_replaceable(cpath, starts_with(b"layer,index,n_rows"))
+    ensure_replaceable(jpath, json_format_is(REPORT_FORMAT), head=HEAD_BYTES)
+    ensure_replaceable(cpath, starts_with(b"layer,index,n_rows"), head=HEAD_BYTES)
     return jpath, cpath
 
 
@@ -239,13 +239,12 @@ def load_report(path: str | os.PathLike) -> Report:
         raise InputError(f"cannot read {p} ({e.strerror or e})") from None
     if not isinstance(rep, dict) or rep.get("format") != REPORT_FORMAT:
         raise InputError(f'{p} is not a geomscope report (no "format": "{REPORT_FORMAT}")')
-    why = report_defect(rep)
+    version = rep.get("format_version", 0)
+    if isinstance(version, int) and not isinstance(version, bool) and version > REPORT_FORMAT_VERSION:
+        raise InputError(f"{p} has report format_version {version}; upgrade geomscope to read it")
+    why = report_defect(rep)  # (a newer version's shape is not this one's: checked after the version)
     if why:
         raise InputError(f"{p} is a damaged report ({why}); score the source again")
-    if rep.get("format_version", 0) > REPORT_FORMAT_VERSION:
-        raise InputError(
-            f"{p} has report format_version {rep.get('format_version')}; upgrade geomscope to read it"
-        )
     return Report(rep)
 
 

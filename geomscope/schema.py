@@ -129,10 +129,6 @@ def _integer(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _numbers(v) -> bool:
-    return isinstance(v, list) and all(_number(x) for x in v)
-
-
 def _dict_of(v, ok) -> bool:
     return isinstance(v, dict) and all(isinstance(k, str) and ok(x) for k, x in v.items())
 
@@ -184,9 +180,10 @@ def _layer_defect(e) -> str | None:
             return f".{key} is not what score writes"
     eig = e.get("eigenvalues")
     if eig is not None:
-        if not _numbers(eig):
+        if not isinstance(eig, list) or not all(_optional_number(x) for x in eig):  # (null: overflowed)
             return ".eigenvalues is not a list of numbers"
-        if eig and min(eig) < -1e-9 * max(1e-300, max(abs(x) for x in eig)):  # a covariance's: >= 0
+        known = [x for x in eig if x is not None]
+        if known and min(known) < -1e-9 * max(1e-300, max(abs(x) for x in known)):  # a covariance's: >= 0
             return ".eigenvalues has negative values (a covariance's are >= 0)"
     return None
 
@@ -221,8 +218,9 @@ def _gradient_energy_defect(ge) -> str | None:
     layers = ge.get("layers")
     if layers is not None and not _dict_of(
         layers,
-        lambda rows: (
-            isinstance(rows, list)
+        lambda rows: (  # (a layer without usable gradient rows: null)
+            rows is None
+            or isinstance(rows, list)
             and all(
                 isinstance(r, dict) and all(_optional_number(x) or isinstance(x, str) for x in r.values())
                 for r in rows

@@ -864,3 +864,23 @@ def test_a_shrinkage_target_that_is_no_covariance_is_refused(cli, tmp_path, targ
         ]
     )
     assert_one_line_error(code, out, err, "is not a covariance", exit_code=2)
+
+
+def test_a_pipe_read_by_several_readers_is_refused_before_anyone_reads(tmp_path):
+    """Several revisions, or several processes, read their input each: a pipe gives its bytes to one
+    of them only (a second `<(...)` read is empty; a named FIFO blocks). Refused like stdin."""
+    from types import SimpleNamespace
+
+    from geomscope.extract.ranks import check_options
+    from geomscope.extract.revisions import extract_revisions
+    from geomscope.extract.sources import is_stream
+
+    fifo = tmp_path / "docs.txt"
+    os.mkfifo(fifo)
+    plain = tmp_path / "plain.txt"
+    plain.write_text(TEXT)
+    assert is_stream("-") and is_stream(fifo) and not is_stream(plain) and not is_stream(tmp_path)
+    with pytest.raises(InputError, match="docs.txt can be read once"):
+        extract_revisions("model", [str(plain), str(fifo)], tmp_path / "out", ["a", "b"], None)
+    with pytest.raises(InputError, match="cannot share .*docs.txt"):
+        check_options(SimpleNamespace(max_tokens=None), [str(fifo)])

@@ -133,3 +133,31 @@ def test_a_report_is_recognised_by_its_format(tmp_path, data, ours):
         with pytest.raises(InputError, match="geomscope did not write"):
             ensure_replaceable(path, json_format_is("geomscope-report"))
     ensure_replaceable(tmp_path / "absent.csv", starts_with(b"layer,"))  # nothing there: fine
+
+
+def test_outputs_of_a_geomscope_from_before_the_marks(cli, tmp_path):
+    """A page written before pages carried their generator is still recognised (its report sections);
+    a figure written before figures recorded their creator cannot be told from a user's: refused, with
+    the reason said."""
+    from matplotlib.figure import Figure
+
+    rep = write_report(tmp_path / "r.json", make_report(n_layers=3, hidden=16))
+    page = tmp_path / "page.html"
+    assert cli(["report", rep, "--html", page])[0] == 0
+    old = page.read_text().replace("<meta name='generator' content='geomscope'>", "")
+    page.write_text(old)
+    assert cli(["report", rep, "--html", page])[0] == 0
+    fig = Figure()
+    fig.subplots().plot([1, 2], [3, 4])
+    fig.savefig(tmp_path / "layers.png")  # Matplotlib's own metadata, as geomscope wrote before
+    code, o, e = cli(["plot", rep, "--out", tmp_path / "layers.png", "--kind", "layers", "--quiet"])
+    assert_one_line_error(code, o, e, "layers.png", "before 2026-11-27", exit_code=2)
+
+
+def test_a_report_is_recognised_from_its_start_whatever_its_size(tmp_path, monkeypatch):
+    import geomscope.fileio as fileio
+
+    monkeypatch.setattr(fileio, "MAX_RECOGNISED_BYTES", 100)  # the report below is larger
+    path = tmp_path / "r.json"
+    path.write_text('{\n "format": "geomscope-report",\n "layers": [' + ", ".join(["1"] * 1000) + "]}")
+    fileio.ensure_replaceable(path, json_format_is("geomscope-report"), head=fileio.HEAD_BYTES)

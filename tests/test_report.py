@@ -170,3 +170,14 @@ def test_terminal_table_fits_80_columns_and_names_what_is_hidden():
     assert "top10" in next(ln for ln in wide.export_text().splitlines() if "IsoScore*" in ln)
     with pytest.raises(InputError, match="--columns 'nope'"):
         report_table(rep, ["nope"])
+
+
+def test_report_shapes_score_writes_are_not_called_damaged():
+    """Shapes a real report takes that a strict reading could refuse: a gradient layer without
+    usable rows (null), an eigenvalue that overflowed (null), no format_version (older reports)."""
+    from geomscope.schema import report_defect
+
+    assert report_defect({"layers": [], "gradient_energy": {"layers": {"layer_01.grad": None}}}) is None
+    entry = {"layer": "layer_00", "index": 0, "eigenvalues": [3.0, None, 0.0], "isoscore": None}
+    assert report_defect({"format_version": 1, "layers": [entry]}) is None
+    assert report_defect({"format_version": 1, "layers": [{**entry, "eigenvalues": [3.0, -1.0]}]})

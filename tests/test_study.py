@@ -222,17 +222,19 @@ def test_a_grid_stops_at_a_bad_input_and_says_why(cli, sweep, tmp_path):
     assert_one_line_error(code, out, err, "nolabel.csv", "label", exit_code=2)
 
 
-def test_a_grid_with_failed_points_ends_with_one_error_line(cli, sweep, tmp_path, monkeypatch):
-    """A point that fails on its own (a DataError: a lambda that diverges) leaves the others running;
-    the command ends with one error line that names the first failure."""
+@pytest.mark.parametrize("error", ["DataError", "InputError"])
+def test_a_grid_with_failed_points_ends_with_one_error_line(cli, sweep, tmp_path, monkeypatch, error):
+    """A point that fails on its own (a lambda that diverges; a damaged checkpoint of its own, an
+    InputError that only that point meets) leaves the others running; the command ends with one error
+    line that names the first failure."""
+    import geomscope.errors
     import geomscope.train
-    from geomscope.errors import DataError
 
     real = geomscope.train.finetune
 
     def diverging(cfg, **kw):
         if cfg.lam == 1.0:
-            raise DataError("the loss became NaN at step 2; lower --lambda or --lr")
+            raise getattr(geomscope.errors, error)("the loss became NaN at step 2; lower --lambda or --lr")
         return real(cfg, **kw)
 
     monkeypatch.setattr(geomscope.train, "finetune", diverging)

@@ -41,8 +41,15 @@ def compare_cmd(
     import json
 
     from geomscope.errors import InputError
-    from geomscope.fileio import ensure_replaceable, json_format_is, make_dirs, starts_with, write_text_atomic
-    from geomscope.plot.figures import is_figure, save_figure
+    from geomscope.fileio import (
+        HEAD_BYTES,
+        ensure_replaceable,
+        json_format_is,
+        make_dirs,
+        starts_with,
+        write_text_atomic,
+    )
+    from geomscope.plot.figures import FIGURE_HINT, is_figure, save_figure
     from geomscope.plot.study import study_figure
     from geomscope.study.compare import compare, to_csv
 
@@ -51,9 +58,9 @@ def compare_cmd(
         raise InputError("several DIRs were given: name where the comparison goes with --out DIR")
     dest = out if out is not None else dirs[0]
     # a user's file at any of these names is refused before anything is written, never replaced
-    ensure_replaceable(dest / "compare.json", json_format_is("geomscope-compare"))
-    ensure_replaceable(dest / "compare.csv", starts_with(b"reg,lambda,n"))
-    ensure_replaceable(dest / "compare.png", is_figure)
+    ensure_replaceable(dest / "compare.json", json_format_is("geomscope-compare"), head=HEAD_BYTES)
+    ensure_replaceable(dest / "compare.csv", starts_with(b"reg,lambda,n"), head=HEAD_BYTES)
+    ensure_replaceable(dest / "compare.png", is_figure, hint=FIGURE_HINT)
     make_dirs(dest)
     write_text_atomic(dest / "compare.json", json.dumps(result, indent=1) + "\n")
     write_text_atomic(dest / "compare.csv", to_csv(result))

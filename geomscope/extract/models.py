@@ -353,9 +353,10 @@ def pickled_weights_error(name: str) -> InputError:
     """A checkpoint whose weights file needs pickle for more than tensors (torch.load with
     ``weights_only=True`` refuses it): said as such, never loaded the unsafe way."""
     return InputError(
-        f"model {name}: its weights file (pytorch_model.bin) holds pickled objects besides tensors, and "
-        "geomscope never unpickles; save the model as safetensors (save_pretrained(dir, "
-        "safe_serialization=True)) where you trust it, and give that directory"
+        f"model {name}: its weights file (pytorch_model.bin) cannot be read without unpickling (it holds "
+        "objects besides tensors, or is damaged), and geomscope never unpickles; save the model as "
+        "safetensors (save_pretrained(dir, safe_serialization=True)) where you trust it, and give that "
+        "directory"
     )
 
 

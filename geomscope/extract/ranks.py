@@ -58,13 +58,18 @@ def _share_json(d, obj):
 
 def check_options(opts, inputs) -> None:
     """What a run of several processes cannot do, refused before anything starts."""
+    from geomscope.extract.sources import is_stream
+
     if opts.max_tokens is not None:
         raise InputError(
             "--max-tokens cuts the run where the running total of rows reaches it, which depends on "
             "every earlier shard; use --max-docs with several processes, or run one process"
         )
-    if any(str(i) == "-" for i in inputs):
-        raise InputError("several processes cannot share stdin; give the input as a file")
+    streams = [i for i in inputs if is_stream(i)]
+    if streams:
+        raise InputError(
+            f"several processes cannot share {streams[0]} (stdin or a pipe); give the input as a file"
+        )
 
 
 def extract_ranks(model, inputs, out: Path, opts, *, progress: bool, log, stdin) -> dict:

@@ -192,10 +192,15 @@ def extract_revisions(
     Raises the first failure's kind of error (one line naming every failed revision) after trying
     them all, with ``.summary`` set."""
     from geomscope.extract.run import extract
+    from geomscope.extract.sources import is_stream
 
     say = log or (lambda msg: None)
-    if len(revisions) > 1 and any(str(i) == "-" for i in ([inputs] if isinstance(inputs, str) else inputs)):
-        raise InputError("stdin (-) can be read once; save the text to a file to extract several revisions")
+    streams = [i for i in ([inputs] if isinstance(inputs, str) else inputs) if is_stream(i)]
+    if len(revisions) > 1 and streams:
+        raise InputError(
+            f"{streams[0]} can be read once (stdin or a pipe); save the text to a file to extract "
+            "several revisions"
+        )
     out = Path(out)
     make_dirs(out)
     runs, failures = [], []

@@ -97,6 +97,15 @@ def open_inputs(args: list[str], *, stdin=None) -> list[InputFile]:
     return out
 
 
+def is_stream(arg) -> bool:
+    """Whether an input can be read only once: ``-`` (stdin), a pipe, a device (not a file or a
+    directory, which a second reader -- another revision, another process -- reads again)."""
+    if str(arg) == "-":
+        return True
+    p = Path(str(arg)).expanduser()
+    return p.exists() and not p.is_file() and not p.is_dir()
+
+
 def _open_input(a: str) -> InputFile:
     p = Path(a).expanduser()
     if p.is_symlink() and not p.exists():

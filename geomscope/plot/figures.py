@@ -116,6 +116,10 @@ FIGURE_CREATOR = "geomscope plot, with Matplotlib"  # no parentheses: PDF string
 _CREATOR_KEY = {"png": "Software", "svg": "Creator", "pdf": "Creator"}
 
 
+#: figures written before they recorded their creator cannot be told from a user's: said in the refusal
+FIGURE_HINT = " (or a figure of a geomscope from before 2026-11-27, which did not mark its figures)"
+
+
 def is_figure(data: bytes) -> bool:
     """Whether a file's bytes are a figure geomscope wrote (its recorded creator)."""
     return FIGURE_CREATOR.encode() in data
@@ -131,7 +135,7 @@ def save_figure(fig: Figure, path: str | os.PathLike, *, dpi: int = 150) -> Path
         raise InputError(f"unsupported extension '{path.suffix}' for {path}; use .png, .svg or .pdf")
     buf = io.BytesIO()
     try:
-        ensure_replaceable(path, is_figure)
+        ensure_replaceable(path, is_figure, hint=FIGURE_HINT)
         fig.savefig(buf, format=fmt, dpi=dpi, metadata={_CREATOR_KEY[fmt]: FIGURE_CREATOR})
         write_bytes_atomic(path, buf.getvalue())
     except OSError as e:
@@ -230,7 +234,7 @@ def plot_files(
     targets = {kind: out_path / f"{kind}.{fmt}" if to_dir else out_path for kind in figs}
     try:
         for target in targets.values():  # every one before the first is written
-            ensure_replaceable(target, is_figure)
+            ensure_replaceable(target, is_figure, hint=FIGURE_HINT)
     except InputError:
         for fig in figs.values():
             close_figure(fig)

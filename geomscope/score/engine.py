@@ -255,7 +255,7 @@ class _Scorer:
         per_layer = self.G * self.src.dim**2 * 8 * (in_flight + 2) if o.moment_metrics else 0
         budget = int(o.memory_mb * 1024 * 1024)
         size = len(self.src.layers) if per_layer == 0 else max(1, budget // per_layer)
-        _check_fits_in_memory(per_layer, self.src.dim, self.G)
+        _check_fits_in_memory(self.src.dim, self.G)  # (every moment pass holds G accumulators)
         if per_layer > budget:
             self.log(
                 f"one layer's jackknife accumulators need ~{per_layer / 2**20:.0f} MiB "
@@ -489,22 +489,23 @@ def _physical_memory() -> int | None:
         return None
 
 
-def _check_fits_in_memory(per_layer: int, dim: int, groups: int) -> None:
-    """A layer's D x D accumulators are the least a pass over rows holds (every pass keeps one, the
-    moment metrics one per jackknife group): more than the machine's memory is one line before
-    anything is allocated, not a MemoryError after minutes."""
+def _check_fits_in_memory(dim: int, groups: int) -> None:
+    """A layer's D x D accumulators (one per jackknife group) and one block's D x D product are the
+    least a pass holds, however the layers are batched and whatever is in flight: more than the
+    machine's memory is one line before anything is allocated, not a MemoryError after minutes."""
     total = _physical_memory()
-    least = dim * dim * 8 * 2  # one accumulator and one block's product
-    if total is None or max(per_layer, least) <= total:
+    if total is None:
         return
-    if least > total:
+    matrix = dim * dim * 8
+    if 2 * matrix > total:
         raise InputError(
             f"D = {dim} is too wide to score on this machine: one layer's D x D covariance needs "
-            f"~{least / 2**30:.1f} GiB of its {total / 2**30:.1f} GiB; score the rows projected onto "
+            f"~{2 * matrix / 2**30:.1f} GiB of its {total / 2**30:.1f} GiB; score the rows projected onto "
             "fewer dimensions"
         )
-    raise InputError(
-        f"D = {dim}: one layer's covariance accumulators ({groups} jackknife groups of D x D float64, with "
-        f"those in flight) need ~{per_layer / 2**30:.1f} GiB, more than this machine's "
-        f"{total / 2**30:.1f} GiB; lower --jackknife-groups and --workers"
-    )
+    if (groups + 1) * matrix > total:
+        raise InputError(
+            f"D = {dim}: one layer's {groups} jackknife accumulators (D x D float64 each) need "
+            f"~{(groups + 1) * matrix / 2**30:.1f} GiB, more than this machine's {total / 2**30:.1f} GiB; "
+            "lower --jackknife-groups"
+        )

@@ -331,9 +331,9 @@ def _pt_load(path: Path) -> dict:
                 obj = torch.load(str(path), map_location="cpu", weights_only=True)  # legacy format
     except pickle.UnpicklingError:
         raise InputError(
-            f"{path} holds pickled objects besides tensors, and geomscope never unpickles (it reads .pt "
-            "files with weights_only=True); save tensors (torch.save of a tensor or a dict of tensors), "
-            "or use .safetensors"
+            f"{path} cannot be read without unpickling (it holds objects besides tensors, or is damaged), "
+            "and geomscope never unpickles (it reads .pt files with weights_only=True); save tensors "
+            "(torch.save of a tensor or a dict of tensors), or use .safetensors"
         ) from None
     except (RuntimeError, OSError, EOFError, ValueError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]

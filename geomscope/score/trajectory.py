@@ -142,9 +142,9 @@ TRAJECTORY_HEADER = b"model,revision,step,layer,index,n_rows"
 def check_trajectory_out(path) -> Path:
     """``path`` if a trajectory may be written there: nothing, or an earlier trajectory.csv (replaced);
     InputError (one line) for a user's file of that name."""
-    from geomscope.fileio import ensure_replaceable, starts_with
+    from geomscope.fileio import HEAD_BYTES, ensure_replaceable, starts_with
 
-    ensure_replaceable(path, starts_with(TRAJECTORY_HEADER))
+    ensure_replaceable(path, starts_with(TRAJECTORY_HEADER), head=HEAD_BYTES)
     return Path(path)
 
 

@@ -58,19 +58,43 @@ def _claim(out: Path, points: list[GridPoint]) -> None:
     )
 
 
+def _check_shared_inputs(base) -> None:
+    """The data files and the model config every grid point reads, as finetune reads them
+    (InputError, one line, for what none of the points could use)."""
+    from geomscope.train.model import check_model_source
+
+    if base.task == "qa":
+        from geomscope.train.qa import load_qa
+
+        load_qa(base.train)
+        load_qa(base.eval)
+    else:
+        from geomscope.train.data import build_label_map, check_eval_labels, load_table
+
+        train = load_table(base.train, base.text_field, base.label_field, base.text_field_2)
+        check_eval_labels(
+            load_table(base.eval, base.text_field, base.label_field, base.text_field_2),
+            build_label_map(train),
+        )
+    check_model_source(base.model)
+
+
 def run_sweep(base, points: list[GridPoint], *, quiet: bool = False, note=None) -> list[dict]:
     """Run every grid point of ``base`` (a FinetuneConfig whose ``out`` is the sweep directory).
 
     Returns one record per point: ``{name, dir, reg, lambda, seed, status, error}`` with status
-    ``done`` | ``skipped`` (finished earlier) | ``failed`` (one-line reason in ``error``). A point that
-    fails on its data (a DataError: a diverging lambda, say) is recorded and the sweep goes on; one
-    that fails on the inputs every point shares (an InputError: the data files, the model) stops the
-    sweep with that error, as the next points would fail the same way after loading the model again.
+    ``done`` | ``skipped`` (finished earlier) | ``failed`` (one-line reason in ``error``): a point
+    that fails (a lambda that diverges, a damaged checkpoint of its own) is recorded and the sweep
+    goes on. The inputs every point shares (the data files, the model's config) are checked once
+    first: an InputError there stops the sweep before any point, as every point would fail the same
+    way after loading the model again.
     """
     from geomscope.progress import Progress
     from geomscope.train import finetune
 
     out = Path(base.out)
+    if any(not (out / p.name / "summary.json").is_file() or base.overwrite for p in points):
+        _check_shared_inputs(base)
     _claim(out, points)
     say = note or (lambda msg: None)
     results = []
@@ -106,8 +130,6 @@ def run_sweep(base, points: list[GridPoint], *, quiet: bool = False, note=None) 
                 )
                 try:
                     finetune(cfg, quiet=True, note=lambda msg: None)
-                except InputError:
-                    raise
                 except GeomscopeError as e:
                     rec["status"], rec["error"] = "failed", str(e).splitlines()[0]
                     bar.print(f"failed: {p.name}: {rec['error']}")

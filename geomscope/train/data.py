@@ -106,7 +106,7 @@ def _read_saved_dataset(path: Path) -> tuple[list[str], list[dict]]:
             names = ", ".join(map(str, splits))
         except (OSError, ValueError, RecursionError, AttributeError, TypeError):
             names = "unreadable"
-        raise InputError(f"{path} is a DatasetDict (splits: {names}); pass {path}/<split>")
+        raise InputError(f"{path} is a DatasetDict with splits {names}; pass {path}/<split>")
     if not (path / "dataset_info.json").exists() and not (path / "state.json").exists():
         raise InputError(f"{path} is a directory but not a datasets save_to_disk directory")
     try:

@@ -51,6 +51,12 @@ def _checked_config(source: str | Path):
         raise InputError(f"cannot load model {src!r}: {first}; give a checkpoint directory") from None
 
 
+def check_model_source(source: str | Path) -> None:
+    """What loading ``source`` checks before any weights are read (its directory, its config), with
+    the same one-line errors; a grid checks it once for all its points."""
+    _checked_config(source)
+
+
 def _tokenizer(src: str):
     from transformers import AutoTokenizer
 
