@@ -61,7 +61,7 @@ def make_dirs(path: str | os.PathLike, *, option: str = "--out") -> Path:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise InputError(
-            f"cannot create the folder {p} ({e.strerror or e}); choose another {option}"
+            f"cannot create the output folder {p} ({e.strerror or e}); choose another {option}"
         ) from None
     return p
 

@@ -524,21 +524,6 @@ def test_a_cut_gzip_csv_is_one_line(cli, bert, tmp_path):
     assert "interrupted" not in line
 
 
-def test_an_input_cut_short_anywhere_is_not_said_as_ctrl_c(cli, tmp_path, monkeypatch):
-    """Whatever reader lets an EOFError through, click would call it an abort: main says what it is."""
-    import geomscope.score
-
-    def cut_short(*a, **k):
-        raise EOFError("Compressed file ended before the end-of-stream marker was reached")
-
-    monkeypatch.setattr(geomscope.score, "score", cut_short)
-    ok = tmp_path / "ok.npy"
-    np.save(ok, np.zeros((5, 3)))
-    code, out, err = cli(["score", ok, "--quiet"])
-    line = assert_one_line_error(code, out, err, "ended before its end", "end-of-stream", exit_code=2)
-    assert "interrupted" not in line
-
-
 def test_score_refuses_a_fifo_at_once(tmp_path):
     fifo = tmp_path / "rows.npy"
     os.mkfifo(fifo)
@@ -643,17 +628,35 @@ def test_rows_too_wide_for_this_machine_are_one_line_before_any_allocation(cli, 
     assert code == 0, err
 
 
-def test_running_out_of_memory_anyway_is_one_line(cli, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "raised, needles, exit_code",
+    [
+        (
+            EOFError("Compressed file ended before the end-of-stream marker was reached"),
+            ("ended before its end", "end-of-stream"),
+            2,
+        ),
+        (
+            MemoryError("Unable to allocate 74.5 GiB for an array with shape (100000, 100000)"),
+            ("out of memory", "74.5 GiB"),
+            1,
+        ),
+    ],
+)
+def test_what_no_check_foresaw_is_still_one_line(cli, tmp_path, monkeypatch, raised, needles, exit_code):
+    """Whatever reader lets an EOFError through (click would call it Ctrl-D: "interrupted"), and a
+    MemoryError no check foresaw: main says what each is, in one line."""
     import geomscope.score
 
-    def too_much(*a, **k):
-        raise MemoryError("Unable to allocate 74.5 GiB for an array with shape (100000, 100000)")
+    def fail(*a, **k):
+        raise raised
 
-    monkeypatch.setattr(geomscope.score, "score", too_much)
+    monkeypatch.setattr(geomscope.score, "score", fail)
     ok = tmp_path / "ok.npy"
     np.save(ok, np.zeros((5, 3)))
     code, out, err = cli(["score", ok, "--quiet"])
-    assert_one_line_error(code, out, err, "out of memory", "74.5 GiB", exit_code=1)
+    line = assert_one_line_error(code, out, err, *needles, exit_code=exit_code)
+    assert "interrupted" not in line
 
 
 def test_resume_with_a_damaged_log_or_planted_links(cli, tmp_path):

@@ -20,7 +20,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from geomscope.errors import InputError
-from geomscope.fileio import ensure_replaceable, write_bytes_atomic
+from geomscope.fileio import ensure_replaceable, make_dirs, write_bytes_atomic
 from geomscope.plot._reports import check_common_layers, read_report, select_layers
 from geomscope.plot.energy import has_energy, plot_energy
 from geomscope.plot.layers import plot_layers
@@ -224,13 +224,7 @@ def plot_files(
             normalise=normalise,
             top_k=top_k,
         )
-    folder = out_path if to_dir else out_path.parent
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise InputError(
-            f"cannot create the output folder {folder} ({e.strerror or e}); choose another --out"
-        ) from None
+    make_dirs(out_path if to_dir else out_path.parent)
     targets = {kind: out_path / f"{kind}.{fmt}" if to_dir else out_path for kind in figs}
     try:
         for target in targets.values():  # every one before the first is written
