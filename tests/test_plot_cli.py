@@ -229,3 +229,28 @@ def test_a_damaged_training_log_is_one_line(cli, tmp_path, damage, needle):
     code, out, err = cli(["plot", run, "--out", tmp_path / "train.png", *FAST])
     assert_one_line_error(code, out, err, needle, exit_code=2)
     assert not (tmp_path / "train.png").exists()
+
+
+def test_every_figure_is_closed_when_a_write_fails_midway(tmp_path, monkeypatch):
+    """plot_files draws all kinds first: a write that fails (a full disk) leaves none of the rest open."""
+    from test_plot_factory import make_report, write_report
+
+    import geomscope.plot.figures as figures
+    from geomscope.errors import InputError
+
+    rep = write_report(tmp_path / "r.json", make_report(n_layers=4, hidden=24))
+    closed, writes = [], []
+    real_close = figures.close_figure
+    monkeypatch.setattr(figures, "close_figure", lambda fig: (closed.append(id(fig)), real_close(fig)))
+
+    def full_disk(path, data):
+        writes.append(path)
+        if len(writes) == 2:
+            raise OSError(28, "No space left on device")
+        path.write_bytes(data)
+
+    monkeypatch.setattr(figures, "write_bytes_atomic", full_disk)
+    with pytest.raises(InputError, match="No space left"):
+        figures.plot_files([rep], f"{tmp_path}/figs/")
+    drawn = len(figures.make_figures([figures.read_report(rep)], ["auto"]))
+    assert drawn >= 3 and len(set(closed)) >= drawn  # each figure of the failed call closed once

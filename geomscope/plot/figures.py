@@ -226,16 +226,16 @@ def plot_files(
         )
     make_dirs(out_path if to_dir else out_path.parent)
     targets = {kind: out_path / f"{kind}.{fmt}" if to_dir else out_path for kind in figs}
+    written = []
     try:
         for target in targets.values():  # every one before the first is written
             ensure_replaceable(target, is_figure, hint=FIGURE_HINT)
-    except InputError:
+        for kind in list(figs):
+            written.append({"kind": kind, "path": str(save_figure(figs.pop(kind), targets[kind], dpi=dpi))})
+    finally:  # a refusal or a failed write: the figures not written are closed too
         for fig in figs.values():
             close_figure(fig)
-        raise
-    return [
-        {"kind": kind, "path": str(save_figure(fig, targets[kind], dpi=dpi))} for kind, fig in figs.items()
-    ]
+    return written
 
 
 def _training_figures(inputs, logs, kinds) -> dict[str, Figure]:

@@ -147,7 +147,12 @@ def check_shard_file(task: Task, *, checksum: bool):
             result["error"] = e
 
     th = threading.Thread(target=run, daemon=True)
-    th.start()
+    try:
+        th.start()
+    except BaseException:  # (no thread: the file it would have closed is closed here)
+        if opened is not None:
+            opened.close()
+        raise
 
     def finish() -> None:
         th.join()
