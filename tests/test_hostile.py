@@ -887,3 +887,18 @@ def test_a_pipe_read_by_several_readers_is_refused_before_anyone_reads(tmp_path)
         extract_revisions("model", [str(plain), str(fifo)], tmp_path / "out", ["a", "b"], None)
     with pytest.raises(InputError, match="cannot share .*docs.txt"):
         check_options(SimpleNamespace(max_tokens=None), [str(fifo)])
+
+
+def test_embedding_weights_that_need_pickle_are_refused_not_loaded(tmp_path):
+    """score --metrics partition reads a run's embedding matrices from its checkpoint: a
+    pytorch_model.bin holding more than tensors is one line, and nothing in it runs."""
+    from geomscope.extract.embeddings import _Weights
+
+    marker = tmp_path / "PWNED"
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    with open(ckpt / "pytorch_model.bin", "wb") as fh:
+        pickle.dump({"weight": _Planted(marker)}, fh)
+    with pytest.raises(InputError, match="never unpickles"):
+        _Weights(ckpt)
+    assert not marker.exists()

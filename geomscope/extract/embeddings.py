@@ -9,6 +9,7 @@ or a cached Hugging Face snapshot of the recorded name and revision (offline).
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,9 +99,18 @@ class _Weights:
         elif (ckpt / "pytorch_model.bin").exists():
             import torch
 
-            self._bin = torch.load(
-                ckpt / "pytorch_model.bin", map_location="cpu", mmap=True, weights_only=True
-            )
+            path = ckpt / "pytorch_model.bin"
+            try:
+                try:
+                    self._bin = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+                except RuntimeError as e:  # the legacy (not zip) format cannot be memory-mapped
+                    if "mmap" not in str(e):
+                        raise
+                    self._bin = torch.load(path, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError:  # objects besides tensors: refused, never unpickled
+                from geomscope.extract.models import pickled_weights_error
+
+                raise pickled_weights_error(str(ckpt)) from None
             self.files = {k: ckpt / "pytorch_model.bin" for k in self._bin}
         else:
             raise DataError(f"{ckpt} holds no model.safetensors or pytorch_model.bin")

@@ -116,8 +116,9 @@ def check_shard_file(task: Task, *, checksum: bool):
     if not remote.exists(p):
         raise DataError(f"shard {p} is missing; rerun the same `geomscope extract` command to redo it")
     opened = _open_as_planned(p, task)  # None for a URL
+    st = None if opened is None else os.fstat(opened.fileno())
     try:
-        size = remote.size(p) if opened is None else os.fstat(opened.fileno()).st_size
+        size = remote.size(p) if st is None else st.st_size
         if task.nbytes >= 0 and size != task.nbytes:
             raise DataError(
                 f"shard {p} is corrupt or truncated ({size} bytes on disk, "
@@ -129,10 +130,10 @@ def check_shard_file(task: Task, *, checksum: bool):
         if opened is not None:
             opened.close()
         raise
-    if opened is not None:
+    if st is not None:
         from geomscope.store.reader import file_identity
 
-        task = replace(task, identity=file_identity(os.fstat(opened.fileno())))
+        task = replace(task, identity=file_identity(st))
     if not checksum:
         if opened is not None:
             opened.close()
