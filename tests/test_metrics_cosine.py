@@ -147,3 +147,45 @@ def test_bad_input():
         avgcos(_cone(10, 3, 8), "whitened")
     with pytest.raises(DataError):
         avgcos_from_sum(np.zeros(3), 1)
+
+
+@pytest.mark.parametrize("value", [0.1, 1 / 3, 7.0, 1e4 + 0.1, -2.7e-3])
+def test_a_constant_dimension_adds_nothing_to_the_centred_and_standardised_cosine(value):
+    """A constant column is 0 after centring. Its mean is its value only to rounding (0.1 is not a
+    float64 sum of 0.1s / N exactly), and the residue, divided by a standard deviation of the same
+    rounding (1e-17), came out near +-1 in every row: 0.317 where the truth is -0.0009. The
+    cosine with the column must equal the cosine without it."""
+    x = _cone(1000, 4, 0)
+    with_const = np.column_stack([x, np.full(1000, value)])
+    for variant in ("centred", "standardised"):
+        want = avgcos_pairs(x, variant)
+        assert avgcos(with_const, variant) == pytest.approx(want, rel=1e-9, abs=1e-12)
+        assert avgcos_pairs(with_const, variant) == pytest.approx(want, rel=1e-9, abs=1e-12)
+        assert avgcos(with_const, variant) == pytest.approx(_brute(x, variant), rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("value", [0.1, 7.0])
+def test_identical_rows_have_no_centred_cosine(value):
+    """Identical rows centre to 0 (no direction, so no cosine); the rounding residue of a mean of
+    0.1s made every centred row the same tiny vector, cosine 1.0, while 7.0 (exact) was refused."""
+    x = np.full((3000, 4), value)
+    for variant in ("centred", "standardised"):
+        with pytest.raises(DataError, match="0 row"):
+            avgcos(x, variant)
+    assert avgcos(x, "plain") == pytest.approx(1.0)
+
+
+def test_unit_sum_drops_a_dimension_of_infinite_or_zero_scale():
+    """scale inf (cosine_shift_scale's constant dimension) or 0: the dimension adds exactly 0."""
+    x = _cone(200, 5, 3)
+    shift = x.mean(0)
+    scale = x.std(0, ddof=1)
+    for marker in (np.inf, 0.0):
+        s = scale.copy()
+        s[2] = marker
+        u = UnitSum(shift, s).update(x)
+        v = UnitSum(np.delete(shift, 2), np.delete(scale, 2)).update(np.delete(x, 2, axis=1))
+        assert u.sum_unit[2] == 0.0 and u.sum_unit_sq[2] == 0.0
+        np.testing.assert_allclose(np.delete(u.sum_unit, 2), v.sum_unit, rtol=1e-12)
+    with pytest.raises(InputError, match="non-negative"):
+        UnitSum(shift, np.r_[scale[:4], np.nan])

@@ -257,3 +257,73 @@ def test_bad_input_torch():
     with pytest.raises(InputError):
         isoscore_torch(np.ones((3, 3)))
     assert not torch.isfinite(isoscore_torch(torch.ones(10, 4), check=False))
+
+
+@pytest.mark.parametrize("scale", [1e-150, 1e-80, 1e-30, 1e40, 1e100, 1e150])
+def test_participation_ratio_does_not_depend_on_the_scale(scale):
+    """PR = tr(C)^2 / ||C||_F^2 is scale-free, but ||C||_F^2 squares C: at 1e-80 it fell among
+    float64's subnormals (IsoScore* 4.5e-5 off, silently), beyond 1e+-78 it under- or overflowed
+    (refused, or NaN from the spectrum). A power-of-two rescale keeps every digit."""
+    from geomscope.metrics import participation_ratio, spectrum
+
+    x = _cloud(500, 8, 0)
+    c = np.cov(x.T)
+    cs = np.cov((x * scale).T)
+    assert isoscore(x * scale) == pytest.approx(isoscore(x), rel=1e-12)
+    assert isoscore_from_cov(cs) == pytest.approx(isoscore_from_cov(c), rel=1e-12)
+    assert isoscore_star(x * scale, 0.2) == pytest.approx(isoscore_star(x, 0.2), rel=1e-12)
+    assert isoscore(x[:5] * scale) == pytest.approx(isoscore(x[:5]), rel=1e-12)  # N < D: the Gram path
+    assert participation_ratio(cs) == pytest.approx(participation_ratio(c), rel=1e-12)
+    assert spectrum(cs)["pr"] == pytest.approx(spectrum(c)["pr"], rel=1e-12)
+
+
+def test_participation_terms_are_the_plain_ones_in_the_normal_range():
+    """No rescale between 2^-400 and 2^400: the same bits as tr(C) and vdot(C, C)."""
+    from geomscope.metrics._validate import participation_terms
+
+    c = np.cov(_cloud(200, 6, 1).T) * 3.7
+    assert participation_terms(c) == (float(np.trace(c)), float(np.vdot(c, c)))
+
+
+@pytest.mark.parametrize(
+    ("matrix", "match"),
+    [
+        ([[1.0, 5.0], [0.0, 1.0]], "not symmetric"),
+        (np.diag([1.0, -0.5, 1.0]), "negative variance"),
+        ([[1.0, 2.0], [2.0, 1.0]], "participation ratio"),  # eigenvalues 3 and -1
+        ([["a", "b"], ["c", "d"]], "numeric"),
+    ],
+)
+def test_a_matrix_that_is_no_covariance_is_refused(matrix, match):
+    """The library took them and gave plausible numbers (0.0, or a PR below 1 for the spectrum)."""
+    with pytest.raises(DataError, match=match):
+        isoscore_from_cov(matrix)
+    with pytest.raises(DataError, match=match if match != "participation ratio" else "not a covariance"):
+        isoscore_star_from_cov(matrix, 0.2)
+
+
+def test_the_spectrum_refuses_negative_eigenvalues_beyond_rounding():
+    from geomscope.metrics import spectrum
+
+    with pytest.raises(DataError, match="eigenvalues run from -1 to 3"):
+        spectrum(np.diag([3.0, 1.0, 1.0]) - np.array([[0, 0, 0], [0, 0, 2.0], [0, 2.0, 0]]))
+    # rounding-sized negatives of a rank-deficient covariance are clipped and noted, as before
+    x = _cloud(4, 8, 2)
+    sp = spectrum(np.cov(x.T))
+    assert sp["n_clipped"] >= 0 and sp["pr"] >= 1.0
+
+
+def test_a_shrinkage_target_that_is_no_covariance_is_refused():
+    x = _cloud(100, 6, 1)
+    for c0, match in ((-np.eye(6), "negative variance"), (np.triu(np.ones((6, 6))), "not symmetric")):
+        with pytest.raises(DataError, match=match):
+            isoscore_star(x, 0.2, c0)
+
+
+def test_the_zero_variance_message_says_what_to_do_when_rows_differ():
+    """std / |mean| = 1e-13 is within the rounding margin the check allows; the message said 'below
+    float64 resolution' of rows 670 ulps apart. It says the margin, and to subtract the mean."""
+    x = 1e8 + 1e-5 * np.random.default_rng(0).standard_normal((2000, 8))
+    with pytest.raises(DataError, match="subtract the mean row first"):
+        isoscore(x)
+    assert isoscore(x - x.mean(0)) == pytest.approx(isoscore_published(x - x.mean(0)), abs=1e-9)

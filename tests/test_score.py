@@ -222,7 +222,7 @@ def test_multi_unit_sum_equals_one_unitsum_per_replicate(standardise):
 
     rng = np.random.default_rng(0)
     X = rng.normal(size=(500, 6)) * [1, 2, 0.5, 3, 1, 1] + 5.0
-    X[:, 4] = 7.0  # a constant dimension (scale 0 -> divided by 1)
+    X[:, 4] = 7.0  # a constant dimension (scale 0: it adds exactly 0, as inf does)
     g = rng.integers(0, 4, 500)
     R = 5
     shifts = X.mean(0) + rng.normal(scale=0.05, size=(R, 6))
@@ -815,3 +815,30 @@ def test_samples_do_not_depend_on_sharding(tmp_path):
         for k in ("isoscore", "avgcos", "twonn"):
             assert eb[k] == pytest.approx(ea[k], rel=1e-5), k
             assert eb["se"][k] == pytest.approx(ea["se"][k], rel=1e-4), k
+
+
+def test_a_constant_dimension_adds_nothing_to_the_scored_cosines(tmp_path):
+    """The scorer's centred and standardised cosines (and their jackknife replicates) treat a
+    constant dimension as 0: with a column of 0.1s the standardised cosine read 0.2037 where the
+    truth, the same rows without it, is -0.0003."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(3000, 5)) * [1, 2, 0.5, 3, 1] + 2.0
+    np.save(tmp_path / "with.npy", np.column_stack([x, np.full(3000, 0.1)]))
+    np.save(tmp_path / "without.npy", x)
+    opts = ScoreOptions(metrics=("avgcos",), block_rows=700)
+    (a,) = score(tmp_path / "with.npy", opts)["layers"]
+    (b,) = score(tmp_path / "without.npy", opts)["layers"]
+    for key in ("avgcos_centred", "avgcos_standardised"):
+        _close(a[key], ref_avgcos(x, key.split("_")[1]), 1e-9)
+        _close(a[key], b[key], 1e-9)
+        _close(a["se"][key], b["se"][key], 1e-6)
+
+
+def test_identical_rows_have_no_scored_centred_cosine(tmp_path):
+    """Rows all equal to 0.1s: every covariance metric is null, and so are the centred cosines
+    (they read 1.0 with an SE of 0, the rounding residue of the mean)."""
+    np.save(tmp_path / "same.npy", np.full((3000, 6), 0.1))
+    (e,) = score(tmp_path / "same.npy", ScoreOptions(metrics=("isoscore", "avgcos")))["layers"]
+    assert e["isoscore"] is None and e["avgcos_centred"] is None and e["avgcos_standardised"] is None
+    assert "0 row(s) with non-zero norm" in e["notes"]["avgcos_centred"]
+    assert e["avgcos"] == pytest.approx(1.0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from geomscope.errors import DataError
@@ -88,10 +90,88 @@ def as_square(c, name: str = "C") -> np.ndarray:
         raise DataError(f"{name} must be a square (D, D) matrix; got shape {a.shape}")
     if a.shape[0] < 2:
         raise DataError(f"{name} is {a.shape[0]}x{a.shape[0]}; at least 2 dimensions are needed")
+    if a.dtype.kind not in "fiub":
+        raise DataError(f"{name} must be numeric; got dtype {a.dtype}")
     a = np.asarray(a, dtype=np.float64)
     if not np.isfinite(a).all():
         raise DataError(f"{name} contains NaN or Inf; check the data it was computed from")
     return a
+
+
+# A covariance computed in float32 (torch.cov of float32 rows) is symmetric, and its eigenvalues
+# non-negative, only to float32 rounding: about 1e-7 of its largest entry or eigenvalue, and well
+# under 1e-6 over thousands of dimensions. Anything beyond COVARIANCE_ROUNDING of the largest is no
+# rounding: the matrix is not a covariance.
+COVARIANCE_ROUNDING = 1e-6
+# eigenvalues are compared with the largest one: below -PSD_ROUNDING of it is no rounding either
+# (looser than the entries' bound: an eigenvalue collects the rounding of a whole row)
+PSD_ROUNDING = 1e-4
+
+
+def as_covariance(c, name: str = "C") -> np.ndarray:
+    """``c`` as a float64 (D, D) covariance, checked as far as O(D^2) work allows: square, finite,
+    symmetric and with a non-negative diagonal to rounding (COVARIANCE_ROUNDING of its largest
+    entry), else DataError. Positive semi-definiteness needs the eigenvalues: :func:`check_psd`
+    where they are computed; a matrix whose participation ratio falls below 1 is refused by the
+    IsoScore functions, which cannot happen for a covariance."""
+    a = as_square(c, name)
+    top = float(np.abs(a).max())
+    tol = COVARIANCE_ROUNDING * top
+    if float(np.abs(a - a.T).max()) > tol:
+        raise DataError(f"{name} is not symmetric, so it is not a covariance; check how it was computed")
+    low = float(np.diagonal(a).min())
+    if low < -tol:
+        raise DataError(
+            f"{name} has a negative variance on its diagonal ({low:.3g}), so it is not a covariance; "
+            "check how it was computed"
+        )
+    return a
+
+
+def check_psd(eigenvalues: np.ndarray, name: str = "C") -> None:
+    """DataError unless ``eigenvalues`` (of a symmetric matrix) are those of a covariance: none below
+    -PSD_ROUNDING of the largest (smaller negatives are rounding) and not all 0."""
+    lam = np.asarray(eigenvalues, dtype=np.float64)
+    top, low = float(lam.max()), float(lam.min())
+    if not top > 0 or low < -PSD_ROUNDING * top:
+        raise DataError(
+            f"{name} is not a covariance: its eigenvalues run from {low:.3g} to {top:.3g}, and a "
+            "covariance's are >= 0 and not all 0; check how it was computed"
+        )
+
+
+def participation_terms(c: np.ndarray) -> tuple[float, float]:
+    """(t, f) with t^2 / f = tr(C)^2 / ||C||_F^2, the participation ratio of C (float64, square).
+
+    The ratio does not change with C's scale, but ||C||_F^2 squares it: entries beyond 2^+-400
+    would make it overflow, or fall among float64's subnormals and lose their digits (rows at
+    1e-80 did). There C is first scaled by a power of two, which is exact, so t and f are then the
+    trace and squared norm of that scaled copy; elsewhere they are C's own, to the bit."""
+    top = float(np.abs(c).max()) if c.size else 0.0
+    exponent = math.frexp(top)[1]
+    if abs(exponent) > 400:
+        c = np.ldexp(c, -exponent)
+    return float(np.trace(c)), float(np.vdot(c, c))
+
+
+def cosine_shift_scale(mean, variance, variant: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """(shift, scale) of the rows of a centred or standardised cosine, (x - shift) / scale.
+
+    shift is the mean; scale is None (centred) or the standard deviation (standardised). A
+    dimension whose standard deviation is within _ZERO_VAR_REL of its mean's size (0 included) is
+    constant: what is left of it after the shift is rounding of its mean (0.1 is the mean of 0.1s
+    only to rounding), which dividing by a standard deviation of the same rounding would blow up to
+    +-1 in every row, and which, where every dimension is constant (identical rows), would leave
+    every row the same residue (cosine 1). Its scale is inf: it adds exactly 0, the value it has
+    after centring (the centred variant then gets a scale of ones and infs)."""
+    mean = np.asarray(mean, dtype=np.float64).ravel().copy()
+    std = np.sqrt(np.maximum(np.asarray(variance, dtype=np.float64).ravel(), 0.0))
+    constant = std <= _ZERO_VAR_REL * np.abs(mean)
+    if variant == "centred":
+        if not constant.any():
+            return mean, None
+        std = np.ones_like(std)
+    return mean, np.where(constant, np.inf, std)
 
 
 def variance_is_zero(total_variance: float, mean: np.ndarray | None, dim: int) -> bool:
@@ -107,6 +187,7 @@ def variance_is_zero(total_variance: float, mean: np.ndarray | None, dim: int) -
 OVERFLOW_MESSAGE = "the covariance of {name} overflows float64; rescale the data"
 
 ZERO_VARIANCE_MESSAGE = (
-    "{name} has zero total variance (all rows identical, or below float64 resolution); "
+    "{name} has zero total variance (all rows identical, or a spread under 2e-13 of the mean's size, "
+    "which float64 cannot tell from rounding: subtract the mean row first if the rows differ); "
     "{what} is undefined for it -- check the layer or the row selection"
 )

@@ -7,8 +7,9 @@ ordered pairs of distinct rows is
 
 because ||sum x_hat||^2 = N + sum_{i != j} cos(x_i, x_j). Variants, always labelled:
 ``plain`` (raw rows), ``centred`` (subtract the mean row first), ``standardised`` (subtract the
-mean and divide each dimension by its standard deviation, ddof=1; Timkey & van Schijndel 2021;
-constant dimensions are divided by 1, they are 0 after centring).
+mean and divide each dimension by its standard deviation, ddof=1; Timkey & van Schijndel 2021).
+A constant dimension (its spread within float64's rounding of its mean) is 0 after centring in
+both: exactly 0, not the rounding residue the subtraction leaves (``_validate.cosine_shift_scale``).
 
 Zero-norm rows: the cosine with a zero vector is undefined, so rows whose (transformed) norm is
 exactly 0 are excluded and N counts the remaining rows; the number excluded is reported by the
@@ -20,7 +21,13 @@ from __future__ import annotations
 import numpy as np
 
 from geomscope.errors import DataError, InputError
-from geomscope.metrics._validate import NonfiniteRows, as_rows, count_nonfinite_rows, is_torch
+from geomscope.metrics._validate import (
+    NonfiniteRows,
+    as_rows,
+    cosine_shift_scale,
+    count_nonfinite_rows,
+    is_torch,
+)
 from geomscope.metrics.moments import UnitSum
 
 COSINE_VARIANTS = ("plain", "centred", "standardised")
@@ -49,9 +56,7 @@ def _shift_scale(a: np.ndarray, variant: str):
     if variant == "plain":
         return np.zeros(d), None
     mean = a.mean(axis=0, dtype=np.float64)
-    if variant == "centred":
-        return mean, None
-    return mean, np.std(a, axis=0, ddof=1, dtype=np.float64)
+    return cosine_shift_scale(mean, np.var(a, axis=0, ddof=1, dtype=np.float64), variant)
 
 
 def _points(X) -> np.ndarray:
@@ -83,7 +88,7 @@ def avgcos_pairs(X, variant: str = "plain") -> float:
     shift, scale = _shift_scale(a, variant)
     z = a - shift
     if scale is not None:
-        z = z / np.where(scale > 0, scale, 1.0)
+        z = z / scale  # inf: a constant dimension, 0
     norms = np.linalg.norm(z, axis=1)
     z = z[norms > 0] / norms[norms > 0, None]
     n = _check_n(z.shape[0])

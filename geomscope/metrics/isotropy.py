@@ -32,10 +32,11 @@ import numpy as np
 from geomscope.errors import DataError, InputError
 from geomscope.metrics._validate import (
     ZERO_VARIANCE_MESSAGE,
+    as_covariance,
     as_rows,
-    as_square,
     check_points,
     is_torch,
+    participation_terms,
     variance_is_zero,
 )
 from geomscope.metrics.moments import Moments
@@ -60,24 +61,31 @@ def _check_zeta(zeta) -> float:
     return z
 
 
-def _score(tr: float, fro2: float, d: int) -> float:
-    """(PR - 1)/(D - 1), clipped to [0, 1] against rounding (PR is in [1, D] for a PSD matrix)."""
+def _score(tr: float, fro2: float, d: int, name: str = "C") -> float:
+    """(PR - 1)/(D - 1), PR = tr^2 / fro2 (:func:`participation_terms`), clipped to [0, 1] against
+    rounding. PR is in [1, D] for a covariance (PSD); PR <= D holds for any symmetric matrix, but a
+    PR below 1 beyond rounding proves a negative eigenvalue: refused, not clipped to 0."""
     if not (np.isfinite(tr) and np.isfinite(fro2) and fro2 > 0):
         raise DataError("the covariance overflows float64 or is zero; rescale the data")
-    return min(1.0, max(0.0, (tr * tr / fro2 - 1.0) / (d - 1)))
+    pr = tr * tr / fro2
+    if pr < 1.0 - 1e-9:
+        raise DataError(
+            f"{name} is not a covariance: its participation ratio tr(C)^2 / ||C||_F^2 is {pr:.3g}, "
+            "and a covariance's is at least 1 (it has a negative eigenvalue); check how it was computed"
+        )
+    return min(1.0, max(0.0, (pr - 1.0) / (d - 1)))
 
 
 def isoscore_from_cov(C) -> float:
     """IsoScore of a covariance matrix C (D, D): (PR - 1)/(D - 1), PR = tr(C)^2 / ||C||_F^2."""
-    c = as_square(C)
-    tr = float(np.trace(c))
-    if not tr > 0:
+    c = as_covariance(C)
+    if not float(np.trace(c)) > 0:
         raise DataError(ZERO_VARIANCE_MESSAGE.format(name="the covariance", what="IsoScore"))
-    return _score(tr, float(np.vdot(c, c)), c.shape[0])
+    return _score(*participation_terms(c), c.shape[0])
 
 
 def _scatter(a: np.ndarray) -> tuple[float, float, Moments | None]:
-    """(tr, ||.||_F^2) of the centred scatter of rows ``a`` (validated), float64.
+    """The :func:`participation_terms` of the centred scatter of rows ``a`` (validated), float64.
 
     N < D uses the N x N Gram matrix of the centred rows (same trace and Frobenius norm)."""
     n, d = a.shape
@@ -89,15 +97,12 @@ def _scatter(a: np.ndarray) -> tuple[float, float, Moments | None]:
         # numpy runs xc @ xc.T as a BLAS syrk and mirrors it, with the GIL released (scipy's dsyrk
         # wrapper holds it, which stalls every other thread of a scorer)
         g = xc @ xc.T
-        tr = float(np.trace(g))
-        fro2 = float(np.vdot(g, g))
-        if variance_is_zero(tr / (n - 1), mean, d):
+        if variance_is_zero(float(np.trace(g)) / (n - 1), mean, d):
             raise DataError(ZERO_VARIANCE_MESSAGE.format(name="X", what="IsoScore"))
-        return tr, fro2, None
+        return (*participation_terms(g), None)
     m = Moments(d, extras=False).update(a)
     m.check_variance("X")
-    c = m.M2
-    return float(np.trace(c)), float(np.vdot(c, c)), m
+    return (*participation_terms(m.M2), m)
 
 
 def isoscore(X) -> float:
@@ -110,7 +115,7 @@ def isoscore(X) -> float:
 
 def shrinkage_target(C, target="trace") -> np.ndarray:
     """C0 (D, D) for covariance C: "identity" -> I, "trace" -> tr(C)/D * I, an array -> itself."""
-    c = as_square(C)
+    c = as_covariance(C)
     d = c.shape[0]
     if isinstance(target, str):
         if target == "identity":
@@ -121,7 +126,7 @@ def shrinkage_target(C, target="trace") -> np.ndarray:
             f"unknown shrinkage target {target!r}; use one of {', '.join(SHRINKAGE_TARGETS)} "
             "or a (D, D) covariance"
         )
-    c0 = as_square(target, "C0")
+    c0 = as_covariance(target, "C0")
     if c0.shape != c.shape:
         raise DataError(f"shrinkage covariance C0 is {c0.shape} but the data covariance is {c.shape}")
     return c0
@@ -130,13 +135,12 @@ def shrinkage_target(C, target="trace") -> np.ndarray:
 def isoscore_star_from_cov(C, zeta, target="trace") -> float:
     """IsoScore* = IsoScore of (1 - zeta) * C + zeta * C0, C0 = shrinkage_target(C, target)."""
     z = _check_zeta(zeta)
-    c = as_square(C)
+    c = as_covariance(C)
     c0 = shrinkage_target(c, target)
     cz = (1.0 - z) * c + z * c0
-    tr = float(np.trace(cz))
-    if not tr > 0:
+    if not float(np.trace(cz)) > 0:
         raise DataError(ZERO_VARIANCE_MESSAGE.format(name="the shrunk covariance", what="IsoScore*"))
-    return _score(tr, float(np.vdot(cz, cz)), c.shape[0])
+    return _score(*participation_terms(cz), c.shape[0], "the shrunk covariance")
 
 
 def isoscore_star(X, zeta, target="trace") -> float:

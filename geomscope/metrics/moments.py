@@ -653,10 +653,10 @@ class UnitSum:
     """Sum of unit vectors of (x - shift) / scale, for the centred / standardised average cosine.
 
     ``UnitSum(shift, scale=None)``: shift (D,) (usually the mean from a first Moments pass), scale
-    (D,) (usually the standard deviation); entries of scale that are 0 are replaced by 1 (those
-    dimensions are constant, so they are 0 after the shift anyway). Rows whose transformed norm is
-    exactly 0 are counted in ``n_zero_norm`` and excluded. Attributes: n, sum_unit, sum_unit_sq,
-    n_zero_norm.
+    (D,) (usually the standard deviation, from ``_validate.cosine_shift_scale``); a dimension of
+    scale inf or 0 is constant and adds exactly 0 ((x - shift) / inf; what the shift leaves of it is
+    rounding). Rows whose transformed norm is exactly 0 are counted in ``n_zero_norm`` and
+    excluded. Attributes: n, sum_unit, sum_unit_sq, n_zero_norm.
     """
 
     def __init__(self, shift, scale=None, *, block_rows: int = BLOCK_ROWS):
@@ -668,9 +668,9 @@ class UnitSum:
             s = np.asarray(scale, dtype=np.float64).ravel().copy()
             if s.size != d:
                 raise InputError(f"scale has {s.size} entries but shift has {d}")
-            if not np.isfinite(s).all() or (s < 0).any():
-                raise InputError("scale must be finite and non-negative")
-            s[s == 0] = 1.0
+            if np.isnan(s).any() or (s < 0).any():
+                raise InputError("scale must be non-negative (inf or 0: a constant dimension)")
+            s[s == 0] = np.inf
             self.scale = s
         if not np.isfinite(self.shift).all():
             raise InputError("shift must be finite")

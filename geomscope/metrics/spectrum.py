@@ -1,6 +1,7 @@
 """Eigen-spectrum summaries of a covariance matrix C (D, D).
 
-- eigenvalues: of C, descending; small negative values from rounding are set to 0 (reported)
+- eigenvalues: of C, descending; small negative values from rounding are set to 0 (reported);
+  a negative one beyond rounding (below -1e-4 of the largest) means C is no covariance: refused
 - explained: lambda_i / sum(lambda)
 - pr (participation ratio): tr(C)^2 / ||C||_F^2 = (sum lambda)^2 / sum lambda^2
   (so IsoScore = (pr - 1)/(D - 1))
@@ -15,11 +16,11 @@ from __future__ import annotations
 import numpy as np
 
 from geomscope.errors import DataError
-from geomscope.metrics._validate import ZERO_VARIANCE_MESSAGE, as_square
+from geomscope.metrics._validate import ZERO_VARIANCE_MESSAGE, as_covariance, check_psd, participation_terms
 
 
 def _checked_cov(C) -> np.ndarray:
-    c = as_square(C)
+    c = as_covariance(C)
     if not np.trace(c) > 0:
         raise DataError(ZERO_VARIANCE_MESSAGE.format(name="the covariance", what="the spectrum"))
     return c
@@ -29,6 +30,7 @@ def eigenvalues(C) -> tuple[np.ndarray, dict]:
     """Eigenvalues of symmetric C, descending, negatives clipped to 0; and a dict describing the clip."""
     c = _checked_cov(C)
     lam = np.linalg.eigvalsh((c + c.T) / 2.0)[::-1]
+    check_psd(lam)
     neg = lam < 0
     info = {"n_clipped": int(neg.sum()), "min_raw": float(lam[-1])}
     if neg.any():
@@ -38,8 +40,8 @@ def eigenvalues(C) -> tuple[np.ndarray, dict]:
 
 def participation_ratio(C) -> float:
     """tr(C)^2 / ||C||_F^2, in [1, D] for a covariance."""
-    c = _checked_cov(C)
-    return float(np.trace(c) ** 2 / np.vdot(c, c))
+    tr, fro2 = participation_terms(_checked_cov(C))
+    return float(tr * tr / fro2)
 
 
 def _erank(lam: np.ndarray) -> float:
@@ -62,6 +64,7 @@ def spectrum(C, top_k=(1, 5, 10)) -> dict:
     """
     c = _checked_cov(C)
     lam, info = eigenvalues(c)
+    tr, fro2 = participation_terms(c)
     total = lam.sum()
     cum = np.cumsum(lam) / total
     d = lam.size
@@ -81,7 +84,7 @@ def spectrum(C, top_k=(1, 5, 10)) -> dict:
     return {
         "eigenvalues": lam,
         "explained": lam / total,
-        "pr": float(np.trace(c) ** 2 / np.vdot(c, c)),
+        "pr": float(tr * tr / fro2),
         "erank": _erank(lam),
         "erank_of": "covariance eigenvalues",
         "top_k_share": shares,

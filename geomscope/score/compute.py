@@ -76,7 +76,7 @@ def moment_values(m, opts: ScoreOptions, c0, notes: dict, *, full: bool) -> dict
     if any(opts.wants(k) for k in ("isoscore", "isoscore_star", "spectrum")):
 
         def _cov():
-            m.check_variance("the layer", "covariance metrics")
+            m.check_variance("the layer", "every covariance metric")
             return m.covariance()
 
         cov = _try(_cov, nts, "covariance")
@@ -117,10 +117,12 @@ def _top_share(sp: dict) -> dict[int, float | None]:
 
 
 def unit_shift_scale(m, variant: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """Shift/scale of the second-pass unit sums for a cosine variant, from that replicate's Moments."""
-    if variant == "centred":
-        return m.mean.copy(), None
-    return m.mean.copy(), np.sqrt(np.maximum(m.variance(), 0.0))
+    """Shift/scale of the second-pass unit sums for a cosine variant, from that replicate's Moments
+    (:func:`geomscope.metrics._validate.cosine_shift_scale`: constant dimensions add exactly 0)."""
+    from geomscope.metrics._validate import cosine_shift_scale
+
+    variance = m.variance() if m.n >= 2 else np.zeros(m.dim)  # one row: every dimension constant
+    return cosine_shift_scale(m.mean, variance, variant)
 
 
 def load_cov_file(path: str, dim: int) -> np.ndarray:
@@ -141,15 +143,12 @@ def load_cov_file(path: str, dim: int) -> np.ndarray:
         raise InputError(
             f"--shrinkage-target {path} is {c.shape[0]} x {c.shape[0]} but the data has D = {dim}"
         )
-    c = np.asarray(c, dtype=np.float64)
-    if not np.isfinite(c).all():
-        raise InputError(f"--shrinkage-target {path} contains NaN or Inf")
-    if not np.allclose(c, c.T, rtol=1e-6, atol=1e-12 * max(1.0, float(np.abs(c).max()))):
-        raise InputError(f"--shrinkage-target {path} is not symmetric; a covariance matrix is needed")
-    eig = np.linalg.eigvalsh((c + c.T) / 2)
-    if eig[-1] <= 0 or eig[0] < -1e-9 * eig[-1]:  # a covariance is positive semi-definite, and not 0
-        raise InputError(
-            f"--shrinkage-target {path} is not a covariance (eigenvalues from {eig[0]:.3g} to {eig[-1]:.3g}; "
-            "a covariance's are >= 0 and not all 0)"
-        )
+    from geomscope.metrics._validate import as_covariance, check_psd
+
+    name = f"--shrinkage-target {path}"
+    try:  # the library's own checks of a covariance, said of the option
+        c = as_covariance(c, name)
+        check_psd(np.linalg.eigvalsh((c + c.T) / 2), name)
+    except DataError as e:
+        raise InputError(str(e)) from e
     return c

@@ -98,7 +98,13 @@ class LayerResult:
                 rows = [by_r.get(r, (sh_full, sc_full)) for r in range(self.G if self.G >= 2 else 0)]
                 rows.append((sh_full, sc_full))
                 sh = np.stack([a for a, _ in rows])
-                sc = None if v == "centred" else np.stack([b for _, b in rows])
+                # the centred cosine has no scales unless some replicate has a constant dimension
+                scales = [b for _, b in rows]
+                sc = (
+                    None
+                    if all(b is None for b in scales)
+                    else np.stack([_ones_if_none(b, full.dim) for b in scales])
+                )
                 spec[v] = (sh, sc)
             self.unit_spec = spec
         if not self.keep_groups:  # every number needing them is computed: free G x D x D floats now
@@ -225,3 +231,8 @@ def _fill_null_notes(e: dict, o: ScoreOptions) -> None:
                 if k not in wanted
                 else "undefined for this layer"
             )
+
+
+def _ones_if_none(scale: np.ndarray | None, dim: int) -> np.ndarray:
+    """A replicate's cosine scale, or ones for one without (centred, no constant dimension)."""
+    return np.ones(dim) if scale is None else scale

@@ -60,7 +60,7 @@ class MultiUnitSum:
             self.inv_scale = None
         else:
             s = np.asarray(scales, dtype=np.float64).copy()
-            s[~(s > 0)] = 1.0
+            s[~(s > 0)] = np.inf  # a constant dimension (cosine_shift_scale) adds exactly 0
             self.inv_scale = 1.0 / s  # (R, D)
             self.w = self.inv_scale**2
         self.sum_unit = np.zeros((r, d))
