@@ -8,8 +8,10 @@ never written through (``os.replace`` replaces the link itself).
 
 An output a user names (a report, a figure, a page, a comparison) replaces only geomscope's own
 earlier output of that kind: :func:`ensure_replaceable` refuses any other file, a link or a directory
-at that name. Each kind says how it recognises its own bytes (a report's ``"format"``, a CSV's
-header, the ``geomscope`` a figure or page records as its creator).
+at that name, and inside a run directory the names the run keeps for its own files. Each kind says
+how it recognises its own bytes (a report's ``"format"``, a CSV's header, the ``geomscope`` a figure
+or page records as its creator). :func:`ensure_writable` asks, with a real file, whether an output's
+folder can be written before the work that produces it.
 """
 
 from __future__ import annotations
@@ -66,6 +68,71 @@ def make_dirs(path: str | os.PathLike, *, option: str = "--out") -> Path:
     return p
 
 
+def write_denied(folder: str | os.PathLike) -> str | None:
+    """None if a file can be created in ``folder`` -- or, where it does not exist yet, in its
+    nearest existing parent, where :func:`make_dirs` would create it; else why not (one phrase).
+
+    A real probe: an empty file of a fresh temporary name is created there exclusively and removed
+    at once. ``os.access`` answers for root as if every permission bit allowed it and knows nothing
+    of read-only mounts or of /sys, so a report was refused only after the whole computation. The
+    probe removes nothing but the file it has just created; nothing is left behind."""
+    p = Path(folder)
+    while not os.path.lexists(p) and p.parent != p:  # (a dangling link counts as there: mkdir fails)
+        p = p.parent
+    if not p.is_dir():
+        return f"{p} is not a folder"
+    probe = p / f"{TEMP_PREFIX}{secrets.token_hex(6)}-probe"
+    try:
+        os.close(create_exclusive(probe))
+    except OSError as e:
+        return e.strerror or str(e)
+    try:
+        os.unlink(probe)
+    except OSError:  # pragma: no cover - created a moment ago by this process
+        pass
+    return None
+
+
+def ensure_writable(folder: str | os.PathLike, *, option: str = "--out") -> None:
+    """InputError (one line naming ``option``) where no file can be written in ``folder``
+    (:func:`write_denied`): asked before the work, so that it is not lost at the end."""
+    from geomscope.errors import InputError
+
+    why = write_denied(folder)
+    if why is not None:
+        raise InputError(f"cannot write in {folder} ({why}); choose another {option}")
+
+
+def run_reserved(name: str) -> bool:
+    """Whether a run directory keeps ``name`` for its own files: the manifest, the lock, the shard
+    logs, the shards and their temporary names, geomscope's temporary files. An output of that name
+    inside a run would be read, replaced or deleted by a later ``extract`` (a resume folds and
+    removes the shard logs), so :func:`ensure_replaceable` refuses it there."""
+    # each name's home is the store (imported here: the store writes through this module)
+    from geomscope.store.manifest import LOCK_NAME, MANIFEST_NAME, PART_RE
+    from geomscope.store.shard import SHARD_FILE_RE, SHARD_TEMP_RE
+
+    return (
+        name in (MANIFEST_NAME, LOCK_NAME)
+        or name.startswith(TEMP_PREFIX)
+        or any(r.fullmatch(name) for r in (PART_RE, SHARD_FILE_RE, SHARD_TEMP_RE))
+    )
+
+
+def _in_run_reserved(path: Path) -> Path | None:
+    """``path``, or the folder on its way, that takes a name its run directory keeps for its own
+    files (:func:`run_reserved`); None where none does."""
+    from geomscope.store.manifest import MANIFEST_NAME
+
+    for child in (path, *path.parents):
+        parent = child.parent
+        if parent == child:
+            break
+        if run_reserved(child.name) and (parent / MANIFEST_NAME).is_file():
+            return child
+    return None
+
+
 #: the most bytes of an existing output read to recognise it (geomscope's figures and reports are
 #: far smaller; a larger file is not one of them)
 MAX_RECOGNISED_BYTES = 256 * 2**20
@@ -81,12 +148,19 @@ def ensure_replaceable(
 ) -> None:
     """Nothing at ``path``, or a regular file whose bytes ``ours`` recognises as geomscope's earlier
     output of this kind (rewritten, as a rerun expects); anything else -- a user's file, a link, a
-    directory -- is an InputError naming ``option``, before anything is written. ``head``: the
+    directory, a name a run directory keeps for its own files (:func:`run_reserved`) inside one -- is
+    an InputError naming ``option``, before anything is written. ``head``: the
     recogniser needs only the file's first ``head`` bytes (a report of any size); ``hint``: added to
     the refusal."""
     from geomscope.errors import InputError
 
     p = Path(path)
+    taken = _in_run_reserved(p)
+    if taken is not None:
+        raise InputError(
+            f"{p}: the run directory {taken.parent} keeps the name {taken.name!r} for its own files "
+            f"(a later extract would replace or delete it); choose another {option}"
+        )
     try:
         st = os.lstat(p)
     except FileNotFoundError:

@@ -52,10 +52,18 @@ import io
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 from geomscope.errors import InputError
-from geomscope.fileio import HEAD_BYTES, ensure_replaceable, json_format_is, starts_with, write_text_atomic
+from geomscope.fileio import (
+    HEAD_BYTES,
+    ensure_replaceable,
+    ensure_writable,
+    json_format_is,
+    starts_with,
+    write_text_atomic,
+)
 from geomscope.schema import (
     LAYER_KEYS,
     METRIC_LABELS,
@@ -81,6 +89,7 @@ __all__ = [
     "report_paths",
     "report_table",
     "save_report",
+    "shown",
     "to_csv",
     "to_json",
 ]
@@ -189,16 +198,27 @@ def report_paths(out: str | os.PathLike) -> tuple[Path, Path]:
     return p.with_name(p.name + ".json"), p.with_name(p.name + ".csv")
 
 
+def check_out_given(out: str | os.PathLike) -> None:
+    """InputError (one line) for an empty ``--out`` (or one of spaces): ``Path("")`` is ``.``, and
+    the report would land in the working directory unasked."""
+    if not os.fspath(out).strip():
+        raise InputError("--out is empty; give a directory or a prefix (or omit --out for the default)")
+
+
 def check_report_out(out: str | os.PathLike) -> tuple[Path, Path]:
     """The (json, csv) paths of ``out`` (:func:`report_paths`) if a report may be written there: a
-    directory or prefix in a directory, and nothing at either name but an earlier report's file
-    (which is replaced); InputError (one line) otherwise. ``score`` asks before it computes."""
+    non-empty directory or prefix in a directory that can be written (a real probe:
+    fileio.ensure_writable), nothing at either name but an earlier report's file (which is
+    replaced), and no name a run directory keeps for its own files; InputError (one line)
+    otherwise. ``score`` asks before it computes."""
+    check_out_given(out)
     jpath, cpath = report_paths(out)
     parent = jpath.parent
     if parent.exists() and not parent.is_dir():
         raise InputError(f"--out {out}: {parent} is a file; give a directory or a prefix in a directory")
     ensure_replaceable(jpath, json_format_is(REPORT_FORMAT), head=HEAD_BYTES)
     ensure_replaceable(cpath, starts_with(b"layer,index,n_rows"), head=HEAD_BYTES)
+    ensure_writable(parent)
     return jpath, cpath
 
 
@@ -252,6 +272,29 @@ def _first_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
 
 
+#: characters never sent to a terminal as they are: the C0 and C1 controls and DEL (ESC opens the
+#: ANSI/OSC sequences that clear the screen or retitle the window, BEL closes an OSC), the line and
+#: paragraph separators, and the bidirectional embeddings, overrides and isolates (text shown in
+#: another order than it is)
+_UNSHOWN = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def shown(value, *, markup: bool = True) -> str:
+    """``value`` (a layer, model, run or file name from a run, a report or the user) as text that
+    prints as itself: every character of :data:`_UNSHOWN` as a visible escape (``\\x1b``,
+    ``\\u202e``), and with ``markup`` (rich renders the string with markup on) ``[`` escaped so
+    that ``[bold red]`` is shown, not applied. The one home of this: every command passes names from
+    data through it before printing them."""
+    text = _UNSHOWN.sub(
+        lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", str(value)
+    )
+    if markup:
+        from rich.markup import escape
+
+        text = escape(text)
+    return text
+
+
 def _fmt(v, se=None) -> str:
     if v is None:
         return "-"
@@ -294,14 +337,14 @@ def report_table(report: dict, columns=None):
     title = model.get("name") or Path(str(src.get("path", ""))).name
     if model.get("revision"):
         title += f"@{model['revision']}"
-    t = Table(
-        title=f"geomscope score: {title}",
-        caption=_caption(report)
-        + (
-            f"\n{len(hidden)} more metric(s) in the report ({', '.join(hidden)}): --columns all, or name them"
-            if hidden
-            else ""
-        ),
+    lines = _caption(report)
+    if hidden:
+        lines.append(
+            f"{len(hidden)} more metric(s) in the report ({', '.join(hidden)}): --columns all, or name them"
+        )
+    t = Table(  # every string from the report goes through shown(): rich reads markup in each
+        title=f"geomscope score: {shown(title)}",
+        caption="\n".join(shown(line) for line in lines),
         header_style="bold",
         pad_edge=False,
         padding=(0, 1),
@@ -309,13 +352,13 @@ def report_table(report: dict, columns=None):
     t.add_column("layer", no_wrap=True)
     t.add_column("rows", justify="right", no_wrap=True)
     for m in metrics:
-        t.add_column(METRIC_LABELS.get(m, m), justify="right", no_wrap=True)
+        t.add_column(shown(METRIC_LABELS.get(m, m)), justify="right", no_wrap=True)
     show_out = any(e.get("outliers") for e in layers) and (bool(columns) or not hidden)
     if show_out:
         t.add_column("outliers")
     for e in layers:
         se = e.get("se") or {}
-        row = [str(e.get("layer")), f"{e.get('n_rows', 0):,}"]
+        row = [shown(e.get("layer")), f"{e.get('n_rows', 0):,}"]
         row += [_fmt(e.get(m), se.get(m)) for m in metrics]
         if show_out:
             dims = e.get("outliers") or []
@@ -324,7 +367,8 @@ def report_table(report: dict, columns=None):
     return t
 
 
-def _caption(report: dict) -> str:
+def _caption(report: dict) -> list[str]:
+    """The caption's lines, as plain text (report_table escapes each)."""
     params = report.get("params", {})
     bits = []
     if "isoscore_star" in params.get("metrics", []):
@@ -349,23 +393,26 @@ def _caption(report: dict) -> str:
     fn = report.get("final_norm")
     if fn:
         bits.append(final_norm_line(fn))
-    return "\n".join(bits)
+    return bits
 
 
 def gradient_energy_lines(report: dict) -> list[str]:
-    """Terminal lines of ``gradient_energy``: per layer and rank, E against r/D and the controls."""
+    """Terminal lines of ``gradient_energy``: per layer and rank, E against r/D and the controls;
+    names from the report through :func:`shown` (print them with markup off)."""
     ge = report.get("gradient_energy")
     if not ge:
         return []
     lines = [
-        f"gradient energy in the top-r activation subspace of {ge['basis']} (E vs r/D; controls: mean, p)"
+        f"gradient energy in the top-r activation subspace of {shown(ge['basis'], markup=False)} "
+        "(E vs r/D; controls: mean, p)"
     ]
     for layer, ranks in (ge.get("layers") or {}).items():
         for r in ranks or []:
             mean, ratio, p = r.get("control_energy_mean"), r.get("energy_ratio"), r.get("p_value")
             ctrl = f"control {_fmt(mean)}, x{_fmt(ratio)}, p {_fmt(p)}" if mean is not None else "no controls"
+            name = shown(layer, markup=False)
             lines.append(
-                f"  {layer} r={r['rank']}: E {_fmt(r['energy'])}{_pm(r.get('energy_se'))} "
+                f"  {name} r={r['rank']}: E {_fmt(r['energy'])}{_pm(r.get('energy_se'))} "
                 f"(r/D {_fmt(r['baseline'])}, max {_fmt(r['energy_max'])}, kappa {_fmt(r['kappa'])}); {ctrl}"
             )
     return lines

@@ -287,7 +287,8 @@ def test_inspect_verify_checks_edited_totals(cli, bert, text, tmp_path):
     m["shards"][0]["rows"] += 5  # an entry edited to match a forged total: the shard itself disagrees
     (run / "manifest.json").write_text(json.dumps(m))
     code, out, err = cli(["inspect", run, "--verify", "--json"])
-    assert code == 3 and "damaged" in err
+    # the forged total disagrees with the stored one (totals.rows_stored), and the shard with its entry
+    assert code == 3 and "disagrees with itself" in err and "1 of 3 shards are damaged" in err, err
     bad = json.loads(out)["verify"]["bad"]
     assert any("stores" in b["error"] for b in bad)
 

@@ -659,9 +659,11 @@ def test_report_does_not_depend_on_how_rows_are_sharded(tmp_path):
     counter = iter(range(10**6))
 
     @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-    @given(st.lists(st.integers(1, 299), min_size=0, max_size=6, unique=True), st.integers(16, 200))
+    # shards hold whole documents, as extract writes them (a shard's entry claims its documents, and
+    # a run whose shards claim the same document is refused)
+    @given(st.lists(st.integers(1, 42), min_size=0, max_size=6, unique=True), st.integers(16, 200))
     def check(inner, block):
-        cuts = [0, *sorted(inner), 300]
+        cuts = [0, *sorted(7 * k for k in inner), 300]
         d = tmp_path / f"r{next(counter)}"
         _write_split(d, X, docs, cuts)
         e = score(d, ScoreOptions(metrics=MOMENTS_ONLY, jackknife_groups=0, block_rows=block))["layers"][0]

@@ -51,6 +51,7 @@ def compare_cmd(
     )
     from geomscope.plot.figures import FIGURE_HINT, is_figure, save_figure
     from geomscope.plot.study import study_figure
+    from geomscope.report import shown
     from geomscope.study.compare import compare, to_csv
 
     result = compare([str(d) for d in dirs], allow_mixed=allow_mixed, n_boot=n_boot, seed=seed)
@@ -67,7 +68,7 @@ def compare_cmd(
     save_figure(study_figure(result), dest / "compare.png")
     if not quiet:
         _print_table(result)
-        typer.echo(f"wrote {dest / 'compare.json'}, compare.csv, compare.png", err=True)
+        typer.echo(f"wrote {shown(dest / 'compare.json', markup=False)}, compare.csv, compare.png", err=True)
     if as_json:
         typer.echo(json.dumps(result))
 
@@ -82,14 +83,19 @@ def _print_table(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from geomscope.report import shown
     from geomscope.study.compare import LABELS
 
-    t = Table(title="geomscope compare", caption=result["sentence"], header_style="bold")
+    # the regulariser comes from each run's config: shown() keeps its markup and escapes inert
+    t = Table(title="geomscope compare", caption=shown(result["sentence"]), header_style="bold")
     metrics = result["metrics"]
     for c in ("reg", "lambda", "n", *(LABELS[m] for m in metrics)):
         t.add_column(c, justify="right" if c not in ("reg",) else "left")
     for r in result["table"]:
         t.add_row(
-            r["reg"], f"{r['lambda']:g}", str(r["n"]), *[_fmt(r[f"{m}_mean"], r[f"{m}_sd"]) for m in metrics]
+            shown(r["reg"]),
+            f"{r['lambda']:g}",
+            str(r["n"]),
+            *[_fmt(r[f"{m}_mean"], r[f"{m}_sd"]) for m in metrics],
         )
     Console(stderr=True).print(t)

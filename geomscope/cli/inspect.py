@@ -30,6 +30,7 @@ def inspect_cmd(
     from rich.table import Table
 
     from geomscope.errors import DataError
+    from geomscope.report import shown
     from geomscope.store import describe_run
 
     d = describe_run(run_dir, verify=verify)
@@ -87,13 +88,29 @@ def inspect_cmd(
                     "all shards match their checksums; every document id is in exactly one shard "
                     f"({v['documents']['docs']:,} documents in {v['documents']['shards']} shards)"
                     if v["ok"]
-                    else f"{len(v['bad'])} of {v['checked']} shards damaged: "
-                    + ", ".join(b["file"] for b in v["bad"]),
+                    else "; ".join(
+                        [f"the manifest disagrees with itself: {why}" for why in v["manifest"]]
+                        + (
+                            [
+                                f"{len(v['bad'])} of {v['checked']} shards damaged: "
+                                + ", ".join(b["file"] for b in v["bad"])
+                            ]
+                            if v["bad"]
+                            else []
+                        )
+                    ),
                 )
             )
-        for k, v in rows:
-            t.add_row(k, v)
+        for k, v in rows:  # every value holds names from the run (model, layers, files, inputs)
+            t.add_row(k, shown(v))
         Console().print(t)  # the report is the output: stdout, like --json
+    if verify and d["verify"]["manifest"]:  # deleting shards would not mend it
+        v = d["verify"]
+        also = f", and {len(v['bad'])} of {v['checked']} shards are damaged" if v["bad"] else ""
+        raise DataError(
+            f"the manifest of {run_dir} disagrees with itself ({v['manifest'][0]}){also}; rerun "
+            "`geomscope extract` with --overwrite, or into a new --out"
+        )
     if verify and not d["verify"]["ok"]:
         bad = d["verify"]["bad"]
         raise DataError(

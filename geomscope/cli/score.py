@@ -36,6 +36,7 @@ def _default_out(source: str) -> str:
     import os
     from pathlib import Path
 
+    from geomscope.fileio import write_denied
     from geomscope.store import MANIFEST_NAME
 
     p = Path(source)
@@ -43,7 +44,8 @@ def _default_out(source: str) -> str:
         return str(p) + os.sep
     p = p.resolve() if p.name in ("", ".", "..") else p
     prefix = p.with_name(p.stem + "_report")
-    return str(prefix) if os.access(p.parent, os.W_OK) else p.stem + "_report"
+    # a real probe (os.access says yes to root, and on a read-only mount): else the working directory
+    return str(prefix) if write_denied(p.parent) is None else p.stem + "_report"
 
 
 @app.command("score")
@@ -145,9 +147,11 @@ def score_cmd(
         "-w",
         min=1,
         metavar="N",
-        help="Processes reading shards (and threads finishing layers) in parallel; "
-        "BLAS runs single-threaded in each. One process already computes on every usable core "
-        "(threads over blocks); more pay where reading or many layers are the limit.",
+        help="Processes reading shards (and threads finishing layers) in parallel, at most one per "
+        "shard and 1024 in all; BLAS runs single-threaded in each. One process already computes on "
+        "every usable core (threads over blocks); more pay where reading or many layers are the "
+        "limit. Above the core count the processes share the cores (each holds its own "
+        "accumulators): that pays only where reading waits on storage.",
     ),
     scheduler: Optional[str] = typer.Option(
         None,
@@ -224,13 +228,26 @@ def score_cmd(
 
     from rich.console import Console
 
-    from geomscope.report import check_report_out, gradient_energy_lines, report_table, save_report, to_json
+    from geomscope.report import (
+        check_out_given,
+        check_report_out,
+        gradient_energy_lines,
+        report_table,
+        save_report,
+        shown,
+        to_json,
+    )
     from geomscope.score import ScoreOptions, score
+    from geomscope.score.engine import check_memory_mb
+    from geomscope.score.executor import check_workers
 
     console = Console(stderr=True)
 
-    def log(msg: str) -> None:
-        console.print(f"[yellow]warning:[/yellow] {msg}", highlight=False, markup=True)
+    def log(msg: str) -> None:  # a warning may name layers or files from the data
+        console.print(f"[yellow]warning:[/yellow] {shown(msg)}", highlight=False, markup=True)
+
+    if out is not None:
+        check_out_given(out)
 
     opts = ScoreOptions(
         metrics=tuple(split_list(metrics)),
@@ -262,6 +279,8 @@ def score_cmd(
         ranks=_ranks(rank),
         controls=controls,
     ).validate()
+    check_workers(opts.workers)  # (the library asks again; here before any source is opened)
+    check_memory_mb(opts.memory_mb)
     from geomscope.score.trajectory import runs_in
 
     expanded = [str(r) for src in sources for r in (runs_in(src) or [src])]
@@ -278,7 +297,11 @@ def score_cmd(
         console.print(report_table(report, split_list(columns) or None))
         for line in gradient_energy_lines(report):
             console.print(line, highlight=False, markup=False)
-        console.print(f"wrote {jpath}\nwrote {cpath}", highlight=False)
+        console.print(
+            f"wrote {shown(jpath, markup=False)}\nwrote {shown(cpath, markup=False)}",
+            highlight=False,
+            markup=False,
+        )
     if as_json:
         sys.stdout.write(to_json(report) + "\n")
         sys.stdout.flush()
@@ -297,6 +320,55 @@ def _record_command(report: dict) -> None:
         report["command"] = shlex.join(state["argv"])
 
 
+def _run_name(run: str) -> str:
+    """The name a run goes by among several: its folder's (``.`` and ``..`` resolved). Its report
+    in --out is ``<name>.json``, and trajectory.csv's ``revision`` is it where the run has no hub
+    revision (trajectory.revision_of)."""
+    from pathlib import Path
+
+    p = Path(run)
+    return (p.resolve() if p.name in ("", ".", "..") else p).name
+
+
+def _check_distinct(runs: list[str], dests: list[str], trajectory) -> None:
+    """InputError (one line) unless the runs can be told apart: each given once, distinct folder
+    names (--out DIR/<name>.json would replace one report by another, and trajectory.csv would
+    label both the same), no two reports at one path (a link to a run) and none at trajectory.csv.
+    Asked before any run is scored."""
+    import os
+
+    from geomscope.errors import InputError
+    from geomscope.report import report_paths
+
+    seen: dict[str, int] = {}
+    for i, run in enumerate(runs):
+        j = seen.setdefault(_run_name(run), i)
+        if j == i:
+            continue
+        if os.path.realpath(runs[j]) == os.path.realpath(run):
+            also = "" if runs[j] == run else f" (as {runs[j]} and {run})"
+            raise InputError(f"the run {run} is given twice{also}; give each run once")
+        raise InputError(
+            f"{runs[j]} and {run} are both named {_run_name(run)!r}: runs scored together need distinct "
+            "folder names (their reports in --out and their rows in trajectory.csv go by them); rename "
+            "one, or score them separately"
+        )
+    written: dict[str, str | None] = {os.path.realpath(trajectory): None}  # None: the trajectory's
+    for run, dest in zip(runs, dests, strict=True):
+        for path in report_paths(dest):
+            other = written.setdefault(os.path.realpath(path), run)
+            if other is None:
+                raise InputError(
+                    f"the report of {run} would be {path}, where trajectory.csv goes; rename the run's "
+                    "folder, or score it separately"
+                )
+            if other != run:
+                raise InputError(
+                    f"{run} and {other} would both be written at {path}; give each run once, or "
+                    "score them separately"
+                )
+
+
 def _score_many(
     runs: list[str], sources: list[str], opts, out, as_json: bool, quiet: bool, console, log
 ) -> None:
@@ -307,21 +379,25 @@ def _score_many(
     import sys
     from pathlib import Path
 
-    from geomscope.fileio import make_dirs
-    from geomscope.report import check_report_out, save_report
+    from geomscope.fileio import ensure_writable, make_dirs
+    from geomscope.report import check_report_out, save_report, shown
     from geomscope.score import score
     from geomscope.score.trajectory import TRAJECTORY_NAME, check_trajectory_out, write_trajectory
 
-    dests = [str(Path(out) / Path(run).name) if out is not None else _default_out(run) for run in runs]
+    dests = [str(Path(out) / _run_name(run)) if out is not None else _default_out(run) for run in runs]
     if out is not None:
         where = Path(out)
     elif len(sources) == 1:
         where = Path(sources[0])
     else:
         where = Path(os.path.commonpath([str(Path(r).resolve().parent) for r in runs]))
-    for dest in dests:  # before the work: a user's file at any of these names is refused, never replaced
+    # before the work: clashing names, a user's file at any of these names (refused, never replaced)
+    # and a folder that cannot be written are said now, not after every run was scored
+    _check_distinct(runs, dests, where / TRAJECTORY_NAME)
+    for dest in dests:
         check_report_out(dest)
     check_trajectory_out(where / TRAJECTORY_NAME)
+    ensure_writable(where)
     reports, written = [], []
     for i, (run, dest) in enumerate(zip(runs, dests, strict=True), 1):
         rep = score(run, opts, progress=not quiet and sys.stderr.isatty(), log=log)
@@ -330,10 +406,14 @@ def _score_many(
         reports.append(rep)
         written.append(str(jpath))
         if not quiet:
-            console.print(f"[{i}/{len(runs)}] {run}: wrote {jpath}", highlight=False, markup=False)
+            console.print(
+                f"[{i}/{len(runs)}] {shown(run, markup=False)}: wrote {shown(jpath, markup=False)}",
+                highlight=False,
+                markup=False,
+            )
     make_dirs(where)
     traj = write_trajectory(reports, where / TRAJECTORY_NAME)
     if not quiet:
-        console.print(f"wrote {traj}", highlight=False, markup=False)
+        console.print(f"wrote {shown(traj, markup=False)}", highlight=False, markup=False)
     if as_json:
         sys.stdout.write(json.dumps({"reports": written, "trajectory": str(traj)}) + "\n")

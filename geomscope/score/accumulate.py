@@ -393,7 +393,9 @@ def _run_accumulated(task: Task, spec: PassSpec, progress, parts: dict) -> dict[
 
     with open_shard(task.path, task.identity) as f:
         for name in spec.layers:
-            tokens, m, special = read_accumulated(f, name, extras=spec.extras)
+            tokens, m, special = read_accumulated(
+                f, name, extras=spec.extras, dim=task.dim, tokens=task.tokens
+            )
             n_special = special.n if special is not None else 0
             c = parts[name].counts
             c["seen"] += tokens

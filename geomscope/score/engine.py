@@ -70,6 +70,18 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+#: the largest --memory-mb (2^40 MiB = 1 EiB, far beyond any machine's memory): a budget must be a
+#: finite number of bytes (1e308 overflowed the conversion with a traceback)
+MAX_MEMORY_MB = 2.0**40
+
+
+def check_memory_mb(memory_mb: float) -> float:
+    """``memory_mb`` if in (0, :data:`MAX_MEMORY_MB`]; InputError (one line) otherwise (NaN too)."""
+    if not 0 < memory_mb <= MAX_MEMORY_MB:
+        raise InputError(f"--memory-mb must be in (0, 2^40] MiB; got {memory_mb:g}")
+    return memory_mb
+
+
 def _log_default(msg: str) -> None:
     import sys
 
@@ -85,6 +97,7 @@ def score(
 ) -> dict:
     """Score a run directory or an (N, D) array file; return the report dict (keys: geomscope.schema)."""
     opts = (options or ScoreOptions()).validate()
+    check_memory_mb(opts.memory_mb)  # (validate bounds it below only)
     log = log or _log_default
     src = open_source(
         path,

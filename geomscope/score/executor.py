@@ -2,7 +2,7 @@
 
 In this process (``--workers 1``) every task accumulates into one set of accumulators. With a pool,
 each task returns its partial accumulators, merged in task order as they become available
-(out-of-order results wait in a small buffer; at most ``2 * workers`` tasks are in flight), so
+(out-of-order results wait in a small buffer; at most twice the pool's processes are in flight), so
 memory does not grow with the number of shards and the numbers do not depend on timing; they equal
 one worker's to float64 rounding (a different but exact merge order).
 
@@ -13,7 +13,8 @@ spawned, 1.41 s forked). The pool forks its workers once, at the first task of t
 this process runs no threads of geomscope's (the thread pools of metrics/moments.py are per process
 id, so a child never uses its parent's). BLAS runs on ONE thread in every worker process (and
 ``score`` limits this process too; a forked worker inherits BLAS already loaded, so the initializer
-limits it with threadpoolctl):
+limits it with threadpoolctl). The pool has ``--workers`` processes, but never more than the first
+pass has tasks (shards), and ``--workers`` is at most :data:`MAX_WORKERS`:
 parallelism comes from ``--workers`` -- processes over shards, threads over layers -- and, inside a
 task, from threads that each run single-threaded BLAS on their own blocks (``PassSpec.threads``:
 usable cores / workers; see metrics/moments.py). The products are small (blocks of a few thousand
@@ -33,8 +34,23 @@ import os
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
+from geomscope.errors import InputError
 from geomscope.score.accumulate import PassSpec, merge_parts, run_task, run_tasks
 from geomscope.score.sources import Task
+
+#: the most --workers: a typo's 100000 would fork until the machine gives out; beyond the cores,
+#: more processes only share them (see :func:`check_workers`)
+MAX_WORKERS = 1024
+
+
+def check_workers(workers: int) -> int:
+    """``workers`` if at most :data:`MAX_WORKERS`; InputError (one line) otherwise."""
+    if workers > MAX_WORKERS:
+        raise InputError(
+            f"--workers must be at most {MAX_WORKERS}; got {workers} (this machine has "
+            f"{os.cpu_count() or 1} cores: more workers than cores pay only where reading waits on storage)"
+        )
+    return workers
 
 
 def _init_worker() -> None:
@@ -76,9 +92,10 @@ class Executor:
     """``Executor(workers)``; ``run(tasks, spec, advance)`` -> merged dict layer -> LayerPart."""
 
     def __init__(self, workers: int = 1):
-        self.workers = int(workers)
+        self.workers = check_workers(int(workers))
         self._pool: ProcessPoolExecutor | None = None
         self.start_method: str | None = None  # how the pool's processes started (worker_start_method)
+        self.processes = 0  # how many the pool started: --workers, at most one per task
         self.in_flight = 0 if self.workers <= 1 else 2 * self.workers  # results held besides the accumulator
 
     def __enter__(self) -> Executor:
@@ -93,20 +110,28 @@ class Executor:
             self._pool = None
 
     def _get_pool(self) -> ProcessPoolExecutor:
+        """The pool of :attr:`processes` (``run`` sets them at the first pass; else --workers)."""
         if self._pool is None:
             import multiprocessing as mp
 
             self.start_method = worker_start_method()
+            self.processes = self.processes or self.workers
             self._pool = ProcessPoolExecutor(
-                self.workers, mp_context=mp.get_context(self.start_method), initializer=_init_worker
+                self.processes, mp_context=mp.get_context(self.start_method), initializer=_init_worker
             )
         return self._pool
 
     def run(self, tasks: list[Task], spec: PassSpec, advance: Callable[[int], None] | None = None) -> dict:
         if self.workers <= 1 or len(tasks) <= 1:
             return run_tasks(tasks, spec, advance)
+        if self._pool is None:
+            # at most one process per task of the first pass: a forked pool starts every process at
+            # once, and one without a task is only forked to hold memory and wait (--workers 30 on
+            # 5 shards started 31). The pool serves the later passes too (forking again after
+            # threads have run is not safe); the passes over a source have the same tasks.
+            self.processes = min(self.workers, len(tasks))
         pool = self._get_pool()
-        window = 2 * self.workers
+        window = 2 * self.processes
         acc = {}
         pending: dict = {}
         done_out_of_order: dict[int, dict] = {}

@@ -51,6 +51,8 @@ class Task:
     meta: tuple[str, ...] = ()  # formats: the optional per-row columns present (doc_id, special)
     dim: int = 0  # formats: the layers' width (sizes the read blocks); shard: the run's, checked
     accumulated: bool = False  # shard of a --keep sample run: accumulators and a sample, not every row
+    docs: tuple[int, int] | None = None  # shard: the documents [start, stop) its entry assigns it, checked
+    tokens: int = 0  # shard: the token rows its entry says it measured (a --keep sample shard's accumulators)
 
 
 @dataclass
@@ -177,7 +179,13 @@ def _shard_meta(task: Task, layers: list[str], n_groups: int) -> Iterator[Block]
     from geomscope.store import iter_shard
 
     for ch in iter_shard(
-        task.path, layers, chunk_rows=1 << 20, activations=False, rows=task.rows, expected=task.identity
+        task.path,
+        layers,
+        chunk_rows=1 << 20,
+        activations=False,
+        rows=task.rows,
+        expected=task.identity,
+        docs=task.docs,
     ):
         n = ch.stop - ch.start
         nf = {
@@ -196,7 +204,13 @@ def _shard_blocks(task: Task, layers: list[str], n_groups: int, block_rows: int 
     from geomscope.store import iter_shard
 
     for ch in iter_shard(
-        task.path, layers, chunk_rows=block_rows, rows=task.rows, dim=task.dim or None, expected=task.identity
+        task.path,
+        layers,
+        chunk_rows=block_rows,
+        rows=task.rows,
+        dim=task.dim or None,
+        expected=task.identity,
+        docs=task.docs,
     ):
         nf = {}
         for n in layers:
@@ -541,6 +555,14 @@ def _open_run(p: Path | str, layers: list[str] | None, partial: bool) -> SourceI
         )
     if not shards:
         raise InputError(f"{p} has no finished shards yet; run `geomscope extract` to fill it")
+    from geomscope.store.describe import manifest_problems
+
+    problems = manifest_problems(run)
+    if problems:  # every row is counted once, or the run is refused
+        raise InputError(
+            f"{p} is damaged: its manifest disagrees with itself ({problems[0]}); rerun "
+            "`geomscope extract` with --overwrite, or into a new --out"
+        )
     names = run.resolve_layers(layers)
     order = {n: i for i, n in enumerate(run.layer_names)}
     names = sorted(dict.fromkeys(names), key=order.__getitem__)
@@ -568,6 +590,8 @@ def _open_run(p: Path | str, layers: list[str] | None, partial: bool) -> SourceI
             identity=shard_identity(run.shard_path(s)),
             dim=dim,  # every shard's layers are checked to be this wide before they are read
             accumulated=sample is not None,
+            docs=(s.doc_start, s.doc_stop),
+            tokens=s.n_tokens,
         )
         for s in sorted(shards, key=lambda s: s.index)
     ]

@@ -33,32 +33,76 @@ def write_moments(parent, name: str, m) -> None:
     g.create_dataset("m2_upper", data=m.M2[np.triu_indices(m.dim)])
 
 
-def read_moments(g, *, extras: bool = True):
-    """The Moments stored in h5py group ``g`` (``extras=False`` drops the cosine and |x| parts)."""
+def read_moments(g, *, dim: int, most: int, extras: bool = True):
+    """The Moments stored in h5py group ``g`` (``extras=False`` drops the cosine and |x| parts).
+
+    A shard may come from anyone, so what it holds is checked before it is trusted or read: every
+    array stored in the shard itself with the shape that the run's width ``dim`` gives it (a crafted
+    shape cannot make the read allocate more), a count n between 0 and ``most`` (the rows the shard
+    measured), finite values, variances >= 0. DataError (one line, naming the group) otherwise."""
     from geomscope.metrics import Moments
 
     try:
-        d = int(g["mean"].shape[0])
-        m = Moments(d, float(g.attrs["abs_threshold"]), extras=extras)
-        m.n = int(g.attrs["n"])
+        if _number(g, "abs_threshold", float) != ABS_THRESHOLD:  # what score's merges assume
+            raise _bad(
+                g, f"counted |x| >= {g.attrs['abs_threshold']}, not the {ABS_THRESHOLD:g} extract counts"
+            )
+        m = Moments(dim, ABS_THRESHOLD, extras=extras)
+        m.n = _number(g, "n", int, most)
         if m.n == 0:
             return m
-        m.mean = g["mean"][()].astype(np.float64)
-        packed = g["m2_upper"][()].astype(np.float64)
-        if packed.shape != (d * (d + 1) // 2,):
-            raise DataError(f"accumulator {g.name} holds {packed.shape[0]} scatter values for D = {d}")
-        full = np.zeros((d, d))
-        full[np.triu_indices(d)] = packed
+        m.mean = _vector(g, "mean", (dim,))
+        packed = _vector(g, "m2_upper", (dim * (dim + 1) // 2,))
+        full = np.zeros((dim, dim))
+        full[np.triu_indices(dim)] = packed
+        if (np.diagonal(full) < 0).any():
+            raise _bad(g, "holds a negative variance")
         m._m2 = full + np.triu(full, 1).T
         if extras:
             for key in _VECTORS[1:]:
-                setattr(m, key, g[key][()].astype(np.float64))
-            m.count_abs_ge = g["count_abs_ge"][()].astype(np.int64)
-            m.n_zero_norm = int(g.attrs["n_zero_norm"])
-            m.sum_sq_norm = float(g.attrs["sum_sq_norm"])
+                setattr(m, key, _vector(g, key, (dim,)))
+            m.count_abs_ge = _vector(g, "count_abs_ge", (dim,), np.int64)
+            if m.count_abs_ge.min() < 0 or m.count_abs_ge.max() > m.n:
+                raise _bad(g, f"counts |x| beyond its {m.n} rows")
+            m.n_zero_norm = _number(g, "n_zero_norm", int, m.n)
+            m.sum_sq_norm = _number(g, "sum_sq_norm", float)
         return m
     except KeyError as e:
-        raise DataError(f"accumulator {g.name} is incomplete ({e}); the shard is damaged") from e
+        raise _bad(g, f"is incomplete ({e})") from e
+
+
+def _bad(g, why: str) -> DataError:
+    return DataError(f"accumulator {g.name} {why}; the shard is damaged")
+
+
+def _number(g, key: str, kind, most: int | None = None):
+    """Attribute ``key`` of ``g``: a finite number (``kind`` int: a whole number in [0, most])."""
+    v = g.attrs[key]
+    if kind is int:
+        ok = isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+        if not ok or not 0 <= int(v) <= (most if most is not None else int(v)):
+            raise _bad(g, f"has {key} = {str(v)[:40]}, not a whole number from 0 to {most}")
+        return int(v)
+    if not isinstance(v, (float, int, np.floating, np.integer)) or not np.isfinite(v) or v < 0:
+        raise _bad(g, f"has {key} = {str(v)[:40]}, not a finite number >= 0")
+    return float(v)
+
+
+def _vector(g, key: str, shape: tuple, dtype=np.float64) -> np.ndarray:
+    """Dataset ``key`` of ``g``, stored in the shard itself with ``shape`` and finite values."""
+    import h5py
+
+    if not isinstance(g.get(key, getlink=True), h5py.HardLink):
+        raise _bad(g, f"has no {key} of its own")
+    ds = g[key]
+    if not isinstance(ds, h5py.Dataset) or ds.external or ds.is_virtual:
+        raise _bad(g, f"keeps {key} outside the shard")
+    if ds.shape != shape or ds.dtype.kind not in "fiu":
+        raise _bad(g, f"holds {key} of shape {ds.shape} and type {ds.dtype}; the run's width needs {shape}")
+    a = ds[()].astype(dtype)
+    if not np.isfinite(a).all():
+        raise _bad(g, f"holds NaN or Inf in {key}")
+    return a
 
 
 def bytes_per_part(dim: int) -> int:

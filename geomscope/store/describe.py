@@ -7,7 +7,7 @@ from pathlib import Path
 
 from geomscope.errors import DataError
 from geomscope.store import remote
-from geomscope.store.manifest import MANIFEST_NAME, PART_RE, being_written
+from geomscope.store.manifest import MANIFEST_NAME, PART_RE, being_written, shard_name
 from geomscope.store.reader import Run, shard_counts, verify_layout, verify_shard
 
 OPTION_KEYS = (
@@ -120,6 +120,35 @@ def _verify(run: Run, shards) -> dict:
                 )
         except DataError as e:
             bad.append({"file": s.file, "error": str(e)})
+    problems = manifest_problems(run)
+    return {
+        "checked": len(shards),
+        "bad": bad,  # damaged shards: redone by deleting them and rerunning extract
+        "manifest": problems,  # a manifest that disagrees with itself: no shard to delete
+        "ok": not bad and not problems,
+        "documents": _coverage(shards, run.complete),
+    }
+
+
+def manifest_problems(run: Run) -> list[str]:
+    """What makes a run's manifest disagree with itself, from the manifest alone (no shard is read):
+    a shard index or file listed twice, two shards claiming the same documents, a complete run with
+    a shard missing, a total that is not the sum of its shards, or shards that measured more rows
+    than they store in a run that keeps every row (its ``keep`` removed: the samples would be scored
+    as whole layers). ``score`` refuses a run with any; ``inspect --verify`` lists them."""
+    shards = run.shards
+    problems = [
+        f"shard {s.index} is recorded as file {s.file}, not {shard_name(s.index)}"
+        for s in shards
+        if s.file != shard_name(s.index)
+    ][:1]
+    for what, values in (("index", [s.index for s in shards]), ("file", [s.file for s in shards])):
+        twice = sorted({v for v in values if values.count(v) > 1})
+        if twice:
+            problems.append(f"shard {what} {twice[0]} is listed more than once")
+    coverage = _coverage(shards, run.complete)
+    if coverage["problem"]:
+        problems.append(coverage["problem"])
     totals = run.manifest.get("totals") or {}
     for key, actual in (
         ("rows", sum(s.n_tokens for s in shards)),
@@ -128,24 +157,21 @@ def _verify(run: Run, shards) -> dict:
         ("shards", len(shards)),
     ):
         if key in totals and totals[key] != actual:
-            why = f"totals.{key} is {totals[key]!r}, the shards hold {actual}"
-            bad.append({"file": MANIFEST_NAME, "error": why})
-    coverage = _coverage(shards, run.complete)
-    if coverage["problem"]:
-        bad.append({"file": MANIFEST_NAME, "error": coverage["problem"]})
-    return {"checked": len(shards), "bad": bad, "ok": not bad, "documents": coverage}
+            problems.append(f"totals.{key} is {totals[key]!r}, the shards hold {actual}")
+    if run.identity.get("keep") is None:
+        sampled = [s.file for s in shards if s.n_tokens != s.rows]
+        if sampled:
+            problems.append(
+                f"shard {sampled[0]} measured more rows than it stores, but the run records no --keep sample"
+            )
+    return problems
 
 
 def _check_documents_in_range(path, s) -> None:
     """Every document id a shard stores lies in the range its entry assigns it."""
-    from geomscope.store.reader import read_shard_index
+    from geomscope.store.reader import check_documents, read_shard_index
 
-    doc = read_shard_index(path, s.rows)["doc_id"]
-    if doc.size and (int(doc.min()) < s.doc_start or int(doc.max()) >= s.doc_stop):
-        raise DataError(
-            f"shard {s.file} stores documents {int(doc.min())}..{int(doc.max())}, outside its range "
-            f"{s.doc_start}..{s.doc_stop - 1}"
-        )
+    check_documents(path, read_shard_index(path, s.rows)["doc_id"], (s.doc_start, s.doc_stop))
 
 
 def _coverage(shards, complete: bool) -> dict:

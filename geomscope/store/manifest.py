@@ -34,6 +34,11 @@ LOCK_NAME = ".geomscope.lock"
 #: process 0 folds into the manifest (at the end, and when a run is resumed); ``.json`` is the part
 #: file of geomscope before the logs (one JSON document, rewritten per shard), still read
 PART_RE = re.compile(r"\.geomscope-rank-\d{5}\.jsonl?")
+#: a layer name a manifest may hold: a shard keeps each layer as an HDF5 dataset of that name, and
+#: reports print it, so no "/" (a path inside the shard), no control character (a terminal escape),
+#: no surrogate, nothing empty or leading dot; what geomscope writes is far narrower (layer_06,
+#: final_norm, ...)
+LAYER_NAME_RE = re.compile(r"[^\W][^/\x00-\x1f\x7f-\x9f\ud800-\udfff]{0,199}")
 #: process 0 rewrites the manifest for a newly recorded shard only when at least this many times
 #: the last rewrite's duration has gone by since it: rewriting costs at most ~1/REWRITE_RATIO of
 #: the publisher's time however many shards there are, and a reader of the manifest alone lags by
@@ -108,8 +113,18 @@ def check_manifest(m, path: Path) -> dict:
     )
     if not named:
         raise _damaged(path, "identity.layers is not a list of named layers")
-    if not isinstance(ident.get("model", {}), dict):
+    names = [x["name"] for x in layers]
+    for name in names:
+        if not LAYER_NAME_RE.fullmatch(name):
+            raise _damaged(path, f"identity.layers names a layer {name!r}, not a name geomscope writes")
+    if len(set(names)) != len(names):
+        raise _damaged(path, "identity.layers names a layer twice")
+    model = ident.get("model", {})
+    if not isinstance(model, dict):
         raise _damaged(path, "identity.model is not an object")
+    width = model.get("hidden_size")
+    if width is not None and (not isinstance(width, int) or isinstance(width, bool) or width < 1):
+        raise _damaged(path, f"identity.model.hidden_size is {_short(width)}, not a positive integer")
     shards = m.get("shards")
     if not isinstance(shards, list):
         raise _damaged(path, "shards is not a list")
@@ -120,10 +135,21 @@ def check_manifest(m, path: Path) -> dict:
     return m
 
 
+def _read_file_text(path: Path) -> str:
+    """The text of a regular file (OSError otherwise): a FIFO or a device put at a manifest's name
+    would block a plain open() (waiting for a writer) or never end; opened without waiting and
+    checked on the open file, it is refused instead."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path.name} is not a regular file")
+        return f.read().decode("utf-8")
+
+
 def _names_itself_ours(path: Path) -> bool:
     """A JSON object that says it is a geomscope manifest (damaged or not): --overwrite may remove it."""
     try:
-        m = json.loads(path.read_text(encoding="utf-8"))
+        m = json.loads(_read_file_text(path))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return False
     return isinstance(m, dict) and m.get("format") == "geomscope-run"
@@ -132,8 +158,7 @@ def _names_itself_ours(path: Path) -> bool:
 def read_manifest(path: Path) -> dict:
     """Read and check a manifest (InputError, one line, for anything unreadable or malformed)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            m = json.load(f)
+        m = json.loads(_read_file_text(Path(path)))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise InputError(
             f"{path} is unreadable ({(str(e).splitlines() or [type(e).__name__])[0]}); move it out of the "
@@ -535,8 +560,8 @@ class RunWriter:
         layer_names,
         dim,
         store_dtype,
-        doc_start=0,
-        doc_stop=0,
+        doc_start: int | None = None,
+        doc_stop: int | None = None,
         expected_rows: int | None = None,
         row_flags: tuple[str, ...] = (),
     ) -> ShardWriter:

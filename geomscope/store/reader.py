@@ -86,9 +86,13 @@ class _StreamedFile(h5py.File):
 def check_regular_file(path) -> None:
     """A local shard must be a regular file in its run: not a symbolic link (its bytes would come
     from elsewhere, unchecked by where the run lies), a FIFO or a device (a read that blocks or never
-    ends). DataError (one line) otherwise; a URL is left to its filesystem."""
+    ends). DataError (one line) otherwise. A ``file://`` URL is checked at its local path (it names
+    the same file); another URL is left to its filesystem."""
     if remote.is_url(path):
-        return
+        local = remote.local_path(path)
+        if local is None:
+            return
+        path = local
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError as e:
@@ -122,11 +126,10 @@ def open_regular(path):
     except OSError as e:
         check_regular_file(path)  # a link (ELOOP) or what else it is, said as such
         raise _corrupt(path, f"cannot read it: {e.strerror}") from e
-    f = open(fd, "rb", buffering=0)  # noqa: SIM115 -- the caller closes it
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        f.close()
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # (before open(): a directory would raise there)
+        os.close(fd)
         raise _corrupt(path, "not a regular file")
-    return f
+    return open(fd, "rb", buffering=0)  # noqa: SIM115 -- the caller closes it
 
 
 def identity(path) -> tuple | None:
@@ -206,21 +209,46 @@ def open_shard(path, expected: tuple | None = None) -> h5py.File:
     return _open(remote.location(path), expected)
 
 
-def read_accumulated(f: h5py.File, layer: str, *, extras: bool):
+def read_accumulated(f: h5py.File, layer: str, *, extras: bool, dim: int, tokens: int):
     """``(tokens, regular, special | None)`` of a ``--keep sample`` shard: the rows it measured and
-    the layer's stored Moments (store/accumulators.py); DataError naming the shard when incomplete."""
+    the layer's stored Moments (store/accumulators.py), checked against its manifest entry (``tokens``
+    measured, the run's width ``dim``); DataError naming the shard otherwise."""
     from geomscope.store.accumulators import GROUP, read_moments
 
+    path = getattr(f, "location", f.filename)
     try:
+        if f.attrs.get("keep") != "sample":
+            raise _corrupt(path, "it keeps every row, but the run records a --keep sample")
+        if f.attrs.get("tokens") != tokens:
+            raise _corrupt(path, f"it says it measured {f.attrs.get('tokens')} rows, its entry {tokens}")
+        if layer not in f[GROUP]:
+            raise _corrupt(path, f"it has no accumulators of layer {layer}")
         lg = f[GROUP][layer]
-        special = read_moments(lg["special"], extras=extras) if "special" in lg else None
-        return int(f.attrs["tokens"]), read_moments(lg["regular"], extras=extras), special
-    except KeyError as e:
-        raise _corrupt(getattr(f, "location", f.filename), f"no accumulators of layer {layer}") from e
+        regular = read_moments(lg["regular"], dim=dim, most=tokens, extras=extras)
+        special = None
+        if "special" in lg:
+            special = read_moments(lg["special"], dim=dim, most=tokens - regular.n, extras=extras)
+        return tokens, regular, special
+    except DataError as e:
+        if str(path) in str(e):
+            raise
+        raise _corrupt(path, str(e).split(";")[0]) from e
+    except READ_ERRORS as e:
+        raise _corrupt(path, _h5_reason(e)) from e
 
 
 #: what a damaged or crafted shard's structure makes h5py or numpy raise while it is read
-READ_ERRORS = (OSError, KeyError, ValueError, TypeError, IndexError, AttributeError, OverflowError)
+READ_ERRORS = (
+    OSError,
+    KeyError,
+    ValueError,
+    TypeError,
+    IndexError,
+    AttributeError,
+    OverflowError,
+    RuntimeError,  # h5py, for a name it cannot look up (a NUL in it)
+    UnicodeError,  # a name that is no text (a lone surrogate)
+)
 
 
 def _own_dataset(f: h5py.File, key: str, path) -> h5py.Dataset:
@@ -358,6 +386,7 @@ def iter_shard(
     rows: int | None = None,
     dim: int | None = None,
     expected: tuple | None = None,
+    docs: tuple[int, int] | None = None,
 ) -> Iterator[ShardChunk]:
     """Stream a shard in chunks of rows; memory is bounded by ``chunk_rows`` x D x len(layers).
 
@@ -365,17 +394,19 @@ def iter_shard(
     ``layers`` is then empty): the metadata pass of ``score --max-rows``. ``path``: a path or a URL.
     ``rows``, ``dim``: the manifest's row count and the run's width, checked (:func:`check_layout`)
     before anything is read. ``expected``: the shard's :func:`identity` when it was planned (checked
-    on the open file).
+    on the open file). ``docs``: the documents [start, stop) its manifest entry assigns it; a row of
+    another document is refused (it would be counted twice, or in the wrong jackknife group).
     """
     path = remote.location(path)
     with _open(path, expected) as f, contextlib.closing(_RowReader(path, f)) as reader:
-        names = list(f["layers"].keys()) if layers is None else list(layers)
-        for n in names:
-            if n not in f["layers"]:
-                raise InputError(
-                    f"layer {n!r} is not in {remote.name(path)} (it has {', '.join(f['layers'].keys())})"
-                )
         try:
+            stored = f["layers"]
+            if not isinstance(stored, h5py.Group):
+                raise _corrupt(path, "its layers are not a group of datasets")
+            names = list(stored.keys()) if layers is None else list(layers)
+            for n in names:
+                if n not in stored:
+                    raise _corrupt(path, f"it has no layer {n!r}, which the run lists")
             n_rows = check_layout(f, path, names, rows=rows, dim=dim)
             if names and activations:
                 d = f["layers"][names[0]].shape[1]
@@ -390,6 +421,8 @@ def iter_shard(
             for start in range(0, n_rows, step):
                 stop = min(n_rows, start + step)
                 meta = {k: f[k][start:stop] for k in (*META_FIELDS, "is_special")}
+                if docs is not None:
+                    check_documents(path, meta["doc_id"], docs)
                 yield ShardChunk(
                     start=start,
                     stop=stop,
@@ -403,7 +436,22 @@ def iter_shard(
                     is_special=meta["is_special"],
                 )
         except READ_ERRORS as e:  # truncated file, broken chunk, a structure no writer made
-            raise _corrupt(path, str(e).split("(")[0].strip() or type(e).__name__) from e
+            raise _corrupt(path, _h5_reason(e)) from e
+
+
+def _h5_reason(e: BaseException) -> str:
+    """The first words of what h5py or numpy said, without HDF5's parenthesised detail and quotes."""
+    return str(e).split("(")[0].strip().strip("\"'").strip() or type(e).__name__
+
+
+def check_documents(path, doc_id: np.ndarray, docs: tuple[int, int]) -> None:
+    """Every document id of a shard's rows lies in [start, stop), the range its entry assigns it."""
+    if doc_id.size and (int(doc_id.min()) < docs[0] or int(doc_id.max()) >= docs[1]):
+        raise _corrupt(
+            path,
+            f"it stores rows of documents {int(doc_id.min())}..{int(doc_id.max())}, outside its range "
+            f"{docs[0]}..{docs[1] - 1}",
+        )
 
 
 def shard_counts(path: Path, rows: int | None = None) -> tuple[int, int]:
