@@ -4,14 +4,19 @@ Each command lives in its own module and registers itself on :data:`app`. :func:
 place where failures become what a user sees: a :class:`~geomscope.errors.GeomscopeError` or a
 usage error (bad type, out of range, unknown option, missing argument) becomes one ``error: ...``
 line on stderr and a non-zero exit (2 for bad input and usage, 3 for data that cannot give a
-number); Ctrl-C says that finished work is kept; an input that ends early (an ``EOFError``, which click
-would take for Ctrl-D) and running out of memory are said as such. ``geomscope --debug ...`` shows
-the traceback.
+number); Ctrl-C, and a SIGTERM (a scheduler's or a container's stop) alike, say that finished work
+is kept, after the same clean-up (a spooled stdin removed); an input that ends early (an
+``EOFError``, which click would take for Ctrl-D), running out of memory and a full disk are said as
+such. ``geomscope --debug ...`` shows the traceback.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import signal
 import sys
+import threading
 
 import typer
 
@@ -34,8 +39,30 @@ def _usage_error_line(e: Exception) -> str:
     return f"error: {message} (see '{where} --help')"
 
 
+#: the errors of a full disk, an exhausted quota and a file-size limit (ulimit -f)
+_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _terminated(signum, frame) -> None:
+    """SIGTERM as Ctrl-C: the clean-up of every ``finally`` runs (its default ends the process at
+    once, leaving a spooled copy of stdin, as large as the corpus, in the temporary folder)."""
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``geomscope`` console script (and ``python -m geomscope``)."""
+    # SIGTERM as Ctrl-C while a command runs (worker processes put the default back: executor.py);
+    # the previous handler is restored after, for a caller that runs main() in its own process
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if on_main_thread else None
+    try:
+        _main(argv)
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> None:
     args = list(sys.argv[1:] if argv is None else argv) or ["--help"]  # bare `geomscope`: the help
     debug = "--debug" in args
     state["argv"] = ["geomscope", *args]  # the provenance of what a command writes (score reports)
@@ -59,6 +86,18 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     except typer.Exit as e:
         sys.exit(e.exit_code)
+    except OSError as e:
+        # a disk that fills up (or a quota, or a file-size limit) while a command writes: what it
+        # finished is kept (extract resumes from its last shard), so one line saying what to do
+        if e.errno not in _SPACE_ERRNOS or debug or state["debug"]:
+            raise
+        where = f" writing {e.filename}" if e.filename else ""
+        print(
+            f"error: {os.strerror(e.errno).lower()}{where}; free some space (or choose another --out) "
+            "and rerun the same command: finished work is kept",
+            file=sys.stderr,
+        )
+        sys.exit(1)
     except MemoryError as e:  # what no check before could foresee: one line, not numpy's traceback
         if debug or state["debug"]:
             raise

@@ -18,11 +18,13 @@ every row, so a row maps back to its source (``inputs[i].first_doc_id`` + record
 from __future__ import annotations
 
 import csv
+import errno
 import gzip
 import hashlib
 import io
 import json
 import os
+import stat
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -121,7 +123,12 @@ def _open_input(a: str) -> InputFile:
         return InputFile(arg=a, path=p.resolve(), kind="dataset")
     if not os.access(p, os.R_OK):
         raise InputError(f"input {a} is not readable (permission denied); fix its permissions")
-    if not p.is_file():  # a pipe or a device: its bytes, once
+    if not p.is_file():  # a pipe: its bytes, once
+        if not stat.S_ISFIFO(p.stat().st_mode):  # /dev/zero would be copied until the disk is full
+            raise InputError(
+                f"input {a} is a device, not a file or a pipe; give text files, a saved dataset, a "
+                "pipe, or - for standard input"
+            )
         kind, gz = _kind_of(p)
         try:
             with open(p, "rb") as stream:
@@ -149,10 +156,25 @@ def _spool(src, arg: str, kind: str, gz: bool) -> InputFile:
         with os.fdopen(fd, "wb") as f:
             while chunk := src.read(1 << 20):
                 f.write(chunk.encode("utf-8") if isinstance(chunk, str) else chunk)
-    except BaseException:
+    except BaseException as e:
         Path(name).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise InputError(
+                f"{arg} did not fit in the temporary folder {Path(name).parent} ({e.strerror}); it is "
+                "copied there to be read twice: set TMPDIR to a folder with room, or give the text as a file"
+            ) from None
         raise
     return InputFile(arg=arg, path=Path(name), kind=kind, gzip=gz, spooled=True)
+
+
+def check_out_outside_inputs(inputs: list[InputFile], out) -> None:
+    """InputError (one line) where the run directory ``out`` would lie inside a dataset directory
+    given as input: the dataset's identity hashes every file under it, the run's own included, so
+    the run could never be resumed (its input would seem to change with every shard written)."""
+    target = Path(out).expanduser().resolve()
+    for inp in inputs:
+        if inp.kind == "dataset" and (target == inp.path or inp.path in target.parents):
+            raise InputError(f"--out {out} lies inside the input dataset {inp.arg}; write the run elsewhere")
 
 
 def close_inputs(inputs: list[InputFile]) -> None:

@@ -54,6 +54,10 @@ def check_workers(workers: int) -> int:
 
 
 def _init_worker() -> None:
+    import signal
+
+    # a forked worker inherits the CLI's SIGTERM-as-Ctrl-C; the pool stops its workers with SIGTERM
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = "1"
     try:

@@ -29,8 +29,11 @@ class Basis:
 
 
 def _model_identity(src: SourceInfo) -> dict:
+    from geomscope.extract.models import WEIGHTS_KEY
+
     m = src.run_obj.identity.get("model") or {}
-    return {"name": m.get("name"), "weights": m.get("weights_sha256"), "hidden_size": m.get("hidden_size")}
+    # (a run from before WEIGHTS_KEY has none: the model's name is compared instead)
+    return {"name": m.get("name"), "weights": m.get(WEIGHTS_KEY), "hidden_size": m.get("hidden_size")}
 
 
 def open_basis(src: SourceInfo, path: str, ranks, partial: bool) -> Basis:

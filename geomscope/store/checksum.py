@@ -36,7 +36,7 @@ _FORMS = {a: re.compile(f"[0-9a-f]{{{n}}}") for a, n in _HEX_DIGITS.items()}
 READ_BYTES = 1024 * 1024
 
 
-def _hasher(algorithm: str):
+def hasher(algorithm: str):
     if algorithm == SLOW:
         return hashlib.sha256()
     if algorithm == FAST:
@@ -52,7 +52,7 @@ def digests(loc, algorithms: tuple[str, ...] = (SLOW, FAST)) -> dict[str, str]:
 
 def file_digests(f, algorithms: tuple[str, ...] = (SLOW, FAST)) -> dict[str, str]:
     """Hex digests of what an open binary file holds from where it stands to its end (it stays open)."""
-    hashers = {a: _hasher(a) for a in algorithms}
+    hashers = {a: hasher(a) for a in algorithms}
     buf = memoryview(bytearray(READ_BYTES))
     while n := _read_into(f, buf):
         chunk = buf[:n]
