@@ -61,6 +61,12 @@ def make_dirs(path: str | os.PathLike, *, option: str = "--out") -> Path:
     p = Path(path)
     try:
         p.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # something that is not a folder is on the way: say what, not "File exists"
+        on_way = next((q for q in (p, *p.parents) if os.path.lexists(q) and not q.is_dir()), p)
+        what = "a link to nothing" if on_way.is_symlink() and not on_way.exists() else "not a folder"
+        raise InputError(
+            f"cannot create the output folder {p}: {on_way} is {what}; choose another {option}"
+        ) from None
     except OSError as e:
         raise InputError(
             f"cannot create the output folder {p} ({e.strerror or e}); choose another {option}"

@@ -34,11 +34,11 @@ class Task:
 
     def describe(self, text: str) -> None:
         if self._p is not None:
-            self._p.update(self._id, description=text)
+            self._p.update(self._id, description=_as_text(text))
 
     def info(self, text: str) -> None:
         if self._p is not None:
-            self._p.update(self._id, info=text)
+            self._p.update(self._id, info=_as_text(text))
 
     def complete(self) -> None:
         if self._p is not None:
@@ -89,9 +89,17 @@ class Progress:
     def add(self, description: str, total: int, *, unit: str = "", rate_unit: str | None = None) -> Task:
         if self._p is None:
             return Task(None, None, None)
-        task_id = self._p.add_task(description, total=total, unit=unit, rate="", info="")
+        task_id = self._p.add_task(_as_text(description), total=total, unit=unit, rate="", info="")
         return Task(self._p, task_id, rate_unit)
 
     def print(self, text: str) -> None:
         if self._p is not None:
             self._p.console.print(text, markup=False, highlight=False)
+
+
+def _as_text(description: str) -> str:
+    """A description (it names layers and files from the data) shown as itself: the bar renders it
+    with markup on."""
+    from geomscope.report import shown
+
+    return shown(description)

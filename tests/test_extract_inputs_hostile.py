@@ -106,3 +106,55 @@ def test_out_inside_an_input_dataset_is_refused(tmp_path):
         check_out_outside_inputs(ins, ds / "run")
     check_out_outside_inputs(ins, tmp_path / "run")  # beside it: fine
     assert Path(ds).is_dir()
+
+
+def test_a_csv_with_a_quote_never_closed_is_refused(cli, tmp_path):
+    """csv's lenient reader made the rest of the file one document of the quoted field, rc 0."""
+    src = tmp_path / "bad.csv"
+    src.write_text('text,x\n"hello,1\nworld,2\n')
+    code, out, err = cli(["extract", "bundled:minilm", src, "--out", tmp_path / "r", "-q"])
+    assert_one_line_error(code, out, err, "not valid CSV", "a quote that is never closed", exit_code=2)
+
+
+def test_an_out_through_a_link_to_nothing_says_so(cli, tmp_path):
+    (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
+    src = tmp_path / "in.txt"
+    src.write_text("a sentence\n")
+    for out_dir in (tmp_path / "dangling", tmp_path / "dangling" / "sub"):
+        code, out, err = cli(["extract", "bundled:minilm", src, "--out", out_dir, "-q"])
+        assert_one_line_error(code, out, err, "dangling is a link to nothing", exit_code=2)
+
+
+def test_long_documents_raise_no_false_warning_about_indexing(tmp_path, capfd):
+    """The plan's token estimate tokenizes a sample at full length (truncation comes per bin after);
+    transformers warned 'Token indices sequence length is longer ... indexing errors'."""
+    from geomscope.extract import extract
+
+    src = tmp_path / "long.txt"
+    src.write_text(" ".join(["word"] * 2000) + "\n")
+    extract("bundled:minilm", [src], tmp_path / "r", layers="0")
+    assert "indexing errors" not in capfd.readouterr().err
+
+
+def test_error_lines_show_control_characters_as_escapes(cli, tmp_path):
+    """An error names files from the user's data; ESC in such a name drove the terminal."""
+    name = tmp_path / "x\x1b]0;owned\x07.txt"
+    code, out, err = cli(["extract", "bundled:minilm", name, "--out", tmp_path / "r"])
+    assert code == 2 and "\x1b" not in err and "\x07" not in err and "\\x1b" in err
+
+
+def test_dask_local_workers_are_bounded_like_workers():
+    from geomscope.score.dask_executor import parse_scheduler
+
+    assert parse_scheduler("local:4") == "local:4"
+    with pytest.raises(InputError, match="at most 1024"):
+        parse_scheduler("local:100000")
+
+
+def test_progress_descriptions_are_shown_as_text():
+    from geomscope.progress import _as_text
+
+    from rich.text import Text
+
+    # rendered with markup, it reads as written, the ESC as a visible escape
+    assert Text.from_markup(_as_text("layer [bold red]x[/] \x1b[2J")).plain == "layer [bold red]x[/] \\x1b[2J"

@@ -32,6 +32,14 @@ def _first_line(text: str, fallback: str) -> str:
     return lines[0] if lines else fallback
 
 
+def _as_text(line: str) -> str:
+    """An error line (it names files, layers and models from the data) with control characters shown
+    as escapes: a name holding ESC would otherwise drive the terminal."""
+    from geomscope.report import shown
+
+    return shown(line, markup=False)
+
+
 def _usage_error_line(e: Exception) -> str:
     ctx = getattr(e, "ctx", None)
     where = ctx.command_path if ctx is not None else "geomscope"
@@ -71,7 +79,7 @@ def _main(argv: list[str] | None) -> None:
     except GeomscopeError as e:
         if debug or state["debug"]:
             raise
-        print(f"error: {_first_line(str(e), type(e).__name__)}", file=sys.stderr)
+        print(f"error: {_as_text(_first_line(str(e), type(e).__name__))}", file=sys.stderr)
         sys.exit(e.exit_code)
     except (KeyboardInterrupt, typer.Abort) as e:
         if isinstance(e.__cause__, EOFError):  # click reads an EOFError as Ctrl-D: here, a file cut short

@@ -58,8 +58,10 @@ def estimate_tokens(scan: Scan, tokenizer, max_length: int | None, max_tokens: i
     """Estimated rows: sample tokens per character, applied per length bin, capped by truncation."""
     if scan.docs == 0:
         return 0
-    lens = [len(x) for x in tokenizer(scan.sample, add_special_tokens=True)["input_ids"]]
-    specials = len(tokenizer("", add_special_tokens=True)["input_ids"])
+    # (verbose=False: the sample's full lengths are what is counted, truncation is applied per bin
+    # below; transformers would warn of "indexing errors" that no forward will meet)
+    lens = [len(x) for x in tokenizer(scan.sample, add_special_tokens=True, verbose=False)["input_ids"]]
+    specials = len(tokenizer("", add_special_tokens=True, verbose=False)["input_ids"])
     chars = sum(len(t) for t in scan.sample)
     ratio = max(0.0, sum(lens) - specials * len(lens)) / max(1, chars)
     per_bin = scan.hist_count * specials + scan.hist_chars * ratio

@@ -101,6 +101,9 @@ def parse_scheduler(value) -> str:
         n = s[len("local:") :].strip()
         if not n.isdigit() or int(n) < 1:
             raise InputError(f"--scheduler local:N needs a whole number of workers N >= 1; got {s!r}")
+        from geomscope.score.executor import check_workers  # the bound --workers has: a typo forks
+
+        check_workers(int(n))
         return f"local:{int(n)}"
     if low.startswith("tcp://"):
         host, sep, port = s[len("tcp://") :].rpartition(":")
