@@ -363,3 +363,36 @@ def test_world_from_the_launchers_environment(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert world_from_env() == (1, 2, 1)
+
+
+def test_a_process_reading_other_inputs_is_refused(data, tmp_path):
+    """Only process 0's identity met the manifest: a process on a node with another copy of the
+    corpus (here: its own working directory's in.txt) mixed its rows into the run. Every process
+    now proves it would extract the same rows, and all exit with one line."""
+    port = _free_port()
+    procs = []
+    for r in (0, 1):
+        cwd = tmp_path / f"node{r}"
+        cwd.mkdir()
+        (cwd / "in.txt").write_text("\n".join(SAMPLE_TEXTS[r:] + SAMPLE_TEXTS[:r]) + "\n")
+        env = _env(
+            RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "geomscope", "extract", str(data["gpt2"]), "in.txt", "--out"]
+                + [str(tmp_path / "run"), "-q"],
+                cwd=cwd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    for pr in procs:
+        _out, err = pr.communicate(timeout=180)
+        last = [ln for ln in err.strip().splitlines() if ln.strip()][-1]
+        assert pr.returncode == 2, err
+        assert last.startswith("error:") and "process 1 would extract other rows" in last, err
+        assert "inputs.0.sha256" in last and "Traceback" not in err
+    assert not list((tmp_path / "run").glob("shard-*.h5"))

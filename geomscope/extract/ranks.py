@@ -94,6 +94,7 @@ def extract_ranks(model, inputs, out: Path, opts, *, progress: bool, log, stdin)
                 return scan, lm, single._plan(lm, ins, scan, local, out)
 
             scan, lm, p = _together(d, plan)
+            _together(d, lambda: _check_same_request(d, p.identity))
             say(p.describe(lm, out, scan.docs) + f"; {d.world_size} processes")
             # process 0 opens (or resumes) the run; then the others join it
             opened = _together(d, lambda: _open_main(out, p, lm, local, scan, d) if is_main else None)
@@ -124,6 +125,32 @@ def extract_ranks(model, inputs, out: Path, opts, *, progress: bool, log, stdin)
     say(single.done_line(summary))
     single._refuse_nonfinite(summary, opts, out)
     return summary
+
+
+def _comparable(identity: dict) -> dict:
+    """What of a process's identity must equal process 0's: everything but where the files lie
+    (each node may mount the model and the inputs at its own paths)."""
+    out = {k: v for k, v in identity.items() if k != "dataset"}
+    out["model"] = {k: v for k, v in (identity.get("model") or {}).items() if k != "name"}
+    out["inputs"] = [{k: v for k, v in i.items() if k != "path"} for i in identity.get("inputs", [])]
+    return out
+
+
+def _check_same_request(d, identity: dict) -> None:
+    """Only process 0's identity meets the run's manifest, so every other process proves here that it
+    would extract the same rows: the same input bytes, model, layers and options. On several nodes a
+    node with other local files (another copy of the corpus, another checkpoint at the same path)
+    mixed its rows into the run."""
+    from geomscope.store.manifest import identity_differences
+
+    mine = _comparable(identity)
+    first = _share_json(d, mine)
+    if d.rank != 0 and first != mine:
+        diffs = identity_differences(first, mine)
+        raise InputError(
+            f"process {d.rank} would extract other rows than process 0 ({'; '.join(diffs[:2])}; "
+            "'in the run' is process 0's); give every process the same inputs, model and options"
+        )
 
 
 def _device_of(opts, d):
