@@ -207,10 +207,22 @@ def test_the_pool_starts_at_most_one_process_per_shard(run_dir, monkeypatch):
             started.append(max_workers)
             super().__init__(max_workers, *a, **k)
 
+    from geomscope.score import engine
+
+    planned = {}
+
+    def remember(self, *args):
+        planned.update(threads=self.threads, in_flight=self.ex.in_flight)
+        return original(self, *args)
+
+    original = engine._Scorer.run
+    monkeypatch.setattr(engine._Scorer, "run", remember)
     monkeypatch.setattr(executor, "ProcessPoolExecutor", Counted)
     rep = score(run_dir, ScoreOptions(workers=30, metrics=("isoscore",)))
     assert started == [3]  # 3 shards: 3 processes, not 30
     assert rep["params"]["workers"] == 30
+    # the memory plan (2 results in flight per process) and the threads count the 3, not the 30
+    assert planned == {"threads": max(1, engine._usable_cores() // 3), "in_flight": 6}
 
 
 # ------------------------------------------------------------------------------ 6. --memory-mb

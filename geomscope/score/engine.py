@@ -109,16 +109,21 @@ def score(
     )
     for w in src.warnings:
         log(w)
+    # processes beyond one per task would only wait, holding memory the plan counts (2 task results
+    # each) and cores the threads below divide among them
+    processes = max(1, min(opts.workers, len(src.tasks)))
     with (
         one_blas_thread(),
-        make_executor(opts.workers, opts.scheduler) as ex,
+        make_executor(processes, opts.scheduler) as ex,
         Progress(enabled=progress) as prog,
     ):
-        return _Scorer(src, opts, ex, prog, log).run()
+        return _Scorer(src, opts, ex, prog, log, processes).run()
 
 
 class _Scorer:
-    def __init__(self, src: SourceInfo, opts: ScoreOptions, ex: Executor, prog: Progress, log):
+    def __init__(
+        self, src: SourceInfo, opts: ScoreOptions, ex: Executor, prog: Progress, log, processes: int
+    ):
         self.src, self.opts, self.ex, self.prog, self.log = src, opts, ex, prog, log
         self.G = opts.jackknife_groups if opts.jackknife_groups >= 2 else 1
         if src.sample is not None and len(src.tasks) >= 2:  # shard groups: no more groups than shards
@@ -130,7 +135,7 @@ class _Scorer:
         self.target, self.target_layer = self._parse_target()
         # the block statistics of a task run in threads (BLAS stays single-threaded in each): the
         # cores this process may use, shared among --workers processes; one per Dask task
-        self.threads = 1 if opts.scheduler else max(1, _usable_cores() // max(1, opts.workers))
+        self.threads = 1 if opts.scheduler else max(1, _usable_cores() // processes)
 
     # -- passes ------------------------------------------------------------------------------
     def _pass(self, tasks, spec: PassSpec, desc: str, rows: int | None = None) -> dict:
