@@ -545,8 +545,17 @@ def _load_parts(
 
     try:
         config = transformers.AutoConfig.from_pretrained(load_from, **kw)
+    except (OSError, ValueError, KeyError) as e:
+        raise _load_error(e, info["name"], info, revision) from e
+    try:
         tok = transformers.AutoTokenizer.from_pretrained(load_from, **kw)
     except (OSError, ValueError, KeyError) as e:
+        if not kw.get("trust_remote_code") and _tokenizer_has_code(load_from):
+            # transformers then says only that a backend could not be built (sentencepiece...)
+            raise InputError(
+                f"the tokenizer of model {info['name']} needs its own code (auto_map in "
+                "tokenizer_config.json); rerun with --trust-remote-code if you trust it"
+            ) from e
         raise _load_error(e, info["name"], info, revision) from e
     if loss is not None:
         return (
@@ -571,6 +580,17 @@ def _load_parts(
         f"model {info['name']} ({config.model_type}) has no architecture transformers can "
         "load for its hidden states; give an encoder, decoder or encoder-decoder model"
     )
+
+
+def _tokenizer_has_code(load_from: str) -> bool:
+    """Whether a local model directory's tokenizer_config.json names a tokenizer class of its own code."""
+    import json
+
+    try:
+        cfg = json.loads((Path(load_from) / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and isinstance(cfg.get("auto_map"), (dict, list)) and bool(cfg["auto_map"])
 
 
 def _load_head(load_from: str, kw: dict, tdtype, info: dict, revision, config, asked: str):
