@@ -58,7 +58,9 @@ def extract_cmd(
         metavar="LIST|FILE|PRESET|GLOB",
         help="Many checkpoints, one run each in --out/<revision>/: hub revisions (comma list or a "
         "file, one per line), the preset pythia-mm21 (step0, step7000 ... step143000), or local "
-        "checkpoint directories (a glob, e.g. 'ft_out/checkpoints/*'). Finished runs are skipped.",
+        "checkpoint directories (a glob, e.g. 'ft_out/checkpoints/*'). A finished run is skipped when "
+        "asked for as before (the same model files or commit, inputs and options); otherwise it is "
+        "extracted as one extract would (resumed, or refused naming what differs).",
     ),
     drop_weights: bool = typer.Option(
         False,

@@ -229,12 +229,26 @@ def weights_fingerprint(model_dir: Path) -> str | None:
     model, which reads the same bytes.
     """
     d = Path(model_dir)
-    files = [
+    files = sorted(
         p
         for p in d.iterdir()
         if p.is_file() and (p.name == "config.json" or p.name.endswith((*WEIGHT_SUFFIXES, ".py")))
-    ]
-    return _digest_files(files, "xxh3_128")
+    )
+    # extract asks twice (what a rerun of --revisions compares, before the load; the identity, after):
+    # the same files, unchanged since (device, inode, size, mtime), are not read again
+    key = tuple((str(p), *_stat_key(p)) for p in files)
+    if key not in _FINGERPRINTS:
+        _FINGERPRINTS.clear()  # one model's at a time: a sweep over checkpoints keeps nothing
+        _FINGERPRINTS[key] = _digest_files(files, "xxh3_128")
+    return _FINGERPRINTS[key]
+
+
+_FINGERPRINTS: dict[tuple, str | None] = {}
+
+
+def _stat_key(p: Path) -> tuple:
+    st = p.stat()
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def tokenizer_fingerprint(model_dir: Path) -> str | None:

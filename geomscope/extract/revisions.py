@@ -4,16 +4,18 @@
 file with one revision per line, or local checkpoint directories (a glob such as
 ``ft_out/checkpoints/*``, or a comma list of directories). Each revision is extracted with the same
 options into ``DIR/<name>/`` (the revision, or the checkpoint directory's name), one after another,
-each model freed before the next. A finished run is skipped on rerun (``--overwrite`` redoes them);
-an unfinished one resumes. A revision that fails is reported and the others go on; the call then
-fails naming every failed revision, with the finished runs intact.
+each model freed before the next. A finished run is skipped on rerun when it was asked for exactly
+as now (:func:`_skip`: the model's files or commit, the inputs' hashes and the options, compared
+without loading the model); otherwise the revision is extracted as a single extract would: an
+unfinished run resumes, a finished one is found complete, one made differently is refused naming
+the differences (``--overwrite`` redoes them all). A revision that fails is reported and the others
+go on; the call then fails naming every failed revision, with the finished runs intact.
 """
 
 from __future__ import annotations
 
 import gc
 import glob
-import json
 import os
 import re
 import shutil
@@ -113,11 +115,72 @@ def _natural(p: Path):
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
 
 
-def _complete(run_dir: Path) -> bool:
+class _Hashed:
+    """The inputs, opened and hashed once for every revision's request, and again only when a file
+    changed since (run.py's _signatures): one read of the inputs per call, not one per revision."""
+
+    def __init__(self, args: list[str]):
+        self.args, self.ins, self.signatures = args, None, None
+
+    def __call__(self):
+        from geomscope.extract.run import _signatures
+        from geomscope.extract.sources import hash_input, open_inputs
+
+        if self.ins is None:
+            self.ins = open_inputs(self.args)
+        now = _signatures(self.ins)  # before the hash: a change while hashing is seen next time
+        if now != self.signatures:
+            for inp in self.ins:
+                hash_input(inp)
+            self.signatures = now
+        return self.ins
+
+    def close(self) -> None:
+        from geomscope.extract.sources import close_inputs
+
+        close_inputs(self.ins or [])
+
+
+def _skip(run_dir: Path, rev: Revision, hashed: _Hashed, options, streams: list[str]) -> tuple[bool, str]:
+    """(whether the run in ``run_dir`` is complete and was asked for as now, why not or why so).
+
+    Only then is loading the model again needless: what was asked is compared with the run's stored
+    request (run.py's run_request), never assumed; a run without one (from before geomscope recorded
+    it) is extracted again, which finds it complete at the cost of a load."""
+    from dataclasses import replace
+
+    from geomscope.extract.run import request_differences, run_request
+    from geomscope.store.manifest import MANIFEST_NAME, read_manifest
+
+    path = run_dir / MANIFEST_NAME
+    if not path.exists():
+        return False, ""
     try:
-        return bool(json.loads((run_dir / "manifest.json").read_text(encoding="utf-8")).get("complete"))
-    except (OSError, ValueError, AttributeError):
-        return False
+        m = read_manifest(path)
+    except GeomscopeError:
+        return False, "its manifest is unreadable"
+    if not m.get("complete"):
+        return False, "unfinished"
+    if streams:
+        return False, f"complete, but {streams[0]} can be compared only by reading it"
+    nonfinite = (m.get("totals") or {}).get("nonfinite_rows")
+    if nonfinite and not options.allow_nonfinite:
+        return False, f"complete, with {nonfinite} NaN/Inf rows and no --allow-nonfinite"
+    try:
+        opts = replace(options, revision=rev.revision).validate()  # as extract() makes them
+        now = run_request(rev.model, hashed(), opts)
+    except GeomscopeError as e:  # extract reports it
+        return False, f"complete, but what is asked cannot be checked ({str(e).splitlines()[0][:120]})"
+    if now is None:
+        return False, "complete, but its model's files cannot be read to compare"
+    diffs = request_differences(m.get("request"), now)
+    if diffs:
+        shown = "; ".join(diffs[:3]) + ("; ..." if len(diffs) > 3 else "")
+        return False, f"complete, but asked differently: {shown}"
+    by_name = now["model"].get("source") == "hub" and now["model"].get("commit") is None
+    return True, "complete and asked for as now" + (
+        " (its revision, not in the local cache, compared by name)" if by_name else ""
+    )
 
 
 def _free() -> None:
@@ -195,7 +258,8 @@ def extract_revisions(
     from geomscope.extract.sources import is_stream
 
     say = log or (lambda msg: None)
-    streams = [i for i in ([inputs] if isinstance(inputs, str) else inputs) if is_stream(i)]
+    args = [str(i) for i in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
+    streams = [i for i in args if is_stream(i)]
     if len(revisions) > 1 and streams:
         raise InputError(
             f"{streams[0]} can be read once (stdin or a pipe); save the text to a file to extract "
@@ -204,37 +268,42 @@ def extract_revisions(
     out = Path(out)
     make_dirs(out)
     runs, failures = [], []
-    for i, rev in enumerate(revisions, 1):
-        run_dir = out / rev.name
-        label = rev.revision or rev.model
-        entry = {"revision": label, "dir": str(run_dir)}
-        if _complete(run_dir) and not options.overwrite:
-            say(f"[{i}/{len(revisions)}] {label}: complete in {run_dir}, skipped")
-            runs.append({**entry, "status": "skipped"})
-            continue
-        say(f"[{i}/{len(revisions)}] {label} -> {run_dir}")
-        cached_before = _snapshot(rev, options.cache_dir) if drop_weights else None
-        try:
-            summary = extract(
-                rev.model,
-                inputs,
-                run_dir,
-                options,
-                revision=rev.revision,
-                progress=progress,
-                log=log,
-                stdin=stdin,
-            )
-            runs.append({**entry, "status": "done", "rows": summary.get("rows")})
-            if drop_weights:
-                runs[-1]["dropped_bytes"] = _drop(rev, options.cache_dir, cached_before, say, label)
-        except GeomscopeError as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            say(f"[{i}/{len(revisions)}] {label} failed: {first}")
-            runs.append({**entry, "status": "failed", "error": first})
-            failures.append((label, e))
-        finally:
-            _free()
+    hashed = _Hashed(args)
+    try:
+        for i, rev in enumerate(revisions, 1):
+            run_dir = out / rev.name
+            label = rev.revision or rev.model
+            entry = {"revision": label, "dir": str(run_dir)}
+            skip, why = (False, "") if options.overwrite else _skip(run_dir, rev, hashed, options, streams)
+            if skip:
+                say(f"[{i}/{len(revisions)}] {label}: {why} in {run_dir}, skipped")
+                runs.append({**entry, "status": "skipped"})
+                continue
+            say(f"[{i}/{len(revisions)}] {label} -> {run_dir}" + (f" ({why})" if why else ""))
+            cached_before = _snapshot(rev, options.cache_dir) if drop_weights else None
+            try:
+                summary = extract(
+                    rev.model,
+                    inputs,
+                    run_dir,
+                    options,
+                    revision=rev.revision,
+                    progress=progress,
+                    log=log,
+                    stdin=stdin,
+                )
+                runs.append({**entry, "status": "done", "rows": summary.get("rows")})
+                if drop_weights:
+                    runs[-1]["dropped_bytes"] = _drop(rev, options.cache_dir, cached_before, say, label)
+            except GeomscopeError as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                say(f"[{i}/{len(revisions)}] {label} failed: {first}")
+                runs.append({**entry, "status": "failed", "error": first})
+                failures.append((label, e))
+            finally:
+                _free()
+    finally:
+        hashed.close()
     result = {"runs": runs, "failed": len(failures), "out": str(out)}
     if failures:
         label, first = failures[0]

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from geomscope.extract.batching import Doc, length_order, plan_batches, tokenize
 from geomscope.extract.capture import HeapTrim
 from geomscope.extract.layers import LAYER_NOTE, describe_layers, parse_layers, split_final_norm
 from geomscope.extract.options import ExtractOptions
-from geomscope.extract.plan import bytes_per_row, check_disk, estimate_tokens, human_bytes, scan_inputs
+from geomscope.extract.plan import Scan, bytes_per_row, check_disk, estimate_tokens, human_bytes, scan_inputs
 from geomscope.extract.sources import close_inputs, hash_input, iter_all, open_inputs, uses_column, uses_field
 from geomscope.extract.storing import StoreThread
 from geomscope.progress import Progress
@@ -117,8 +118,9 @@ def extract(
     trust_remote_code are the ones it was loaded with). ``options``: an :class:`ExtractOptions`;
     keyword ``overrides`` replace its fields (``extract(m, [f], out, shard_docs=10)``). Returns the
     summary dict that ``geomscope extract --json`` prints. Raises InputError for bad input (nothing
-    written), and DataError -- after the run is complete, with the summary as ``.summary`` -- when
-    some activations are NaN/Inf, unless ``allow_nonfinite``.
+    written; for an input that changed while it was read, the shards written so far stay an
+    unfinished run), and DataError -- after the run is complete, with the summary as ``.summary``
+    -- when some activations are NaN/Inf, unless ``allow_nonfinite``.
     """
     from geomscope.distributed import world_from_env
     from geomscope.store import RunWriter
@@ -136,18 +138,27 @@ def extract(
     ins = open_inputs(args, stdin=stdin)
     try:
         scan = _scan(ins, opts)
+        # before the load: what extract --revisions computes, without loading, to skip a finished run
+        request = run_request(model, ins, opts)
         lm = _load(model, opts)
+        if request is not None and request["model"]["source"] == "hub":
+            request["model"]["commit"] = lm.info.get("commit")  # the commit the rows come from
         plan = _plan(lm, ins, scan, opts, out)
+        # a change while the model loaded (often the longest wait) is found before the run is made
+        _check_unchanged(ins, scan.signatures, _NOTHING_WRITTEN)
         say(plan.describe(lm, out, scan.docs))
         with RunWriter(
             out, plan.identity, overwrite=opts.overwrite, extra=_manifest_extra(lm, opts)
         ) as writer:
-            # saved with the first shard (one fsync pair less per call; nothing depends on it earlier)
+            # saved with the first shard (one fsync pair less per call; nothing depends on it earlier).
+            # The request is this call's: the run's identity is the same as before (RunWriter refuses
+            # another), so any request that reached it asked for the same rows.
             writer.manifest.update(
                 planned_shards=plan.shards,
                 planned_docs=scan.docs,
                 estimate={"tokens": plan.est_tokens, "bytes": plan.est_bytes},
                 last_invocation=_invocation(lm, opts),
+                request=request,
             )
             summary = _ShardRun(writer, lm, ins, plan, opts, progress).run()
     finally:
@@ -183,8 +194,17 @@ def done_line(summary: dict) -> str:
     )
 
 
-def _scan(ins, opts: ExtractOptions):
+@dataclass
+class _Scan(Scan):
+    """The documents counted (plan.Scan), and what each input file was (:func:`_signatures`) when it
+    was counted and hashed: the run's identity records that content, and the rows must come from it."""
+
+    signatures: list = field(default_factory=list)
+
+
+def _scan(ins, opts: ExtractOptions) -> _Scan:
     """Count the documents (and refuse inputs without text) and hash every input for the identity."""
+    before = _signatures(ins)
     scan = scan_inputs(ins, text_field=opts.text_field, text_column=opts.text_column, max_docs=opts.max_docs)
     if scan.docs == 0:
         names = ", ".join(i.arg for i in ins)
@@ -194,7 +214,107 @@ def _scan(ins, opts: ExtractOptions):
         )
     for inp in ins:
         hash_input(inp)
-    return scan
+    _check_unchanged(ins, before, _NOTHING_WRITTEN)
+    return _Scan(**{f.name: getattr(scan, f.name) for f in fields(scan)}, signatures=before)
+
+
+_NOTHING_WRITTEN = "nothing was written; rerun once the input is final"
+
+
+def _signatures(ins) -> list:
+    """What tells each input from one changed or put in its place since: store/reader.py's
+    file_identity (device, inode, size, modification time) of the file, or of every file of a saved
+    dataset; None for a spooled stream (geomscope's own copy, which nothing else writes)."""
+    from geomscope.store.reader import file_identity
+
+    def of(p: Path):
+        try:
+            return file_identity(os.stat(p))
+        except OSError as e:
+            return f"unreadable ({e.strerror or e})"  # removed, or its permissions changed
+
+    out = []
+    for inp in ins:
+        if inp.spooled:
+            out.append(None)
+        elif inp.kind == "dataset":
+            try:
+                files = sorted(p for p in inp.path.rglob("*") if p.is_file())  # as hash_input reads them
+            except OSError as e:  # the reads that follow say what is wrong, in one line
+                out.append(f"unreadable ({e.strerror or e})")
+                continue
+            out.append([(str(p.relative_to(inp.path)), of(p)) for p in files])
+        else:
+            out.append(of(inp.path))
+    return out
+
+
+def _check_unchanged(ins, signatures: list, then: str) -> None:
+    """InputError naming the first input that is not what it was when ``signatures`` were taken
+    (appended to, rewritten, replaced while extract read it): the identity would record content that
+    the rows do not come from. ``then``: what happened to the run, and what to do."""
+    for inp, before, now in zip(ins, signatures, _signatures(ins), strict=True):
+        if before != now:
+            raise InputError(f"input {inp.arg} changed while geomscope read it; {then}")
+
+
+#: ExtractOptions fields that change nothing a run holds, only how and where it ran (the identity
+#: leaves them out too), or what the call does with a run (``allow_nonfinite``: revisions.py checks
+#: it against the run's NaN/Inf rows). Every other field is part of a run's request, new ones too: a
+#: needless reload is safe, a wrong skip is not.
+_NOT_REQUESTED = ("device", "device_map", "max_memory", "batch_tokens", "overwrite", "allow_nonfinite")
+
+
+def run_request(model, ins, opts: ExtractOptions) -> dict | None:
+    """What a call asks of a run, computed without loading the model (``extract --revisions`` skips
+    a complete run only when its stored ``request`` is this one: :func:`request_differences`).
+
+    ``model``: the name, canonical (resolve_model), and for a local directory or the bundled model
+    its files' fingerprints (weights and config, tokenizer); for a hub name its revision and the
+    commit the local cache resolves it to (None when not cached; extract records the commit it
+    loaded). ``ins``: hashed (hash_input), as the identity records them. None for a model given
+    loaded, or files that cannot be read (that run is then never skipped)."""
+    from geomscope.extract.models import (
+        LoadedModel,
+        _cached_snapshot,
+        _commit,
+        resolve_model,
+        tokenizer_fingerprint,
+        weights_fingerprint,
+    )
+
+    if isinstance(model, LoadedModel):
+        return None
+    target, info = resolve_model(str(model), opts.revision)
+    rec = {k: info.get(k) for k in ("name", "source", "revision", "package")}
+    try:
+        if info.get("path"):
+            path = Path(info["path"])
+            rec.update(weights=weights_fingerprint(path), tokenizer=tokenizer_fingerprint(path))
+        else:
+            snap = _cached_snapshot(target, opts.revision, opts.cache_dir)
+            rec["commit"] = _commit({"path": str(snap)} if snap else {}, opts.revision)
+    except OSError:
+        return None
+    asked = {k: v for k, v in opts.to_dict().items() if k not in _NOT_REQUESTED}
+    # as JSON holds it (tuples are lists), so that a stored request compares equal
+    return json.loads(json.dumps({"model": rec, **_input_identity(ins, opts), "options": asked}))
+
+
+def request_differences(stored, now: dict) -> list[str]:
+    """How request ``now`` differs from the ``stored`` one (``key: in the run, now``; empty: the same).
+
+    A hub revision that the local cache does not hold now (``--drop-weights`` removed it) is compared
+    by name: its commit can be known only by downloading it, and the skip exists to avoid that."""
+    from geomscope.store.manifest import identity_differences
+
+    if not isinstance(stored, dict):
+        return ["no request recorded (a run from before geomscope recorded it)"]
+    if now["model"].get("source") == "hub" and now["model"].get("commit") is None:
+        model = stored.get("model")
+        if isinstance(model, dict) and model.get("source") == "hub":
+            stored = {**stored, "model": {**model, "commit": None}}
+    return identity_differences(stored, now)
 
 
 def _load(model, opts: ExtractOptions):
@@ -229,6 +349,7 @@ class _Plan:
     docs: int
     shards: int
     free_bytes: int
+    signatures: list  # the inputs when they were hashed (_signatures): the rows must come from that
 
     def describe(self, lm, out: Path, docs: int) -> str:
         return (
@@ -267,10 +388,7 @@ def _identity(lm, ins, opts: ExtractOptions, layer_desc: list[dict], eff_len: in
         "model": lm.info,
         "layers": layer_desc,
         "store_dtype": opts.store_dtype,
-        "inputs": [i.identity() for i in ins],
-        "dataset": "+".join("stdin" if i.kind == "stdin" else Path(i.arg).name for i in ins),
-        "text_field": opts.text_field if uses_field(ins) else None,
-        "text_column": opts.text_column if uses_column(ins) else None,
+        **_input_identity(ins, opts),
         "max_docs": opts.max_docs,
         "max_tokens": opts.max_tokens,
         "max_length": eff_len,
@@ -279,6 +397,16 @@ def _identity(lm, ins, opts: ExtractOptions, layer_desc: list[dict], eff_len: in
         "padding": "right",
         "shard_docs": opts.shard_docs,
         **keep,
+    }
+
+
+def _input_identity(ins, opts: ExtractOptions) -> dict:
+    """The inputs as a run's identity (and request) records them; ``ins`` hashed (hash_input)."""
+    return {
+        "inputs": [i.identity() for i in ins],
+        "dataset": "+".join("stdin" if i.kind == "stdin" else Path(i.arg).name for i in ins),
+        "text_field": opts.text_field if uses_field(ins) else None,
+        "text_column": opts.text_column if uses_column(ins) else None,
     }
 
 
@@ -370,6 +498,7 @@ def _plan(lm, ins, scan, opts: ExtractOptions, out: Path) -> _Plan:
         scan.docs,
         shards,
         free,
+        scan.signatures,
     )
 
 
@@ -539,7 +668,18 @@ class _ShardRun:
             self.store.drain_quietly()  # what was captured before the failure is still stored
             raise
         self.store.drain()  # every shard published, in order
+        # every document read (or the run cut short): the identity's hashes must still describe the
+        # inputs, or the rows came (in part) from other content and the run may not be marked complete
+        self._check_inputs()
         return time.perf_counter() - t0
+
+    def _check_inputs(self) -> None:
+        _check_unchanged(
+            self.ins,
+            self.plan.signatures,
+            f"its shards in {self.writer.dir} stay an unfinished run; rerun with --overwrite once the "
+            "input is final",
+        )
 
     def _is_done(self, k: int, group) -> object | None:
         """The manifest entry of shard ``k`` when an earlier run finished it with the same documents."""
@@ -562,6 +702,7 @@ class _ShardRun:
             tokenized = None  # (k, future): a shard tokenized ahead
             try:
                 for (k, (group, group_labels)), upcoming in ahead:
+                    self._check_inputs()  # a stat per input and shard: stop early, not after the work
                     if self._budget_spent():
                         break
                     done = self._is_done(k, group)
