@@ -301,3 +301,30 @@ def test_encoder_decoder_is_refused(inputs, tmp_path):
             capture="gradients",
             loss="causal-lm",
         )
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_decoder_classifier_is_read_at_each_documents_last_token(inputs, tmp_path, kind):
+    """A decoder's sequence classifier reads its prediction from the last token that is not
+    config.pad_token_id; padded with the tokenizer's pad (or eos) where that differs, every
+    document shorter than its batch's longest was classified from padding: loss 0.707 where each
+    document alone gives 0.680, gradients off by ~100 %. One batch must give one document's own."""
+    import shutil
+
+    import transformers
+
+    src = make_tiny_head_model(kind, "classification", tmp_path / "m")
+    model = tmp_path / f"{kind}-cls-own-pad"
+    shutil.copytree(src, model)
+    cfg = json.loads((model / "config.json").read_text())
+    tok = transformers.AutoTokenizer.from_pretrained(model)
+    cfg["pad_token_id"] = max(tok.get_vocab().values())  # a pad id of the config's own
+    assert cfg["pad_token_id"] not in (tok.pad_token_id, tok.eos_token_id)
+    (model / "config.json").write_text(json.dumps(cfg))
+    one = _extract(model, inputs["labelled"], tmp_path / "one", capture="gradients", batch_tokens=100000)
+    alone = _extract(model, inputs["labelled"], tmp_path / "alone", capture="gradients", batch_tokens=1)
+    assert one["loss_mean"] == pytest.approx(alone["loss_mean"], rel=1e-6)
+    la, _ = _rows(tmp_path / "one")
+    lb, _ = _rows(tmp_path / "alone")
+    for n in la:
+        np.testing.assert_allclose(la[n], lb[n], atol=1e-5 * np.abs(lb[n]).max(), err_msg=n)

@@ -173,6 +173,14 @@ class GradientCapture(Capture):
             raise InputError(
                 f"the tokenizer of {lm.info['name']} has no mask token; --loss masked-lm needs one"
             )
+        if loss == "classification":
+            # a sequence classifier (GPT-2's, Llama's ...) reads its prediction from the last token
+            # that is not config.pad_token_id: padded with the tokenizer's pad (or eos) where the two
+            # differ, every document shorter than its batch's longest was classified from padding
+            # (its loss and gradients then depended on the batch)
+            cfg_pad = getattr(lm.model.config, "pad_token_id", None)
+            if isinstance(cfg_pad, int) and not isinstance(cfg_pad, bool) and cfg_pad >= 0:
+                self.pad_id = cfg_pad
         for p in lm.model.parameters():
             p.requires_grad_(False)
         self.out_names = [*(self.names if activations else []), *(n + GRAD_SUFFIX for n in self.names)]
