@@ -70,3 +70,84 @@ def test_final_norm_null_with_reasons(llama_run, tmp_path):
     bert = make_tiny_run(tmp_path, "bert")
     rep = score(bert, ScoreOptions(metrics=("isoscore",)))
     assert rep["final_norm"] is None and "BERT-style" in rep["notes"]["final_norm"]
+
+
+def _tiny_gemma(dest, make_tiny_model):
+    """A tiny Gemma (its RMSNorm multiplies by 1 + weight) whose dimension 5 is an outlier before the
+    final norm and damped by it (weight -0.9: factor 0.1)."""
+    import shutil
+
+    import torch
+    import transformers
+
+    base = make_tiny_model("llama", dest)  # for its tokenizer files
+    d = dest / "tiny-gemma"
+    d.mkdir()
+    for f in base.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, d / f.name)
+    torch.manual_seed(0)
+    cfg = transformers.GemmaConfig(
+        vocab_size=400,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=128,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    m = transformers.GemmaModel(cfg).eval()
+    with torch.no_grad():
+        m.norm.weight.uniform_(-0.9, 1.0)
+        m.norm.weight[5] = -0.9
+        m.layers[-1].mlp.down_proj.weight[5, :] *= 400
+    m.save_pretrained(d)
+    return d, m.norm
+
+
+def test_the_gain_recorded_is_the_factor_the_norm_applies(tmp_path):
+    """Gemma's RMSNorm multiplies by 1 + weight; the weight was recorded as the gain, so a dimension
+    the norm damps 10x read as amplified (gain ratio 1.58) and the gain-variance correlation was off."""
+    import torch
+    from helpers_models import make_tiny_model
+
+    from geomscope.extract import extract
+
+    model, norm = _tiny_gemma(tmp_path, make_tiny_model)
+    src = tmp_path / "s.txt"
+    src.write_text("\n".join(SAMPLE_TEXTS * 5) + "\n")
+    extract(str(model), [src], tmp_path / "run", store_dtype="float32")
+    recorded = Run(tmp_path / "run").manifest["final_norm"]
+    w = norm.weight.detach().double().numpy()
+    assert recorded["gain_is"] == "1 + weight"
+    np.testing.assert_allclose(recorded["gain"], 1 + w, rtol=1e-6)
+    x = torch.randn(8, 32)  # the factor, measured independently on other inputs
+    factor = (norm(x) / (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))).mean(0)
+    np.testing.assert_allclose(recorded["gain"], factor.detach().double().numpy(), atol=1e-5)
+    fn = score(tmp_path / "run", ScoreOptions(metrics=("isoscore", "outliers")))["final_norm"]
+    (out5,) = [o for o in fn["outliers"] if o["dim"] == 5]
+    assert out5["effect"] == "damped" and out5["gain_ratio"] < 0.2
+
+
+def test_a_plain_layer_norm_records_its_weight(llama_run):
+    """Llama's RMSNorm and GPT-2's LayerNorm multiply by their weight: recorded as it is."""
+    recorded = Run(llama_run).manifest["final_norm"]
+    assert recorded["gain_is"] == "weight" and recorded["gain"] is not None
+
+
+def test_a_gradient_layer_is_never_the_layer_before_the_norm():
+    """A gradient layer shares its layer's index: scored with --layers final_norm,layer_02.grad the
+    gradients were reported as the activations before the norm (IsoScore 0.256 -> 0.558)."""
+    from geomscope.score.finalnorm import final_norm_effect
+
+    grad = {"layer": "layer_02.grad", "index": 2, "isoscore": 0.256}
+    act = {"layer": "layer_02", "index": 2, "isoscore": 0.571}
+    after = {"layer": "final_norm", "index": 3, "isoscore": 0.558}
+    out, why = final_norm_effect([grad, after], {}, None)
+    assert out is None and "index 2" in why
+    out, why = final_norm_effect([grad, act, after], {}, None)
+    assert why is None and out["before"] == "layer_02" and out["metrics"]["isoscore"]["before"] == 0.571

@@ -34,10 +34,11 @@ import numpy as np
 from geomscope.errors import InputError
 from geomscope.extract.batching import Doc, pad_right, row_meta
 from geomscope.extract.capture import Capture
+from geomscope.schema import GRAD_SUFFIX
 
 LOSSES = ("auto", "causal-lm", "masked-lm", "classification")
 CAPTURES = ("activations", "gradients", "activations,gradients")
-GRAD_SUFFIX = ".grad"
+
 #: the transformers auto class that loads each loss's head
 HEAD_CLASSES = {
     "causal-lm": "AutoModelForCausalLM",

@@ -21,8 +21,8 @@ from matplotlib.ticker import NullLocator
 from geomscope.errors import InputError
 from geomscope.plot._reports import is_number, layer_key, report_labels, report_name
 from geomscope.plot._style import add_caption, depth_cmap, panels, series_style, styled
+from geomscope.schema import GRAD_SUFFIX
 
-GRAD_SUFFIX = ".grad"
 #: at most this many layers are named in the E panel's legend (evenly spaced, first and last kept)
 MAX_LEGEND_LAYERS = 8
 #: opacity of the E_max lines and of the control bands

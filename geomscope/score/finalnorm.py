@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from geomscope.extract.layers import FINAL_NORM_LAYER
-from geomscope.schema import SCALAR_METRIC_NAMES
+from geomscope.schema import GRAD_SUFFIX, SCALAR_METRIC_NAMES
 
 
 def _spearman(a: np.ndarray, b: np.ndarray) -> float | None:
@@ -45,7 +45,15 @@ def final_norm_effect(
             "final_norm -- or --layers left it out; BERT-style models have no final norm)"
         )
     before_idx = (after.get("index") or 0) - 1
-    before = next((e for e in layers if e.get("index") == before_idx and e is not after), None)
+    # the activations before the norm: a gradient layer (layer_N.grad) shares its layer's index
+    before = next(
+        (
+            e
+            for e in layers
+            if e.get("index") == before_idx and e is not after and not str(e["layer"]).endswith(GRAD_SUFFIX)
+        ),
+        None,
+    )
     if before is None:
         return (
             None,

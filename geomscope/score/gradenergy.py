@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from geomscope.errors import InputError
-from geomscope.extract.gradients import GRAD_SUFFIX
+from geomscope.schema import GRAD_SUFFIX
 from geomscope.score.sources import SourceInfo, open_source
 
 
