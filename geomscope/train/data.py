@@ -72,6 +72,9 @@ def _read_text_table(path: Path, suffix: str) -> tuple[list[str], list[dict]]:
         with open(path, newline="", encoding="utf-8-sig") as f:
             reader = csv.DictReader(f, delimiter=delim, quoting=csv.QUOTE_NONE if delim == "\t" else 0)
             cols = [c.strip() for c in reader.fieldnames or []]
+            twice = sorted({c for c in cols if cols.count(c) > 1})
+            if twice:  # DictReader would keep the last of them, silently
+                raise InputError(f"{path} has the column {twice[0]!r} twice; rename or drop one")
             rows = [{(k.strip() if isinstance(k, str) else k): v for k, v in r.items()} for r in reader]
         return cols, rows
     if suffix in (".jsonl", ".json"):
@@ -156,18 +159,46 @@ def load_table(
     for i, (t, y) in enumerate(zip(texts, labels, strict=True)):
         if t is None or (isinstance(t, float) and math.isnan(t)):
             raise InputError(f"{path} row {i + 1} has no {text_field!r} text; fill it in or drop the row")
+        _check_text(t, path, i, text_field)
         if y is None or str(y).strip() == "":
             raise InputError(f"{path} row {i + 1} has no {label_field!r} label; fill it in or drop the row")
+        _check_label(y, path, i, label_field)
     if texts2 is not None:
         for i, t in enumerate(texts2):
             if t is None:
                 raise InputError(
                     f"{path} row {i + 1} has no {text_field_2!r} text; fill it in or drop the row"
                 )
+            _check_text(t, path, i, text_field_2)
     labels = [_label_str(y) for y in labels]
     return Table(
         str(path), [str(t) for t in texts], None if texts2 is None else [str(t) for t in texts2], labels
     )
+
+
+def _check_text(t, path: Path, i: int, field: str) -> None:
+    """A row's text is a string of text: a JSON list or number was turned into its printed form, and
+    a lone surrogate (JSON's "\\ud800") made the tokenizer raise a TypeError."""
+    if not isinstance(t, str):
+        raise InputError(f"{path} row {i + 1}: {field!r} is a {type(t).__name__}, not text; give a string")
+    try:
+        t.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InputError(
+            f"{path} row {i + 1}: {field!r} holds a lone surrogate (a \\ud800-\\udfff escape without "
+            "its pair), which is no text; fix the row"
+        ) from None
+
+
+def _check_label(y, path: Path, i: int, field: str) -> None:
+    """A class label is a string, a whole number or a boolean: NaN, 1e400 (inf), 0.5, a list or an
+    object became classes 'nan', 'inf', '0.5', "['a']"."""
+    ok = isinstance(y, (str, int)) or (isinstance(y, float) and math.isfinite(y) and y.is_integer())
+    if not ok:
+        raise InputError(
+            f"{path} row {i + 1}: {field!r} is {str(y)[:40]!r} ({type(y).__name__}), not a class label; "
+            "give a name or a whole number"
+        )
 
 
 def _label_str(y) -> str:
@@ -222,6 +253,12 @@ class Encoded:
             return_attention_mask=False,
         )
         self.input_ids: list[list[int]] = enc["input_ids"]
+        empty = next((i for i, ids in enumerate(self.input_ids) if not ids), None)
+        if empty is not None:  # a batch of them cannot be pooled; among others, a pad token's state
+            raise InputError(
+                f"{table.source} row {empty + 1} has no tokens (its text is empty, and this tokenizer "
+                "adds no special tokens); drop the row or give it text"
+            )
         self.token_type_ids: list[list[int]] | None = enc.get("token_type_ids")
         self.labels = [label2id[y] for y in table.labels]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -40,7 +40,7 @@ def _checked_config(source: str | Path):
     if Path(src).is_dir():
         check_model_dir(Path(src), src)
     try:
-        return src, AutoConfig.from_pretrained(src, trust_remote_code=False)
+        config = AutoConfig.from_pretrained(src, trust_remote_code=False)
     except (OSError, ValueError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         if "custom code" in first or "trust_remote_code" in first:
@@ -49,6 +49,13 @@ def _checked_config(source: str | Path):
                 "give a checkpoint of an architecture transformers ships"
             ) from None
         raise InputError(f"cannot load model {src!r}: {first}; give a checkpoint directory") from None
+    if getattr(config, "is_encoder_decoder", False):  # its classifier's output has no hidden_states
+        raise InputError(
+            f"{src} is an encoder-decoder model ({config.model_type}); finetune's regularisers and "
+            "geometry read one stack's hidden states: give an encoder (BERT-like) or a decoder "
+            "(GPT-like) checkpoint"
+        )
+    return src, config
 
 
 def check_model_source(source: str | Path) -> None:

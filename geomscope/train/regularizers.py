@@ -288,6 +288,8 @@ class IStar:
         self._C0, self._on_device = C0, {}
         self._C0_version = None if C0 is None else C0._version
         c0 = None if C0 is None else C0.detach().to(torch.float64)
+        if c0 is not None:  # the symmetric part, as in target_on: ||C0||_F^2 of the whole counted an
+            c0 = (c0 + c0.T) / 2  # antisymmetric part no other term sees (IsoScore* 0.455 for 0.504)
         self.target_terms = None if c0 is None else (float(c0.trace()), float(c0.square().sum()))
 
     def target_on(self, device) -> torch.Tensor | None:

@@ -1,0 +1,94 @@
+"""finetune's data and models that gave a traceback or a silent guess: a lone surrogate, texts and
+labels that are no text or no class, a column given twice, a text the tokenizer makes nothing of,
+an encoder-decoder checkpoint; and IStar's C0 counted whole where only its symmetric part acts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers_models import make_tiny_model
+
+from geomscope.errors import InputError
+from geomscope.train.data import Encoded, load_table
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("row", "needle"),
+    [
+        ({"sentence": "\ud800 lone", "label": "a"}, "lone surrogate"),
+        ({"sentence": ["a", "list"], "label": "a"}, "is a list, not text"),
+        ({"sentence": 3.5, "label": "a"}, "is a float, not text"),
+        ({"sentence": "fine", "label": float("nan")}, "not a class label"),
+        ({"sentence": "fine", "label": 0.5}, "not a class label"),
+        ({"sentence": "fine", "label": ["a"]}, "not a class label"),
+        ({"sentence": "fine", "label": {"x": 1}}, "not a class label"),
+    ],
+)
+def test_rows_that_are_no_text_or_no_class_are_refused(tmp_path, row, needle):
+    """A lone surrogate raised a TypeError in the tokenizer (a traceback, and a whole sweep stopped);
+    NaN, 1e400, 0.5, lists and objects became classes 'nan', 'inf', '0.5', "['a']"."""
+    path = _jsonl(tmp_path / "d.jsonl", [{"sentence": "ok", "label": "b"}, row])
+    with pytest.raises(InputError, match="row 2") as e:
+        load_table(path)
+    assert needle in str(e.value)
+
+
+def test_whole_number_labels_still_load(tmp_path):
+    path = _jsonl(tmp_path / "d.jsonl", [{"sentence": "a", "label": 1.0}, {"sentence": "b", "label": True}])
+    assert load_table(path).labels == ["1", "1"]
+
+
+def test_a_column_given_twice_is_refused(tmp_path):
+    """csv.DictReader keeps the last of two columns of one name, silently."""
+    path = tmp_path / "d.csv"
+    path.write_text("sentence,label,label\nhello,a,b\nworld,b,a\n")
+    with pytest.raises(InputError, match="'label' twice"):
+        load_table(path)
+
+
+def test_a_text_of_no_tokens_is_refused_before_training(tmp_path):
+    """GPT-2 adds no special tokens: an empty text is no token at all, which crashed after a whole
+    epoch (cannot reshape a tensor of 0 elements) or, among others, trained on a pad token's state."""
+    from transformers import AutoTokenizer
+
+    model = make_tiny_model("gpt2", tmp_path / "m")
+    tok = AutoTokenizer.from_pretrained(model)
+    path = tmp_path / "d.csv"
+    path.write_text('sentence,label\nhello there,a\n"",b\n')
+    table = load_table(path)
+    with pytest.raises(InputError, match="row 2 has no tokens"):
+        Encoded(tok, table, {"a": 0, "b": 1}, 32)
+
+
+def test_an_encoder_decoder_checkpoint_is_refused(tmp_path):
+    """T5 was accepted, then crashed: its classifier's output has no hidden_states."""
+    from geomscope.train.model import load_classifier
+
+    model = make_tiny_model("t5", tmp_path / "m")
+    with pytest.raises(InputError, match="encoder-decoder"):
+        load_classifier(model, {"a": 0, "b": 1}, lambda m: None)
+
+
+def test_istar_counts_only_the_symmetric_part_of_c0():
+    """target_on and the cross term use C0's symmetric part; its squared norm counted the whole, so
+    adding an antisymmetric part moved IsoScore* (0.504 -> 0.455)."""
+    from geomscope.train.regularizers import IStar
+
+    torch.manual_seed(0)
+    d = 6
+    h = (torch.randn(2, 5, d, dtype=torch.float64),)
+    a = torch.randn(d, d, dtype=torch.float64)
+    c0 = a @ a.T
+    skew = torch.randn(d, d, dtype=torch.float64)
+    skew = skew - skew.T
+    mask = torch.ones(2, 5, dtype=torch.long)
+    plain = IStar([0], 0.5, c0)(h, mask)[1]
+    with_skew = IStar([0], 0.5, c0 + 0.5 * skew)(h, mask)[1]
+    assert float(with_skew) == pytest.approx(float(plain), rel=1e-12)
