@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -220,8 +221,9 @@ def finetune_cmd(
     include_padding: bool = typer.Option(
         False,
         "--include-padding",
-        help="Count padding positions in the penalties (the official code's "
-        "behaviour); default: excluded by the attention mask.",
+        help="Count padding positions in the training penalties and C0 (the official code's "
+        "behaviour); default: excluded by the attention mask. The eval geometry (eval.jsonl, compare) "
+        "never counts padding, so it does not depend on --batch-size.",
     ),
     text_field: str = typer.Option(
         "sentence", "--text-field", metavar="NAME", help="Text field (column) of the examples."
@@ -245,8 +247,8 @@ def finetune_cmd(
 
     Writes the fine-tuned model and tokenizer (readable by `geomscope extract OUT`), steps.jsonl,
     eval.jsonl, summary.json and an epoch checkpoint into --out. Comma lists in --reg, --lambda and
-    --seed run the grid, each run in --out/<reg>_lambda<L>_seed<S>/ (finished runs are skipped on
-    rerun); `geomscope compare OUT` then relates isotropy to accuracy.
+    --seed run the grid, each run in --out/<reg>_lambda<L>_seed<S>/ (a rerun skips the runs finished
+    with the same options); `geomscope compare OUT` then relates isotropy to accuracy.
     """
     from geomscope.errors import GeomscopeError
     from geomscope.study.sweep import grid, run_sweep
@@ -308,7 +310,10 @@ def finetune_cmd(
                 f"{failed[0]['error']}); the others finished and a rerun skips them"
             )
         return
-    summary = finetune(cfg, quiet=quiet, note=lambda msg: print(msg, file=sys.stderr))
+    try:
+        summary = finetune(cfg, quiet=quiet, note=lambda msg: print(msg, file=sys.stderr))
+    except KeyboardInterrupt:
+        raise GeomscopeError(_interrupted(out), exit_code=130) from None
     if os.environ.get("RANK", "0") != "0":  # non-main rank of a torchrun / accelerate run: rank 0 reports
         return
     fin = summary.get("final") or {}
@@ -325,6 +330,22 @@ def finetune_cmd(
         )
     if as_json:
         typer.echo(json.dumps(summary))
+
+
+def _interrupted(out: Path) -> str:
+    """The line for Ctrl-C (or SIGTERM) during one run: the command that continues it. The generic
+    "rerun the same command" would be wrong here: a finished epoch is continued by --resume, and the
+    same command with --overwrite would throw it away."""
+    from geomscope.cli._app import state
+    from geomscope.train.checkpoint import CKPT
+
+    if not (out / CKPT / "state.json").is_file():
+        return (
+            f"interrupted before the first epoch of {out} finished; rerun the same command to start it again"
+        )
+    argv = [a for a in (state.get("argv") or []) if a not in ("--overwrite", "--resume")]
+    cmd = shlex.join([*argv, "--resume"]) if argv else "the same command with --resume"
+    return f"interrupted; the finished epochs are kept in {out / CKPT}; to continue, run: {cmd}"
 
 
 def _ranks(spec: str) -> tuple:

@@ -1,8 +1,12 @@
 """A grid of fine-tuning runs: every (regulariser, lambda, seed), each in its own subdirectory.
 
 ``DIR/sweep.json`` lists the grid; ``DIR/<name>/`` is an ordinary finetune output named by its
-settings (``istar_lambda-0.1_seed0``). A rerun skips the runs that finished (their
-``summary.json`` exists) and redoes the rest; a run that fails is reported and the others go on.
+settings (``istar_lambda-0.1_seed0``; a lambda that ``:g`` would round is written in full,
+``istar_lambda1.000001e-06_seed0``, so distinct settings never share a directory). A rerun skips a
+run that finished with the options asked now (the fingerprint its checkpoint holds, the one a
+single run's ``--resume`` compares, and as many epochs), resumes one that was cut off, and refuses,
+before any run, naming the difference, a run trained with other options (``--overwrite`` redoes
+them); a run that fails is reported and the others go on.
 """
 
 from __future__ import annotations
@@ -24,15 +28,37 @@ class GridPoint:
 
     @property
     def name(self) -> str:
-        return f"{self.reg}_lambda{self.lam:g}_seed{self.seed}"
+        return f"{self.reg}_lambda{_number(self.lam)}_seed{self.seed}"
+
+
+def _number(x: float) -> str:
+    """``:g`` (the names sweeps have always had) when it reads back as ``x``, else the shortest text
+    that does (``repr``): ``:g`` keeps 6 digits, so 1e-6 and 1.000001e-6 would share a name."""
+    short = f"{x:g}"
+    return short if float(short) == x else repr(float(x))
 
 
 def grid(regs, lams, seeds) -> list[GridPoint]:
-    """Every combination, in a stable order (regulariser, lambda, seed); duplicates dropped."""
+    """Every combination, in a stable order (regulariser, lambda, seed); duplicates dropped; a seed
+    the generators cannot take, or two points that would share a directory, refused."""
+    from geomscope.train.config import check_seed
+
     regs, lams, seeds = list(dict.fromkeys(regs)), list(dict.fromkeys(lams)), list(dict.fromkeys(seeds))
     if not regs or not lams or not seeds:
         raise InputError("the grid is empty: give at least one --reg, --lambda and --seed")
-    return [GridPoint(r, float(lam), int(s)) for r in regs for lam in lams for s in seeds]
+    for s in seeds:
+        check_seed(s)
+    points = [GridPoint(r, float(lam), int(s)) for r in regs for lam in lams for s in seeds]
+    seen: dict[str, GridPoint] = {}
+    for p in points:
+        if p.name in seen:
+            q = seen[p.name]
+            raise InputError(
+                f"--lambda {q.lam!r} and {p.lam!r} would both be run in {p.name}/; give values that "
+                "differ in their written form"
+            )
+        seen[p.name] = p
+    return points
 
 
 def is_sweep(points) -> bool:
@@ -79,22 +105,63 @@ def _check_shared_inputs(base) -> None:
     check_model_source(base.model)
 
 
+def _plan(base, points: list[GridPoint]) -> dict:
+    """What each point needs: ``skip`` (finished with these options), ``resume`` (a checkpoint of these
+    options, fewer epochs than asked or not exported yet) or ``run``. A point whose checkpoint was
+    trained with other options is refused here, before any point runs, as ``finetune --resume``
+    refuses it (``--overwrite``: every point is redone)."""
+    from geomscope.train import checkpoint as ck
+    from geomscope.train.config import check_same_run
+    from geomscope.train.loop import planned_fingerprint
+
+    plan = {p: "run" for p in points}
+    if base.overwrite:
+        return plan
+    advice = "rerun with the same options, pass --overwrite to redo the sweep's runs, or choose another --out"
+    asked = None
+    for p in points:
+        run_dir = Path(base.out) / p.name
+        if ck.read_marker(run_dir) is None:
+            continue
+        if not (run_dir / ck.CKPT / "state.json").is_file():
+            if (run_dir / "summary.json").is_file():
+                raise InputError(
+                    f"{run_dir} finished but has no {ck.CKPT}/state.json to tell which options it was "
+                    "trained with; pass --overwrite to redo it, or choose another --out"
+                )
+            continue  # cut off before its first epoch: finetune starts it again
+        try:
+            state = ck.read_state(run_dir)
+        except InputError:
+            continue  # damaged: the point's own finetune reports it, as before
+        asked = asked or planned_fingerprint(base)
+        fp = {**asked, "reg": p.reg, "lam": p.lam, "seed": p.seed}
+        check_same_run(run_dir, state["fingerprint"], fp, base.epochs, advice)
+        done = state["epochs_done"]
+        if done > base.epochs:
+            raise InputError(f"{run_dir} was trained for {done} epochs, not {base.epochs}; {advice}")
+        finished = done == base.epochs and (run_dir / "summary.json").is_file()
+        plan[p] = "skip" if finished else "resume"
+    return plan
+
+
 def run_sweep(base, points: list[GridPoint], *, quiet: bool = False, note=None) -> list[dict]:
     """Run every grid point of ``base`` (a FinetuneConfig whose ``out`` is the sweep directory).
 
     Returns one record per point: ``{name, dir, reg, lambda, seed, status, error}`` with status
-    ``done`` | ``skipped`` (finished earlier) | ``failed`` (one-line reason in ``error``): a point
-    that fails (a lambda that diverges, a damaged checkpoint of its own) is recorded and the sweep
-    goes on. The inputs every point shares (the data files, the model's config) are checked once
-    first: an InputError there stops the sweep before any point, as every point would fail the same
-    way after loading the model again.
+    ``done`` | ``skipped`` (finished earlier with these options, see :func:`_plan`) | ``failed``
+    (one-line reason in ``error``): a point that fails (a lambda that diverges, a damaged checkpoint
+    of its own) is recorded and the sweep goes on. The inputs every point shares (the data files, the
+    model's config) are checked once first, and the finished points' options against those asked: an
+    InputError there stops the sweep before any point, as every point would fail the same way after
+    loading the model again.
     """
     from geomscope.progress import Progress
     from geomscope.train import finetune
 
     out = Path(base.out)
-    if any(not (out / p.name / "summary.json").is_file() or base.overwrite for p in points):
-        _check_shared_inputs(base)
+    _check_shared_inputs(base)  # the data's hashes are in the fingerprints compared below
+    plan = _plan(base, points)
     _claim(out, points)
     say = note or (lambda msg: None)
     results = []
@@ -112,21 +179,17 @@ def run_sweep(base, points: list[GridPoint], *, quiet: bool = False, note=None) 
                 "status": "done",
                 "error": None,
             }
-            if (run_dir / "summary.json").is_file() and not base.overwrite:
+            if plan[p] == "skip":
                 rec["status"] = "skipped"
-            else:  # an interrupted run resumes from its last epoch (with --overwrite everything is redone)
-                resume = (run_dir / "checkpoint" / "state.json").is_file() and not base.overwrite
-                # a run of ours cut off before its first checkpoint is started again (finetune still
-                # refuses a directory it did not write)
-                overwrite = base.overwrite or (run_dir.exists() and not resume)
+            else:  # a run cut off before its first checkpoint is started again by finetune itself
                 cfg = replace(
                     base,
                     reg=p.reg,
                     lam=p.lam,
                     seed=p.seed,
                     out=str(run_dir),
-                    resume=resume,
-                    overwrite=overwrite,
+                    resume=plan[p] == "resume",
+                    overwrite=base.overwrite,
                 )
                 try:
                     finetune(cfg, quiet=True, note=lambda msg: None)

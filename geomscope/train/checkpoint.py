@@ -9,9 +9,13 @@ step, the run fingerprint). Nothing is pickled, so loading a checkpoint someone 
 made cannot run code; a ``trainer.pt`` (a pickle) is refused. A new checkpoint is written to
 ``DIR/.checkpoint.tmp`` and swapped in by renames, so a crash leaves the previous one intact.
 
-``DIR/.geomscope-finetune.json`` marks a directory as a finetune output and lists what geomscope
-wrote into it: only such a directory is resumed or replaced (``--overwrite``), and only the files it
-lists are removed.
+``DIR/.geomscope-finetune.json`` marks a directory as a finetune output and records what geomscope
+wrote into it (``files``: paths removed whole by ``--overwrite``; ``dirs``: directories it made to
+hold its own entries, such as ``checkpoints/``, removed only once empty). A name is recorded before
+it is first written, and only when nothing is there yet, so the record never claims a user's file:
+``--overwrite`` removes exactly what is recorded and leaves anything else, even inside
+``checkpoints/``; an unrecorded entry where the new run would write is refused, with one line,
+before anything is removed.
 """
 
 from __future__ import annotations
@@ -19,29 +23,25 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 
 from geomscope.errors import InputError
 from geomscope.fileio import make_dirs, write_json_atomic, write_text_atomic
+from geomscope.train.lora import ADAPTER  # --lora: the final adapter
 
 CKPT = "checkpoint"
 MARKER = ".geomscope-finetune.json"
-#: what a finetune run writes besides the exported model files (listed in the marker)
+#: the marker's record is complete (every path a run wrote); markers without it list exported files only
+MARKER_VERSION = 2
+#: what a finetune run writes besides the exported model files
 RUN_FILES = ("run.json", "steps.jsonl", "eval.jsonl", "summary.json", "label_map.json")
+#: geomscope's working directories in DIR: every run may write them
+INTERNAL = (CKPT, ".checkpoint.tmp", ".export.tmp", CKPT + ".old", ".adapter.tmp")
+_TEMPORARY = (".checkpoint.tmp", ".export.tmp", ".adapter.tmp")
 SNAPSHOTS = "checkpoints"  # --save-every: checkpoints/step<N>/, each a save_pretrained directory
-RUN_DIRS = (
-    CKPT,
-    ".checkpoint.tmp",
-    ".export.tmp",
-    CKPT + ".old",
-    SNAPSHOTS,
-    "adapter",  # --lora: the final adapter (train.lora)
-    ".adapter.tmp",
-    "tensorboard",  # --report-to (train.tracking)
-    "wandb",
-    "mlruns",
-)
+_SNAPSHOT_NAME = re.compile(r"^\.?step(\d+)(\.tmp)?$")
 _TENSORS, _STATE = "trainer.safetensors", "trainer.json"
 
 
@@ -57,12 +57,76 @@ def read_marker(out: Path) -> dict | None:
     return m if isinstance(m, dict) and m.get("format") == "geomscope-finetune" else None
 
 
-def check_output(out: Path, *, resume: bool, overwrite: bool) -> None:
+def planned_outputs(*, lora: bool, tracker_dir: str | None, snapshots: bool) -> tuple[list[str], list[str]]:
+    """(the paths a run writes whole, the directories it writes its own entries into)."""
+    whole = [*RUN_FILES, *INTERNAL, *([ADAPTER] if lora else []), *([tracker_dir] if tracker_dir else [])]
+    return whole, [SNAPSHOTS] if snapshots else []
+
+
+def _names(values) -> list[str]:
+    """The relative paths of a marker list that stay inside DIR (a crafted '../x' is dropped)."""
+    out = []
+    for v in values if isinstance(values, list) else []:
+        if not isinstance(v, str) or not v or "\\" in v or v.startswith("/"):
+            continue
+        parts = v.split("/")
+        if all(p not in ("", ".", "..") for p in parts) and v != MARKER:
+            out.append(v)
+    return out
+
+
+def _recorded(marker: dict) -> tuple[set[str], set[str]]:
+    """(paths removed whole, directories removed once empty) that ``marker`` proves geomscope wrote.
+
+    A marker of an older version lists only the exported files (``adapter`` among them, with --lora):
+    of the rest, only the run's own logs and working directories (fixed names no user picks) count as
+    ours; ``checkpoints/`` and the trackers' folders cannot be told apart from a user's and are left
+    alone."""
+    files, dirs = set(_names(marker.get("files"))), set(_names(marker.get("dirs")))
+    if marker.get("version") != MARKER_VERSION:
+        files = {n for n in files if "/" not in n} | set(RUN_FILES) | set(INTERNAL)
+        dirs = set()
+    return files, dirs
+
+
+def _inside(out: Path, rel: str) -> Path | None:
+    """``out/rel`` when every folder on the way is a real directory (a link is never followed)."""
+    p = out
+    for part in rel.split("/")[:-1]:
+        p = p / part
+        if p.is_symlink() or not p.is_dir():
+            return None
+    return p / rel.split("/")[-1]
+
+
+def _present(p: Path) -> bool:
+    return p.is_symlink() or p.exists()
+
+
+def _remove(p: Path) -> None:
+    if p.is_symlink() or p.is_file():
+        p.unlink()
+    elif p.is_dir():
+        shutil.rmtree(p)
+
+
+def check_output(
+    out: Path,
+    *,
+    resume: bool,
+    overwrite: bool,
+    writes: tuple | list = (),
+    writes_into: tuple | list = (),
+    from_step: int = 0,
+) -> None:
     """Refuse, with one line, an ``out`` this run may not write (nothing is changed here).
 
     An absent or empty directory is fine; so is one that a previous finetune wrote (it has the
     marker) with ``resume`` or ``overwrite``; anything else -- a model directory, a data directory,
-    a user's files -- is refused, whatever the flags.
+    a user's files -- is refused, whatever the flags. In a previous run's directory, an entry the run
+    will write (``writes``: paths written whole; ``writes_into``: directories it adds ``step<N>``
+    snapshots to, past ``from_step`` when resuming) that the marker does not record is refused too:
+    it is a user's, and would be replaced or mixed with this run's.
     """
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise InputError(f"--out {out} exists and is not a directory; give a new or empty directory")
@@ -73,45 +137,112 @@ def check_output(out: Path, *, resume: bool, overwrite: bool) -> None:
             f"--out {out} holds files geomscope did not write ({', '.join(sorted(entries)[:4])}"
             f"{', ...' if len(entries) > 4 else ''}); choose a new or empty directory"
         )
-    if marker is not None and not resume and not overwrite:
+    if marker is None:
+        return
+    if not resume and not overwrite:
         raise InputError(
             f"{out} already holds a finetune run; pass --resume to continue it, --overwrite to "
             "replace it, or choose another --out"
         )
+    files, dirs = _recorded(marker)
+    legacy = marker.get("version") != MARKER_VERSION
+    for rel in writes:
+        p = _inside(out, rel)
+        if p is not None and _present(p) and rel not in files and not (legacy and resume):
+            _refuse_unrecorded(out, rel)
+    for rel in writes_into:
+        p = _inside(out, rel)
+        if p is None or not _present(p):
+            continue
+        if p.is_symlink() or not p.is_dir():
+            _refuse_unrecorded(out, rel)
+        if legacy and resume:  # an older run's snapshots: kept as they are, never removed later
+            continue
+        for e in sorted(p.iterdir()):
+            m = _SNAPSHOT_NAME.match(e.name)
+            if m and f"{rel}/{e.name}" not in files and (not resume or int(m.group(1)) > from_step):
+                _refuse_unrecorded(out, f"{rel}/{e.name}")
 
 
-def take_output(out: Path, *, resume: bool) -> None:
-    """After every input has been checked: make ``out`` this run's (a previous run it replaces is
-    removed -- only what that run wrote) and mark it as a finetune output."""
+def _refuse_unrecorded(out: Path, rel: str) -> None:
+    raise InputError(
+        f"{out / rel} is not recorded in {out / MARKER} as written by geomscope, and this run would "
+        f"write there; move it out of {out} (or choose another --out)"
+    )
+
+
+def take_output(out: Path, *, resume: bool, writes=(), writes_into=()) -> None:
+    """After every input has been checked (:func:`check_output`): make ``out`` this run's (a previous
+    run it replaces is removed -- only what that run recorded; a resumed run's stale working
+    directories are removed) and record what this run will write, before it writes it."""
     marker = read_marker(out)
     if marker is not None and not resume:
         _remove_previous_output(out, marker)
         marker = None
     make_dirs(out)
+    files, dirs = _recorded(marker) if marker is not None else (set(), set())
+    if marker is not None:
+        _remove_stale(out, files)
+    # a name is claimed only while nothing is there (or it is ours already): never a user's entry
+    files |= {r for r in writes if r in files or not _present(out / r)}
+    dirs |= {r for r in writes_into if r in dirs or not _present(out / r)}
+    _write_marker(out, files, dirs)
+
+
+def _write_marker(out: Path, files, dirs) -> None:
     write_json_atomic(
-        out / MARKER, {"format": "geomscope-finetune", "files": (marker or {}).get("files", [])}
+        out / MARKER,
+        {
+            "format": "geomscope-finetune",
+            "version": MARKER_VERSION,
+            "files": sorted(files),
+            "dirs": sorted(dirs),
+        },
     )
 
 
+def _remove_stale(out: Path, files: set[str]) -> None:
+    """A resumed run's leftovers of an interrupted one: its working directories (``.checkpoint.tmp``
+    ..., a half-written snapshot), removed when they are recorded as ours (a link is removed, never
+    followed)."""
+    for rel in sorted(files):
+        p = _inside(out, rel)
+        name = rel.rsplit("/", 1)[-1]
+        stale = rel in _TEMPORARY or rel == CKPT + ".old" or (name.startswith(".") and name.endswith(".tmp"))
+        if p is not None and stale and _present(p):
+            _remove(p)
+
+
+def recover_checkpoint(out: Path) -> None:
+    """Put back ``checkpoint/`` from ``checkpoint.old`` when a crash came between the two renames
+    that replace it (the previous epoch's checkpoint is then the last whole one)."""
+    if read_marker(out) is None:
+        return
+    ckpt, old = out / CKPT, out / (CKPT + ".old")
+    if not _present(ckpt) and old.is_dir() and not old.is_symlink() and (old / "state.json").is_file():
+        os.replace(old, ckpt)
+
+
 def _remove_previous_output(out: Path, marker: dict) -> None:
-    """Remove what a previous finetune wrote: the files its marker lists, the run's logs and its own
-    checkpoint directories (nothing else in ``out`` is touched)."""
-    listed = [n for n in marker.get("files", []) if isinstance(n, str) and Path(n).name == n and n != MARKER]
-    for name in (*listed, *RUN_FILES):
-        p = out / name
-        if p.is_symlink() or p.is_file():
-            p.unlink()
-    for name in RUN_DIRS:
-        p = out / name
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
+    """Remove what a previous finetune recorded (deepest first), then the directories it made for its
+    own entries if they are empty now; nothing else in ``out`` is touched."""
+    files, dirs = _recorded(marker)
+    for rel in sorted(files, key=lambda r: -r.count("/")):
+        p = _inside(out, rel)
+        if p is not None:
+            _remove(p)
+    for rel in sorted(dirs, key=lambda r: -r.count("/")):
+        p = _inside(out, rel)
+        if p is not None and p.is_dir() and not p.is_symlink() and not any(p.iterdir()):
+            p.rmdir()
 
 
 def record_outputs(out: Path, names: list[str]) -> None:
-    """Add exported file names to the marker, so that --overwrite removes them and nothing else."""
-    marker = read_marker(out) or {"format": "geomscope-finetune", "files": []}
-    marker["files"] = sorted(set(marker.get("files", [])) | set(names))
-    write_json_atomic(out / MARKER, marker)
+    """Add paths this run is about to write to the marker, so that --overwrite removes them and
+    nothing else."""
+    marker = read_marker(out) or {"format": "geomscope-finetune", "version": MARKER_VERSION}
+    files, dirs = _recorded(marker)
+    _write_marker(out, files | set(names), dirs)
 
 
 # ---------------------------------------------------------------------------------- RNG state
@@ -341,7 +472,8 @@ def export_model(out: Path, model, tokenizer, extra: dict[str, dict], weights: d
     """save_pretrained the final model and tokenizer into ``out`` (file by file, via renames).
 
     ``extra`` maps file names to JSON objects written alongside (label map ...). Every exported
-    name is recorded in the marker first, so --overwrite can remove exactly these later.
+    name is recorded in the marker first, so --overwrite can remove exactly these later; a name
+    already taken by an entry the marker does not record is refused, never replaced.
     ``weights``: the gathered state dict of a sharded model (see :func:`save_checkpoint`).
     """
     tmp = _fresh_dir(out / ".export.tmp")
@@ -350,7 +482,16 @@ def export_model(out: Path, model, tokenizer, extra: dict[str, dict], weights: d
     for name, obj in extra.items():
         (tmp / name).write_text(json.dumps(obj, indent=2))
     files = [f for f in sorted(tmp.rglob("*")) if f.is_file()]
-    record_outputs(out, [f.relative_to(tmp).parts[0] for f in files])
+    names = sorted({f.relative_to(tmp).parts[0] for f in files})
+    recorded, _ = _recorded(read_marker(out) or {"version": MARKER_VERSION})
+    for name in names:  # a user's file of that name, put there during the run: never replaced
+        if name not in recorded and _present(out / name):
+            shutil.rmtree(tmp)
+            raise InputError(
+                f"{out / name} is not recorded in {out / MARKER} as written by geomscope, and the "
+                f"export would replace it; move it out of {out} and rerun with --resume"
+            )
+    record_outputs(out, names)
     for f in files:
         dest = out / f.relative_to(tmp)
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -365,6 +506,7 @@ def save_snapshot(out: Path, model, tokenizer, step: int, weights: dict | None =
     dest = out / SNAPSHOTS / f"step{step}"
     if dest.is_dir():
         return dest
+    record_outputs(out, [f"{SNAPSHOTS}/step{step}", f"{SNAPSHOTS}/.step{step}.tmp"])
     tmp = _fresh_dir(out / SNAPSHOTS / f".step{step}.tmp")
     _save_model(model, tmp, weights)
     tokenizer.save_pretrained(tmp)

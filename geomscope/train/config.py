@@ -144,6 +144,7 @@ def validate(cfg: FinetuneConfig) -> None:
         raise InputError(f"--lr must be a positive number, got {cfg.lr}")
     if not math.isfinite(cfg.lam):
         raise InputError(f"--lambda must be a finite number, got {cfg.lam}")
+    check_seed(cfg.seed)
     if cfg.eval is None:
         raise InputError("an evaluation file is needed: pass --eval FILE")
     if cfg.save_every is not None and cfg.save_every < 1:
@@ -191,8 +192,36 @@ def _validate_training_options(cfg: FinetuneConfig) -> None:
     check_tracker(cfg.report_to)
 
 
+#: the fingerprint's records of the data files' contents (a file changed in place keeps its path)
+_DATA_KEYS = {"train_data": "train", "eval_data": "eval"}
+#: the largest --seed + 1: the seed is mixed with the epoch (data.epoch_order) and the rank (dropout)
+#: into torch generator seeds, which must stay below 2**64; NumPy takes seeds below 2**32
+SEED_LIMIT = 2**32
+
+
+def check_seed(seed) -> None:
+    """One line for a seed the generators cannot take (checked by a grid before any run, too)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise InputError(f"--seed must be a whole number from 0 to {SEED_LIMIT - 1}, got {seed}")
+
+
+def data_identity(path: str) -> dict:
+    """sha256 and size of a data file's bytes (of a save_to_disk directory's files), as extract
+    records its inputs."""
+    from pathlib import Path
+
+    from geomscope.extract.sources import InputFile, hash_input
+
+    p = Path(path)
+    inp = InputFile(arg=str(path), path=p, kind="dataset" if p.is_dir() else "file")
+    hash_input(inp)
+    return {"sha256": inp.sha256, "bytes": inp.bytes}
+
+
 def fingerprint(cfg: FinetuneConfig, layers: list[int], world: int) -> dict:
     fp = {k: getattr(cfg, k) for k in _FINGERPRINT}
+    for key, field_name in _DATA_KEYS.items():
+        fp[key] = data_identity(getattr(cfg, field_name))
     if cfg.task == "classification":
         del fp["task"]  # checkpoints written before --task existed stay resumable
     fp["layers"] = layers
@@ -201,6 +230,34 @@ def fingerprint(cfg: FinetuneConfig, layers: list[int], world: int) -> dict:
     if "scheduler" in fp or "warmup" in fp:  # a schedule spans the whole run: its length must match
         fp["epochs"] = cfg.epochs
     return fp
+
+
+def check_same_run(out, stored: dict, asked: dict, epochs: int, advice: str | None = None) -> None:
+    """Refuse, naming the first difference, to continue (or count as done) the run in ``out`` whose
+    checkpoint holds the fingerprint ``stored`` with the options whose fingerprint is ``asked``.
+
+    Options added since a checkpoint was written compare at their defaults; keys only an old
+    fingerprint has are ignored; a checkpoint from before the data files' contents were recorded is
+    compared on their paths alone (it cannot say more)."""
+    advice = advice or "resume with the same options or choose another --out"
+    dflt = {"task": "classification", **NEW_DEFAULTS}
+    old = {**dflt, **stored}
+    new = {**dflt, **asked}
+    old.setdefault("epochs", epochs)  # no schedule before: the run's length was free
+    new.setdefault("epochs", old["epochs"])
+    for k in new:
+        if k in _DATA_KEYS and k not in stored:
+            continue
+        if json_value(old.get(k)) == json_value(new[k]):
+            continue
+        if k in _DATA_KEYS:
+            was, now = old[k] or {}, new[k]
+            raise InputError(
+                f"{out} was trained on other contents of {new[_DATA_KEYS[k]]} (sha256 "
+                f"{str(was.get('sha256'))[:12]}, {was.get('bytes')} bytes; now {now['sha256'][:12]}, "
+                f"{now['bytes']} bytes); {advice}"
+            )
+        raise InputError(f"{out} was trained with {k}={old.get(k)!r}, not {new[k]!r}; {advice}")
 
 
 def changed_options(cfg: FinetuneConfig, fingerprint: bool = False) -> dict:

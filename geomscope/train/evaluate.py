@@ -15,7 +15,11 @@ its strided shard of the examples, and sum float64 moments over ranks.
   and the trace-matched identity target, of the union of the chosen layers; the average cosine
   similarity (all distinct pairs, docs/metrics.md) of the union, of each chosen layer, and of the last
   layer (CosReg's layer).  :class:`EvalGeometry` holds that geometry part, shared with the
-  question-answering evaluation (:func:`geomscope.train.qa.evaluate_qa`).
+  question-answering evaluation (:func:`geomscope.train.qa.evaluate_qa`).  It is taken over the real
+  tokens only, whatever ``--include-padding`` says for the penalties: how many padding rows a batch
+  holds depends on the batch size and on which examples share a batch, so counting them would make
+  the eval IsoScore* / avg cosine (what ``compare`` relates to accuracy) a function of
+  ``--batch-size``.
 """
 
 from __future__ import annotations
@@ -125,10 +129,15 @@ def _avgcos(u_sum: torch.Tensor, n: torch.Tensor) -> float | None:
 
 class EvalGeometry:
     """Accumulates the eval-set geometry of the module docstring over batches (any task): the union
-    of the chosen layers' real tokens, and unit-vector sums per chosen layer and of the last layer."""
+    of the chosen layers' real tokens, and unit-vector sums per chosen layer and of the last layer.
+
+    Padding never counts (see the module docstring); ``include_padding`` is accepted only so that a
+    caller passing the training flag along is stopped rather than silently obeyed."""
 
     def __init__(self, D: int, layers: list[int], device, include_padding: bool = False):
-        self.layers, self.include_padding, self.D = list(layers), include_padding, D
+        if include_padding:
+            raise ValueError("the eval geometry is over real tokens only; do not pass include_padding")
+        self.layers, self.D = list(layers), D
         L = len(layers)
         self.union = Moments(D, extras=True)
         self.u = torch.zeros(L + 1, D, dtype=torch.float64, device=device)  # each layer, then last layer
@@ -136,9 +145,7 @@ class EvalGeometry:
 
     def update(self, out, mask) -> None:
         L, D = len(self.layers), self.D
-        X = select_tokens(
-            out.hidden_states, self.layers + [len(out.hidden_states) - 1], mask, self.include_padding
-        )
+        X = select_tokens(out.hidden_states, self.layers + [len(out.hidden_states) - 1], mask, False)
         t = X.shape[0] // (L + 1)
         self.union.update(X[: L * t])
         U = X / X.norm(dim=1, keepdim=True).clamp_min(1e-30)
@@ -181,7 +188,6 @@ def evaluate(
     d: dd.Dist,
     autocast,
     n_labels: int,
-    include_padding: bool = False,
 ) -> dict:
     """Per-epoch evaluation record (see module docstring); identical on every rank."""
     was_training = model.training
@@ -191,7 +197,7 @@ def evaluate(
     L = len(layers)
     conf = torch.zeros(n_labels, n_labels, dtype=torch.float64, device=dev)
     loss_sum = torch.zeros(1, dtype=torch.float64, device=dev)
-    geo = EvalGeometry(D, layers, dev, include_padding)
+    geo = EvalGeometry(D, layers, dev)
     for ids, real in rank_batches(list(range(len(encoded))), batch_size, d):
         batch = encoded.collate(ids)
         out, mask = _forward(model, batch, dev, autocast)

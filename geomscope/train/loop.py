@@ -42,12 +42,11 @@ from geomscope.progress import Progress
 from geomscope.provenance import package_versions
 from geomscope.train import checkpoint as ck
 from geomscope.train.config import (
-    NEW_DEFAULTS,
     FinetuneConfig,
     changed_options,
+    check_same_run,
     config_record,
     fingerprint,
-    json_value,
     resolved_lora_alpha,
     validate,
 )
@@ -88,19 +87,48 @@ def _seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _prepare_out(cfg: FinetuneConfig, out: Path) -> dict | None:
+def _prepare_out(cfg: FinetuneConfig, out: Path, note) -> dict | None:
     """Claim the output directory (refusing one geomscope did not write); return the checkpoint state
     when resuming."""
     if cfg.resume and cfg.overwrite:
         raise InputError("--resume continues a run and --overwrite replaces it; pass one of them")
-    state = ck.read_state(out) if cfg.resume and ck.read_marker(out) is not None else None
-    if cfg.resume and state is None:
+    ours = ck.read_marker(out) is not None
+    if ours:
+        ck.recover_checkpoint(out)
+    has_checkpoint = ours and (out / ck.CKPT / "state.json").exists()
+    state = ck.read_state(out) if cfg.resume and has_checkpoint else None
+    # stopped (Ctrl-C, a crash) before its first epoch checkpoint and never finished: nothing of it is
+    # worth keeping, so the plain command and --resume both start it again (what the interrupt says)
+    restart = ours and not has_checkpoint and not cfg.overwrite and not (out / "summary.json").exists()
+    if cfg.resume and state is None and not restart:
         raise InputError(
             f"nothing to resume in {out} (no finished epoch checkpoint of a geomscope finetune run); "
             "run without --resume"
         )
-    ck.check_output(out, resume=cfg.resume, overwrite=cfg.overwrite)
+    writes, writes_into = _planned_outputs(cfg)
+    ck.check_output(
+        out,
+        resume=state is not None,
+        overwrite=cfg.overwrite or restart,
+        writes=writes,
+        writes_into=writes_into,
+        from_step=state["global_step"] if state is not None else 0,
+    )
+    if restart:
+        note(f"note: {out} holds a run stopped before its first epoch finished; starting it again")
     return state
+
+
+def _planned_outputs(cfg: FinetuneConfig) -> tuple[list[str], list[str]]:
+    """What this run writes into --out (checkpoint.planned_outputs for its options)."""
+    tracker_dir = None
+    if cfg.report_to != "none":
+        from geomscope.train.tracking import DIRS, PACKAGES
+
+        tracker_dir = DIRS[list(PACKAGES).index(cfg.report_to)]
+    return ck.planned_outputs(
+        lora=cfg.lora is not None, tracker_dir=tracker_dir, snapshots=cfg.save_every is not None
+    )
 
 
 #: what a sharded run (FSDP, DeepSpeed ZeRO) does not offer, and why
@@ -151,6 +179,24 @@ def _resolve_model_alias(cfg: FinetuneConfig) -> FinetuneConfig:
     return replace(cfg, model=path, extra={**cfg.extra, "model_arg": cfg.model, "model_info": info})
 
 
+def planned_fingerprint(cfg: FinetuneConfig) -> dict:
+    """The fingerprint ``finetune(cfg)`` records in its checkpoint, from the model's config alone (no
+    weights read): what a sweep compares its finished runs with before deciding to skip them."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from geomscope.extract.layers import parse_layers
+    from geomscope.train.model import check_model_source, n_blocks
+
+    cfg = _resolve_model_alias(cfg)
+    validate(cfg)
+    check_model_source(cfg.model)  # the same one-line errors as loading it
+    config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=False)
+    layers = parse_layers(cfg.layers or "blocks", n_blocks(SimpleNamespace(config=config)) + 1)
+    return fingerprint(cfg, layers, dd.world_from_env()[1])
+
+
 def finetune(cfg: FinetuneConfig, *, quiet: bool = False, note=None) -> dict:
     """Run the fine-tuning described by ``cfg``; return the summary (also written to summary.json)."""
     note = note or (lambda msg: print(msg, file=sys.stderr))
@@ -185,7 +231,8 @@ class _Trainer:
     def setup(self) -> _Trainer:
         cfg, d = self.cfg, self.d
         _check_sharded(cfg, self.eng)
-        self.state = _on_main(lambda: _prepare_out(cfg, self.out), d)  # rank 0 decides, before anyone writes
+        # rank 0 decides, before anyone writes
+        self.state = _on_main(lambda: _prepare_out(cfg, self.out, self.note), d)
         self._load_data()
         _seed_all(cfg.seed)
         self._load_model()
@@ -232,20 +279,7 @@ class _Trainer:
             check_ranks(cfg.geometry_rank, self.model.config.hidden_size)
         self.fp = fingerprint(cfg, self.layers, d.world_size)
         if state is not None:
-            dflt = {"task": "classification", **NEW_DEFAULTS}
-            old = {**dflt, **state["fingerprint"]}
-            new = {**dflt, **self.fp}
-            old.setdefault("epochs", cfg.epochs)  # no schedule before: the run's length was free
-            new.setdefault("epochs", old["epochs"])
-            # new holds every newer option (its default when unset): a run of an older version compares
-            # equal on them; keys only an old fingerprint has are ignored, as before
-            diff = [k for k in new if json_value(old.get(k)) != json_value(new[k])]
-            if diff:
-                k = diff[0]
-                raise InputError(
-                    f"{self.out} was trained with {k}={old.get(k)!r}, not "
-                    f"{new[k]!r}; resume with the same options or choose another --out"
-                )
+            check_same_run(self.out, state["fingerprint"], self.fp, cfg.epochs)
             self.minfo["head_added"] = state.get("head_added", False)
         if cfg.gradient_checkpointing:
             self._checkpoint_activations()
@@ -372,7 +406,8 @@ class _Trainer:
         cfg, d = self.cfg, self.d
         self.steps_path, self.eval_path = self.out / "steps.jsonl", self.out / "eval.jsonl"
         if d.is_main:
-            ck.take_output(self.out, resume=self.state is not None)
+            writes, writes_into = _planned_outputs(cfg)
+            ck.take_output(self.out, resume=self.state is not None, writes=writes, writes_into=writes_into)
             if self.state is None:
                 write_json_atomic(
                     self.out / "run.json",
@@ -546,14 +581,7 @@ class _Trainer:
             from geomscope.train.qa import evaluate_qa
 
             ev = evaluate_qa(
-                self.fwd_model,
-                self.eval_enc,
-                self.layers,
-                cfg.zeta,
-                cfg.batch_size,
-                d,
-                self.autocast,
-                cfg.include_padding,
+                self.fwd_model, self.eval_enc, self.layers, cfg.zeta, cfg.batch_size, d, self.autocast
             )
         else:
             ev = evaluate(
@@ -565,7 +593,6 @@ class _Trainer:
                 d,
                 self.autocast,
                 len(self.label2id),
-                cfg.include_padding,
             )
         ev = {"epoch": epoch + 1, "step": self.step, **ev, "c0_points_used": self.c0_used}
         rngs = dd.gather_objects(ck.rng_state(), d)

@@ -1,0 +1,158 @@
+"""``finetune --overwrite`` removes only what the previous run recorded in its marker (review: it
+removed every folder of a fixed list -- ``checkpoints/``, ``wandb/`` ... -- whoever had made it)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import assert_one_line_error
+from test_train_helpers import make_checkpoint, synthetic_rows, words_of, write_csv
+
+from geomscope.errors import InputError
+from geomscope.train import checkpoint as ck
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ow")
+    return {
+        "model": make_checkpoint(d / "m", words_of([])),
+        "train": write_csv(d / "train.csv", synthetic_rows(16, 0)),
+        "eval": write_csv(d / "dev.csv", synthetic_rows(8, 1)),
+    }
+
+
+def _run(cli, data, out, *extra):
+    args = [
+        "--epochs",
+        "1",
+        "--batch-size",
+        "8",
+        "--lr",
+        "1e-3",
+        "--device",
+        "cpu",
+        "--quiet",
+        "--reg",
+        "none",
+    ]
+    return cli(
+        [
+            "finetune",
+            data["model"],
+            "--train",
+            data["train"],
+            "--eval",
+            data["eval"],
+            "--out",
+            out,
+            *args,
+            *extra,
+        ]
+    )
+
+
+def _tree(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_overwrite_keeps_folders_it_did_not_write(cli, data, tmp_path):
+    out = tmp_path / "ow"
+    assert _run(cli, data, out)[0] == 0
+    (out / "checkpoints" / "my_ckpt").mkdir(parents=True)
+    (out / "checkpoints" / "my_ckpt" / "weights.bin").write_text("x")
+    (out / "wandb").mkdir()
+    (out / "wandb" / "run.txt").write_text("y")
+    code, _, err = _run(cli, data, out, "--overwrite")
+    assert code == 0, err
+    assert (out / "checkpoints" / "my_ckpt" / "weights.bin").read_text() == "x"
+    assert (out / "wandb" / "run.txt").read_text() == "y"
+    # snapshots land beside the user's folder, are recorded, and go with the next --overwrite
+    code, _, err = _run(cli, data, out, "--overwrite", "--save-every", "1")
+    assert code == 0, err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["my_ckpt", "step0", "step1", "step2"]
+    assert "checkpoints/step1" in ck.read_marker(out)["files"]
+    code, _, err = _run(cli, data, out, "--overwrite")
+    assert code == 0, err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["my_ckpt"]
+    assert (out / "wandb" / "run.txt").read_text() == "y" and (out / "model.safetensors").is_file()
+
+
+def test_a_folder_of_ours_made_for_snapshots_goes_when_empty(cli, data, tmp_path):
+    out = tmp_path / "snap"
+    assert _run(cli, data, out, "--save-every", "2")[0] == 0
+    assert ck.SNAPSHOTS in ck.read_marker(out)["dirs"]
+    code, _, err = _run(cli, data, out, "--overwrite")
+    assert code == 0, err
+    assert not (out / ck.SNAPSHOTS).exists()
+
+
+def test_an_unrecorded_entry_in_the_way_is_refused_before_anything_is_removed(cli, data, tmp_path):
+    out = tmp_path / "way"
+    assert _run(cli, data, out)[0] == 0
+    (out / "checkpoints" / "step0").mkdir(parents=True)  # a user's folder where --save-every writes
+    (out / "checkpoints" / "step0" / "mine.txt").write_text("mine")
+    before = _tree(out)
+    code, o, err = _run(cli, data, out, "--overwrite", "--save-every", "1")
+    assert_one_line_error(code, o, err, "checkpoints/step0", "not recorded", exit_code=2)
+    assert _tree(out) == before
+    # the run that does not write there goes ahead and leaves it
+    code, _, err = _run(cli, data, out, "--overwrite")
+    assert code == 0, err
+    assert (out / "checkpoints" / "step0" / "mine.txt").read_text() == "mine"
+
+
+def test_an_older_marker_removes_only_what_it_proves_and_nothing_outside(cli, data, tmp_path):
+    """A marker written before the complete record lists the exported files only: the run's logs and
+    working directories (fixed names) go, folders a user could have made stay; a crafted name that
+    leaves the directory is never followed."""
+    out = tmp_path / "old"
+    assert _run(cli, data, out)[0] == 0
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep")
+    exported = [n for n in ck.read_marker(out)["files"] if (out / n).is_file() and n not in ck.RUN_FILES]
+    (out / ck.MARKER).write_text(
+        json.dumps({"format": "geomscope-finetune", "files": [*exported, "../outside.txt"]})
+    )
+    for d in ("checkpoints/step0", "tensorboard", "adapter"):
+        (out / d).mkdir(parents=True)
+        (out / d / "f.txt").write_text(d)
+    (out / "notes.txt").write_text("n")
+    code, _, err = _run(cli, data, out, "--overwrite")
+    assert code == 0, err
+    for d in ("checkpoints/step0", "tensorboard", "adapter"):
+        assert (out / d / "f.txt").read_text() == d
+    assert (out / "notes.txt").read_text() == "n" and outside.read_text() == "keep"
+    assert ck.read_marker(out)["version"] == ck.MARKER_VERSION
+    # the folders an older run cannot be proven to have made are refused where the new run writes
+    code, o, err = _run(cli, data, out, "--overwrite", "--save-every", "1")
+    assert_one_line_error(code, o, err, "checkpoints/step0", exit_code=2)
+
+
+class _Saves:
+    """A stand-in for a model or tokenizer: ``save_pretrained`` writes the named files."""
+
+    def __init__(self, *names):
+        self.names = names
+
+    def save_pretrained(self, where, **kw):
+        for n in self.names:
+            (where / n).write_text("new " + n)
+
+
+def test_export_never_replaces_a_file_the_marker_does_not_record(tmp_path):
+    out = tmp_path / "exp"
+    out.mkdir()
+    (out / ck.MARKER).write_text(json.dumps({"format": "geomscope-finetune", "version": 2, "files": []}))
+    (out / "config.json").write_text("the user's")  # appeared while the run trained
+    with pytest.raises(InputError, match="config.json is not recorded"):
+        ck.export_model(out, _Saves("config.json", "model.safetensors"), _Saves("vocab.txt"), {})
+    assert (out / "config.json").read_text() == "the user's"
+    assert not (out / "model.safetensors").exists() and not (out / ".export.tmp").exists()
+    (out / "config.json").unlink()
+    ck.export_model(out, _Saves("config.json", "model.safetensors"), _Saves("vocab.txt"), {})
+    assert {"config.json", "model.safetensors", "vocab.txt"} <= set(ck.read_marker(out)["files"])
