@@ -131,12 +131,9 @@ class EvalGeometry:
     """Accumulates the eval-set geometry of the module docstring over batches (any task): the union
     of the chosen layers' real tokens, and unit-vector sums per chosen layer and of the last layer.
 
-    Padding never counts (see the module docstring); ``include_padding`` is accepted only so that a
-    caller passing the training flag along is stopped rather than silently obeyed."""
+    Padding never counts (see the module docstring): with it, the geometry depended on the batch size."""
 
-    def __init__(self, D: int, layers: list[int], device, include_padding: bool = False):
-        if include_padding:
-            raise ValueError("the eval geometry is over real tokens only; do not pass include_padding")
+    def __init__(self, D: int, layers: list[int], device):
         self.layers, self.D = list(layers), D
         L = len(layers)
         self.union = Moments(D, extras=True)

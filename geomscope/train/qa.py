@@ -365,7 +365,6 @@ def evaluate_qa(
     batch_size: int,
     d,
     autocast,
-    include_padding: bool = False,
 ) -> dict:
     """Per-epoch QA evaluation record, identical on every rank: exact_match, f1 (percent), the mean
     span loss over features, and the eval-set geometry of :func:`geomscope.train.evaluate.evaluate`."""
@@ -377,7 +376,7 @@ def evaluate_qa(
     was_training = model.training
     model.eval()
     dev = d.device
-    geo = EvalGeometry(model.config.hidden_size, layers, dev, include_padding)
+    geo = EvalGeometry(model.config.hidden_size, layers, dev)
     loss_sum = torch.zeros(1, dtype=torch.float64, device=dev)
     logits: dict = {}  # feature -> (start logits, end logits) as float32 arrays of its length
     with torch.no_grad():

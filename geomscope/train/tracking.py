@@ -23,7 +23,8 @@ from geomscope.errors import InputError
 #: the package each tracker needs (checked before anything is written)
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 STEP_KEYS = ("loss", "task_loss", "penalty", "weighted_penalty", "isoscore_star", "lr")
-#: directories a tracker writes into OUT (removed by --overwrite with the rest of a run)
+#: directories a tracker writes into OUT (removed by --overwrite when the run's marker records that
+#: geomscope created them: train/checkpoint.py)
 DIRS = ("tensorboard", "wandb", "mlruns")
 
 
