@@ -69,3 +69,43 @@ def test_a_resume_with_weights_changed_in_the_middle_is_refused(tmp_path):
     with pytest.raises(InputError, match=WEIGHTS_KEY):
         extract(str(a), [src], run, shard_docs=3, layers="0")
     assert [s["file"] for s in Run(run).manifest["shards"]] == ["shard-00000.h5", "shard-00001.h5"]
+
+
+def test_a_run_from_before_whole_file_fingerprints_still_resumes(tmp_path):
+    """Runs made before recorded weights_sha256 (the first and last 64 KiB): compared on that, they
+    resume; they were all refused as made with other weights."""
+    from geomscope.extract.models import legacy_weights_fingerprint
+
+    model = make_tiny_model("bert", tmp_path / "models", hidden_size=64, intermediate_size=128)
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(TEXTS) + "\n")
+    run = tmp_path / "run"
+    extract(str(model), [src], run, shard_docs=3, layers="0")
+    m = json.loads((run / "manifest.json").read_text())
+    ident = m["identity"]["model"]
+    del ident[WEIGHTS_KEY]
+    ident["weights_sha256"] = legacy_weights_fingerprint(model)  # as the older geomscope wrote it
+    m["shards"] = m["shards"][:2]
+    m["complete"] = False
+    m.pop("request", None)
+    (run / "manifest.json").write_text(json.dumps(m))
+    for f in sorted(run.glob("shard-*.h5"))[2:]:
+        f.unlink()
+    s = extract(str(model), [src], run, shard_docs=3, layers="0")
+    assert s["shards_resumed"] == 2 and s["shards_written"] == 2
+    assert "weights_sha256" in json.loads((run / "manifest.json").read_text())["identity"]["model"]
+
+
+def test_a_trainers_optimizer_state_is_not_read():
+    """optimizer.pt (often twice the model) and rng_state.pth do not change the rows."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        d = Path(d)
+        (d / "config.json").write_text("{}")
+        (d / "model.safetensors").write_bytes(b"w" * 100)
+        before = weights_fingerprint(d)
+        (d / "optimizer.pt").write_bytes(b"o" * 100)
+        (d / "rng_state.pth").write_bytes(b"r" * 10)
+        assert weights_fingerprint(d) == before

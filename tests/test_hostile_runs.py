@@ -75,26 +75,29 @@ def test_rows_of_documents_outside_the_shards_entry_are_refused(run):
         score(run, OPTS)
 
 
-def test_a_shard_writer_records_the_documents_it_stored():
-    """A shard written without a planned range (the library's writers, tests) records the range of
-    the documents it holds, so its entry never claims documents 0..-1."""
-    import tempfile
-
+def test_shards_written_without_document_ranges_still_score(tmp_path):
+    """A shard written through the library without a planned range records 0..0, no range: such
+    runs (document ids restarting in each shard included) score as they did before ranges were
+    checked; a run that records ranges is held to them."""
     from geomscope.store import RunWriter
 
-    with tempfile.TemporaryDirectory() as d:
-        ident = {"model": {"name": "t", "hidden_size": 4}, "layers": [{"name": "layer_00", "index": 0}]}
-        with RunWriter(Path(d) / "r", ident) as w:
-            sw = w.shard_writer(0, layer_names=["layer_00"], dim=4, store_dtype="float32")
+    ident = {"model": {"name": "t", "hidden_size": 4}, "layers": [{"name": "layer_00", "index": 0}]}
+    rng = np.random.default_rng(0)
+    with RunWriter(tmp_path / "r", ident) as w:
+        for s in range(2):
+            sw = w.shard_writer(s, layer_names=["layer_00"], dim=4, store_dtype="float32")
             sw.append(
-                {"layer_00": np.ones((6, 4), np.float32)},
+                {"layer_00": rng.normal(size=(6, 4)).astype(np.float32)},
                 token_id=np.arange(6),
-                doc_id=np.array([3, 3, 4, 4, 7, 7]),
+                doc_id=np.array([0, 0, 1, 1, 2, 2]),  # restarting at 0 in each shard
                 position=np.arange(6) % 2,
                 is_special=np.zeros(6, bool),
             )
             info = sw.close()
-        assert (info.doc_start, info.doc_stop) == (3, 8)
+            assert info.documents is None
+            w.add_shard(info)
+        w.finalize({"docs": 6})
+    assert score(tmp_path / "r", OPTS)["layers"][0]["n_rows"] == 12
 
 
 def test_a_manifest_that_is_a_fifo_does_not_hang(run, tmp_path):

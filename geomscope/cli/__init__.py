@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         _main(argv)
     finally:
-        if on_main_thread:
+        if on_main_thread and previous is not None:  # (None: a handler set from C, not restorable)
             signal.signal(signal.SIGTERM, previous)
 
 

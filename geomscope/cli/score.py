@@ -44,8 +44,11 @@ def _default_out(source: str) -> str:
         return str(p) + os.sep
     p = p.resolve() if p.name in ("", ".", "..") else p
     prefix = p.with_name(p.stem + "_report")
-    # a real probe (os.access says yes to root, and on a read-only mount): else the working directory
-    return str(prefix) if write_denied(p.parent) is None else p.stem + "_report"
+    # beside the source where that folder exists and takes a file -- a real probe: os.access says
+    # yes to root, and on a read-only mount -- else the working directory (a URL's source folder is
+    # no local folder: the probe would answer for the nearest existing parent, '.')
+    here = p.parent.is_dir() and write_denied(p.parent) is None
+    return str(prefix) if here else p.stem + "_report"
 
 
 @app.command("score")
@@ -330,11 +333,11 @@ def _run_name(run: str) -> str:
     return (p.resolve() if p.name in ("", ".", "..") else p).name
 
 
-def _check_distinct(runs: list[str], dests: list[str], trajectory) -> None:
+def _check_distinct(runs: list[str], dests: list[str], trajectory, *, one_folder: bool) -> None:
     """InputError (one line) unless the runs can be told apart: each given once, distinct folder
-    names (--out DIR/<name>.json would replace one report by another, and trajectory.csv would
-    label both the same), no two reports at one path (a link to a run) and none at trajectory.csv.
-    Asked before any run is scored."""
+    names where the reports go into one folder (``one_folder``: --out DIR/<name>.json would replace
+    one report by another; without --out each report lies in its own run), no two reports at one
+    path (a link to a run) and none at trajectory.csv. Asked before any run is scored."""
     import os
 
     from geomscope.errors import InputError
@@ -348,6 +351,8 @@ def _check_distinct(runs: list[str], dests: list[str], trajectory) -> None:
         if os.path.realpath(runs[j]) == os.path.realpath(run):
             also = "" if runs[j] == run else f" (as {runs[j]} and {run})"
             raise InputError(f"the run {run} is given twice{also}; give each run once")
+        if not one_folder:
+            continue
         raise InputError(
             f"{runs[j]} and {run} are both named {_run_name(run)!r}: runs scored together need distinct "
             "folder names (their reports in --out and their rows in trajectory.csv go by them); rename "
@@ -393,7 +398,7 @@ def _score_many(
         where = Path(os.path.commonpath([str(Path(r).resolve().parent) for r in runs]))
     # before the work: clashing names, a user's file at any of these names (refused, never replaced)
     # and a folder that cannot be written are said now, not after every run was scored
-    _check_distinct(runs, dests, where / TRAJECTORY_NAME)
+    _check_distinct(runs, dests, where / TRAJECTORY_NAME, one_folder=out is not None)
     for dest in dests:
         check_report_out(dest)
     check_trajectory_out(where / TRAJECTORY_NAME)

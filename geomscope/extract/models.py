@@ -18,6 +18,7 @@ whether ``output_hidden_states=[i, ...]`` may be used to keep only the requested
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import os
 import pickle
@@ -199,6 +200,39 @@ def _cached_snapshot(repo_id: str, revision: str | None, cache_dir: str | None) 
     return Path(got).parent if isinstance(got, str) else None
 
 
+def _sha256_files(paths: list[Path], *, head_tail: int | None = None) -> str | None:
+    """sha256 over names, sizes and contents (or the first and last ``head_tail`` bytes) of files:
+    the tokenizer's fingerprint, and the weights' of runs before :data:`WEIGHTS_KEY` (unchanged, so
+    that those runs still resume)."""
+    if not paths:
+        return None
+    h = hashlib.sha256()
+    for p in sorted(paths, key=lambda q: q.name):
+        size = p.stat().st_size
+        h.update(f"{p.name}\0{size}\0".encode())
+        with open(p, "rb") as f:
+            if head_tail is None or size <= 2 * head_tail:
+                h.update(f.read())
+            else:
+                h.update(f.read(head_tail))
+                f.seek(size - head_tail)
+                h.update(f.read(head_tail))
+    return h.hexdigest()
+
+
+def legacy_weights_fingerprint(model_dir: Path) -> str | None:
+    """What runs before :data:`WEIGHTS_KEY` recorded as ``weights_sha256``: sha256 of config.json and,
+    for every weight file, its name, size and first and last 64 KiB. Only to resume such a run (a
+    change mid-file escapes it: that is why new runs record the whole files)."""
+    d = Path(model_dir)
+    files = [
+        p
+        for p in d.iterdir()
+        if p.is_file() and (p.name == "config.json" or p.name.endswith(WEIGHT_SUFFIXES))
+    ]
+    return _sha256_files(files, head_tail=64 * 1024)
+
+
 def _digest_files(paths: list[Path], algorithm: str) -> str | None:
     """A digest (store/checksum.py's ``algorithm``) over the names, sizes and whole contents of files."""
     from geomscope.store.checksum import file_digests, hasher
@@ -212,6 +246,10 @@ def _digest_files(paths: list[Path], algorithm: str) -> str | None:
             h.update(bytes.fromhex(file_digests(f, (algorithm,))[algorithm]))
     return h.hexdigest()
 
+
+#: files of a Trainer's checkpoint folder beside the weights (optimizer.pt, often twice the model's
+#: size, rng_state.pth ...): they do not change the rows, so the fingerprint does not read them
+TRAINER_STATE_PREFIXES = ("optimizer", "scheduler", "rng_state", "scaler", "training_args")
 
 #: the identity's key for :func:`weights_fingerprint` (runs before it recorded ``weights_sha256``, of
 #: each file's first and last 64 KiB only)
@@ -232,7 +270,9 @@ def weights_fingerprint(model_dir: Path) -> str | None:
     files = sorted(
         p
         for p in d.iterdir()
-        if p.is_file() and (p.name == "config.json" or p.name.endswith((*WEIGHT_SUFFIXES, ".py")))
+        if p.is_file()
+        and (p.name == "config.json" or p.name.endswith((*WEIGHT_SUFFIXES, ".py")))
+        and not p.name.startswith(TRAINER_STATE_PREFIXES)
     )
     # extract asks twice (what a rerun of --revisions compares, before the load; the identity, after):
     # the same files, unchanged since (device, inode, size, mtime), are not read again
@@ -254,7 +294,7 @@ def _stat_key(p: Path) -> tuple:
 def tokenizer_fingerprint(model_dir: Path) -> str | None:
     """sha256 of the tokenizer files of a model directory (full contents)."""
     d = Path(model_dir)
-    return _digest_files([d / n for n in TOKENIZER_FILES if (d / n).is_file()], "sha256")
+    return _sha256_files([d / n for n in TOKENIZER_FILES if (d / n).is_file()])
 
 
 @dataclass

@@ -89,6 +89,9 @@ def extract_ranks(model, inputs, out: Path, opts, *, progress: bool, log, stdin)
             local = _device_of(opts, d)
 
             def plan():
+                from geomscope.extract.sources import check_out_outside_inputs
+
+                check_out_outside_inputs(ins, out)
                 scan = single._scan(ins, local)
                 lm = single._load(model, local)
                 return scan, lm, single._plan(lm, ins, scan, local, out)

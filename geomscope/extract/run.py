@@ -33,7 +33,15 @@ from geomscope.extract.capture import HeapTrim
 from geomscope.extract.layers import LAYER_NOTE, describe_layers, parse_layers, split_final_norm
 from geomscope.extract.options import ExtractOptions
 from geomscope.extract.plan import Scan, bytes_per_row, check_disk, estimate_tokens, human_bytes, scan_inputs
-from geomscope.extract.sources import close_inputs, hash_input, iter_all, open_inputs, uses_column, uses_field
+from geomscope.extract.sources import (
+    check_out_outside_inputs,
+    close_inputs,
+    hash_input,
+    iter_all,
+    open_inputs,
+    uses_column,
+    uses_field,
+)
 from geomscope.extract.storing import StoreThread
 from geomscope.progress import Progress
 from geomscope.provenance import package_versions
@@ -137,6 +145,7 @@ def extract(
     t_start = time.perf_counter()
     ins = open_inputs(args, stdin=stdin)
     try:
+        check_out_outside_inputs(ins, out)
         scan = _scan(ins, opts)
         # before the load: what extract --revisions computes, without loading, to skip a finished run
         request = run_request(model, ins, opts)
@@ -465,6 +474,25 @@ def _stored_layers(read_layers: list[dict], opts: ExtractOptions) -> list[dict]:
     return ([*read_layers] if parse_capture(opts.capture)[0] else []) + grads
 
 
+def _as_the_run_fingerprints(identity: dict, lm, out: Path) -> dict:
+    """``identity`` with the weights fingerprinted as the run in ``out`` records them: a run made
+    before whole files were hashed holds ``weights_sha256`` (their first and last 64 KiB), and is
+    compared, so resumed, on that (else every such run was refused as made with other weights)."""
+    from geomscope.extract.models import WEIGHTS_KEY, legacy_weights_fingerprint
+    from geomscope.store.manifest import MANIFEST_NAME
+
+    try:
+        stored = json.loads((Path(out) / MANIFEST_NAME).read_text(encoding="utf-8"))["identity"]["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return identity
+    path = (lm.source or {}).get("path")
+    if not isinstance(stored, dict) or "weights_sha256" not in stored or WEIGHTS_KEY in stored or not path:
+        return identity
+    model = {k: v for k, v in identity["model"].items() if k != WEIGHTS_KEY}
+    model["weights_sha256"] = legacy_weights_fingerprint(Path(path))
+    return {**identity, "model": model}
+
+
 def _plan(lm, ins, scan, opts: ExtractOptions, out: Path) -> _Plan:
     indices, with_final = _chosen_layers(lm, opts.layers)
     read_layers = describe_layers(indices, lm.n_hidden_states, lm.final_norm, lm.final_norm_name, with_final)
@@ -472,7 +500,7 @@ def _plan(lm, ins, scan, opts: ExtractOptions, out: Path) -> _Plan:
     if opts.gradients and lm.info.get("loss") == "classification":
         _check_labels(lm, ins, opts)
     eff_len = _effective_max_length(lm, opts)
-    identity = _identity(lm, ins, opts, layer_desc, eff_len)
+    identity = _as_the_run_fingerprints(_identity(lm, ins, opts, layer_desc, eff_len), lm, out)
     try:
         est_tokens = estimate_tokens(scan, lm.tokenizer, eff_len, opts.max_tokens)
     except Exception as e:  # a tokenizer that rejects the options (e.g. max_length below its specials)

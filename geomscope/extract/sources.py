@@ -278,7 +278,7 @@ def _csv_records(inp: InputFile, column: str) -> Iterator[str]:
     delim = "," if inp.kind == "csv" else "\t"
     try:
         with _open_text(inp) as f:
-            reader = csv.reader(f, delimiter=delim, strict=True)  # an unclosed quote: an error
+            reader = csv.reader(f, delimiter=delim)
             header = next(reader, None)
             if header is None:
                 return
@@ -295,11 +295,8 @@ def _csv_records(inp: InputFile, column: str) -> Iterator[str]:
         raise InputError(
             f"input {inp.arg} is not UTF-8 text; convert it to UTF-8 (e.g. iconv -t utf-8)"
         ) from e
-    except csv.Error as e:  # (an unclosed quote made the rest of the file one document)
-        hint = ": a quote that is never closed?" if "unexpected end of data" in str(e) else ""
-        raise InputError(
-            f"input {inp.arg} is not valid {inp.kind.upper()} ({e}{hint}); check the file"
-        ) from e
+    except csv.Error as e:
+        raise InputError(f"input {inp.arg} is not valid {inp.kind.upper()} ({e}); check the file") from e
     except (OSError, EOFError) as e:  # a damaged or truncated .gz (gzip's errors are OSError)
         raise InputError(f"input {inp.arg} cannot be read ({e}); check the file") from e
 
@@ -399,7 +396,7 @@ def _csv_labels(inp: InputFile, column: str) -> Iterator[object]:
     delim = "," if inp.kind == "csv" else "\t"
     try:
         with _open_text(inp) as f:
-            reader = csv.reader(f, delimiter=delim, strict=True)  # an unclosed quote: an error
+            reader = csv.reader(f, delimiter=delim)
             header = [h.strip() for h in (next(reader, None) or [])]
             if header and column not in header:
                 raise InputError(

@@ -114,9 +114,12 @@ def as_covariance(c, name: str = "C") -> np.ndarray:
     entry), else DataError. Positive semi-definiteness needs the eigenvalues: :func:`check_psd`
     where they are computed; a matrix whose participation ratio falls below 1 is refused by the
     IsoScore functions, which cannot happen for a covariance."""
+    given = c.dtype if is_torch(c) else np.asarray(c).dtype
     a = as_square(c, name)
     top = float(np.abs(a).max())
-    tol = COVARIANCE_ROUNDING * top
+    # a matrix handed over in float16 or bfloat16 carries that type's rounding (~1e-3), not float32's
+    eps = float(_torch_or_numpy_eps(given))
+    tol = max(COVARIANCE_ROUNDING, 8 * eps) * top
     if float(np.abs(a - a.T).max()) > tol:
         raise DataError(f"{name} is not symmetric, so it is not a covariance; check how it was computed")
     low = float(np.diagonal(a).min())
@@ -126,6 +129,15 @@ def as_covariance(c, name: str = "C") -> np.ndarray:
             "check how it was computed"
         )
     return a
+
+
+def _torch_or_numpy_eps(dtype) -> float:
+    """The rounding unit of a numpy or torch floating dtype (0 for integers)."""
+    if hasattr(dtype, "is_floating_point"):  # a torch dtype
+        import torch
+
+        return torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    return float(np.finfo(dtype).eps) if np.dtype(dtype).kind == "f" else 0.0
 
 
 def check_psd(eigenvalues: np.ndarray, name: str = "C") -> None:

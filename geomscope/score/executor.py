@@ -55,9 +55,12 @@ def check_workers(workers: int) -> int:
 
 def _init_worker() -> None:
     import signal
+    import threading
 
     # a forked worker inherits the CLI's SIGTERM-as-Ctrl-C; the pool stops its workers with SIGTERM
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # (a Dask worker runs this in one of its threads, where no handler can be set, nor was inherited)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = "1"
     try:

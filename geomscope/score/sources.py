@@ -590,7 +590,7 @@ def _open_run(p: Path | str, layers: list[str] | None, partial: bool) -> SourceI
             identity=shard_identity(run.shard_path(s)),
             dim=dim,  # every shard's layers are checked to be this wide before they are read
             accumulated=sample is not None,
-            docs=(s.doc_start, s.doc_stop),
+            docs=s.documents,
             tokens=s.n_tokens,
         )
         for s in sorted(shards, key=lambda s: s.index)

@@ -171,7 +171,8 @@ def _check_documents_in_range(path, s) -> None:
     """Every document id a shard stores lies in the range its entry assigns it."""
     from geomscope.store.reader import check_documents, read_shard_index
 
-    check_documents(path, read_shard_index(path, s.rows)["doc_id"], (s.doc_start, s.doc_stop))
+    if s.documents is not None:
+        check_documents(path, read_shard_index(path, s.rows)["doc_id"], s.documents)
 
 
 def _coverage(shards, complete: bool) -> dict:
@@ -181,7 +182,8 @@ def _coverage(shards, complete: bool) -> dict:
     that wrote it."""
     ordered = sorted(shards, key=lambda s: s.index)
     problem = None
-    for a, b in zip(ordered, ordered[1:], strict=False):
+    ranged = [s for s in ordered if s.documents is not None]  # (0..0: a shard that records none)
+    for a, b in zip(ranged, ranged[1:], strict=False):
         if b.doc_start < a.doc_stop:
             problem = f"shards {a.file} and {b.file} both claim documents {b.doc_start}..{a.doc_stop - 1}"
             break

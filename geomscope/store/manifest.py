@@ -560,8 +560,8 @@ class RunWriter:
         layer_names,
         dim,
         store_dtype,
-        doc_start: int | None = None,
-        doc_stop: int | None = None,
+        doc_start: int = 0,
+        doc_stop: int = 0,
         expected_rows: int | None = None,
         row_flags: tuple[str, ...] = (),
     ) -> ShardWriter:
@@ -629,7 +629,8 @@ class RunWriter:
         """Mark the run complete with its totals."""
         shards = self.manifest["shards"]
         totals = dict(totals)
-        totals.setdefault("rows", sum(s["rows"] for s in shards))
+        # the rows measured (a --keep sample shard stores fewer: its tokens), as manifest_problems counts
+        totals.setdefault("rows", sum(s.get("tokens", s["rows"]) for s in shards))
         totals.setdefault("shards", len(shards))
         totals.setdefault("nonfinite_rows", sum(s["nonfinite_rows"] for s in shards))
         totals.setdefault("bytes", sum(s["bytes"] for s in shards))

@@ -59,6 +59,12 @@ class ShardInfo:
         return checksum.expected(self)
 
     @property
+    def documents(self) -> tuple[int, int] | None:
+        """The documents [start, stop) this shard's entry assigns it; None where it records none
+        (0..0: a shard written through the library without a plan, as before ranges were checked)."""
+        return (self.doc_start, self.doc_stop) if self.doc_stop > self.doc_start else None
+
+    @property
     def n_tokens(self) -> int:
         """Token rows this shard measured: its stored rows, or more when it keeps a sample."""
         return self.rows if self.tokens is None else int(self.tokens)
@@ -182,8 +188,8 @@ class ShardWriter:
         layer_names: list[str],
         dim: int,
         store_dtype: str = "float16",
-        doc_start: int | None = None,
-        doc_stop: int | None = None,
+        doc_start: int = 0,
+        doc_stop: int = 0,
         expected_rows: int | None = None,
         row_flags: tuple[str, ...] = (),
     ):
@@ -200,9 +206,8 @@ class ShardWriter:
         self.dtype = np.dtype(store_dtype)
         if self.dtype not in (np.dtype("float16"), np.dtype("float32")):
             raise InputError(f"store dtype must be float16 or float32, not {store_dtype}")
-        # the documents [start, stop) assigned to this shard (extract's plan); not given, those of
-        # its rows, so that every shard's entry says which documents are its own (score refuses a
-        # row outside them, and runs whose shards claim the same documents)
+        # the documents [start, stop) assigned to this shard (extract's plan: score refuses a row
+        # outside them); 0..0, the default, records none (a shard written through the library)
         self.doc_start, self.doc_stop = doc_start, doc_stop
         self.chunk = chunk_rows_for(self.dim, self.dtype.itemsize)
         if expected_rows is not None:  # HDF5 allocates whole chunks: do not make them larger than the shard
@@ -376,7 +381,6 @@ class ShardWriter:
         self._measured = {
             "tokens": int(keeper.tokens),
             "docs": len(keeper.docs),
-            "doc_ids": set(keeper.docs),
             "nonfinite_rows": int(keeper.nonfinite_rows),
             "nonfinite_by_layer": dict(keeper.nonfinite_by_layer),
         }
@@ -392,11 +396,6 @@ class ShardWriter:
         temporary name (:meth:`publish` does the rest, possibly in another thread)."""
         self._flush(final=True)
         self._write_meta()
-        if self.doc_start is None or self.doc_stop is None:
-            ids = self._measured["doc_ids"] if self._measured else self._docs
-            first, last = (min(ids), max(ids) + 1) if ids else (0, 0)
-            self.doc_start = first if self.doc_start is None else self.doc_start
-            self.doc_stop = last if self.doc_stop is None else self.doc_stop
         self._f.attrs["rows"] = self.rows
         self._f.attrs["doc_start"] = self.doc_start
         self._f.attrs["doc_stop"] = self.doc_stop

@@ -72,7 +72,7 @@ def _read_text_table(path: Path, suffix: str) -> tuple[list[str], list[dict]]:
         with open(path, newline="", encoding="utf-8-sig") as f:
             reader = csv.DictReader(f, delimiter=delim, quoting=csv.QUOTE_NONE if delim == "\t" else 0)
             cols = [c.strip() for c in reader.fieldnames or []]
-            twice = sorted({c for c in cols if cols.count(c) > 1})
+            twice = sorted({c for c in cols if c and cols.count(c) > 1})  # (blank: trailing commas)
             if twice:  # DictReader would keep the last of them, silently
                 raise InputError(f"{path} has the column {twice[0]!r} twice; rename or drop one")
             rows = [{(k.strip() if isinstance(k, str) else k): v for k, v in r.items()} for r in reader]
