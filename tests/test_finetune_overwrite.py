@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from conftest import assert_one_line_error
-from test_train_helpers import make_checkpoint, synthetic_rows, words_of, write_csv
+from test_train_helpers import finetune_args, tiny_finetune_data
 
 from geomscope.errors import InputError
 from geomscope.train import checkpoint as ck
@@ -18,42 +18,11 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ow")
-    return {
-        "model": make_checkpoint(d / "m", words_of([])),
-        "train": write_csv(d / "train.csv", synthetic_rows(16, 0)),
-        "eval": write_csv(d / "dev.csv", synthetic_rows(8, 1)),
-    }
+    return tiny_finetune_data(tmp_path_factory.mktemp("ow"))
 
 
 def _run(cli, data, out, *extra):
-    args = [
-        "--epochs",
-        "1",
-        "--batch-size",
-        "8",
-        "--lr",
-        "1e-3",
-        "--device",
-        "cpu",
-        "--quiet",
-        "--reg",
-        "none",
-    ]
-    return cli(
-        [
-            "finetune",
-            data["model"],
-            "--train",
-            data["train"],
-            "--eval",
-            data["eval"],
-            "--out",
-            out,
-            *args,
-            *extra,
-        ]
-    )
+    return cli(finetune_args(data, out, *extra))
 
 
 def _tree(root):

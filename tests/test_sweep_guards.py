@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from conftest import assert_one_line_error
-from test_train_helpers import make_checkpoint, synthetic_rows, words_of, write_csv
+from test_train_helpers import finetune_args, synthetic_rows, tiny_finetune_data, write_csv
 
 import geomscope.study.sweep as sweep
 from geomscope.errors import InputError
@@ -20,38 +20,11 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sweepg")
-    return {
-        "model": make_checkpoint(d / "m", words_of([])),
-        "train": write_csv(d / "train.csv", synthetic_rows(16, 0)),
-        "eval": write_csv(d / "dev.csv", synthetic_rows(8, 1)),
-    }
+    return tiny_finetune_data(tmp_path_factory.mktemp("sweepg"))
 
 
 def _args(data, out, *extra, train=None):
-    return [
-        "finetune",
-        data["model"],
-        "--train",
-        train or data["train"],
-        "--eval",
-        data["eval"],
-        "--out",
-        out,
-        "--epochs",
-        "1",
-        "--batch-size",
-        "8",
-        "--device",
-        "cpu",
-        "--quiet",
-        "--reg",
-        "none",
-        "--lambda",
-        "-1,0",
-        "--json",
-        *extra,
-    ]
+    return finetune_args(data, out, "--lambda", "-1,0", "--json", *extra, train=train, lr=None)
 
 
 def _status(stdout):

@@ -104,6 +104,42 @@ def make_checkpoint(
     return path
 
 
+def tiny_finetune_data(d: Path, train_rows: int = 16, eval_rows: int = 8) -> dict:
+    """A tiny checkpoint and labelled train/eval CSVs under ``d``: what finetune tests run on."""
+    return {
+        "dir": d,
+        "model": make_checkpoint(d / "m", words_of([])),
+        "train": write_csv(d / "train.csv", synthetic_rows(train_rows, 0)),
+        "eval": write_csv(d / "dev.csv", synthetic_rows(eval_rows, 1)),
+    }
+
+
+def finetune_args(data: dict, out, *extra, train=None, lr: str | None = "1e-3") -> list:
+    """``geomscope finetune`` of ``data`` into ``out`` for one quiet epoch on the CPU, no regulariser
+    (``lr`` None: the option left out, for a sweep that gives its own)."""
+    return [
+        "finetune",
+        data["model"],
+        "--train",
+        train or data["train"],
+        "--eval",
+        data["eval"],
+        "--out",
+        out,
+        "--epochs",
+        "1",
+        "--batch-size",
+        "8",
+        *(["--lr", lr] if lr is not None else []),
+        "--device",
+        "cpu",
+        "--quiet",
+        "--reg",
+        "none",
+        *extra,
+    ]
+
+
 def test_builders(tmp_path):
     from transformers import AutoModel, AutoTokenizer
 
