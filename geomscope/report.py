@@ -435,6 +435,7 @@ def final_norm_line(fn: dict) -> str:
         line += f"; Spearman(|gain|, variance before) {gain['spearman_abs_gain_variance']:.2f}"
     outs = fn.get("outliers") or []
     if outs:
-        damped = sum(o["effect"] == "damped" for o in outs)
-        line += f"; outlier dims damped {damped}/{len(outs)}"
+        judged = [o for o in outs if o.get("effect") is not None]  # None: no median gain to judge by
+        damped = sum(o["effect"] == "damped" for o in judged)
+        line += f"; outlier dims damped {damped}/{len(judged)}" if judged else "; outlier dims not judged"
     return line

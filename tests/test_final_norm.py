@@ -151,3 +151,31 @@ def test_a_gradient_layer_is_never_the_layer_before_the_norm():
     assert out is None and "index 2" in why
     out, why = final_norm_effect([grad, act, after], {}, None)
     assert why is None and out["before"] == "layer_02" and out["metrics"]["isoscore"]["before"] == 0.571
+
+
+def test_gain_ratio_is_null_when_the_median_gain_is_zero():
+    """More than half the gains 0: the median |gain| is 0 and |gain_d| / median is undefined. It was
+    read as 1, so an outlier dimension with gain 0.5 (infinitely above the median) read "damped"."""
+    from geomscope.score.finalnorm import final_norm_effect
+
+    var = np.array([50.0, 1, 1.2, 0.9, 1.1, 1.0, 0.8, 1.3])
+    layers = [
+        {"layer": "layer_02", "index": 2, "outliers": [0, 7]},
+        {"layer": "final_norm", "index": 3, "outliers": []},
+    ]
+    extras = {"layer_02": {"variance": var.tolist()}}
+    gain = np.array([0.5, 0, 0, 0, 0, 0, 3, 4])
+    out, why = final_norm_effect(layers, extras, {"gain": gain.tolist()})
+    assert why is None and np.median(np.abs(gain)) == 0
+    assert out["gain"]["median_abs_gain"] == 0.0
+    for o in out["outliers"]:
+        assert o["gain_ratio"] is None and o["effect"] is None
+        assert o["variance_ratio"] == pytest.approx(var[o["dim"]] / var.mean())
+    assert "median |gain| is 0" in out["note"]
+    assert json.loads(json.dumps(out)) == out
+    # a usable median: the ratio of the definition, against numpy
+    gain = np.array([0.5, 2, 1, 1, 3, 1, 3, 4])
+    out, _ = final_norm_effect(layers, extras, {"gain": (-gain).tolist()})
+    med = np.median(np.abs(gain))
+    assert [o["gain_ratio"] for o in out["outliers"]] == pytest.approx([0.5 / med, 4 / med])
+    assert [o["effect"] for o in out["outliers"]] == ["damped", "amplified"] and "note" not in out

@@ -62,9 +62,41 @@ def test_large_norm_does_not_overflow():
 def test_bad_input():
     with pytest.raises(DataError, match="at least 2"):
         partition_isotropy(np.ones((1, 4)))
-    with pytest.raises(DataError, match="all zeros"):
+    with pytest.raises(DataError, match="zero total variance"):
         partition_isotropy(np.ones((5, 3)), centred=True)
+    with pytest.raises(DataError, match="all zeros"):
+        partition_isotropy(np.zeros((5, 3)))
     w = np.ones((5, 3))
     w[0, 0] = np.nan
     with pytest.raises(DataError, match="1 of 5 rows"):
         partition_isotropy(w)
+
+
+@pytest.mark.parametrize("value", [0.5, 0.1, 1e-3, 123.456])
+def test_centred_identical_rows_are_refused_whatever_their_value(value):
+    # 0.5s centre to exact zeros (refused), 0.1s to a rounding residue that read I = 1.0: the library's
+    # zero-variance rule (std under 2e-13 of the mean) refuses both, as IsoScore does
+    w = np.full((7, 3), value)
+    with pytest.raises(DataError, match="zero total variance"):
+        partition_isotropy(w, centred=True)
+    # the raw partition function of identical rows is defined: Z(c) = V exp(c . w)
+    i_ref, _ = _brute(w)
+    assert partition_isotropy(w)["I"] == pytest.approx(i_ref, rel=1e-10)
+
+
+@pytest.mark.parametrize("scale", [1e155, 1e200, 1e-170])
+def test_any_finite_scale(scale):
+    # W^T W overflowed at 1e155 (LinAlgError); the eigenvectors do not depend on W's scale, so
+    # log Z at scale a is logsumexp(a W v) with v from W itself
+    from scipy.special import logsumexp
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((500, 16)) * np.geomspace(2, 0.2, 16) + 0.3
+    _, vecs = np.linalg.eigh(w.T @ w)
+    p = (w * scale) @ vecs
+    want = np.concatenate([logsumexp(p, axis=0), logsumexp(-p, axis=0)])
+    log_z, _ = partition_log_z(w * scale)
+    np.testing.assert_allclose(np.sort(log_z), np.sort(want), rtol=1e-10)
+    r = partition_isotropy(w * scale)
+    assert r["log_z_max"] == pytest.approx(want.max(), rel=1e-10)
+    assert r["I"] == pytest.approx(np.exp(want.min() - want.max()), rel=1e-8, abs=0.0)

@@ -365,3 +365,182 @@ def test_bad_input():
     with pytest.raises(DataError) as e:
         gradient_energy(s, gbar, c_act, [2], target=np.eye(d + 1))
     _one_line(e)
+
+
+# -- ranks past the numerical rank, PSD, precision at any scale, float32 covariances -------------
+
+_U_FIELDS = (
+    "energy",
+    "kappa",
+    "mean_energy",
+    "overlap",
+    "activation_gap",
+    "control_energy_mean",
+    "control_energy_sd",
+    "control_energy_expected",
+    "energy_ratio",
+    "p_value",
+)
+
+
+def test_ranks_beyond_the_numerical_rank_of_c_act_are_undefined():
+    # 5 rows in D = 12: C_act has rank 4, so U_5, U_6 end in arbitrary null-space directions; LAPACK
+    # picked E(r = 6) 0.514 here and 0.507 for the same problem rotated, and gaps up to 1.3
+    rng = np.random.default_rng(0)
+    d = 12
+    c_act = np.cov(rng.standard_normal((5, d)), rowvar=False)
+    s, gbar = _second_moment(200, d, rng, np.linspace(3, 0.3, d))
+    o = _orthogonal(d, rng)
+    res = _by_rank(gradient_energy(s, gbar, c_act, [3, 4, 5, 6], controls=5))
+    rot = _by_rank(gradient_energy(o @ s @ o.T, o @ gbar, o @ c_act @ o.T, [3, 4, 5, 6], controls=5))
+    w = np.linalg.eigvalsh(c_act)[::-1]
+    for r in (3, 4):  # defined: the definitions, and unchanged by the rotation
+        row, u = res[r], _top(c_act, r)
+        assert row["energy"] == pytest.approx(np.trace(u.T @ s @ u) / np.trace(s), rel=1e-10)
+        assert row["subspace_note"] is None and row["controls"] == 5
+        for key in ("energy", "kappa", "mean_energy", "overlap", "activation_share"):
+            assert rot[r][key] == pytest.approx(row[key], rel=1e-8), (r, key)
+    assert res[3]["activation_gap"] == pytest.approx((w[2] - w[3]) / w[2], rel=1e-10)
+    assert res[4]["activation_gap"] == 1.0  # lambda_5 is rounding: 0
+    for r in (5, 6):
+        for row in (res[r], rot[r]):
+            for key in _U_FIELDS:
+                assert row[key] is None, (r, key)
+            assert row["controls"] == 0
+            assert "numerical rank k = 4" in row["subspace_note"] and "use r <= 4" in row["subspace_note"]
+            assert "subspace_note" in row["controls_note"]
+            assert row["activation_share"] == pytest.approx(1.0, abs=1e-12)
+            assert row["energy_max"] == pytest.approx(np.linalg.eigvalsh(s)[::-1][:r].sum() / np.trace(s))
+        # removing U_r leaves nothing of C_act, whichever null directions U_r holds
+        assert res[r]["removal_isoscore_star"] is None and "no variance outside U_r" in res[r]["removal_note"]
+    assert json.loads(json.dumps(res[6])) == res[6]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_activation_gap_is_in_the_unit_interval_or_null(seed):
+    # C_act of rank 9 in D = 40 with decaying scales: the gap at r = 10 read 0.83 to 1.30
+    rng = np.random.default_rng(seed)
+    d = 40
+    c_act = np.cov(rng.standard_normal((10, d)) * np.geomspace(1e3, 1, d), rowvar=False)
+    s = np.eye(d) + np.diag(np.arange(d))
+    res = _by_rank(gradient_energy(s, None, c_act, [9, 10, 12, 15], controls=0))
+    assert res[9]["activation_gap"] == 1.0
+    for r in (10, 12, 15):
+        assert res[r]["activation_gap"] is None and res[r]["energy"] is None, r
+
+
+def test_overlap_is_null_when_r_exceeds_the_rank_of_s():
+    # one gradient direction (rank-1 S), r = 3: V_2, V_3 are arbitrary null vectors of S; E and kappa
+    # do not use V_r and stay defined
+    rng = np.random.default_rng(0)
+    d = 10
+    c_act = _cov(d, rng, top=10.0, bottom=1.0)
+    g = rng.standard_normal(d)
+    s = np.outer(g, g)
+    o = _orthogonal(d, rng)
+    (row,) = gradient_energy(s, g, c_act, [3], controls=0)
+    (rot,) = gradient_energy(o @ s @ o.T, o @ g, o @ c_act @ o.T, [3], controls=0)
+    u = _top(c_act, 3)
+    assert row["overlap"] is None and rot["overlap"] is None
+    assert "S's numerical rank 1" in row["subspace_note"]
+    assert row["energy"] == pytest.approx(np.sum((u.T @ g) ** 2) / (g @ g), rel=1e-10)
+    assert row["energy_max"] == pytest.approx(1.0, abs=1e-12)
+    for key in ("energy", "kappa", "mean_energy"):
+        assert rot[key] == pytest.approx(row[key], rel=1e-8), key
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_overlap_never_exceeds_one(seed):
+    # S's top subspace equals U_r to 1e-9 rad: ||U_r^T V_r||_F^2 / r read above 1 by rounding (seed 5)
+    rng = np.random.default_rng(seed)
+    d, r = 30, 5
+    c_act = np.cov(rng.standard_normal((400, d)) * np.geomspace(10, 1, d), rowvar=False)
+    u = _top(c_act, r)
+    v = np.linalg.qr(u + 1e-9 * rng.standard_normal((d, r)))[0]
+    s = v @ np.diag(np.geomspace(100, 50, r)) @ v.T + 1e-3 * np.eye(d)
+    (row,) = gradient_energy(s, None, c_act, [r], controls=0)
+    assert 1 - 1e-12 < row["overlap"] <= 1.0
+    assert row["energy_max"] <= 1.0 and row["activation_share"] <= 1.0
+
+
+def _not_psd(d, low, rng):
+    """Symmetric, positive diagonal, one eigenvalue ``low`` < 0."""
+    for _ in range(200):
+        q = _orthogonal(d, rng)
+        m = (q * np.r_[np.linspace(10, 1, d - 1), low]) @ q.T
+        if np.diagonal(m).min() > 0:
+            return (m + m.T) / 2
+    raise AssertionError("no such matrix drawn")
+
+
+@pytest.mark.parametrize("which", ["S", "C_act"])
+def test_a_matrix_with_a_negative_eigenvalue_is_refused(which):
+    rng = np.random.default_rng(2)
+    d = 8
+    s, gbar = _second_moment(100, d, rng, np.geomspace(3, 0.3, d))
+    c_act = _cov(d, rng)
+    bad = _not_psd(d, -2.0, rng)
+    assert np.linalg.eigvalsh(bad).min() < -1 and np.diagonal(bad).min() > 0
+    args = {"S": s, "C_act": c_act, which: bad}
+    with pytest.raises(DataError) as e:
+        gradient_energy(args["S"], gbar, args["C_act"], [2], controls=3)
+    assert f"{which} is not a covariance" in _one_line(e)
+    # rounding-sized negative eigenvalues (a rank-deficient covariance) are not refused
+    x = rng.standard_normal((3, d))
+    gradient_energy(s, gbar, np.cov(x, rowvar=False), [2], controls=0)
+
+
+def _iso_star_ref(c, zeta, target):
+    """IsoScore* of (1 - zeta) C + zeta T straight from its definition: (PR - 1) / (D - 1)."""
+    d = c.shape[0]
+    t = (
+        {"trace": np.trace(c) / d * np.eye(d), "identity": np.eye(d)}.get(target)
+        if isinstance(target, str)
+        else target
+    )
+    cz = (1 - zeta) * c + zeta * t
+    return min(1.0, max(0.0, (np.trace(cz) ** 2 / np.sum(cz * cz) - 1) / (d - 1)))
+
+
+@pytest.mark.parametrize("target_kind", ["trace", "identity0", "matrix"])
+def test_removal_does_not_depend_on_the_scale_of_the_rows(target_kind):
+    # rows at 1e-100 and 1e80 squared C's entries out of float64's range in ||C||_F^2: removal None
+    # with a false "no variance outside U_r"; at 1e-80 (C ~ 1e-160) subnormals cost 5e-5
+    rng = np.random.default_rng(1)
+    d, r, zeta = 10, 3, (0.0 if target_kind == "identity0" else 0.3)
+    x = rng.standard_normal((300, d)) * np.geomspace(5, 0.5, d)
+    x0 = rng.standard_normal((300, d)) * np.geomspace(1, 2, d)
+    s, gbar = _second_moment(300, d, rng, np.linspace(3, 0.3, d))
+    seen = []
+    for a in (1.0, 1e-100, 1e80, 1e-80):
+        c_act = np.cov(x * a, rowvar=False)
+        c0 = np.cov(x0 * a, rowvar=False)
+        target = {"trace": "trace", "identity0": "identity", "matrix": c0}[target_kind]
+        (row,) = gradient_energy(s, gbar, c_act, [r], controls=4, seed=2, zeta=zeta, target=target)
+        # reference: an explicit basis of the complement, on the matrices brought back to scale 1
+        b = null_space(_top(c_act, r).T)
+        t = b.T @ (c0 / a**2) @ b if target_kind == "matrix" else target
+        want = _iso_star_ref(b.T @ (c_act / a**2) @ b, zeta, t)
+        assert row["removal_note"] is None, a
+        assert row["removal_isoscore_star"] == pytest.approx(want, rel=1e-12), a
+        seen.append(row["removal_control_isoscore_star_mean"])
+    assert seen == pytest.approx([seen[0]] * 4, rel=1e-10)
+
+
+def test_float32_covariances_are_accepted_as_as_covariance_accepts_them():
+    # a float32 GEMM covariance is symmetric only to float32 rounding (2e-8 of its largest entry):
+    # refused as "not symmetric ... a factor of it", though IsoScore* accepts it
+    rng = np.random.default_rng(3)
+    d = 256
+    x = (rng.standard_normal((2000, d)) * np.geomspace(5, 0.5, d)).astype(np.float32)
+    xc = x - x.mean(0)
+    c32 = (xc.T @ xc.copy()) / (len(x) - 1)
+    asym = np.abs(c32 - c32.T).max() / np.abs(c32).max()
+    assert 1e-9 < asym < 1e-6  # the case: above the old tolerance, within float32 rounding
+    isoscore_star_from_cov(c32, 0.2, "trace")  # accepted there
+    g = rng.standard_normal((300, d))
+    s = g.T @ g
+    (row,) = gradient_energy(s, None, c32, [4], controls=0)
+    c = c32.astype(np.float64)
+    u = _top((c + c.T) / 2, 4)
+    assert row["energy"] == pytest.approx(np.trace(u.T @ s @ u) / np.trace(s), rel=1e-10)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -128,3 +130,29 @@ def test_twonn_passes_scikit_learns_estimator_checks():
         "check_do_not_raise_errors_in_init_or_set_params",
     ):
         assert name in passed, name
+
+
+@pytest.mark.parametrize("name", ["mle", "lpca", "corrint", "tle", "twonn"])
+def test_duplicates_without_dedup_are_refused(name):
+    # scikit-dimension read them as data: MLE gave 0.0 on 50 distinct rows repeated 4x
+    X = np.random.default_rng(0).standard_normal((200, 4))
+    Xd = np.vstack([X[:50]] * 4)
+    with pytest.raises(DataError, match="dedup=True") as e:
+        estimate_id(Xd, name, dedup=False)
+    assert "\n" not in str(e.value)
+    # without duplicates dedup=False is the plain estimator on the rows (scikit-dimension's own)
+    r = estimate_id(X, name, dedup=False)
+    assert r.n_duplicates_removed == 0 and r.n_used == 200
+    if name != "twonn":
+        import inspect
+
+        import skdim
+
+        from geomscope.metrics.intrinsic import SKDIM_ESTIMATORS
+
+        cls = getattr(skdim.id, SKDIM_ESTIMATORS[name])
+        kw = {"random_state": 0} if "random_state" in inspect.signature(cls.__init__).parameters else {}
+        with warnings.catch_warnings():  # scikit-dimension's own RuntimeWarnings, as estimate_id hides them
+            warnings.simplefilter("ignore")
+            want = cls(**kw).fit(X).dimension_
+        assert r.dimension == pytest.approx(want, rel=1e-12)

@@ -177,6 +177,8 @@ class SkdimEstimator(_IDEstimator):
 
     ``name`` is its registry name (``mle``, ``lpca`` ...); ``params`` go to its constructor
     unchanged; one with a ``random_state`` gets ``seed`` (0 when None), so results are reproducible.
+    With ``dedup=False`` duplicate rows raise DataError (as for TwoNN) instead of a silent number; a
+    parameter of the wrong type raises InputError.
     """
 
     def __init__(
@@ -219,6 +221,15 @@ class SkdimEstimator(_IDEstimator):
             X, self.dedup, self.max_points, self.seed, self.expect_dim, self.allow_wide
         )
         implementation = f"skdim.id.{type(est).__name__}"
+        if not self.dedup:
+            # scikit-dimension reads a duplicate's zero neighbour distance as a number (MLE gave 0.0
+            # on rows repeated 4x): refused, as TwoNN refuses it
+            n_dup = dedup_rows(a)[1]
+            if n_dup:
+                raise DataError(
+                    f"{n_dup} rows of X repeat an earlier row, and with dedup=False {self.name} would "
+                    "read their zero distances as data; pass dedup=True or remove the duplicates"
+                )
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -228,6 +239,12 @@ class SkdimEstimator(_IDEstimator):
             raise DataError(
                 f"{self.name} ({implementation}) failed on these points: {msg}; "
                 "try more points or another estimator"
+            ) from None
+        except TypeError as e:  # a parameter of the wrong type, e.g. tle's epsilon="x" (UFuncTypeError)
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise InputError(
+                f"bad parameter for {self.name} ({implementation}): {msg}; "
+                f"check the types of {', '.join(sorted(kw)) or 'its parameters'}"
             ) from None
         params = {
             **kw,

@@ -25,6 +25,12 @@ U_r = top-r eigenvectors of C_act, V_r = top-r eigenvectors of S (descending eig
 
 kappa is what makes layers comparable: E alone grows with r/D and with how concentrated S is.
 
+S and C_act must be PSD (their smallest eigenvalue is checked, _validate.check_psd). U_r is unique
+only while lambda_r(C_act) > 0: an eigenvalue at or below D * eps * lambda_1 is 0 (rounding, see
+_NULL_EIGENVALUE), and for r above that numerical rank k the last r - k columns of U_r are arbitrary
+null-space directions, so E, kappa, e, overlap, activation_gap and the controls are None, with
+``subspace_note`` saying "use r <= k" (the same for V_r and overlap when r exceeds S's rank).
+
 Normal controls: K uniformly random rank-r subspaces Q_k of the (D - r)-dimensional orthogonal
 complement of U_r (a Gaussian D x r matrix, U_r projected out twice, orthonormalised by QR). They
 exist only when r <= D - r. Control k of rank r is the k-th draw of ``np.random.default_rng([seed,
@@ -50,6 +56,8 @@ symmetric,
 so each control costs O(D^2 r). For U_r itself (C_act's largest variances, where these differences
 would cancel) P C_act P is formed explicitly with two rank-r updates, also O(D^2 r). Removing U_r
 versus removing a control says whether the anisotropy sits in the directions the gradients use.
+The squared norms are taken of C_act (and C0) scaled by a power of two, so that covariances of any
+size (rows at 1e-100 or 1e80) give the same IsoScore* (_Removal).
 
 Cost: one partial eigendecomposition of C_act and one of S (top max(ranks) + 1 pairs, shared by all
 ranks) and, per control, products of S, C_act (and C0) with D x r blocks.
@@ -57,6 +65,7 @@ ranks) and, per control, products of S, C_act (and C0) with D x r blocks.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Iterator, Sequence
 from itertools import islice
@@ -64,37 +73,52 @@ from itertools import islice
 import numpy as np
 
 from geomscope.errors import DataError, InputError
-from geomscope.metrics._validate import ZERO_VARIANCE_MESSAGE, as_square, to_numpy
+from geomscope.metrics._validate import ZERO_VARIANCE_MESSAGE, as_covariance, check_psd, to_numpy
 from geomscope.metrics.isotropy import SHRINKAGE_TARGETS, _check_zeta, isoscore_star_from_cov
 
 # Fractions (E, E_max, r/D, control energies) live in [0, 1]; below this a difference or a control
 # mean is float64 rounding, not signal.
 _TINY = 1e-12
-# Largest |A - A^T| accepted as rounding, relative to max |A|.
-_SYM_TOL = 1e-9
+# Eigenvalues at or below D * eps * lambda_1 are 0. LAPACK's symmetric eigensolver is backward
+# stable: its eigenvalues are exact for a matrix within about D * eps * ||A||_2 of the one given
+# (||A||_2 = lambda_1 for a PSD matrix), so a computed eigenvalue that small cannot be told from 0,
+# and its eigenvector is whichever direction of the numerical null space rounding picks (rotating
+# the problem picks another). A covariance of N <= D rows in float64 puts its null eigenvalues
+# near eps * lambda_1, well under this bound (measured: 4e-17 to 6e-16 of lambda_1, D 12 to 768).
+_NULL_EIGENVALUE = np.finfo(np.float64).eps
 # Columns of control subspaces multiplied by S and C_act at once (memory: 3 x D x this, float64).
 _BLOCK_COLS = 2048
 
 
 def _symmetric(a, name: str) -> np.ndarray:
-    m = as_square(a, name)
-    scale = float(np.max(np.abs(m)))
-    asym = float(np.max(np.abs(m - m.T)))
-    if asym > _SYM_TOL * scale:
-        raise DataError(
-            f"{name} is not symmetric (|{name} - {name}^T| up to {asym:.3g} for entries up to {scale:.3g}); "
-            "pass the accumulated second-moment/covariance matrix, not a factor of it"
-        )
-    if float(np.min(np.diagonal(m))) < -_SYM_TOL * scale:
-        raise DataError(
-            f"{name} has a negative diagonal entry, so it is not a covariance or second moment; "
-            "check how it was accumulated"
-        )
+    """``a`` checked as a covariance (or second moment) to rounding (``as_covariance``: square, finite,
+    symmetric, non-negative diagonal), then symmetrised exactly."""
+    m = as_covariance(a, name)
     return (m + m.T) / 2.0
 
 
+def _smallest_eigenvalue(a: np.ndarray) -> float:
+    from scipy.linalg import eigh
+
+    return float(eigh(a, eigvals_only=True, subset_by_index=[0, 0], driver="evr")[0])
+
+
+def _check_psd(a: np.ndarray, top: float, name: str) -> None:
+    """DataError unless symmetric ``a`` (largest eigenvalue ``top``) is PSD to rounding: a symmetric
+    matrix with a positive diagonal can still have a negative eigenvalue, and then E_max, kappa and
+    the controls read beyond [0, 1] (E_max 1.18 was seen)."""
+    check_psd(np.array([_smallest_eigenvalue(a), top]), name)
+
+
+def _numerical_rank(lam: np.ndarray, d: int) -> int:
+    """How many of the descending eigenvalues ``lam`` (of a PSD D x D matrix) are not 0 (_NULL_EIGENVALUE)."""
+    return int(np.count_nonzero(lam > d * _NULL_EIGENVALUE * float(lam[0])))
+
+
 def _check_ranks(ranks, d: int) -> list[int]:
-    if isinstance(ranks, (int, np.integer)):
+    try:
+        ranks = list(ranks)
+    except TypeError:  # one rank: an int, a numpy integer, a 0-d array
         ranks = [ranks]
     out = []
     for r in ranks:
@@ -174,10 +198,24 @@ def _top_eigh(a: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return w[::-1].copy(), np.ascontiguousarray(v[:, ::-1])
 
 
+def _check_k(k, d: int) -> int:
+    try:
+        if isinstance(k, (bool, np.bool_)):
+            raise TypeError
+        k = operator.index(k)
+    except TypeError:
+        raise InputError(f"k must be a whole number of eigenpairs from 1 to D = {d}; got {k!r}") from None
+    if not 1 <= k <= d:
+        raise InputError(f"k = {k} eigenpairs asked of a {d} x {d} matrix; use k from 1 to {d}")
+    return int(k)
+
+
 def top_eigenpairs(C, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """((k,), (D, k)): the top-k eigenvalues and eigenvectors of a symmetric C, descending -- the U_r
-    of every rank r <= k as its first r columns (the same split of ties as :func:`gradient_energy`)."""
-    return _top_eigh(_symmetric(C, "C"), int(k))
+    """((k,), (D, k)): the top-k eigenvalues and eigenvectors of a covariance C (symmetric to
+    rounding, as ``as_covariance`` checks), descending, 1 <= k <= D -- the U_r of every rank r <= k
+    as its first r columns (the same split of ties as :func:`gradient_energy`)."""
+    c = _symmetric(C, "C")
+    return _top_eigh(c, _check_k(k, c.shape[0]))
 
 
 def top_eigenvectors(C, k: int) -> np.ndarray:
@@ -226,51 +264,92 @@ class _Removal:
     would subtract nearly equal numbers (||C||_F^2 - 2 ||C U_r||_F^2 + ... loses ||C||^2/||C'||^2 of
     the precision: 1e-6 at a 1e5 eigenvalue ratio); P C P is formed explicitly instead (also
     O(D^2 r)), whose entries lose only ||C|| / ||C'||.
+
+    ``c`` (and ``c0``) are the matrices the caller multiplies Q by: C_act (and C0) times one power of
+    two, and, for the identity and matrix targets, times their weights (1 - zeta) and zeta. Traces,
+    squared norms and cross terms square the entries, which overflow beyond about 1e154 and fall
+    among float64's subnormals below about 1e-154 (covariances of rows at 1e80 or 1e-100 then read
+    "no variance left"); scaled so the larger term's entries are near 1 they stay in range, and
+    IsoScore* does not change: tr^2 / ||.||_F^2 is invariant to scale, and a power of two is exact.
     """
 
     def __init__(self, c: np.ndarray, zeta: float, target, c0: np.ndarray | None):
         self.z = zeta
         self.kind = "matrix" if c0 is not None else target
-        self.c, self.c0 = c, c0
-        self.tr, self.fro = float(np.trace(c)), float(np.vdot(c, c))
-        if c0 is not None:
-            self.tr0, self.fro0 = float(np.trace(c0)), float(np.vdot(c0, c0))
-            self.cross = float(np.vdot(c, c0))  # tr(C C0) for symmetric C, C0
+        top = float(np.abs(c).max())
+        self.c0 = self.ident = None
+        if self.kind == "trace":  # the target tr(C')/(D - r) I follows C: C's own size sets the scale
+            e = math.frexp(top)[1]
+            self.c = np.ldexp(c, -e)
+        else:  # the shrunk (1 - zeta) C' + zeta T: the larger of the two sets the scale
+            top_t = float(np.abs(c0).max()) if c0 is not None else 1.0
+            e = math.frexp(max((1.0 - zeta) * top, zeta * top_t))[1]
+            self.c = np.ldexp((1.0 - zeta) * c, -e)
+            if c0 is not None:
+                self.c0 = np.ldexp(zeta * c0, -e)
+            else:
+                self.ident = math.ldexp(zeta, -e)  # the identity target's diagonal, zeta I scaled alike
+        self.tr, self.fro = float(np.trace(self.c)), float(np.vdot(self.c, self.c))
+        if self.c0 is not None:
+            self.tr0, self.fro0 = float(np.trace(self.c0)), float(np.vdot(self.c0, self.c0))
+            self.cross = float(np.vdot(self.c, self.c0))  # tr(C C0) for symmetric C, C0
 
-    def score(self, q: np.ndarray, cq: np.ndarray, c0q: np.ndarray | None, explicit: bool = False):
-        """IsoScore* of the remainder, or None when fewer than 2 dimensions remain or C_act has no
-        variance left (trace target). ``explicit``: form P C P (and P C0 P) instead of the identities."""
+    def score(
+        self, q: np.ndarray, cq: np.ndarray, c0q: np.ndarray | None, explicit: bool = False, name: str = "Q"
+    ) -> tuple[float | None, str | None]:
+        """(IsoScore* of the remainder, None) or (None, why it is undefined, naming the subspace
+        ``name``). ``cq`` = self.c @ q, ``c0q`` = self.c0 @ q; ``explicit``: form P C P (and P C0 P)
+        instead of the identities."""
         d = q.shape[0] - q.shape[1]
         if d < 2:
-            return None
-        tr0 = fro0 = cross = None
+            return None, f"only D - r = {d} dimension(s) remain; IsoScore* needs 2"
+        tr0 = fro0 = cross = 0.0
         if explicit:
             cp = _project_out(self.c, q, cq)
             tr, fro = float(np.trace(cp)), float(np.vdot(cp, cp))
-            if self.kind == "matrix":
+            if self.c0 is not None:
                 c0p = _project_out(self.c0, q, c0q)
                 tr0, fro0, cross = float(np.trace(c0p)), float(np.vdot(c0p, c0p)), float(np.vdot(cp, c0p))
         else:
             qcq = q.T @ cq
             tr = self.tr - float(np.trace(qcq))
             fro = self.fro - 2.0 * float(np.vdot(cq, cq)) + float(np.vdot(qcq, qcq))
-            if self.kind == "matrix":
+            if self.c0 is not None:
                 qc0q = q.T @ c0q
                 tr0 = self.tr0 - float(np.trace(qc0q))
                 fro0 = self.fro0 - 2.0 * float(np.vdot(c0q, c0q)) + float(np.vdot(qc0q, qc0q))
                 cross = self.cross - 2.0 * float(np.vdot(cq, c0q)) + float(np.vdot(qcq, qc0q))
+        empty = not tr > _TINY * self.tr  # what is left of C_act is rounding: it is 0
+        if empty:
+            tr = fro = cross = 0.0
+        r = q.shape[1]
+        none_left = (
+            f"C_act has no variance outside {name} (its rank is at most {r})"
+            + (
+                ""
+                if self.kind == "trace"
+                else " and the shrinkage target adds none (zeta = 0 or C0 has none there)"
+            )
+            + "; IsoScore* is undefined"
+        )
         z = self.z
         if self.kind == "trace":
-            if not tr > _TINY * self.tr:
-                return None
+            if empty:
+                return None, none_left
             tz, fz = tr, (1 - z) ** 2 * fro + (1 - (1 - z) ** 2) * tr * tr / d
-        elif self.kind == "identity":
-            tz, fz = (1 - z) * tr + z * d, (1 - z) ** 2 * fro + 2 * z * (1 - z) * tr + z * z * d
+        elif self.kind == "identity":  # (1 - zeta) C' + zeta I, both already weighted and scaled
+            tz, fz = tr + self.ident * d, fro + 2.0 * self.ident * tr + self.ident * self.ident * d
         else:
-            tz, fz = (1 - z) * tr + z * tr0, (1 - z) ** 2 * fro + 2 * z * (1 - z) * cross + z * z * fro0
-        if not (tz > 0 and fz > 0 and np.isfinite(tz * tz / fz)):
-            return None
-        return min(1.0, max(0.0, (tz * tz / fz - 1.0) / (d - 1)))
+            tz, fz = tr + tr0, fro + 2.0 * cross + fro0
+        if not tz > 0:
+            return None, none_left
+        if not (fz > 0 and np.isfinite(tz * tz / fz)):  # cancellation in the identities (controls only)
+            return (
+                None,
+                f"the remainder's squared Frobenius norm came out {fz:.3g} (rounding); "
+                "IsoScore* is undefined",
+            )
+        return min(1.0, max(0.0, (tz * tz / fz - 1.0) / (d - 1))), None
 
 
 def _mean_sd(values: list[float]) -> tuple[float | None, float | None]:
@@ -305,12 +384,15 @@ def gradient_energy(
 
     Returns one JSON-ready dict per rank, in the order given, with keys: rank, dim, energy, baseline,
     energy_max, kappa, mean_energy, overlap, activation_share (top-r share of C_act's variance),
-    activation_gap ((lambda_r - lambda_{r+1}) / lambda_r of C_act; near 0, U_r is ill-defined),
-    controls, control_energy_mean, control_energy_sd, control_energy_expected, energy_ratio,
-    p_value, controls_note, isoscore_star (of C_act, nothing removed), removal_isoscore_star,
-    removal_control_isoscore_star_mean, removal_control_isoscore_star_sd, removal_note.
+    activation_gap ((lambda_r - lambda_{r+1}) / lambda_r of C_act, in [0, 1]; near 0, U_r is
+    ill-defined), controls, control_energy_mean, control_energy_sd, control_energy_expected,
+    energy_ratio, p_value, controls_note, isoscore_star (of C_act, nothing removed),
+    removal_isoscore_star, removal_control_isoscore_star_mean, removal_control_isoscore_star_sd,
+    removal_note, subspace_note.
     None marks an undefined value (kappa of an isotropic S, e of a zero g-bar, control fields
-    without controls or when 2r > D, sd with fewer than 2 controls); the notes say why.
+    without controls or when 2r > D, sd with fewer than 2 controls, everything that uses U_r (V_r)
+    when r exceeds C_act's (S's) numerical rank); the notes say why. S or C_act with a negative
+    eigenvalue beyond rounding raises DataError; a malformed ``act_eig`` InputError.
     """
     z = _check_zeta(zeta)
     k = _check_count(controls)
@@ -335,13 +417,22 @@ def gradient_energy(
         raise DataError(ZERO_VARIANCE_MESSAGE.format(name="C_act", what="the activation subspace U_r"))
 
     rmax = max(rs)
-    lam_c, u_all = act_eig if act_eig is not None else _top_eigh(c, rmax + 1)
-    if len(lam_c) < rmax + 1:
-        raise DataError(f"act_eig holds {len(lam_c)} eigenpairs; max(ranks) + 1 = {rmax + 1} are needed")
+    if act_eig is not None:
+        lam_c, u_all = _check_act_eig(act_eig, d, rmax + 1)
+    else:
+        lam_c, u_all = _top_eigh(c, rmax + 1)
     lam_s, v_all = _top_eigh(s, rmax)
+    _check_psd(s, float(lam_s[0]), "S")
+    _check_psd(c, float(lam_c[0]), "C_act")
+    # below the rounding bound the eigenvalues are 0 (and a rounding negative one too)
+    rank_c = _numerical_rank(lam_c, d)
+    rank_s = _numerical_rank(lam_s, d)
+    lam_c = np.where(np.arange(lam_c.size) < rank_c, lam_c, 0.0)
     u_all = u_all[:, :rmax]
-    su, cu = s @ u_all, c @ u_all
-    c0u = c0 @ u_all if c0 is not None else None
+    su = s @ u_all
+    removal = _Removal(c, z, target, c0)
+    cu = removal.c @ u_all
+    c0u = removal.c0 @ u_all if removal.c0 is not None else None
     cum_e = np.cumsum(np.einsum("ij,ij->j", u_all, su)) / tr_s
     cum_max = np.cumsum(lam_s) / tr_s
     cum_c = np.cumsum(lam_c) / float(np.trace(c))
@@ -350,27 +441,35 @@ def gradient_energy(
         cum_g = np.cumsum((u_all.T @ gbar) ** 2) / float(np.vdot(gbar, gbar))
     else:
         cum_g = None
-    removal = _Removal(c, z, target, c0)
     star_full = isoscore_star_from_cov(c, z, target if c0 is None else c0)
 
     out = []
     for r in rs:
-        e = float(cum_e[r - 1])
+        # U_r (V_r) is unique only while lambda_r > 0: past the numerical rank its last columns are
+        # arbitrary null-space directions, and everything measured with them is undefined
+        u_defined, v_defined = r <= rank_c, r <= rank_s
+        # fractions in [0, 1]: clipped against rounding (an E_max of 1 + 4e-16 was seen)
+        e = min(1.0, max(0.0, float(cum_e[r - 1])))
         base = r / d
-        e_max = float(cum_max[r - 1])
+        e_max = min(1.0, float(cum_max[r - 1]))
         lam_r, lam_next = float(lam_c[r - 1]), float(lam_c[r])
         u = u_all[:, :r]
-        rem = removal.score(u, cu[:, :r], None if c0u is None else c0u[:, :r], explicit=True)
+        rem, why = removal.score(u, cu[:, :r], None if c0u is None else c0u[:, :r], explicit=True, name="U_r")
+        if not u_defined and removal.kind == "matrix":
+            # C_act has nothing left either way, but P C0 P depends on the arbitrary columns
+            rem, why = None, "U_r is not unique (see subspace_note), and neither is C0 with U_r removed"
         row = {
             "rank": r,
             "dim": d,
-            "energy": e,
+            "energy": e if u_defined else None,
             "baseline": base,
             "energy_max": e_max,
-            "kappa": (e - base) / (e_max - base) if e_max - base > _TINY else None,
-            "mean_energy": None if cum_g is None else float(cum_g[r - 1]),
-            "overlap": float(np.vdot(cross[:r, :r], cross[:r, :r])) / r,
-            "activation_share": float(cum_c[r - 1]),
+            "kappa": (e - base) / (e_max - base) if u_defined and e_max - base > _TINY else None,
+            "mean_energy": None if cum_g is None or not u_defined else float(cum_g[r - 1]),
+            "overlap": min(1.0, float(np.vdot(cross[:r, :r], cross[:r, :r])) / r)
+            if u_defined and v_defined
+            else None,
+            "activation_share": min(1.0, float(cum_c[r - 1])),
             "activation_gap": (lam_r - lam_next) / lam_r if lam_r > 0 else None,
             "controls": 0,
             "control_energy_mean": None,
@@ -383,15 +482,26 @@ def gradient_energy(
             "removal_isoscore_star": rem,
             "removal_control_isoscore_star_mean": None,
             "removal_control_isoscore_star_sd": None,
-            "removal_note": None,
+            "removal_note": why,
+            "subspace_note": None,
         }
-        if rem is None:
-            row["removal_note"] = (
-                f"only D - r = {d - r} dimension(s) remain; IsoScore* needs 2"
-                if d - r < 2
-                else f"C_act has no variance outside U_r (its rank is at most {r}); IsoScore* is undefined"
+        notes = []
+        if not u_defined:
+            notes.append(
+                f"r = {r} exceeds C_act's numerical rank k = {rank_c} (eigenvalues at or below D eps "
+                f"lambda_1 are 0), so U_r's last {r - rank_c} column(s) are arbitrary null-space directions: "
+                f"energy, kappa, mean_energy, overlap, activation_gap and the controls are undefined; "
+                f"use r <= {rank_c}"
             )
-        if 2 * r > d:
+        elif not v_defined:
+            notes.append(
+                f"r = {r} exceeds S's numerical rank {rank_s}, so V_r's last {r - rank_s} column(s) are "
+                f"arbitrary null-space directions: overlap is undefined; use r <= {rank_s} for it"
+            )
+        row["subspace_note"] = "; ".join(notes) or None
+        if not u_defined:
+            row["controls_note"] = "U_r is not unique (see subspace_note); no normal controls"
+        elif 2 * r > d:
             row["controls_note"] = (
                 f"no rank-{r} subspace fits in the {d - r}-dimensional complement of U_r "
                 f"(needs 2r <= D = {d}); no normal controls"
@@ -401,12 +511,37 @@ def gradient_energy(
             if k == 0:
                 row["controls_note"] = "controls = 0: no normal controls were drawn"
             else:
-                row.update(_control_fields(s, c, c0, u, k, seed, tr_s, e, removal))
+                row.update(_control_fields(s, u, k, seed, tr_s, e, removal))
         out.append(row)
     return out
 
 
-def _control_fields(s, c, c0, u, k, seed, tr_s, e, removal) -> dict:
+def _check_act_eig(act_eig, d: int, need: int) -> tuple[np.ndarray, np.ndarray]:
+    """``act_eig`` as (eigenvalues (k,), eigenvectors (D, k)) with k >= ``need``, else InputError."""
+    try:
+        lam, vecs = act_eig
+        lam = np.asarray(to_numpy(lam), dtype=np.float64)
+        vecs = np.asarray(to_numpy(vecs), dtype=np.float64)
+    except (TypeError, ValueError):
+        raise InputError(
+            "act_eig must be the pair (eigenvalues, eigenvectors) that top_eigenpairs(C_act, k) returns"
+        ) from None
+    if lam.ndim != 1 or vecs.shape != (d, lam.size):
+        raise InputError(
+            f"act_eig holds eigenvalues of shape {lam.shape} and eigenvectors of shape {vecs.shape}, but "
+            f"C_act is {d} x {d}; pass top_eigenpairs(C_act, {need}) of this C_act"
+        )
+    if lam.size < need:
+        raise InputError(
+            f"act_eig holds {lam.size} eigenpairs; max(ranks) + 1 = {need} are needed: pass "
+            f"top_eigenpairs(C_act, {need})"
+        )
+    if not (np.isfinite(lam).all() and np.isfinite(vecs).all()):
+        raise InputError("act_eig contains NaN or Inf; pass top_eigenpairs(C_act, k) of this C_act")
+    return lam, vecs
+
+
+def _control_fields(s, u, k, seed, tr_s, e, removal: _Removal) -> dict:
     r = u.shape[1]
     per_block = max(1, _BLOCK_COLS // r)
     energies: list[float] = []
@@ -415,12 +550,12 @@ def _control_fields(s, c, c0, u, k, seed, tr_s, e, removal) -> dict:
     while len(energies) < k:
         block = list(islice(it, min(per_block, k - len(energies))))
         qb = np.hstack(block)
-        sq, cq = s @ qb, c @ qb
-        c0q = c0 @ qb if c0 is not None else None
+        sq, cq = s @ qb, removal.c @ qb
+        c0q = removal.c0 @ qb if removal.c0 is not None else None
         for j, q in enumerate(block):
             cols = slice(j * r, (j + 1) * r)
             energies.append(float(np.vdot(q, sq[:, cols])) / tr_s)
-            rem = removal.score(q, cq[:, cols], None if c0q is None else c0q[:, cols])
+            rem, _ = removal.score(q, cq[:, cols], None if c0q is None else c0q[:, cols])
             if rem is not None:
                 removals.append(rem)
     mean, sd = _mean_sd(energies)

@@ -17,6 +17,7 @@ it, exact duplicate rows are removed first (they make r1 = 0) and counted, and r
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -189,6 +190,21 @@ def check_matrix(X, expect_dim: int | None = None, allow_wide: bool = True, min_
     return a
 
 
+def _whole_or_none(value, name: str, low: int) -> int | None:
+    """None, or ``value`` as an int >= ``low`` (operator.index: 50.5, "50" and True are refused)."""
+    if value is None:
+        return None
+    try:
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError
+        v = operator.index(value)
+    except TypeError:
+        raise InputError(f"{name} must be a whole number >= {low} or None; got {value!r}") from None
+    if v < low:
+        raise InputError(f"{name} must be >= {low}; got {v}")
+    return int(v)
+
+
 def prepare_points(
     X,
     dedup: bool = True,
@@ -200,13 +216,15 @@ def prepare_points(
     """Validate, optionally subsample (seeded, without replacement) and de-duplicate X.
 
     Returns ``(points, n_points, n_removed, subsampled_from)``; at least 3 distinct points remain.
+    ``max_points`` (None or a whole number >= 3) and ``seed`` (None or a whole number >= 0) are
+    checked first: InputError, not numpy's TypeError or ValueError.
     """
+    max_points = _whole_or_none(max_points, "max_points", 3)
+    seed = _whole_or_none(seed, "seed", 0)
     a = check_matrix(X, expect_dim=expect_dim, allow_wide=allow_wide)
     n_points = a.shape[0]
     sub = None
     if max_points is not None and n_points > max_points:
-        if max_points < 3:
-            raise InputError(f"max_points must be >= 3; got {max_points}")
         pick = np.sort(np.random.default_rng(seed).choice(n_points, size=max_points, replace=False))
         a, sub = a[pick], n_points
     removed = 0

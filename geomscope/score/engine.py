@@ -415,7 +415,11 @@ class _Scorer:
                 act_eig=eig,
             )
             ses = energy_se(groups or [], state.live, eig[1], o.ranks)
-            self.energy[name] = [_with_se(row, se) for row, se in zip(rows, ses, strict=True)]
+            # a rank beyond C_act's numerical rank has no energy (its U_r is arbitrary), and so no SE
+            self.energy[name] = [
+                _with_se(row, se if row["energy"] is not None else None)
+                for row, se in zip(rows, ses, strict=True)
+            ]
 
         self._each(list(pairs), one)
 

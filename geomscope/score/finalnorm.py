@@ -13,7 +13,8 @@ isotropy. The report's ``final_norm`` entry gives what that claim needs:
   per-token scale, so dimension d's share of the output variance moves by γ_d² relative to the
   other dimensions; ``outliers`` lists, for each outlier dimension of the layer before the norm
   (the report's rule), its variance over the mean variance and ``gain_ratio`` = |γ_d| / median |γ|,
-  with ``damped`` (< 1) or ``amplified`` (> 1).
+  with ``damped`` (< 1) or ``amplified`` (> 1); both null, with a ``note``, when the median |γ| is
+  0 or not a number (the ratio is then undefined).
 """
 
 from __future__ import annotations
@@ -80,26 +81,39 @@ def final_norm_effect(
         out["note"] = "the run does not record the norm's gain (re-extract it with this version)"
         return out, None
     g = np.abs(np.asarray(gain, float))
+    med = float(np.median(g))
     out["gain"] = {
         "module": params.get("module"),
         "type": params.get("type"),
         "spearman_abs_gain_variance": _spearman(g, var),
-        "median_abs_gain": float(np.median(g)),
+        "median_abs_gain": med if np.isfinite(med) else None,
     }
     bias = params.get("bias")
     if bias is not None and len(bias) == var.size:
         out["bias"] = {"spearman_abs_bias_variance": _spearman(np.abs(np.asarray(bias, float)), var)}
-    med = float(np.median(g)) or 1.0
     mean_var = float(var.mean()) or 1.0
+    # |gamma_d| / median |gamma| needs a positive, finite median: with more than half the gains 0
+    # (pruned or dead dimensions) every non-zero gain is infinitely above it, and reading the median
+    # as 1 made a dimension the norm amplifies relative to the others read as "damped"
+    usable = np.isfinite(med) and med > 0
+    if not usable:
+        out["note"] = (
+            f"the median |gain| is {med:g} (more than half of the norm's gains are 0, or some are not "
+            "numbers), so gain_ratio = |gain_d| / median |gain| is undefined: gain_ratio and effect are null"
+        )
     rows = []
     for d in before.get("outliers") or []:
-        ratio = float(g[d] / med)
+        ratio = float(g[d] / med) if usable else None
+        if ratio is None or not np.isfinite(ratio):
+            ratio, effect = None, None
+        else:
+            effect = "damped" if ratio < 1 else ("amplified" if ratio > 1 else "unchanged")
         rows.append(
             {
                 "dim": int(d),
                 "variance_ratio": float(var[d] / mean_var),
                 "gain_ratio": ratio,
-                "effect": "damped" if ratio < 1 else ("amplified" if ratio > 1 else "unchanged"),
+                "effect": effect,
             }
         )
     out["outliers"] = rows
