@@ -43,4 +43,5 @@ SCHEDULERS = ("constant", "linear", "cosine")  # transformers' get_scheduler nam
 TRACKERS = ("none", "tensorboard", "wandb", "mlflow")
 #: plot
 FIGURE_FORMATS = ("png", "svg", "pdf")
+DPI_RANGE = (10, 2400)  # the resolutions plot --dpi (plot_files) accepts, in dots per inch
 PLOT_KINDS = ("auto", "layers", "spectrum", "outliers", "trajectory", "training", "energy")

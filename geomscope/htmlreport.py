@@ -22,6 +22,11 @@ from geomscope.schema import METRIC_LABELS, SCALAR_METRIC_NAMES, extra_id_keys
 #: what a page records as its generator: how a later ``report --html`` knows a file at its path for
 #: its own earlier page, which it replaces (fileio.ensure_replaceable)
 GENERATOR = "<meta name='generator' content='geomscope'>"
+#: how every page begins, byte for byte, up to the generator mark (pages before the mark had none)
+_OPENING = "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
+_VIEWPORT = "<meta name='viewport' content='width=device-width, initial-scale=1'>"
+#: the opening of each report's section
+_SECTION = "<section class='report'><h2>"
 
 _CSS = """
 body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:2rem auto;max-width:70rem;
@@ -214,21 +219,23 @@ def html_page(reports: Sequence[dict], *, kinds: Sequence[str] = ("auto",), titl
     sections = []
     for r in reports:
         sections.append(
-            f"<section class='report'><h2>{_e(_title(r))}</h2>{_provenance(r)}{_params(r)}"
+            f"{_SECTION}{_e(_title(r))}</h2>{_provenance(r)}{_params(r)}"
             f"{report_table_html(r)}{_final_norm(r)}{_notes(r)}</section>"
         )
     return (
-        f"<!doctype html><html lang='en'><head><meta charset='utf-8'>{GENERATOR}"
-        "<meta name='viewport' content='width=device-width, initial-scale=1'>"
+        f"{_OPENING}{GENERATOR}{_VIEWPORT}"
         f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>"
         f"<h1>{_e(title)}</h1>{''.join(sections)}<h2>Figures</h2>{''.join(figures)}</body></html>\n"
     )
 
 
 def _is_page(data: bytes) -> bool:
-    """A page geomscope wrote: its generator mark, or (pages from before the mark) the sections of
-    reports it lays out."""
-    return GENERATOR.encode() in data[:4096] or b"<section class='report'><h2>" in data
+    """A page geomscope wrote: one that begins exactly as :func:`html_page` begins it, with the
+    generator mark; or, from before the mark, with that opening without it and holding the report
+    sections. A mark or a section anywhere else (a user's notes quoting a page) is not enough."""
+    if data.startswith((_OPENING + GENERATOR).encode()):
+        return True
+    return data.startswith((_OPENING + _VIEWPORT + "<title>").encode()) and _SECTION.encode() in data
 
 
 def write_html(

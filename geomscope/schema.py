@@ -120,7 +120,14 @@ def csv_columns(report: dict) -> list[str]:
 
 # ------------------------------------------------------------------------------ reading reports
 def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A finite JSON number. An integer beyond float range (a 400-digit one, which ``json`` reads as
+    an int) is not one: every reader converts to float, where it overflows."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # math.isfinite converts an int to float first
+        return False
 
 
 def _optional_number(v) -> bool:
@@ -128,11 +135,30 @@ def _optional_number(v) -> bool:
 
 
 def _integer(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, int) and _number(v)
 
 
 def _dict_of(v, ok) -> bool:
     return isinstance(v, dict) and all(isinstance(k, str) and ok(x) for k, x in v.items())
+
+
+def _optional_text(v) -> bool:
+    return v is None or isinstance(v, str)
+
+
+#: the fields of the report's objects that titles, labels and captions read, and the type they read
+#: them as (a name drawn as text, a number formatted with :g, a rule compared and looked up)
+_FIELD_TYPES = {
+    "model": {"name": (_optional_text, "a text"), "revision": (_optional_text, "a text")},
+    "source": {"path": (_optional_text, "a text")},
+    "params": {
+        "zeta": (_optional_number, "a number"),
+        "discard_fraction": (_optional_number, "a number"),
+        "outlier_threshold": (_optional_number, "a number"),
+        "outlier_rule": (_optional_text, "a text"),
+        "uncertainty": (lambda v: v is None or _dict_of(v, _optional_text), "an object of texts"),
+    },
+}
 
 
 def report_defect(rep: dict) -> str | None:
@@ -145,6 +171,11 @@ def report_defect(rep: dict) -> str | None:
     for key in ("source", "model", "run", "params", "final_norm", "gradient_energy", "embeddings"):
         if rep.get(key) is not None and not isinstance(rep[key], dict):
             return f"{key} is not an object"
+    for key, fields in _FIELD_TYPES.items():
+        part = rep.get(key) or {}
+        for field, (ok, what) in fields.items():
+            if not ok(part.get(field)):
+                return f"{key}.{field} is not {what}"
     if rep.get("notes") is not None and not _dict_of(rep["notes"], lambda x: isinstance(x, str)):
         return "notes is not an object of texts"
     layers = rep.get("layers")
@@ -208,7 +239,8 @@ def _final_norm_defect(fn) -> str | None:
         return "final_norm.gain.spearman_abs_gain_variance is not a number"
     outs = fn.get("outliers")
     if outs is not None and not (
-        isinstance(outs, list) and all(isinstance(o, dict) and isinstance(o.get("effect"), str) for o in outs)
+        isinstance(outs, list)
+        and all(isinstance(o, dict) and isinstance(o.get("effect"), (str, type(None))) for o in outs)
     ):
         return "final_norm.outliers is not what score writes"
     return None

@@ -58,7 +58,14 @@ def plot_cmd(
         metavar=choice_metavar(choices.FIGURE_FORMATS),
         help="Image format for DIR/ output (default png).",
     ),
-    dpi: int = typer.Option(150, "--dpi", min=10, max=1200, metavar="N", help="Resolution of raster output."),
+    dpi: int = typer.Option(
+        150,
+        "--dpi",
+        metavar="N",
+        min=choices.DPI_RANGE[0],
+        max=choices.DPI_RANGE[1],
+        help="Resolution of raster output, dots per inch.",
+    ),
     log_x: Optional[bool] = typer.Option(
         None,
         "--log-x/--linear-x",

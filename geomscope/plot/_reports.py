@@ -6,13 +6,13 @@ A *report* here is the dict of a score report JSON (:mod:`geomscope.schema`, for
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 
 from geomscope.errors import InputError
 from geomscope.report import load_report
-from geomscope.schema import NON_METRIC_LAYER_KEYS, STEP_RE, is_metric_key
+from geomscope.schema import GRAD_SUFFIX, NON_METRIC_LAYER_KEYS, STEP_RE, is_metric_key
+from geomscope.schema import _number as _schema_number
 
 #: the metrics drawn when the user names none (those present in the reports, in this order)
 DEFAULT_METRICS = ("isoscore_star", "isoscore", "avgcos", "twonn")
@@ -59,7 +59,8 @@ def base_label(rep: dict) -> str:
 
 
 def report_labels(reports: Sequence[dict]) -> list[str]:
-    """One distinct legend label per report (dataset, then a counter, added to repeated labels)."""
+    """One distinct legend label per report (dataset, then a counter, added to repeated labels), as
+    plain text: a figure escapes it where it draws it (:func:`geomscope.plot._style.plain_text`)."""
     labels = [base_label(r) for r in reports]
     if len(set(labels)) < len(labels):
         labels = [
@@ -98,7 +99,19 @@ def parse_step(rep: dict) -> int | None:
 
 
 def is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A finite number (not a bool, not an integer beyond float range): the schema's test, so that
+    what a report may hold and what a figure draws are one definition."""
+    return _schema_number(v)
+
+
+def is_gradient(name: str) -> bool:
+    """A layer of gradient rows (``layer_06.grad``, extract --capture gradients)."""
+    return name.endswith(GRAD_SUFFIX)
+
+
+def activation_name(name: str) -> str:
+    """The activation layer a gradient layer belongs to (``layer_06.grad`` -> ``layer_06``)."""
+    return name[: -len(GRAD_SUFFIX)] if is_gradient(name) else name
 
 
 def available_metrics(reports: Sequence[dict]) -> list[str]:
@@ -180,6 +193,43 @@ def check_common_layers(reports: Sequence[dict]) -> None:
         raise InputError(
             f"the reports share no layer ({desc}); draw them in separate figures (one plot or report each)"
         )
+
+
+def layer_positions(reports: Sequence[dict]) -> dict[str, int] | None:
+    """The x of each layer on a layer axis shared by ``reports`` when their ``index`` cannot place
+    them, else None (draw at the index).
+
+    An array report's ``index`` is the position among the columns scored, so one layer name can
+    sit at different indices in two reports (``score b.npz`` and ``score b.npz --column l2,l0``),
+    or one report can give one index to two layers.  Then the axis is categorical: every layer by
+    name, in the order the reports first list them, a gradient layer at its activation layer's
+    place (the two share an index in a gradient run).
+    """
+    index_of: dict[str, int] = {}
+    consistent = True
+    order: list[str] = []
+    for rep in reports:
+        holder: dict[tuple[bool, int], str] = {}
+        keyed = sorted(
+            ((layer_key(lay, pos), lay["layer"]) for pos, lay in enumerate(rep["layers"])),
+            key=lambda t: t[0],
+        )
+        for key, name in keyed:
+            base = activation_name(name)
+            if (
+                index_of.setdefault(base, key) != key
+                or holder.setdefault((is_gradient(name), key), name) != name
+            ):
+                consistent = False
+            if base not in order:
+                order.append(base)
+    if consistent:
+        return None
+    return {
+        name: order.index(activation_name(name))
+        for rep in reports
+        for name in (lay["layer"] for lay in rep["layers"])
+    }
 
 
 def _span(rep: dict) -> str:

@@ -20,6 +20,32 @@ LINESTYLES = ("-", "--", ":", "-.")
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 #: sequential, perceptually uniform and colour-blind safe: used for depth (layer index)
 DEPTH_CMAP = "viridis"
+#: the line style of gradient layers (``layer_06.grad``), told from their activations' solid lines
+GRAD_LINESTYLE = "--"
+
+
+def plain_text(text) -> str:
+    """``text`` as matplotlib draws it literally: every ``$`` escaped as ``\\$``.
+
+    Matplotlib reads a string with an even number of unescaped ``$`` as mathtext: a model, layer,
+    dataset or file name from a report such as ``exp$A$`` would be drawn with an italic A, and
+    ``$\\foo{$`` stops the drawing with a parse error.  Pass every string that comes from data
+    (reports, logs, the caller) through this once, where it becomes a title, label, tick, legend
+    entry or caption; the figure's own wording has no ``$``.  (Applied twice, a ``$`` shows a
+    backslash before it.)
+    """
+    return str(text).replace("$", r"\$")
+
+
+def gradient_key(color: str = "0.3") -> list:
+    """Legend entries that say which line style is which where activation and gradient layers
+    share an axis: solid activations, :data:`GRAD_LINESTYLE` gradients."""
+    from matplotlib.lines import Line2D
+
+    return [
+        Line2D([], [], color=color, linestyle="-", label="activations"),
+        Line2D([], [], color=color, linestyle=GRAD_LINESTYLE, label="gradients (.grad)"),
+    ]
 
 
 def depth_cmap():
@@ -216,6 +242,7 @@ def uncertainty_caption(reports: Sequence[dict], metrics: Sequence[str]) -> str:
 
 
 def add_caption(fig: Figure, text: str, width_chars: int | None = None) -> None:
-    """A small caption under the axes (part of the constrained layout), wrapped to the figure width."""
+    """A small caption under the axes (part of the constrained layout), wrapped to the figure width.
+    ``text`` is plain (names from the reports as they are): it is escaped here, once."""
     width = width_chars or max(40, int(fig.get_figwidth() * 17))
-    fig.supxlabel("\n".join(textwrap.wrap(text, width)), fontsize=7.5, color="0.3")
+    fig.supxlabel(plain_text("\n".join(textwrap.wrap(text, width))), fontsize=7.5, color="0.3")

@@ -20,7 +20,7 @@ from matplotlib.ticker import NullLocator
 
 from geomscope.errors import InputError
 from geomscope.plot._reports import is_number, layer_key, report_labels, report_name
-from geomscope.plot._style import add_caption, depth_cmap, panels, series_style, styled
+from geomscope.plot._style import add_caption, depth_cmap, panels, plain_text, series_style, styled
 from geomscope.schema import GRAD_SUFFIX
 
 #: at most this many layers are named in the E panel's legend (evenly spaced, first and last kept)
@@ -227,7 +227,7 @@ def _draw_energy(ax, ge: dict, sel, colours, title: str, own: bool) -> None:
                 marker=".",
                 markersize=3,
                 gid="control_mean",
-                label=f"_{name}",
+                label=f"_{plain_text(name)}",
             )
             mean_only = True
         emax = _column(rows, "energy_max")
@@ -240,10 +240,17 @@ def _draw_energy(ax, ge: dict, sel, colours, title: str, own: bool) -> None:
                 linewidth=0.9,
                 linestyle=":",
                 gid="energy_max",
-                label=f"_{name}",
+                label=f"_{plain_text(name)}",
             )
         (line,) = ax.plot(
-            x, e, color=colour, linewidth=1.5, marker="o", markersize=3.5, gid="energy", label=name
+            x,
+            e,
+            color=colour,
+            linewidth=1.5,
+            marker="o",
+            markersize=3.5,
+            gid="energy",
+            label=plain_text(name),
         )
         if k in shown:
             handles.append(line)
@@ -263,7 +270,7 @@ def _draw_energy(ax, ge: dict, sel, colours, title: str, own: bool) -> None:
     ax.set_ylim(bottom=0)
     ax.set_xlabel("rank r of the activation subspace")
     ax.set_ylabel("captured gradient energy E")
-    ax.set_title(title, loc="left")
+    ax.set_title(plain_text(title), loc="left")
     refs = [Line2D([], [], color="black", linestyle="--", label="r/D (isotropic)")]
     refs.append(Line2D([], [], color="0.4", alpha=_EMAX_ALPHA + 0.2, linestyle=":", label="E_max"))
     if band:
@@ -273,7 +280,8 @@ def _draw_energy(ax, ge: dict, sel, colours, title: str, own: bool) -> None:
     layer_title = "layer" if len(handles) == len(drawn_at) else f"layer ({len(handles)} of {len(drawn_at)})"
     ax.legend(
         handles=handles + refs,
-        labels=[short_or(h.get_label()) for h in handles] + [r.get_label() for r in refs],
+        labels=[short_or(h.get_label()) for h in handles]
+        + [r.get_label() for r in refs],  # (lines' labels: escaped)
         loc="upper left" if own else "best",
         bbox_to_anchor=(1.01, 1.0) if own else None,
         fontsize=7,
@@ -318,7 +326,7 @@ def _draw_kappa(ax, ge: dict, sel) -> None:
         drawn = True
     ticks = _short_labels(names)
     step = max(1, int(np.ceil(len(names) / 16)))
-    ax.set_xticks(x[::step], ticks[::step])
+    ax.set_xticks(x[::step], [plain_text(t) for t in ticks[::step]])
     ax.set_xlim(-0.5, len(names) - 0.5)
     ax.set_xlabel("layer")
     ax.set_ylabel("κ = (E − r/D) / (E_max − r/D)")

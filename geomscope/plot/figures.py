@@ -19,6 +19,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from geomscope.choices import DPI_RANGE
 from geomscope.errors import InputError
 from geomscope.fileio import ensure_replaceable, make_dirs, write_bytes_atomic
 from geomscope.plot._reports import check_common_layers, read_report, select_layers
@@ -196,8 +197,8 @@ def plot_files(
     """
     if not inputs:
         raise InputError("no inputs given; pass report JSON files from `geomscope score`")
-    if dpi < 10 or dpi > 2400:
-        raise InputError(f"--dpi must be between 10 and 2400, got {dpi}")
+    if not DPI_RANGE[0] <= dpi <= DPI_RANGE[1]:
+        raise InputError(f"--dpi must be between {DPI_RANGE[0]} and {DPI_RANGE[1]}, got {dpi}")
     to_dir, out_path, fmt = _out_paths(out, fmt)
     for p in inputs:
         if not os.path.exists(p):

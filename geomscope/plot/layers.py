@@ -9,37 +9,67 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from geomscope.plot._reports import (
+    activation_name,
     check_common_layers,
     choose_metrics,
+    is_gradient,
     is_number,
     layer_key,
+    layer_positions,
     report_labels,
     select_layers,
 )
 from geomscope.plot._style import (
+    GRAD_LINESTYLE,
     add_caption,
     grid_shape,
     metric_name,
     metric_title,
     metric_variant,
     panels,
+    plain_text,
     series_style,
     styled,
     uncertainty_caption,
 )
 
+#: at most this many layer names label a categorical layer axis (evenly thinned beyond)
+MAX_NAME_TICKS = 24
 
-def layer_series(rep: dict, metric: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(x = layer index, y = metric value, se) of one report; NaN where null/missing."""
+
+def layer_series(
+    rep: dict, metric: str, *, gradients: bool | None = None, x_of: dict[str, int] | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(x = layer index, y = metric value, se) of one report; NaN where null/missing.
+
+    ``gradients``: only the gradient layers (True), only the activation layers (False) or all
+    (None).  ``x_of``: each layer's x by name (a categorical axis, :func:`layer_positions`) instead
+    of its index.
+    """
     xs, ys, es = [], [], []
     for pos, lay in enumerate(rep["layers"]):
-        xs.append(layer_key(lay, pos))
+        if gradients is not None and is_gradient(lay["layer"]) != gradients:
+            continue
+        xs.append(x_of[lay["layer"]] if x_of is not None else layer_key(lay, pos))
         v = lay.get(metric)
         ys.append(float(v) if is_number(v) else np.nan)
         se = (lay.get("se") or {}).get(metric)
         es.append(float(se) if is_number(se) and se >= 0 else np.nan)
     order = np.argsort(xs, kind="stable")
     return np.asarray(xs, float)[order], np.asarray(ys)[order], np.asarray(es)[order]
+
+
+def _series(reports: Sequence[dict], labels: Sequence[str]) -> list[tuple[int, str, bool]]:
+    """``(report, label, gradients)`` per line: a report's activation layers and its gradient layers
+    (``*.grad``, which share their activations' indices) are two lines, never one zig-zag."""
+    out = []
+    for i, (rep, lab) in enumerate(zip(reports, labels, strict=True)):
+        kinds = {is_gradient(lay["layer"]) for lay in rep["layers"]}
+        if False in kinds:
+            out.append((i, lab, False))
+        if True in kinds:
+            out.append((i, f"{lab} (gradients)", True))
+    return out
 
 
 @styled
@@ -54,18 +84,25 @@ def plot_layers(
     """Each metric against layer index.
 
     One panel per metric (default: isoscore_star, isoscore, avgcos, twonn, those present); one
-    line per report, labelled ``model@revision``; error bars are ±1 ``se`` of the report (absent
-    where the report gives none).  Panel titles carry the metric's variant taken from ``params``
-    (e.g. ``IsoScore* (ζ=0.2, target=trace)``); when the reports differ in a variant, it goes into
-    the legend labels instead.  Null values leave gaps.  ``ax``: draw into these Axes (one per
-    metric) of the caller's figure instead of a new one, and return that figure.
+    line per report, labelled ``model@revision``, and a second, dashed one ``... (gradients)`` for
+    its gradient layers (``*.grad``) when it has them; error bars are ±1 ``se`` of the report
+    (absent where the report gives none).  Panel titles carry the metric's variant taken from
+    ``params`` (e.g. ``IsoScore* (ζ=0.2, target=trace)``); when the reports differ in a variant, it
+    goes into the legend labels instead.  Null values leave gaps.  When the reports' indices do not
+    place their layers consistently (array reports scored with different ``--column`` lists), the
+    x axis names the layers instead (:func:`~geomscope.plot._reports.layer_positions`).  Labels
+    (``labels`` too) are drawn as plain text (:func:`~geomscope.plot._style.plain_text`).  ``ax``:
+    draw into these Axes (one per metric) of the caller's figure instead of a new one, and return
+    that figure.
     """
     reports = select_layers(reports, layers)
     check_common_layers(reports)
     metrics = choose_metrics(reports, metrics)
     labels = list(labels) if labels is not None else report_labels(reports)
+    series = _series(reports, labels)
+    x_of = layer_positions(reports)
     nrows, ncols = grid_shape(len(metrics))
-    height = 3.0 * nrows + 0.7 + 0.2 * ((len(reports) + 2) // 3)
+    height = 3.0 * nrows + 0.7 + 0.2 * ((len(series) + 2) // 3)
     fig, axes, own = panels(ax, len(metrics), 4.4 * ncols, height)
     nrows, ncols = axes.shape
     handles = []
@@ -73,46 +110,69 @@ def plot_layers(
         ax = axes[k // ncols][k % ncols]
         variants = [metric_variant(metric, r.get("params")) for r in reports]
         same = len(set(variants)) == 1
-        for i, rep in enumerate(reports):
-            x, y, se = layer_series(rep, metric)
-            lab = labels[i] if same or not variants[i] else variants[i]
+        for i, lab, grad in series:
+            x, y, se = layer_series(reports[i], metric, gradients=grad, x_of=x_of)
+            if not same and variants[i]:
+                lab = variants[i] + (" (gradients)" if grad else "")
+            style = series_style(i)
+            if grad:  # the report's colour and marker, dashed and hollow
+                style.update(linestyle=GRAD_LINESTYLE, markerfacecolor="none")
             cont = ax.errorbar(
                 x,
                 y,
                 yerr=None if np.all(np.isnan(se)) else se,
-                label=lab,
+                label=plain_text(lab),
                 markersize=4,
                 linewidth=1.4,
                 capsize=0,
                 elinewidth=1.0,
                 alpha=0.95,
-                **series_style(i),
+                **style,
             )
             if k == 0:
                 handles.append(cont)
-        ax.set_title(metric_title(metric, reports[0].get("params")) if same else metric_name(metric))
-        ax.set_xlabel("layer index")
-        ax.set_ylabel(metric_name(metric).split(" (")[0])
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        title = metric_title(metric, reports[0].get("params")) if same else metric_name(metric)
+        ax.set_title(plain_text(title))
+        ax.set_ylabel(plain_text(metric_name(metric).split(" (")[0]))
+        if x_of is None:
+            ax.set_xlabel("layer index")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        else:
+            _name_ticks(ax, x_of)
         if not same:  # the reports differ in this metric's variant: say which is which, in short
             ax.legend(loc="best", frameon=True, framealpha=0.8, fontsize=7, title="variant", title_fontsize=7)
     for k in range(len(metrics), nrows * ncols):
         axes[k // ncols][k % ncols].set_visible(False)
+    shown = [plain_text(lab) for _, lab, _ in series]
     if not own:  # the caller's figure: a legend on the first panel, no title or caption
-        axes[0][0].legend(handles=handles, labels=labels, loc="best", fontsize=7)
+        axes[0][0].legend(handles=handles, labels=shown, loc="best", fontsize=7)
         return fig
     # the legend heads the figure (its title is the figure title); the caption sits below the panels
     fig.legend(
         handles=handles,
-        labels=labels,
+        labels=shown,
         loc="outside upper center",
-        ncols=min(len(reports), 3),
+        ncols=min(len(series), 3),
         frameon=False,
         title="Geometry by layer",
         title_fontsize=11,
     )
-    add_caption(fig, _caption(reports, metrics, labels))
+    text = _caption(reports, metrics, labels)
+    if x_of is not None:
+        text += " Layers are placed by name: the reports number them differently."
+    add_caption(fig, text)
     return fig
+
+
+def _name_ticks(ax, x_of: dict[str, int]) -> None:
+    """A categorical layer axis: ticks at the positions, labelled with the (activation) names."""
+    names: dict[int, str] = {}
+    for name, x in x_of.items():
+        names.setdefault(x, activation_name(name))
+    at = sorted(names)
+    step = max(1, int(np.ceil(len(at) / MAX_NAME_TICKS)))
+    ax.set_xticks(at[::step], [plain_text(names[x]) for x in at[::step]], rotation=90 if len(at) > 8 else 0)
+    ax.set_xlabel("layer")
 
 
 def _caption(reports: Sequence[dict], metrics: Sequence[str], labels: Sequence[str]) -> str:

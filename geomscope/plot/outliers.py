@@ -12,7 +12,7 @@ from matplotlib.lines import Line2D
 
 from geomscope.errors import InputError
 from geomscope.plot._reports import layer_key, report_labels, report_name, select_layers
-from geomscope.plot._style import panels, styled
+from geomscope.plot._style import panels, plain_text, styled
 
 HEAT_CMAP = "cividis"  # designed for colour-vision deficiency
 
@@ -143,7 +143,7 @@ def plot_outliers(
         im = ax.imshow(stat, aspect="auto", interpolation="nearest", cmap=HEAT_CMAP, norm=norm)
         rr, cc = np.nonzero(flagged)
         ax.scatter(cc, rr, s=18, marker="o", facecolors="white", edgecolors="black", linewidths=0.8, zorder=3)
-        ax.set_yticks(range(len(names)), names)
+        ax.set_yticks(range(len(names)), [plain_text(n) for n in names])
         step = max(1, int(np.ceil(dims.size / 60)))
         ax.set_xticks(
             range(0, dims.size, step), [str(d) for d in dims[::step]], rotation=90 if dims.size > 12 else 0
@@ -157,12 +157,12 @@ def plot_outliers(
             if dims.size < d_total
             else f"all {d_total} dimensions"
         )
-        ax.set_title(f"{lab}: {shown}")
+        ax.set_title(plain_text(f"{lab}: {shown}"))
         cbar = fig.colorbar(im, ax=ax, pad=0.01, fraction=0.04)
         params = rep.get("params") or {}
         stat_name = _STAT_NAMES.get(params.get("outlier_rule"), "outlier statistic")
         what = f"{stat_name} / layer mean" if relative else stat_name
-        cbar.set_label(f"{what}\n({_rule_text(params)})", fontsize=8)
+        cbar.set_label(plain_text(f"{what}\n({_rule_text(params)})"), fontsize=8)
         thr = params.get("outlier_threshold")
         if (
             relative

@@ -12,12 +12,38 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from geomscope.errors import InputError
-from geomscope.plot._reports import layer_key, report_labels, report_name, select_layers
-from geomscope.plot._style import add_caption, depth_cmap, grid_shape, panels, styled
+from geomscope.plot._reports import (
+    is_gradient,
+    is_number,
+    layer_key,
+    report_labels,
+    report_name,
+    select_layers,
+)
+from geomscope.plot._style import (
+    GRAD_LINESTYLE,
+    add_caption,
+    depth_cmap,
+    gradient_key,
+    grid_shape,
+    panels,
+    plain_text,
+    styled,
+)
+
+
+def _has_eigenvalues(rep: dict) -> bool:
+    return any(isinstance(lay.get("eigenvalues"), list) and lay["eigenvalues"] for lay in rep["layers"])
 
 
 def has_spectrum(rep: dict) -> bool:
-    return any(isinstance(lay.get("eigenvalues"), list) and lay["eigenvalues"] for lay in rep["layers"])
+    """Whether some layer has a positive eigenvalue: a curve to draw on the log axis."""
+    return any(
+        is_number(v) and v > 0
+        for lay in rep["layers"]
+        if isinstance(lay.get("eigenvalues"), list)
+        for v in lay["eigenvalues"]
+    )
 
 
 def spectrum_curve(eigenvalues: Sequence[float], *, normalise: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -60,8 +86,9 @@ def plot_spectrum(
 ) -> Figure:
     """Covariance eigenspectra per layer (``layers[].eigenvalues``, descending).
 
-    One panel per report; one curve per layer, coloured by layer index with a shared colorbar;
-    log-scale y, cut at FLOOR x the largest eigenvalue of a layer (numerical zeros stay in the
+    One panel per report; one curve per layer, coloured by layer index with a shared colorbar
+    (gradient layers, ``*.grad``, dashed in their activation layer's colour, and a legend saying
+    so); log-scale y, cut at FLOOR x the largest eigenvalue of a layer (numerical zeros stay in the
     line data but below the axis; a caption says so).  ``normalise=True`` draws the explained-variance
     ratio λ_i/Σλ against i/D so
     that models of different width and scale compare directly.  ``log_x`` (default) draws the
@@ -70,9 +97,15 @@ def plot_spectrum(
     ``ax``: draw into these Axes (one per report) of the caller's figure and return that figure.
     """
     reports = select_layers(reports, layers)
-    missing = [report_name(r) for r in reports if not has_spectrum(r)]
+    missing = [report_name(r) for r in reports if not _has_eigenvalues(r)]
     if missing:
         raise InputError(f"{missing[0]} has no eigenvalues; rescore it with --metrics including spectrum")
+    empty = [report_name(r) for r in reports if not has_spectrum(r)]
+    if empty:  # every eigenvalue zero or null: nothing a log axis can show
+        raise InputError(
+            f"{empty[0]} has no positive eigenvalue in the layers drawn (all zero or null), so there is "
+            "no spectrum to draw; choose other --layers or rescore the run"
+        )
     labels = list(labels) if labels is not None else report_labels(reports)
     lasts = {max(layer_key(lay, pos) for pos, lay in enumerate(r["layers"])) for r in reports}
     relative = len(lasts) > 1
@@ -94,12 +127,22 @@ def plot_spectrum(
     for i, rep in enumerate(reports):
         ax = axes[i // ncols][i % ncols]
         lows: list[float] = []
+        grads = False
         for pos, lay in enumerate(rep["layers"]):
             ev = lay.get("eigenvalues")
             if not ev:
                 continue
             x, y = spectrum_curve(ev, normalise=normalise)
-            ax.plot(x, y, color=cmap(norm(depth(rep, pos))), linewidth=1.1, label=lay["layer"])
+            grad = is_gradient(lay["layer"])  # its activation layer's colour (same index), dashed
+            grads |= grad
+            ax.plot(
+                x,
+                y,
+                color=cmap(norm(depth(rep, pos))),
+                linewidth=1.1,
+                linestyle=GRAD_LINESTYLE if grad else "-",
+                label=plain_text(lay["layer"]),
+            )
             if y.size:
                 low, cut = visible_floor(y)
                 lows.append(low)
@@ -109,7 +152,9 @@ def plot_spectrum(
             ax.set_ylim(min(lows) / 2, ax.get_ylim()[1])
         if log_x:
             ax.set_xscale("log")
-        ax.set_title(labels[i])
+        ax.set_title(plain_text(labels[i]))
+        if grads:
+            ax.legend(handles=gradient_key(), loc="best", fontsize=7)
         ax.set_xlabel("eigenvalue index / D" if normalise else "eigenvalue index")
         ax.set_ylabel("explained variance ratio λᵢ/Σλ" if normalise else "eigenvalue λᵢ of the covariance")
         if not normalise and not log_x:

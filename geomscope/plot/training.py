@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from geomscope.errors import InputError
+from geomscope.plot._reports import is_number
 
 _STEP_KEYS = {"step", "task_loss"}
 
@@ -70,7 +72,14 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A number a curve can take: any float (a diverged loss is logged as NaN), an integer within
+    float range (:func:`~geomscope.plot._reports.is_number`)."""
+    return isinstance(v, float) or is_number(v)
+
+
+#: a rank key of a geometry record's ``energy``: ASCII digits (str.isdigit is true for '²', which
+#: int() refuses)
+_RANK_KEY = re.compile(r"[0-9]+")
 
 
 #: the record fields the curves read (the rest of a record is left as it is)
@@ -80,10 +89,10 @@ _PLOTTED = ("task_loss", "penalty", "isoscore_star", "f1", "exact_match", "accur
 def _record_defect(rec) -> str | None:
     """Why a steps.jsonl / eval.jsonl record is not what the plot reads, or None: an object with an
     integer ``step``, numbers (or null) where the curves read them, and a ``geometry`` of layers whose
-    ``energy`` is keyed by rank."""
+    ``energy`` and ``baseline`` are keyed by rank."""
     if not isinstance(rec, dict):
         return "not an object"
-    if not isinstance(rec.get("step"), int) or isinstance(rec.get("step"), bool):
+    if not isinstance(rec.get("step"), int) or not is_number(rec["step"]):
         return "no integer step"
     for key in _PLOTTED:
         if not (rec.get(key) is None or _number(rec[key])):
@@ -94,12 +103,13 @@ def _record_defect(rec) -> str | None:
     if not isinstance(geometry, dict) or not all(isinstance(g, dict) for g in geometry.values()):
         return "geometry is not an object of layers"
     for g in geometry.values():
-        energy = g.get("energy")
-        if energy is not None and not (
-            isinstance(energy, dict)
-            and all(k.isdigit() and (v is None or _number(v)) for k, v in energy.items())
-        ):
-            return "geometry energy is not keyed by rank"
+        for key in ("energy", "baseline"):
+            by_rank = g.get(key)
+            if by_rank is not None and not (
+                isinstance(by_rank, dict)
+                and all(_RANK_KEY.fullmatch(k) and (v is None or _number(v)) for k, v in by_rank.items())
+            ):
+                return f"geometry {key} is not keyed by rank"
         if not (g.get("isoscore_star") is None or _number(g["isoscore_star"])):
             return "geometry isoscore_star is not a number"
     return None
@@ -125,7 +135,8 @@ def read_training_log(path: str | os.PathLike) -> dict:
         if (
             not isinstance(run, dict)
             or not isinstance(run.get("reg", ""), str)
-            or not _number(run.get("lam", 0))
+            or not is_number(run.get("lam", 0))
+            or not (run.get("zeta") is None or is_number(run["zeta"]))
         ):
             run = {}  # only the legend reads it: a damaged one is left out
     name = f.parent.name if f.name == "steps.jsonl" else f.stem
@@ -177,7 +188,7 @@ def _geometry_series(recs: list[dict], layer: str, key: str, rank: str | None = 
 
 def _plot_geometry(ax_e, ax_i, logs: list[dict]) -> None:
     """The --log-geometry row: captured energy (with the r/D baselines dashed) and per-layer IsoScore*."""
-    from geomscope.plot._style import LINESTYLES, PALETTE, depth_cmap
+    from geomscope.plot._style import LINESTYLES, PALETTE, depth_cmap, plain_text
 
     cmap = depth_cmap()
     per_rank = all(len(_geometry_layers(log["steps"])) <= 1 for log in logs)
@@ -190,14 +201,21 @@ def _plot_geometry(ax_e, ax_i, logs: list[dict]) -> None:
         if not names or not ranks:
             continue
         ls = LINESTYLES[i % len(LINESTYLES)] if len(logs) > 1 else "-"
-        tag = f"{log['label']}: " if len(logs) > 1 else ""
+        tag = f"{plain_text(log['label'])}: " if len(logs) > 1 else ""
         for j, name in enumerate(names):
             colour = cmap(j / max(len(names) - 1, 1))
             for k, rank in enumerate(ranks if per_rank else ranks[-1:]):
                 c = PALETTE[k % len(PALETTE)] if per_rank else colour
                 xs, ys = _geometry_series(recs, name, "energy", rank)
                 if xs:
-                    ax_e.plot(xs, ys, color=c, linestyle=ls, linewidth=1.0, label=f"{tag}{name}, r={rank}")
+                    ax_e.plot(
+                        xs,
+                        ys,
+                        color=c,
+                        linestyle=ls,
+                        linewidth=1.0,
+                        label=f"{tag}{plain_text(name)}, r={rank}",
+                    )
                     shown_ranks.add(rank)
                 for r in recs:
                     b = (((r.get("geometry") or {}).get(name) or {}).get("baseline") or {}).get(rank)
@@ -206,7 +224,7 @@ def _plot_geometry(ax_e, ax_i, logs: list[dict]) -> None:
                         break
             xs, ys = _geometry_series(recs, name, "isoscore_star")
             if xs:
-                ax_i.plot(xs, ys, color=colour, linestyle=ls, linewidth=1.0, label=f"{tag}{name}")
+                ax_i.plot(xs, ys, color=colour, linestyle=ls, linewidth=1.0, label=f"{tag}{plain_text(name)}")
     for k, rank in enumerate(sorted(shown_ranks, key=int)):
         if rank in baselines:
             ax_e.axhline(
@@ -230,7 +248,7 @@ _CLASSIFY = (("accuracy", "accuracy"), ("macro_f1", "macro-F1"))
 
 def plot_training_log(log_paths, out: str | os.PathLike | None = None):
     """Figure (matplotlib Figure) of one or more training logs; saved to ``out`` when given."""
-    from geomscope.plot._style import new_figure, series_style
+    from geomscope.plot._style import new_figure, plain_text, series_style
 
     paths = [log_paths] if isinstance(log_paths, (str, os.PathLike)) else list(log_paths)
     if not paths:
@@ -244,7 +262,7 @@ def plot_training_log(log_paths, out: str | os.PathLike | None = None):
         st = series_style(i)
         line = {"color": st["color"], "linestyle": st["linestyle"], "linewidth": 1.0}
         mark = {"color": st["color"], "marker": st["marker"], "markersize": 4}
-        label = log["label"]
+        label = plain_text(log["label"])  # a directory name: drawn as it is
         ax_loss.plot(*_series(log["steps"], "task_loss"), label=label, **line)
         xs, ys = _series(log["steps"], "penalty")
         if xs:

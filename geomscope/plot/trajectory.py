@@ -15,6 +15,7 @@ from geomscope.errors import InputError
 from geomscope.plot._reports import (
     check_common_layers,
     choose_metrics,
+    is_gradient,
     is_number,
     layer_key,
     parse_step,
@@ -22,12 +23,15 @@ from geomscope.plot._reports import (
     select_layers,
 )
 from geomscope.plot._style import (
+    GRAD_LINESTYLE,
     add_caption,
     depth_cmap,
+    gradient_key,
     grid_shape,
     metric_name,
     metric_title,
     panels,
+    plain_text,
     step_formatter,
     styled,
     uncertainty_caption,
@@ -82,9 +86,10 @@ def plot_trajectory(
     """Each metric against training step (steps parsed from ``stepN`` revisions or a ``step`` key).
 
     One panel per metric, one line per layer (all, or ``layers``) coloured by depth with a
-    colorbar; x values are the steps themselves.  ``log_x`` uses a symmetric-log axis whose linear
-    part ends at the smallest positive step, so step 0 stays on the axis; None (default) chooses it
-    when the positive steps span two decades or more (Pythia's step0, step1000 ... step143000).
+    colorbar (gradient layers, ``*.grad``, dashed, with a legend saying so); x values are the steps
+    themselves.  ``log_x`` uses a symmetric-log axis whose linear part ends at the smallest positive
+    step, so step 0 stays on the axis; None (default) chooses it when the positive steps span two
+    decades or more (Pythia's step0, step1000 ... step143000).
     ``ax``: draw into these Axes (one per metric) of the caller's figure and return that figure.
     """
     reports = select_layers(reports, layers)
@@ -121,7 +126,17 @@ def plot_trajectory(
                 if is_number(e) and e >= 0:
                     se[j] = e
             color = cmap(norm(depth[name]))
-            ax.plot(x, y, color=color, marker="o", markersize=3, linewidth=1.3, label=name)
+            ax.plot(
+                x,
+                y,
+                color=color,
+                marker="o",
+                markersize=3,
+                linewidth=1.3,
+                # a gradient layer has its activation layer's index, so its colour: dashed to tell them apart
+                linestyle=GRAD_LINESTYLE if is_gradient(name) else "-",
+                label=plain_text(name),
+            )
             if np.isfinite(se).any():
                 ax.fill_between(x, y - se, y + se, color=color, alpha=0.18, linewidth=0)
         if log_x:
@@ -129,11 +144,13 @@ def plot_trajectory(
         else:
             ax.xaxis.set_major_locator(MaxNLocator(nbins=6))
             ax.xaxis.set_major_formatter(FuncFormatter(step_formatter))
-        ax.set_title(metric_title(metric, reports[0].get("params")))
+        ax.set_title(plain_text(metric_title(metric, reports[0].get("params"))))
         ax.set_xlabel("training step" + (" (symlog)" if log_x and (x == 0).any() else ""))
-        ax.set_ylabel(metric_name(metric).split(" (")[0])
+        ax.set_ylabel(plain_text(metric_name(metric).split(" (")[0]))
     for k in range(len(metrics), nrows * ncols):
         axes[k // ncols][k % ncols].set_visible(False)
+    if any(is_gradient(n) for n in names):
+        axes[0][0].legend(handles=gradient_key(), loc="best", fontsize=7)
     cbar = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=axes.ravel().tolist(), shrink=0.9, pad=0.02)
     cbar.set_label("layer index (depth)")
     cbar.locator = MaxNLocator(integer=True)
@@ -142,7 +159,7 @@ def plot_trajectory(
         return fig
     model = _short_name((reports[0].get("model") or {}).get("name") or "model")
     span = f"step {step_formatter(x[0])}–{step_formatter(x[-1])}"
-    fig.suptitle(f"{model} over training ({len(reports)} checkpoints, {span})", fontsize=11)
+    fig.suptitle(plain_text(f"{model} over training ({len(reports)} checkpoints, {span})"), fontsize=11)
     add_caption(fig, uncertainty_caption(reports, metrics).replace("Error bars", "Bands"))
     return fig
 

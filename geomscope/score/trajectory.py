@@ -166,17 +166,21 @@ def _cell_number(key: str, v: str) -> float | None:
     return num
 
 
-def _add_trajectory_row(reports: dict[str, dict], r: dict) -> None:
-    """One trajectory.csv row into its revision's report-like dict (ValueError when malformed)."""
+def _checkpoint_key(r: dict) -> tuple[str, str, str]:
+    """(model, revision, step) of a trajectory.csv row: the checkpoint whose report it belongs to."""
+    return (r.get("model") or "", r.get("revision") or "", (r.get("step") or "").strip())
+
+
+def _add_trajectory_row(reports: dict[tuple, dict], r: dict) -> None:
+    """One trajectory.csv row into its checkpoint's report-like dict (ValueError when malformed)."""
     if None in r:  # csv.DictReader files the cells past the header's under None
         raise ValueError("more cells than the header has columns")
-    rev = r["revision"] or ""
-    step = r["step"] or ""
+    model, rev, step = _checkpoint_key(r)
     rep = reports.setdefault(
-        rev,
+        (model, rev, step),
         {
-            "model": {"name": r.get("model"), "revision": rev},
-            "step": int(step) if step.strip() else None,
+            "model": {"name": model or None, "revision": rev},
+            "step": int(step) if step else None,
             "params": {},
             "layers": [],
         },
@@ -201,8 +205,13 @@ def _add_trajectory_row(reports: dict[str, dict], r: dict) -> None:
 
 
 def read_trajectory(path) -> list[dict]:
-    """``trajectory.csv`` back as one report-like dict per revision (``model``, ``step``, ``layers``
-    with metrics and ``se``), the form the trajectory figure takes."""
+    """``trajectory.csv`` back as one report-like dict per checkpoint (``model``, ``step``, ``layers``
+    with metrics and ``se``), the form the trajectory figure takes.
+
+    A trajectory follows one model: a file holding the rows of several models, or one layer of a
+    checkpoint twice (two datasets or runs at one revision), is an InputError, not one report
+    named after the first.
+    """
     from geomscope.errors import InputError
 
     try:
@@ -214,12 +223,27 @@ def read_trajectory(path) -> list[dict]:
         raise InputError(
             f"{path} is not a trajectory.csv written by `geomscope score` (no revision/step/layer)"
         )
-    reports: dict[str, dict] = {}
+    reports: dict[tuple, dict] = {}
+    seen: set[tuple] = set()
     for line, r in enumerate(rows, 2):
+        key = (*_checkpoint_key(r), r.get("layer") or "")
+        if key in seen:  # two sets of rows for one checkpoint (two datasets, two runs) would be mixed
+            raise InputError(
+                f"{path} line {line} repeats layer {key[3]!r} of {key[0] or 'the model'} at revision "
+                f"{key[1]!r} (rows of two datasets or runs?); give each set of runs its own trajectory.csv"
+            )
+        seen.add(key)
         try:
             _add_trajectory_row(reports, r)
         except (ValueError, OverflowError) as e:
             raise InputError(
                 f"{path} line {line} is not what `geomscope score` writes ({e}); score the runs again"
             ) from None
+    models = list(dict.fromkeys(model for model, _, _ in reports))
+    if len(models) > 1:
+        raise InputError(
+            f"{path} holds the rows of {len(models)} models ({', '.join(repr(m) for m in models[:3])}"
+            f"{', …' if len(models) > 3 else ''}); a trajectory follows one model: plot each model's "
+            "report files separately"
+        )
     return list(reports.values())
