@@ -139,9 +139,13 @@ def test_compare_bad_inputs(cli, sweep, tmp_path):
     import shutil
 
     shutil.copytree(tmp_path / "pair" / "none_lambda0_seed0", other)
-    run = json.loads((other / "run.json").read_text())
-    run["config"]["eval"] = str(tmp_path / "another-dev.csv")
-    (other / "run.json").write_text(json.dumps(run))
+    summary = json.loads((other / "summary.json").read_text())
+    (other / "summary.json").write_text(json.dumps({**summary, "seed": 2}))  # not a second seed 0
+    # trained on another eval file: the contents its checkpoint records differ (the path need not)
+    state = json.loads((other / "checkpoint" / "state.json").read_text())
+    assert state["fingerprint"]["eval_data"]["sha256"]  # what finetune records and compare compares
+    state["fingerprint"]["eval_data"]["sha256"] = "0" * 64
+    (other / "checkpoint" / "state.json").write_text(json.dumps(state))
     code, out, err = cli(["compare", tmp_path / "pair", other, "--out", tmp_path / "cmp"])
     assert_one_line_error(code, out, err, "different eval sets", "--allow-mixed", exit_code=2)
     mixed = ["compare", tmp_path / "pair", other, "--out", tmp_path / "cmp", "--allow-mixed", "--quiet"]

@@ -27,6 +27,7 @@ def compare_cmd(
     allow_mixed: bool = typer.Option(
         False, "--allow-mixed", help="Compare runs of different models or eval sets."
     ),
+    # (each interval: the correlations', the paired differences' and the figure's fit band)
     n_boot: int = typer.Option(
         2000, "--bootstrap", min=100, metavar="N", help="Bootstrap resamples of each interval."
     ),
@@ -36,25 +37,27 @@ def compare_cmd(
 ) -> None:
     """Does isotropy go with accuracy? Per-configuration means ± SD over seeds, the Spearman and Pearson
     correlation of eval IsoScore* with accuracy (F1 for --task qa runs; bootstrap intervals resampling
-    seeds within configurations), paired differences against lambda = 0, a figure and one plain
-    sentence."""
+    seeds within configurations, or runs where a configuration has a single run), paired differences
+    against lambda = 0, a figure and one plain sentence."""
     import json
 
     from geomscope.errors import InputError
     from geomscope.fileio import (
         HEAD_BYTES,
         ensure_replaceable,
+        ensure_writable,
         json_format_is,
         make_dirs,
         starts_with,
+        write_bytes_atomic,
         write_text_atomic,
     )
-    from geomscope.plot.figures import FIGURE_HINT, is_figure, save_figure
-    from geomscope.plot.study import study_figure
+    from geomscope.plot.figures import FIGURE_HINT, is_figure
+    from geomscope.plot.study import study_png
     from geomscope.report import shown
     from geomscope.study.compare import compare, to_csv
 
-    result = compare([str(d) for d in dirs], allow_mixed=allow_mixed, n_boot=n_boot, seed=seed)
+    # where the outputs go, and whether they may, is settled before the bootstraps run
     if out is None and len(dirs) != 1:
         raise InputError("several DIRs were given: name where the comparison goes with --out DIR")
     dest = out if out is not None else dirs[0]
@@ -62,15 +65,22 @@ def compare_cmd(
     ensure_replaceable(dest / "compare.json", json_format_is("geomscope-compare"), head=HEAD_BYTES)
     ensure_replaceable(dest / "compare.csv", starts_with(b"reg,lambda,n"), head=HEAD_BYTES)
     ensure_replaceable(dest / "compare.png", is_figure, hint=FIGURE_HINT)
+    ensure_writable(dest)
+    result = compare([str(d) for d in dirs], allow_mixed=allow_mixed, n_boot=n_boot, seed=seed)
+    # every output is made before any is written: a figure that cannot be drawn leaves no new
+    # compare.json beside an old compare.png. allow_nan=False: Infinity or NaN is not JSON (the
+    # statistics give None for what a float cannot hold, so this only guards against a bug)
+    document = json.dumps(result, indent=1, allow_nan=False) + "\n"
+    png = study_png(result)
     make_dirs(dest)
-    write_text_atomic(dest / "compare.json", json.dumps(result, indent=1) + "\n")
+    write_text_atomic(dest / "compare.json", document)
     write_text_atomic(dest / "compare.csv", to_csv(result))
-    save_figure(study_figure(result), dest / "compare.png")
+    write_bytes_atomic(dest / "compare.png", png)
     if not quiet:
         _print_table(result)
         typer.echo(f"wrote {shown(dest / 'compare.json', markup=False)}, compare.csv, compare.png", err=True)
     if as_json:
-        typer.echo(json.dumps(result))
+        typer.echo(json.dumps(result, allow_nan=False))
 
 
 def _fmt(mean, sd) -> str:
@@ -85,16 +95,23 @@ def _print_table(result: dict) -> None:
 
     from geomscope.report import shown
     from geomscope.study.compare import LABELS
+    from geomscope.study.sweep import _number
 
     # the regulariser comes from each run's config: shown() keeps its markup and escapes inert
     t = Table(title="geomscope compare", caption=shown(result["sentence"]), header_style="bold")
     metrics = result["metrics"]
+    # lambda as the runs' folders name it (1e-06 and 1.000001e-06 differ), never cut short
+    lams = [_number(r["lambda"]) for r in result["table"]]
     for c in ("reg", "lambda", "n", *(LABELS[m] for m in metrics)):
-        t.add_column(c, justify="right" if c not in ("reg",) else "left")
-    for r in result["table"]:
+        t.add_column(
+            c,
+            justify="right" if c not in ("reg",) else "left",
+            min_width=max(map(len, lams), default=None) if c == "lambda" else None,
+        )
+    for r, lam in zip(result["table"], lams, strict=True):
         t.add_row(
             shown(r["reg"]),
-            f"{r['lambda']:g}",
+            lam,
             str(r["n"]),
             *[_fmt(r[f"{m}_mean"], r[f"{m}_sd"]) for m in metrics],
         )

@@ -4,12 +4,54 @@ against lambda (mean ± SD over seeds per regulariser)."""
 
 from __future__ import annotations
 
+import io
+import math
+
 import numpy as np
 from matplotlib.figure import Figure
 
 from geomscope.study import stats
 
 MARKERS = {"istar": "o", "cosreg": "s", "none": "^"}
+
+
+def study_png(result: dict, *, dpi: int = 150) -> bytes:
+    """The figure as PNG bytes, marked as geomscope's (:func:`geomscope.plot.figures.is_figure`), drawn
+    before compare writes anything, so that a figure that cannot be drawn leaves no outputs of this
+    comparison beside older ones: InputError, one line, for data matplotlib cannot draw."""
+    from geomscope.errors import InputError
+    from geomscope.plot.figures import FIGURE_CREATOR, close_figure
+
+    fig = None
+    buf = io.BytesIO()
+    try:
+        # values near the float range's ends overflow in matplotlib's margins and numpy's quantiles:
+        # what cannot be drawn raises below, the rest would only print RuntimeWarnings to stderr
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            fig = study_figure(result)
+            # "Software" is where save_figure records a PNG's creator
+            fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": FIGURE_CREATOR})
+    except (ValueError, ArithmeticError) as e:  # mathtext, axis limits, LinAlgError: ValueErrors
+        why = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "no detail")
+        raise InputError(
+            f"cannot draw the comparison's figure ({type(e).__name__}: {why}); nothing was written: "
+            "check the runs' reg, lambda and final values in their summary.json"
+        ) from None
+    finally:
+        if fig is not None:
+            close_figure(fig)
+    return buf.getvalue()
+
+
+def _label(reg: str) -> str:
+    """A regulariser's name (from each run's summary.json) as a legend shows it: control characters as
+    escapes, ``$`` literal (not the start of mathtext, which may not parse), and a leading ``_``
+    kept (matplotlib leaves a label that starts with ``_`` out of the legend)."""
+    from geomscope.plot._style import plain_text
+    from geomscope.report import shown
+
+    text = plain_text(shown(reg, markup=False))
+    return " " + text if text.startswith("_") else text
 
 
 def study_figure(result: dict, ax=None) -> Figure:
@@ -40,7 +82,9 @@ def _scatter(ax, result: dict) -> None:
 
     lams = sorted({r["lambda"] for r in runs})
     cmap = matplotlib.colormaps["coolwarm"]
-    norm = matplotlib.colors.Normalize(min(lams), max(lams)) if len(lams) > 1 else None
+    # lambdas of +-1e308 span more than a float: their colour scale would divide by inf
+    spread = len(lams) > 1 and math.isfinite(lams[-1] - lams[0])
+    norm = matplotlib.colors.Normalize(lams[0], lams[-1]) if spread else None
     for reg in sorted({r["reg"] for r in runs}):
         mine = [r for r in runs if r["reg"] == reg]
         colours = [cmap(norm(r["lambda"])) if norm else "C0" for r in mine]
@@ -51,13 +95,14 @@ def _scatter(ax, result: dict) -> None:
             marker=MARKERS.get(reg, "D"),
             edgecolors="k",
             linewidths=0.5,
-            label=reg,
+            label=_label(reg),
             zorder=3,
         )
     x = np.array([r["isoscore_star"] for r in runs])
     y = np.array([r[key] for r in runs])
     grid = np.linspace(x.min(), x.max(), 50) if x.size else x
-    band = stats.line_fit_band(x, y, grid)
+    assoc = result.get("association", {})  # the resamples and seed --bootstrap and --seed set
+    band = stats.line_fit_band(x, y, grid, n_boot=assoc.get("n_boot", 1000), seed=assoc.get("seed", 0))
     if band is not None:
         fit, lo, hi = band
         ax.plot(grid, fit, color="0.3", lw=1)
@@ -91,7 +136,7 @@ def _by_lambda(ax, result: dict) -> None:
                 marker=MARKERS.get(reg, "D"),
                 color=f"C{i}",
                 capsize=2,
-                label=f"{reg}: {label if metric == key else 'IsoScore*'}",
+                label=f"{_label(reg)}: {label if metric == key else 'IsoScore*'}",
             )
     ax.set_xlabel("lambda")
     ax.set_ylabel(f"eval {label} (solid)")

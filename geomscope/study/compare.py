@@ -3,9 +3,15 @@
 Reads finetune outputs (single runs or sweeps), and reports per configuration (regulariser,
 lambda) the mean ± SD over seeds of eval accuracy, macro-F1, IsoScore*, IsoScore and average
 cosine; the Spearman and Pearson correlation of eval IsoScore* with accuracy across runs, with
-bootstrap intervals that resample seeds within configurations; the per-seed paired difference of
-each lambda against lambda = 0 of the same regulariser; and one plain sentence with the caveat of
-a small n. Statistics: :mod:`geomscope.study.stats`.
+bootstrap intervals that resample seeds within configurations (runs, where a configuration has a
+single run); the per-seed paired difference of each lambda against lambda = 0 of the same
+regulariser; and one plain sentence with the caveat of a small n. Statistics:
+:mod:`geomscope.study.stats`.
+
+Runs are comparable when they share a task, a model and an eval set; the eval set is told by the
+sha256 of its contents that finetune records in the run's checkpoint (``checkpoint/state.json``), or,
+for a run from before those were recorded, by the path its run.json names, as it was given. Each
+(regulariser, lambda, seed) may appear once.
 
 Question-answering runs (``finetune --task qa``) are compared on their own metrics: exact match and
 F1 (percent, SQuAD v1.1 normalisation) in place of accuracy and macro-F1, with F1 -- SQuAD's primary
@@ -54,9 +60,10 @@ class RunResult:
     lam: float
     seed: int
     model: str
-    eval_data: str
+    eval_data: str  # the --eval path as the run was given it (relative to where it ran)
     values: dict
     task: str = "classification"
+    eval_sha256: str | None = None  # the eval file's contents, from the checkpoint's fingerprint
 
     @property
     def config(self) -> tuple[str, float]:
@@ -78,6 +85,20 @@ def _finite_or_none(v, what: str):
     return float(v)
 
 
+def _eval_sha256(d: Path) -> str | None:
+    """The sha256 of the eval data that finetune recorded in the run's fingerprint
+    (:func:`geomscope.train.config.fingerprint`), or None for a run from before it was recorded."""
+    from geomscope.train.checkpoint import CKPT
+
+    path = d / CKPT / "state.json"
+    if not path.is_file():
+        return None
+    state = _object(json.loads(path.read_text(encoding="utf-8")), f"{CKPT}/state.json")
+    identity = _object(state.get("fingerprint") or {}, "the checkpoint's fingerprint").get("eval_data")
+    sha = identity.get("sha256") if isinstance(identity, dict) else None
+    return sha if isinstance(sha, str) else None
+
+
 def _read_run(d: Path) -> RunResult:
     try:
         summary = _object(json.loads((d / "summary.json").read_text(encoding="utf-8")), "summary.json")
@@ -96,9 +117,12 @@ def _read_run(d: Path) -> RunResult:
             lam,
             int(summary["seed"]),
             str(cfg.get("model")),
-            str(Path(str(cfg.get("eval", ""))).resolve()),
+            # not resolved here: a relative path names a file in the folder the run was started in,
+            # which compare's own working directory says nothing about
+            str(cfg.get("eval", "")),
             {m: _finite_or_none(final.get(m), f"final {m}") for m in metrics_of(task)},
             task,
+            _eval_sha256(d),
         )
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError, OverflowError) as e:
         raise InputError(
@@ -127,7 +151,25 @@ def find_runs(dirs) -> list[RunResult]:
         if key in seen:
             raise InputError(f"{r.dir} is the same run as {seen[key]}; name each run once")
         seen[key] = r.dir
+    _check_settings_once(runs)
     return runs
+
+
+def _check_settings_once(runs: list[RunResult]) -> None:
+    """Each (regulariser, lambda, seed) once: two runs of one setting (a rerun in another folder, or two
+    sweeps that share a point) would count twice in the table and the correlations, and the paired
+    differences would keep one of them at random."""
+    from geomscope.study.sweep import _number
+
+    first: dict[tuple[str, float, int], RunResult] = {}
+    for r in runs:
+        other = first.setdefault((r.reg, r.lam, r.seed), r)
+        if other is not r:
+            raise InputError(
+                f"{other.dir} and {r.dir} are both the run {r.reg!r} lambda {_number(r.lam)} seed "
+                f"{r.seed}; a comparison counts each setting once: compare them separately, or leave "
+                "one of them out"
+            )
 
 
 def _check_comparable(runs: list[RunResult], allow_mixed: bool) -> None:
@@ -137,9 +179,18 @@ def _check_comparable(runs: list[RunResult], allow_mixed: bool) -> None:
             f"these runs are of different tasks ({', '.join(tasks)}), measured on different scores; "
             "compare each task's runs on their own"
         )
-    for what, key in (("models", "model"), ("eval sets", "eval_data")):
-        seen = sorted({getattr(r, key) for r in runs})
-        if len(seen) > 1 and not allow_mixed:
+    if allow_mixed:
+        return
+    models = sorted({r.model for r in runs})
+    hashes = sorted({r.eval_sha256 for r in runs if r.eval_sha256 is not None})
+    # the recorded paths say which eval set only where some run has no recorded contents
+    paths = sorted({r.eval_data for r in runs}) if any(r.eval_sha256 is None for r in runs) else []
+    for what, seen in (
+        ("models", models),
+        ("eval sets", [f"sha256 {h[:12]}" for h in hashes]),
+        ("eval sets", paths),
+    ):
+        if len(seen) > 1:
             raise InputError(
                 f"these runs use different {what} ({', '.join(seen[:3])}); compare like with like, "
                 "or pass --allow-mixed"
@@ -157,7 +208,7 @@ def _table(runs: list[RunResult], metrics: tuple[str, ...]) -> list[dict]:
     return rows
 
 
-def _paired(runs: list[RunResult], seed: int, outcome: str) -> list[dict]:
+def _paired(runs: list[RunResult], seed: int, outcome: str, n_boot: int = 2000) -> list[dict]:
     """Per seed, each lambda's outcome (accuracy, or F1 for QA) and IsoScore* minus those of lambda = 0
     (same regulariser)."""
     out = []
@@ -171,13 +222,18 @@ def _paired(runs: list[RunResult], seed: int, outcome: str) -> list[dict]:
                 for a, b in pairs
                 if a.values[m] is not None and b.values[m] is not None
             ]
-            rec[m] = stats.bootstrap_mean(diffs, seed=seed).to_dict()
+            rec[m] = stats.bootstrap_mean(diffs, n_boot=n_boot, seed=seed).to_dict()
         out.append(rec)
     return out
 
 
-def _sentence(assoc: dict, n: int, outcome: str = "accuracy") -> str:
+def _sentence(assoc: dict, n: int, outcome: str = "accuracy", n_boot: int = 2000) -> str:
     rho = assoc["spearman"]
+    if n < 3:  # before "constant": with 2 runs a rank correlation is undefined whatever the values
+        return (
+            f"Across {n} runs, the association between eval IsoScore* and {outcome} cannot be measured: "
+            "a correlation needs at least 3 runs."
+        )
     caveat = (
         f" With n = {n}, only a strong association could show; treat this as a pilot." if n < SMALL_N else ""
     )
@@ -186,11 +242,6 @@ def _sentence(assoc: dict, n: int, outcome: str = "accuracy") -> str:
             f"Across {n} runs, the association between eval IsoScore* and {outcome} is undefined "
             "(one of them is constant)." + caveat
         )
-    ci = (
-        f"95% interval {rho['low']:.2f} to {rho['high']:.2f}"
-        if rho["low"] is not None
-        else "no interval (too few runs)"
-    )
     direction = (
         f"higher isotropy went with higher {outcome}"
         if rho["estimate"] > 0
@@ -198,9 +249,16 @@ def _sentence(assoc: dict, n: int, outcome: str = "accuracy") -> str:
         if rho["estimate"] < 0
         else "no association"
     )
-    spans_zero = rho["low"] is not None and rho["low"] <= 0 <= rho["high"]
-    text = f"Across {n} runs, {direction} (Spearman rho = {rho['estimate']:.2f}, {ci})"
-    text += "; the interval includes zero, so these runs cannot tell the sign." if spans_zero else "."
+    text = f"Across {n} runs, {direction} (Spearman rho = {rho['estimate']:.2f}, "
+    if rho["low"] is None:  # too many resamples had a constant variable to bound the interval
+        undefined = rho.get("undefined") or 0
+        why = f": one of them was constant in {undefined} of {n_boot} resamples" if undefined else ""
+        return text + f"no interval{why}); without an interval, these runs cannot tell the sign." + caveat
+    text += f"95% interval {rho['low']:.2f} to {rho['high']:.2f}"
+    if rho.get("resampling") == stats.ACROSS_RUNS:
+        text += ", resampling runs: a configuration has a single seed"
+    spans_zero = rho["low"] <= 0 <= rho["high"]
+    text += "); the interval includes zero, so these runs cannot tell the sign." if spans_zero else ")."
     return text + caveat
 
 
@@ -215,9 +273,16 @@ def compare(dirs, *, allow_mixed: bool = False, n_boot: int = 2000, seed: int = 
     task = runs[0].task
     metrics, outcome = metrics_of(task), TASK_METRICS[task][0]
     usable = [r for r in runs if r.values[outcome] is not None and r.values["isoscore_star"] is not None]
+    if len(usable) < 2:  # finetune writes null for a metric it could not compute (e.g. a diverged run)
+        raise InputError(
+            f"{len(usable)} of the {len(runs)} runs have both an eval IsoScore* and an eval "
+            f"{LABELS[outcome]} (finetune writes null where it could not compute one); compare needs "
+            "at least 2: add runs that have both"
+        )
     x = [r.values["isoscore_star"] for r in usable]
     y = [r.values[outcome] for r in usable]
-    groups = [f"{r.reg}|{r.lam}" for r in usable]
+    configs = {c: i for i, c in enumerate(dict.fromkeys(r.config for r in usable))}
+    groups = [configs[r.config] for r in usable]  # (a key, not text: a reg name may hold any character)
     assoc = {
         m: stats.bootstrap_correlation(x, y, groups, method=m, n_boot=n_boot, seed=seed).to_dict()
         for m in ("spearman", "pearson")
@@ -232,12 +297,13 @@ def compare(dirs, *, allow_mixed: bool = False, n_boot: int = 2000, seed: int = 
         "association": {
             "x": "eval isoscore_star",
             "y": f"eval {outcome}",
-            "resampling": "seeds within configurations",
+            "resampling": stats.resampling_of(groups),
             "n_boot": n_boot,
+            "seed": seed,  # (the figure's fit band is drawn with these too)
             **assoc,
         },
-        "paired_vs_lambda_0": _paired(runs, seed, outcome),
-        "sentence": _sentence(assoc, len(usable), LABELS[outcome].replace(" (%)", "")),
+        "paired_vs_lambda_0": _paired(runs, seed, outcome, n_boot),
+        "sentence": _sentence(assoc, len(usable), LABELS[outcome].replace(" (%)", ""), n_boot),
     }
 
 

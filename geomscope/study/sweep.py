@@ -11,6 +11,7 @@ them); a run that fails is reported and the others go on.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -33,19 +34,24 @@ class GridPoint:
 
 def _number(x: float) -> str:
     """``:g`` (the names sweeps have always had) when it reads back as ``x``, else the shortest text
-    that does (``repr``): ``:g`` keeps 6 digits, so 1e-6 and 1.000001e-6 would share a name."""
+    that does (``repr``): ``:g`` keeps 6 digits, so 1e-6 and 1.000001e-6 would share a name. The one
+    home of how a lambda is written (run names; compare's table and messages)."""
     short = f"{x:g}"
     return short if float(short) == x else repr(float(x))
 
 
 def grid(regs, lams, seeds) -> list[GridPoint]:
     """Every combination, in a stable order (regulariser, lambda, seed); duplicates dropped; a seed
-    the generators cannot take, or two points that would share a directory, refused."""
+    the generators cannot take, a lambda that is not a finite number, or two points that would share
+    a directory, refused."""
     from geomscope.train.config import check_seed
 
     regs, lams, seeds = list(dict.fromkeys(regs)), list(dict.fromkeys(lams)), list(dict.fromkeys(seeds))
     if not regs or not lams or not seeds:
         raise InputError("the grid is empty: give at least one --reg, --lambda and --seed")
+    for lam in lams:  # nan or inf would train a NaN loss, under a name (lambdanan) compare refuses
+        if not math.isfinite(float(lam)):
+            raise InputError(f"--lambda must be a finite number, got {lam}; give values such as 0,0.1,1")
     for s in seeds:
         check_seed(s)
     points = [GridPoint(r, float(lam), int(s)) for r in regs for lam in lams for s in seeds]
