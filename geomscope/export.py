@@ -7,15 +7,22 @@
 - ``arrow``: a ``datasets.save_to_disk`` directory (``datasets.load_from_disk(DIR)`` opens it;
   pyarrow and polars read its ``data-*.arrow`` Arrow IPC stream files directly): one data file per
   shard with the columns ``doc_id, position, token_id, special`` and one fixed-size-list column per
-  layer. ``geomscope score DIR`` reads it back, by document groups, as it reads the run.
+  layer, whose field metadata ``geomscope.layer_index`` is the layer's index in the model.
+  ``geomscope score DIR`` reads it back, by document groups, as it reads the run.
+
+The run is read as ``score`` reads it: a manifest that disagrees with itself is refused, and each
+shard is held to its recorded size and checksum (``--no-verify``: the size only) and documents.
 
 The export is written into a temporary sibling directory and renamed into place when complete, so
 an interrupted export leaves no half-written ``DIR``; an existing non-empty ``DIR`` is refused, never
-overwritten. ``geomscope-export.json`` records what was exported from where.
+overwritten. ``geomscope-export.json`` records what was exported from where (and each layer's index).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
 import json
 import os
 import shutil
@@ -23,18 +30,26 @@ from pathlib import Path
 
 import numpy as np
 
-from geomscope.errors import InputError
-from geomscope.fileio import fsync_dir, temp_path
+from geomscope.errors import DataError, InputError
+from geomscope.fileio import create_exclusive, fsync_dir, temp_path
 
 EXPORT_FORMATS = ("arrow", "npy")
 EXPORT_MARKER = "geomscope-export.json"
 META = (("doc_id", np.int64), ("position", np.int64), ("token_id", np.int64), ("special", np.bool_))
 
 
-def export_run(run_dir, to: str, out_dir, *, layers: list[str] | None = None, progress=None) -> dict:
+def export_run(
+    run_dir, to: str, out_dir, *, layers: list[str] | None = None, progress=None, verify: bool = True
+) -> dict:
     """Write the run ``run_dir`` as ``to`` ("arrow" | "npy") into ``out_dir``; return the summary
-    recorded in ``out_dir/geomscope-export.json``. ``progress(rows)`` is called per chunk read."""
+    recorded in ``out_dir/geomscope-export.json``. ``progress(rows)`` is called per chunk read.
+
+    The run is read as ``score`` reads it: a manifest that disagrees with itself is refused, each
+    shard's size is checked against the manifest before it is read and its checksum while it is read
+    (``verify=False``: the size only), and its rows are held to the documents its entry assigns it.
+    """
     from geomscope.store import Run
+    from geomscope.store.describe import manifest_problems
 
     if to not in EXPORT_FORMATS:
         raise InputError(
@@ -50,10 +65,21 @@ def export_run(run_dir, to: str, out_dir, *, layers: list[str] | None = None, pr
             f"{run_dir} kept accumulators and a seeded sample (--keep {run.identity['keep']}), not its "
             "rows; export needs a run of every row: extract again with --keep all"
         )
+    problems = manifest_problems(run)
+    if problems:  # a shard listed twice would be exported twice (score refuses such a run alike)
+        raise InputError(
+            f"{run_dir} is damaged: its manifest disagrees with itself ({problems[0]}); rerun "
+            "`geomscope extract` with --overwrite, or into a new --out"
+        )
+    shards = sorted(run.shards, key=lambda s: s.index)
+    if not shards:
+        raise InputError(f"{run_dir} has no finished shards; run `geomscope extract` to fill it")
     names = run.resolve_layers(layers)
     out = Path(out_dir)
     if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
         raise InputError(f"{out} exists and is not an empty directory; choose a new --out directory")
+    tasks = _shard_tasks(run, shards)  # (each shard's identity now: the reads must come from it)
+    indices = _layer_indices(run, names)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = temp_path(out)
@@ -63,14 +89,16 @@ def export_run(run_dir, to: str, out_dir, *, layers: list[str] | None = None, pr
             f"cannot write into {out.parent} ({e.strerror or e}); choose another --out"
         ) from None
     try:
-        shards = sorted(run.shards, key=lambda s: s.index)
-        writer = _npy if to == "npy" else _arrow
-        files = writer(run, shards, names, tmp, progress)
+        if to == "npy":
+            files = _npy(run, tasks, names, tmp, progress, verify)
+        else:
+            files = _arrow(run, tasks, names, indices, tmp, progress, verify)
         summary = {
             "format": to,
             "source_run": str(Path(run_dir).resolve()),
             "model": (run.identity.get("model") or {}).get("name"),
             "layers": names,
+            "layer_indices": indices,  # each layer's index in the model (its hidden state)
             "rows": sum(s.rows for s in shards),
             "columns": [m for m, _ in META] + names,
             "files": files,
@@ -91,10 +119,56 @@ def export_run(run_dir, to: str, out_dir, *, layers: list[str] | None = None, pr
     return summary
 
 
-def _chunks(run, shard, names):
+def _shard_tasks(run, shards) -> list:
+    """The shards as score plans them (sources.Task): path, rows, recorded size and checksum, their
+    documents, and the identity of each file now."""
+    from geomscope.score.sources import Task
+    from geomscope.store.reader import identity as shard_identity
+
+    return [
+        Task(
+            kind="shard",
+            path=str(run.shard_path(s)),
+            index=s.index,
+            rows=s.rows,
+            nbytes=s.bytes,
+            digest=s.digest,
+            identity=shard_identity(run.shard_path(s)),
+            dim=run.dim or 0,
+            docs=s.documents,
+            tokens=s.n_tokens,
+        )
+        for s in shards
+    ]
+
+
+def _layer_indices(run, names: list[str]) -> dict[str, int | None]:
+    """layer -> its index in the model as the run records it (None where it records none)."""
+    recorded = {lay.get("name"): lay.get("index") for lay in run.layers}
+    out = {}
+    for n in names:
+        v = recorded.get(n)
+        out[n] = v if isinstance(v, int) and not isinstance(v, bool) else None  # (only an integer)
+    return out
+
+
+def _chunks(task, names, verify: bool):
+    """The chunks of one shard, read as score reads a shard (sources.check_shard_file, iter_shard):
+    its size against the manifest now, its checksum (``verify``) while it is read, its rows from the
+    file checked and of the documents its entry assigns it. A shard that fails to read is first held
+    to its checksum, so that its damage is what is said, not what reading the damage found."""
+    from geomscope.score.sources import check_shard_file
     from geomscope.store import iter_shard
 
-    yield from iter_shard(run.shard_path(shard), names, rows=shard.rows, dim=run.dim)
+    finish, task = check_shard_file(task, checksum=verify)
+    try:
+        yield from iter_shard(
+            task.path, names, rows=task.rows, dim=task.dim or None, expected=task.identity, docs=task.docs
+        )
+    except Exception:
+        finish()
+        raise
+    finish()
 
 
 def _meta(ch) -> dict[str, np.ndarray]:
@@ -106,58 +180,132 @@ def _meta(ch) -> dict[str, np.ndarray]:
     }
 
 
-def _npy(run, shards, names, tmp: Path, progress) -> list[str]:
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data)
+    while len(view):
+        view = view[os.write(fd, view) :]
+
+
+class _NpyFile:
+    """One .npy written front to back by plain writes: its header (the shape is known in advance),
+    then the rows as they come. A memory map of the whole file (open_memmap) made it sparse, and a
+    full disk then came as SIGBUS on a page write: the process died with no error line and left its
+    temporary directory; a write says ENOSPC, which export_run turns into one line."""
+
+    def __init__(self, path: Path, dtype, shape: tuple):
+        self.path, self.dtype, self.shape, self.rows = path, np.dtype(dtype), tuple(shape), 0
+        header = {
+            "descr": np.lib.format.dtype_to_descr(self.dtype),
+            "fortran_order": False,
+            "shape": self.shape,
+        }
+        buf = io.BytesIO()
+        try:
+            np.lib.format.write_array_header_1_0(buf, header)
+        except ValueError:  # a header over 64 KiB needs version 2.0
+            buf = io.BytesIO()
+            np.lib.format.write_array_header_2_0(buf, header)
+        self.fd = create_exclusive(path)
+        try:
+            _write_all(self.fd, buf.getvalue())
+        except BaseException:
+            self.close()
+            raise
+
+    def append(self, x: np.ndarray, shard) -> None:
+        x = np.ascontiguousarray(x, dtype=self.dtype)
+        if x.shape[1:] != self.shape[1:] or self.rows + len(x) > self.shape[0]:
+            raise DataError(
+                f"shard {shard} holds {self.path.stem} rows of shape {x.shape[1:]} beyond the "
+                f"{self.shape} the manifest and the first shard give; rerun `geomscope extract` with "
+                "--overwrite, or into a new --out"
+            )
+        _write_all(self.fd, memoryview(x.reshape(-1).view(np.uint8)))
+        self.rows += len(x)
+
+    def finish(self) -> None:
+        if self.rows != self.shape[0]:  # (iter_shard holds each shard to its recorded rows)
+            raise DataError(
+                f"{self.path.stem}: {self.rows} rows read, {self.shape[0]} recorded; the run is damaged"
+            )
+        try:  # (a write error the disk reports late, on a flush, comes here: it is raised)
+            os.fsync(self.fd)
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.ENOTSUP):  # a filesystem without fsync
+                raise
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _npy(run, tasks, names, tmp: Path, progress, verify: bool) -> list[str]:
     from geomscope.store import shard_dim
 
-    n = sum(s.rows for s in shards)
-    first = run.shard_path(shards[0])
-    arrays = {}
-    for name in names:
-        d = shard_dim(first, name)
-        dtype = np.dtype(_stored_dtype(first, name))
-        arrays[name] = np.lib.format.open_memmap(tmp / f"{name}.npy", "w+", dtype, (n, d))
-    for m, dt in META:
-        arrays[m] = np.lib.format.open_memmap(tmp / f"{m}.npy", "w+", dt, (n,))
-    pos = 0
-    for s in shards:
-        for ch in _chunks(run, s, names):
-            k = ch.stop - ch.start
-            for name in names:
-                arrays[name][pos : pos + k] = ch.layers[name]
-            for m, v in _meta(ch).items():
-                arrays[m][pos : pos + k] = v
-            pos += k
-            if progress:
-                progress(k)
-    for a in arrays.values():
-        a.flush()
-    del arrays
+    n = sum(t.rows for t in tasks)
+    with contextlib.ExitStack() as stack:
+        files = {m: stack.enter_context(_NpyFile(tmp / f"{m}.npy", dt, (n,))) for m, dt in META}
+        for t in tasks:
+            for ch in _chunks(t, names, verify):
+                for name in names:
+                    x = ch.layers[name]
+                    if name not in files:  # the stored dtype and width, from the first rows
+                        files[name] = stack.enter_context(
+                            _NpyFile(tmp / f"{name}.npy", x.dtype, (n, x.shape[1]))
+                        )
+                    files[name].append(x, t.path)
+                for m, v in _meta(ch).items():
+                    files[m].append(v, t.path)
+                if progress:
+                    progress(ch.stop - ch.start)
+        for name in names:  # a run without rows: the dtype and width of its first shard
+            if name not in files:
+                first = tasks[0].path
+                shape = (n, shard_dim(first, name))
+                files[name] = stack.enter_context(
+                    _NpyFile(tmp / f"{name}.npy", _stored_dtype(first, name), shape)
+                )
+        for f in files.values():
+            f.finish()
     return sorted(p.name for p in tmp.iterdir())
 
 
-def _stored_dtype(shard_path: Path, name: str) -> str:
+def _stored_dtype(shard_path, name: str) -> str:
     import h5py
 
     with h5py.File(shard_path, "r") as f:
         return f["layers"][name].dtype.str
 
 
-def _arrow(run, shards, names, tmp: Path, progress) -> list[str]:
+def _arrow(run, tasks, names, indices, tmp: Path, progress, verify: bool) -> list[str]:
     try:
         import pyarrow as pa
     except ImportError:
         raise InputError("--to arrow needs pyarrow: pip install pyarrow (or 'geomscope[formats]')") from None
+    from geomscope.score.formats import LAYER_INDEX_KEY
+
+    # each layer's index in the model travels with its column (score reads it back: a layer
+    # exported alone is reported, and plotted, at its index, not at its position among the columns)
+    field_meta = {n: {LAYER_INDEX_KEY: str(i).encode()} for n, i in indices.items() if i is not None}
     files = []
-    for i, s in enumerate(shards):
-        fname = f"data-{i:05d}-of-{len(shards):05d}.arrow"
+    for i, t in enumerate(tasks):
+        fname = f"data-{i:05d}-of-{len(tasks):05d}.arrow"
         writer = None
         with pa.OSFile(str(tmp / fname), "wb") as sink:
-            for ch in _chunks(run, s, names):
+            for ch in _chunks(t, names, verify):
                 cols = {m: pa.array(v) for m, v in _meta(ch).items()}
                 for name in names:
                     x = np.ascontiguousarray(ch.layers[name])
                     cols[name] = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])
-                batch = pa.record_batch(cols)
+                schema = pa.schema([pa.field(k, v.type, metadata=field_meta.get(k)) for k, v in cols.items()])
+                batch = pa.record_batch(list(cols.values()), schema=schema)
                 if writer is None:
                     writer = pa.ipc.new_stream(sink, batch.schema)
                 writer.write_batch(batch)

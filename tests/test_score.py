@@ -844,3 +844,18 @@ def test_identical_rows_have_no_scored_centred_cosine(tmp_path):
     assert e["isoscore"] is None and e["avgcos_centred"] is None and e["avgcos_standardised"] is None
     assert "0 row(s) with non-zero norm" in e["notes"]["avgcos_centred"]
     assert e["avgcos"] == pytest.approx(1.0)
+
+
+def test_exclude_special_on_an_array_without_special_flags_says_so(tmp_path):
+    """An .npy has no special-token column: --exclude-special can exclude nothing, and the report and
+    the log say so instead of recording exclude_special: true as if it had acted."""
+    p = tmp_path / "x.npy"
+    np.save(p, np.random.default_rng(0).standard_normal((200, 6)))
+    said = []
+    rep = score(p, ScoreOptions(metrics=("isoscore",), exclude_special=True), log=said.append)
+    assert "no special-token column" in rep["notes"]["exclude_special"]
+    assert any("excluded no row" in m for m in said)
+    assert rep["layers"][0]["dropped"]["special"] == 0
+    plain = score(p, ScoreOptions(metrics=("isoscore",)))
+    assert "exclude_special" not in plain["notes"]
+    assert rep["layers"][0]["isoscore"] == plain["layers"][0]["isoscore"]

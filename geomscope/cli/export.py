@@ -35,6 +35,9 @@ def export_cmd(
     layers: List[str] = layers_option(
         [], "Only these layers (names or indices, comma list).", _complete.run_layers
     ),
+    no_verify: bool = typer.Option(
+        False, "--no-verify", help="Skip the shard checksum check (size is still checked)."
+    ),
     as_json: bool = json_option("the export summary"),
     quiet: bool = quiet_option("No progress or summary on stderr."),
 ) -> None:
@@ -57,6 +60,7 @@ def export_cmd(
             out,
             layers=split_list(layers) or None,
             progress=bar.advance if not quiet else None,
+            verify=not no_verify,
         )
         bar.complete()
     if as_json:

@@ -61,6 +61,12 @@ def _with_se(row: dict, se) -> dict:
     return out
 
 
+def _has_special_flags(src) -> bool:
+    """Whether ``src``'s rows say which are special tokens: a run's always do; an array's only where
+    its format has a ``special`` column (a .npy or .h5 array never has)."""
+    return src.kind == "run" or all("special" in t.meta for t in src.tasks)
+
+
 def _usable_cores() -> int:
     import os
 
@@ -224,6 +230,10 @@ class _Scorer:
                 top_notes["embeddings"] = why
         else:
             top_notes["embeddings"] = "partition not requested (--metrics)"
+        if o.exclude_special and not _has_special_flags(src):
+            why = f"{src.path} has no special-token column: --exclude-special excluded no row"
+            top_notes["exclude_special"] = why
+            self.log(why)
         final_norm = None
         if src.kind == "run":
             from geomscope.score.finalnorm import final_norm_effect

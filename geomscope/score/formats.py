@@ -10,10 +10,13 @@ Every reader answers two questions, without loading a layer whole:
 Formats (``FORMATS``):
 
 - ``npz`` -- one layer per member. Members stored uncompressed are memory-mapped (random access);
-  compressed members are streamed from the start, so such a file is one read unit.
+  compressed members are streamed from the start, so such a file is one read unit. A compressed
+  member in Fortran (column) order holds no row until its last column: it is read whole (bounded
+  by memory; numpy.savez, or C order, streams).
 - ``safetensors`` -- one layer per tensor, read by row slices (memory-mapped by the library).
 - ``pt`` -- ``torch.load(weights_only=True)`` only: a tensor, a dict of tensors or a list/tuple of
-  tensors (named ``layer_0``...). Zip-format files are memory-mapped; nothing is ever unpickled.
+  tensors (named ``layer_0``...). Zip-format files are memory-mapped; a legacy (non-zip) file is
+  loaded whole, so it is one read unit; nothing is ever unpickled.
 - ``arrow`` -- Arrow IPC files (file or stream format), a ``datasets.save_to_disk`` directory, or a
   directory of such directories (SAELens' activation cache: one ``shard_i`` dataset per buffer);
   ``parquet`` -- a Parquet file or a directory of them, read one row group at a time (memory is
@@ -21,17 +24,23 @@ Formats (``FORMATS``):
   layer with one row per cell; a column whose cells are matrices (datasets' ``Array2D``, SAELens:
   ``context_size x d_in``) is a layer with one row per matrix row. Integer ``doc_id`` and boolean
   ``special`` columns, when present (``geomscope export`` writes them), give the jackknife
-  document groups and ``--exclude-special`` their meaning.
+  document groups and ``--exclude-special`` their meaning; a layer column's field metadata
+  ``geomscope.layer_index`` (export writes it) is the layer's index in the model.
 
 Layers read together must have the same number of rows (they describe the same tokens) and the same
-width; ``--column`` picks among them.
+width; ``--column`` picks among them. Every cell of a layer holds numbers (a null cell, a null inside
+one or a null ``doc_id`` is a one-line error), every matrix cell as many rows as the first; an Arrow
+IPC batch is validated in full before it is read (a crafted list offset aborted the process), and a
+data directory holds regular files only (a FIFO there blocked for ever).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zipfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +60,7 @@ SUFFIX_FORMATS = {
 }
 META_COLUMNS = ("doc_id", "special")  # optional per-row columns of arrow/parquet sources
 EXPORT_META_COLUMNS = ("doc_id", "position", "token_id", "special")  # what `geomscope export` adds
+LAYER_INDEX_KEY = b"geomscope.layer_index"  # field metadata: a layer's index in the model (export)
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,7 @@ class Layout:
     meta: tuple[str, ...] = ()
     files: int = 1
     notes: list[str] = field(default_factory=list)
+    indices: dict[str, int] = field(default_factory=dict)  # layer -> index in the model, where recorded
 
 
 @dataclass
@@ -179,9 +190,47 @@ def _npy_header(f) -> tuple[tuple, bool, np.dtype]:
     return np.lib.format.read_array_header_2_0(f)
 
 
-def _npz_members(path: Path) -> dict[str, tuple[zipfile.ZipInfo, tuple, np.dtype, bool, int]]:
-    """member name -> (zip entry, shape, dtype, fortran order, offset of the data in the zip file
-    (-1 when compressed)), read from the .npy headers only."""
+# what a damaged member raises when it is opened or its header read: a bad local header
+# (BadZipFile), an encrypted entry (RuntimeError), an unknown compression method
+# (NotImplementedError), a corrupt deflate stream (zlib.error), a file cut short (EOFError, and
+# struct.error for a local header cut short)
+_ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    RuntimeError,
+    NotImplementedError,
+    OSError,
+    EOFError,
+    zlib.error,
+    struct.error,
+)
+
+
+@dataclass(frozen=True)
+class _Member:
+    """One .npy member of an .npz file, from its headers only."""
+
+    info: zipfile.ZipInfo
+    shape: tuple
+    dtype: np.dtype
+    fortran: bool
+    data_at: int  # offset of the data in the zip file; -1 when compressed
+    header_len: int  # bytes of the .npy header before the data
+
+    @property
+    def nbytes(self) -> int:
+        # Python ints: np.prod wraps in int64, and a crafted (2**33, 2**31) passed the size check
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def whole(self) -> bool:
+        """Compressed in Fortran (column) order: no row is complete before the last column is
+        decompressed, so the member is read whole (streaming it as rows scrambled them)."""
+        return self.data_at < 0 and self.fortran and len(self.shape) > 1
+
+
+def _npz_members(path: Path) -> dict[str, _Member]:
+    """member name -> :class:`_Member`, read from the .npy headers only; InputError (one line) for a
+    damaged archive or member."""
     out = {}
     try:
         zf = zipfile.ZipFile(path)
@@ -191,68 +240,118 @@ def _npz_members(path: Path) -> dict[str, tuple[zipfile.ZipInfo, tuple, np.dtype
         for info in zf.infolist():
             if not info.filename.endswith(".npy"):
                 continue
-            with zf.open(info) as f:
-                try:
-                    shape, fortran, dtype = _npy_header(f)
-                except ValueError as e:
-                    raise InputError(f"{path}: member {info.filename} is not a .npy array ({e})") from e
-                header_len = f.tell()
+            try:
+                with zf.open(info) as f:
+                    try:
+                        shape, fortran, dtype = _npy_header(f)
+                    except ValueError as e:
+                        raise InputError(f"{path}: member {info.filename} is not a .npy array ({e})") from e
+                    header_len = f.tell()
+                data_at = -1
+                if info.compress_type == zipfile.ZIP_STORED:
+                    raw.seek(info.header_offset)
+                    local = raw.read(30)
+                    name_len, extra_len = struct.unpack("<HH", local[26:30])
+                    data_at = info.header_offset + 30 + name_len + extra_len + header_len
+            except _ZIP_ERRORS as e:
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+                raise InputError(
+                    f"{path}: member {info.filename} cannot be read ({first}); the file is damaged or "
+                    "not one numpy.savez writes -- save the arrays again"
+                ) from None
             if dtype.hasobject:
                 raise InputError(
                     f"{path}: member {info.filename} holds Python objects; geomscope never unpickles -- "
                     "save numeric arrays"
                 )
-            data_at = -1
-            if info.compress_type == zipfile.ZIP_STORED:
-                raw.seek(info.header_offset)
-                local = raw.read(30)
-                name_len, extra_len = struct.unpack("<HH", local[26:30])
-                data_at = info.header_offset + 30 + name_len + extra_len + header_len
-            out[info.filename[: -len(".npy")]] = (info, tuple(shape), dtype, fortran, data_at)
+            out[info.filename[: -len(".npy")]] = _Member(
+                info, tuple(shape), dtype, fortran, data_at, header_len
+            )
     return out
+
+
+def _whole_bytes_limit() -> int:
+    """The most bytes of compressed Fortran-order members read whole into memory: a quarter of this
+    machine's memory (the score's accumulators need the rest); 4 GiB where the OS does not say."""
+    from geomscope.score.engine import _physical_memory
+
+    total = _physical_memory()
+    return total // 4 if total else 4 << 30
+
+
+def _check_members(path: Path, members: dict[str, _Member]) -> None:
+    """InputError (one line) unless every member holds the bytes its header declares, and the
+    members read whole fit in memory -- checked before anything is allocated from a shape."""
+    size = path.stat().st_size
+    for k, m in members.items():
+        if m.data_at >= 0 and m.data_at + m.nbytes > size:
+            raise InputError(f"{path}: member {k!r} is truncated (the file ends before its data does)")
+        # the archive's own record of the member's size: the decompression stops there
+        if m.data_at < 0 and m.header_len + m.nbytes > m.info.file_size:
+            raise InputError(
+                f"{path}: member {k!r} is truncated (it declares shape {m.shape} but holds "
+                f"{max(0, m.info.file_size - m.header_len)} bytes of data); save it again"
+            )
+        # a member read whole is allocated from its shape: deflate expands at most ~1032:1, so a
+        # shape beyond that of the whole file is a crafted one (whatever the archive records)
+        if m.whole and m.info.compress_type == zipfile.ZIP_DEFLATED and m.nbytes > 1100 * size:
+            raise InputError(
+                f"{path}: member {k!r} declares shape {m.shape}, more than its compressed bytes can hold; "
+                "the file is damaged -- save it again"
+            )
+    whole = sum(m.nbytes for m in members.values() if m.whole)
+    if whole > _whole_bytes_limit():
+        raise InputError(
+            f"{path}: its compressed Fortran-order members ({whole / 2**30:.1f} GiB) are read whole and "
+            "do not fit in memory; save them with numpy.savez (uncompressed) or in C order "
+            "(np.ascontiguousarray(X))"
+        )
 
 
 def _npz_describe(path: Path, fmt: str, columns, block_rows: int) -> Layout:
     members = _pick(path, _npz_members(path), columns, "array")
     layers = {}
-    for name, (_, shape, dtype, _, _) in members.items():
-        if columns or (len(shape) == 2 and dtype.kind in "fiu"):
-            _check_2d(path, name, shape, dtype.kind)
-            layers[name] = (shape[0], shape[1], dtype.name)
+    for name, m in members.items():
+        if columns or (len(m.shape) == 2 and m.dtype.kind in "fiu"):
+            _check_2d(path, name, m.shape, m.dtype.kind)
+            layers[name] = (m.shape[0], m.shape[1], m.dtype.name)
     n = next(iter(layers.values()))[0] if layers else 0
-    size = path.stat().st_size
-    for k in layers:
-        info, shape, dtype, _, data_at = members[k]
-        if data_at >= 0 and data_at + int(np.prod(shape)) * dtype.itemsize > size:
-            raise InputError(f"{path}: member {k!r} is truncated (the file ends before its data does)")
-    stored = all(members[k][4] >= 0 for k in layers)
+    _check_members(path, {k: members[k] for k in layers})
+    stored = all(members[k].data_at >= 0 for k in layers)
     parts = _row_parts(path, n, block_rows) if stored else [FilePart(str(path), 0, n, 0)]
     notes = (
         [] if stored else ["compressed .npz: read in one stream (save with numpy.savez for parallel reads)"]
     )
+    if any(members[k].whole for k in layers):
+        notes.append("compressed Fortran-order member: read whole into memory (save in C order to stream it)")
     return Layout(fmt, layers, parts, notes=notes)
 
 
 def _npz_rows(part: FilePart, names: list[str], block_rows: int) -> Iterator[Rows]:
-    members = _npz_members(Path(part.path))
+    path = Path(part.path)
+    members = {n: m for n, m in _npz_members(path).items() if n in names}
+    _check_members(path, members)  # again: this read may come from a file replaced since
     mapped, streams = {}, {}
     zf = zipfile.ZipFile(part.path)
     try:
         for n in names:
-            info, shape, dtype, fortran, data_at = members[n]
-            if data_at >= 0:
-                order = "F" if fortran else "C"
-                mapped[n] = np.memmap(part.path, dtype, "r", offset=data_at, shape=shape, order=order)
-            else:  # compressed: stream the member from its start (parts of such files start at 0)
-                f = zf.open(info)
+            m = members[n]
+            if m.data_at >= 0:
+                order = "F" if m.fortran else "C"
+                mapped[n] = np.memmap(part.path, m.dtype, "r", offset=m.data_at, shape=m.shape, order=order)
+            elif m.whole:  # (bounded by _check_members) its rows are then slices of the array
+                with zf.open(m.info) as f:
+                    mapped[n] = np.lib.format.read_array(f, allow_pickle=False)
+            else:  # compressed, C order: stream the member from its start (parts of such files start at 0)
+                f = zf.open(m.info)
                 _npy_header(f)
-                streams[n] = (f, dtype, shape[1])
+                streams[n] = (f, m.dtype, m.shape[1])
         for s in range(part.start, part.stop, block_rows):
             e = min(part.stop, s + block_rows)
             out = {}
             for n in names:
                 if n in mapped:
-                    out[n] = np.asarray(mapped[n][s:e])
+                    out[n] = np.ascontiguousarray(mapped[n][s:e])
                 else:
                     f, dtype, d = streams[n]
                     buf = f.read((e - s) * d * dtype.itemsize)
@@ -294,7 +393,10 @@ def _st_describe(path: Path, fmt: str, columns, block_rows: int) -> Layout:
 def _torch_to_numpy(t) -> np.ndarray:
     import torch
 
-    if t.dtype in (torch.bfloat16, torch.float16):  # numpy has no bfloat16; float16 math is slow
+    # a saved nn.Parameter requires grad, and .numpy() refuses such a tensor
+    t = t.detach()
+    # numpy has no bfloat16 nor any float8 type; float16 math is slow
+    if t.dtype in (torch.bfloat16, torch.float16) or (t.is_floating_point() and t.element_size() == 1):
         t = t.float()
     return t.numpy()
 
@@ -310,9 +412,10 @@ def _st_rows(part: FilePart, names: list[str], block_rows: int) -> Iterator[Rows
 
 
 # ---------------------------------------------------------------------------------------- pt
-def _pt_load(path: Path) -> dict:
-    """name -> tensor, through ``torch.load(weights_only=True)`` (memory-mapped when the file is a
-    zip archive). A file that needs pickle to load is refused, never unpickled."""
+def _pt_load(path: Path) -> tuple[dict, bool]:
+    """(name -> tensor, whether memory-mapped), through ``torch.load(weights_only=True)``
+    (memory-mapped when the file is a zip archive). A file that needs pickle to load is refused,
+    never unpickled."""
     import pickle
     import warnings
 
@@ -325,10 +428,12 @@ def _pt_load(path: Path) -> dict:
             warnings.simplefilter("ignore", UserWarning)
             try:
                 obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+                mapped = True
             except RuntimeError as e:
                 if "mmap" not in str(e) and "zip" not in str(e):
                     raise
                 obj = torch.load(str(path), map_location="cpu", weights_only=True)  # legacy format
+                mapped = False
     except pickle.UnpicklingError:
         raise InputError(
             f"{path} cannot be read without unpickling (it holds objects besides tensors, or is damaged), "
@@ -339,18 +444,19 @@ def _pt_load(path: Path) -> dict:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise InputError(f"{path} is not a readable .pt file ({first[:160]})") from None
     if isinstance(obj, torch.Tensor):
-        return {"array": obj}
+        return {"array": obj}, mapped
     if isinstance(obj, (list, tuple)):
         obj = {f"layer_{i}": t for i, t in enumerate(obj)}
     if not isinstance(obj, dict):
         raise InputError(f"{path} holds a {type(obj).__name__}; save a tensor, or a dict or list of tensors")
-    return {str(k): v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+    return {str(k): v for k, v in obj.items() if isinstance(v, torch.Tensor)}, mapped
 
 
 def _pt_describe(path: Path, fmt: str, columns, block_rows: int) -> Layout:
     import torch
 
-    found = _pick(path, _pt_load(path), columns, "tensor")
+    tensors, mapped = _pt_load(path)
+    found = _pick(path, tensors, columns, "tensor")
     layers = {}
     for name, t in found.items():
         kind = (
@@ -358,13 +464,17 @@ def _pt_describe(path: Path, fmt: str, columns, block_rows: int) -> Layout:
         )
         if columns or (t.ndim == 2 and kind in "fiu"):
             _check_2d(path, name, tuple(t.shape), kind)
+            if t.layout != torch.strided:  # (its rows cannot be sliced: it failed as "truncated")
+                raise InputError(f"{path}: {name!r} is a sparse tensor; save it with .to_dense()")
             layers[name] = (t.shape[0], t.shape[1], str(t.dtype).removeprefix("torch."))
     n = next(iter(layers.values()))[0] if layers else 0
-    return Layout(fmt, layers, _row_parts(path, n, block_rows))
+    # a legacy (non-zip) file cannot be memory-mapped: each read unit would load it whole again
+    parts = _row_parts(path, n, block_rows) if mapped else [FilePart(str(path), 0, n, 0)]
+    return Layout(fmt, layers, parts)
 
 
 def _pt_rows(part: FilePart, names: list[str], block_rows: int) -> Iterator[Rows]:
-    tensors = _pt_load(Path(part.path))
+    tensors, _ = _pt_load(Path(part.path))
     for s in range(part.start, part.stop, block_rows):
         e = min(part.stop, s + block_rows)
         yield Rows(part.offset + (s - part.start), {n: _torch_to_numpy(tensors[n][s:e]) for n in names})
@@ -389,6 +499,7 @@ def _arrow_files(path: Path, fmt: str) -> list[Path]:
         splits = ", ".join(d.name for d in _subdirs(path))
         raise InputError(f"{path} is a DatasetDict; give one split's directory ({splits})")
     if (path / "state.json").exists():
+        _check_regular(path / "state.json")
         try:
             state = json.loads((path / "state.json").read_text(encoding="utf-8"))
             names = [d["filename"] for d in state["_data_files"]]
@@ -400,6 +511,8 @@ def _arrow_files(path: Path, fmt: str) -> list[Path]:
         return [path / n for n in names]
     suffix = ".parquet" if fmt == "parquet" else ".arrow"
     files = sorted(path.glob(f"*{suffix}"), key=_natural)
+    for f in files:
+        _check_regular(f)
     if not files and fmt == "arrow":
         for d in _subdirs(path):
             if (d / "state.json").exists():
@@ -407,6 +520,15 @@ def _arrow_files(path: Path, fmt: str) -> list[Path]:
     if not files:
         raise InputError(f"{path} holds no {suffix} files")
     return files
+
+
+def _check_regular(path: Path) -> None:
+    """InputError (one line) unless ``path`` is a regular file (or a link to one): opening a FIFO
+    blocks for ever (pyarrow does not even end on SIGTERM there), a device never ends."""
+    if not path.is_file():
+        raise InputError(
+            f"{path} is not a regular file (a pipe, a device or a folder); move it out of {path.parent}"
+        )
 
 
 class _ArrowFile:
@@ -460,11 +582,23 @@ class _ArrowFile:
                 if pos >= stop:
                     return
             return
+        pa = _pa()
         pos = 0
         for b in self._batches:
             lo, hi = max(start, pos), min(stop, pos + b.num_rows)
-            for s in range(lo, hi, cells):
-                yield b.select(columns).slice(s - pos, min(hi, s + cells) - s)
+            if lo < hi:
+                picked = b.select(columns)
+                # an IPC file's buffers are mapped as written: a list offset pointing past its
+                # values aborts the whole process (a C++ check failure) when the column is sliced or
+                # flattened, so the columns read are validated first (full: offsets, not just sizes)
+                try:
+                    picked.validate(full=True)
+                except pa.ArrowInvalid as e:
+                    raise InputError(
+                        f"{self.path} is damaged ({str(e).splitlines()[0][:160]}); write it again"
+                    ) from None
+                for s in range(lo, hi, cells):
+                    yield picked.slice(s - pos, min(hi, s + cells) - s)
             pos += b.num_rows
 
 
@@ -507,6 +641,10 @@ def _flatten_cells(pa, arr, depth: int, path: str, name: str) -> np.ndarray:
             )
         width = hi.as_py()
         arr = arr.flatten()
+    if arr.null_count:  # (to_numpy would make it a NaN, and the row would be dropped as non-finite)
+        raise DataError(
+            f"{path}: column {name!r} has a null value inside a cell; every cell must hold numbers"
+        )
     vals = arr.to_numpy(zero_copy_only=False)
     return vals.reshape(-1, width or 0)
 
@@ -538,7 +676,7 @@ def _arrow_describe(path: Path, fmt: str, columns, block_rows: int) -> Layout:
             "pick columns of one kind with --column"
         )
     # widths (and the rows per matrix cell) come from the first cell where the type leaves them open
-    layers, per_cell = {}, 1
+    layers, cell_rows = {}, {}
     first = next((f for f in files if f.num_rows), None)
     for n, (depth, width, leaf) in shapes.items():
         probe = None
@@ -546,9 +684,16 @@ def _arrow_describe(path: Path, fmt: str, columns, block_rows: int) -> Layout:
             b = next(first.batches([n], 0, 1, 1))
             probe = _flatten_cells(pa, b.column(0), depth, str(path), n)
             if depth == 2:
-                per_cell = probe.shape[0]
+                cell_rows[n] = probe.shape[0]
         d = probe.shape[1] if probe is not None else (width or 0)
         layers[n] = (0, d, str(leaf))
+    if len(set(cell_rows.values())) > 1:  # the rows of the layers would not be the same tokens
+        listing = ", ".join(f"{k} {r}" for k, r in cell_rows.items())
+        raise InputError(
+            f"{path}: the matrix columns hold different numbers of rows per cell ({listing}); "
+            "pick those that match with --column"
+        )
+    per_cell = next(iter(cell_rows.values()), 1)
     n_cells = sum(f.num_rows for f in files)
     n_rows = n_cells * per_cell
     layers = {k: (n_rows, d, t) for k, (_, d, t) in layers.items()}
@@ -563,30 +708,59 @@ def _arrow_describe(path: Path, fmt: str, columns, block_rows: int) -> Layout:
     for f in files:
         parts.append(FilePart(str(f.path), 0, f.num_rows * per_cell, offset))
         offset += f.num_rows * per_cell
-    return Layout(fmt, layers, parts, meta=meta, files=len(files))
+    return Layout(fmt, layers, parts, meta=meta, files=len(files), indices=_layer_indices(schema, layers))
+
+
+def _layer_indices(schema, layers) -> dict[str, int]:
+    """layer -> its index in the model, as ``geomscope export`` records it in the field metadata."""
+    out = {}
+    for n in layers:
+        raw = (schema.field(n).metadata or {}).get(LAYER_INDEX_KEY)
+        try:
+            out[n] = int(raw.decode("ascii"))
+        except (AttributeError, UnicodeDecodeError, ValueError):  # none recorded, or not a number
+            continue
+    return out
 
 
 def _arrow_rows(part: FilePart, names: list[str], block_rows: int, fmt: str, meta) -> Iterator[Rows]:
     pa = _pa()
     f = _ArrowFile(Path(part.path), fmt)
     depth = {n: _list_shape(pa, f.schema.field(n).type)[0] for n in names}
-    per_cell = 1
-    if 2 in depth.values() and f.num_rows:
-        b = next(f.batches([names[0]], 0, 1, 1))
-        per_cell = _flatten_cells(pa, b.column(0), 2, part.path, names[0]).shape[0]
+    # the rows per matrix cell that describe() planned this file's rows with (its parts are whole
+    # files): every cell must hold as many, or the rows (and their jackknife groups) are miscounted
+    per_cell = max(1, (part.stop - part.start) // f.num_rows) if f.num_rows else 1
     cells = max(1, block_rows // per_cell)
     pos = part.offset
     cols = list(names) + list(meta)
     for b in f.batches(cols, part.start // per_cell, -(-part.stop // per_cell), cells):
         out = {n: _flatten_cells(pa, b.column(n), depth[n], part.path, n) for n in names}
-        m = next(iter(out.values())).shape[0]
+        for n, x in out.items():
+            if x.shape[0] != b.num_rows * per_cell:
+                raise DataError(
+                    f"{part.path}: column {n!r} has cells of {x.shape[0] // max(1, b.num_rows)} rows here "
+                    f"but {per_cell} in the first cell read; every cell of a matrix column must hold "
+                    "the same number of rows"
+                )
+        m = b.num_rows * per_cell
         rows = Rows(pos, out)
         if "doc_id" in meta:
-            rows.doc_id = b.column("doc_id").to_numpy(zero_copy_only=False).astype(np.int64)
+            doc = b.column("doc_id")
+            if doc.null_count:  # (it would become INT64_MIN, a document of its own)
+                raise DataError(
+                    f"{part.path}: column 'doc_id' has a null cell; give every row its document id, "
+                    "or drop the column"
+                )
+            rows.doc_id = doc.to_numpy(zero_copy_only=False).astype(np.int64)
         if "special" in meta:
             rows.special = b.column("special").fill_null(False).to_numpy(zero_copy_only=False).astype(bool)
         pos += m
         yield rows
+    if pos - part.offset != part.stop - part.start:
+        raise DataError(
+            f"{part.path} holds {pos - part.offset} rows, {part.stop - part.start} when the score began; "
+            "was it changed meanwhile?"
+        )
 
 
 # ------------------------------------------------------------------------------------ reading

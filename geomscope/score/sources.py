@@ -243,7 +243,7 @@ def npy_error(path, e: Exception, what: str = "") -> str:
 def open_array(path: str, dataset: str | None):
     """(array-like (N, D), closer) for a .npy (memory-mapped) or an .h5 dataset."""
     p = Path(path)
-    if p.suffix == ".npy":
+    if p.suffix.lower() == ".npy":  # as _is_array_path decides (X.NPY was opened as HDF5)
         try:
             a = np.load(p, mmap_mode="r", allow_pickle=False)
         except (ValueError, OSError, EOFError) as e:
@@ -266,14 +266,51 @@ def open_array(path: str, dataset: str | None):
                 "name one with --dataset PATH"
             )
         dataset = two_d[0]
-    if dataset not in f or not isinstance(f[dataset], h5py.Dataset):
+    try:
+        ds = _in_file(f, p, dataset)
+        if not isinstance(ds, h5py.Dataset):
+            raise InputError(f"{p} has no dataset {dataset!r}; name an existing one with --dataset PATH")
+        why = _not_stored_in_file(ds)
+        if why:
+            raise InputError(f"{p}: dataset {dataset!r} {why}")
+    except BaseException:
         f.close()
-        raise InputError(f"{p} has no dataset {dataset!r}; name an existing one with --dataset PATH")
-    why = _not_stored_in_file(f[dataset])
-    if why:
-        f.close()
-        raise InputError(f"{p}: dataset {dataset!r} {why}")
-    return f[dataset], f.close
+        raise
+    return ds, f.close
+
+
+def _in_file(f, p: Path, name: str, hops: int = 0):
+    """The object at ``name`` in the open .h5 file ``f``, reached through its hard and soft links
+    only (None where there is none). An external link would read another file -- whatever it names,
+    a FIFO included, where the read blocks for ever -- so one on the way is refused, as are soft
+    links that loop. (``name in f`` and ``f[name]`` follow every kind of link.)"""
+    import posixpath
+
+    import h5py
+
+    node = f["/"]
+    for part in (x for x in name.split("/") if x and x != "."):
+        if not isinstance(node, h5py.Group):
+            return None
+        link = node.get(part, getlink=True)
+        if link is None:
+            return None
+        if isinstance(link, h5py.SoftLink):
+            if hops >= 32:
+                raise InputError(
+                    f"{p}: dataset {name!r} is behind soft links that loop; name the data itself"
+                )
+            node = _in_file(f, p, posixpath.join(node.name, link.path), hops + 1)
+            if node is None:
+                return None
+        elif isinstance(link, h5py.HardLink):
+            node = node[part]
+        else:  # an external (or user-defined) link: the data is in another file
+            raise InputError(
+                f"{p}: dataset {name!r} is a link into another file; copy the data into the file, or "
+                "score that file"
+            )
+    return node
 
 
 def _not_stored_in_file(ds) -> str | None:
@@ -344,6 +381,12 @@ def _format_blocks(
     step = block_rows or _rows_per_block(task.dim, 4, len(layers))
     for r in _guarded(read_rows(task.kind, part, layers, step, task.meta), task.path):
         x = {n: (a if a.dtype.kind == "f" else a.astype(np.float64)) for n, a in r.layers.items()}
+        for n, a in x.items():  # a layer's width as planned (Parquet row groups may each differ)
+            if task.dim and a.shape[1] != task.dim:
+                raise DataError(
+                    f"{task.path}: {n!r} has rows of {a.shape[1]} numbers here but {task.dim} in its "
+                    "first rows; every row of a layer must have the same width"
+                )
         m = next(iter(x.values())).shape[0]
         groups = (
             _groups_of_docs(r.doc_id, n_groups)
@@ -365,8 +408,8 @@ def iter_blocks(
     """Stream a task's rows with activations of ``layers``."""
     if task.kind == "shard":
         yield from _shard_blocks(task, layers, n_groups, block_rows)
-    elif task.kind in ("npy", "h5"):
-        yield from _array_blocks(task, n_groups, block_rows, with_data=True)
+    elif task.kind in ("npy", "h5"):  # (a corrupt .h5 chunk is an OSError of h5py's: one line)
+        yield from _guarded(_array_blocks(task, n_groups, block_rows, with_data=True), task.path)
     else:
         yield from _format_blocks(task, layers, n_groups, block_rows, with_data=True)
 
@@ -380,7 +423,7 @@ def iter_meta(task: Task, layers: list[str], n_groups: int) -> Iterator[Block]:
     if task.kind == "shard":
         yield from _shard_meta(task, layers, n_groups)
     elif task.kind in ("npy", "h5"):
-        yield from _array_blocks(task, n_groups, None, with_data=False)
+        yield from _guarded(_array_blocks(task, n_groups, None, with_data=False), task.path)
     else:
         yield from _format_blocks(task, layers, n_groups, None, with_data=False)
 
@@ -525,11 +568,16 @@ def _open_format(p: Path, fmt: str, columns: list[str] | None, block_rows: int |
             "if they are transposed, save X.T instead; covariance metrics are rank-limited"
         )
         flags.append("maybe_transposed")
+    # the layers' indices in the model where the source records them (an export of `-l 2` holds
+    # layer_02 alone: its position, 0, misplaced it in plots and `plot --layers`); else positions
+    recorded = [lay.indices.get(name) for name in names]
+    if None in recorded or len(set(recorded)) != len(recorded):
+        recorded = list(range(len(names)))
     return SourceInfo(
         kind="array",
         path=str(p),
         layers=names,
-        indices={name: i for i, name in enumerate(names)},
+        indices=dict(zip(names, recorded, strict=True)),
         dim=int(d),
         tasks=tasks,
         warnings=warnings,

@@ -1,0 +1,380 @@
+"""Hostile and damaged files of other tools' formats (score/formats.py, score/sources.py).
+
+Each file is built here, small. A file that is read wrongly must read right (checked against the
+same rows from a plain .npy); one that cannot be read is a one-line error, never a traceback, a
+silent wrong number, a hang, an abort of the process, or memory allocated from a crafted shape.
+Whatever could hang or abort the process under the code these tests guard against runs in a
+subprocess with a timeout.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from geomscope.errors import DataError, InputError
+from geomscope.score import ScoreOptions, score
+from geomscope.score import formats as F
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+METRICS = ("isoscore", "avgcos", "spectrum")
+
+
+def _opts(**kw) -> ScoreOptions:
+    return ScoreOptions(metrics=METRICS, jackknife_groups=4, **kw)
+
+
+def _numbers(rep: dict) -> list:
+    return [[e[k] for k in ("isoscore", "avgcos", "pr", "n_rows")] for e in rep["layers"]]
+
+
+def _anisotropic(n=300, d=8, seed=0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((n, d)) * np.arange(1, d + 1)).astype(np.float32)
+
+
+def _reference(tmp_path: Path, x: np.ndarray) -> list:
+    np.save(tmp_path / "ref.npy", x)
+    return _numbers(score(tmp_path / "ref.npy", _opts()))
+
+
+def _read_all(path: Path, fmt: str, block_rows: int) -> np.ndarray:
+    lay = F.describe(path, fmt, None, block_rows)
+    name = next(iter(lay.layers))
+    return np.concatenate(
+        [r.layers[name] for p in lay.parts for r in F.read_rows(fmt, p, [name], block_rows)]
+    )
+
+
+def _cli(args, timeout=120):
+    """The CLI in a subprocess: (returncode, stdout, stderr); a hang is a failure, not a stuck run."""
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "geomscope", *map(str, args)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"geomscope {' '.join(map(str, args))} hung for {timeout} s")
+    return r.returncode, r.stdout, r.stderr
+
+
+def _one_line(code, out, err, *needles, exit_code=None):
+    from conftest import assert_one_line_error
+
+    return assert_one_line_error(code, out, err, *needles, exit_code=exit_code)
+
+
+# ------------------------------------------------------------------------------------------ npz
+def test_compressed_fortran_order_npz_reads_in_row_order(tmp_path):
+    """np.savez_compressed of X.T (what the 'fewer rows than columns' warning asks for) stores a
+    Fortran-order member: it was streamed as if in C order, scrambling every row silently."""
+    x = _anisotropic()
+    ref = _reference(tmp_path, x)
+    np.savez_compressed(tmp_path / "f.npz", x=np.asfortranarray(x))
+    for block_rows in (7, 64, 10_000):
+        np.testing.assert_array_equal(_read_all(tmp_path / "f.npz", "npz", block_rows), x)
+    rep = score(tmp_path / "f.npz", _opts(block_rows=64))
+    np.testing.assert_allclose(_numbers(rep), ref, rtol=1e-10)
+
+
+def test_compressed_fortran_order_npz_too_big_to_read_whole_is_refused(tmp_path, monkeypatch):
+    np.savez_compressed(tmp_path / "f.npz", x=np.asfortranarray(_anisotropic()))
+    monkeypatch.setattr(F, "_whole_bytes_limit", lambda: 1000)
+    with pytest.raises(InputError, match="Fortran-order .*save them with numpy.savez"):
+        score(tmp_path / "f.npz", _opts())
+
+
+def _npz_with_header(path: Path, shape, data: bytes, compression=zipfile.ZIP_STORED) -> Path:
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    with zipfile.ZipFile(path, "w", compression) as z:
+        z.writestr("x.npy", buf.getvalue() + data)
+    return path
+
+
+def test_npz_shape_whose_size_wraps_int64_is_refused(tmp_path):
+    """(2**33, 2**31) float32 is 2**66 bytes: np.prod wrapped it to 0, the truncation check passed
+    and the rows were cut into ~2**25 read units (memory) before anything was read."""
+    path = _npz_with_header(tmp_path / "x.npz", (2**33, 2**31), b"\0" * 4096)
+    with pytest.raises(InputError, match="truncated"):
+        F.describe(path, "npz", None, 2**40)
+
+
+def test_compressed_npz_member_declaring_more_than_it_holds_is_refused(tmp_path):
+    path = _npz_with_header(tmp_path / "x.npz", (10**9, 8), b"\0" * 4096, zipfile.ZIP_DEFLATED)
+    with pytest.raises(InputError, match="truncated"):
+        F.describe(path, "npz", None, 1000)
+
+
+def test_crafted_fortran_member_read_whole_is_refused_before_allocating(tmp_path):
+    """A compressed Fortran-order member is read whole, allocated from its shape: a shape (and an
+    archive record to match) far beyond what its compressed bytes can expand to is refused first."""
+    import struct
+
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": "<f4", "fortran_order": True, "shape": (10**6, 500)})
+    path = tmp_path / "x.npz"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("x.npy", buf.getvalue() + b"\0" * 4096)
+    data = bytearray(path.read_bytes())
+    claimed = struct.pack("<I", len(buf.getvalue()) + 4 * 10**6 * 500)  # the archive agrees with the shape
+    central = data.index(b"PK\x01\x02")
+    data[22:26], data[central + 24 : central + 28] = claimed, claimed
+    path.write_bytes(bytes(data))
+    with pytest.raises(InputError, match="more than its compressed bytes can hold"):
+        F.describe(path, "npz", None, 1000)
+
+
+def _patched_npz(tmp_path: Path, name: str, patch) -> Path:
+    src = tmp_path / f"{name}-src.npz"
+    np.savez(src, x=_anisotropic(50, 4))
+    data = bytearray(src.read_bytes())
+    patch(data, data.index(b"PK\x03\x04"), data.index(b"PK\x01\x02"))
+    out = tmp_path / f"{name}.npz"
+    out.write_bytes(bytes(data))
+    return out
+
+
+def _bad_local_magic(data, local, central):
+    data[local : local + 4] = b"XXXX"
+
+
+def _encrypted(data, local, central):
+    data[local + 6] |= 1  # general purpose flag bit 0: encrypted
+    data[central + 8] |= 1
+
+
+def _compression_99(data, local, central):
+    data[local + 8 : local + 10] = (99).to_bytes(2, "little")
+    data[central + 10 : central + 12] = (99).to_bytes(2, "little")
+
+
+@pytest.mark.parametrize(
+    "patch",
+    [_bad_local_magic, _encrypted, _compression_99],
+    ids=["bad-local-header", "encrypted", "method-99"],
+)
+def test_damaged_npz_member_is_one_line(tmp_path, cli, patch):
+    path = _patched_npz(tmp_path, patch.__name__, patch)
+    code, out, err = cli(["score", path, "-q", "--out", tmp_path / "r"])
+    _one_line(code, out, err, "cannot be read", exit_code=2)
+
+
+# ---------------------------------------------------------------------------------- arrow / parquet
+def _table(n=100, d=8, seed=0):
+    x = np.random.default_rng(seed).standard_normal((n, d))
+    return pa.table({"x": pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), d)})
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".arrow"])
+def test_a_fifo_in_a_data_directory_is_refused_not_opened(tmp_path, suffix):
+    """Opening a FIFO blocks for ever (and pyarrow does not end on SIGTERM there)."""
+    d = tmp_path / "d"
+    d.mkdir()
+    if suffix == ".parquet":
+        pq.write_table(_table(), d / "a.parquet")
+    else:
+        with pa.ipc.new_stream(str(d / "a.arrow"), _table().schema) as w:
+            w.write_table(_table())
+    os.mkfifo(d / f"b{suffix}")
+    code, out, err = _cli(["score", d, "-q", "--out", tmp_path / "r"], timeout=60)
+    _one_line(code, out, err, "not a regular file", exit_code=2)
+
+
+def test_a_fifo_as_datasets_state_is_refused(tmp_path):
+    d = tmp_path / "ds"
+    d.mkdir()
+    os.mkfifo(d / "state.json")
+    code, out, err = _cli(["score", d, "-q", "--out", tmp_path / "r"], timeout=60)
+    _one_line(code, out, err, "not a regular file", exit_code=2)
+
+
+def test_ipc_file_with_list_offsets_out_of_range_is_one_line_not_an_abort(tmp_path):
+    """A crafted offset past the values aborted the process in C++ (rc 134) when the column was
+    sliced; each batch read is validated first."""
+    n, d = 100, 8
+    x = np.random.default_rng(0).standard_normal((n, d))
+    offsets = np.arange(0, n * d + 1, d, dtype="<i4")
+    col = pa.ListArray.from_arrays(pa.array(offsets), pa.array(x.ravel()))
+    path = tmp_path / "x.arrow"
+    with pa.ipc.new_stream(str(path), pa.schema([("x", col.type)])) as w:
+        w.write_batch(pa.record_batch([col], names=["x"]))
+    data = path.read_bytes()
+    at = data.index(offsets.tobytes())
+    bad = offsets.copy()
+    bad[1:] += 1 << 28
+    path.write_bytes(data[:at] + bad.tobytes() + data[at + len(bad.tobytes()) :])
+    code, out, err = _cli(["score", path, "-q", "--out", tmp_path / "r"])
+    _one_line(code, out, err, "is damaged", exit_code=2)
+
+
+def test_null_inside_a_vector_is_a_one_line_error(tmp_path):
+    rows = [list(map(float, r)) for r in np.random.default_rng(0).standard_normal((50, 4))]
+    rows[5][2] = None
+    pq.write_table(pa.table({"x": pa.array(rows, type=pa.list_(pa.float64()))}), tmp_path / "n.parquet")
+    with pytest.raises(DataError, match="null value inside a cell"):
+        score(tmp_path / "n.parquet", _opts())
+
+
+def test_null_doc_id_is_a_one_line_error(tmp_path):
+    x = np.random.default_rng(0).standard_normal((100, 8))
+    doc = pa.array([i // 10 if i != 7 else None for i in range(100)], type=pa.int64())
+    t = pa.table({"x": pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), 8), "doc_id": doc})
+    pq.write_table(t, tmp_path / "d.parquet")
+    with pytest.raises(DataError, match="'doc_id' has a null cell"):
+        score(tmp_path / "d.parquet", _opts())
+
+
+def _cells(rng, rows, k):
+    return [rng.standard_normal((rows, 8)).tolist() for _ in range(k)]
+
+
+@pytest.mark.parametrize("first,then", [(4, 6), (6, 4)])
+def test_matrix_cells_whose_rows_change_between_row_groups(tmp_path, first, then):
+    """The rows were counted from the first cell: more rows later gave 'group index 12 out of
+    range', fewer skewed the jackknife groups."""
+    rng = np.random.default_rng(0)
+    cells = _cells(rng, first, 10) + _cells(rng, then, 10)
+    t = pa.table({"x": pa.array(cells, type=pa.list_(pa.list_(pa.float64())))})
+    pq.write_table(t, tmp_path / "c.parquet", row_group_size=10)
+    with pytest.raises(DataError, match="same number of rows"):
+        score(tmp_path / "c.parquet", _opts())
+
+
+def test_matrix_columns_with_different_rows_per_cell_are_refused(tmp_path):
+    rng = np.random.default_rng(0)
+    t = pa.table(
+        {
+            "a": pa.array(_cells(rng, 4, 10), type=pa.list_(pa.list_(pa.float64()))),
+            "b": pa.array(_cells(rng, 2, 10), type=pa.list_(pa.list_(pa.float64()))),
+        }
+    )
+    pq.write_table(t, tmp_path / "two.parquet")
+    with pytest.raises(InputError, match="different numbers of rows per cell"):
+        score(tmp_path / "two.parquet", _opts())
+
+
+def test_vector_width_that_changes_between_row_groups(tmp_path):
+    rng = np.random.default_rng(0)
+    rows = [list(rng.standard_normal(8)) for _ in range(100)] + [
+        list(rng.standard_normal(9)) for _ in range(100)
+    ]
+    pq.write_table(
+        pa.table({"x": pa.array(rows, type=pa.list_(pa.float64()))}),
+        tmp_path / "w.parquet",
+        row_group_size=100,
+    )
+    with pytest.raises(DataError, match="same width"):
+        score(tmp_path / "w.parquet", _opts())
+
+
+# ------------------------------------------------------------------------------------------- .h5
+def test_h5_dataset_behind_an_external_link_is_refused(tmp_path):
+    h5py = pytest.importorskip("h5py")
+    x = _anisotropic()
+    with h5py.File(tmp_path / "target.h5", "w") as f:
+        f["secret"] = x
+    with h5py.File(tmp_path / "ext.h5", "w") as f:
+        f["a"] = h5py.ExternalLink("target.h5", "/secret")
+        f.create_group("g")["b"] = h5py.ExternalLink("target.h5", "/secret")
+        f["alias"] = h5py.SoftLink("/g/b")  # a soft link within the file, on to an external one
+    for name in ("a", "g/b", "/alias"):
+        with pytest.raises(InputError, match="link into another file"):
+            score(tmp_path / "ext.h5", _opts(dataset=name))
+
+
+def test_h5_external_link_to_a_fifo_does_not_hang(tmp_path):
+    h5py = pytest.importorskip("h5py")
+    os.mkfifo(tmp_path / "fifo")
+    with h5py.File(tmp_path / "ext.h5", "w") as f:
+        f["a"] = h5py.ExternalLink("fifo", "/x")
+    code, out, err = _cli(["score", tmp_path / "ext.h5", "--dataset", "a", "-q", "--out", tmp_path / "r"], 60)
+    _one_line(code, out, err, "link into another file", exit_code=2)
+
+
+def test_h5_soft_links_within_the_file_are_followed(tmp_path):
+    h5py = pytest.importorskip("h5py")
+    x = _anisotropic()
+    ref = _reference(tmp_path, x)
+    with h5py.File(tmp_path / "s.h5", "w") as f:
+        f.create_group("g")["real"] = x
+        f["alias"] = h5py.SoftLink("/g/real")
+        f["g"]["rel"] = h5py.SoftLink("real")  # relative: within its group
+        f["loop1"] = h5py.SoftLink("/loop2")
+        f["loop2"] = h5py.SoftLink("/loop1")
+    for name in ("alias", "/alias", "g/rel"):
+        np.testing.assert_allclose(_numbers(score(tmp_path / "s.h5", _opts(dataset=name))), ref, rtol=1e-10)
+    with pytest.raises(InputError):
+        score(tmp_path / "s.h5", _opts(dataset="loop1"))
+
+
+def test_h5_corrupt_compressed_chunk_is_one_line(tmp_path, cli):
+    h5py = pytest.importorskip("h5py")
+    path = tmp_path / "gz.h5"
+    with h5py.File(path, "w") as f:
+        ds = f.create_dataset("x", data=_anisotropic(2000, 16), chunks=(100, 16), compression="gzip")
+        info = ds.id.get_chunk_info(5)
+    data = bytearray(path.read_bytes())
+    for i in range(info.byte_offset + 8, info.byte_offset + info.size - 8):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+    code, out, err = cli(["score", path, "-q", "--out", tmp_path / "r"])
+    _one_line(code, out, err, "cannot be read to the end", exit_code=3)
+
+
+def test_npy_suffix_is_case_insensitive(tmp_path):
+    x = _anisotropic()
+    ref = _reference(tmp_path, x)
+    np.save(tmp_path / "x.npy", x)
+    os.rename(tmp_path / "x.npy", tmp_path / "X.NPY")
+    np.testing.assert_allclose(_numbers(score(tmp_path / "X.NPY", _opts())), ref, rtol=1e-10)
+
+
+# ------------------------------------------------------------------------------------ torch files
+def test_pt_parameter_and_float8_tensors_are_read(tmp_path):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    x = _anisotropic()
+    ref = _reference(tmp_path, x)
+    t = torch.from_numpy(x)
+    torch.save({"emb": torch.nn.Parameter(t.clone())}, tmp_path / "param.pt")  # requires grad
+    np.testing.assert_allclose(_numbers(score(tmp_path / "param.pt", _opts())), ref, rtol=1e-10)
+
+    f8 = t.to(torch.float8_e4m3fn)
+    np.save(tmp_path / "f8ref.npy", f8.float().numpy())
+    want = _numbers(score(tmp_path / "f8ref.npy", _opts()))
+    torch.save(f8, tmp_path / "f8.pt")
+    save_file({"x": f8.contiguous()}, str(tmp_path / "f8.safetensors"))
+    for name in ("f8.pt", "f8.safetensors"):
+        np.testing.assert_allclose(_numbers(score(tmp_path / name, _opts())), want, rtol=1e-10, err_msg=name)
+
+
+def test_legacy_pt_is_one_read_unit(tmp_path):
+    """A legacy (non-zip) .pt cannot be memory-mapped: it was loaded whole again for every part."""
+    torch = pytest.importorskip("torch")
+    x = _anisotropic()
+    ref = _reference(tmp_path, x)
+    torch.save({"x": torch.from_numpy(x)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    assert len(F.describe(tmp_path / "legacy.pt", "pt", None, 16).parts) == 1
+    torch.save({"x": torch.from_numpy(x)}, tmp_path / "zip.pt")
+    assert len(F.describe(tmp_path / "zip.pt", "pt", None, 16).parts) == -(-len(x) // 16)
+    np.testing.assert_allclose(_numbers(score(tmp_path / "legacy.pt", _opts(block_rows=16))), ref, rtol=1e-10)
+
+
+def test_sparse_pt_tensor_is_refused_in_one_line(tmp_path):
+    torch = pytest.importorskip("torch")
+    torch.save(torch.from_numpy(_anisotropic()).to_sparse(), tmp_path / "s.pt")
+    with pytest.raises(InputError, match="sparse tensor"):
+        score(tmp_path / "s.pt", _opts())
