@@ -48,8 +48,8 @@ def export_run(
     shard's size is checked against the manifest before it is read and its checksum while it is read
     (``verify=False``: the size only), and its rows are held to the documents its entry assigns it.
     """
+    from geomscope.score.sources import check_manifest, layer_indices, shard_tasks
     from geomscope.store import Run
-    from geomscope.store.describe import manifest_problems
 
     if to not in EXPORT_FORMATS:
         raise InputError(
@@ -65,12 +65,7 @@ def export_run(
             f"{run_dir} kept accumulators and a seeded sample (--keep {run.identity['keep']}), not its "
             "rows; export needs a run of every row: extract again with --keep all"
         )
-    problems = manifest_problems(run)
-    if problems:  # a shard listed twice would be exported twice (score refuses such a run alike)
-        raise InputError(
-            f"{run_dir} is damaged: its manifest disagrees with itself ({problems[0]}); rerun "
-            "`geomscope extract` with --overwrite, or into a new --out"
-        )
+    check_manifest(run, run_dir)  # a shard listed twice would be exported twice
     shards = sorted(run.shards, key=lambda s: s.index)
     if not shards:
         raise InputError(f"{run_dir} has no finished shards; run `geomscope extract` to fill it")
@@ -78,8 +73,8 @@ def export_run(
     out = Path(out_dir)
     if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
         raise InputError(f"{out} exists and is not an empty directory; choose a new --out directory")
-    tasks = _shard_tasks(run, shards)  # (each shard's identity now: the reads must come from it)
-    indices = _layer_indices(run, names)
+    tasks = shard_tasks(run, shards, run.dim or 0)  # each shard's identity now: the reads come from it
+    indices = layer_indices(run, names)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = temp_path(out)
@@ -117,39 +112,6 @@ def export_run(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return summary
-
-
-def _shard_tasks(run, shards) -> list:
-    """The shards as score plans them (sources.Task): path, rows, recorded size and checksum, their
-    documents, and the identity of each file now."""
-    from geomscope.score.sources import Task
-    from geomscope.store.reader import identity as shard_identity
-
-    return [
-        Task(
-            kind="shard",
-            path=str(run.shard_path(s)),
-            index=s.index,
-            rows=s.rows,
-            nbytes=s.bytes,
-            digest=s.digest,
-            identity=shard_identity(run.shard_path(s)),
-            dim=run.dim or 0,
-            docs=s.documents,
-            tokens=s.n_tokens,
-        )
-        for s in shards
-    ]
-
-
-def _layer_indices(run, names: list[str]) -> dict[str, int | None]:
-    """layer -> its index in the model as the run records it (None where it records none)."""
-    recorded = {lay.get("name"): lay.get("index") for lay in run.layers}
-    out = {}
-    for n in names:
-        v = recorded.get(n)
-        out[n] = v if isinstance(v, int) and not isinstance(v, bool) else None  # (only an integer)
-    return out
 
 
 def _chunks(task, names, verify: bool):

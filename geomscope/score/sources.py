@@ -64,6 +64,53 @@ class Block:
     nonfinite: dict[str, np.ndarray] = field(default_factory=dict)  # name -> (m,) bool
 
 
+def check_manifest(run, where) -> None:
+    """InputError unless the run's manifest agrees with itself (store.describe.manifest_problems: a
+    shard listed twice, documents claimed twice, totals that disagree...): every row is read once, by
+    score and by export alike, or the run is refused."""
+    from geomscope.store.describe import manifest_problems
+
+    problems = manifest_problems(run)
+    if problems:
+        raise InputError(
+            f"{where} is damaged: its manifest disagrees with itself ({problems[0]}); rerun "
+            "`geomscope extract` with --overwrite, or into a new --out"
+        )
+
+
+def layer_indices(run, names: list[str]) -> dict[str, int | None]:
+    """layer -> its index in the model as the run records it (None where it records no integer)."""
+    recorded = {lay.get("name"): lay.get("index") for lay in run.layers}
+    out = {}
+    for n in names:
+        v = recorded.get(n)
+        out[n] = v if isinstance(v, int) and not isinstance(v, bool) else None
+    return out
+
+
+def shard_tasks(run, shards, dim: int, *, accumulated: bool = False) -> list[Task]:
+    """The run's ``shards`` as tasks, in index order: path, rows, recorded size and checksum, their
+    documents, and the identity of each file now (the reads must come from the file planned)."""
+    from geomscope.store.reader import identity as shard_identity
+
+    return [
+        Task(
+            kind="shard",
+            path=str(run.shard_path(s)),
+            index=s.index,
+            rows=s.rows,
+            nbytes=s.bytes,
+            digest=s.digest,
+            identity=shard_identity(run.shard_path(s)),
+            dim=dim,
+            accumulated=accumulated,
+            docs=s.documents,
+            tokens=s.n_tokens,
+        )
+        for s in sorted(shards, key=lambda s: s.index)
+    ]
+
+
 def _groups_of_docs(doc_id: np.ndarray, n_groups: int) -> np.ndarray:
     return np.mod(np.asarray(doc_id, dtype=np.int64), max(1, n_groups))
 
@@ -590,7 +637,6 @@ def _open_format(p: Path, fmt: str, columns: list[str] | None, block_rows: int |
 
 def _open_run(p: Path | str, layers: list[str] | None, partial: bool) -> SourceInfo:
     from geomscope.store import Run
-    from geomscope.store.reader import identity as shard_identity
 
     run = Run(p)
     shards = run.shards
@@ -603,23 +649,13 @@ def _open_run(p: Path | str, layers: list[str] | None, partial: bool) -> SourceI
         )
     if not shards:
         raise InputError(f"{p} has no finished shards yet; run `geomscope extract` to fill it")
-    from geomscope.store.describe import manifest_problems
-
-    problems = manifest_problems(run)
-    if problems:  # every row is counted once, or the run is refused
-        raise InputError(
-            f"{p} is damaged: its manifest disagrees with itself ({problems[0]}); rerun "
-            "`geomscope extract` with --overwrite, or into a new --out"
-        )
+    check_manifest(run, p)
     names = run.resolve_layers(layers)
     order = {n: i for i, n in enumerate(run.layer_names)}
     names = sorted(dict.fromkeys(names), key=order.__getitem__)
     if not names:
         raise InputError(f"{p} records no layers; it is not a usable run")
-    indices = {}
-    for lay in run.layers:
-        if lay["name"] in names:
-            indices[lay["name"]] = lay.get("index")
+    indices = layer_indices(run, names)
     dim = run.dim
     if dim is None:
         from geomscope.store import shard_dim
@@ -627,22 +663,8 @@ def _open_run(p: Path | str, layers: list[str] | None, partial: bool) -> SourceI
         dim = shard_dim(run.shard_path(shards[0]), names[0])
     ident = run.identity
     sample = _kept_sample(ident, p)
-    tasks = [
-        Task(
-            kind="shard",
-            path=str(run.shard_path(s)),
-            index=s.index,
-            rows=s.rows,
-            nbytes=s.bytes,
-            digest=s.digest,
-            identity=shard_identity(run.shard_path(s)),
-            dim=dim,  # every shard's layers are checked to be this wide before they are read
-            accumulated=sample is not None,
-            docs=s.documents,
-            tokens=s.n_tokens,
-        )
-        for s in sorted(shards, key=lambda s: s.index)
-    ]
+    # every shard's layers are checked to be dim wide before they are read
+    tasks = shard_tasks(run, shards, dim, accumulated=sample is not None)
     m = ident.get("model", {}) if isinstance(ident.get("model"), dict) else {}
     model = {
         "name": m.get("name") or m.get("path"),
