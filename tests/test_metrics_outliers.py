@@ -112,3 +112,68 @@ def test_bad_input():
     bad[1, 1] = np.nan
     with pytest.raises(DataError, match="1 of 4 rows"):
         outliers_quantile(bad)
+
+
+# ------------------------------------------------- score: the zero-variance rule of IsoScore and cosines
+def _scored(tmp_path, x, **kw) -> dict:
+    from geomscope.score import ScoreOptions, score
+
+    path = tmp_path / "x.npy"
+    np.save(path, x)
+    opts = {"metrics": ("isoscore", "outliers"), **kw}
+    return score(path, ScoreOptions(**opts), log=lambda m: None)["layers"][0]
+
+
+def _row() -> np.ndarray:
+    row = np.random.default_rng(0).normal(size=16)
+    row[3] = 40.0  # the largest |x|: the dimension rounding residue made an outlier
+    return row
+
+
+@pytest.mark.parametrize("rule", ["variance", "zscore"])
+@pytest.mark.parametrize("offset", [0.0, 1e4])
+def test_identical_rows_have_no_outlier_dimension(tmp_path, rule, offset):
+    x = np.tile(_row() + offset, (3000, 1))
+    assert (x == x[0]).all()  # no variance at all: the reference answer is "undefined"
+    e = _scored(tmp_path, x, outlier_rule=rule)
+    # was [3] with support [1.0] from variances of 1e-27 while IsoScore refused the layer
+    assert e["isoscore"] is None and "zero total variance" in e["notes"]["isoscore"]
+    assert e["outliers"] == [] and e["outlier_statistic"] == [] and e["outlier_support"] == []
+    assert "zero total variance" in e["notes"]["outliers"]
+
+
+def test_mean_abs_is_no_spread_and_keeps_its_outliers_on_identical_rows(tmp_path):
+    row = _row()
+    e = _scored(tmp_path, np.tile(row, (3000, 1)), outlier_rule="zscore", outlier_stat="mean_abs")
+    s = np.abs(row)  # numpy: mean |x| of identical rows is |row|; z-scores over dimensions, ddof=0
+    assert e["outliers"] == list(np.flatnonzero((s - s.mean()) / s.std() > 3.0)) == [3]
+    np.testing.assert_allclose(e["outlier_statistic"], s, rtol=1e-12)
+
+
+@pytest.mark.parametrize("rule, thr", [("variance", 5.0), ("zscore", 3.0)])
+def test_a_constant_dimension_has_exactly_zero_variance(tmp_path, rule, thr):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(3000, 16))
+    x[:, 3] *= 8.0
+    x[:, 5] = 1e8 + 0.1  # accumulating it left a variance of 2e-13: rounding of its mean, no spread
+    x[:, 7] = 3.0
+    e = _scored(tmp_path, x, outlier_rule=rule)
+    ref = np.var(x, axis=0, ddof=1)
+    ref[[5, 7]] = 0.0  # constant by construction
+    stat = np.asarray(e["outlier_statistic"])
+    assert stat[5] == 0.0 and stat[7] == 0.0
+    np.testing.assert_allclose(stat, ref, rtol=1e-9)
+    flagged = ref >= thr * ref.mean() if rule == "variance" else (ref - ref.mean()) / ref.std() > thr
+    assert e["outliers"] == list(np.flatnonzero(flagged)) == [3]
+
+
+def test_support_counts_only_replicates_where_the_rule_is_defined(tmp_path):
+    # two document groups (contiguous halves), each constant: leaving either out leaves no variance
+    x = np.repeat(np.stack([_row(), _row() + np.arange(16.0) ** 3]), 500, axis=0)
+    assert np.ptp(x[:500], axis=0).max() == 0 and np.ptp(x[500:], axis=0).max() == 0
+    e = _scored(tmp_path, x, jackknife_groups=2)
+    ref = np.var(x, axis=0, ddof=1)
+    assert e["outliers"] == list(np.flatnonzero(ref >= 5.0 * ref.mean()))  # the full layer has variance
+    # was [0.0]: each replicate's rounding residues flagged some other dimension
+    assert e["outliers"] and e["outlier_support"] == []
+    assert "every jackknife replicate" in e["notes"]["outlier_support"]

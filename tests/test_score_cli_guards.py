@@ -292,3 +292,72 @@ def test_shown_escapes_every_control_character():
     assert shown("a\x00b\x9bc\u202ed\n", markup=False) == "a\\x00b\\x9bc\\u202ed\\x0a"
     assert shown("[b]x[/b]") == "\\[b]x\\[/b]"
     assert shown("plain layer_01/é") == "plain layer_01/é"
+
+
+# ------------------------------------------------------------------------------ 8. empty selections
+@pytest.mark.parametrize("args", [["--layers=,"], ["--layers", " "], ["--layers", ""], ["-l", ",,"]])
+def test_an_empty_layers_is_refused_not_read_as_every_layer(cli, run_dir, tmp_path, no_work, args):
+    code, out, err = cli(["score", run_dir, "-q", "--metrics", "isoscore", "--out", tmp_path / "o", *args])
+    assert_one_line_error(code, out, err, "--layers is empty", exit_code=2)
+
+
+def test_an_empty_column_is_refused(cli, tmp_path, no_work):
+    np.savez(tmp_path / "x.npz", a=np.random.default_rng(0).normal(size=(50, 4)))
+    code, out, err = cli(["score", tmp_path / "x.npz", "-q", "--column", ",", "--out", tmp_path / "o"])
+    assert_one_line_error(code, out, err, "--column is empty", exit_code=2)
+
+
+# ------------------------------------------------------------------------------ 9. --columns before the work
+@pytest.mark.parametrize(
+    "extra, columns, said",
+    [
+        ([], "isoscroe", "--columns 'isoscroe' has no values"),  # a typo
+        (["--metrics", "isoscore"], "pr", "--columns 'pr' has no values"),  # a metric not computed
+        (["--avgcos-variants", "plain"], "avgcos_centred", "'avgcos_centred' has no values"),
+        ([], "all,pr", "--columns 'all' has no values"),  # all stands alone
+        ([], ",", "--columns is empty"),
+    ],
+)
+@pytest.mark.parametrize("quiet", [True, False])
+def test_columns_are_checked_before_the_work(cli, run_dir, tmp_path, no_work, extra, columns, said, quiet):
+    # it was checked against the finished report, after the whole pass, and never with -q
+    args = ["score", run_dir, "--out", tmp_path / "o", "--columns", columns, *extra]
+    code, out, err = cli(args + (["-q"] if quiet else []))
+    assert_one_line_error(code, out, err, said, exit_code=2)
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_columns_that_the_options_compute_are_shown(cli, run_dir, tmp_path):
+    code, out, err = cli(
+        ["score", run_dir, "--metrics", "isoscore,spectrum", "--columns", "pr,erank", "-o", tmp_path / "o"]
+    )
+    assert code == 0, err
+    assert "PR" in err and "erank" in err
+
+
+# ------------------------------------------------------------------------------ 10. --seed, --id-repeats
+def test_a_seed_beyond_64_bits_is_refused(cli, run_dir, tmp_path, no_work):
+    from geomscope.cli.score import MAX_SEED
+    from geomscope.score.options import MAX_SEED as LIBRARY_MAX_SEED
+
+    assert MAX_SEED == LIBRARY_MAX_SEED == 2**64 - 1  # the CLI keeps a copy: --help imports no numpy
+    code, out, err = cli(["score", run_dir, "-q", "--seed", str(2**64), "--out", tmp_path / "o"])
+    assert_one_line_error(code, out, err, "--seed", str(2**64 - 1), exit_code=2)
+    code, out, err = cli(["score", "--help"])
+    assert "18446744073709551615" in out
+
+
+@pytest.mark.parametrize("repeats, most", [("99999999999999", "1666"), ("2000", "1666")])
+def test_more_id_repeats_than_the_sample_fills_are_refused_before_the_work(
+    cli, run_dir, tmp_path, no_work, repeats, most
+):
+    # 10^14 parts ended, after the whole pass, in "out of memory"
+    code, out, err = cli(["score", run_dir, "-q", "--id-repeats", repeats, "--out", tmp_path / "o"])
+    assert_one_line_error(code, out, err, f"--id-repeats {repeats}", f"give at most {most}", exit_code=2)
+
+
+def test_the_float32_products_help_does_not_promise_1e_8_for_every_metric(cli):
+    code, out, err = cli(["score", "--help"])
+    text = " ".join(out.split())
+    assert "the metrics from it" not in text
+    assert "more in metrics near 0 such as IsoScore" in text

@@ -30,6 +30,7 @@ from geomscope.cli._options import (
 )
 
 CORE_METRICS = "isoscore,isoscore_star,avgcos,spectrum,outliers,twonn,partition"
+MAX_SEED = 2**64 - 1  # score.options.MAX_SEED (not imported: --help loads no numpy)
 
 
 def _default_out(source: str) -> str:
@@ -129,11 +130,21 @@ def score_cmd(
         metavar=choice_metavar(choices.TWONN_FITS),
         help="TwoNN fit: linear (Facco et al.) or maximum likelihood.",
     ),
-    id_repeats: int = typer.Option(
-        4, "--id-repeats", min=2, metavar="N", help="Parts of the ID sample for the decimation SE."
+    id_repeats: Optional[int] = typer.Option(
+        None,
+        "--id-repeats",
+        min=2,
+        metavar="N",
+        help="Parts of the ID sample for the decimation SE, each of >= 3 rows: at most --id-sample / 3 "
+        "(default: 4, fewer where --id-sample is under 12; below 6 the SE is null).",
     ),
     seed: int = typer.Option(
-        0, "--seed", min=0, metavar="N", help="Seed of every sample (rows, ID sample, decimation)."
+        0,
+        "--seed",
+        min=0,
+        max=MAX_SEED,
+        metavar="N",
+        help="Seed of every sample (rows, ID sample, decimation).",
     ),
     exclude_special: bool = typer.Option(
         False, "--exclude-special", help="Drop special tokens (CLS/SEP/BOS...) before measuring."
@@ -178,7 +189,8 @@ def score_cmd(
         metavar=choice_metavar(choices.PRODUCT_DTYPES),
         help="Dtype of the covariance's block products. float32: each block, centred in float64, is "
         "multiplied in float32 and added in float64: ~1.5x faster on 2 cores, ~1e-8 relative error in "
-        "the covariance and the metrics from it (the isoscore package: ~1e-6).",
+        "the covariance (up to ~1e-7 on small samples) and more in metrics near 0 such as IsoScore "
+        "(2e-7 measured; the isoscore package: ~1e-6).",
     ),
     memory_mb: float = typer.Option(
         2048, "--memory-mb", min=1.0, metavar="MIB", help="Memory budget of the per-layer accumulators."
@@ -267,7 +279,7 @@ def score_cmd(
         id_repeats=id_repeats,
         seed=seed,
         exclude_special=exclude_special,
-        layers=tuple(split_list(layers)) or None,
+        layers=tuple(split_list(layers)) if layers else None,  # given but empty: refused, not "all"
         max_rows=max_rows,
         workers=workers,
         scheduler=scheduler,
@@ -277,13 +289,14 @@ def score_cmd(
         product_dtype=value(product_dtype),
         verify=not no_verify,
         dataset=dataset,
-        columns=tuple(split_list(column)) or None,
+        columns=tuple(split_list(column)) if column else None,
         basis=basis,
         ranks=_ranks(rank),
         controls=controls,
     ).validate()
     check_workers(opts.workers)  # (the library asks again; here before any source is opened)
     check_memory_mb(opts.memory_mb)
+    table_columns = _table_columns(columns, opts)
     from geomscope.score.trajectory import runs_in
 
     expanded = [str(r) for src in sources for r in (runs_in(src) or [src])]
@@ -297,7 +310,7 @@ def score_cmd(
     _record_command(report)
     jpath, cpath = save_report(report, dest)
     if not quiet:
-        console.print(report_table(report, split_list(columns) or None))
+        console.print(report_table(report, table_columns))
         for line in gradient_energy_lines(report):
             console.print(line, highlight=False, markup=False)
         console.print(
@@ -308,6 +321,24 @@ def score_cmd(
     if as_json:
         sys.stdout.write(to_json(report) + "\n")
         sys.stdout.flush()
+
+
+def _table_columns(columns: list[str], opts) -> list[str] | None:
+    """--columns checked before the work (it was checked against the report after the whole pass,
+    and never with -q): the names must be metrics these options compute. The check is the table's
+    own (report.table_metrics) on a report that holds every requested metric; a metric requested
+    but null in every layer is still refused after the pass."""
+    from geomscope.errors import InputError
+    from geomscope.report import table_metrics
+    from geomscope.score.layer import _scalar_keys
+
+    if not columns:
+        return None
+    names = split_list(columns)
+    if not names:
+        raise InputError("--columns is empty; give metric names (comma list) or all, or leave it out")
+    table_metrics({"layers": [dict.fromkeys(_scalar_keys(opts), 0.0)]}, names)
+    return names
 
 
 def _ranks(spec: str) -> tuple:

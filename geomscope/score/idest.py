@@ -5,11 +5,15 @@ uses (bottom-k sampling while streaming: see select.py). Exact duplicate rows ar
 any estimator (counted per layer as ``twonn_duplicates_removed`` and in
 ``params.duplicates_removed``).
 
-- TwoNN (key ``twonn``): :func:`geomscope.metrics.twonn.twonn_error` with ``method="decimation"``:
-  the distinct points are split at random into ``--id-repeats`` disjoint parts, TwoNN on each,
-  SE = std(ddof=1)/sqrt(parts) of the part estimates; the value is the full-sample TwoNN.
+- TwoNN (key ``twonn``): as :func:`geomscope.metrics.twonn.twonn_error` with ``method="decimation"``
+  (the same numbers): the distinct points are split at random into ``--id-repeats`` disjoint parts,
+  TwoNN on each, SE = std(ddof=1)/sqrt(parts) of the part estimates; the value is the full-sample
+  TwoNN.
 - Other estimators (keys ``id_<name>``, from ``geomscope.metrics.intrinsic``): the same decimation
   scheme around :func:`estimate_id`.
+
+The value and its standard error are apart: where the sample cannot be split into parts of >= 3
+distinct rows the value stands and the SE is null with a note (``se.<key>``), for every estimator.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import numpy as np
 from geomscope.errors import DataError, InputError
 from geomscope.metrics.twonn import decimation_se
 from geomscope.schema import EXTRA_ID_PREFIX
-from geomscope.score.options import ScoreOptions
+from geomscope.score.options import ROWS_PER_PART, ScoreOptions
 
 
 def uncertainty_methods(o: ScoreOptions) -> dict[str, str]:
@@ -57,32 +61,51 @@ def estimate(sample, o: ScoreOptions, notes: dict) -> dict:
     out["duplicates_removed"] = int(removed)
     out["n_used"] = int(x.shape[0])
     for name, key in keys.items():
+        fn = _estimator(name, o)
         try:
-            if name == "twonn":
-                from geomscope.metrics.twonn import twonn_error
-
-                res = twonn_error(
-                    x,
-                    method="decimation",
-                    n_splits=o.id_repeats,
-                    discard_fraction=o.discard_fraction,
-                    estimator=o.twonn_fit,
-                    dedup=False,
-                    seed=o.seed,
-                )
-                out["values"][key], out["se"][key] = float(res.estimate), float(res.standard_error)
-            else:
-                from geomscope.metrics.intrinsic import estimate_id
-
-                def fn(a, name=name):
-                    return float(estimate_id(a, name).dimension)
-
-                out["values"][key] = fn(x)
-                out["se"][key] = decimation_se(x, fn, o.id_repeats, np.random.default_rng(o.seed))
-                if out["se"][key] is None:
-                    notes.setdefault(f"se.{key}", "too few distinct points to split for the standard error")
+            out["values"][key] = fn(x)
         except (DataError, InputError, ValueError, np.linalg.LinAlgError) as e:
             out["values"][key] = None
             out["se"][key] = None
-            notes.setdefault(key, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            notes.setdefault(key, _first_line(e))
+            continue
+        # the standard error is apart from the value: too few distinct rows for the parts (TwoNN
+        # itself was nulled at --id-sample 3..11), or a part its estimator refuses, leave the
+        # full-sample value standing
+        out["se"][key] = None
+        if x.shape[0] < ROWS_PER_PART * o.id_repeats:  # asked before splitting: each part costs memory
+            notes.setdefault(
+                f"se.{key}",
+                f"{x.shape[0]} distinct sampled rows are too few to split into --id-repeats "
+                f"{o.id_repeats} parts of >= {ROWS_PER_PART} for the standard error; use a larger "
+                "--id-sample or fewer --id-repeats",
+            )
+            continue
+        try:
+            out["se"][key] = decimation_se(x, fn, o.id_repeats, np.random.default_rng(o.seed))
+        except (DataError, InputError, ValueError, np.linalg.LinAlgError) as e:
+            notes.setdefault(f"se.{key}", f"no standard error: a part's estimate failed ({_first_line(e)})")
     return out
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _estimator(name: str, o: ScoreOptions):
+    """points -> the estimate (float) of ``name``: the full sample's value and each decimation part's.
+    TwoNN as :func:`geomscope.metrics.twonn.twonn_error` (method="decimation") runs it: the points are
+    de-duplicated already, and the same seeded split gives the same standard error."""
+    if name == "twonn":
+        from geomscope.metrics.twonn import twonn
+
+        def fn(a):
+            return float(twonn(a, o.discard_fraction, o.twonn_fit, dedup=False).dimension)
+
+    else:
+        from geomscope.metrics.intrinsic import estimate_id
+
+        def fn(a):
+            return float(estimate_id(a, name).dimension)
+
+    return fn

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -14,6 +15,11 @@ DEFAULT_METRICS = CORE_METRICS
 AVGCOS_VARIANTS = ("plain", "centred", "standardised")
 _VARIANT_ALIASES = {"centered": "centred", "standardized": "standardised", "raw": "plain"}
 DEFAULT_OUTLIER_THRESHOLD = {"variance": 5.0, "zscore": 3.0, "quantile": 0.99, "magnitude": 6.0}
+DEFAULT_ID_REPEATS = 4
+#: rows each decimation part needs (geomscope.metrics.twonn.decimation_se: fewer give no SE)
+ROWS_PER_PART = 3
+#: row hashes are 64-bit (select.row_hash): a larger seed would repeat a smaller one's samples
+MAX_SEED = 2**64 - 1
 
 
 def id_estimator_names() -> tuple[str, ...]:
@@ -52,7 +58,7 @@ class ScoreOptions:
     workers: int = 1
     partial: bool = False
     jackknife_groups: int = 10
-    id_repeats: int = 4
+    id_repeats: int | None = None  # None: DEFAULT_ID_REPEATS, fewer where --id-sample cannot fill them
     memory_mb: float = 2048
     verify: bool = True
     dataset: str | None = None
@@ -69,11 +75,15 @@ class ScoreOptions:
         return asdict(self)
 
     def validate(self) -> ScoreOptions:
-        """A normalised copy; InputError (one line) for anything out of range, unknown or mistyped."""
-        metrics, est, extra = _checked_metrics(self.metrics, self.id_estimator)
-        variants = _checked_variants(self.avgcos_variants, "avgcos" in metrics)
+        """A normalised copy; InputError (one line) for anything out of range, unknown or mistyped.
+
+        Lists (metrics, avgcos_variants, id_estimator, layers, columns) may be given as one comma
+        string ("isoscore,avgcos"), as the CLI takes them; numbers may be numpy scalars."""
+        metrics, est, extra = _checked_metrics(_listed(self.metrics), _listed(self.id_estimator))
+        variants = _checked_variants(_listed(self.avgcos_variants), "avgcos" in metrics)
         rule, threshold = _checked_outlier_rule(self.outlier_rule, self.outlier_threshold, self.outlier_stat)
         n = _Numbers(self)
+        id_sample = n.whole("id_sample", lo=3)
         return replace(
             self,
             metrics=metrics,
@@ -84,16 +94,17 @@ class ScoreOptions:
             id_estimator=est,
             extra_id=extra,
             discard_fraction=n.real("discard_fraction", lo=0.0, hi=1.0, hi_open=True),
-            id_sample=n.whole("id_sample", lo=3),
+            id_sample=id_sample,
             max_rows=n.whole("max_rows", lo=2, optional=True),
             workers=n.whole("workers", lo=1),
             jackknife_groups=_checked_groups(n.whole("jackknife_groups", lo=0)),
             memory_mb=n.real("memory_mb", lo=0.0, lo_open=True),
-            id_repeats=n.whole("id_repeats", lo=2),
-            seed=n.whole("seed", lo=0),
+            id_repeats=_checked_repeats(n.whole("id_repeats", lo=2, optional=True), id_sample),
+            seed=n.whole("seed", lo=0, hi=MAX_SEED, why=" (2^64 - 1: the row samples hash it in 64 bits)"),
             twonn_fit=_one_of("--twonn-fit", self.twonn_fit, TWONN_FITS),
             product_dtype=_one_of("--product-dtype", self.product_dtype, PRODUCT_DTYPES),
-            layers=tuple(self.layers) if self.layers else None,
+            layers=_selection("--layers", self.layers, "layer names or indices"),
+            columns=_selection("--column", self.columns, "array names"),
             shrinkage_target=normalise_target(self.shrinkage_target),
             ranks=_checked_ranks(self.ranks),
             controls=n.whole("controls", lo=0),
@@ -185,9 +196,9 @@ def _checked_outlier_rule(rule, threshold, stat) -> tuple[str, float]:
 def _checked_ranks(ranks) -> tuple[int, ...]:
     out = []
     for r in ranks:
-        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        if isinstance(r, bool) or not isinstance(r, numbers.Integral) or r < 1:
             raise InputError(f"--rank entries must be whole numbers >= 1; got {r!r}")
-        out.append(r)
+        out.append(int(r))
     if not out:
         raise InputError("--rank is empty; give ranks such as 8,32,128")
     return tuple(sorted(set(out)))
@@ -210,6 +221,41 @@ def _checked_scheduler(scheduler, workers) -> str | None:
     return s
 
 
+def _listed(value) -> list:
+    """A list option's items: a str is one comma list (iterating it would give its characters,
+    metrics="isoscore" read as the metric 'i'); anything else is iterated as given."""
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    return list(value)
+
+
+def _selection(option: str, value, what: str) -> tuple | None:
+    """None (everything) or the named items; a selection given but empty (``--layers=,``) is refused
+    rather than read as everything."""
+    if value is None:
+        return None
+    items = _listed(value)
+    if not items:
+        raise InputError(f"{option} is empty; give {what} (comma list), or leave it out for all of them")
+    return tuple(items)
+
+
+def _checked_repeats(repeats: int | None, id_sample: int) -> int:
+    """--id-repeats: the decimation splits at most --id-sample distinct rows into parts of
+    ROWS_PER_PART rows or more, so more parts than a third of it can never give a standard error
+    (and 10^14 parts ran out of memory). Left out: DEFAULT_ID_REPEATS, or as many as the sample fills
+    (at least 2: with --id-sample below 6 the estimates are kept and their SE is null)."""
+    most = max(2, id_sample // ROWS_PER_PART)
+    if repeats is None:
+        return min(DEFAULT_ID_REPEATS, most)
+    if repeats > most:
+        raise InputError(
+            f"--id-repeats {repeats} splits --id-sample {id_sample} into parts of fewer than "
+            f"{ROWS_PER_PART} rows; give at most {most}, or a larger --id-sample"
+        )
+    return repeats
+
+
 def _checked_groups(groups: int) -> int:
     if groups == 1:
         raise InputError("--jackknife-groups must be 0 (off) or >= 2; got 1")
@@ -228,7 +274,8 @@ class _Numbers:
 
     @staticmethod
     def as_real(option: str, value) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        # numbers.Real: numpy scalars too (np.float32(0.2)); a bool is no number here
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise InputError(f"{option} must be a number; got {value!r}")
         return float(value)
 
@@ -246,15 +293,21 @@ class _Numbers:
             raise InputError(f"{option} must be in {span}; got {v}")
         return v
 
-    def whole(self, name: str, *, lo: int, optional: bool = False) -> int | None:
+    def whole(
+        self, name: str, *, lo: int, hi: int | None = None, why: str = "", optional: bool = False
+    ) -> int | None:
         option = self.option(name)
         v = getattr(self.opts, name)
         if v is None and optional:
             return None
-        if isinstance(v, bool) or not isinstance(v, int):
+        # numbers.Integral: numpy integers too (np.int64(500)), kept as a plain int for the report
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             raise InputError(f"{option} must be a whole number; got {v!r}")
+        v = int(v)
         if v < lo:
             raise InputError(f"{option} must be >= {lo}; got {v}")
+        if hi is not None and v > hi:
+            raise InputError(f"{option} must be at most {hi}{why}; got {v}")
         return v
 
 

@@ -8,8 +8,13 @@
   fraction of tokens over the threshold as ``outlier_statistic``.
 
 Uncertainty ("outlier_support"): for each reported dimension, the fraction of the jackknife
-replicates (every document group but one) in which the rule flags it too (1.0 = stable). The
-quantile rule works on a sample without groups: no support (a note says so).
+replicates (every document group but one) in which the rule flags it too (1.0 = stable); a
+replicate where the rule is undefined (no variance) is not counted. The quantile rule works on a
+sample without groups: no support (a note says so).
+
+variance / zscore on variance follow IsoScore's zero-variance rule (Moments.check_variance): a layer
+without variance has no outlier dimension (null, with a note), and a constant dimension's variance
+is exactly 0 (_validate.cosine_shift_scale's per-dimension rule), not its mean's rounding residue.
 """
 
 from __future__ import annotations
@@ -17,17 +22,30 @@ from __future__ import annotations
 import numpy as np
 
 from geomscope.errors import DataError
+from geomscope.score import compute
 from geomscope.score.options import ScoreOptions
 
 LAYER_FRAC, TOKEN_FRAC = 0.25, 0.06
+
+
+def _variance(m) -> np.ndarray:
+    """Per-dimension variance under the zero-variance rule of IsoScore and the cosines: DataError
+    for a layer without variance, and exactly 0 for a constant dimension. What accumulating leaves of
+    a constant is rounding of its mean (identical rows gave variances of 1e-27 and flagged the
+    dimension of largest |x| with support 1.0, where IsoScore refused the layer)."""
+    m.check_variance("the layer", "an outlier dimension by variance")
+    variance = m.variance()
+    _, scale = compute.unit_shift_scale(m, "standardised")  # inf: constant (_validate.cosine_shift_scale)
+    return np.where(np.isinf(scale), 0.0, variance)
 
 
 def _rule_on_moments(m, o: ScoreOptions):
     from geomscope.metrics import outliers_variance, outliers_zscore
 
     if o.outlier_rule == "variance":
-        return outliers_variance(m.variance(), k=o.outlier_threshold)
-    stat = m.variance() if o.outlier_stat == "variance" else m.mean_abs()
+        return outliers_variance(_variance(m), k=o.outlier_threshold)
+    # mean |x| is no spread: identical rows have one, and it is no rounding residue
+    stat = _variance(m) if o.outlier_stat == "variance" else m.mean_abs()
     return outliers_zscore(stat, z=o.outlier_threshold, stat_name=o.outlier_stat)
 
 
@@ -65,7 +83,12 @@ def layer_outliers(full, sample, rep_sets: list, o: ScoreOptions, notes: dict) -
             res = _rule_on_moments(full, o)
             support = _support(res.dims, rep_sets)
             if not support and res.dims:
-                notes.setdefault("outlier_support", "jackknife off or fewer than 2 document groups")
+                notes.setdefault(
+                    "outlier_support",
+                    "jackknife off or fewer than 2 document groups"
+                    if not rep_sets
+                    else "the rule is undefined in every jackknife replicate (none has variance)",
+                )
     except DataError as e:
         notes.setdefault("outliers", str(e))
         return None
