@@ -381,7 +381,7 @@ def _caption(report: dict) -> list[str]:
     if unc:
         bits.append(f"±: SE, {unc}")
     if params.get("product_dtype") == "float32":
-        bits.append("covariance from float32 block products (~1e-8 relative error)")
+        bits.append("covariance from float32 block products (~1e-8 to 1e-7 relative error)")
     emb = report.get("embeddings")
     if emb:
         line = f"I(W) input raw {emb['input']['raw']:.3g} centred {emb['input']['centred']:.3g}"
