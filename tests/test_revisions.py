@@ -159,19 +159,23 @@ def test_drop_weights_keeps_what_was_cached_and_drops_what_was_downloaded(hub, t
     assert [r["dropped_bytes"] for r in res["runs"]] == [0, 0]  # in the cache before: never deleted
     snaps = mine / ("models--" + REPO.replace("/", "--")) / "snapshots"
     assert len(list(snaps.iterdir())) == 3
-    # as if this call had downloaded step1000 (absent before the run): its snapshot goes once the
-    # run is complete
-    real = rv._snapshot
-    calls = []
+    # as if this call had downloaded step1000 (its snapshot folder absent before the run, written
+    # while it loads): its snapshot goes once the run is complete
+    from geomscope.extract import run as run_module
 
-    def first_none(rev, cd):
-        calls.append(rev.revision)
-        return None if calls.count(rev.revision) == 1 else real(rev, cd)
+    commit = snaps / f"{1:040x}"
+    aside = tmp_path / "aside"
+    commit.rename(aside)
+    real = run_module.extract
 
-    monkeypatch.setattr(rv, "_snapshot", first_none)
+    def downloading(*args, **kwargs):
+        aside.rename(commit)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "extract", downloading)
     res = rv.extract_revisions(REPO, [text], tmp_path / "dropped", revs[1:], opts, drop_weights=True)
     assert res["runs"][0]["dropped_bytes"] > 0
-    assert len(list(snaps.iterdir())) == 2
+    assert len(list(snaps.iterdir())) == 2 and not commit.exists()
     assert json.loads((tmp_path / "dropped" / "step1000" / "manifest.json").read_text())["complete"]
 
 

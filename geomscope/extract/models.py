@@ -187,6 +187,17 @@ def offline_mode() -> bool:
         return False
 
 
+def repo_cache_dir(repo_id: str, cache_dir: str | None = None) -> Path:
+    """The hub cache's folder of ``repo_id`` (``models--org--name``; it may not exist)."""
+    from huggingface_hub import constants
+
+    base = cache_dir or os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE  # env: set after import
+    return Path(base) / ("models--" + repo_id.replace("/", "--"))
+
+
+_COMMIT_RE = re.compile(r"[0-9a-f]{40}")
+
+
 def _cached_snapshot(repo_id: str, revision: str | None, cache_dir: str | None) -> Path | None:
     """The local snapshot directory of ``repo_id@revision`` in the hub cache (None when not cached)."""
     try:
@@ -197,7 +208,33 @@ def _cached_snapshot(repo_id: str, revision: str | None, cache_dir: str | None) 
         got = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache_dir, revision=revision or None)
     except Exception:
         return None
-    return Path(got).parent if isinstance(got, str) else None
+    if isinstance(got, str):
+        return Path(got).parent
+    return _snapshot_by_ref(repo_id, revision, cache_dir)
+
+
+def _snapshot_by_ref(repo_id: str, revision: str | None, cache_dir: str | None) -> Path | None:
+    """The snapshot a ref file names once stripped: try_to_load_from_cache matches the file's bytes
+    exactly, so a ref written by hand with a trailing newline found nothing, while the load (which
+    strips it) read that snapshot: the run recorded no commit, path or weights, and a moved ref went
+    unnoticed. Only a commit-shaped name of a plain directory under snapshots/ is taken (a ref is
+    data in the cache, never a path to follow)."""
+    rev = revision or "main"
+    if rev.startswith("/") or "\\" in rev or any(part in ("", ".", "..") for part in rev.split("/")):
+        return None
+    try:
+        repo = repo_cache_dir(repo_id, cache_dir)
+        ref = repo / "refs" / rev
+        if ref.is_symlink() or not ref.is_file():
+            return None
+        with open(ref, "rb") as f:
+            commit = f.read(256).decode("ascii").strip()
+        snap = repo / "snapshots" / commit
+        if not _COMMIT_RE.fullmatch(commit) or snap.is_symlink() or not snap.is_dir():
+            return None
+        return snap if (snap / "config.json").is_file() else None
+    except (OSError, UnicodeDecodeError, ImportError, ValueError):
+        return None
 
 
 def _sha256_files(paths: list[Path], *, head_tail: int | None = None) -> str | None:
@@ -256,22 +293,33 @@ TRAINER_STATE_PREFIXES = ("optimizer", "scheduler", "rng_state", "scaler", "trai
 WEIGHTS_KEY = "weights_xxh3_128"
 
 
+#: files beside the weights that change what the loaded model computes: transformers (with peft
+#: installed) applies an adapter it finds in the model directory, scaled by adapter_config.json's
+#: lora_alpha and r (its weights, adapter_model.*, end with a weight suffix); only present files
+#: count, so the fingerprint of a directory without them is what it was
+FINGERPRINTED_CONFIGS = ("config.json", "adapter_config.json")
+
+
 def weights_fingerprint(model_dir: Path) -> str | None:
-    """xxh3_128 over ``config.json``, every weight file and any code of the model (``*.py``): names,
-    sizes and whole contents.
+    """xxh3_128 over ``config.json`` (and ``adapter_config.json``), every weight file (an adapter's
+    too) and any code of the model (``*.py``): names, sizes and whole contents.
 
     Whole contents: a checkpoint re-saved with other values in the middle of a file (encoder layers
     tuned with the embeddings frozen, a LoRA merged, finetune --overwrite into the same folder) kept
     the size and the first and last 64 KiB that the fingerprint once read, and a resume mixed rows
     of two models. xxh3 reads at memory speed (~10 GB/s a core), far below the cost of loading the
     model, which reads the same bytes.
+
+    A sharded checkpoint's ``*.index.json`` is left out: it only says which shard holds which
+    tensor, the shards themselves are fingerprinted, and a shard it leaves out makes tensors missing,
+    which loading refuses (:func:`_refuse_random_weights`).
     """
     d = Path(model_dir)
     files = sorted(
         p
         for p in d.iterdir()
         if p.is_file()
-        and (p.name == "config.json" or p.name.endswith((*WEIGHT_SUFFIXES, ".py")))
+        and (p.name in FINGERPRINTED_CONFIGS or p.name.endswith((*WEIGHT_SUFFIXES, ".py")))
         and not p.name.startswith(TRAINER_STATE_PREFIXES)
     )
     # extract asks twice (what a rerun of --revisions compares, before the load; the identity, after):
@@ -395,10 +443,7 @@ def torch_dtype(name: str):
 def cached_revisions(repo_id: str, cache_dir: str | None = None) -> list[str]:
     """The refs (branches, tags, ``stepN`` revisions) the local hub cache holds for ``repo_id``."""
     try:
-        from huggingface_hub import constants
-
-        base = cache_dir or os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE  # env: set after import
-        root = Path(base) / ("models--" + repo_id.replace("/", "--")) / "refs"
+        root = repo_cache_dir(repo_id, cache_dir) / "refs"
         return sorted((str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()), key=_natural_key)
     except (OSError, ImportError, ValueError):
         return []
@@ -419,15 +464,23 @@ def pickled_weights_error(name: str) -> InputError:
     )
 
 
-def _load_error(exc: Exception, name: str, info: dict, revision: str | None) -> InputError:
+def _load_error(
+    exc: Exception, name: str, info: dict, revision: str | None, cache_dir: str | None = None
+) -> InputError:
     msg = " ".join(str(exc).split())
     at = f"{name}@{revision}" if revision else name
     if info["source"] == "hub":
-        cached = cached_revisions(name) if revision else []
+        cached = cached_revisions(name, cache_dir) if revision else []
         if cached and revision not in cached:
             shown = ", ".join(cached[:8]) + (f" and {len(cached) - 8} more" if len(cached) > 8 else "")
+            todo = (
+                " and offline mode is on (HF_HUB_OFFLINE=1); download it where there is internet, or "
+                "give one of those"
+                if offline_mode()
+                else "; give one of those, or check the revision's name"
+            )
             return InputError(
-                f"model {name} has no revision {revision!r} in the local cache (it has {shown})"
+                f"model {name} has no revision {revision!r} in the local cache (it has {shown}){todo}"
             )
         if offline_mode():
             if "does not appear to have" in msg or "no file named" in msg:
@@ -511,10 +564,21 @@ def load_model(
     if info["source"] == "hub" and not info.get("path"):
         kw.update(revision=revision or None, cache_dir=cache_dir)
     with _quiet_transformers():
-        config, tok, model, loss = _load_parts(load_from, kw, tdtype, info, revision, loss, placement)
+        config, tok, model, loss = _load_parts(
+            load_from, kw, tdtype, info, revision, loss, placement, cache_dir=cache_dir
+        )
     if info["source"] == "hub" and not info.get("path"):
         snap = _cached_snapshot(target, revision, cache_dir)
         info["path"] = str(snap) if snap else None
+        if snap is None and offline_mode():
+            # offline, every file came from the cache, yet no snapshot of it is found: the run could
+            # record no commit and no weights fingerprint, and a moved ref would go unnoticed
+            ref = revision or "main"
+            raise InputError(
+                f"model {target}@{ref} loads from the local Hugging Face cache, but its refs/{ref} "
+                "names no snapshot folder there, so the weights it read cannot be recorded; repair the "
+                f"cache (huggingface-cli download {target} --revision {ref}) or give the snapshot folder"
+            )
     model.eval()
     if device_map is None:
         model.to(dev)
@@ -592,47 +656,197 @@ def _load_parts(
     revision: str | None,
     loss: str | None = None,
     placement: dict | None = None,
+    *,
+    cache_dir: str | None = None,
 ):
     """(config, tokenizer, model, loss): the first auto class that knows the architecture loads the
-    model; with ``loss``, the class of that loss's head (and the loss, resolved from ``auto``)."""
+    model; with ``loss``, the class of that loss's head (and the loss, resolved from ``auto``).
+
+    Whatever a damaged or hand-edited checkpoint makes transformers raise is one InputError naming
+    the file (``extract --revisions`` then reports that revision and goes on to the next)."""
     import transformers
 
+    name = info["name"]
+    at = f"{name}@{revision}" if revision else name
     try:
         config = transformers.AutoConfig.from_pretrained(load_from, **kw)
     except (OSError, ValueError, KeyError) as e:
-        raise _load_error(e, info["name"], info, revision) from e
+        raise _load_error(e, name, info, revision, cache_dir) from e
+    except damage_errors() as e:  # a field of the wrong type ("hidden_size": "abc") ...
+        raise InputError(
+            f"config.json of model {at} is malformed ({_first_line(e)}); fix it or re-save the checkpoint"
+        ) from None
     try:
         tok = transformers.AutoTokenizer.from_pretrained(load_from, **kw)
     except (OSError, ValueError, KeyError) as e:
         if not kw.get("trust_remote_code") and _tokenizer_has_code(load_from):
             # transformers then says only that a backend could not be built (sentencepiece...)
             raise InputError(
-                f"the tokenizer of model {info['name']} needs its own code (auto_map in "
+                f"the tokenizer of model {name} needs its own code (auto_map in "
                 "tokenizer_config.json); rerun with --trust-remote-code if you trust it"
             ) from e
-        raise _load_error(e, info["name"], info, revision) from e
+        raise _load_error(e, name, info, revision, cache_dir) from e
+    except damage_errors() as e:
+        raise InputError(
+            f"the tokenizer files of model {at} are damaged ({_first_line(e)}); re-save the "
+            "checkpoint's tokenizer (tokenizer.save_pretrained)"
+        ) from None
     if loss is not None:
         return (
             config,
             tok,
-            *_load_head(load_from, {**kw, **(placement or {})}, tdtype, info, revision, config, loss),
+            *_load_head(
+                load_from, {**kw, **(placement or {})}, tdtype, info, revision, config, loss, cache_dir
+            ),
         )
     for auto in ("AutoModel", "AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM"):
+        kwargs = {"config": config, _transformers_dtype_kw(): tdtype, **kw, **(placement or {})}
         try:
-            model = getattr(transformers, auto).from_pretrained(
-                load_from, config=config, **{_transformers_dtype_kw(): tdtype}, **kw, **(placement or {})
+            model, loading = _from_pretrained(
+                getattr(transformers, auto), load_from, kwargs, info, revision, cache_dir
             )
-            return config, tok, model, None
-        except pickle.UnpicklingError:
-            raise pickled_weights_error(info["name"]) from None
         except ValueError as e:  # this auto class does not know the architecture: try the next one
             if "Unrecognized configuration class" not in str(e):
-                raise _load_error(e, info["name"], info, revision) from e
-        except OSError as e:
-            raise _load_error(e, info["name"], info, revision) from e
+                raise
+            continue
+        _refuse_random_weights(model, loading, at, ignore=_adds_no_hidden_state)
+        return config, tok, model, None
     raise InputError(
-        f"model {info['name']} ({config.model_type}) has no architecture transformers can "
+        f"model {name} ({config.model_type}) has no architecture transformers can "
         "load for its hidden states; give an encoder, decoder or encoder-decoder model"
+    )
+
+
+def _first_line(e: BaseException, limit: int = 200) -> str:
+    """An exception's text on one line, cut to ``limit`` (a KeyError's is only the quoted key)."""
+    text = " ".join(str(e).split())
+    if isinstance(e, KeyError):
+        text = f"no entry {text}"
+    text = text or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def damage_errors() -> tuple[type[BaseException], ...]:
+    """What transformers, huggingface_hub, safetensors and torch raise, besides OSError and
+    ValueError, on a damaged or hand-edited checkpoint: a truncated or garbage pytorch_model.bin
+    (RuntimeError "PytorchStreamReader", EOFError), weights of other shapes (RuntimeError), an index
+    without its "metadata" (KeyError), a config field of the wrong type (huggingface_hub's strict
+    dataclass errors, TypeError). The one home of that list: extract and score's I(W) both use it."""
+    errors: list[type[BaseException]] = [RuntimeError, EOFError, TypeError, KeyError]
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+
+        errors.append(StrictDataclassError)
+    except ImportError:  # an older huggingface_hub, without strict dataclasses
+        pass
+    try:
+        from safetensors import SafetensorError
+
+        errors.append(SafetensorError)
+    except ImportError:  # pragma: no cover - transformers depends on safetensors
+        pass
+    return tuple(errors)
+
+
+def _not_the_files(e: BaseException) -> bool:
+    """A RuntimeError of the machine, not of the checkpoint's files: an allocation failure (the CLI
+    says it as such) or a device error, left as they are rather than blamed on the weights."""
+    text = str(e).lower()
+    return (
+        "out of memory" in text
+        or "can't allocate memory" in text
+        or "outofmemory" in type(e).__name__.lower()
+        or "cuda" in text
+        or "device-side" in text
+    )
+
+
+def _weight_files(load_from: str) -> list[str]:
+    """The weight files (and shard index) of a local model directory, by name; [] for a hub id."""
+    d = Path(load_from)
+    try:
+        return sorted(
+            p.name
+            for p in d.iterdir()
+            if p.is_file() and (p.name.endswith(WEIGHT_SUFFIXES) or p.name.endswith(".index.json"))
+        )
+    except OSError:
+        return []
+
+
+def _from_pretrained(auto, load_from: str, kwargs: dict, info: dict, revision, cache_dir):
+    """``auto.from_pretrained(load_from, output_loading_info=True, **kwargs)`` -> (model, loading
+    info), its errors as one InputError line; a ValueError "Unrecognized configuration class" (the
+    auto class does not know the architecture) is left to the caller."""
+    name = info["name"]
+    try:
+        return auto.from_pretrained(load_from, output_loading_info=True, **kwargs)
+    except pickle.UnpicklingError:
+        raise pickled_weights_error(name) from None
+    except ValueError as e:
+        if "Unrecognized configuration class" in str(e):
+            raise
+        raise _load_error(e, name, info, revision, cache_dir) from e
+    except OSError as e:
+        raise _load_error(e, name, info, revision, cache_dir) from e
+    except damage_errors() as e:
+        if _not_the_files(e):
+            raise
+        at = f"{name}@{revision}" if revision else name
+        if isinstance(e, TypeError):  # a config field of a type the model's code cannot take
+            raise InputError(
+                f"cannot load model {at} ({_first_line(e, 160)}); check its config.json, or re-save "
+                "the checkpoint"
+            ) from None
+        if "mismatch" in str(e).lower():
+            # transformers 4 names the tensor ("size mismatch for x: copying a param with shape ...");
+            # 5 points at its load report, which is silenced here
+            m = re.search(r"size mismatch for [^:]+", str(e))
+            raise InputError(
+                f"model {at}: some of its weights have other shapes than its config.json gives them"
+                f"{f' ({m.group(0)})' if m else ''}; the config and the weights are of different "
+                "models: give a checkpoint whose config.json and weights were saved together"
+            ) from None
+        files = _weight_files(load_from)
+        which = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        raise InputError(
+            f"the weights of model {at}{f' ({which})' if which else ''} are damaged or unreadable "
+            f"({_first_line(e, 100)}); re-download or re-save the checkpoint"
+        ) from None
+
+
+def _adds_no_hidden_state(model, key: str) -> bool:
+    """A parameter the hidden states never go through, so that its absence from the weights changes
+    none of them: BERT's pooler (a BertModel loaded from a masked-LM checkpoint has none), and a head
+    outside the base model (a fallback auto class of a model AutoModel does not know)."""
+    if "pooler" in key.split("."):
+        return True
+    base = getattr(model, "base_model", model)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    return base is not model and bool(prefix) and not key.startswith(prefix + ".")
+
+
+def _refuse_random_weights(model, loading: dict | None, at: str, ignore=None) -> None:
+    """Refuse a model some of whose parameters from_pretrained initialised at random: tensors the
+    checkpoint lacks (``missing_keys``: a block left out, another architecture's weights) or holds
+    in another shape (``mismatched_keys``). Hidden (transformers' report is silenced while loading)
+    they made every run of the checkpoint different, and a resume mixed rows of two random models.
+    Tied weights (an LM head tied to the input embeddings) are not reported missing."""
+    loading = loading or {}
+    missing = sorted(k for k in loading.get("missing_keys") or () if k and not (ignore and ignore(model, k)))
+    mismatched = sorted(
+        str(k[0] if isinstance(k, (tuple, list)) else k) for k in loading.get("mismatched_keys") or ()
+    )
+    if not missing and not mismatched:
+        return
+    bad = missing or mismatched
+    shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+    arch = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+    what = "lack" if missing else "have another shape for"
+    raise InputError(
+        f"model {at}: its weights {what} {len(bad)} tensor(s) of the {arch} architecture ({shown}), "
+        "which would be random; the checkpoint is incomplete or holds another architecture's weights: "
+        "give a complete checkpoint of this model"
     )
 
 
@@ -647,7 +861,7 @@ def _tokenizer_has_code(load_from: str) -> bool:
     return isinstance(cfg, dict) and isinstance(cfg.get("auto_map"), (dict, list)) and bool(cfg["auto_map"])
 
 
-def _load_head(load_from: str, kw: dict, tdtype, info: dict, revision, config, asked: str):
+def _load_head(load_from: str, kw: dict, tdtype, info: dict, revision, config, asked: str, cache_dir=None):
     """The model with the head of the asked loss (``auto``: the checkpoint's own head)."""
     import transformers
 
@@ -655,22 +869,15 @@ def _load_head(load_from: str, kw: dict, tdtype, info: dict, revision, config, a
 
     loss = resolve_loss(asked, config, info["name"])
     auto = getattr(transformers, HEAD_CLASSES[loss])
+    kwargs = {"config": config, _transformers_dtype_kw(): tdtype, **kw}
     try:
-        model, loading = auto.from_pretrained(
-            load_from, config=config, output_loading_info=True, **{_transformers_dtype_kw(): tdtype}, **kw
-        )
-    except pickle.UnpicklingError:
-        raise pickled_weights_error(info["name"]) from None
-    except ValueError as e:
-        if "Unrecognized configuration class" in str(e):
-            raise InputError(
-                f"{info['name']} ({config.model_type}) has no {loss} head in transformers; "
-                "choose another --loss"
-            ) from None
-        raise _load_error(e, info["name"], info, revision) from e
-    except OSError as e:
-        raise _load_error(e, info["name"], info, revision) from e
-    check_head(loss, loading, info["name"])
+        model, loading = _from_pretrained(auto, load_from, kwargs, info, revision, cache_dir)
+    except ValueError as e:  # only "Unrecognized configuration class" comes back
+        raise InputError(
+            f"{info['name']} ({config.model_type}) has no {loss} head in transformers; choose another --loss"
+        ) from e
+    check_head(loss, loading, info["name"])  # a head (or anything) missing: its own message
+    _refuse_random_weights(model, loading, f"{info['name']}@{revision}" if revision else info["name"])
     if loss == "classification" and int(getattr(config, "num_labels", 0) or 0) < 2:
         raise InputError(
             f"{info['name']} has a regression head (num_labels = 1); --loss classification needs "

@@ -51,9 +51,26 @@ def _is_glob(item: str) -> bool:
     return any(c in item for c in "*?[")
 
 
+def _is_hub_id(model: str) -> bool:
+    """Whether ``model`` names a hub repository (not a local directory)."""
+    from geomscope.extract.models import _HUB_ID
+
+    raw = str(model).strip()
+    return not Path(raw).expanduser().is_dir() and bool(_HUB_ID.match(raw))
+
+
+def _is_bare(item: str) -> bool:
+    """A name with no path in it (``step1000``): of a hub model, a revision, whatever the cwd holds."""
+    return "/" not in item and "\\" not in item and not item.startswith((".", "~"))
+
+
 def resolve_revisions(model: str, spec: str) -> list[Revision]:
     """The checkpoints ``spec`` names (see the module docstring); InputError (one line) for an empty
-    list, a glob that matches no directory, or two revisions that would share a run directory."""
+    list, a glob that matches no directory, or two revisions that would share a run directory.
+
+    Of a hub model, a bare name (no ``/``, not starting with ``.`` or ``~``) is a revision: a folder
+    of that name in the current directory once replaced ``org/model@step1000`` silently; when one
+    exists, the ambiguity is refused (``./step1000`` names the folder)."""
     spec = (spec or "").strip()
     if spec in PRESETS:
         items = list(PRESETS[spec])
@@ -68,12 +85,20 @@ def resolve_revisions(model: str, spec: str) -> list[Revision]:
     else:
         items = [s.strip() for s in spec.split(",") if s.strip()]
     out: list[Revision] = []
+    hub = _is_hub_id(model)
     for item in items:
         if _is_glob(item):
             dirs = sorted((Path(p) for p in glob.glob(item) if Path(p).is_dir()), key=_natural)
             if not dirs:
                 raise InputError(f"--revisions {item!r} matches no directory; give checkpoint directories")
             out += [Revision(_safe_name(d.name), str(d), None) for d in dirs]
+        elif hub and _is_bare(item):
+            if Path(item).is_dir():
+                raise InputError(
+                    f"--revisions {item!r} is both a revision of {model} and a folder here; write "
+                    f"./{item} for the folder, or run from another directory for the revision"
+                )
+            out.append(Revision(_safe_name(item), model, item))
         elif Path(item).is_dir():
             out.append(Revision(_safe_name(Path(item).name), item, None))
         else:
@@ -96,17 +121,38 @@ def resolve_revisions(model: str, spec: str) -> list[Revision]:
     return list({r.name: r for r in out}.values())
 
 
-def _drop(rev: Revision, cache_dir: str | None, cached_before: Path | None, say, label: str) -> int:
-    """--drop-weights after a complete run: delete the snapshot this call downloaded (never one that
-    was in the cache before it, and never a local checkpoint directory)."""
+def _snapshots_present(rev: Revision, cache_dir: str | None) -> set[str] | None:
+    """The names under the repository's ``snapshots/`` in the hub cache now (None for a local
+    checkpoint directory, or a cache that cannot be listed)."""
+    if rev.revision is None:
+        return None
+    from geomscope.extract.models import repo_cache_dir
+
+    try:
+        folder = repo_cache_dir(rev.model, cache_dir) / "snapshots"
+        return {p.name for p in folder.iterdir()} if folder.is_dir() else set()
+    except (OSError, ImportError, ValueError):
+        return None
+
+
+def _drop(rev: Revision, cache_dir: str | None, present_before: set[str] | None, say, label: str) -> int:
+    """--drop-weights after a complete run: delete the snapshot this call downloaded, that is one
+    whose folder was not in the cache before the call (never a local checkpoint directory).
+
+    Decided by the folder, not by whether the revision's ref resolved before: a download of a ref
+    the cache lacked (Pythia's main) whose commit another ref already held (step143000) writes only
+    the ref, and the snapshot that was there before is not this call's to delete."""
     if rev.revision is None:
         say(f"  {label}: a local checkpoint directory, kept (--drop-weights removes downloads only)")
         return 0
-    if cached_before is not None:
+    snap = _snapshot(rev, cache_dir)
+    if snap is None:
+        say(f"  {label}: no snapshot of it found in the cache, nothing dropped")
+        return 0
+    if present_before is None or snap.name in present_before:
         say(f"  {label}: its snapshot was in the cache before this run, kept")
         return 0
-    snap = _snapshot(rev, cache_dir)
-    freed = drop_snapshot(snap) if snap is not None else 0
+    freed = drop_snapshot(snap)
     say(f"  {label}: dropped its downloaded snapshot ({freed / 2**20:.1f} MiB)")
     return freed
 
@@ -280,7 +326,7 @@ def extract_revisions(
                 runs.append({**entry, "status": "skipped"})
                 continue
             say(f"[{i}/{len(revisions)}] {label} -> {run_dir}" + (f" ({why})" if why else ""))
-            cached_before = _snapshot(rev, options.cache_dir) if drop_weights else None
+            present_before = _snapshots_present(rev, options.cache_dir) if drop_weights else None
             try:
                 summary = extract(
                     rev.model,
@@ -294,7 +340,7 @@ def extract_revisions(
                 )
                 runs.append({**entry, "status": "done", "rows": summary.get("rows")})
                 if drop_weights:
-                    runs[-1]["dropped_bytes"] = _drop(rev, options.cache_dir, cached_before, say, label)
+                    runs[-1]["dropped_bytes"] = _drop(rev, options.cache_dir, present_before, say, label)
             except GeomscopeError as e:
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 say(f"[{i}/{len(revisions)}] {label} failed: {first}")

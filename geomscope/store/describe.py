@@ -7,7 +7,7 @@ from pathlib import Path
 
 from geomscope.errors import DataError
 from geomscope.store import remote
-from geomscope.store.manifest import MANIFEST_NAME, PART_RE, being_written, shard_name
+from geomscope.store.manifest import MANIFEST_NAME, PART_RE, _damaged, _short, being_written, shard_name
 from geomscope.store.reader import Run, shard_counts, verify_layout, verify_shard
 
 OPTION_KEYS = (
@@ -36,6 +36,9 @@ def describe_run(run_dir: Path | str, *, verify: bool = False) -> dict:
     m = run.manifest
     ident = run.identity
     model = ident.get("model", {}) if isinstance(ident.get("model"), dict) else {}
+    why = _field_problem(ident, model)
+    if why:
+        raise _damaged(remote.join(run.dir, MANIFEST_NAME), why)
     shards = run.shards
     stats = [s.get("stats", {}) for s in m.get("shards", [])]
     nonfinite_by_layer: dict[str, int] = {}
@@ -99,6 +102,52 @@ def describe_run(run_dir: Path | str, *, verify: bool = False) -> dict:
     if verify:
         out["verify"] = _verify(run, shards)
     return out
+
+
+#: identity.model's fields that the description shows as text (None: not recorded)
+MODEL_TEXT_FIELDS = (
+    "name",
+    "revision",
+    "commit",
+    "model_type",
+    "architecture",
+    "stack",
+    "attention",
+    "dtype",
+)
+
+
+def _field_problem(ident: dict, model: dict) -> str | None:
+    """What in the fields the description shows has a type geomscope never writes (a hand-edited
+    manifest: a commit of 12345, inputs of "abc", keep of 5), which made `inspect` a traceback;
+    read_manifest checks what reading the shards needs, this what describing the run does."""
+
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for key in MODEL_TEXT_FIELDS:
+        v = model.get(key)
+        if v is not None and not isinstance(v, str):
+            return f"identity.model.{key} is {_short(v)}, not a string"
+    v = model.get("num_hidden_states")
+    if v is not None and not (is_int(v) and v >= 0):
+        return f"identity.model.num_hidden_states is {_short(v)}, not a non-negative integer"
+    inputs = ident.get("inputs", [])
+    if not isinstance(inputs, list) or not all(isinstance(i, dict) for i in inputs):
+        return f"identity.inputs is {_short(inputs)}, not a list of objects"
+    for key, kind, what in (
+        ("keep", str, "a string"),
+        ("capture", str, "a string"),
+        ("store_dtype", str, "a string"),
+        ("loss", dict, "an object"),
+    ):
+        v = ident.get(key)
+        if v is not None and not isinstance(v, kind):
+            return f"identity.{key} is {_short(v)}, not {what}"
+    for i, layer in enumerate(ident.get("layers") or []):  # read_manifest checked they are named objects
+        if layer.get("tensor") is not None and not isinstance(layer["tensor"], str):
+            return f"identity.layers[{i}].tensor is {_short(layer['tensor'])}, not a string"
+    return None
 
 
 def _verify(run: Run, shards) -> dict:
