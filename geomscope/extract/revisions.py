@@ -353,7 +353,7 @@ def extract_revisions(
     result = {"runs": runs, "failed": len(failures), "out": str(out)}
     if failures:
         label, first = failures[0]
-        names = ", ".join(f"{lab} ({str(e).strip().splitlines()[0][:120]})" for lab, e in failures[:3])
+        names = ", ".join(f"{lab} ({str(e).strip().splitlines()[0][:400]})" for lab, e in failures[:3])
         more = f" and {len(failures) - 3} more" if len(failures) > 3 else ""
         err = type(first)(
             f"{len(failures)} of {len(revisions)} revisions failed: {names}{more}; the finished runs in "
