@@ -152,6 +152,14 @@ def check_psd(eigenvalues: np.ndarray, name: str = "C") -> None:
         )
 
 
+def binary_exponent(a) -> int:
+    """e with max |a| in [2^(e-1), 2^e) (0 for all zeros or none): dividing by 2^e is exact and brings
+    the values to at most 1 in size, so their squares and sums of squares neither overflow nor fall
+    among float64's subnormals (the one scaling rule of every scale-free quantity here)."""
+    a = np.asarray(a, dtype=np.float64)
+    return math.frexp(float(np.abs(a).max()) if a.size else 0.0)[1]
+
+
 def participation_terms(c: np.ndarray) -> tuple[float, float]:
     """(t, f) with t^2 / f = tr(C)^2 / ||C||_F^2, the participation ratio of C (float64, square).
 
@@ -159,8 +167,7 @@ def participation_terms(c: np.ndarray) -> tuple[float, float]:
     would make it overflow, or fall among float64's subnormals and lose their digits (rows at
     1e-80 did). There C is first scaled by a power of two, which is exact, so t and f are then the
     trace and squared norm of that scaled copy; elsewhere they are C's own, to the bit."""
-    top = float(np.abs(c).max()) if c.size else 0.0
-    exponent = math.frexp(top)[1]
+    exponent = binary_exponent(c)
     if abs(exponent) > 400:
         c = np.ldexp(c, -exponent)
     return float(np.trace(c)), float(np.vdot(c, c))

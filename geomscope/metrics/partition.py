@@ -13,8 +13,6 @@ centred partition function: DataError, as for every other metric of constant dat
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from geomscope.errors import DataError
@@ -22,6 +20,7 @@ from geomscope.metrics._validate import (
     ZERO_VARIANCE_MESSAGE,
     NonfiniteRows,
     as_rows,
+    binary_exponent,
     count_nonfinite_rows,
     variance_is_zero,
 )
@@ -50,7 +49,7 @@ def partition_log_z(W, centred: bool = False, block: int = 256) -> tuple[np.ndar
         raise DataError("W is all zeros; the partition function is constant (Z = V in every direction)")
     # the eigenvectors do not depend on W's scale, but W^T W squares it (overflow beyond ~1e154,
     # lost digits below ~1e-154): form it of W times a power of two, which is exact
-    scaled = np.ldexp(w, -math.frexp(float(np.abs(w).max()))[1])
+    scaled = np.ldexp(w, -binary_exponent(w))
     _, vecs = np.linalg.eigh(scaled.T @ scaled)
     pos, neg = np.empty(d), np.empty(d)
     for j in range(0, d, block):

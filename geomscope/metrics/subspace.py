@@ -73,7 +73,13 @@ from itertools import islice
 import numpy as np
 
 from geomscope.errors import DataError, InputError
-from geomscope.metrics._validate import ZERO_VARIANCE_MESSAGE, as_covariance, check_psd, to_numpy
+from geomscope.metrics._validate import (
+    ZERO_VARIANCE_MESSAGE,
+    as_covariance,
+    binary_exponent,
+    check_psd,
+    to_numpy,
+)
 from geomscope.metrics.isotropy import SHRINKAGE_TARGETS, _check_zeta, isoscore_star_from_cov
 
 # Fractions (E, E_max, r/D, control energies) live in [0, 1]; below this a difference or a control
@@ -276,14 +282,13 @@ class _Removal:
     def __init__(self, c: np.ndarray, zeta: float, target, c0: np.ndarray | None):
         self.z = zeta
         self.kind = "matrix" if c0 is not None else target
-        top = float(np.abs(c).max())
         self.c0 = self.ident = None
         if self.kind == "trace":  # the target tr(C')/(D - r) I follows C: C's own size sets the scale
-            e = math.frexp(top)[1]
+            e = binary_exponent(c)
             self.c = np.ldexp(c, -e)
         else:  # the shrunk (1 - zeta) C' + zeta T: the larger of the two sets the scale
             top_t = float(np.abs(c0).max()) if c0 is not None else 1.0
-            e = math.frexp(max((1.0 - zeta) * top, zeta * top_t))[1]
+            e = binary_exponent([(1.0 - zeta) * float(np.abs(c).max()), zeta * top_t])
             self.c = np.ldexp((1.0 - zeta) * c, -e)
             if c0 is not None:
                 self.c0 = np.ldexp(zeta * c0, -e)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from geomscope.metrics._validate import binary_exponent
+
 #: how :func:`bootstrap_correlation` resampled (recorded with each interval)
 WITHIN_CONFIGURATIONS = "seeds within configurations"
 ACROSS_RUNS = "runs"
@@ -58,14 +60,6 @@ def _finite(v) -> float | None:
     return float(v) if v is not None and math.isfinite(v) else None
 
 
-def _exponent(a: np.ndarray) -> int:
-    """The power of two that brings ``a``'s largest magnitude into [0.5, 1) (0 for all zeros):
-    dividing by it is exact, and the scaled values' sums of squares stay far from both ends of the
-    float range."""
-    top = float(np.max(np.abs(a))) if a.size else 0.0
-    return int(np.frexp(top)[1]) if top > 0 else 0
-
-
 def _unscaled(v: float, e: int) -> float | None:
     with np.errstate(over="ignore"):
         return _finite(np.ldexp(v, e))
@@ -77,7 +71,7 @@ def mean_sd(values) -> tuple[float | None, float | None, int]:
     a = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=np.float64)
     if a.size == 0:
         return None, None, 0
-    e = _exponent(a)
+    e = binary_exponent(a)
     s = np.ldexp(a, -e)
     sd = _unscaled(float(s.std(ddof=1)), e) if a.size >= 2 else None
     return _unscaled(float(s.mean()), e), sd, int(a.size)
@@ -86,7 +80,7 @@ def mean_sd(values) -> tuple[float | None, float | None, int]:
 def _centred(a: np.ndarray) -> np.ndarray:
     """``a`` scaled by a power of two into (-1, 1), then centred: its sums of squares and products
     neither overflow (values near 1e160) nor underflow (near 1e-170)."""
-    s = np.ldexp(a, -_exponent(a))
+    s = np.ldexp(a, -binary_exponent(a))
     return s - s.mean()
 
 
@@ -193,7 +187,7 @@ def bootstrap_mean(values, *, n_boot: int = 2000, level: float = 0.95, seed: int
     a = np.asarray(values, np.float64)
     if a.size == 0 or not np.isfinite(a).all():
         return Interval(None, None, None, level, int(a.size))
-    e = _exponent(a)
+    e = binary_exponent(a)
     s = np.ldexp(a, -e)  # exact; the sums of the scaled values cannot overflow
     rng = np.random.default_rng(seed)
     reps = (
@@ -214,7 +208,7 @@ def line_fit_band(x, y, grid, *, n_boot: int = 1000, level: float = 0.95, seed: 
     x, y, grid = np.asarray(x, np.float64), np.asarray(y, np.float64), np.asarray(grid, np.float64)
     if x.size < 3 or x.min() == x.max():
         return None
-    ex, ey = _exponent(x), _exponent(y)
+    ex, ey = binary_exponent(x), binary_exponent(y)
     xs, ys, gs = np.ldexp(x, -ex), np.ldexp(y, -ey), np.ldexp(grid, -ex)
 
     def fit(ix):
