@@ -170,5 +170,8 @@ def test_two_processes_match_one(tmp_path):
     for a, b in zip(_steps(tmp_path / "ddp"), _steps(tmp_path / "one"), strict=True):
         for k in ("task_loss", "penalty", "isoscore_star"):
             assert abs(a[k] - b[k]) < 1e-4, (k, a, b)
-    for k in ("accuracy", "isoscore_star", "avgcos", "eval_loss"):
+    for k in ("accuracy", "isoscore_star", "isoscore_star_c0_pooled", "avgcos", "eval_loss"):
         assert abs(ddp["final"][k] - single["final"][k]) < 1e-4, k
+    for k in ("isoscore_star_trace_per_layer", "isoscore_star_c0_per_layer"):  # merged over the ranks
+        assert ddp["final"][k].keys() == single["final"][k].keys() == {"1", "2"}
+        assert all(abs(ddp["final"][k][i] - single["final"][k][i]) < 1e-4 for i in ("1", "2")), k

@@ -198,3 +198,171 @@ def test_training_plot_draws_the_geometry_panels(runs, tmp_path, cli):
     )
     assert code == 0, err
     assert (tmp_path / "t.png").is_file()
+
+
+# -- the eval IsoScore* against each shrinkage target -------------------------------------------
+
+STAR_KEYS = ("isoscore_star_trace", "isoscore_star_c0")
+
+
+def _iso(M):
+    """IsoScore of a covariance from its definition: (tr(M)^2 / ||M||_F^2 - 1) / (D - 1)."""
+    return (np.trace(M) ** 2 / np.sum(M * M) - 1) / (M.shape[0] - 1)
+
+
+def _stars_by_definition(rows_by_layer: dict, zeta: float, C0) -> dict:
+    """The eval record's four IsoScore* entries, straight from their definitions in numpy."""
+    D = next(iter(rows_by_layer.values())).shape[1]
+    c0 = (C0 + C0.T) / 2
+    covs = {name: np.cov(X.T, ddof=1) for name, X in rows_by_layer.items()}
+    covs["pooled"] = np.cov(np.vstack(list(rows_by_layer.values())).T, ddof=1)
+    trace = {k: _iso((1 - zeta) * C + zeta * np.trace(C) / D * np.eye(D)) for k, C in covs.items()}
+    to_c0 = {k: _iso((1 - zeta) * C + zeta * c0) for k, C in covs.items()}
+    out = {}
+    for key, values in zip(STAR_KEYS, (trace, to_c0), strict=True):
+        out[f"{key}_pooled"] = values.pop("pooled")
+        out[f"{key}_per_layer"] = values
+    return out
+
+
+def _assert_stars_match(rec: dict, ref: dict, rel: float) -> None:
+    for key in STAR_KEYS:
+        assert rec[f"{key}_pooled"] == pytest.approx(ref[f"{key}_pooled"], rel=rel, abs=0)
+        assert rec[f"{key}_per_layer"].keys() == ref[f"{key}_per_layer"].keys()
+        for layer, v in ref[f"{key}_per_layer"].items():
+            assert rec[f"{key}_per_layer"][layer] == pytest.approx(v, rel=rel, abs=0)
+
+
+def _synthetic_batches(D=6, seed=0):
+    """Two float64 batches of 3 hidden-state layers with padding: (hidden states, attention mask)."""
+    rng = np.random.default_rng(seed)
+    scale = np.linspace(0.3, 3.0, D)
+    batches = []
+    for B, T in ((3, 5), (2, 7)):
+        hs = tuple(torch.from_numpy(rng.normal(size=(B, T, D)) * scale * (i + 1) + 2.0) for i in range(3))
+        mask = torch.ones(B, T, dtype=torch.long)
+        mask[0, T - 2 :] = 0  # padding in every batch
+        batches.append((hs, mask))
+    return batches
+
+
+def test_eval_isoscore_star_against_each_target_matches_its_definition():
+    """float64 hidden states through EvalGeometry against numpy from the definitions (to 1e-8 relative,
+    far above float64's rounding of a few hundred products); the trace variant also against the isoscore
+    package (whose sqrt(D) constants are float32, hence 1e-5); the C0 variant of one batch against the
+    I-STAR penalty's own IsoScore* of that batch (1 - penalty)."""
+    from types import SimpleNamespace
+
+    from IsoScore import IsoScore as isoscore_pkg
+
+    from geomscope import distributed as dd
+    from geomscope.train.evaluate import EvalGeometry
+    from geomscope.train.regularizers import IStar
+
+    layers, zeta, D = [1, 2], 0.3, 6
+    rng = np.random.default_rng(1)
+    A = rng.normal(size=(40, D)) * np.linspace(2.0, 0.5, D)
+    C0 = np.cov(A.T) + np.triu(np.full((D, D), 0.05), 1)  # an asymmetric part only the symmetric counts
+    d = dd.Dist(0, 1, 0, torch.device("cpu"))
+    batches = _synthetic_batches(D)
+    geo = EvalGeometry(D, layers, torch.device("cpu"))
+    for hs, mask in batches:
+        geo.update(SimpleNamespace(hidden_states=hs), mask)
+    rec = geo.finish(d, zeta, C0=torch.from_numpy(C0))
+    real = {str(i): np.vstack([hs[i][mask.bool()].numpy() for hs, mask in batches]) for i in layers}
+    _assert_stars_match(rec, _stars_by_definition(real, zeta, C0), rel=1e-8)
+    assert rec["isoscore_star"] == rec["isoscore_star_trace_pooled"]
+    pooled = np.vstack(list(real.values()))
+    trace_target = torch.eye(D, dtype=torch.float64) * np.trace(np.cov(pooled.T)) / D
+    pkg = float(isoscore_pkg.IsoScore_star(pooled, trace_target, zeta))
+    assert rec["isoscore_star_trace_pooled"] == pytest.approx(pkg, abs=1e-5)
+
+    hs, mask = batches[0]
+    one = EvalGeometry(D, layers, torch.device("cpu"))
+    one.update(SimpleNamespace(hidden_states=hs), mask)
+    _, penalty_iso = IStar(layers, zeta, torch.from_numpy(C0))(hs, mask)
+    got = one.finish(d, zeta, C0=C0)["isoscore_star_c0_pooled"]
+    assert got == pytest.approx(float(penalty_iso), rel=1e-8, abs=0)
+    # without a C0 the C0 variant is null, per layer too; the trace variant is unchanged
+    none = geo.finish(d, zeta)
+    assert none["isoscore_star_c0_pooled"] is None and set(none["isoscore_star_c0_per_layer"].values()) == {
+        None
+    }
+    assert none["isoscore_star_trace_pooled"] == rec["isoscore_star_trace_pooled"]
+
+
+def test_finetune_eval_records_both_targets_from_the_penalty_c0(tmp_path, monkeypatch):
+    """A tiny I-STAR run: the eval record's four values recomputed in numpy from the eval tokens the
+    trainer saw and the C0 its penalty was given (the one compute_c0 returned this epoch)."""
+    from geomscope.train import evaluate as ev_mod
+
+    seen: dict = {"rows": [], "c0": []}
+    real_update, real_finish, real_c0 = (
+        ev_mod.EvalGeometry.update,
+        ev_mod.EvalGeometry.finish,
+        ev_mod.compute_c0,
+    )
+
+    def update(self, out, mask):
+        keep = mask.bool()
+        seen["rows"].append({str(i): out.hidden_states[i][keep].double().numpy().copy() for i in self.layers})
+        return real_update(self, out, mask)
+
+    def finish(self, d, zeta, reduced=None, C0=None):
+        seen["eval_c0"] = C0
+        return real_finish(self, d, zeta, reduced, C0)
+
+    def compute_c0(*a, **kw):
+        C0, n = real_c0(*a, **kw)
+        seen["c0"].append(C0)
+        return C0, n
+
+    monkeypatch.setattr(ev_mod.EvalGeometry, "update", update)
+    monkeypatch.setattr(ev_mod.EvalGeometry, "finish", finish)
+    monkeypatch.setattr(ev_mod, "compute_c0", compute_c0)
+    train = write_csv(tmp_path / "train.csv", synthetic_rows(24, 0))
+    dev = write_csv(tmp_path / "dev.csv", synthetic_rows(12, 1))
+    model = make_checkpoint(tmp_path / "m", words_of([]))
+    cfg = FinetuneConfig(
+        model=str(model), train=str(train), eval=str(dev), out=str(tmp_path / "o"), epochs=1, lr=2e-3,
+        batch_size=8, device="cpu", reg="istar", lam=-1.0, zeta=0.4,
+    )  # fmt: skip
+    summary = finetune(cfg, quiet=True, note=lambda m: None)
+    rec = summary["final"]
+    assert len(seen["c0"]) == 1 and seen["eval_c0"] is seen["c0"][0]
+    rows = {k: np.vstack([b[k] for b in seen["rows"]]) for k in ("1", "2")}
+    _assert_stars_match(rec, _stars_by_definition(rows, 0.4, seen["c0"][0].numpy()), rel=1e-8)
+    assert rec["isoscore_star"] == rec["isoscore_star_trace_pooled"]
+    assert abs(rec["isoscore_star_c0_pooled"] - rec["isoscore_star_trace_pooled"]) > 1e-3
+
+
+def test_eval_records_name_each_target_in_every_run(runs):
+    """Every eval record holds both variants; the C0 one wherever the run computed a C0 (I-STAR, or
+    --log-geometry), null otherwise; ``isoscore_star`` (what compare reads) is the trace one."""
+    for key, has_c0 in (("istar", True), ("none_geo", True), ("none", False)):
+        for rec in (json.loads(ln) for ln in (runs["dir"] / key / "eval.jsonl").read_text().splitlines()):
+            assert rec["isoscore_star"] == rec["isoscore_star_trace_pooled"]
+            for k in STAR_KEYS:
+                assert set(rec[f"{k}_per_layer"]) == {"1", "2"}
+            values = [rec["isoscore_star_c0_pooled"], *rec["isoscore_star_c0_per_layer"].values()]
+            assert all((v is not None and 0 <= v <= 1) if has_c0 else v is None for v in values)
+
+
+def test_training_plot_names_each_isoscore_target(runs):
+    """The I-STAR run's batch and eval IsoScore* are both the penalty's (C0 target); the other runs'
+    are trace-target, and their labels say so."""
+    from geomscope.plot.training import plot_training_log
+
+    fig = plot_training_log([runs["dir"] / "istar", runs["dir"] / "none"])
+    labels = {ln.get_label() for ln in fig.get_axes()[2].get_lines()}
+    assert {
+        "istar (istar, λ=-1): batch, C0 target",
+        "istar (istar, λ=-1): eval, C0 target",
+        "none (none): batch, trace target",
+        "none (none): eval, trace target",
+    } == labels
+    ev = json.loads((runs["dir"] / "istar" / "eval.jsonl").read_text().splitlines()[-1])
+    (marks,) = [
+        ln for ln in fig.get_axes()[2].get_lines() if ln.get_label() == "istar (istar, λ=-1): eval, C0 target"
+    ]
+    assert list(marks.get_ydata()) == [ev["isoscore_star_c0_pooled"]]

@@ -204,6 +204,9 @@ def test_finetune_qa_end_to_end(qa, tmp_path, reg):
         assert 0 <= e["exact_match"] <= 100 and 0 <= e["f1"] <= 100
         assert e["eval_features"] == s["eval_features"] and e["eval_loss"] > 0
         assert 0 <= e["isoscore_star"] <= 1 and -1 <= e["avgcos_last_layer"] <= 1
+        assert e["isoscore_star"] == e["isoscore_star_trace_pooled"]
+        c0 = e["isoscore_star_c0_pooled"]  # against the penalty's C0: an I-STAR run has one
+        assert (0 <= c0 <= 1) if reg == "istar" else c0 is None
     steps = [json.loads(ln) for ln in (out / "steps.jsonl").read_text().splitlines()]
     for r in steps:
         assert r["penalty"] is not None and abs(r["loss"] - (r["task_loss"] + r["weighted_penalty"])) < 1e-9

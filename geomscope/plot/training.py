@@ -8,6 +8,12 @@ IsoScore* per epoch as markers), and eval accuracy / macro-F1 per epoch (F1 / ex
 ``--task qa`` runs).  Several runs overlay,
 each labelled with its directory name, regulariser and lambda.
 
+The IsoScore* panel's labels name each series' shrinkage target: an I-STAR run's batch IsoScore* is
+the penalty's own, shrunk towards C0 (the epoch's training covariance), and its eval marks are
+``isoscore_star_c0_pooled``, the same quantity on the eval set; other runs' batch and eval values
+shrink towards the trace-matched identity (eval ``isoscore_star``, :mod:`geomscope.train.evaluate`).
+An I-STAR log without ``isoscore_star_c0_pooled`` marks its trace-target eval value, so labelled.
+
 Logs written with ``finetune --log-geometry`` (step records with a ``geometry`` entry,
 :mod:`geomscope.train.geometry`) get a third row: the captured gradient energy
 E = tr(U_r^T S U_r) / tr(S) against the step, one line per layer (coloured by depth) at the log's
@@ -83,7 +89,16 @@ _RANK_KEY = re.compile(r"[0-9]+")
 
 
 #: the record fields the curves read (the rest of a record is left as it is)
-_PLOTTED = ("task_loss", "penalty", "isoscore_star", "f1", "exact_match", "accuracy", "macro_f1")
+_PLOTTED = (
+    "task_loss",
+    "penalty",
+    "isoscore_star",
+    "isoscore_star_c0_pooled",
+    "f1",
+    "exact_match",
+    "accuracy",
+    "macro_f1",
+)
 
 
 def _record_defect(rec) -> str | None:
@@ -246,6 +261,19 @@ def _plot_geometry(ax_e, ax_i, logs: list[dict]) -> None:
 _CLASSIFY = (("accuracy", "accuracy"), ("macro_f1", "macro-F1"))
 
 
+def _isoscore_targets(log: dict) -> tuple[str, str, str]:
+    """(batch label suffix, eval key, eval label suffix) of one log's IsoScore* series: C0 target for
+    an I-STAR run (the penalty's; its eval marks too where the log records them), trace otherwise; no
+    target named where run.json does not say the regulariser."""
+    reg = log["run"].get("reg")
+    if reg == "istar":
+        if any(e.get("isoscore_star_c0_pooled") is not None for e in log["evals"]):
+            return ", C0 target", "isoscore_star_c0_pooled", ", C0 target"
+        return ", C0 target", "isoscore_star", ", trace target"
+    suffix = ", trace target" if reg else ""
+    return suffix, "isoscore_star", suffix
+
+
 def plot_training_log(log_paths, out: str | os.PathLike | None = None):
     """Figure (matplotlib Figure) of one or more training logs; saved to ``out`` when given."""
     from geomscope.plot._style import new_figure, plain_text, series_style
@@ -267,10 +295,13 @@ def plot_training_log(log_paths, out: str | os.PathLike | None = None):
         xs, ys = _series(log["steps"], "penalty")
         if xs:
             ax_pen.plot(xs, ys, label=label, **line)
-        ax_iso.plot(*_series(log["steps"], "isoscore_star"), label=f"{label}: batch", alpha=0.8, **line)
-        xs, ys = _series(log["evals"], "isoscore_star")
+        batch_target, eval_key, eval_target = _isoscore_targets(log)
+        ax_iso.plot(
+            *_series(log["steps"], "isoscore_star"), label=f"{label}: batch{batch_target}", alpha=0.8, **line
+        )
+        xs, ys = _series(log["evals"], eval_key)
         if xs:
-            ax_iso.plot(xs, ys, linestyle="none", label=f"{label}: eval", **mark)
+            ax_iso.plot(xs, ys, linestyle="none", label=f"{label}: eval{eval_target}", **mark)
         qa = any("exact_match" in e for e in log["evals"])  # --task qa: SQuAD scores, in percent
         first, second = (("f1", "F1 %"), ("exact_match", "exact match %")) if qa else _CLASSIFY
         xs, ys = _series(log["evals"], first[0])
@@ -292,8 +323,8 @@ def plot_training_log(log_paths, out: str | os.PathLike | None = None):
         "IsoScore*" + (f" (ζ={zeta:g})" if zeta is not None else "") + ": line batch, marks eval"
     )
     fig.suptitle(
-        "batch IsoScore* target: C0 for I-STAR runs, trace-matched identity otherwise; "
-        "eval IsoScore*: trace-matched identity",
+        "IsoScore* shrinkage target as labelled: C0 = the epoch's training covariance "
+        "(the I-STAR penalty's), trace = the trace-matched identity",
         fontsize=7,
     )
     kinds = {any("exact_match" in e for e in log["evals"]) for log in logs}

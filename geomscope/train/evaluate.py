@@ -11,19 +11,46 @@ its strided shard of the examples, and sum float64 moments over ranks.
   and the result broadcast from rank 0, so C0 is bitwise identical on every rank.
 * Evaluation: accuracy, macro-F1 (mean over the classes that occur in the eval labels or the
   predictions of F1 = 2TP / (2TP + FP + FN)), mean cross-entropy, and the geometry of the eval
-  set's token vectors over the chosen layers: IsoScore (zeta = 0) and IsoScore* with the run's zeta
-  and the trace-matched identity target, of the union of the chosen layers; the average cosine
-  similarity (all distinct pairs, docs/metrics.md) of the union, of each chosen layer, and of the last
-  layer (CosReg's layer).  :class:`EvalGeometry` holds that geometry part, shared with the
-  question-answering evaluation (:func:`geomscope.train.qa.evaluate_qa`).  It is taken over the real
+  set's token vectors over the chosen layers (:class:`EvalGeometry`, shared with the
+  question-answering evaluation :func:`geomscope.train.qa.evaluate_qa`).  It is taken over the real
   tokens only, whatever ``--include-padding`` says for the penalties: how many padding rows a batch
   holds depends on the batch size and on which examples share a batch, so counting them would make
-  the eval IsoScore* / avg cosine (what ``compare`` relates to accuracy) a function of
-  ``--batch-size``.
+  the eval geometry a function of ``--batch-size``.
+
+Eval geometry.  X_l is the (n, D) matrix of chosen layer l's real eval tokens, X_pool the union of
+the chosen layers' rows (L n rows, centred on the union's mean, as the I-STAR penalty centres its
+batch), C_l and C_pool their sample covariances (divide by rows - 1).  With D the hidden size,
+zeta the run's ``--zeta`` and, for a covariance M::
+
+    IsoScore(M) = (tr(M)^2 / ||M||_F^2 - 1) / (D - 1)                 in [0, 1]
+    C0s         = (C0 + C0^T) / 2
+
+    isoscore_star_trace_pooled     = IsoScore((1 - zeta) C_pool + zeta tr(C_pool)/D I)
+    isoscore_star_trace_per_layer  = {l: IsoScore((1 - zeta) C_l + zeta tr(C_l)/D I)}
+    isoscore_star_c0_pooled        = IsoScore((1 - zeta) C_pool + zeta C0s)
+    isoscore_star_c0_per_layer     = {l: IsoScore((1 - zeta) C_l + zeta C0s)}
+    isoscore_star                  = isoscore_star_trace_pooled
+    isoscore                       = IsoScore(C_pool)
+
+C0 is the shrinkage target the I-STAR penalty used in the epoch just trained: the covariance of the
+training tokens of all chosen layers pooled, taken by :func:`compute_c0` at the epoch's start (up
+to ``--c0-points`` points, padding as ``--include-padding`` says); the penalty of a mini-batch is
+1 - IsoScore((1 - zeta) C_batch + zeta C0s), C_batch the C_pool of the batch's training tokens, so
+``isoscore_star_c0_pooled`` is the penalty's own quantity on the eval set, and the per-layer
+values shrink each layer towards the same pooled C0 (at its absolute scale: a layer whose variance is
+small beside the pool's reads close to IsoScore(C0s), whatever its own shape).  The ``_c0`` values
+are null in a run that computed no C0 (``--reg cosreg`` or ``none`` without ``--log-geometry``).
+The ``_trace`` values shrink towards the identity scaled to the covariance's own trace, so
+tr(C_zeta) = tr(C): they depend on the shape of the eval covariance alone, not on its scale nor on
+the training data.  ``isoscore_star`` is the key ``compare`` reads.  Per-layer values are keyed
+by the layer index as a string, as ``avgcos_per_layer``.  Also: the average cosine similarity (all
+distinct pairs, docs/metrics.md) of the union, of each chosen layer, and of the last layer (CosReg's
+layer).  A value whose covariance has fewer than 2 rows or no variance is null.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from geomscope import distributed as dd
@@ -128,15 +155,16 @@ def _avgcos(u_sum: torch.Tensor, n: torch.Tensor) -> float | None:
 
 
 class EvalGeometry:
-    """Accumulates the eval-set geometry of the module docstring over batches (any task): the union
-    of the chosen layers' real tokens, and unit-vector sums per chosen layer and of the last layer.
+    """Accumulates the eval-set geometry of the module docstring over batches (any task): each chosen
+    layer's real tokens in its own float64 :class:`Moments` (the union is their merge), and unit-vector
+    sums per chosen layer and of the last layer.
 
     Padding never counts (see the module docstring): with it, the geometry depended on the batch size."""
 
     def __init__(self, D: int, layers: list[int], device):
         self.layers, self.D = list(layers), D
         L = len(layers)
-        self.union = Moments(D, extras=True)
+        self.per_layer = [Moments(D, extras=True) for _ in layers]
         self.u = torch.zeros(L + 1, D, dtype=torch.float64, device=device)  # each layer, then last layer
         self.counts = torch.zeros(2, dtype=torch.float64, device=device)  # tokens per layer, last layer
 
@@ -144,14 +172,16 @@ class EvalGeometry:
         L, D = len(self.layers), self.D
         X = select_tokens(out.hidden_states, self.layers + [len(out.hidden_states) - 1], mask, False)
         t = X.shape[0] // (L + 1)
-        self.union.update(X[: L * t])
+        for j, moments in enumerate(self.per_layer):
+            moments.update(X[j * t : (j + 1) * t])
         U = X / X.norm(dim=1, keepdim=True).clamp_min(1e-30)
         self.u += U.reshape(L + 1, t, D).sum(1)
         self.counts += torch.tensor([t, t], dtype=torch.float64, device=self.counts.device)
 
-    def finish(self, d: dd.Dist, zeta: float, reduced: tuple | None = None) -> dict:
+    def finish(self, d: dd.Dist, zeta: float, reduced: tuple | None = None, C0=None) -> dict:
         """The geometry part of the eval record (identical on every rank). ``reduced`` = (u, counts)
-        already summed over ranks, when the caller packed them into its own all-reduce."""
+        already summed over ranks, when the caller packed them into its own all-reduce; ``C0`` = the
+        penalty's shrinkage target of the epoch (a (D, D) tensor or array), None when the run has none."""
         L, D = len(self.layers), self.D
         if reduced is None:
             packed = dd.all_reduce_sum(torch.cat([self.u.reshape(-1), self.counts]), d)
@@ -159,20 +189,59 @@ class EvalGeometry:
         else:
             u, counts = reduced
         u = u.reshape(L + 1, D)
-        union = _merged(self.union, d)
-        rec = {
+        per_layer = _merged_layers(self.per_layer, d)
+        union = Moments(D, extras=True)
+        for moments in per_layer:
+            union.merge(moments)
+        covs = {"pooled": _covariance_or_none(union)}
+        for layer, moments in zip(self.layers, per_layer, strict=True):
+            covs[str(layer)] = _covariance_or_none(moments)
+        stars = isoscore_stars(covs, zeta, C0)
+        return {
             "eval_tokens": int(counts[0]),
-            "isoscore": None,
-            "isoscore_star": None,
+            "isoscore": None if covs["pooled"] is None else isoscore_from_cov(covs["pooled"]),
+            "isoscore_star": stars["isoscore_star_trace_pooled"],
+            **stars,
             "avgcos": _avgcos(torch.from_numpy(union.sum_unit), union.n_unit()) if union.n else None,
             "avgcos_per_layer": {str(layer): _avgcos(u[j], counts[0]) for j, layer in enumerate(self.layers)},
             "avgcos_last_layer": _avgcos(u[L], counts[1]),
         }
-        if union.n >= 2 and union.total_variance() > 0:
-            C = union.covariance()
-            rec["isoscore"] = isoscore_from_cov(C)
-            rec["isoscore_star"] = isoscore_star_from_cov(C, zeta, "trace")
-        return rec
+
+
+def _merged_layers(per_layer: list[Moments], d: dd.Dist) -> list[Moments]:
+    """Each layer's accumulators merged over the ranks in rank order (one gather for all layers)."""
+    if not d.active:
+        return per_layer
+    parts = dd.gather_objects(per_layer, d)
+    merged = [Moments(m.dim, extras=m.extras) for m in per_layer]
+    for rank_layers in parts:
+        for total, m in zip(merged, rank_layers, strict=True):
+            total.merge(m)
+    return merged
+
+
+def _covariance_or_none(m: Moments):
+    """The sample covariance of the rows, or None with fewer than 2 rows or no variance."""
+    return m.covariance() if m.n >= 2 and m.total_variance() > 0 else None
+
+
+def isoscore_stars(covs: dict, zeta: float, C0=None) -> dict:
+    """``isoscore_star_{trace,c0}_{pooled,per_layer}`` (module docstring) of the covariances ``covs``
+    (``"pooled"`` and one per layer name; None where undefined).  The ``_c0`` values are None when
+    ``C0`` is None or not finite; only C0's symmetric part counts, as in the penalty."""
+    c0 = None
+    if C0 is not None:
+        c0 = np.asarray(C0.detach().cpu() if isinstance(C0, torch.Tensor) else C0, dtype=np.float64)
+        c0 = (c0 + c0.T) / 2 if bool(np.isfinite(c0).all()) else None
+    out = {}
+    for target, shrink_to in (("trace", "trace"), ("c0", c0)):
+        values = {
+            name: None if C is None or shrink_to is None else isoscore_star_from_cov(C, zeta, shrink_to)
+            for name, C in covs.items()
+        }
+        out[f"isoscore_star_{target}_pooled"] = values.pop("pooled")
+        out[f"isoscore_star_{target}_per_layer"] = values
+    return out
 
 
 @torch.no_grad()
@@ -185,8 +254,10 @@ def evaluate(
     d: dd.Dist,
     autocast,
     n_labels: int,
+    C0=None,
 ) -> dict:
-    """Per-epoch evaluation record (see module docstring); identical on every rank."""
+    """Per-epoch evaluation record (see module docstring); identical on every rank.  ``C0``: the
+    shrinkage target the penalty used this epoch (None: the ``isoscore_star_c0_*`` values are null)."""
     was_training = model.training
     model.eval()
     dev = d.device
@@ -213,7 +284,7 @@ def evaluate(
     packed = dd.all_reduce_sum(torch.cat([conf.reshape(-1), loss_sum, geo.u.reshape(-1), geo.counts]), d)
     conf, loss_sum, u, counts = torch.split(packed, [n_labels * n_labels, 1, (L + 1) * D, 2])
     conf = conf.reshape(n_labels, n_labels)
-    g = geo.finish(d, zeta, (u, counts))
+    g = geo.finish(d, zeta, (u, counts), C0)
     n_ex = float(conf.sum())
     return {
         "eval_examples": int(n_ex),

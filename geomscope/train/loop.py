@@ -226,6 +226,7 @@ class _Trainer:
         self.autocast = eng.autocast  # Accelerate's mixed precision (a no-op context for fp32)
         self.start_epoch = self.step = 0
         self.t_train, self.n_steps_timed, self.c0_used = 0.0, 0, None
+        self.c0 = None  # the epoch's C0 (I-STAR's shrinkage target), for the eval's isoscore_star_c0_*
 
     # -- set-up ------------------------------------------------------------------------------
     def setup(self) -> _Trainer:
@@ -498,6 +499,7 @@ class _Trainer:
                 self.autocast,
                 cfg.include_padding,
             )
+            self.c0 = C0
             if cfg.reg == "istar":
                 self.reg.C0 = C0
             if self.geometry is not None:
@@ -581,7 +583,14 @@ class _Trainer:
             from geomscope.train.qa import evaluate_qa
 
             ev = evaluate_qa(
-                self.fwd_model, self.eval_enc, self.layers, cfg.zeta, cfg.batch_size, d, self.autocast
+                self.fwd_model,
+                self.eval_enc,
+                self.layers,
+                cfg.zeta,
+                cfg.batch_size,
+                d,
+                self.autocast,
+                C0=self.c0,
             )
         else:
             ev = evaluate(
@@ -593,6 +602,7 @@ class _Trainer:
                 d,
                 self.autocast,
                 len(self.label2id),
+                self.c0,
             )
         ev = {"epoch": epoch + 1, "step": self.step, **ev, "c0_points_used": self.c0_used}
         rngs = dd.gather_objects(ck.rng_state(), d)
@@ -723,13 +733,15 @@ def step_line(rec: dict) -> str:
 
 
 def eval_line(ev: dict) -> str:
-    """One line per epoch evaluation."""
-    iso, cos = ev.get("isoscore_star"), ev.get("avgcos")
+    """One line per epoch evaluation (IsoScore* against both targets, :mod:`geomscope.train.evaluate`)."""
+    iso, iso_c0, cos = ev.get("isoscore_star"), ev.get("isoscore_star_c0_pooled"), ev.get("avgcos")
     if "exact_match" in ev:  # --task qa
         head = f"epoch {ev['epoch']}: exact match {ev['exact_match']:.2f}  F1 {ev['f1']:.2f}  "
     else:
         head = f"epoch {ev['epoch']}: accuracy {ev['accuracy']:.4f}  macro-F1 {ev['macro_f1']:.4f}  "
     return (
-        head + f"eval IsoScore* {'n/a' if iso is None else f'{iso:.4f}'}  "
-        f"avg cosine {'n/a' if cos is None else f'{cos:.4f}'}"
+        head
+        + f"eval IsoScore* trace {'n/a' if iso is None else f'{iso:.4f}'}  "
+        + ("" if iso_c0 is None else f"C0 {iso_c0:.4f}  ")
+        + f"avg cosine {'n/a' if cos is None else f'{cos:.4f}'}"
     )

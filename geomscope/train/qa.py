@@ -365,9 +365,11 @@ def evaluate_qa(
     batch_size: int,
     d,
     autocast,
+    C0=None,
 ) -> dict:
     """Per-epoch QA evaluation record, identical on every rank: exact_match, f1 (percent), the mean
-    span loss over features, and the eval-set geometry of :func:`geomscope.train.evaluate.evaluate`."""
+    span loss over features, and the eval-set geometry of :func:`geomscope.train.evaluate.evaluate`
+    (``C0``: the shrinkage target the penalty used this epoch, or None)."""
     import torch
 
     from geomscope import distributed as dd
@@ -406,5 +408,5 @@ def evaluate_qa(
         "eval_features": len(encoded),
         **scores,
         "eval_loss": float(loss_sum[0]) / max(len(encoded), 1),
-        **geo.finish(d, zeta),
+        **geo.finish(d, zeta, C0=C0),
     }
