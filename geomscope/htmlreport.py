@@ -17,6 +17,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from geomscope.formatting import value_and_se
 from geomscope.schema import METRIC_LABELS, SCALAR_METRIC_NAMES, extra_id_keys
 
 #: what a page records as its generator: how a later ``report --html`` knows a file at its path for
@@ -78,12 +79,11 @@ def report_table_html(report: dict) -> str:
         se = e.get("se") or {}
         cells = []
         for m in metrics:
-            s = se.get(m)
-            cells.append(
-                f"<td>{_num(e.get(m))}"
-                + (f"<br><span class='se'>±{_num(s)}</span>" if s is not None else "")
-                + "</td>"
-            )
+            value_text, se_text = value_and_se(e.get(m), se.get(m), digits=4)
+            if se_text is None:
+                cells.append(f"<td>{_num(e.get(m))}</td>")
+            else:
+                cells.append(f"<td>{_e(value_text)}<br><span class='se'>±{_e(se_text)}</span></td>")
         dims = " ".join(str(d) for d in e.get("outliers") or [])
         out.append(
             f"<tr><td>{_e(e.get('layer'))}</td><td>{_num(e.get('n_rows'))}</td>{''.join(cells)}"

@@ -64,6 +64,7 @@ from geomscope.fileio import (
     starts_with,
     write_text_atomic,
 )
+from geomscope.formatting import value_and_se
 from geomscope.schema import (
     LAYER_KEYS,
     METRIC_LABELS,
@@ -296,12 +297,9 @@ def shown(value, *, markup: bool = True) -> str:
 
 
 def _fmt(v, se=None) -> str:
-    if v is None:
-        return "-"
-    s = f"{v:.3g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.1e}"
-    if se is not None:
-        s += f"\n±{se:.1g}" if abs(se) >= 1e-3 or se == 0 else f"\n±{se:.0e}"
-    return s
+    """A table cell: the value, over ``±SE`` where the SE is a number (formatting.value_and_se)."""
+    value_text, se_text = value_and_se(v, se)
+    return value_text if se_text is None else f"{value_text}\n±{se_text}"
 
 
 def table_metrics(report: dict, columns=None) -> tuple[list[str], list[str]]:
@@ -412,14 +410,16 @@ def gradient_energy_lines(report: dict) -> list[str]:
             ctrl = f"control {_fmt(mean)}, x{_fmt(ratio)}, p {_fmt(p)}" if mean is not None else "no controls"
             name = shown(layer, markup=False)
             lines.append(
-                f"  {name} r={r['rank']}: E {_fmt(r['energy'])}{_pm(r.get('energy_se'))} "
+                f"  {name} r={r['rank']}: E {_with_se(r['energy'], r.get('energy_se'))} "
                 f"(r/D {_fmt(r['baseline'])}, max {_fmt(r['energy_max'])}, kappa {_fmt(r['kappa'])}); {ctrl}"
             )
     return lines
 
 
-def _pm(se) -> str:
-    return "" if se is None else f" ±{_fmt(se)}"
+def _with_se(v, se) -> str:
+    """``value ±SE`` on one line (formatting.value_and_se), the value alone without an SE."""
+    value_text, se_text = value_and_se(v, se)
+    return value_text if se_text is None else f"{value_text} ±{se_text}"
 
 
 def final_norm_line(fn: dict) -> str:

