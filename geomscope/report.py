@@ -322,11 +322,26 @@ def table_metrics(report: dict, columns=None) -> tuple[list[str], list[str]]:
     return list(dict.fromkeys(columns)), present
 
 
+def _notes_table(notes: list[str]):
+    """A rich Table class whose tables are followed by ``notes`` (plain-text lines), each wrapped on
+    words to the console's width (a rich caption wraps to the table's width, and cuts every word
+    wider than a narrow table). Only a word wider than the console is folded."""
+    from rich.table import Table
+    from rich.text import Text
+
+    class NotedTable(Table):
+        def __rich_console__(self, console, options):
+            yield from super().__rich_console__(console, options)
+            for line in notes:
+                yield Text(shown(line, markup=False), style="table.caption", overflow="fold")
+
+    return NotedTable
+
+
 def report_table(report: dict, columns=None):
     """A rich Table: one row per layer, the chosen metrics (:func:`table_metrics`) as value over
-    ±standard error, and a caption naming what is hidden."""
-    from rich.table import Table
-
+    ±standard error, then the notes (:func:`_caption`, and what is hidden), each wrapped on words
+    to the console's width."""
     layers = report.get("layers", [])
     metrics, present = table_metrics(report, columns)
     hidden = [m for m in present if m not in metrics]
@@ -340,9 +355,8 @@ def report_table(report: dict, columns=None):
         lines.append(
             f"{len(hidden)} more metric(s) in the report ({', '.join(hidden)}): --columns all, or name them"
         )
-    t = Table(  # every string from the report goes through shown(): rich reads markup in each
+    t = _notes_table(lines)(  # every string from the report goes through shown(): rich reads markup
         title=f"geomscope score: {shown(title)}",
-        caption="\n".join(shown(line) for line in lines),
         header_style="bold",
         pad_edge=False,
         padding=(0, 1),

@@ -10,6 +10,42 @@ import io
 import pytest
 
 
+# ------------------------------------------------------------- the score table's notes wrap on words
+def _report_with_long_notes() -> dict:
+    layers = [
+        {"layer": f"layer_{i:02d}", "index": i, "n_rows": 2000, "isoscore": 0.25 + i / 10, "se": {}}
+        for i in range(3)
+    ]
+    return {
+        "source": {"kind": "run", "path": "/tmp/run"},
+        "model": {"name": "tiny"},
+        "params": {
+            "metrics": ["isoscore", "isoscore_star"],
+            "zeta": 0.2,
+            "target": "file:/data/targets/reference_covariance.npy",  # wider than the table
+            "uncertainty": {"moments": "delete-one-group jackknife over 10 document groups (doc_id % G)"},
+        },
+        "layers": layers,
+    }
+
+
+@pytest.mark.parametrize("width", [60, 80, 120])
+def test_score_table_notes_wrap_on_words(width):
+    from rich.console import Console
+
+    from geomscope.report import _caption, report_table
+
+    rep = _report_with_long_notes()
+    words = set(" ".join(_caption(rep)).split())
+    buf = io.StringIO()
+    Console(file=buf, width=width, color_system=None).print(report_table(rep))
+    lines = buf.getvalue().splitlines()
+    bottom = max(i for i, ln in enumerate(lines) if ln.startswith("└"))
+    shown_words = [w for ln in lines[bottom + 1 :] for w in ln.split()]
+    assert shown_words and set(shown_words) <= words, lines[bottom + 1 :]
+    assert max(map(len, lines)) <= width
+
+
 # ----------------------------------------------------------------------- values with their SEs
 @pytest.mark.parametrize(
     "value, se, expected",
