@@ -1,6 +1,7 @@
 """How counts and measured values read wherever geomscope prints them: messages, the terminal table
 and the HTML page. A light module (no numpy, rich or torch): every command may import it.
 
+- :func:`counted` -- ``counted(1, "shard")`` is ``1 shard``, ``counted(4, "shard")`` ``4 shards``.
 - :func:`value_and_se` -- a value and its standard error as two strings: the SE rounded to two
   significant digits and the value to the same decimal place (``0.4123, 0.0157`` ->
   ``0.412``, ``0.016``), in scientific notation where fixed notation would be very long.
@@ -16,6 +17,12 @@ import numbers
 #: 7 digits before the point)
 FINEST_FIXED_PLACE = -6
 FIXED_BELOW = 1e6
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` (with thousands separators) and ``noun`` in the number that agrees with it: the
+    singular for exactly one, ``plural`` (default: ``noun + "s"``) otherwise."""
+    return f"{n:,} {noun if n == 1 else (plural or noun + 's')}"
 
 
 def _finite(v) -> bool:

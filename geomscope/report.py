@@ -64,7 +64,7 @@ from geomscope.fileio import (
     starts_with,
     write_text_atomic,
 )
-from geomscope.formatting import value_and_se
+from geomscope.formatting import counted, value_and_se
 from geomscope.schema import (
     LAYER_KEYS,
     METRIC_LABELS,
@@ -353,7 +353,8 @@ def report_table(report: dict, columns=None):
     lines = _caption(report)
     if hidden:
         lines.append(
-            f"{len(hidden)} more metric(s) in the report ({', '.join(hidden)}): --columns all, or name them"
+            f"{counted(len(hidden), 'more metric')} in the report ({', '.join(hidden)}): "
+            "--columns all, or name them"
         )
     t = _notes_table(lines)(  # every string from the report goes through shown(): rich reads markup
         title=f"geomscope score: {shown(title)}",

@@ -10,6 +10,64 @@ import io
 import pytest
 
 
+# ------------------------------------------------------------------------- counts agree with nouns
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    from helpers_models import make_tiny_model
+
+    return make_tiny_model("bert", tmp_path_factory.mktemp("polish-models"))
+
+
+@pytest.fixture(scope="module")
+def one_doc(tmp_path_factory):
+    p = tmp_path_factory.mktemp("polish-text") / "one.txt"
+    p.write_text("A single document of a few words.\n")
+    return p
+
+
+def _summary(**changes) -> dict:
+    """An extract summary (the keys done_line reads): 4 shards, 3 of them written by this call."""
+    base = {
+        "rows": 15492,
+        "docs": 400,
+        "shards": 4,
+        "bytes": 119_400_000,
+        "shards_resumed": 1,
+        "shards_written": 3,
+        "rows_this_run": 11000,
+        "tokens_per_second": 556.2,
+    }
+    return {**base, **changes}
+
+
+@pytest.mark.parametrize(
+    "n, noun, plural, expected",
+    [
+        (1, "shard", None, "1 shard"),
+        (0, "shard", None, "0 shards"),
+        (4, "document", None, "4 documents"),
+        (1234, "row", None, "1,234 rows"),
+        (1, "process", "processes", "1 process"),
+        (2, "process", "processes", "2 processes"),
+    ],
+)
+def test_counted_agrees_with_its_number(n, noun, plural, expected):
+    from geomscope.formatting import counted
+
+    assert counted(n, noun, plural) == expected
+
+
+def test_extract_of_one_document_and_one_layer_says_so(cli, tiny_bert, one_doc, tmp_path):
+    run = tmp_path / "run"
+    code, out, err = cli(["extract", tiny_bert, one_doc, "--out", run, "--layers", "0"])
+    assert code == 0, err
+    opening = " ".join(next(ln for ln in err.splitlines() if ln.startswith("extract:")).split())
+    assert "1 document in 1 shard, 1 layer x" in opening, err
+    code, out, err = cli(["inspect", run, "--verify"])
+    assert code == 0, err
+    assert "(1 document in 1 shard)" in " ".join(out.split()), out
+
+
 # ------------------------------------------------------------- the score table's notes wrap on words
 def _report_with_long_notes() -> dict:
     layers = [

@@ -48,6 +48,7 @@ def export_cmd(
     import sys
 
     from geomscope.export import export_run
+    from geomscope.formatting import counted
     from geomscope.progress import Progress
     from geomscope.store import Run
 
@@ -67,6 +68,7 @@ def export_cmd(
         typer.echo(json.dumps(summary))
     elif not quiet:
         print(
-            f"exported {summary['rows']} rows x {len(summary['layers'])} layers to {out} ({to.value})",
+            f"exported {counted(summary['rows'], 'row')} x {counted(len(summary['layers']), 'layer')} "
+            f"to {out} ({to.value})",
             file=sys.stderr,
         )

@@ -6,6 +6,7 @@ import typer
 
 from geomscope.cli._app import app
 from geomscope.cli._options import json_option
+from geomscope.formatting import counted
 
 
 @app.command("inspect")
@@ -86,7 +87,8 @@ def inspect_cmd(
                 (
                     "verify",
                     "all shards match their checksums; every document id is in exactly one shard "
-                    f"({v['documents']['docs']:,} documents in {v['documents']['shards']} shards)"
+                    f"({counted(v['documents']['docs'], 'document')} in "
+                    f"{counted(v['documents']['shards'], 'shard')})"
                     if v["ok"]
                     else "; ".join(
                         [f"the manifest disagrees with itself: {why}" for why in v["manifest"]]
@@ -167,5 +169,6 @@ def _keep_note(d: dict) -> str:
     n = keep.partition(":")[2]
     return (
         f" measured; kept per shard: each layer's accumulators and a seeded sample of {n} rows "
-        f"({d['rows_stored']:,} rows stored, --keep {keep}, seed {d['options'].get('sample_seed', 0)})"
+        f"({counted(d['rows_stored'], 'row')} stored, --keep {keep}, "
+        f"seed {d['options'].get('sample_seed', 0)})"
     )

@@ -43,6 +43,7 @@ from geomscope.extract.sources import (
     uses_field,
 )
 from geomscope.extract.storing import StoreThread
+from geomscope.formatting import counted
 from geomscope.progress import Progress
 from geomscope.provenance import package_versions
 
@@ -363,7 +364,8 @@ class _Plan:
     def describe(self, lm, out: Path, docs: int) -> str:
         return (
             f"extract: {lm.info['name']} ({lm.info['model_type']}, {lm.stack}, {lm.device}) -> {out}: "
-            f"{docs:,} documents in {self.shards} shards, {len(self.layer_desc)} layers x {lm.hidden_size} "
+            f"{counted(docs, 'document')} in {counted(self.shards, 'shard')}, "
+            f"{counted(len(self.layer_desc), 'layer')} x {lm.hidden_size} "
             f"({self.identity['store_dtype']}); about {self.est_tokens:,} tokens, "
             f"{human_bytes(self.est_bytes)} on disk ({human_bytes(self.free_bytes)} free)"
         )

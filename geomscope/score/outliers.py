@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from geomscope.errors import DataError
+from geomscope.formatting import counted
 from geomscope.score import compute
 from geomscope.score.options import ScoreOptions
 
@@ -137,7 +138,7 @@ def apply_magnitude(entries: list[dict], extras: dict, o: ScoreOptions) -> None:
             )
     support = _support(res.dims, rep_sets) if len(rep_sets) >= 2 else []
     why = (
-        f"magnitude rule over the {len(ok)} scored layers: |x_d| >= {o.outlier_threshold:g} in >= "
+        f"magnitude rule over the {counted(len(ok), 'scored layer')}: |x_d| >= {o.outlier_threshold:g} in >= "
         f"{TOKEN_FRAC:.0%} of a layer's tokens in >= {LAYER_FRAC:.0%} of the layers; statistic = this "
         "layer's fraction of tokens over the threshold"
     )

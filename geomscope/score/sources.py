@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from geomscope.errors import DataError, InputError
+from geomscope.formatting import counted
 from geomscope.score.select import run_keys
 
 ARRAY_LAYER = "array"
@@ -642,9 +643,9 @@ def _open_run(p: Path | str, layers: list[str] | None, partial: bool) -> SourceI
     shards = run.shards
     if not run.complete and not partial:
         planned = run.manifest.get("planned_shards")
-        have = f"{len(shards)} of {planned}" if planned else f"{len(shards)}"
+        have = f"{len(shards)} of {counted(planned, 'shard')}" if planned else counted(len(shards), "shard")
         raise InputError(
-            f"{p} is an incomplete run ({have} shards finished); finish it by rerunning the "
+            f"{p} is an incomplete run ({have} finished); finish it by rerunning the "
             "same `geomscope extract` command, or score the finished shards with --partial"
         )
     if not shards:
@@ -684,7 +685,9 @@ def _open_run(p: Path | str, layers: list[str] | None, partial: bool) -> SourceI
         run_info.update(capture=ident["capture"], loss=ident.get("loss"))
     warnings = []
     if not run.complete:
-        warnings.append(f"scoring the {len(shards)} finished shards of an incomplete run (--partial)")
+        warnings.append(
+            f"scoring the {counted(len(shards), 'finished shard')} of an incomplete run (--partial)"
+        )
     return SourceInfo(
         kind="run",
         path=str(p),
