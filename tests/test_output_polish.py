@@ -68,6 +68,47 @@ def test_extract_of_one_document_and_one_layer_says_so(cli, tiny_bert, one_doc, 
     assert "(1 document in 1 shard)" in " ".join(out.split()), out
 
 
+# -------------------------------------------------------------- a resumed extract states what it did
+def test_done_line_of_one_document_in_one_shard_is_singular():
+    from geomscope.extract.run import done_line
+
+    line = done_line(_summary(rows=1, docs=1, shards=1, shards_resumed=0, shards_written=1, rows_this_run=1))
+    assert "1 row of 1 document in 1 shard," in line, line
+    for wrong in ("1 rows", "1 documents", "1 shards"):
+        assert wrong not in line, line
+
+
+def test_done_line_of_a_finished_run_gives_no_rate():
+    from geomscope.extract.run import done_line
+
+    line = done_line(_summary(shards_resumed=4, shards_written=0, rows_this_run=0, tokens_per_second=None))
+    assert line.startswith("done: nothing to do") and "tokens/s" not in line, line
+    assert "15,492 rows of 400 documents in 4 shards" in line, line
+
+
+def test_done_line_of_a_resumed_run_rates_the_new_rows_only():
+    from geomscope.extract.run import done_line
+
+    line = done_line(_summary())
+    assert "1 shard kept from an earlier run, 3 written now (11,000 rows, 556 tokens/s)" in line, line
+
+
+def test_rerunning_a_finished_extract_prints_no_rate(cli, tiny_bert, one_doc, tmp_path):
+    import json
+
+    args = ["extract", tiny_bert, one_doc, "--out", tmp_path / "run", "--layers", "0"]
+    code, _, err = cli(args)
+    assert code == 0, err
+    code, _, err = cli(args)
+    assert code == 0, err
+    done = next(ln for ln in err.splitlines() if ln.startswith("done:"))
+    assert done.startswith("done: nothing to do") and "tokens/s" not in done, err
+    code, out, err = cli([*args, "--json", "--quiet"])
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["shards_written"] == 0 and summary["tokens_per_second"] is None
+
+
 # ------------------------------------------------------------- the score table's notes wrap on words
 def _report_with_long_notes() -> dict:
     layers = [

@@ -197,11 +197,32 @@ def _invocation(lm, opts: ExtractOptions, processes: int = 1) -> dict:
 
 
 def done_line(summary: dict) -> str:
-    return (
-        f"done: {summary['rows']:,} rows of {summary['docs']:,} documents in {summary['shards']} shards "
-        f"({summary['shards_resumed']} kept from an earlier run), {human_bytes(summary['bytes'])}, "
-        f"{summary['tokens_per_second']:,.0f} tokens/s"
+    """The line that ends an extract: what the run holds, and what this invocation did. The rate is
+    over the rows this invocation measured; a run that an earlier invocation finished says so
+    instead of a rate from no work."""
+    held = (
+        f"{counted(summary['rows'], 'row')} of {counted(summary['docs'], 'document')} in "
+        f"{counted(summary['shards'], 'shard')}, {human_bytes(summary['bytes'])}"
     )
+    resumed, written = summary["shards_resumed"], summary["shards_written"]
+    if not written:
+        return f"done: nothing to do, an earlier run finished every shard: {held}"
+    rate = _rate_text(summary.get("tokens_per_second"))
+    if not resumed:
+        return f"done: {held}{rate}"
+    return (
+        f"done: {held}; {counted(resumed, 'shard')} kept from an earlier run, {written} written now "
+        f"({counted(summary['rows_this_run'], 'row')}{rate})"
+    )
+
+
+def _rate_text(tokens_per_second: float | None) -> str:
+    """``, N tokens/s`` for a measured rate (two significant digits below 1), empty without one."""
+    if not tokens_per_second:
+        return ""
+    if tokens_per_second >= 1:
+        return f", {tokens_per_second:,.0f} tokens/s"
+    return f", {tokens_per_second:.2g} tokens/s"
 
 
 @dataclass
@@ -998,6 +1019,6 @@ class _ShardRun:
             **self._gradient_summary(stats),
             "rows_this_run": new_rows,
             "seconds": round(seconds, 3),
-            "tokens_per_second": round(new_rows / seconds, 1) if seconds > 0 else 0.0,
+            "tokens_per_second": round(new_rows / seconds, 1) if new_rows and seconds > 0 else None,
             "batch_tokens": self.opts.batch_tokens,
         }
