@@ -145,6 +145,31 @@ def test_score_table_notes_wrap_on_words(width):
     assert max(map(len, lines)) <= width
 
 
+# --------------------------------------------------------------------------------- --seed's range
+def test_score_help_states_the_seed_range_readably(cli):
+    code, out, _ = cli(["score", "--help"])
+    assert code == 0
+    seed_help = " ".join(out.split("--seed N", 1)[1].split("--exclude-special", 1)[0].split())
+    assert "0 <= N < 2^64" in seed_help and "18446744073709551615" not in out, seed_help
+
+
+@pytest.mark.parametrize("seed", [str(2**64), "-1", "seven"])
+def test_score_refuses_a_seed_out_of_range_in_one_line(cli, tmp_path, seed):
+    from conftest import assert_one_line_error
+
+    code, out, err = cli(["score", tmp_path / "nowhere", "--seed", seed, "--out", tmp_path / "o"])
+    assert_one_line_error(code, out, err, "--seed", "2^64 - 1", exit_code=2)
+
+
+def test_the_seed_bound_has_one_definition():
+    from geomscope import choices
+    from geomscope.cli._options import seed_value
+    from geomscope.score.options import MAX_SEED
+
+    assert MAX_SEED is choices.MAX_SEED == 2**64 - 1
+    assert seed_value(str(2**64 - 1)) == 2**64 - 1 and seed_value(0) == 0
+
+
 # ----------------------------------------------------------------------- values with their SEs
 @pytest.mark.parametrize(
     "value, se, expected",

@@ -99,6 +99,24 @@ def _choice_of(allowed: tuple[str, ...]):
     return convert
 
 
+def seed_value(value) -> int:
+    """A typer ``parser`` for score's ``--seed``: a whole number from 0 to choices.MAX_SEED; a
+    one-line usage error naming the bound otherwise (typer's ``min``/``max`` would print the bound's
+    20 digits in --help)."""
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = None
+    if n is None or not 0 <= n <= choices.MAX_SEED:
+        raise typer.BadParameter(
+            f"{value} is not a whole number from 0 to {choices.MAX_SEED_TEXT} ({choices.MAX_SEED})"
+        )
+    return n
+
+
+#: how --help states seed_value's range
+SEED_RANGE_HELP = f"0 <= N < 2^{choices.SEED_BITS}"
+
 float_list = _list_parser(float, "numbers")
 seed_list = _list_parser(_non_negative_int, "seeds (whole numbers >= 0)")
 regulariser_list = _list_parser(_choice_of(choices.REGULARISERS), "regularisers")

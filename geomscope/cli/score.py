@@ -15,6 +15,7 @@ from geomscope import choices
 from geomscope.cli import _complete
 from geomscope.cli._app import app, state
 from geomscope.cli._options import (
+    SEED_RANGE_HELP,
     OutlierRule,
     OutlierStat,
     ProductDtype,
@@ -24,13 +25,13 @@ from geomscope.cli._options import (
     layers_option,
     metrics_option,
     quiet_option,
+    seed_value,
     split_list,
     value,
     zeta_option,
 )
 
 CORE_METRICS = "isoscore,isoscore_star,avgcos,spectrum,outliers,twonn,partition"
-MAX_SEED = 2**64 - 1  # score.options.MAX_SEED (not imported: --help loads no numpy)
 
 
 def _default_out(source: str) -> str:
@@ -141,10 +142,9 @@ def score_cmd(
     seed: int = typer.Option(
         0,
         "--seed",
-        min=0,
-        max=MAX_SEED,
+        parser=seed_value,
         metavar="N",
-        help="Seed of every sample (rows, ID sample, decimation).",
+        help=f"Seed of every sample (rows, ID sample, decimation): {SEED_RANGE_HELP}.",
     ),
     exclude_special: bool = typer.Option(
         False, "--exclude-special", help="Drop special tokens (CLS/SEP/BOS...) before measuring."

@@ -6,7 +6,14 @@ import numbers
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from geomscope.choices import OUTLIER_RULES, OUTLIER_STATS, PRODUCT_DTYPES, TWONN_FITS
+from geomscope.choices import (
+    MAX_SEED,
+    MAX_SEED_TEXT,
+    OUTLIER_RULES,
+    OUTLIER_STATS,
+    PRODUCT_DTYPES,
+    TWONN_FITS,
+)
 from geomscope.errors import InputError
 
 MOMENT_METRICS = ("isoscore", "isoscore_star", "avgcos", "spectrum", "outliers")
@@ -18,8 +25,6 @@ DEFAULT_OUTLIER_THRESHOLD = {"variance": 5.0, "zscore": 3.0, "quantile": 0.99, "
 DEFAULT_ID_REPEATS = 4
 #: rows each decimation part needs (geomscope.metrics.twonn.decimation_se: fewer give no SE)
 ROWS_PER_PART = 3
-#: row hashes are 64-bit (select.row_hash): a larger seed would repeat a smaller one's samples
-MAX_SEED = 2**64 - 1
 
 
 def id_estimator_names() -> tuple[str, ...]:
@@ -100,7 +105,9 @@ class ScoreOptions:
             jackknife_groups=_checked_groups(n.whole("jackknife_groups", lo=0)),
             memory_mb=n.real("memory_mb", lo=0.0, lo_open=True),
             id_repeats=_checked_repeats(n.whole("id_repeats", lo=2, optional=True), id_sample),
-            seed=n.whole("seed", lo=0, hi=MAX_SEED, why=" (2^64 - 1: the row samples hash it in 64 bits)"),
+            seed=n.whole(
+                "seed", lo=0, hi=MAX_SEED, why=f" ({MAX_SEED_TEXT}: the row samples hash it in 64 bits)"
+            ),
             twonn_fit=_one_of("--twonn-fit", self.twonn_fit, TWONN_FITS),
             product_dtype=_one_of("--product-dtype", self.product_dtype, PRODUCT_DTYPES),
             layers=_selection("--layers", self.layers, "layer names or indices"),
