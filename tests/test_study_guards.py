@@ -3,8 +3,9 @@ a zero-width interval from one seed per configuration, undefined resamples dropp
 the table's SD overflowing (Infinity in compare.json), one setting counted twice, eval sets told
 apart by a path resolved in compare's folder, no usable run, figures that could not be drawn after
 the JSON was written, the n = 2 sentence, the fit band's fixed resamples, refusals after the
-bootstraps, lambdas printed alike, and nan lambdas in a grid. Runs are made by hand: only the files
-compare reads (summary.json, run.json, checkpoint/state.json)."""
+bootstraps, lambdas printed alike, nan lambdas in a grid, intervals from seeds resampled within
+fixed configurations, paired differences only in the JSON, and "IsoScor…". Runs are made by hand:
+only the files compare reads (summary.json, run.json, checkpoint/state.json)."""
 
 from __future__ import annotations
 
@@ -128,59 +129,100 @@ def test_mean_sd_against_exact_arithmetic(values):
     assert n == len(values)
     assert mean == pytest.approx(want_mean, rel=1e-12, abs=0)
     assert sd == (None if want_sd is None else pytest.approx(want_sd, rel=1e-12, abs=0))
-    iv = stats.bootstrap_mean(values, n_boot=200)
+    iv = stats.mean_interval(values)
     assert iv.estimate == pytest.approx(want_mean, rel=1e-12, abs=0)
     assert all(v is None or math.isfinite(v) for v in (iv.low, iv.high))
 
 
-def test_one_seed_per_configuration_resamples_runs():
-    """With every group of one run, resampling within groups never changed the data: a zero-width
-    interval (rho 0.10, "95% interval 0.10 to 0.10"). Now the runs are resampled (pairs bootstrap),
-    as scipy.stats.bootstrap does with paired=True."""
+def test_one_seed_per_configuration_gives_no_interval():
+    """Resampling within configurations of one run gave a zero-width interval (rho 0.10, "95%
+    interval 0.10 to 0.10"), and resampling the runs instead treated the configurations as if
+    they were seeds. The design has nothing to say about the association's uncertainty: the
+    estimate stands alone, and the reason says so."""
     rng = np.random.default_rng(5)
     x = rng.normal(size=12)
     y = 0.5 * x + rng.normal(size=12)
-    iv = stats.bootstrap_correlation(x, y, np.arange(12), method="spearman", n_boot=4000, seed=1)
-    ref = sps.bootstrap(
-        (x, y),
-        lambda a, b: sps.spearmanr(a, b)[0],
-        paired=True,
-        vectorized=False,
-        method="percentile",
-        n_resamples=4000,
-        rng=np.random.default_rng(2),
-    ).confidence_interval
-    assert iv.high - iv.low > 0.3
-    assert iv.low == pytest.approx(ref.low, abs=0.06) and iv.high == pytest.approx(ref.high, abs=0.06)
-    assert iv.resampling == "runs"
-    # one configuration with a single run is enough: it would be held fixed
-    assert stats.bootstrap_correlation(x, y, [0] * 11 + [1], n_boot=50).resampling == "runs"
-    paired = stats.bootstrap_correlation(x, y, np.repeat(np.arange(6), 2), n_boot=50)
-    assert paired.resampling == "seeds within configurations"
+    for groups in (np.arange(12), np.repeat(np.arange(6), 2), np.repeat(np.arange(2), 6), [0] * 11 + [1]):
+        iv = stats.cluster_correlation(x, y, groups, method="spearman", n_boot=200, seed=1)
+        assert iv.estimate == pytest.approx(sps.spearmanr(x, y)[0], abs=1e-12)
+        assert (iv.low, iv.high) == (None, None)
+        assert iv.reason.startswith("too few runs for an interval") and iv.resampling == "configurations"
+    assert stats.cluster_correlation(x, y, np.repeat(np.arange(4), 3), n_boot=200).low is not None
+
+
+def test_the_interval_resamples_configurations_as_scipy_does():
+    """6 configurations of 3 seeds: the spread of Fisher's z over resampled configurations, taken
+    from scipy.stats.bootstrap's own resamples of the configuration labels, gives the same
+    interval tanh(z -+ t_5 s). Both draw K labels per resample from one seeded generator, so
+    with the same seed they agree to rounding; the tolerance is that of independent draws."""
+    rng = np.random.default_rng(5)
+    effect = np.repeat(rng.normal(size=6), 3)
+    x, y = effect + 0.5 * rng.normal(size=18), 0.7 * effect + 0.5 * rng.normal(size=18)
+    groups = np.repeat(np.arange(6), 3)
+    iv = stats.cluster_correlation(x, y, groups, method="spearman", n_boot=4000, seed=2)
+
+    def z_of(labels):
+        runs = np.concatenate([np.flatnonzero(groups == g) for g in labels.astype(int)])
+        return np.arctanh(np.clip(sps.spearmanr(x[runs], y[runs])[0], -0.999999, 0.999999))  # not inf
+
+    z = sps.bootstrap(
+        (np.arange(6.0),), z_of, vectorized=False, n_resamples=4000, rng=np.random.default_rng(2)
+    ).bootstrap_distribution
+    s = (np.quantile(z, sps.norm.cdf(1)) - np.quantile(z, sps.norm.cdf(-1))) / 2
+    half = sps.t.ppf(0.975, 5) * s
+    centre = np.arctanh(sps.spearmanr(x, y)[0])
+    assert iv.low == pytest.approx(np.tanh(centre - half), abs=0.06)
+    assert iv.high == pytest.approx(np.tanh(centre + half), abs=0.06)
+    assert (iv.units, iv.n, iv.resampling) == (6, 18, "configurations")
+
+
+def test_weighted_resamples_equal_repeated_runs():
+    """A resample weights each run by how often its configuration was drawn: its Spearman and
+    Pearson are scipy's on the runs repeated that often (ties and all)."""
+    rng = np.random.default_rng(3)
+    x, y = np.round(rng.normal(size=12), 1), np.round(rng.normal(size=12), 1)
+    weights = stats._cluster_weights(np.repeat(np.arange(4), 3), 40, rng)
+    for method, ref in (("spearman", sps.spearmanr), ("pearson", sps.pearsonr)):
+        r = stats._resampled_correlations(x, y, weights, method)
+        for w, got in zip(weights, r, strict=True):
+            idx = np.repeat(np.arange(12), w)
+            want = ref(x[idx], y[idx])[0] if np.ptp(x[idx]) and np.ptp(y[idx]) else np.nan
+            assert (np.isnan(want) and np.isnan(got)) or got == pytest.approx(want, abs=1e-12)
 
 
 def test_undefined_resamples_are_counted_and_can_leave_no_interval():
-    """Resamples without the one run of higher accuracy have a constant accuracy: (4/5)^5 = 33% of
-    them. They were dropped, and the defined ones (all positive) gave an interval that excluded 0."""
-    x, y = [0.1, 0.2, 0.3, 0.4, 0.5], [0.5, 0.5, 0.5, 0.5, 0.9]
+    """Resamples without the one configuration of higher accuracy have a constant accuracy:
+    (4/5)^5 = 33% of them, more than the 15.9 % below the spread's low quantile, so there is no
+    interval. Dropping them would leave only resamples that hold the association."""
+    x = np.linspace(0.1, 1.5, 15)
+    y = np.where(np.arange(15) >= 12, 0.9, 0.5)
     n_boot = 2000
-    iv = stats.bootstrap_correlation(x, y, [0] * 5, n_boot=n_boot, seed=0)
+    iv = stats.cluster_correlation(x, y, np.repeat(np.arange(5), 3), n_boot=n_boot, seed=0)
     assert iv.estimate == pytest.approx(sps.spearmanr(x, y)[0]) and iv.low is None and iv.high is None
     p = (4 / 5) ** 5
     assert abs(iv.undefined / n_boot - p) < 4 * math.sqrt(p * (1 - p) / n_boot)
     d = iv.to_dict()
-    assert d["undefined"] == iv.undefined and d["low"] is None
+    assert d["undefined"] == iv.undefined and d["low"] is None and "constant" in d["reason"]
 
 
-def test_an_undefined_resample_counts_beyond_each_end():
-    """41 replicates, 95%: the ends are order statistics 2 and 40 (numpy's linear rule puts them at
-    positions 1 and 39 exactly). One undefined replicate counts below every value for the low end
-    and above for the high end: the 1st and 40th defined values. Two (4.9% > 2.5%): no interval."""
-    values = list(np.arange(1.0, 41.0))
-    iv = stats._percentile_interval(0.5, [None, *values], 0.95, 5)
-    assert (iv.low, iv.high) == (pytest.approx(1.0), pytest.approx(40.0)) and iv.undefined == 1
-    iv = stats._percentile_interval(0.5, [None, None, *values[1:]], 0.95, 5)
-    assert (iv.low, iv.high) == (None, None) and iv.undefined == 2
+def test_an_undefined_or_perfect_resample_counts_beyond_each_end():
+    """The spread of z is half the range between its 15.87 % and 84.13 % quantiles (numpy's linear
+    rule). An undefined resample (NaN) counts below every value for the low quantile and above for
+    the high one; one at r = +-1 has z = +-inf and counts where that puts it. Either moves the ends
+    only outward, and where one reaches a quantile the spread is unbounded."""
+    z = np.arange(1.0, 41.0)
+    lo_p, hi_p = sps.norm.cdf(-1), sps.norm.cdf(1)
+    assert stats.robust_sd_z(np.tanh(z / 10)) == pytest.approx(
+        (np.quantile(z, hi_p) - np.quantile(z, lo_p)) / 20, rel=1e-9
+    )
+    with_nan = np.concatenate([[np.nan], np.tanh(z / 10)])
+    stand_in_low, stand_in_high = np.concatenate([[-99.0], z]), np.concatenate([z, [99.0]])
+    want = (np.quantile(stand_in_high, hi_p) - np.quantile(stand_in_low, lo_p)) / 20
+    assert stats.robust_sd_z(with_nan) == pytest.approx(want, rel=1e-9)
+    assert stats.robust_sd_z(np.concatenate([[1.0, -1.0], np.tanh(z / 10)])) > stats.robust_sd_z(
+        np.tanh(z / 10)
+    )
+    assert stats.robust_sd_z(np.concatenate([np.full(8, np.nan), np.tanh(z / 10)])) == math.inf
 
 
 def test_fit_band_of_tiny_isoscores_equals_linregress():
@@ -212,8 +254,10 @@ def test_single_seed_sweep_cannot_claim_a_sign(tmp_path):
     rho = res["association"]["spearman"]
     assert rho["estimate"] == pytest.approx(sps.spearmanr([r[4] for r in runs], [r[3] for r in runs])[0])
     assert "cannot tell the sign" in res["sentence"]  # was "95% interval 0.10 to 0.10."
-    assert rho["low"] is None or rho["low"] < rho["estimate"] < rho["high"]
-    assert res["association"]["resampling"] == rho["resampling"] == "runs"
+    assert "too few runs for an interval" in res["sentence"]
+    assert rho["low"] is None and rho["reason"].startswith("too few runs for an interval")
+    assert res["association"]["resampling"] == rho["resampling"] == "configurations"
+    assert (res["association"]["configurations"], res["association"]["distinct_lambdas"]) == (5, 5)
 
 
 def test_one_setting_twice_is_refused_naming_both(cli, tmp_path):
@@ -332,26 +376,27 @@ def test_tiny_isoscores_are_drawn(cli, tmp_path):
 
 
 def test_bootstrap_and_seed_reach_every_interval_and_the_band(cli, tmp_path, monkeypatch):
-    """The figure's band always used 1000 resamples and seed 0, the paired differences 2000."""
+    """The figure's band always used 1000 resamples and seed 0. (The paired differences' t
+    intervals draw no resamples.)"""
     import geomscope.plot.study
 
     calls = []
-    real_band, real_mean = stats.line_fit_band, stats.bootstrap_mean
+    real_band, real_corr = stats.line_fit_band, stats.cluster_correlation
 
     def band(*a, **kw):
         calls.append(("band", kw.get("n_boot"), kw.get("seed")))
         return real_band(*a, **kw)
 
-    def mean(*a, **kw):
-        calls.append(("paired", kw.get("n_boot"), kw.get("seed")))
-        return real_mean(*a, **kw)
+    def corr(*a, **kw):
+        calls.append(("correlation", kw.get("n_boot"), kw.get("seed")))
+        return real_corr(*a, **kw)
 
     monkeypatch.setattr(geomscope.plot.study.stats, "line_fit_band", band)
-    monkeypatch.setattr(sys.modules["geomscope.study.compare"].stats, "bootstrap_mean", mean)
+    monkeypatch.setattr(sys.modules["geomscope.study.compare"].stats, "cluster_correlation", corr)
     runs = make_runs(tmp_path / "runs", grid_runs())
     code, out, err = cli(["compare", runs, "--json", "--quiet", "--bootstrap", "150", "--seed", "3"])
     assert code == 0, err
-    assert {c[1:] for c in calls} == {(150, 3)} and {c[0] for c in calls} == {"band", "paired"}
+    assert {c[1:] for c in calls} == {(150, 3)} and {c[0] for c in calls} == {"band", "correlation"}
     assoc = json.loads(out)["association"]
     assert (assoc["n_boot"], assoc["seed"]) == (150, 3)
 
@@ -384,8 +429,78 @@ def test_the_table_tells_close_lambdas_apart(cli, tmp_path, monkeypatch):
     ]
     code, out, err = cli(["compare", make_runs(tmp_path / "runs", runs), "--bootstrap", "100"])
     assert code == 0, err
-    cells = [ln.split("│")[2].strip() for ln in err.splitlines() if ln.startswith("│ istar")]
+    table = err.split("└")[0]  # (the paired differences' table follows)
+    cells = [ln.split("│")[2].strip() for ln in table.splitlines() if ln.startswith("│ istar")]
     assert cells == ["0", "1e-06", "1.000001e-06"]
+
+
+def test_compare_says_what_the_design_supports(cli, tmp_path, monkeypatch):
+    """3 lambdas x 2 seeds printed "rho = 0.43, 95% interval 0.41 to 0.94" (seed noise around three
+    fixed configuration means) and kept the paired differences, with "intervals" from 2 pairs, in
+    the JSON only. Now the estimate stands alone with its reason, the design it rests on is said,
+    and the paired differences are printed with n."""
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, err = cli(
+        ["compare", make_runs(tmp_path / "runs", grid_runs()), "--json", "--bootstrap", "200"]
+    )
+    assert code == 0, err
+    res = json.loads(out)
+    a = res["association"]
+    assert (a["configurations"], a["distinct_lambdas"], a["seeds_per_configuration"]) == (
+        3,
+        3,
+        {"min": 2, "max": 2},
+    )
+    assert a["resampling"] == "configurations" and a["method"] == stats.CLUSTER_METHOD
+    for key in ("spearman", "pearson"):
+        assert a[key]["estimate"] is not None and (a[key]["low"], a[key]["high"]) == (None, None)
+        assert a[key]["reason"].startswith("too few runs for an interval")
+    assert "interval 0." not in res["sentence"] and "too few runs for an interval" in res["sentence"]
+    assert "3 configurations (3 distinct lambda values)" in res["sentence"]
+    for p in res["paired_vs_lambda_0"]:
+        assert p["n_pairs"] == 2 and p["accuracy"]["n"] == 2 and p["accuracy"]["low"] is None
+        assert p["accuracy"]["reason"].startswith("too few pairs for an interval")
+    assert res["paired_vs_lambda_0"][0]["accuracy"]["estimate"] == pytest.approx(-0.285)
+    text = " ".join(err.split())
+    assert "Spearman rho │ 0.429 │ too few runs for an interval" in text
+    assert "paired differences against lambda = 0" in text and "Δ accuracy" in text and "Δ IsoScore*" in text
+    assert "│ istar │ -1 │ 2 │ -0.285 │ -0.184 │" in text and "too few pairs for an interval" in text
+    assert "3 configurations, 3 distinct lambda values, 2 seeds each" in text
+
+
+def test_compare_gives_intervals_over_configurations(cli, tmp_path, monkeypatch):
+    """4 lambdas x 3 seeds: an interval for each correlation, over configurations, and a t interval
+    for each paired difference (3 pairs), all printed."""
+    monkeypatch.setenv("COLUMNS", "200")
+    runs = [
+        ("istar", lam, s, 0.6 + 0.05 * i + 0.01 * s * (-1) ** i, 0.1 * i + 0.02 * s)
+        for i, lam in enumerate([0.0, 0.5, 1.0, 2.0])
+        for s in range(3)
+    ]
+    code, out, err = cli(["compare", make_runs(tmp_path / "runs", runs), "--json", "--bootstrap", "500"])
+    assert code == 0, err
+    res = json.loads(out)
+    rho = res["association"]["spearman"]
+    assert rho["low"] < rho["estimate"] < rho["high"] and rho["reason"] is None and rho["units"] == 4
+    assert f"95% interval {rho['low']:.2f} to {rho['high']:.2f}, resampling configurations" in res["sentence"]
+    diff = res["paired_vs_lambda_0"][0]["accuracy"]
+    d = [0.65 + 0.01 * s * -1 - 0.6 - 0.01 * s for s in range(3)]
+    assert (diff["low"], diff["high"]) == pytest.approx(
+        sps.t.interval(0.95, 2, loc=np.mean(d), scale=sps.sem(d))
+    )
+    text = " ".join(err.split())
+    assert f"95%: {rho['low']:.3f} to {rho['high']:.3f}" in text
+    assert f"95%: {diff['low']:.3f} to {diff['high']:.3f}" in text and "│ istar │ 0.5 │ 3 │" in text
+
+
+@pytest.mark.parametrize("columns", ["80", "100"])
+def test_the_table_keeps_isoscore_star_whole(cli, tmp_path, monkeypatch, columns):
+    """At 80 columns the header read "IsoScor…"."""
+    monkeypatch.setenv("COLUMNS", columns)
+    code, out, err = cli(["compare", make_runs(tmp_path / "runs", grid_runs()), "--bootstrap", "100"])
+    assert code == 0, err
+    assert "…" not in err and "IsoScore*" in err.split("\n")[2]
+    assert max(len(ln) for ln in err.splitlines() if not ln.startswith("wrote")) <= int(columns)
 
 
 @pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])

@@ -27,7 +27,7 @@ def compare_cmd(
     allow_mixed: bool = typer.Option(
         False, "--allow-mixed", help="Compare runs of different models or eval sets."
     ),
-    # (each interval: the correlations', the paired differences' and the figure's fit band)
+    # (the resampled intervals: the correlations' and the figure's fit band)
     n_boot: int = typer.Option(
         2000, "--bootstrap", min=100, metavar="N", help="Bootstrap resamples of each interval."
     ),
@@ -36,9 +36,9 @@ def compare_cmd(
     quiet: bool = quiet_option("No table on stderr."),
 ) -> None:
     """Does isotropy go with accuracy? Per-configuration means ± SD over seeds, the Spearman and Pearson
-    correlation of eval IsoScore* with accuracy (F1 for --task qa runs; bootstrap intervals resampling
-    seeds within configurations, or runs where a configuration has a single run), paired differences
-    against lambda = 0, a figure and one plain sentence."""
+    correlation of eval IsoScore* with accuracy (F1 for --task qa runs; intervals that resample whole
+    configurations, given from 3 configurations of 3 seeds), paired differences against lambda = 0
+    with n (t intervals from 3 pairs), a figure and one plain sentence."""
     import json
 
     from geomscope.errors import InputError
@@ -83,10 +83,49 @@ def compare_cmd(
         typer.echo(json.dumps(result, allow_nan=False))
 
 
-def _fmt(mean, sd) -> str:
+def _fmt(mean, sd, sep: str = " ± ") -> str:
     if mean is None:
         return "-"
-    return f"{mean:.3f}" + ("" if sd is None else f" ± {sd:.3f}")
+    return f"{mean:.3f}" + ("" if sd is None else f"{sep}{sd:.3f}")
+
+
+def _num(v) -> str:
+    return "-" if v is None else f"{v:.3f}" if abs(v) < 1e4 else f"{v:.3g}"
+
+
+def _interval(iv: dict) -> str:
+    """An interval as a cell: its ends, or why there is none (the reason's first clause: the JSON
+    holds the whole of it)."""
+    if iv["low"] is None:
+        return (iv.get("reason") or "no interval").split(":")[0]
+    return f"{iv['level']:.0%}: {_num(iv['low'])} to {_num(iv['high'])}"
+
+
+def _header(label: str) -> dict:
+    """A column that is never narrower than the longest word of its header ("IsoScore*" whole):
+    a header wraps between words, never inside one."""
+    return {"min_width": max(map(len, label.split())), "overflow": "fold"}
+
+
+def _table_cells(result: dict, width: int) -> list[list[str]]:
+    """The table's rows as text: mean ± SD on one line where the table fits in ``width`` so, else
+    the SD under its mean (rich, made to shrink a table, cuts headers short: "IsoScor…")."""
+    from geomscope.report import shown
+    from geomscope.study.compare import LABELS
+    from geomscope.study.sweep import _number
+
+    metrics = result["metrics"]
+    headers = ["reg", "lambda", "n", *(LABELS[m] for m in metrics)]
+    for sep in (" ± ", "\n± "):
+        cells = [
+            [shown(r["reg"]), _number(r["lambda"]), str(r["n"])]
+            + [_fmt(r[f"{m}_mean"], r[f"{m}_sd"], sep) for m in metrics]
+            for r in result["table"]
+        ]
+        lines = [[max(map(len, c.split("\n"))) for c in row] for row in cells]
+        if 1 + sum(3 + max(len(h), *(ln[i] for ln in lines)) for i, h in enumerate(headers)) <= width:
+            break
+    return cells
 
 
 def _print_table(result: dict) -> None:
@@ -95,24 +134,66 @@ def _print_table(result: dict) -> None:
 
     from geomscope.report import shown
     from geomscope.study.compare import LABELS
-    from geomscope.study.sweep import _number
 
+    console = Console(stderr=True)
+    cells = _table_cells(result, console.width)
     # the regulariser comes from each run's config: shown() keeps its markup and escapes inert
     t = Table(title="geomscope compare", caption=shown(result["sentence"]), header_style="bold")
-    metrics = result["metrics"]
+    t.add_column("reg", justify="left")
     # lambda as the runs' folders name it (1e-06 and 1.000001e-06 differ), never cut short
-    lams = [_number(r["lambda"]) for r in result["table"]]
-    for c in ("reg", "lambda", "n", *(LABELS[m] for m in metrics)):
-        t.add_column(
-            c,
-            justify="right" if c not in ("reg",) else "left",
-            min_width=max(map(len, lams), default=None) if c == "lambda" else None,
-        )
-    for r, lam in zip(result["table"], lams, strict=True):
-        t.add_row(
-            shown(r["reg"]),
-            lam,
-            str(r["n"]),
-            *[_fmt(r[f"{m}_mean"], r[f"{m}_sd"]) for m in metrics],
-        )
-    Console(stderr=True).print(t)
+    t.add_column("lambda", justify="right", min_width=max((len(c[1]) for c in cells), default=None))
+    t.add_column("n", justify="right")
+    for label in (LABELS[m] for m in result["metrics"]):
+        t.add_column(label, justify="right", **_header(label))
+    for row in cells:
+        t.add_row(*row)
+    console.print(t)
+    console.print(_association_table(result))
+    if result["paired_vs_lambda_0"]:
+        console.print(_paired_table(result))
+
+
+def _association_table(result: dict):
+    """Both correlations with their intervals, and the design they rest on."""
+    from rich.table import Table
+
+    from geomscope.study.compare import LABELS
+
+    a = result["association"]
+    seeds = a["seeds_per_configuration"]
+    seeds = str(seeds["min"]) if seeds["min"] == seeds["max"] else f"{seeds['min']}-{seeds['max']}"
+    t = Table(
+        title=f"eval IsoScore* and eval {LABELS[result['outcome']]} across runs",
+        caption=(
+            f"{a['configurations']} configurations, {a['distinct_lambdas']} distinct lambda values, "
+            f"{seeds} seeds each; intervals resample whole configurations (from 3 configurations "
+            "of 3 seeds)"
+        ),
+        header_style="bold",
+    )
+    for c in ("correlation", "estimate", "interval"):
+        t.add_column(c, justify="left" if c == "correlation" else "right", **_header(c))
+    for name, key in (("Spearman rho", "spearman"), ("Pearson r", "pearson")):
+        t.add_row(name, _num(a[key]["estimate"]), _interval(a[key]))
+    return t
+
+
+def _paired_table(result: dict):
+    """Each lambda minus lambda = 0 of the same regulariser, seed by seed: mean, n and interval."""
+    from rich.table import Table
+
+    from geomscope.report import shown
+    from geomscope.study.compare import LABELS
+    from geomscope.study.sweep import _number
+
+    outcome = result["outcome"]
+    t = Table(title="paired differences against lambda = 0 (same seed)", header_style="bold")
+    t.add_column("reg", justify="left")
+    t.add_column("lambda", justify="right")
+    t.add_column("n", justify="right")
+    for label in (f"Δ {LABELS[outcome]}", "Δ IsoScore*"):
+        t.add_column(label, justify="right", **_header(label))
+    for p in result["paired_vs_lambda_0"]:
+        cells = [f"{_num(p[m]['estimate'])}\n{_interval(p[m])}" for m in (outcome, "isoscore_star")]
+        t.add_row(shown(p["reg"]), _number(p["lambda"]), str(p["n_pairs"]), *cells)
+    return t

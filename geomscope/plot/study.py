@@ -1,6 +1,7 @@
 """The figure of ``geomscope compare``: accuracy against eval IsoScore* (one point per run, colour by
-lambda, marker by regulariser, the fitted line with its bootstrap band), and accuracy and IsoScore*
-against lambda (mean ± SD over seeds per regulariser)."""
+lambda, marker by regulariser, the fitted line with a bootstrap band that resamples configurations
+where the design supports an interval), and accuracy and IsoScore* against lambda (mean ± SD over
+seeds per regulariser)."""
 
 from __future__ import annotations
 
@@ -102,11 +103,19 @@ def _scatter(ax, result: dict) -> None:
     y = np.array([r[key] for r in runs])
     grid = np.linspace(x.min(), x.max(), 50) if x.size else x
     assoc = result.get("association", {})  # the resamples and seed --bootstrap and --seed set
-    band = stats.line_fit_band(x, y, grid, n_boot=assoc.get("n_boot", 1000), seed=assoc.get("seed", 0))
+    groups = [(r["reg"], r["lambda"]) for r in runs]
+    band = stats.line_fit_band(
+        x, y, grid, groups=groups, n_boot=assoc.get("n_boot", 1000), seed=assoc.get("seed", 0)
+    )
     if band is not None:
         fit, lo, hi = band
-        ax.plot(grid, fit, color="0.3", lw=1)
-        ax.fill_between(grid, lo, hi, color="0.6", alpha=0.3, lw=0, label="least-squares fit, 95% band")
+        k, fewest = stats.design_of(groups)
+        if k >= stats.MIN_CONFIGURATIONS and fewest >= stats.MIN_SEEDS:
+            ax.plot(grid, fit, color="0.3", lw=1)
+            label = "least-squares fit, 95% band (configurations)"
+            ax.fill_between(grid, lo, hi, color="0.6", alpha=0.3, lw=0, label=label)
+        else:  # as the correlation's interval: no band the design cannot support
+            ax.plot(grid, fit, color="0.3", lw=1, label="least-squares fit (too few runs for a band)")
     if y.size:  # the band may run far past the data where x has few distinct values: show the data's range
         top = 100.0 if key in ("f1", "exact_match") else 1.0  # QA scores are percentages
         pad = max(0.02 * top, 0.1 * float(np.ptp(y)))

@@ -2,10 +2,11 @@
 
 Reads finetune outputs (single runs or sweeps), and reports per configuration (regulariser,
 lambda) the mean ± SD over seeds of eval accuracy, macro-F1, IsoScore*, IsoScore and average
-cosine; the Spearman and Pearson correlation of eval IsoScore* with accuracy across runs, with
-bootstrap intervals that resample seeds within configurations (runs, where a configuration has a
-single run); the per-seed paired difference of each lambda against lambda = 0 of the same
-regulariser; and one plain sentence with the caveat of a small n. Statistics:
+cosine; the Spearman and Pearson correlation of eval IsoScore* with accuracy across runs, with an
+interval that resamples whole configurations and says how many configurations and distinct lambda
+values it rests on -- none with fewer than 3 configurations or fewer than 3 seeds in one; the
+per-seed paired difference of each lambda against lambda = 0 of the same regulariser, with n and a
+t interval from 3 pairs up; and one plain sentence with the caveat of a small n. Statistics:
 :mod:`geomscope.study.stats`.
 
 Runs are comparable when they share a task, a model and an eval set; the eval set is told by the
@@ -208,9 +209,10 @@ def _table(runs: list[RunResult], metrics: tuple[str, ...]) -> list[dict]:
     return rows
 
 
-def _paired(runs: list[RunResult], seed: int, outcome: str, n_boot: int = 2000) -> list[dict]:
+def _paired(runs: list[RunResult], outcome: str) -> list[dict]:
     """Per seed, each lambda's outcome (accuracy, or F1 for QA) and IsoScore* minus those of lambda = 0
-    (same regulariser)."""
+    (same regulariser): the mean difference over the seeds both have, with n and a t interval
+    (:func:`stats.mean_interval`; none below 3 pairs)."""
     out = []
     base = {(r.reg, r.seed): r for r in runs if r.lam == 0}
     for reg, lam in sorted({r.config for r in runs if r.lam != 0}):
@@ -222,12 +224,12 @@ def _paired(runs: list[RunResult], seed: int, outcome: str, n_boot: int = 2000) 
                 for a, b in pairs
                 if a.values[m] is not None and b.values[m] is not None
             ]
-            rec[m] = stats.bootstrap_mean(diffs, n_boot=n_boot, seed=seed).to_dict()
+            rec[m] = stats.mean_interval(diffs).to_dict()
         out.append(rec)
     return out
 
 
-def _sentence(assoc: dict, n: int, outcome: str = "accuracy", n_boot: int = 2000) -> str:
+def _sentence(assoc: dict, n: int, outcome: str = "accuracy") -> str:
     rho = assoc["spearman"]
     if n < 3:  # before "constant": with 2 runs a rank correlation is undefined whatever the values
         return (
@@ -249,14 +251,20 @@ def _sentence(assoc: dict, n: int, outcome: str = "accuracy", n_boot: int = 2000
         if rho["estimate"] < 0
         else "no association"
     )
-    text = f"Across {n} runs, {direction} (Spearman rho = {rho['estimate']:.2f}, "
-    if rho["low"] is None:  # too many resamples had a constant variable to bound the interval
-        undefined = rho.get("undefined") or 0
-        why = f": one of them was constant in {undefined} of {n_boot} resamples" if undefined else ""
-        return text + f"no interval{why}); without an interval, these runs cannot tell the sign." + caveat
-    text += f"95% interval {rho['low']:.2f} to {rho['high']:.2f}"
-    if rho.get("resampling") == stats.ACROSS_RUNS:
-        text += ", resampling runs: a configuration has a single seed"
+    k, lams = assoc["configurations"], assoc["distinct_lambdas"]
+    text = (
+        f"Across {n} runs in {k} configuration{'s' * (k != 1)} ({lams} distinct lambda "
+        f"value{'s' * (lams != 1)}), {direction} (Spearman rho = {rho['estimate']:.2f}, "
+    )
+    if rho["low"] is None:
+        reason = rho["reason"]
+        if reason.startswith(stats.TOO_FEW_RUNS):  # (the JSON holds the design it found)
+            reason = (
+                f"{stats.TOO_FEW_RUNS}, which needs {stats.MIN_CONFIGURATIONS} configurations of "
+                f"{stats.MIN_SEEDS} seeds"
+            )
+        return text + f"{reason}); without an interval, these runs cannot tell the sign." + caveat
+    text += f"95% interval {rho['low']:.2f} to {rho['high']:.2f}, resampling configurations"
     spans_zero = rho["low"] <= 0 <= rho["high"]
     text += "); the interval includes zero, so these runs cannot tell the sign." if spans_zero else ")."
     return text + caveat
@@ -284,8 +292,14 @@ def compare(dirs, *, allow_mixed: bool = False, n_boot: int = 2000, seed: int = 
     configs = {c: i for i, c in enumerate(dict.fromkeys(r.config for r in usable))}
     groups = [configs[r.config] for r in usable]  # (a key, not text: a reg name may hold any character)
     assoc = {
-        m: stats.bootstrap_correlation(x, y, groups, method=m, n_boot=n_boot, seed=seed).to_dict()
+        m: stats.cluster_correlation(x, y, groups, method=m, n_boot=n_boot, seed=seed).to_dict()
         for m in ("spearman", "pearson")
+    }
+    k, fewest = stats.design_of(groups)
+    design = {
+        "configurations": k,
+        "distinct_lambdas": len({r.lam for r in usable}),
+        "seeds_per_configuration": {"min": fewest, "max": max(groups.count(g) for g in set(groups))},
     }
     return {
         "format": "geomscope-compare",
@@ -297,13 +311,15 @@ def compare(dirs, *, allow_mixed: bool = False, n_boot: int = 2000, seed: int = 
         "association": {
             "x": "eval isoscore_star",
             "y": f"eval {outcome}",
-            "resampling": stats.resampling_of(groups),
+            "method": stats.CLUSTER_METHOD,
+            "resampling": stats.CONFIGURATIONS,
+            **design,
             "n_boot": n_boot,
             "seed": seed,  # (the figure's fit band is drawn with these too)
             **assoc,
         },
-        "paired_vs_lambda_0": _paired(runs, seed, outcome, n_boot),
-        "sentence": _sentence(assoc, len(usable), LABELS[outcome].replace(" (%)", ""), n_boot),
+        "paired_vs_lambda_0": _paired(runs, outcome),
+        "sentence": _sentence({**assoc, **design}, len(usable), LABELS[outcome].replace(" (%)", "")),
     }
 
 
