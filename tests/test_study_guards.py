@@ -134,6 +134,20 @@ def test_mean_sd_against_exact_arithmetic(values):
     assert all(v is None or math.isfinite(v) for v in (iv.low, iv.high))
 
 
+@pytest.mark.parametrize("scale", [1e160, 1e-170, 2.5e307])
+@pytest.mark.parametrize("method", ["spearman", "pearson"])
+def test_the_interval_over_configurations_does_not_depend_on_scale(scale, method):
+    """IsoScore* near the ends of the float range: the same interval as at unit scale."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=12)
+    y, groups = x + rng.normal(size=12), np.repeat(np.arange(4), 3)
+    want = stats.cluster_correlation(x, y, groups, method=method, n_boot=300)
+    got = stats.cluster_correlation(x * scale, y, groups, method=method, n_boot=300)
+    assert want.low is not None
+    for a, b in ((got.estimate, want.estimate), (got.low, want.low), (got.high, want.high)):
+        assert a == pytest.approx(b, abs=1e-12)
+
+
 def test_one_seed_per_configuration_gives_no_interval():
     """Resampling within configurations of one run gave a zero-width interval (rho 0.10, "95%
     interval 0.10 to 0.10"), and resampling the runs instead treated the configurations as if
