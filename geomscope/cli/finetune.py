@@ -237,7 +237,11 @@ def finetune_cmd(
     ),
     resume: bool = typer.Option(False, "--resume", help="Continue from the last epoch checkpoint in --out."),
     dry_run: bool = typer.Option(
-        False, "--dry-run", help="Print the grid of runs (with comma lists) and exit."
+        False,
+        "--dry-run",
+        help="Check what a run checks before it trains (the model resolves and its config and "
+        "tokenizer load, the data files, --out), print the run directories and exit; nothing is "
+        "trained or written.",
     ),
     as_json: bool = json_option("the run summary"),
     quiet: bool = quiet_option("No progress bar."),
@@ -255,11 +259,6 @@ def finetune_cmd(
     from geomscope.train import FinetuneConfig, finetune
 
     points = grid(flatten(reg), flatten(lam), flatten(seed))
-    if dry_run:
-        for p in points:
-            typer.echo(str(out / p.name) if len(points) > 1 else f"{out}: {p.name}")
-        return
-
     cfg = FinetuneConfig(
         model=model,
         train=str(train),
@@ -299,6 +298,9 @@ def finetune_cmd(
         lora_target=lora_target,
         report_to=value(report_to),
     )
+    if dry_run:
+        _dry_run(cfg, points, out, quiet)
+        return
     if len(points) > 1:
         results = run_sweep(cfg, points, quiet=quiet, note=lambda msg: print(msg, file=sys.stderr))
         if as_json:
@@ -330,6 +332,26 @@ def finetune_cmd(
         )
     if as_json:
         typer.echo(json.dumps(summary))
+
+
+def _dry_run(cfg, points, out: Path, quiet: bool) -> None:
+    """--dry-run: every check a run makes before it trains (a grid's: :func:`check_sweep`; one run's:
+    :func:`check_run`), then the run directories on stdout and what a run would do on stderr."""
+    from geomscope.study.sweep import check_sweep
+    from geomscope.train.loop import check_run
+
+    if len(points) > 1:
+        plan = check_sweep(cfg, points)
+        for p in points:
+            typer.echo(str(out / p.name))
+        todo = {k: sum(v == k for v in plan.values()) for k in ("run", "resume", "skip")}
+        said = f"{todo['run']} to run, {todo['resume']} to resume, {todo['skip']} finished (skipped)"
+    else:
+        check_run(cfg)
+        typer.echo(f"{out}: {points[0].name}")
+        said = "1 run"
+    if not quiet:
+        typer.echo(f"checked: model {cfg.model}, data and --out; {said}; nothing trained", err=True)
 
 
 def _interrupted(out: Path) -> str:

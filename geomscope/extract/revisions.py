@@ -15,7 +15,6 @@ go on; the call then fails naming every failed revision, with the finished runs 
 from __future__ import annotations
 
 import gc
-import glob
 import os
 import re
 import shutil
@@ -48,15 +47,21 @@ def _safe_name(label: str) -> str:
 
 
 def _is_glob(item: str) -> bool:
-    return any(c in item for c in "*?[")
+    from geomscope.extract.models import _is_glob as is_glob
+
+    return is_glob(item)
 
 
 def _is_hub_id(model: str) -> bool:
-    """Whether ``model`` names a hub repository (not a local directory)."""
-    from geomscope.extract.models import _HUB_ID
+    """Whether a revision of ``model`` is a hub revision, as extract's resolver reads the pair (a
+    local directory and bundled:minilm have none; an alias of the bundled model at a revision is its
+    hub repository). A name that cannot be a model is not one: extract reports it."""
+    from geomscope.extract.models import resolve_model
 
-    raw = str(model).strip()
-    return not Path(raw).expanduser().is_dir() and bool(_HUB_ID.match(raw))
+    try:
+        return resolve_model(model, "any-revision", reach_hub=False)[1]["source"] == "hub"
+    except InputError:
+        return False
 
 
 def _is_bare(item: str) -> bool:
@@ -71,6 +76,8 @@ def resolve_revisions(model: str, spec: str) -> list[Revision]:
     Of a hub model, a bare name (no ``/``, not starting with ``.`` or ``~``) is a revision: a folder
     of that name in the current directory once replaced ``org/model@step1000`` silently; when one
     exists, the ambiguity is refused (``./step1000`` names the folder)."""
+    from geomscope.extract.models import checkpoint_dirs
+
     spec = (spec or "").strip()
     if spec in PRESETS:
         items = list(PRESETS[spec])
@@ -88,7 +95,7 @@ def resolve_revisions(model: str, spec: str) -> list[Revision]:
     hub = _is_hub_id(model)
     for item in items:
         if _is_glob(item):
-            dirs = sorted((Path(p) for p in glob.glob(item) if Path(p).is_dir()), key=_natural)
+            dirs = checkpoint_dirs(item)
             if not dirs:
                 raise InputError(f"--revisions {item!r} matches no directory; give checkpoint directories")
             out += [Revision(_safe_name(d.name), str(d), None) for d in dirs]
@@ -155,10 +162,6 @@ def _drop(rev: Revision, cache_dir: str | None, present_before: set[str] | None,
     freed = drop_snapshot(snap)
     say(f"  {label}: dropped its downloaded snapshot ({freed / 2**20:.1f} MiB)")
     return freed
-
-
-def _natural(p: Path):
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
 
 
 class _Hashed:

@@ -316,7 +316,8 @@ def run_request(model, ins, opts: ExtractOptions) -> dict | None:
 
     if isinstance(model, LoadedModel):
         return None
-    target, info = resolve_model(str(model), opts.revision)
+    # no hub request: a revision the cache no longer holds is compared by name (request_differences)
+    target, info = resolve_model(str(model), opts.revision, reach_hub=False)
     rec = {k: info.get(k) for k in ("name", "source", "revision", "package")}
     try:
         if info.get("path"):

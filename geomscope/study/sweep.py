@@ -71,7 +71,7 @@ def is_sweep(points) -> bool:
     return len(points) > 1
 
 
-def _claim(out: Path, points: list[GridPoint]) -> None:
+def _check_claim(out: Path) -> None:
     """``out`` is new, empty, or a previous sweep (its sweep.json); anything else is refused."""
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} is a file; give a directory for the sweep")
@@ -80,6 +80,11 @@ def _claim(out: Path, points: list[GridPoint]) -> None:
         raise InputError(
             f"--out {out} holds files and is not a geomscope sweep; choose a new or empty directory"
         )
+
+
+def _claim(out: Path, points: list[GridPoint]) -> None:
+    """Write ``out/sweep.json`` (after :func:`_check_claim`)."""
+    _check_claim(out)
     make_dirs(out)
     write_json_atomic(
         out / SWEEP_FILE,
@@ -91,24 +96,52 @@ def _claim(out: Path, points: list[GridPoint]) -> None:
 
 
 def _check_shared_inputs(base) -> None:
-    """The data files and the model config every grid point reads, as finetune reads them
-    (InputError, one line, for what none of the points could use)."""
+    """What every grid point shares, checked as finetune checks it: the options, the device, the
+    data files and the model (how its name resolves, its config and tokenizer). InputError, one line,
+    for what none of the points could use."""
+    from geomscope.extract.models import resolve_model
+    from geomscope.train.config import validate
+    from geomscope.train.engine import check_device
+    from geomscope.train.loop import read_data
     from geomscope.train.model import check_model_source
 
-    if base.task == "qa":
-        from geomscope.train.qa import load_qa
-
-        load_qa(base.train)
-        load_qa(base.eval)
-    else:
-        from geomscope.train.data import build_label_map, check_eval_labels, load_table
-
-        train = load_table(base.train, base.text_field, base.label_field, base.text_field_2)
-        check_eval_labels(
-            load_table(base.eval, base.text_field, base.label_field, base.text_field_2),
-            build_label_map(train),
-        )
+    resolve_model(base.model)  # first: a hub name that does not resolve is one line at once
+    validate(base)
+    check_device(base.device, base.precision)
+    read_data(base)
     check_model_source(base.model)
+
+
+def point_config(base, p: GridPoint, todo: str):
+    """The finetune options of grid point ``p`` (``todo`` from :func:`_plan`: run or resume)."""
+    return replace(
+        base,
+        reg=p.reg,
+        lam=p.lam,
+        seed=p.seed,
+        out=str(Path(base.out) / p.name),
+        resume=todo == "resume",
+        overwrite=base.overwrite,
+    )
+
+
+def check_sweep(base, points: list[GridPoint]) -> dict:
+    """What :func:`run_sweep` checks before its first run, and each point's ``--out`` as its finetune
+    checks it, writing nothing (``finetune --dry-run``); returns the plan (point -> run | resume |
+    skip). A point whose directory its run could not use is refused naming the point."""
+    from geomscope.train.loop import check_out
+
+    _check_claim(Path(base.out))
+    _check_shared_inputs(base)
+    plan = _plan(base, points)
+    for p in points:
+        if plan[p] == "skip":
+            continue
+        try:
+            check_out(point_config(base, p, plan[p]))
+        except InputError as e:
+            raise InputError(f"run {p.name}: {str(e).splitlines()[0]}") from None
+    return plan
 
 
 def _plan(base, points: list[GridPoint]) -> dict:
@@ -188,15 +221,7 @@ def run_sweep(base, points: list[GridPoint], *, quiet: bool = False, note=None) 
             if plan[p] == "skip":
                 rec["status"] = "skipped"
             else:  # a run cut off before its first checkpoint is started again by finetune itself
-                cfg = replace(
-                    base,
-                    reg=p.reg,
-                    lam=p.lam,
-                    seed=p.seed,
-                    out=str(run_dir),
-                    resume=plan[p] == "resume",
-                    overwrite=base.overwrite,
-                )
+                cfg = point_config(base, p, plan[p])
                 try:
                     finetune(cfg, quiet=True, note=lambda msg: None)
                 except GeomscopeError as e:

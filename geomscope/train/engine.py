@@ -175,6 +175,14 @@ def _export_world(rank: int, world: int, local: int) -> None:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local))
 
 
+def check_device(device: str, precision: str):
+    """The torch device this process trains on (``--device``), refusing a ``--precision`` it lacks."""
+    dev = resolve_device(device, dd.world_from_env()[2])
+    if precision == "fp16" and dev.type != "cuda":
+        raise InputError("--precision fp16 needs a CUDA GPU; use --precision bf16 or fp32 on the CPU")
+    return dev
+
+
 def start(device: str, precision: str) -> Engine:
     """One Accelerator for this run (any earlier one in this process is forgotten first: Accelerate's
     state is a process-wide singleton, and a notebook or test may run several fine-tunings)."""
@@ -184,11 +192,9 @@ def start(device: str, precision: str) -> Engine:
     from accelerate.state import AcceleratorState
     from accelerate.utils import InitProcessGroupKwargs
 
-    _, world, local = dd.world_from_env()
+    world = dd.world_from_env()[1]
     _export_world(*dd.world_from_env())
-    dev = resolve_device(device, local)
-    if precision == "fp16" and dev.type != "cuda":
-        raise InputError("--precision fp16 needs a CUDA GPU; use --precision bf16 or fp32 on the CPU")
+    dev = check_device(device, precision)
     import torch.distributed as dist
 
     existed = dist.is_initialized()

@@ -87,13 +87,13 @@ def _seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _prepare_out(cfg: FinetuneConfig, out: Path, note) -> dict | None:
+def _prepare_out(cfg: FinetuneConfig, out: Path, note, *, recover: bool = True) -> dict | None:
     """Claim the output directory (refusing one geomscope did not write); return the checkpoint state
-    when resuming."""
+    when resuming. ``recover=False`` (``--dry-run``) changes nothing in ``out``."""
     if cfg.resume and cfg.overwrite:
         raise InputError("--resume continues a run and --overwrite replaces it; pass one of them")
     ours = ck.read_marker(out) is not None
-    if ours:
+    if ours and recover:
         ck.recover_checkpoint(out)
     has_checkpoint = ours and (out / ck.CKPT / "state.json").exists()
     state = ck.read_state(out) if cfg.resume and has_checkpoint else None
@@ -179,22 +179,74 @@ def _resolve_model_alias(cfg: FinetuneConfig) -> FinetuneConfig:
     return replace(cfg, model=path, extra={**cfg.extra, "model_arg": cfg.model, "model_info": info})
 
 
-def planned_fingerprint(cfg: FinetuneConfig) -> dict:
-    """The fingerprint ``finetune(cfg)`` records in its checkpoint, from the model's config alone (no
-    weights read): what a sweep compares its finished runs with before deciding to skip them."""
+def _planned_layers(cfg: FinetuneConfig) -> tuple[object, list[int]]:
+    """(the model's config, the layers the run penalises and measures), from the config alone (no
+    weights read), with the same one-line errors as loading it."""
     from types import SimpleNamespace
-
-    from transformers import AutoConfig
 
     from geomscope.extract.layers import parse_layers
     from geomscope.train.model import check_model_source, n_blocks
 
+    config = check_model_source(cfg.model)
+    return config, parse_layers(cfg.layers or "blocks", n_blocks(SimpleNamespace(config=config)) + 1)
+
+
+def planned_fingerprint(cfg: FinetuneConfig) -> dict:
+    """The fingerprint ``finetune(cfg)`` records in its checkpoint, from the model's config alone (no
+    weights read): what a sweep compares its finished runs with before deciding to skip them."""
     cfg = _resolve_model_alias(cfg)
     validate(cfg)
-    check_model_source(cfg.model)  # the same one-line errors as loading it
-    config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=False)
-    layers = parse_layers(cfg.layers or "blocks", n_blocks(SimpleNamespace(config=config)) + 1)
-    return fingerprint(cfg, layers, dd.world_from_env()[1])
+    return fingerprint(cfg, _planned_layers(cfg)[1], dd.world_from_env()[1])
+
+
+def read_data(cfg: FinetuneConfig, label2id: dict | None = None):
+    """(train table, eval table, label map) as a run reads them: the eval labels must be among the
+    training labels, and those of a run resumed (``label2id`` from its checkpoint) unchanged."""
+    if cfg.task == "qa":
+        from geomscope.train.qa import load_qa
+
+        return load_qa(cfg.train), load_qa(cfg.eval), {}
+    train_t = load_table(cfg.train, cfg.text_field, cfg.label_field, cfg.text_field_2)
+    eval_t = load_table(cfg.eval, cfg.text_field, cfg.label_field, cfg.text_field_2)
+    if label2id is None:
+        label2id = build_label_map(train_t)
+    elif set(label2id) != set(train_t.labels):
+        raise InputError(
+            f"the training labels of {cfg.train} changed since the checkpoint in {cfg.out}; use a new --out"
+        )
+    check_eval_labels(eval_t, label2id)
+    return train_t, eval_t, label2id
+
+
+def check_out(cfg: FinetuneConfig) -> dict | None:
+    """Whether this run may write ``--out`` (see _prepare_out), changing nothing there; the checkpoint
+    state when it resumes one."""
+    return _prepare_out(cfg, Path(cfg.out), lambda msg: None, recover=False)
+
+
+def check_run(cfg: FinetuneConfig) -> FinetuneConfig:
+    """What ``finetune(cfg)`` checks before it trains, with the same one-line errors, reading only the
+    model's config and tokenizer and writing nothing (``--dry-run``): the options, the device, how
+    the model resolves, its config and layers, the data files and their labels, and ``--out`` (a
+    checkpoint of other options is refused as ``--resume`` refuses it). Returns the resolved config."""
+    from geomscope.train.engine import check_device
+
+    cfg = _resolve_model_alias(cfg)
+    validate(cfg)
+    check_device(cfg.device, cfg.precision)
+    out = Path(cfg.out)
+    state = check_out(cfg)
+    read_data(cfg, None if state is None else state["label2id"])
+    config, layers = _planned_layers(cfg)
+    if cfg.log_geometry is not None:
+        from geomscope.train.geometry import check_ranks
+
+        check_ranks(cfg.geometry_rank, config.hidden_size)
+    if state is not None:
+        check_same_run(
+            out, state["fingerprint"], fingerprint(cfg, layers, dd.world_from_env()[1]), cfg.epochs
+        )
+    return cfg
 
 
 def finetune(cfg: FinetuneConfig, *, quiet: bool = False, note=None) -> dict:
@@ -243,21 +295,8 @@ class _Trainer:
         return self
 
     def _load_data(self) -> None:
-        cfg = self.cfg
-        if cfg.task == "qa":
-            from geomscope.train.qa import load_qa
-
-            self.train_t, self.eval_t, self.label2id = load_qa(cfg.train), load_qa(cfg.eval), {}
-            return
-        self.train_t = load_table(cfg.train, cfg.text_field, cfg.label_field, cfg.text_field_2)
-        self.eval_t = load_table(cfg.eval, cfg.text_field, cfg.label_field, cfg.text_field_2)
-        self.label2id = build_label_map(self.train_t) if self.state is None else self.state["label2id"]
-        if self.state is not None and set(self.label2id) != set(self.train_t.labels):
-            raise InputError(
-                f"the training labels of {cfg.train} changed since the checkpoint in {self.out}; "
-                "use a new --out"
-            )
-        check_eval_labels(self.eval_t, self.label2id)
+        label2id = None if self.state is None else self.state["label2id"]
+        self.train_t, self.eval_t, self.label2id = read_data(self.cfg, label2id)
 
     def _load_model(self) -> None:
         from geomscope.extract.layers import parse_layers

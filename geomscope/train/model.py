@@ -28,16 +28,18 @@ def quiet_transformers() -> None:
 
 
 def _checked_config(source: str | Path):
-    """(source as a string, its config): a model directory is checked first (tokenizer files,
-    safetensors headers); a config that does not load is one line. Never runs a model's code."""
+    """(what from_pretrained loads, its config) for a MODEL as the user gives it (extract's resolver:
+    bundled:minilm, a directory, a hub name, a glob of one checkpoint). A model directory is checked
+    first (tokenizer files, safetensors headers); a config that does not load is one line. Never
+    runs a model's code."""
     import torch  # noqa: F401  (transformers needs it)
     from transformers import AutoConfig
 
-    from geomscope.extract.models import check_model_dir
+    from geomscope.extract.models import check_model_dir, resolve_model
 
     quiet_transformers()
-    src = str(source)
-    if Path(src).is_dir():
+    src, info = resolve_model(str(source))
+    if info["path"]:
         check_model_dir(Path(src), src)
     try:
         config = AutoConfig.from_pretrained(src, trust_remote_code=False)
@@ -58,10 +60,13 @@ def _checked_config(source: str | Path):
     return src, config
 
 
-def check_model_source(source: str | Path) -> None:
-    """What loading ``source`` checks before any weights are read (its directory, its config), with
-    the same one-line errors; a grid checks it once for all its points."""
-    _checked_config(source)
+def check_model_source(source: str | Path):
+    """What loading ``source`` checks before any weights are read (how it resolves, its directory,
+    its config, its tokenizer), with the same one-line errors; returns its config. A grid and
+    ``--dry-run`` check it once for all their points."""
+    src, config = _checked_config(source)
+    _tokenizer(src)
+    return config
 
 
 def _tokenizer(src: str):
