@@ -282,3 +282,30 @@ def test_hub_check_says_each_failure_in_one_line(monkeypatch, tmp_path):
         assert models.resolve_model("org/name")[1]["source"] == "hub"
     assert len(calls) == 1
     assert models.resolve_model("org/other", reach_hub=False)[0] == "org/other" and len(calls) == 1
+
+
+def test_a_cached_model_without_network_loads_from_the_cache(monkeypatch, tmp_path, capsys):
+    """With the hub unreachable, a model the cache holds was loaded after every optional file
+    transformers asks for had been retried five times (~150 s for all-MiniLM-L6-v2)."""
+    import huggingface_hub
+    from helpers_models import hf_cache_with
+    from huggingface_hub import constants
+
+    from geomscope.extract import models
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(models, "_HUB_CHECKED", set())
+    hf_cache_with(bundled_minilm_dir(), tmp_path / "hub", "org/cached", weights=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+
+    def unreachable(url, **kw):
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", unreachable)
+    with pytest.raises(models.InputError, match="cannot reach"):
+        models.resolve_model("org/uncached")
+    assert models.resolve_model("org/cached")[1]["source"] == "hub"
+    assert constants.HF_HUB_OFFLINE is True and models.offline_mode()
+    assert "note: the Hugging Face hub cannot be reached" in capsys.readouterr().err

@@ -207,22 +207,45 @@ def check_hub_model(repo_id: str, revision: str | None = None, cache_dir: str | 
     """Refuse, in one line and within seconds, a hub model that cannot be loaded: a name the hub
     does not know, a revision or config.json it lacks, or no network.
 
-    Nothing is asked when offline mode is on (the load reads the cache and says what it lacks) or
-    when the local cache holds the revision; otherwise one HEAD request for its config.json, at the
-    hub address huggingface_hub uses, without retries (huggingface_hub's loads retry a failed
-    connection five times over about 25 s). A name checked once is not asked again in this process.
+    Nothing is asked when offline mode is on (the load reads the cache and says what it lacks);
+    otherwise one HEAD request for its config.json, at the hub address huggingface_hub uses, without
+    retries (huggingface_hub's loads retry a failed connection five times over about 25 s). When the
+    hub cannot be reached but the local cache holds the revision, the rest of the process reads the
+    cache only (:func:`_cache_only`). A name checked once is not asked again in this process.
     """
     key = (repo_id, revision or None, cache_dir)
-    if key in _HUB_CHECKED or offline_mode() or _cached_snapshot(repo_id, revision, cache_dir) is not None:
+    if key in _HUB_CHECKED or offline_mode():
         return
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import HfHubHTTPError
 
     try:
         url = hf_hub_url(repo_id, "config.json", revision=revision or None)
         get_hf_file_metadata(url, timeout=HUB_CHECK_SECONDS, retry_on_errors=False)
     except Exception as e:  # noqa: BLE001 -- each kind is said in words below
-        raise _hub_error(e, repo_id, revision) from None
+        if _cached_snapshot(repo_id, revision, cache_dir) is None:
+            raise _hub_error(e, repo_id, revision) from None
+        if not isinstance(e, HfHubHTTPError):  # no network: what the cache holds, without retries
+            _cache_only(f"{repo_id}@{revision}" if revision else repo_id, e)
     _HUB_CHECKED.add(key)
+
+
+def _cache_only(at: str, exc: Exception) -> None:
+    """The hub cannot be reached and the local cache holds the model: offline mode for the rest of
+    this process, as HF_HUB_OFFLINE=1 would set it (else every optional file transformers asks for,
+    absent from the cache, is retried five times over ~25 s), said on stderr."""
+    import sys
+
+    from huggingface_hub import constants
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    constants.HF_HUB_OFFLINE = True
+    why = " ".join(str(exc).split())[:120] or type(exc).__name__
+    print(
+        f"note: the Hugging Face hub cannot be reached ({why}); loading {at} from the local cache "
+        "(set HF_HUB_OFFLINE=1 to skip asking)",
+        file=sys.stderr,
+    )
 
 
 def _hub_error(exc: Exception, repo_id: str, revision: str | None) -> InputError:
