@@ -47,6 +47,22 @@ def _brute(x, variant):
     return tot / cnt
 
 
+def _gram_mean(x, variant):
+    """The same reference as :func:`_brute` (its centring, scaling and zero-norm rule), with the
+    pairs summed through the Gram matrix of the unit rows instead of a Python double loop."""
+    z = np.asarray(x, dtype=np.float64)
+    if variant != "plain":
+        z = z - z.mean(0)
+    if variant == "standardised":
+        sd = z.std(0, ddof=1)
+        z = z / np.where(sd > 0, sd, 1.0)
+    norms = np.linalg.norm(z, axis=1)
+    u = z[norms > 0] / norms[norms > 0, None]
+    n = len(u)
+    g = u @ u.T
+    return (g.sum() - np.trace(g)) / (n * (n - 1))
+
+
 @pytest.mark.parametrize("variant", COSINE_VARIANTS)
 @pytest.mark.parametrize("n,d,seed", [(2, 3, 0), (25, 4, 1), (40, 60, 2), (9, 2, 3)])
 def test_formula_equals_pairs(variant, n, d, seed):
@@ -161,7 +177,7 @@ def test_a_constant_dimension_adds_nothing_to_the_centred_and_standardised_cosin
         want = avgcos_pairs(x, variant)
         assert avgcos(with_const, variant) == pytest.approx(want, rel=1e-9, abs=1e-12)
         assert avgcos_pairs(with_const, variant) == pytest.approx(want, rel=1e-9, abs=1e-12)
-        assert avgcos(with_const, variant) == pytest.approx(_brute(x, variant), rel=1e-9, abs=1e-12)
+        assert avgcos(with_const, variant) == pytest.approx(_gram_mean(x, variant), rel=1e-9, abs=1e-12)
 
 
 @pytest.mark.parametrize("value", [0.1, 7.0])
