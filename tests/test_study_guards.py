@@ -540,3 +540,20 @@ def test_a_grid_refuses_lambdas_that_are_not_numbers(cli, tmp_path, bad):
         ]
     )
     assert_one_line_error(code, out, err, "--lambda must be a finite number", exit_code=2)
+
+
+def test_the_scatter_is_labelled_with_the_outcome_where_a_band_is_drawn(tmp_path):
+    """3 configurations x 3 seeds draw the band; the y axis still names the outcome."""
+    from geomscope.plot.study import study_figure
+    from geomscope.study.compare import compare
+
+    runs = [
+        ("istar", lam, s, 0.6 + 0.1 * lam + 0.01 * s, 0.2 + 0.1 * lam + 0.003 * s)
+        for lam in (-1.0, 0.0, 1.0)
+        for s in range(3)
+    ]
+    result = compare([make_runs(tmp_path / "runs", runs)], n_boot=200)
+    fig = study_figure(result)
+    scatter = fig.axes[0]
+    assert scatter.get_ylabel() == "eval accuracy"
+    assert any("95% band" in t.get_text() for t in scatter.get_legend().get_texts())

@@ -112,8 +112,8 @@ def _scatter(ax, result: dict) -> None:
         k, fewest = stats.design_of(groups)
         if k >= stats.MIN_CONFIGURATIONS and fewest >= stats.MIN_SEEDS:
             ax.plot(grid, fit, color="0.3", lw=1)
-            label = "least-squares fit, 95% band (configurations)"
-            ax.fill_between(grid, lo, hi, color="0.6", alpha=0.3, lw=0, label=label)
+            band_label = "least-squares fit, 95% band (configurations)"
+            ax.fill_between(grid, lo, hi, color="0.6", alpha=0.3, lw=0, label=band_label)
         else:  # as the correlation's interval: no band the design cannot support
             ax.plot(grid, fit, color="0.3", lw=1, label="least-squares fit (too few runs for a band)")
     if y.size:  # the band may run far past the data where x has few distinct values: show the data's range
