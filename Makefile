@@ -45,9 +45,9 @@ demo: $(STAMP)
 
 GRAD := gradients_out
 
-# gradient geometry (issue 10): a MiniLM sentiment classifier fine-tuned on sample_data, its loss's gradients
+# gradient geometry: a MiniLM sentiment classifier fine-tuned on sample_data, its loss's gradients
 # w.r.t. every layer captured over the training sentences, and their energy in the activation subspace
-# (about 5 minutes on 2 CPU cores); then the same on a tiny random causal LM (next-token loss)
+# (under a minute on 2 CPU cores); then the same on a tiny random causal LM (next-token loss)
 gradients: $(STAMP)
 	test -f $(GRAD)/ft/summary.json || $(BIN)/geomscope finetune bundled:minilm \
 		--train sample_data/sentiment/train.csv --eval sample_data/sentiment/dev.csv \
@@ -67,7 +67,7 @@ gradients: $(STAMP)
 STUDY := study_out
 
 # does isotropy help? a 3 x 3 grid (I-STAR lambda -1, 0, 1; seeds 0-2; 3 epochs) on the bundled MiniLM and the
-# sample sentiment data, then the comparison (about 20 minutes on 2 CPU cores; not part of make test)
+# sample sentiment data, then the comparison (about 8 minutes on 2 CPU cores; not part of make test)
 study: $(STAMP)
 	$(BIN)/geomscope finetune bundled:minilm --train sample_data/sentiment/train.csv \
 		--eval sample_data/sentiment/dev.csv --text-field sentence --label-field label \
@@ -77,7 +77,7 @@ study: $(STAMP)
 TRAJ := trajectory_out
 
 # isotropy over fine-tuning: I-STAR (lambda -1) on the bundled MiniLM with a checkpoint every 5 steps, each
-# checkpoint extracted over sample_data/sentences.txt, scored, and drawn against step (a few minutes on 2 cores)
+# checkpoint extracted over sample_data/sentences.txt, scored, and drawn against step (about 2.5 minutes on 2 cores)
 trajectory: $(STAMP)
 	test -f $(TRAJ)/ft/summary.json || $(BIN)/geomscope finetune bundled:minilm \
 		--train sample_data/sentiment/train.csv --eval sample_data/sentiment/dev.csv \
