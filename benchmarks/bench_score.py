@@ -316,7 +316,7 @@ def process_times(run_dir: str, repeats: int, workers: bool, dask: bool) -> dict
     """(In a fresh spawned process, torch not loaded -- as in the CLI's ``score`` -- so worker
     processes start as they do for a user.) Median seconds of ``--workers 1`` vs ``2`` (IsoScore, the
     moment suite) and of ``--workers 2`` vs Dask ``local:2`` (the moment suite), alternating."""
-    from geomscope.score.executor import worker_start_method
+    from geomscope.score.resources import worker_start_method
 
     path = Path(run_dir)
     out: dict = {"start_method": worker_start_method(), "torch_loaded": "torch" in sys.modules}

@@ -612,9 +612,9 @@ def test_an_h5_array_partly_compressed_and_whole_scores(cli, tmp_path):
 def test_rows_too_wide_for_this_machine_are_one_line_before_any_allocation(cli, tmp_path, monkeypatch):
     """D x D accumulators larger than the machine's memory: said with the numbers, not numpy's 74.5 GiB
     allocation error after the rows were read."""
-    import geomscope.score.engine as engine
+    import geomscope.score.resources as resources
 
-    monkeypatch.setattr(engine, "_physical_memory", lambda: 40 * 2**20)  # a 40 MiB machine
+    monkeypatch.setattr(resources, "physical_memory", lambda: 40 * 2**20)  # a 40 MiB machine
     wide = tmp_path / "wide.npy"
     np.save(wide, np.random.default_rng(0).normal(size=(20, 2000)).astype(np.float32))  # 2000^2 x 16 B
     code, out, err = cli(["score", wide, "--metrics", "twonn", "--quiet"])

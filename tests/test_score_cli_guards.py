@@ -19,7 +19,7 @@ from test_score import make_run
 
 from geomscope.errors import InputError
 from geomscope.score import ScoreOptions
-from geomscope.score.executor import MAX_WORKERS
+from geomscope.score.resources import MAX_WORKERS
 
 #: a name a crafted run or report may hold: clear the screen, retitle the window (OSC ... BEL), and
 #: rich markup that would recolour the rest
@@ -207,7 +207,7 @@ def test_the_pool_starts_at_most_one_process_per_shard(run_dir, monkeypatch):
             started.append(max_workers)
             super().__init__(max_workers, *a, **k)
 
-    from geomscope.score import engine
+    from geomscope.score import engine, resources
 
     planned = {}
 
@@ -222,7 +222,7 @@ def test_the_pool_starts_at_most_one_process_per_shard(run_dir, monkeypatch):
     assert started == [3]  # 3 shards: 3 processes, not 30
     assert rep["params"]["workers"] == 30
     # the memory plan (2 results in flight per process) and the threads count the 3, not the 30
-    assert planned == {"threads": max(1, engine._usable_cores() // 3), "in_flight": 6}
+    assert planned == {"threads": max(1, resources.usable_cores() // 3), "in_flight": 6}
 
 
 # ------------------------------------------------------------------------------ 6. --memory-mb

@@ -1,5 +1,5 @@
 """``score --workers N``: its worker processes are forked where that is safe (Linux, torch not
-loaded, no HDF5 file open: executor.worker_start_method), else spawned; forked or spawned, the
+loaded, no HDF5 file open: resources.worker_start_method), else spawned; forked or spawned, the
 report is the same, bit for bit (the same tasks, merged in the same order)."""
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def test_spawned_while_torch_is_loaded():
 def test_start_method_falls_back_to_spawn_where_fork_is_unsafe(monkeypatch, tmp_path):
     import h5py
 
-    from geomscope.score.executor import worker_start_method
+    from geomscope.score.resources import worker_start_method
 
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.delitem(sys.modules, "torch", raising=False)

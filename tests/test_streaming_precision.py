@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from IsoScore import IsoScore as isp
 
-import geomscope.score.engine as engine
+import geomscope.score.resources as resources
 from geomscope.errors import InputError
 from geomscope.metrics import (
     Moments,
@@ -81,13 +81,13 @@ def _write_run(path, x, dtype, shards=3):
 
 def _score(path, threads, metrics=("isoscore", "isoscore_star", "spectrum"), **kw):
     """Score with the block statistics in ``threads`` threads (what the engine derives from the cores)."""
-    saved = engine._usable_cores
-    engine._usable_cores = lambda: threads
+    saved = resources.usable_cores
+    resources.usable_cores = lambda: threads
     try:
         opts = ScoreOptions(metrics=metrics, **kw)
         return score(path, opts)["layers"][0]
     finally:
-        engine._usable_cores = saved
+        resources.usable_cores = saved
 
 
 # ---------------------------------------------------------------------------- Moments itself

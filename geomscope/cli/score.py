@@ -254,7 +254,7 @@ def score_cmd(
     )
     from geomscope.score import ScoreOptions, score
     from geomscope.score.engine import check_memory_mb
-    from geomscope.score.executor import check_workers
+    from geomscope.score.resources import check_workers
 
     console = Console(stderr=True)
 

@@ -26,7 +26,7 @@ TwoNN / quantile samples depend only on row keys, so they are identical.
 forked from this process where that is safe (Dask's ``distributed.worker.multiprocessing-method`` =
 ``fork`` while they start) instead of spawned: a spawned worker starts a fresh interpreter and imports
 Dask and geomscope again (first task 0.69 s after the cluster was asked for, close 0.14 s), a forked
-one has them already. Safe means what it means for ``--workers`` (executor.worker_start_method: Linux,
+one has them already. Safe means what it means for ``--workers`` (resources.worker_start_method: Linux,
 torch not loaded, no HDF5 file open), so a library caller that has torch loaded, a notebook that
 extracted first, gets spawned workers. Forked workers are all awaited (the forks must be over before
 a pass starts, when this process runs no threads of geomscope's); of spawned ones the first, and tasks
@@ -63,7 +63,7 @@ from pathlib import Path
 
 from geomscope.errors import InputError
 from geomscope.score.accumulate import PassSpec, merge_parts, run_task
-from geomscope.score.executor import worker_start_method
+from geomscope.score.resources import check_workers, init_worker, worker_start_method
 from geomscope.score.sources import Task
 
 INSTALL_HINT = "pip install 'geomscope[dask]'"
@@ -101,9 +101,7 @@ def parse_scheduler(value) -> str:
         n = s[len("local:") :].strip()
         if not n.isdigit() or int(n) < 1:
             raise InputError(f"--scheduler local:N needs a whole number of workers N >= 1; got {s!r}")
-        from geomscope.score.executor import check_workers  # the bound --workers has: a typo forks
-
-        check_workers(int(n))
+        check_workers(int(n))  # the bound --workers has: a typo forks
         return f"local:{int(n)}"
     if low.startswith("tcp://"):
         host, sep, port = s[len("tcp://") :].rpartition(":")
@@ -156,9 +154,7 @@ def dask_run_chunk(tasks: list[Task], spec: PassSpec) -> dict:
     """What a Dask worker runs: consecutive tasks accumulated in order into ONE set of partial
     accumulators (as ``--workers 1`` accumulates), BLAS on one thread."""
     if not getattr(_limited, "done", False):
-        from geomscope.score.executor import _init_worker
-
-        _init_worker()  # env vars + threadpool_limits(1) for this thread's pools (kept, not a context)
+        init_worker()  # env vars + threadpool_limits(1) for this thread's pools (kept, not a context)
         _limited.done = True
     acc: dict = {}
     for t in tasks:

@@ -28,7 +28,6 @@ depend on the thread count.
 from __future__ import annotations
 
 import datetime as _dt
-import os
 from collections.abc import Callable
 
 import numpy as np
@@ -36,9 +35,9 @@ import numpy as np
 from geomscope.errors import DataError, InputError
 from geomscope.progress import Progress
 from geomscope.schema import REPORT_FORMAT, REPORT_FORMAT_VERSION
-from geomscope.score import compute, idest, outliers
+from geomscope.score import compute, idest, outliers, resources
 from geomscope.score.accumulate import PassSpec
-from geomscope.score.executor import Executor, make_executor, one_blas_thread
+from geomscope.score.executor import Executor, make_executor
 from geomscope.score.layer import LayerResult
 from geomscope.score.options import ScoreOptions
 from geomscope.score.sources import SourceInfo, open_source
@@ -65,15 +64,6 @@ def _has_special_flags(src) -> bool:
     """Whether ``src``'s rows say which are special tokens: a run's always do; an array's only where
     its format has a ``special`` column (a .npy or .h5 array never has)."""
     return src.kind == "run" or all("special" in t.meta for t in src.tasks)
-
-
-def _usable_cores() -> int:
-    import os
-
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 #: the largest --memory-mb (2^40 MiB = 1 EiB, far beyond any machine's memory): a budget must be a
@@ -119,7 +109,7 @@ def score(
     # each) and cores the threads below divide among them
     processes = max(1, min(opts.workers, len(src.tasks)))
     with (
-        one_blas_thread(),
+        resources.one_blas_thread(),
         make_executor(processes, opts.scheduler) as ex,
         Progress(enabled=progress) as prog,
     ):
@@ -141,7 +131,7 @@ class _Scorer:
         self.target, self.target_layer = self._parse_target()
         # the block statistics of a task run in threads (BLAS stays single-threaded in each): the
         # cores this process may use, shared among --workers processes; one per Dask task
-        self.threads = 1 if opts.scheduler else max(1, _usable_cores() // processes)
+        self.threads = 1 if opts.scheduler else max(1, resources.usable_cores() // processes)
 
     # -- passes ------------------------------------------------------------------------------
     def _pass(self, tasks, spec: PassSpec, desc: str, rows: int | None = None) -> dict:
@@ -513,19 +503,11 @@ class _Scorer:
         }
 
 
-def _physical_memory() -> int | None:
-    """This machine's memory in bytes, where the OS says (None elsewhere)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
 def _check_fits_in_memory(dim: int, groups: int) -> None:
     """A layer's D x D accumulators (one per jackknife group) and one block's D x D product are the
     least a pass holds, however the layers are batched and whatever is in flight: more than the
     machine's memory is one line before anything is allocated, not a MemoryError after minutes."""
-    total = _physical_memory()
+    total = resources.physical_memory()
     if total is None:
         return
     matrix = dim * dim * 8

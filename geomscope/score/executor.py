@@ -6,7 +6,7 @@ each task returns its partial accumulators, merged in task order as they become 
 memory does not grow with the number of shards and the numbers do not depend on timing; they equal
 one worker's to float64 rounding (a different but exact merge order).
 
-Worker processes are forked where that is safe (:func:`worker_start_method`: Linux, torch not
+Worker processes are forked where that is safe (resources.worker_start_method: Linux, torch not
 loaded, no HDF5 file open in this process), else spawned: a spawned worker starts a fresh
 interpreter and imports numpy, h5py and geomscope again (``--workers 2`` on the 200k-row run: 1.87 s
 spawned, 1.41 s forked). The pool forks its workers once, at the first task of the first pass, when
@@ -14,7 +14,7 @@ this process runs no threads of geomscope's (the thread pools of metrics/moments
 id, so a child never uses its parent's). BLAS runs on ONE thread in every worker process (and
 ``score`` limits this process too; a forked worker inherits BLAS already loaded, so the initializer
 limits it with threadpoolctl). The pool has ``--workers`` processes, but never more than the first
-pass has tasks (shards), and ``--workers`` is at most :data:`MAX_WORKERS`:
+pass has tasks (shards), and ``--workers`` is at most resources.MAX_WORKERS:
 parallelism comes from ``--workers`` -- processes over shards, threads over layers -- and, inside a
 task, from threads that each run single-threaded BLAS on their own blocks (``PassSpec.threads``:
 usable cores / workers; see metrics/moments.py). The products are small (blocks of a few thousand
@@ -29,70 +29,12 @@ client, so the numbers equal one worker's to float64 rounding. :func:`make_execu
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-from geomscope.errors import InputError
 from geomscope.score.accumulate import PassSpec, merge_parts, run_task, run_tasks
+from geomscope.score.resources import check_workers, init_worker, worker_start_method
 from geomscope.score.sources import Task
-
-#: the most --workers: a typo's 100000 would fork until the machine gives out; beyond the cores,
-#: more processes only share them (see :func:`check_workers`)
-MAX_WORKERS = 1024
-
-
-def check_workers(workers: int) -> int:
-    """``workers`` if at most :data:`MAX_WORKERS`; InputError (one line) otherwise."""
-    if workers > MAX_WORKERS:
-        raise InputError(
-            f"--workers must be at most {MAX_WORKERS}; got {workers} (this machine has "
-            f"{os.cpu_count() or 1} cores: more workers than cores pay only where reading waits on storage)"
-        )
-    return workers
-
-
-def _init_worker() -> None:
-    import signal
-    import threading
-
-    # a forked worker inherits the CLI's SIGTERM-as-Ctrl-C; the pool stops its workers with SIGTERM
-    # (a Dask worker runs this in one of its threads, where no handler can be set, nor was inherited)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[var] = "1"
-    try:
-        from threadpoolctl import threadpool_limits
-
-        threadpool_limits(1)
-    except ImportError:  # pragma: no cover - threadpoolctl comes with scikit-learn (scikit-dimension)
-        pass
-
-
-def worker_start_method() -> str:
-    """How score starts worker processes now: ``fork`` on Linux while neither torch is loaded (its
-    OpenMP pool does not survive a fork, and torch reads ``.pt``/``.safetensors`` inputs in the
-    workers) nor an HDF5 file open in this process (HDF5 shares one handle per file within a
-    process); else ``spawn`` -- always on macOS, whose system frameworks do not survive a fork."""
-    import sys
-
-    if not sys.platform.startswith("linux") or "torch" in sys.modules:
-        return "spawn"
-    h5py = sys.modules.get("h5py")
-    if h5py is not None and h5py.h5f.get_obj_count(h5py.h5f.OBJ_ALL, h5py.h5f.OBJ_FILE) > 0:
-        return "spawn"
-    return "fork"
-
-
-def one_blas_thread():
-    """A context in which BLAS/OpenMP pools use one thread (no-op without threadpoolctl)."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # pragma: no cover
-        return contextlib.nullcontext()
-    return threadpool_limits(1)
 
 
 class Executor:
@@ -124,7 +66,7 @@ class Executor:
             self.start_method = worker_start_method()
             self.processes = self.processes or self.workers
             self._pool = ProcessPoolExecutor(
-                self.processes, mp_context=mp.get_context(self.start_method), initializer=_init_worker
+                self.processes, mp_context=mp.get_context(self.start_method), initializer=init_worker
             )
         return self._pool
 

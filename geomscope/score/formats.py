@@ -273,9 +273,9 @@ def _npz_members(path: Path) -> dict[str, _Member]:
 def _whole_bytes_limit() -> int:
     """The most bytes of compressed Fortran-order members read whole into memory: a quarter of this
     machine's memory (the score's accumulators need the rest); 4 GiB where the OS does not say."""
-    from geomscope.score.engine import _physical_memory
+    from geomscope.score import resources
 
-    total = _physical_memory()
+    total = resources.physical_memory()
     return total // 4 if total else 4 << 30
 
 
