@@ -11,14 +11,14 @@ together (layers, spectrum, outliers, trajectory -- those the reports support).
 from __future__ import annotations
 
 import base64
-import html
 import io
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from geomscope.formatting import value_and_se
-from geomscope.schema import METRIC_LABELS, SCALAR_METRIC_NAMES, extra_id_keys
+from geomscope.htmltable import escape_html as _e  # short: it wraps every value of the page
+from geomscope.htmltable import number_html as _num
+from geomscope.htmltable import report_table_html
 
 #: what a page records as its generator: how a later ``report --html`` knows a file at its path for
 #: its own earlier page, which it replaces (fileio.ensure_replaceable)
@@ -43,55 +43,6 @@ figure{margin:1.5rem 0}figure img{max-width:100%;height:auto;border:1px solid #e
 figcaption{font-size:.85rem;color:#555}
 .notes li{font-size:.85rem}
 """.strip()
-
-
-def _e(v) -> str:
-    return html.escape("" if v is None else str(v))
-
-
-def _num(v) -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, (int,)) and not isinstance(v, bool):
-        return f"{v:,}"
-    if isinstance(v, float):
-        return f"{v:.4g}" if v == 0 or abs(v) >= 1e-3 else f"{v:.2e}"
-    return _e(v)
-
-
-def _table_metrics(report: dict) -> list[str]:
-    layers = report.get("layers", [])
-    keys = (*SCALAR_METRIC_NAMES, *extra_id_keys(layers))
-    return [m for m in keys if any(isinstance(e.get(m), (int, float)) for e in layers)]
-
-
-def report_table_html(report: dict) -> str:
-    """The per-layer table: every metric with a value in some layer, value over ± its SE, and the
-    outlier dimensions (the table a notebook shows for a report)."""
-    metrics = _table_metrics(report)
-    layers = report.get("layers", [])
-    head = "".join(f"<th>{_e(METRIC_LABELS.get(m, m))}</th>" for m in metrics)
-    with_out = any(e.get("outliers") for e in layers)
-    out = ["<table class='layers'><thead><tr><th>layer</th><th>rows</th>", head]
-    out.append("<th>outliers</th>" if with_out else "")
-    out.append("</tr></thead><tbody>")
-    for e in layers:
-        se = e.get("se") or {}
-        cells = []
-        for m in metrics:
-            value_text, se_text = value_and_se(e.get(m), se.get(m), digits=4)
-            if se_text is None:
-                cells.append(f"<td>{_num(e.get(m))}</td>")
-            else:
-                cells.append(f"<td>{_e(value_text)}<br><span class='se'>±{_e(se_text)}</span></td>")
-        dims = " ".join(str(d) for d in e.get("outliers") or [])
-        out.append(
-            f"<tr><td>{_e(e.get('layer'))}</td><td>{_num(e.get('n_rows'))}</td>{''.join(cells)}"
-            + (f"<td>{_e(dims)}</td>" if with_out else "")
-            + "</tr>"
-        )
-    out.append("</tbody></table>")
-    return "".join(out)
 
 
 def _title(report: dict) -> str:

@@ -182,7 +182,7 @@ class Report(dict):
         return pd.DataFrame(tidy, columns=["layer", "index", "n_rows", "metric", "value", "se"])
 
     def _repr_html_(self) -> str:
-        from geomscope.htmlreport import report_table_html
+        from geomscope.htmltable import report_table_html
 
         return report_table_html(self)
 

@@ -226,7 +226,7 @@ def test_terminal_table_rounds_each_value_to_its_se():
 
 
 def test_html_table_rounds_each_value_to_its_se():
-    from geomscope.htmlreport import report_table_html
+    from geomscope.htmltable import report_table_html
 
     page = report_table_html(_report_with_ses())
     assert "0.412<br><span class='se'>±0.016</span>" in page
