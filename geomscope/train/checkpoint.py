@@ -29,17 +29,18 @@ from pathlib import Path
 
 from geomscope.errors import InputError
 from geomscope.fileio import make_dirs, write_json_atomic, write_text_atomic
-from geomscope.train.lora import ADAPTER  # --lora: the final adapter
 
 CKPT = "checkpoint"
+#: --lora: the final adapter (``DIR/adapter/``), written first to its working directory
+ADAPTER, ADAPTER_TEMP = "adapter", ".adapter.tmp"
 MARKER = ".geomscope-finetune.json"
 #: the marker's record is complete (every path a run wrote); markers without it list exported files only
 MARKER_VERSION = 2
 #: what a finetune run writes besides the exported model files
 RUN_FILES = ("run.json", "steps.jsonl", "eval.jsonl", "summary.json", "label_map.json")
 #: geomscope's working directories in DIR: every run may write them
-INTERNAL = (CKPT, ".checkpoint.tmp", ".export.tmp", CKPT + ".old", ".adapter.tmp")
-_TEMPORARY = (".checkpoint.tmp", ".export.tmp", ".adapter.tmp")
+INTERNAL = (CKPT, ".checkpoint.tmp", ".export.tmp", CKPT + ".old", ADAPTER_TEMP)
+_TEMPORARY = (".checkpoint.tmp", ".export.tmp", ADAPTER_TEMP)
 SNAPSHOTS = "checkpoints"  # --save-every: checkpoints/step<N>/, each a save_pretrained directory
 _SNAPSHOT_NAME = re.compile(r"^\.?step(\d+)(\.tmp)?$")
 _TENSORS, _STATE = "trainer.safetensors", "trainer.json"
@@ -341,7 +342,7 @@ def save_checkpoint(
     alone is, and ``state.json`` says ``"resumable": false``."""
     from safetensors.torch import save_file
 
-    tmp = _fresh_dir(out / ".checkpoint.tmp")
+    tmp = fresh_dir(out / ".checkpoint.tmp")
     _save_model(model, tmp, weights)
     tokenizer.save_pretrained(tmp)
     if optimizer is None:
@@ -367,7 +368,7 @@ def _save_model(model, where: Path, weights: dict | None) -> None:
     model.save_pretrained(where, **({"state_dict": weights} if weights is not None else {}))
 
 
-def _fresh_dir(tmp: Path) -> Path:
+def fresh_dir(tmp: Path) -> Path:
     """An empty working directory of geomscope's own name (a link planted there is removed, never
     followed)."""
     if tmp.is_symlink() or tmp.is_file():
@@ -476,7 +477,7 @@ def export_model(out: Path, model, tokenizer, extra: dict[str, dict], weights: d
     already taken by an entry the marker does not record is refused, never replaced.
     ``weights``: the gathered state dict of a sharded model (see :func:`save_checkpoint`).
     """
-    tmp = _fresh_dir(out / ".export.tmp")
+    tmp = fresh_dir(out / ".export.tmp")
     _save_model(model, tmp, weights)
     tokenizer.save_pretrained(tmp)
     for name, obj in extra.items():
@@ -507,7 +508,7 @@ def save_snapshot(out: Path, model, tokenizer, step: int, weights: dict | None =
     if dest.is_dir():
         return dest
     record_outputs(out, [f"{SNAPSHOTS}/step{step}", f"{SNAPSHOTS}/.step{step}.tmp"])
-    tmp = _fresh_dir(out / SNAPSHOTS / f".step{step}.tmp")
+    tmp = fresh_dir(out / SNAPSHOTS / f".step{step}.tmp")
     _save_model(model, tmp, weights)
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, dest)

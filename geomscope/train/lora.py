@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 
 from geomscope.errors import InputError
+from geomscope.train.checkpoint import ADAPTER, ADAPTER_TEMP, export_model, fresh_dir, record_outputs
 
 ALIASES = {
     "q": ("query", "q_proj", "q_lin", "q"),
@@ -27,7 +28,6 @@ ALIASES = {
     "v": ("value", "v_proj", "v_lin", "v"),
     "o": ("o_proj", "out_proj", "out_lin", "o"),
 }
-ADAPTER = "adapter"
 
 
 def check_peft() -> None:
@@ -115,14 +115,12 @@ def trainable_names(model) -> list[str]:
 
 def export(out: Path, model, tokenizer, extra: dict) -> None:
     """Save the adapter to ``out/adapter/``, then export the merged model into ``out``."""
-    from geomscope.train import checkpoint as ck
-
-    tmp = ck._fresh_dir(out / ".adapter.tmp")
+    tmp = fresh_dir(out / ADAPTER_TEMP)
     model.save_pretrained(tmp)
-    ck.record_outputs(out, [ADAPTER])
+    record_outputs(out, [ADAPTER])
     dest = out / ADAPTER
     if dest.is_dir() and not dest.is_symlink():
         shutil.rmtree(dest)
     os.replace(tmp, dest)
     merged = model.merge_and_unload()
-    ck.export_model(out, merged, tokenizer, extra)
+    export_model(out, merged, tokenizer, extra)
