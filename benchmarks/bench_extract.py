@@ -201,8 +201,8 @@ def isolated_extract(n_docs: int, workdir: str, shard_docs: int = 1000, base_doc
     """
     work = Path(workdir)
     src = rss_corpus(n_docs, work, base_docs, repeat=bool(base_docs))
-    from geomscope.extract.models import load_model
     from geomscope.extract.run import extract
+    from geomscope.model.load import load_model
 
     lm = load_model("bundled:minilm", device="cpu")
     loaded = _vm_hwm_mb()
@@ -223,7 +223,7 @@ def isolated_plain(n_docs: int, workdir: str, shard_docs: int = 1000) -> dict:
 
     work = Path(workdir)
     src = make_corpus(n_docs, work / f"plain-{n_docs}.txt")
-    from geomscope.extract.models import load_model
+    from geomscope.model.load import load_model
 
     lm = load_model("bundled:minilm", device="cpu")
     try:
@@ -348,7 +348,7 @@ def run(quick: bool = False, rss: bool = True) -> list[dict]:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from geomscope.extract.models import load_model
+    from geomscope.model.load import load_model
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a shared 2-core machine: multi-threaded kernels would measure barrier stalls

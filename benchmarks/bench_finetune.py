@@ -37,11 +37,11 @@ from _common import print_rows  # noqa: E402
 def _setup(device: str, batch: int, n_batches: int, c0_points: int, precision: str = "fp32"):
     import torch
 
-    from geomscope.extract.models import bundled_minilm_dir
+    from geomscope.model.classifier import load_classifier
+    from geomscope.model.names import bundled_minilm_dir
     from geomscope.train import engine
     from geomscope.train.data import Encoded, build_label_map, load_table
     from geomscope.train.evaluate import compute_c0
-    from geomscope.train.model import load_classifier
     from geomscope.train.regularizers import CosReg, IStar
 
     path = bundled_minilm_dir()

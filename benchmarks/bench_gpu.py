@@ -133,7 +133,7 @@ def bert_large_shaped(work: Path) -> Path:
     import torch
     from transformers import BertConfig, BertModel
 
-    from geomscope.extract.models import bundled_minilm_dir
+    from geomscope.model.names import bundled_minilm_dir
 
     tok_dir = bundled_minilm_dir()
     out = work / "bert-large-shaped"
@@ -155,7 +155,7 @@ def bert_large_shaped(work: Path) -> Path:
 def extract_rows(
     dev, work: Path, quick: bool, repeats: int, batch_tokens=None, shard_docs: int = 1000, common: bool = True
 ) -> list[dict]:
-    from geomscope.extract.models import load_model
+    from geomscope.model.load import load_model
 
     if batch_tokens is None:  # a GPU wants larger batches than extract's default
         batch_tokens = 8192 if dev.type == "cpu" else 32768

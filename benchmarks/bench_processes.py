@@ -37,7 +37,7 @@ def _port() -> int:
 def _extract(cmd_prefix: list[str], corpus: Path, out: Path, shard_docs: int) -> tuple[float, dict]:
     import subprocess
 
-    from geomscope.extract.models import bundled_minilm_dir
+    from geomscope.model.names import bundled_minilm_dir
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):

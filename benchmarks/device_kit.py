@@ -82,7 +82,7 @@ def main(argv=None) -> Path:
     args = ap.parse_args(argv)
     kit = Path(args.kit)
     if args.action == "pack":
-        from geomscope.extract.models import bundled_minilm_dir
+        from geomscope.model.names import bundled_minilm_dir
 
         source = bundled_minilm_dir()
         if source is None:

@@ -123,7 +123,7 @@ STAGES = [
     ("geomscope.extract.capture", "Capture.device_rows", "cast and gather"),
     ("geomscope.extract.capture", "pad_right", "pad"),
     ("geomscope.extract.capture", "_to_device", "upload"),
-    ("geomscope.extract.models", "LoadedModel.hidden_states", "forward"),
+    ("geomscope.model.loaded", "LoadedModel.hidden_states", "forward"),
     ("geomscope.extract.capture", "row_meta", "row metadata"),
     ("geomscope.extract.capture", "start_host_copies", "queue host copies"),
     ("geomscope.extract.capture", "HostCopies.result", "wait for rows"),
@@ -471,7 +471,7 @@ def main(argv=None) -> dict:
 
     from bench_extract import forward_stubbed, make_corpus
 
-    from geomscope.extract.models import load_model
+    from geomscope.model.load import load_model
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="geomscope-profile-"))
     work.mkdir(parents=True, exist_ok=True)

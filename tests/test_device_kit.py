@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import device_kit  # noqa: E402
 
-from geomscope.extract.models import bundled_minilm_dir, load_model  # noqa: E402
+from geomscope.model.load import load_model  # noqa: E402
+from geomscope.model.names import bundled_minilm_dir  # noqa: E402
 
 pytestmark = pytest.mark.skipif(bundled_minilm_dir() is None, reason="needs the bundled MiniLM")
 
@@ -49,6 +50,6 @@ def test_pack_small_unpack_float32_and_the_same_forward(tmp_path):
 
     # with the kit first on the path, bundled:minilm is the kit's directory
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(kit), os.environ.get("PYTHONPATH", "")])}
-    code = "from geomscope.extract.models import bundled_minilm_dir; print(bundled_minilm_dir())"
+    code = "from geomscope.model.names import bundled_minilm_dir; print(bundled_minilm_dir())"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert Path(out.stdout.strip()) == model.resolve()

@@ -14,8 +14,8 @@ from helpers_models import SAMPLE_TEXTS, make_tiny_model, poison_token
 
 from geomscope.errors import DataError, InputError
 from geomscope.extract.layers import parse_layers
-from geomscope.extract.models import load_model
 from geomscope.extract.run import extract
+from geomscope.model.load import load_model
 from geomscope.store import Run, iter_shard
 
 TEXTS = SAMPLE_TEXTS + ["a <|endoftext|> inside the text", "  ", "", "The end."]
@@ -212,7 +212,7 @@ def test_independent_of_batch_size_and_padding_side(tmp_path, tiny, loaded, kind
 def test_bundled_minilm_matches_transformers(tmp_path):
     from transformers import AutoModel, AutoTokenizer
 
-    from geomscope.extract.models import bundled_minilm_dir, resolve_model
+    from geomscope.model.names import bundled_minilm_dir, resolve_model
 
     sents = [
         "A man is playing a guitar.",

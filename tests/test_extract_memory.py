@@ -11,8 +11,8 @@ import pytest
 from helpers_models import SAMPLE_TEXTS, make_tiny_model
 
 import geomscope.extract.capture as capture
-from geomscope.extract.models import load_model
 from geomscope.extract.run import extract
+from geomscope.model.load import load_model
 from geomscope.store import Run, iter_shard
 
 TEXTS = [t for t in SAMPLE_TEXTS if t.strip()] * 3  # enough documents for several shards

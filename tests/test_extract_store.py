@@ -17,8 +17,8 @@ from helpers_models import SAMPLE_TEXTS, make_tiny_model
 import geomscope.extract.run as run_mod
 import geomscope.extract.storing as storing
 from geomscope.extract import capture as cap
-from geomscope.extract.models import load_model
 from geomscope.extract.run import extract
+from geomscope.model.load import load_model
 from geomscope.store import Run, iter_shard
 from geomscope.store.shard import ShardWriter
 

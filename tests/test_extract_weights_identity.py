@@ -11,7 +11,7 @@ from helpers_models import make_tiny_model
 
 from geomscope.errors import InputError
 from geomscope.extract import extract
-from geomscope.extract.models import WEIGHTS_KEY, weights_fingerprint
+from geomscope.model.fingerprint import WEIGHTS_KEY, weights_fingerprint
 from geomscope.store import Run
 
 TEXTS = [f"sentence {i} about the cat and the dog" for i in range(12)]
@@ -74,7 +74,7 @@ def test_a_resume_with_weights_changed_in_the_middle_is_refused(tmp_path):
 def test_a_run_from_before_whole_file_fingerprints_still_resumes(tmp_path):
     """Runs made before recorded weights_sha256 (the first and last 64 KiB): compared on that, they
     resume; they were all refused as made with other weights."""
-    from geomscope.extract.models import legacy_weights_fingerprint
+    from geomscope.model.fingerprint import legacy_weights_fingerprint
 
     model = make_tiny_model("bert", tmp_path / "models", hidden_size=64, intermediate_size=128)
     src = tmp_path / "in.txt"

@@ -205,7 +205,7 @@ def _same_manifest(got_dir, ref_dir, got_summary, ref_summary):
 
 
 def _load(path, device, **kw):
-    from geomscope.extract.models import load_model
+    from geomscope.model.load import load_model
 
     return load_model(str(path), device=device, **kw)
 
@@ -543,10 +543,10 @@ def classifier(tmp_path_factory):
 def _steps(classifier, device, precision, reg_name, n_steps=2):
     """``n_steps`` train_step records on ``device`` from the same init and batches, with the first
     step's gradients (read as the optimizer sees them), and C0 when I-STAR uses one."""
+    from geomscope.model.classifier import load_classifier
     from geomscope.train import engine
     from geomscope.train.data import Encoded, load_table
     from geomscope.train.evaluate import compute_c0
-    from geomscope.train.model import load_classifier
     from geomscope.train.regularizers import CosReg, IStar
     from geomscope.train.step import train_step
 

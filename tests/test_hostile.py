@@ -822,7 +822,7 @@ def test_a_checkpoint_whose_weights_need_pickle_is_one_line_and_never_loaded(cli
 def test_damaged_training_inputs_are_one_line(cli, tmp_path):
     """A saved dataset whose dataset_dict.json or state.json was damaged, a QA answer_start that is not
     a finite number, a --revisions file that is not text: one line each (they were tracebacks)."""
-    from geomscope.extract.revisions import resolve_revisions
+    from geomscope.model.revisions import resolve_revisions
     from geomscope.train.data import load_table
     from geomscope.train.qa import load_qa
 
@@ -893,7 +893,7 @@ def test_a_pipe_read_by_several_readers_is_refused_before_anyone_reads(tmp_path)
 def test_embedding_weights_that_need_pickle_are_refused_not_loaded(tmp_path):
     """score --metrics partition reads a run's embedding matrices from its checkpoint: a
     pytorch_model.bin holding more than tensors is one line, and nothing in it runs."""
-    from geomscope.extract.embeddings import _Weights
+    from geomscope.model.embeddings import _Weights
 
     marker = tmp_path / "PWNED"
     ckpt = tmp_path / "ckpt"

@@ -173,7 +173,7 @@ def test_a_file_url_to_a_run_holding_a_link_is_refused(run, tmp_path):
 @pytest.fixture(scope="module")
 def kept(tmp_path_factory):
     from geomscope.extract import extract
-    from geomscope.extract.models import bundled_minilm_dir
+    from geomscope.model.names import bundled_minilm_dir
 
     assert bundled_minilm_dir().exists()
     root = tmp_path_factory.mktemp("kept")

@@ -1,4 +1,4 @@
-"""Every path that takes a MODEL resolves it the same way (extract.models.resolve_model): the bundled
+"""Every path that takes a MODEL resolves it the same way (model.names.resolve_model): the bundled
 alias, a local directory, a glob of one checkpoint, a hub name; `finetune --dry-run` checks what a run
 checks before it trains; a hub name that does not resolve (or no network) is one line at once.
 
@@ -114,7 +114,7 @@ def test_extract_takes_bundled_minilm_and_a_glob_of_one_checkpoint(cli, tmp_path
     one = bundled_minilm_dir().parent / "mode?"  # matches the package's model/ directory only
     code, _, err = cli(["extract", str(one), text, "--out", tmp_path / "b", *common])
     assert code == 0, err
-    from geomscope.extract.models import WEIGHTS_KEY
+    from geomscope.model.fingerprint import WEIGHTS_KEY
 
     ids = [json.loads((tmp_path / r / "manifest.json").read_text())["identity"]["model"] for r in "ab"]
     assert ids[0]["name"] == "sentence-transformers/all-MiniLM-L6-v2"
@@ -246,7 +246,8 @@ def test_hub_check_says_each_failure_in_one_line(monkeypatch, tmp_path):
     import huggingface_hub
     from huggingface_hub import constants, errors
 
-    from geomscope.extract import models
+    from geomscope.errors import InputError
+    from geomscope.model import hub, names
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "0")
@@ -270,18 +271,18 @@ def test_hub_check_says_each_failure_in_one_line(monkeypatch, tmp_path):
         (OSError("Name or service not known"), "cannot reach the Hugging Face hub"),
     ]:
         answer(exc)
-        with pytest.raises(models.InputError) as e:
-            models.resolve_model("org/name", "v9")
+        with pytest.raises(InputError) as e:
+            names.resolve_model("org/name", "v9")
         msg = str(e.value)
         assert needle in msg and "HF_HUB_OFFLINE=1" in msg and "local model directory" in msg, msg
     assert all(t <= 5 and retry is False for _, t, retry in calls) and "org/name" in calls[0][0]
     answer(None)
     calls.clear()
-    monkeypatch.setattr(models, "_HUB_CHECKED", set())
+    monkeypatch.setattr(hub, "_HUB_CHECKED", set())
     for _ in range(2):
-        assert models.resolve_model("org/name")[1]["source"] == "hub"
+        assert names.resolve_model("org/name")[1]["source"] == "hub"
     assert len(calls) == 1
-    assert models.resolve_model("org/other", reach_hub=False)[0] == "org/other" and len(calls) == 1
+    assert names.resolve_model("org/other", reach_hub=False)[0] == "org/other" and len(calls) == 1
 
 
 def test_a_cached_model_without_network_loads_from_the_cache(monkeypatch, tmp_path, capsys):
@@ -291,12 +292,13 @@ def test_a_cached_model_without_network_loads_from_the_cache(monkeypatch, tmp_pa
     from helpers_models import hf_cache_with
     from huggingface_hub import constants
 
-    from geomscope.extract import models
+    from geomscope.errors import InputError
+    from geomscope.model import hub, names
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "0")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(models, "_HUB_CHECKED", set())
+    monkeypatch.setattr(hub, "_HUB_CHECKED", set())
     hf_cache_with(bundled_minilm_dir(), tmp_path / "hub", "org/cached", weights=False)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
 
@@ -304,8 +306,8 @@ def test_a_cached_model_without_network_loads_from_the_cache(monkeypatch, tmp_pa
         raise OSError("Name or service not known")
 
     monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", unreachable)
-    with pytest.raises(models.InputError, match="cannot reach"):
-        models.resolve_model("org/uncached")
-    assert models.resolve_model("org/cached")[1]["source"] == "hub"
-    assert constants.HF_HUB_OFFLINE is True and models.offline_mode()
+    with pytest.raises(InputError, match="cannot reach"):
+        names.resolve_model("org/uncached")
+    assert names.resolve_model("org/cached")[1]["source"] == "hub"
+    assert constants.HF_HUB_OFFLINE is True and hub.offline_mode()
     assert "note: the Hugging Face hub cannot be reached" in capsys.readouterr().err

@@ -209,8 +209,8 @@ def test_profiled_extract_times_every_stage_where_it_runs(tiny_bert, tmp_path):
     from bench_extract import make_corpus
 
     from geomscope.extract.capture import Capture
-    from geomscope.extract.models import load_model
     from geomscope.extract.run import extract
+    from geomscope.model.load import load_model
 
     lm = load_model(str(tiny_bert), device="cpu")
     corpus = make_corpus(120, tmp_path / "corpus.txt")
@@ -249,7 +249,7 @@ def test_profiled_branch_runs_on_the_cpu(tiny_bert, tmp_path):
     the main thread's stage calls, no GPU work is said as such, and the trace is written."""
     from bench_extract import make_corpus
 
-    from geomscope.extract.models import load_model
+    from geomscope.model.load import load_model
 
     lm = load_model(str(tiny_bert), device="cpu")
     corpus = make_corpus(60, tmp_path / "corpus.txt")

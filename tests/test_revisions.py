@@ -10,7 +10,7 @@ import json
 import pytest
 from helpers_models import SAMPLE_TEXTS, hf_cache_with, make_tiny_model
 
-from geomscope.extract.revisions import PRESETS, resolve_revisions
+from geomscope.model.revisions import PRESETS, resolve_revisions
 
 REPO = "tiny-org/tiny-neox"
 STEPS = ("step0", "step1000", "step3000")
@@ -127,7 +127,7 @@ def _fake_hub_repo(root, commits_files: dict[str, dict[str, bytes]]):
 
 
 def test_drop_snapshot_frees_only_unshared_blobs(tmp_path):
-    from geomscope.extract.revisions import drop_snapshot
+    from geomscope.model.hub import drop_snapshot
 
     repo = _fake_hub_repo(
         tmp_path,
@@ -154,7 +154,7 @@ def test_drop_weights_keeps_what_was_cached_and_drops_what_was_downloaded(hub, t
     shutil.copytree(cache, mine, symlinks=True)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     opts = ExtractOptions(cache_dir=str(mine))
-    revs = rv.resolve_revisions(REPO, "step0,step1000")
+    revs = resolve_revisions(REPO, "step0,step1000")
     res = rv.extract_revisions(REPO, [text], tmp_path / "kept", revs, opts, drop_weights=True)
     assert [r["dropped_bytes"] for r in res["runs"]] == [0, 0]  # in the cache before: never deleted
     snaps = mine / ("models--" + REPO.replace("/", "--")) / "snapshots"

@@ -90,7 +90,7 @@ def test_another_architectures_weights_are_refused(bert, text, tmp_path, cli):
 def test_what_adds_no_hidden_state_may_be_absent(tmp_path):
     """BERT's pooler (a masked-LM checkpoint has none) and a tied LM head (not stored) load; a head
     the gradients need is still refused by check_head, with its own message."""
-    from geomscope.extract.models import load_model
+    from geomscope.model.load import load_model
 
     mlm = make_tiny_head_model("bert", "masked-lm", tmp_path)
     assert load_model(str(mlm), device="cpu").info["architecture"] == "BertModel"
@@ -154,7 +154,7 @@ def test_revisions_sweep_goes_on_past_a_damaged_checkpoint(bert, text, tmp_path,
 
 
 def test_bare_revision_of_a_hub_model_is_never_a_folder_here(tmp_path, monkeypatch):
-    from geomscope.extract.revisions import resolve_revisions
+    from geomscope.model.revisions import resolve_revisions
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "step1000").mkdir()
@@ -175,7 +175,7 @@ def test_bare_revision_of_a_hub_model_is_never_a_folder_here(tmp_path, monkeypat
 
 
 def test_fingerprint_covers_adapter_config(bert, tmp_path):
-    from geomscope.extract.models import weights_fingerprint
+    from geomscope.model.fingerprint import weights_fingerprint
 
     d = _copy(bert, tmp_path / "adapted")
     bare = weights_fingerprint(d)
@@ -190,15 +190,15 @@ def test_fingerprint_covers_adapter_config(bert, tmp_path):
 
 
 def test_ref_with_trailing_newline_finds_its_snapshot(hub, tmp_path, monkeypatch):
-    from geomscope.extract.models import _cached_snapshot
+    from geomscope.model.hub import cached_snapshot
 
     cache = tmp_path / "cache"
     shutil.copytree(hub, cache, symlinks=True)
     repo = cache / ("models--" + REPO.replace("/", "--"))
     (repo / "refs" / "step0").write_text(f"{0:040x}\n")  # written by hand
-    assert _cached_snapshot(REPO, "step0", str(cache)) == repo / "snapshots" / f"{0:040x}"
+    assert cached_snapshot(REPO, "step0", str(cache)) == repo / "snapshots" / f"{0:040x}"
     (repo / "refs" / "step0").write_text("../../../step1000\n")  # a ref is never a path to follow
-    assert _cached_snapshot(REPO, "step0", str(cache)) is None
+    assert cached_snapshot(REPO, "step0", str(cache)) is None
     (repo / "refs" / "step0").write_text(f"{0:040x}\n")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from geomscope.extract.run import extract
@@ -210,12 +210,12 @@ def test_ref_with_trailing_newline_finds_its_snapshot(hub, tmp_path, monkeypatch
 
 
 def test_offline_load_of_an_unidentified_snapshot_is_refused(hub, monkeypatch):
-    from geomscope.extract import models
+    from geomscope.model import load
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(models, "_cached_snapshot", lambda *a, **k: None)  # the cache's refs unreadable
+    monkeypatch.setattr(load, "cached_snapshot", lambda *a, **k: None)  # the cache's refs unreadable
     with pytest.raises(InputError, match="names no snapshot folder"):
-        models.load_model(REPO, revision="step0", cache_dir=str(hub), device="cpu")
+        load.load_model(REPO, revision="step0", cache_dir=str(hub), device="cpu")
 
 
 # -- --drop-weights keeps a snapshot that was in the cache before the call ---------------------------
@@ -227,6 +227,7 @@ def test_drop_weights_keeps_a_snapshot_a_new_ref_shares(hub, text, tmp_path, mon
     from geomscope.extract import revisions as rv
     from geomscope.extract import run as run_module
     from geomscope.extract.options import ExtractOptions
+    from geomscope.model.revisions import resolve_revisions
 
     cache = tmp_path / "cache"
     shutil.copytree(hub, cache, symlinks=True)
@@ -241,7 +242,7 @@ def test_drop_weights_keeps_a_snapshot_a_new_ref_shares(hub, text, tmp_path, mon
     monkeypatch.setattr(run_module, "extract", downloading_main)
     opts = ExtractOptions(cache_dir=str(cache))
     res = rv.extract_revisions(
-        REPO, [text], tmp_path / "runs", rv.resolve_revisions(REPO, "main"), opts, drop_weights=True
+        REPO, [text], tmp_path / "runs", resolve_revisions(REPO, "main"), opts, drop_weights=True
     )
     assert res["runs"][0]["status"] == "done" and res["runs"][0]["dropped_bytes"] == 0
     assert (repo / "snapshots" / f"{1:040x}" / "model.safetensors").exists()
@@ -335,7 +336,7 @@ def test_inspect_refuses_mistyped_manifest_fields(
 
 def test_random_tensors_refused_whatever_transformers_reports_them_as():
     """transformers 4 lists mismatched_keys as (key, checkpoint shape, model shape); 5 raises."""
-    from geomscope.extract.models import _refuse_random_weights
+    from geomscope.model.load_errors import refuse_random_weights
 
     class Model:
         config = type("Config", (), {"model_type": "bert"})()
@@ -343,15 +344,15 @@ def test_random_tensors_refused_whatever_transformers_reports_them_as():
     with pytest.raises(
         InputError, match=r"have another shape for 1 tensor\(s\) of the bert architecture \(a\.w\)"
     ):
-        _refuse_random_weights(Model(), {"missing_keys": [], "mismatched_keys": [("a.w", (3,), (4,))]}, "m")
-    _refuse_random_weights(Model(), {"missing_keys": set(), "mismatched_keys": set()}, "m")
+        refuse_random_weights(Model(), {"missing_keys": [], "mismatched_keys": [("a.w", (3,), (4,))]}, "m")
+    refuse_random_weights(Model(), {"missing_keys": set(), "mismatched_keys": set()}, "m")
 
 
 # -- --cache-dir reaches the message of a revision the cache lacks ------------------------------------
 
 
 def test_missing_revision_names_those_of_the_cache_dir(hub, tmp_path, monkeypatch):
-    from geomscope.extract.models import load_model
+    from geomscope.model.load import load_model
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))  # the default cache: empty

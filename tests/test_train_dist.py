@@ -85,9 +85,9 @@ def _worker(rank, tmp, payload):
         res[f"grad{case}"] = [p.grad.clone() for p in lin.parameters()]
         lin.zero_grad()
     # C0 over a tiny model
+    from geomscope.model.classifier import load_classifier
     from geomscope.train.data import Encoded, load_table
     from geomscope.train.evaluate import compute_c0
-    from geomscope.train.model import load_classifier
 
     t = load_table(payload["train"])
     m, tok, _ = load_classifier(payload["model"], {"negative": 0, "positive": 1}, lambda s: None)
@@ -149,9 +149,9 @@ def test_two_processes_match_one(tmp_path):
     # (2) C0: bitwise identical on the ranks, equal to the one-process C0 of all examples
     assert torch.equal(r[0]["C0"], r[1]["C0"]) and r[0]["C0_n"] == r[1]["C0_n"]
     from geomscope import distributed as dd
+    from geomscope.model.classifier import load_classifier
     from geomscope.train.data import Encoded, load_table
     from geomscope.train.evaluate import compute_c0
-    from geomscope.train.model import load_classifier
 
     m, tok, _ = load_classifier(model, {"negative": 0, "positive": 1}, lambda s: None)
     enc = Encoded(tok, load_table(train), {"negative": 0, "positive": 1}, 64)

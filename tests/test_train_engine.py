@@ -253,9 +253,9 @@ def _lockstep_worker(rank, tmp, payload):
     import torch.distributed as dist
 
     from geomscope import distributed as dd
+    from geomscope.model.classifier import load_classifier
     from geomscope.train.data import Encoded, load_table
     from geomscope.train.evaluate import compute_c0, evaluate
-    from geomscope.train.model import load_classifier
 
     torch.set_num_threads(1)
     os.environ["LOCAL_RANK"] = str(rank)
@@ -589,9 +589,9 @@ def test_max_grad_norm_clips_the_global_norm_and_logs_it(data):
     import torch
     import torch.nn.functional as F
 
+    from geomscope.model.classifier import load_classifier
     from geomscope.train import engine
     from geomscope.train.data import Encoded, load_table
-    from geomscope.train.model import load_classifier
     from geomscope.train.step import train_step
 
     labels = {"negative": 0, "positive": 1}

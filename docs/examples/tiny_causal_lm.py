@@ -15,7 +15,7 @@ def main(out: str) -> None:
     import torch
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-    from geomscope.extract.models import bundled_minilm_dir
+    from geomscope.model.names import bundled_minilm_dir
 
     dest = Path(out)
     if (dest / "config.json").exists():

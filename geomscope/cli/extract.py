@@ -232,7 +232,8 @@ def extract_cmd(
         )
         if revisions is not None:
             from geomscope.errors import InputError
-            from geomscope.extract.revisions import extract_revisions, resolve_revisions
+            from geomscope.extract.revisions import extract_revisions
+            from geomscope.model.revisions import resolve_revisions
 
             if revision is not None:
                 raise InputError("give either --revision (one checkpoint) or --revisions (many), not both")

@@ -1,4 +1,5 @@
-"""Extraction: model + tokenizer loading, text sources, batching, hidden-state capture, the orchestration.
+"""Extraction: text sources, batching, hidden-state capture, the orchestration (the model comes from
+:mod:`geomscope.model`).
 
 The public entry point is :func:`geomscope.extract.run.extract` (re-exported here lazily so that
 importing the package stays light).
@@ -6,7 +7,7 @@ importing the package stays light).
 
 from __future__ import annotations
 
-__all__ = ["ExtractOptions", "extract", "load_model", "resolve_model", "parse_layers"]
+__all__ = ["ExtractOptions", "extract", "parse_layers"]
 
 
 def __getattr__(name):
@@ -14,10 +15,6 @@ def __getattr__(name):
         from geomscope.extract.run import extract
 
         return extract
-    if name in ("load_model", "resolve_model"):
-        from geomscope.extract import models
-
-        return getattr(models, name)
     if name == "ExtractOptions":
         from geomscope.extract.options import ExtractOptions
 

@@ -1,131 +1,25 @@
 """Many checkpoints of one model, one run each: ``extract MODEL INPUT --revisions SPEC --out DIR``.
 
-``SPEC`` is a comma list of hub revisions (``step0,step7000``), a preset (:data:`PRESETS`), a text
-file with one revision per line, or local checkpoint directories (a glob such as
-``ft_out/checkpoints/*``, or a comma list of directories). Each revision is extracted with the same
-options into ``DIR/<name>/`` (the revision, or the checkpoint directory's name), one after another,
-each model freed before the next. A finished run is skipped on rerun when it was asked for exactly
-as now (:func:`_skip`: the model's files or commit, the inputs' hashes and the options, compared
-without loading the model); otherwise the revision is extracted as a single extract would: an
-unfinished run resumes, a finished one is found complete, one made differently is refused naming
-the differences (``--overwrite`` redoes them all). A revision that fails is reported and the others
-go on; the call then fails naming every failed revision, with the finished runs intact.
+``SPEC`` names the checkpoints (:func:`geomscope.model.revisions.resolve_revisions`). Each revision
+is extracted with the same options into ``DIR/<name>/`` (the revision, or the checkpoint directory's
+name), one after another, each model freed before the next. A finished run is skipped on rerun when
+it was asked for exactly as now (:func:`_skip`: the model's files or commit, the inputs' hashes and
+the options, compared without loading the model); otherwise the revision is extracted as a single
+extract would: an unfinished run resumes, a finished one is found complete, one made differently
+is refused naming the differences (``--overwrite`` redoes them all). A revision that fails is
+reported and the others go on; the call then fails naming every failed revision, with the finished
+runs intact.
 """
 
 from __future__ import annotations
 
 import gc
-import os
-import re
-import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 from geomscope.errors import GeomscopeError, InputError
 from geomscope.fileio import make_dirs
-
-#: Machina & Mercer (NAACL 2024), as their released code lists the Pythia revisions:
-#: step0 and step{int(i * 143 / 20)}000 for i = 1..20 (step7000 ... step143000).
-PRESETS = {"pythia-mm21": ("step0", *(f"step{int(i * 143 / 20)}000" for i in range(1, 21)))}
-
-_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
-
-
-@dataclass(frozen=True)
-class Revision:
-    """One checkpoint to extract: ``model`` at hub ``revision`` (None for a local directory), into
-    the run directory named ``name``."""
-
-    name: str
-    model: str
-    revision: str | None
-
-
-def _safe_name(label: str) -> str:
-    name = _SAFE.sub("_", label).strip("._") or "revision"
-    return name
-
-
-def _is_glob(item: str) -> bool:
-    from geomscope.extract.models import _is_glob as is_glob
-
-    return is_glob(item)
-
-
-def _is_hub_id(model: str) -> bool:
-    """Whether a revision of ``model`` is a hub revision, as extract's resolver reads the pair (a
-    local directory and bundled:minilm have none; an alias of the bundled model at a revision is its
-    hub repository). A name that cannot be a model is not one: extract reports it."""
-    from geomscope.extract.models import resolve_model
-
-    try:
-        return resolve_model(model, "any-revision", reach_hub=False)[1]["source"] == "hub"
-    except InputError:
-        return False
-
-
-def _is_bare(item: str) -> bool:
-    """A name with no path in it (``step1000``): of a hub model, a revision, whatever the cwd holds."""
-    return "/" not in item and "\\" not in item and not item.startswith((".", "~"))
-
-
-def resolve_revisions(model: str, spec: str) -> list[Revision]:
-    """The checkpoints ``spec`` names (see the module docstring); InputError (one line) for an empty
-    list, a glob that matches no directory, or two revisions that would share a run directory.
-
-    Of a hub model, a bare name (no ``/``, not starting with ``.`` or ``~``) is a revision: a folder
-    of that name in the current directory once replaced ``org/model@step1000`` silently; when one
-    exists, the ambiguity is refused (``./step1000`` names the folder)."""
-    from geomscope.extract.models import checkpoint_dirs
-
-    spec = (spec or "").strip()
-    if spec in PRESETS:
-        items = list(PRESETS[spec])
-    elif spec and not _is_glob(spec) and "," not in spec and Path(spec).is_file():
-        try:
-            lines = Path(spec).read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            raise InputError(
-                f"--revisions file {spec} cannot be read as UTF-8 text ({e}); one revision per line"
-            ) from None
-        items = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
-    else:
-        items = [s.strip() for s in spec.split(",") if s.strip()]
-    out: list[Revision] = []
-    hub = _is_hub_id(model)
-    for item in items:
-        if _is_glob(item):
-            dirs = checkpoint_dirs(item)
-            if not dirs:
-                raise InputError(f"--revisions {item!r} matches no directory; give checkpoint directories")
-            out += [Revision(_safe_name(d.name), str(d), None) for d in dirs]
-        elif hub and _is_bare(item):
-            if Path(item).is_dir():
-                raise InputError(
-                    f"--revisions {item!r} is both a revision of {model} and a folder here; write "
-                    f"./{item} for the folder, or run from another directory for the revision"
-                )
-            out.append(Revision(_safe_name(item), model, item))
-        elif Path(item).is_dir():
-            out.append(Revision(_safe_name(Path(item).name), item, None))
-        else:
-            out.append(Revision(_safe_name(item), model, item))
-    if not out:
-        presets = ", ".join(PRESETS)
-        raise InputError(
-            f"--revisions {spec!r} names no revision; give a comma list, a file, a glob of "
-            f"checkpoint directories, or a preset ({presets})"
-        )
-    seen: dict[str, str] = {}
-    for r in out:
-        label = r.revision or r.model
-        if r.name in seen and seen[r.name] != label:
-            raise InputError(
-                f"--revisions: {seen[r.name]} and {label} would share the run directory {r.name}/; "
-                "give them distinct names"
-            )
-        seen[r.name] = label
-    return list({r.name: r for r in out}.values())
+from geomscope.model.hub import cached_snapshot, drop_snapshot, snapshot_names
+from geomscope.model.revisions import Revision
 
 
 def _snapshots_present(rev: Revision, cache_dir: str | None) -> set[str] | None:
@@ -133,13 +27,7 @@ def _snapshots_present(rev: Revision, cache_dir: str | None) -> set[str] | None:
     checkpoint directory, or a cache that cannot be listed)."""
     if rev.revision is None:
         return None
-    from geomscope.extract.models import repo_cache_dir
-
-    try:
-        folder = repo_cache_dir(rev.model, cache_dir) / "snapshots"
-        return {p.name for p in folder.iterdir()} if folder.is_dir() else set()
-    except (OSError, ImportError, ValueError):
-        return None
+    return snapshot_names(rev.model, cache_dir)
 
 
 def _drop(rev: Revision, cache_dir: str | None, present_before: set[str] | None, say, label: str) -> int:
@@ -244,47 +132,10 @@ def _free() -> None:
 
 
 def _snapshot(rev: Revision, cache_dir: str | None) -> Path | None:
+    """The hub-cache snapshot of a hub revision (None for a local directory, or one not cached)."""
     if rev.revision is None:
         return None
-    from geomscope.extract.models import _cached_snapshot
-
-    return _cached_snapshot(rev.model, rev.revision, cache_dir)
-
-
-def drop_snapshot(snap: Path) -> int:
-    """Delete one hub-cache snapshot directory and the blobs that no other snapshot of the repository
-    links to; return the bytes freed. Anything that does not look like a hub cache entry
-    (``models--*/snapshots/<commit>``) is left alone and 0 returned."""
-    snap = Path(snap)
-    repo = snap.parent.parent
-    if snap.parent.name != "snapshots" or not repo.name.startswith("models--") or snap.is_symlink():
-        return 0
-    blobs = (repo / "blobs").resolve()
-
-    def targets(root: Path) -> set[Path]:
-        out = set()
-        for f in root.rglob("*"):
-            if f.is_symlink():
-                t = Path(os.path.realpath(f))
-                if t.parent == blobs:
-                    out.add(t)
-        return out
-
-    mine = targets(snap)
-    others: set[Path] = set()
-    for other in (repo / "snapshots").iterdir():
-        if other != snap and other.is_dir() and not other.is_symlink():
-            others |= targets(other)
-    freed = 0
-    for t in mine - others:
-        if t.is_file():
-            freed += t.stat().st_size
-            t.unlink()
-    for f in snap.rglob("*"):  # files stored in the snapshot itself (no blob)
-        if f.is_file() and not f.is_symlink():
-            freed += f.stat().st_size
-    shutil.rmtree(snap)
-    return freed
+    return cached_snapshot(rev.model, rev.revision, cache_dir)
 
 
 def extract_revisions(

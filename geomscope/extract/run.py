@@ -123,7 +123,7 @@ def extract(
     """Run ``model`` over ``inputs`` and store the requested layers' token rows in the run directory ``out``.
 
     ``model``: a local directory, a hub name (at ``options.revision``), ``bundled:minilm``, or a
-    :class:`~geomscope.extract.models.LoadedModel` (then revision, dtype, device, stack and
+    :class:`~geomscope.model.loaded.LoadedModel` (then revision, dtype, device, stack and
     trust_remote_code are the ones it was loaded with). ``options``: an :class:`ExtractOptions`;
     keyword ``overrides`` replace its fields (``extract(m, [f], out, shard_docs=10)``). Returns the
     summary dict that ``geomscope extract --json`` prints. Raises InputError for bad input (nothing
@@ -305,28 +305,14 @@ def run_request(model, ins, opts: ExtractOptions) -> dict | None:
     commit the local cache resolves it to (None when not cached; extract records the commit it
     loaded). ``ins``: hashed (hash_input), as the identity records them. None for a model given
     loaded, or files that cannot be read (that run is then never skipped)."""
-    from geomscope.extract.models import (
-        LoadedModel,
-        _cached_snapshot,
-        _commit,
-        resolve_model,
-        tokenizer_fingerprint,
-        weights_fingerprint,
-    )
+    from geomscope.model.identity import model_request
+    from geomscope.model.loaded import LoadedModel
 
     if isinstance(model, LoadedModel):
         return None
     # no hub request: a revision the cache no longer holds is compared by name (request_differences)
-    target, info = resolve_model(str(model), opts.revision, reach_hub=False)
-    rec = {k: info.get(k) for k in ("name", "source", "revision", "package")}
-    try:
-        if info.get("path"):
-            path = Path(info["path"])
-            rec.update(weights=weights_fingerprint(path), tokenizer=tokenizer_fingerprint(path))
-        else:
-            snap = _cached_snapshot(target, opts.revision, opts.cache_dir)
-            rec["commit"] = _commit({"path": str(snap)} if snap else {}, opts.revision)
-    except OSError:
+    rec = model_request(str(model), opts.revision, opts.cache_dir)
+    if rec is None:
         return None
     asked = {k: v for k, v in opts.to_dict().items() if k not in _NOT_REQUESTED}
     # as JSON holds it (tuples are lists), so that a stored request compares equal
@@ -350,7 +336,8 @@ def request_differences(stored, now: dict) -> list[str]:
 
 
 def _load(model, opts: ExtractOptions):
-    from geomscope.extract.models import LoadedModel, load_model
+    from geomscope.model.load import load_model
+    from geomscope.model.loaded import LoadedModel
 
     if isinstance(model, LoadedModel):
         return model
@@ -502,7 +489,7 @@ def _as_the_run_fingerprints(identity: dict, lm, out: Path) -> dict:
     """``identity`` with the weights fingerprinted as the run in ``out`` records them: a run made
     before whole files were hashed holds ``weights_sha256`` (their first and last 64 KiB), and is
     compared, so resumed, on that (else every such run was refused as made with other weights)."""
-    from geomscope.extract.models import WEIGHTS_KEY, legacy_weights_fingerprint
+    from geomscope.model.fingerprint import WEIGHTS_KEY, legacy_weights_fingerprint
     from geomscope.store.manifest import MANIFEST_NAME
 
     try:

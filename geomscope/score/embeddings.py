@@ -1,7 +1,7 @@
 """Partition isotropy I(W) of the run's checkpoint: its input and output embedding matrices.
 
-The matrices are read by :func:`geomscope.extract.embeddings.read_embedding_matrices` (model
-loading's side of the work); this module finds the checkpoint the manifest records and scores
+The matrices are read by :func:`geomscope.model.embeddings.read_embedding_matrices` (the model
+room's side of the work); this module finds the checkpoint the manifest records and scores
 them. Tied input/output embeddings are reported once and marked ``"tied": true``; a checkpoint
 without an output matrix (e.g. a bare encoder) reports ``"output": null`` with the reason.
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from geomscope.errors import DataError
-from geomscope.extract.embeddings import find_checkpoint, read_embedding_matrices
+from geomscope.model.embeddings import find_checkpoint, read_embedding_matrices
 from geomscope.score.sources import SourceInfo
 
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}")
@@ -47,7 +47,7 @@ def _pinned(model: dict) -> dict:
 def _other_weights(ckpt: Path, model: dict) -> str:
     """Why ``ckpt`` is not the checkpoint the run recorded ("" when it is, or when the run recorded
     no fingerprint to compare: a run of a model that was not a local folder or a cached snapshot)."""
-    from geomscope.extract.models import WEIGHTS_KEY, legacy_weights_fingerprint, weights_fingerprint
+    from geomscope.model.fingerprint import WEIGHTS_KEY, legacy_weights_fingerprint, weights_fingerprint
 
     if isinstance(model.get(WEIGHTS_KEY), str):
         recorded, fingerprint = model[WEIGHTS_KEY], weights_fingerprint
@@ -69,7 +69,7 @@ def _other_weights(ckpt: Path, model: dict) -> str:
 
 def embedding_isotropy(src: SourceInfo) -> tuple[dict | None, str]:
     """(embeddings section of the report, "") or (None, why it is null)."""
-    from geomscope.extract.models import damage_errors
+    from geomscope.model.files import damage_errors
 
     if src.kind != "run":
         return None, "an array has no model checkpoint"

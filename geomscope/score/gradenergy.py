@@ -29,7 +29,7 @@ class Basis:
 
 
 def _model_identity(src: SourceInfo) -> dict:
-    from geomscope.extract.models import WEIGHTS_KEY
+    from geomscope.model.fingerprint import WEIGHTS_KEY
 
     m = src.run_obj.identity.get("model") or {}
     # (a run from before WEIGHTS_KEY has none: the model's name is compared instead)

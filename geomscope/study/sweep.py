@@ -99,11 +99,11 @@ def _check_shared_inputs(base) -> None:
     """What every grid point shares, checked as finetune checks it: the options, the device, the
     data files and the model (how its name resolves, its config and tokenizer). InputError, one line,
     for what none of the points could use."""
-    from geomscope.extract.models import resolve_model
+    from geomscope.model.classifier import check_model_source
+    from geomscope.model.names import resolve_model
     from geomscope.train.config import validate
     from geomscope.train.engine import check_device
     from geomscope.train.loop import read_data
-    from geomscope.train.model import check_model_source
 
     resolve_model(base.model)  # first: a hub name that does not resolve is one line at once
     validate(base)

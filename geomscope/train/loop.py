@@ -171,7 +171,7 @@ def _on_main(fn, d: dd.Dist):
 def _resolve_model_alias(cfg: FinetuneConfig) -> FinetuneConfig:
     """What ``extract`` accepts as MODEL (``bundled:minilm``, a directory, a hub name) -> a loadable
     path, with the user's name and its resolution recorded in ``extra``."""
-    from geomscope.extract.models import resolve_model
+    from geomscope.model.names import resolve_model
 
     if "model_arg" in cfg.extra:  # already resolved (a resumed or re-entered config)
         return cfg
@@ -185,7 +185,8 @@ def _planned_layers(cfg: FinetuneConfig) -> tuple[object, list[int]]:
     from types import SimpleNamespace
 
     from geomscope.extract.layers import parse_layers
-    from geomscope.train.model import check_model_source, n_blocks
+    from geomscope.model.classifier import check_model_source
+    from geomscope.model.probe import n_blocks
 
     config = check_model_source(cfg.model)
     return config, parse_layers(cfg.layers or "blocks", n_blocks(SimpleNamespace(config=config)) + 1)
@@ -300,13 +301,14 @@ class _Trainer:
 
     def _load_model(self) -> None:
         from geomscope.extract.layers import parse_layers
-        from geomscope.train.model import load_classifier, n_blocks
+        from geomscope.model.classifier import load_classifier
+        from geomscope.model.probe import n_blocks
 
         cfg, d, state = self.cfg, self.d, self.state
         # a LoRA checkpoint holds the adapter: the adapters are rebuilt on the original model
         src = str(self.out / ck.CKPT) if state is not None and cfg.lora is None else cfg.model
         if cfg.task == "qa":
-            from geomscope.train.model import load_qa_model
+            from geomscope.model.classifier import load_qa_model
 
             self.model, self.tokenizer, self.minfo = load_qa_model(src, self.note)
         else:

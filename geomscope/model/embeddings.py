@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from geomscope.errors import DataError
+from geomscope.model.files import pickled_weights_error
 
 
 def find_checkpoint(model: dict | None, identity: dict | None = None) -> Path | None:
@@ -85,6 +86,7 @@ class _Weights:
     """Read single tensors from a checkpoint's weight files (safetensors preferred)."""
 
     def __init__(self, ckpt: Path):
+        """Index the tensors of ``ckpt``'s weight files by name (a .bin checkpoint is memory-mapped)."""
         self.ckpt = ckpt
         self.files: dict[str, Path] = {}
         idx = ckpt / "model.safetensors.index.json"
@@ -108,8 +110,6 @@ class _Weights:
                         raise
                     self._bin = torch.load(path, map_location="cpu", weights_only=True)
             except pickle.UnpicklingError:  # objects besides tensors: refused, never unpickled
-                from geomscope.extract.models import pickled_weights_error
-
                 raise pickled_weights_error(str(ckpt)) from None
             self.files = {k: ckpt / "pytorch_model.bin" for k in self._bin}
         else:
@@ -138,6 +138,7 @@ class _Weights:
         return hits[0] if len(hits) == 1 else None
 
     def shape(self, key: str) -> tuple:
+        """The shape of tensor ``key``, read from the file's header."""
         f = self.files[key]
         if f.suffix == ".bin":
             return tuple(self._bin[key].shape)
@@ -147,6 +148,7 @@ class _Weights:
             return tuple(fh.get_slice(key).get_shape())
 
     def get(self, key: str) -> np.ndarray:
+        """Tensor ``key`` as a float32 array."""
         f = self.files[key]
         if f.suffix == ".bin":
             t = self._bin[key]

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from geomscope.errors import InputError
-from geomscope.extract.models import pickled_weights_error
+from geomscope.model.files import check_model_dir, pickled_weights_error
+from geomscope.model.names import resolve_model
 
 
 def quiet_transformers() -> None:
@@ -28,14 +29,12 @@ def quiet_transformers() -> None:
 
 
 def _checked_config(source: str | Path):
-    """(what from_pretrained loads, its config) for a MODEL as the user gives it (extract's resolver:
+    """(what from_pretrained loads, its config) for a MODEL as the user gives it (resolve_model:
     bundled:minilm, a directory, a hub name, a glob of one checkpoint). A model directory is checked
     first (tokenizer files, safetensors headers); a config that does not load is one line. Never
     runs a model's code."""
     import torch  # noqa: F401  (transformers needs it)
     from transformers import AutoConfig
-
-    from geomscope.extract.models import check_model_dir, resolve_model
 
     quiet_transformers()
     src, info = resolve_model(str(source))
@@ -70,6 +69,7 @@ def check_model_source(source: str | Path):
 
 
 def _tokenizer(src: str):
+    """The checkpoint's tokenizer (never its own code); a tokenizer that does not load is one line."""
     from transformers import AutoTokenizer
 
     try:
@@ -165,13 +165,3 @@ def load_qa_model(source: str | Path, note: Callable[[str], None]):
         )
     pad_added = _ensure_pad(model, tokenizer, src, note)
     return model, tokenizer, {"head_added": head_added, "pad_token_added": pad_added}
-
-
-def n_blocks(model) -> int:
-    """Number of transformer blocks (hidden-state tuple length minus one)."""
-    cfg = model.config
-    for name in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
-        v = getattr(cfg, name, None)
-        if isinstance(v, int):
-            return v
-    raise InputError(f"cannot tell how many layers {type(model).__name__} has; pass --layers explicitly")
