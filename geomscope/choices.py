@@ -35,7 +35,7 @@ SKDIM_ESTIMATORS = {
     "gride": "GRIDE",
 }
 #: score --seed: the row samples (and extract --keep's sample) hash the seed in 64 bits
-#: (geomscope.score.select.row_hash), so a larger seed would repeat a smaller one's samples
+#: (geomscope.store.sample.row_hash), so a larger seed would repeat a smaller one's samples
 SEED_BITS = 64
 MAX_SEED = 2**SEED_BITS - 1
 MAX_SEED_TEXT = f"2^{SEED_BITS} - 1"  # how the errors write it

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from geomscope.errors import DataError, InputError
-from geomscope.fileio import create_exclusive, fsync_dir, temp_path
+from geomscope.fileio import create_exclusive, replace_dir, temp_path, write_all
 
 EXPORT_FORMATS = ("arrow", "npy")
 EXPORT_MARKER = "geomscope-export.json"
@@ -48,33 +48,17 @@ def export_run(
     shard's size is checked against the manifest before it is read and its checksum while it is read
     (``verify=False``: the size only), and its rows are held to the documents its entry assigns it.
     """
-    from geomscope.score.sources import check_manifest, layer_indices, shard_tasks
-    from geomscope.store import Run
-
     if to not in EXPORT_FORMATS:
         raise InputError(
             f"--to {to!r} is not a format export writes; choose one of {', '.join(EXPORT_FORMATS)}"
         )
-    run = Run(Path(run_dir))
-    if not run.complete:
-        raise InputError(
-            f"{run_dir} is an incomplete run; finish it by rerunning the same `geomscope extract` command"
-        )
-    if run.identity.get("keep"):
-        raise InputError(
-            f"{run_dir} kept accumulators and a seeded sample (--keep {run.identity['keep']}), not its "
-            "rows; export needs a run of every row: extract again with --keep all"
-        )
-    check_manifest(run, run_dir)  # a shard listed twice would be exported twice
-    shards = sorted(run.shards, key=lambda s: s.index)
-    if not shards:
-        raise InputError(f"{run_dir} has no finished shards; run `geomscope extract` to fill it")
+    run, shards = _open_run(run_dir)
     names = run.resolve_layers(layers)
     out = Path(out_dir)
     if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
         raise InputError(f"{out} exists and is not an empty directory; choose a new --out directory")
-    tasks = shard_tasks(run, shards, run.dim or 0)  # each shard's identity now: the reads come from it
-    indices = layer_indices(run, names)
+    tasks = run.shard_tasks(run.dim or 0)  # each shard's identity now: the reads come from it
+    indices = run.layer_indices(names)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = temp_path(out)
@@ -100,9 +84,8 @@ def export_run(
         }
         (tmp / EXPORT_MARKER).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         if out.exists():
-            out.rmdir()  # empty (checked above): the rename needs the name free
-        os.rename(tmp, out)
-        fsync_dir(out.parent)
+            out.rmdir()  # empty (checked above; never a tree of files put there since)
+        replace_dir(tmp, out)
     except OSError as e:  # a full disk, permissions ...: nothing half-written is left
         shutil.rmtree(tmp, ignore_errors=True)  # ours alone: made above under a fresh name
         raise InputError(
@@ -114,13 +97,35 @@ def export_run(
     return summary
 
 
+def _open_run(run_dir):
+    """(the run, its shards in index order), read as ``score`` reads a run: refused unless complete,
+    of every row (not a ``--keep sample``), with a manifest that agrees with itself, and shards."""
+    from geomscope.store import Run
+
+    run = Run(Path(run_dir))
+    if not run.complete:
+        raise InputError(
+            f"{run_dir} is an incomplete run; finish it by rerunning the same `geomscope extract` command"
+        )
+    if run.identity.get("keep"):
+        raise InputError(
+            f"{run_dir} kept accumulators and a seeded sample (--keep {run.identity['keep']}), not its "
+            "rows; export needs a run of every row: extract again with --keep all"
+        )
+    run.check_consistent(run_dir)  # a shard listed twice would be exported twice
+    shards = sorted(run.shards, key=lambda s: s.index)
+    if not shards:
+        raise InputError(f"{run_dir} has no finished shards; run `geomscope extract` to fill it")
+    return run, shards
+
+
 def _chunks(task, names, verify: bool):
-    """The chunks of one shard, read as score reads a shard (sources.check_shard_file, iter_shard):
+    """The chunks of one shard, read as score reads a shard (store.integrity.check_shard_file, iter_shard):
     its size against the manifest now, its checksum (``verify``) while it is read, its rows from the
     file checked and of the documents its entry assigns it. A shard that fails to read is first held
     to its checksum, so that its damage is what is said, not what reading the damage found."""
-    from geomscope.score.sources import check_shard_file
     from geomscope.store import iter_shard
+    from geomscope.store.integrity import check_shard_file
 
     finish, task = check_shard_file(task, checksum=verify)
     try:
@@ -140,12 +145,6 @@ def _meta(ch) -> dict[str, np.ndarray]:
         "token_id": np.asarray(ch.token_id, np.int64),
         "special": np.asarray(ch.is_special, bool),
     }
-
-
-def _write_all(fd: int, data) -> None:
-    view = memoryview(data)
-    while len(view):
-        view = view[os.write(fd, view) :]
 
 
 class _NpyFile:
@@ -169,7 +168,7 @@ class _NpyFile:
             np.lib.format.write_array_header_2_0(buf, header)
         self.fd = create_exclusive(path)
         try:
-            _write_all(self.fd, buf.getvalue())
+            write_all(self.fd, buf.getvalue())
         except BaseException:
             self.close()
             raise
@@ -182,7 +181,7 @@ class _NpyFile:
                 f"{self.shape} the manifest and the first shard give; rerun `geomscope extract` with "
                 "--overwrite, or into a new --out"
             )
-        _write_all(self.fd, memoryview(x.reshape(-1).view(np.uint8)))
+        write_all(self.fd, memoryview(x.reshape(-1).view(np.uint8)))
         self.rows += len(x)
 
     def finish(self) -> None:
@@ -209,7 +208,7 @@ class _NpyFile:
 
 
 def _npy(run, tasks, names, tmp: Path, progress, verify: bool) -> list[str]:
-    from geomscope.store import shard_dim
+    from geomscope.store.reader import shard_dim, shard_dtype
 
     n = sum(t.rows for t in tasks)
     with contextlib.ExitStack() as stack:
@@ -232,18 +231,11 @@ def _npy(run, tasks, names, tmp: Path, progress, verify: bool) -> list[str]:
                 first = tasks[0].path
                 shape = (n, shard_dim(first, name))
                 files[name] = stack.enter_context(
-                    _NpyFile(tmp / f"{name}.npy", _stored_dtype(first, name), shape)
+                    _NpyFile(tmp / f"{name}.npy", shard_dtype(first, name), shape)
                 )
         for f in files.values():
             f.finish()
     return sorted(p.name for p in tmp.iterdir())
-
-
-def _stored_dtype(shard_path, name: str) -> str:
-    import h5py
-
-    with h5py.File(shard_path, "r") as f:
-        return f["layers"][name].dtype.str
 
 
 def _arrow(run, tasks, names, indices, tmp: Path, progress, verify: bool) -> list[str]:

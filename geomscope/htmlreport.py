@@ -198,7 +198,8 @@ def write_html(
 ) -> Path:
     """Write :func:`html_page` to ``path`` atomically (a crash never leaves half a page). A file
     already there is replaced only if it is a page geomscope wrote."""
-    from geomscope.fileio import ensure_replaceable, make_dirs, write_text_atomic
+    from geomscope.fileio import make_dirs, write_text_atomic
+    from geomscope.outputs import ensure_replaceable
 
     path = Path(path)
     ensure_replaceable(path, _is_page, option="--html")

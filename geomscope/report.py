@@ -56,15 +56,9 @@ import re
 from pathlib import Path
 
 from geomscope.errors import InputError
-from geomscope.fileio import (
-    HEAD_BYTES,
-    ensure_replaceable,
-    ensure_writable,
-    json_format_is,
-    starts_with,
-    write_text_atomic,
-)
+from geomscope.fileio import ensure_writable, write_text_atomic
 from geomscope.formatting import counted, value_and_se
+from geomscope.outputs import HEAD_BYTES, ensure_replaceable, json_format_is, starts_with
 from geomscope.schema import (
     LAYER_KEYS,
     METRIC_LABELS,

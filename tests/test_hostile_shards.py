@@ -266,7 +266,7 @@ def test_unflagged_nan_rows_named_whichever_block_of_a_stream_holds_them():
     import tempfile
 
     from geomscope.score.accumulate import PassSpec, run_tasks
-    from geomscope.score.sources import Task
+    from geomscope.store.blocks import Task
 
     with tempfile.TemporaryDirectory() as tmp:
         run = _run(Path(tmp) / "run")

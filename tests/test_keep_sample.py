@@ -18,8 +18,8 @@ from geomscope.extract.run import extract
 from geomscope.metrics import Moments
 from geomscope.metrics.moments_torch import HostMoments, TorchMoments, _syrk_upper, device_moments
 from geomscope.score import ScoreOptions, score
-from geomscope.score.select import STREAM_ID_SAMPLE, row_hash, run_keys
 from geomscope.store import Run, iter_shard
+from geomscope.store.sample import STREAM_ID_SAMPLE, row_hash, run_keys
 
 MOMENT_KEYS = ("isoscore", "isoscore_star", "avgcos", "pr", "erank", "top1_share")
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import assert_one_line_error
 from test_plot_factory import make_report, write_report
 
-from geomscope.fileio import ensure_replaceable, json_format_is, starts_with
+from geomscope.outputs import ensure_replaceable, json_format_is, starts_with
 
 USER = b"my own notes, not geomscope's\n"
 
@@ -155,9 +155,9 @@ def test_outputs_of_a_geomscope_from_before_the_marks(cli, tmp_path):
 
 
 def test_a_report_is_recognised_from_its_start_whatever_its_size(tmp_path, monkeypatch):
-    import geomscope.fileio as fileio
+    import geomscope.outputs as outputs
 
-    monkeypatch.setattr(fileio, "MAX_RECOGNISED_BYTES", 100)  # the report below is larger
+    monkeypatch.setattr(outputs, "MAX_RECOGNISED_BYTES", 100)  # the report below is larger
     path = tmp_path / "r.json"
     path.write_text('{\n "format": "geomscope-report",\n "layers": [' + ", ".join(["1"] * 1000) + "]}")
-    fileio.ensure_replaceable(path, json_format_is("geomscope-report"), head=fileio.HEAD_BYTES)
+    outputs.ensure_replaceable(path, json_format_is("geomscope-report"), head=outputs.HEAD_BYTES)

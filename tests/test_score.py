@@ -15,8 +15,8 @@ from geomscope.errors import DataError, GeomscopeError, InputError
 from geomscope.metrics import isoscore_published
 from geomscope.metrics.twonn import twonn
 from geomscope.score import ScoreOptions, score
-from geomscope.score.select import STREAM_ID_SAMPLE, STREAM_MAX_ROWS, row_hash, run_keys
 from geomscope.store import Run, RunWriter
+from geomscope.store.sample import STREAM_ID_SAMPLE, STREAM_MAX_ROWS, row_hash, run_keys
 
 LAYERS = ("layer_00", "layer_01", "layer_02")
 D = 16

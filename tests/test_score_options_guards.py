@@ -107,7 +107,7 @@ def test_a_str_selects_layers_and_arrays(tmp_path):
 # ------------------------------------------------------------------------------ --seed
 def test_seeds_are_bounded_by_the_64_bit_hash():
     from geomscope.score.options import MAX_SEED
-    from geomscope.score.select import STREAM_MAX_ROWS, row_hash
+    from geomscope.store.sample import STREAM_MAX_ROWS, row_hash
 
     keys = np.arange(1000, dtype=np.uint64)
     # why: the hash reduces the seed mod 2^64, so 2^64 + s drew the rows of s (the decimation's
@@ -140,7 +140,7 @@ def test_more_repeats_than_the_sample_can_fill_are_refused(id_sample, repeats, m
 # ------------------------------------------------------------------------------ ID value apart from its SE
 def _sample_order(n: int, seed: int) -> np.ndarray:
     """The rows of an n-row array in the order of the ID sample (the smallest seeded hashes first)."""
-    from geomscope.score.select import STREAM_ID_SAMPLE, row_hash
+    from geomscope.store.sample import STREAM_ID_SAMPLE, row_hash
 
     return np.argsort(row_hash(np.arange(n, dtype=np.uint64), seed, STREAM_ID_SAMPLE), kind="stable")
 

@@ -164,12 +164,13 @@ class _ReadOnly:
 def test_digests_over_a_reused_buffer_equal_the_libraries(tmp_path, monkeypatch, readinto, size):
     """The file is read into one reused buffer (here 1000 bytes): every length around it, through
     ``readinto`` or through ``read`` where a file object has no ``readinto``, hashes as the libraries do."""
+    from geomscope import fileio
     from geomscope.store import checksum, remote
 
     path = tmp_path / "f.bin"
     raw = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
     path.write_bytes(raw)
-    monkeypatch.setattr(checksum, "READ_BYTES", 1000)
+    monkeypatch.setattr(fileio, "HASH_READ_BYTES", 1000)
     if not readinto:
         monkeypatch.setattr(remote, "open_binary", _ReadOnly)
     got = checksum.digests(path)

@@ -110,7 +110,7 @@ def test_a_file_is_held_to_its_identity_on_this_machine_only(tmp_path):
     """``identity`` tells a file from one put in its place (a new inode) or changed (size, mtime); one
     taken on another machine (a Dask worker reading a shared filesystem with device and inode numbers
     of its own) is not compared."""
-    from geomscope.store.reader import check_same_file, identity, open_regular
+    from geomscope.store.integrity import check_same_file, identity, open_regular
 
     path = tmp_path / "f.h5"
     _datasets(path)
@@ -175,6 +175,7 @@ def test_under_another_hdf5_driver_h5py_reads_and_the_path_is_checked(tmp_path, 
     """Where h5py does not read through a plain descriptor (another HDF5 driver), the rows come from
     h5py and the identity is checked on the path opened again."""
     from geomscope.store import reader as store_reader
+    from geomscope.store.integrity import identity
 
     path = tmp_path / "f.h5"
     x = _datasets(path)
@@ -182,7 +183,7 @@ def test_under_another_hdf5_driver_h5py_reads_and_the_path_is_checked(tmp_path, 
         f.attrs["format"] = "geomscope-shard"
         f.create_group("layers")
     monkeypatch.setattr(store_reader, "_descriptor", lambda f: None)
-    planned = store_reader.identity(path)
+    planned = identity(path)
     with store_reader._open(path, planned) as f:
         reader = _RowReader(path, f)
         try:

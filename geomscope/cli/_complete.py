@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-LAYER_KEYWORDS = ("all", "blocks")
+from geomscope.layers import LAYER_KEYWORDS
 
 
 def complete_items(candidates, incomplete: str) -> list[str]:
@@ -20,12 +20,15 @@ def complete_items(candidates, incomplete: str) -> list[str]:
 
 
 def _run_layers(path) -> list[str]:
+    from geomscope.errors import InputError
+    from geomscope.store.manifest import read_manifest
+    from geomscope.store.names import MANIFEST_NAME
+
     try:
-        with open(Path(str(path)) / "manifest.json", encoding="utf-8") as f:
-            layers = json.load(f)["identity"]["layers"]
-        return [str(x["name"]) for x in layers if isinstance(x, dict) and "name" in x]
-    except (OSError, ValueError, KeyError, TypeError):
+        layers = read_manifest(Path(str(path)) / MANIFEST_NAME)["identity"]["layers"]
+    except InputError:
         return []
+    return [x["name"] for x in layers]
 
 
 def _report_layers(path) -> list[str]:

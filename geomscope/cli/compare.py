@@ -42,16 +42,8 @@ def compare_cmd(
     import json
 
     from geomscope.errors import InputError
-    from geomscope.fileio import (
-        HEAD_BYTES,
-        ensure_replaceable,
-        ensure_writable,
-        json_format_is,
-        make_dirs,
-        starts_with,
-        write_bytes_atomic,
-        write_text_atomic,
-    )
+    from geomscope.fileio import ensure_writable, make_dirs, write_bytes_atomic, write_text_atomic
+    from geomscope.outputs import HEAD_BYTES, ensure_replaceable, json_format_is, starts_with
     from geomscope.plot.figures import FIGURE_HINT, is_figure
     from geomscope.plot.study import study_png
     from geomscope.report import shown

@@ -25,8 +25,8 @@ from __future__ import annotations
 import numpy as np
 
 from geomscope.errors import InputError
-from geomscope.score.select import STREAM_ID_SAMPLE, BottomK, row_hash, run_keys
 from geomscope.store.accumulators import ABS_THRESHOLD
+from geomscope.store.sample import STREAM_ID_SAMPLE, BottomK, row_hash, run_keys
 
 DEFAULT_SAMPLE = 5000  # score --id-sample's default: `--keep sample` serves a default score
 _META = ("token_id", "doc_id", "position", "is_special")

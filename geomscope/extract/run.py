@@ -256,7 +256,7 @@ def _signatures(ins) -> list:
     """What tells each input from one changed or put in its place since: store/reader.py's
     file_identity (device, inode, size, modification time) of the file, or of every file of a saved
     dataset; None for a spooled stream (geomscope's own copy, which nothing else writes)."""
-    from geomscope.store.reader import file_identity
+    from geomscope.store.integrity import file_identity
 
     def of(p: Path):
         try:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import csv
 import errno
 import gzip
-import hashlib
 import io
 import json
 import os
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from geomscope.errors import InputError
+from geomscope.fileio import hash_into, hasher
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 CSV_SUFFIXES = {".csv": ",", ".tsv": "\t", ".tab": "\t"}
@@ -189,7 +189,7 @@ def close_inputs(inputs: list[InputFile]) -> None:
 
 def hash_input(inp: InputFile) -> None:
     """Set ``inp.sha256`` and ``inp.bytes``: of the file's bytes, or of a dataset directory's files."""
-    h = hashlib.sha256()
+    h = hasher("sha256")
     total = 0
     files = [inp.path] if inp.kind != "dataset" else sorted(p for p in inp.path.rglob("*") if p.is_file())
     for p in files:
@@ -197,9 +197,7 @@ def hash_input(inp: InputFile) -> None:
             h.update(str(p.relative_to(inp.path)).encode() + b"\0")
         try:
             with open(p, "rb") as f:
-                while chunk := f.read(8 << 20):
-                    h.update(chunk)
-                    total += len(chunk)
+                total += hash_into(f, [h])
         except OSError as e:
             raise InputError(f"input {inp.arg} cannot be read ({e.strerror or e}); check the file") from e
     inp.sha256, inp.bytes = h.hexdigest(), total

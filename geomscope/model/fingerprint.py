@@ -13,6 +13,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from geomscope.fileio import file_digests, hash_into, hasher
 from geomscope.model.files import TOKENIZER_FILES, WEIGHT_SUFFIXES
 
 
@@ -28,7 +29,7 @@ def _sha256_files(paths: list[Path], *, head_tail: int | None = None) -> str | N
         h.update(f"{p.name}\0{size}\0".encode())
         with open(p, "rb") as f:
             if head_tail is None or size <= 2 * head_tail:
-                h.update(f.read())
+                hash_into(f, [h])
             else:
                 h.update(f.read(head_tail))
                 f.seek(size - head_tail)
@@ -50,9 +51,7 @@ def legacy_weights_fingerprint(model_dir: Path) -> str | None:
 
 
 def _digest_files(paths: list[Path], algorithm: str) -> str | None:
-    """A digest (store/checksum.py's ``algorithm``) over the names, sizes and whole contents of files."""
-    from geomscope.store.checksum import file_digests, hasher
-
+    """A digest (fileio.hasher's ``algorithm``) over the names, sizes and whole contents of files."""
     if not paths:
         return None
     h = hasher(algorithm)

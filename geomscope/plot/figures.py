@@ -21,7 +21,8 @@ from matplotlib.figure import Figure
 
 from geomscope.choices import DPI_RANGE
 from geomscope.errors import InputError
-from geomscope.fileio import ensure_replaceable, make_dirs, write_bytes_atomic
+from geomscope.fileio import make_dirs, write_bytes_atomic
+from geomscope.outputs import ensure_replaceable
 from geomscope.plot._reports import check_common_layers, read_report, select_layers
 from geomscope.plot.energy import has_energy, plot_energy
 from geomscope.plot.layers import plot_layers

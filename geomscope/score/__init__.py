@@ -11,7 +11,7 @@ second streaming pass happens only for the centred / standardised average cosine
 definitions subtract the global mean (known after the first pass); ``--max-rows`` adds a cheap
 metadata pass. No layer is ever loaded whole. How it streams, what it samples and how standard errors
 are computed: see :mod:`geomscope.score.engine`, :mod:`~geomscope.score.compute`,
-:mod:`~geomscope.score.select` and :mod:`~geomscope.score.idest`.
+:mod:`geomscope.store.sample` and :mod:`~geomscope.score.idest`.
 """
 
 from geomscope.schema import SCALAR_METRIC_NAMES as SCALAR_METRICS

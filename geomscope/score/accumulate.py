@@ -28,8 +28,10 @@ import numpy as np
 from geomscope.errors import DataError
 from geomscope.metrics._validate import NonfiniteRows
 from geomscope.metrics.moments import OrderedWork, update_groups
-from geomscope.score.select import STREAM_ID_SAMPLE, STREAM_MAX_ROWS, BottomK, Reservoir, row_hash
-from geomscope.score.sources import Task, check_shard_file, iter_blocks, iter_meta
+from geomscope.score.sources import iter_blocks, iter_meta
+from geomscope.store.blocks import Task
+from geomscope.store.integrity import check_shard_file
+from geomscope.store.sample import STREAM_ID_SAMPLE, STREAM_MAX_ROWS, BottomK, Reservoir, row_hash
 
 COUNT_KEYS = ("seen", "nonfinite", "special", "not_sampled", "used")
 
@@ -210,7 +212,7 @@ class _TaskDone:
 
 
 def _check(task: Task, spec: PassSpec) -> tuple[Callable[[], None], Task]:
-    """A shard's size now and its checksum in the background (sources.check_shard_file): ``finish()``,
+    """A shard's size now and its checksum in the background (store.integrity.check_shard_file): ``finish()``,
     and the task to read (held to the file checked)."""
     if task.kind != "shard":
         return (lambda: None), task

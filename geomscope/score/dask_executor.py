@@ -6,7 +6,7 @@ only), ``tcp://HOST:PORT`` (a running Dask scheduler; workers must import the sa
 the run's files at the same paths) or ``FILE.json`` (a Dask scheduler file, ``dask scheduler
 --scheduler-file FILE.json``). ``pip install 'geomscope[dask]'`` installs Dask.
 
-A Dask task carries only :class:`~geomscope.score.sources.Task` objects (paths, sizes, checksums) and the
+A Dask task carries only :class:`~geomscope.store.blocks.Task` objects (paths, sizes, checksums) and the
 :class:`~geomscope.score.accumulate.PassSpec`; the worker opens the files (h5py objects are never
 pickled). Each Dask task is a CHUNK of consecutive tasks, indices ``[k c, (k + 1) c)`` with ``c =
 ceil(tasks / (2 x threads))`` (``threads``: N for ``local:N``, an external cluster's worker threads
@@ -64,7 +64,7 @@ from pathlib import Path
 from geomscope.errors import InputError
 from geomscope.score.accumulate import PassSpec, merge_parts, run_task
 from geomscope.score.resources import check_workers, init_worker, worker_start_method
-from geomscope.score.sources import Task
+from geomscope.store.blocks import Task
 
 INSTALL_HINT = "pip install 'geomscope[dask]'"
 CONNECT_TIMEOUT_S = 10

@@ -34,7 +34,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
 from geomscope.score.accumulate import PassSpec, merge_parts, run_task, run_tasks
 from geomscope.score.resources import check_workers, init_worker, worker_start_method
-from geomscope.score.sources import Task
+from geomscope.store.blocks import Task
 
 
 class Executor:

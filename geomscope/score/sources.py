@@ -1,12 +1,12 @@
-"""What ``score`` reads: a run directory (HDF5 shards), one (N, D) array (.npy / .h5 dataset), or
-named (N, D) arrays, one per layer, in another tool's format (formats.py: .npz, .safetensors, .pt,
-Arrow / ``datasets.save_to_disk`` / SAELens caches, Parquet).
+"""What ``score`` reads: a run directory (HDF5 shards, read through store.Run), one (N, D) array
+(.npy / .h5 dataset), or named (N, D) arrays, one per layer, in another tool's format (formats.py:
+.npz, .safetensors, .pt, Arrow / ``datasets.save_to_disk`` / SAELens caches, Parquet).
 
-A source is cut into picklable :class:`Task` s (one per shard; row blocks of an array) so that a
-process pool can read them independently (h5py handles are opened inside the task).
-:func:`iter_blocks` streams a task in bounded row blocks as :class:`Block` s carrying, per row, a
-stable key (for seeded selection), a jackknife group, the special-token flag and, per layer, the
-activations and a non-finite flag.
+A source is cut into picklable store.blocks.Task s (one per shard: store.Run.shard_tasks; row
+blocks of an array) so that a process pool can read them independently (files are opened inside
+the task). :func:`iter_blocks` streams a task in bounded row blocks as store.blocks.Block s carrying,
+per row, a stable key (for seeded selection), a jackknife group, the special-token flag and, per
+layer, the activations and a non-finite flag; a shard's blocks come from store.reader.
 
 Jackknife groups: run rows by document, ``doc_id % G`` (so are rows of a file with a ``doc_id``
 column, as ``geomscope export`` writes); array rows (no documents) by contiguous blocks,
@@ -17,262 +17,23 @@ column, as ``geomscope export`` writes); array rows (no documents) by contiguous
 from __future__ import annotations
 
 import math
-import os
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from geomscope.errors import DataError, InputError
 from geomscope.formatting import counted
-from geomscope.score.select import run_keys
+from geomscope.store.blocks import Block, Task, groups_of_docs, rows_per_block
 
 ARRAY_LAYER = "array"
-READ_BYTES = 32 * 1024 * 1024  # bytes of activations read per block (all layers of a task together)
-
-
-@dataclass(frozen=True)
-class Task:
-    """One independent unit of reading: a shard of a run, or a row range of an array."""
-
-    kind: str  # "shard" | "npy" | "h5" | one of formats.FORMATS
-    path: str
-    index: int  # shard index, or block number of an array
-    start: int = 0  # array rows [start, stop) of this file
-    stop: int = 0
-    n_total: int = 0  # array: total rows (for the contiguous jackknife groups)
-    dataset: str | None = None
-    rows: int = 0
-    nbytes: int = -1  # shard: recorded size (checked before reading)
-    digest: tuple[str, str] | None = None  # shard: (algorithm, hex) of its checksum (store/checksum.py)
-    identity: tuple | None = None  # local shard: store.reader.identity when planned; every open must match
-    offset: int = 0  # formats: the source's global row number of row ``start``
-    meta: tuple[str, ...] = ()  # formats: the optional per-row columns present (doc_id, special)
-    dim: int = 0  # formats: the layers' width (sizes the read blocks); shard: the run's, checked
-    accumulated: bool = False  # shard of a --keep sample run: accumulators and a sample, not every row
-    docs: tuple[int, int] | None = None  # shard: the documents [start, stop) its entry assigns it, checked
-    tokens: int = 0  # shard: the token rows its entry says it measured (a --keep sample shard's accumulators)
-
-
-@dataclass
-class Block:
-    keys: np.ndarray  # (m,) uint64
-    group: np.ndarray  # (m,) int64 in [0, G)
-    special: np.ndarray  # (m,) bool
-    layers: dict[str, np.ndarray] = field(default_factory=dict)  # name -> (m, D)
-    nonfinite: dict[str, np.ndarray] = field(default_factory=dict)  # name -> (m,) bool
-
-
-def check_manifest(run, where) -> None:
-    """InputError unless the run's manifest agrees with itself (store.describe.manifest_problems: a
-    shard listed twice, documents claimed twice, totals that disagree...): every row is read once, by
-    score and by export alike, or the run is refused."""
-    from geomscope.store.describe import manifest_problems
-
-    problems = manifest_problems(run)
-    if problems:
-        raise InputError(
-            f"{where} is damaged: its manifest disagrees with itself ({problems[0]}); rerun "
-            "`geomscope extract` with --overwrite, or into a new --out"
-        )
-
-
-def layer_indices(run, names: list[str]) -> dict[str, int | None]:
-    """layer -> its index in the model as the run records it (None where it records no integer)."""
-    recorded = {lay.get("name"): lay.get("index") for lay in run.layers}
-    out = {}
-    for n in names:
-        v = recorded.get(n)
-        out[n] = v if isinstance(v, int) and not isinstance(v, bool) else None
-    return out
-
-
-def shard_tasks(run, shards, dim: int, *, accumulated: bool = False) -> list[Task]:
-    """The run's ``shards`` as tasks, in index order: path, rows, recorded size and checksum, their
-    documents, and the identity of each file now (the reads must come from the file planned)."""
-    from geomscope.store.reader import identity as shard_identity
-
-    return [
-        Task(
-            kind="shard",
-            path=str(run.shard_path(s)),
-            index=s.index,
-            rows=s.rows,
-            nbytes=s.bytes,
-            digest=s.digest,
-            identity=shard_identity(run.shard_path(s)),
-            dim=dim,
-            accumulated=accumulated,
-            docs=s.documents,
-            tokens=s.n_tokens,
-        )
-        for s in sorted(shards, key=lambda s: s.index)
-    ]
-
-
-def _groups_of_docs(doc_id: np.ndarray, n_groups: int) -> np.ndarray:
-    return np.mod(np.asarray(doc_id, dtype=np.int64), max(1, n_groups))
 
 
 def _array_groups(start: int, stop: int, n_total: int, n_groups: int) -> np.ndarray:
     g = max(1, n_groups)
     return (np.arange(start, stop, dtype=np.int64) * g) // max(1, n_total)
-
-
-def _rows_per_block(dim: int, itemsize: int, n_layers: int) -> int:
-    """Rows of a block of about READ_BYTES: the layers' values, what the source reads beside them
-    (store.reader.row_bytes) and the block's own keys, group (8 bytes each) and special flag."""
-    from geomscope.store.reader import row_bytes
-
-    return max(256, READ_BYTES // (row_bytes(dim, itemsize, max(1, n_layers)) + 17))
-
-
-# --------------------------------------------------------------------------------------- runs
-def _open_as_planned(p, task: Task):
-    """A local shard opened for reading (checked a regular file on the open file: a FIFO or a device
-    would block the size check and the hash) and still the file it was when the score was planned;
-    None for a URL, after its own checks."""
-    from geomscope.store import remote
-    from geomscope.store.reader import check_regular_file, check_same_file, open_regular
-
-    if remote.is_url(p):
-        check_regular_file(p)
-        return None
-    opened = open_regular(p)
-    try:
-        check_same_file(p, opened.fileno(), task.identity)
-    except BaseException:
-        opened.close()
-        raise
-    return opened
-
-
-def check_shard_file(task: Task, *, checksum: bool):
-    """Size of a shard against the manifest now; its checksum (``checksum``: ``task.digest``) in a
-    background thread while the shard is streamed. Returns ``(finish, task)``: ``finish()`` waits for
-    the hash and raises DataError naming the shard if it differs; ``task`` is the task to read,
-    holding the identity of the file checked (so the reads must come from it). Missing/short files
-    raise at once. ``task.path`` is a path or a URL (its bytes are then streamed through fsspec). A
-    local shard is opened once for the size and the hash, and must still be the file of
-    ``task.identity`` (the file as planned)."""
-    import threading
-
-    from geomscope.store import remote
-    from geomscope.store.checksum import file_matches
-
-    p = remote.location(task.path)
-    if not remote.exists(p):
-        raise DataError(f"shard {p} is missing; rerun the same `geomscope extract` command to redo it")
-    opened = _open_as_planned(p, task)  # None for a URL
-    st = None if opened is None else os.fstat(opened.fileno())
-    try:
-        size = remote.size(p) if st is None else st.st_size
-        if task.nbytes >= 0 and size != task.nbytes:
-            raise DataError(
-                f"shard {p} is corrupt or truncated ({size} bytes on disk, "
-                f"{task.nbytes} recorded); rerun the same `geomscope extract` command to redo it"
-            )
-        if checksum and task.digest is None:  # a shard task always has one (checked manifest)
-            raise DataError(f"shard {p} has no usable checksum in its manifest; rerun `geomscope extract`")
-    except BaseException:
-        if opened is not None:
-            opened.close()
-        raise
-    if st is not None:
-        from geomscope.store.reader import file_identity
-
-        task = replace(task, identity=file_identity(st))
-    if not checksum:
-        if opened is not None:
-            opened.close()
-        return (lambda: None), task
-    result: dict = {}
-
-    def run() -> None:
-        try:
-            with opened if opened is not None else remote.open_binary(p) as f:
-                result["same"] = file_matches(f, task.digest)
-        except Exception as e:  # OSError, or whatever a remote filesystem raises
-            result["error"] = e
-
-    th = threading.Thread(target=run, daemon=True)
-    try:
-        th.start()
-    except BaseException:  # (no thread: the file it would have closed is closed here)
-        if opened is not None:
-            opened.close()
-        raise
-
-    def finish() -> None:
-        th.join()
-        if "error" in result or not result.get("same"):
-            err = result.get("error")
-            why = (
-                f"cannot read it: {(str(err).strip().splitlines() or [type(err).__name__])[0]}"
-                if err is not None
-                else "checksum differs from the manifest"
-            )
-            raise DataError(
-                f"shard {p} is corrupt or truncated ({why}); rerun the same `geomscope extract` "
-                "command to redo it"
-            )
-
-    return finish, task
-
-
-def _shard_meta(task: Task, layers: list[str], n_groups: int) -> Iterator[Block]:
-    """Metadata (keys, groups, special, non-finite flags) of a shard, without activations."""
-    from geomscope.store import iter_shard
-
-    for ch in iter_shard(
-        task.path,
-        layers,
-        chunk_rows=1 << 20,
-        activations=False,
-        rows=task.rows,
-        expected=task.identity,
-        docs=task.docs,
-    ):
-        n = ch.stop - ch.start
-        nf = {
-            name: np.asarray(ch.nonfinite[name], bool) if name in ch.nonfinite else np.zeros(n, bool)
-            for name in layers
-        }
-        yield Block(
-            keys=run_keys(ch.doc_id, ch.position),
-            group=_groups_of_docs(ch.doc_id, n_groups),
-            special=np.asarray(ch.is_special, bool),
-            nonfinite=nf,
-        )
-
-
-def _shard_blocks(task: Task, layers: list[str], n_groups: int, block_rows: int | None) -> Iterator[Block]:
-    from geomscope.store import iter_shard
-
-    for ch in iter_shard(
-        task.path,
-        layers,
-        chunk_rows=block_rows,
-        rows=task.rows,
-        dim=task.dim or None,
-        expected=task.identity,
-        docs=task.docs,
-    ):
-        nf = {}
-        for n in layers:
-            if n in ch.nonfinite:  # the store flags every row whose stored values hold NaN/Inf
-                nf[n] = np.asarray(ch.nonfinite[n], bool)
-            else:  # a shard without flags: find those rows here
-                nf[n] = ~np.isfinite(ch.layers[n]).all(axis=1)
-        yield Block(
-            keys=run_keys(ch.doc_id, ch.position),
-            group=_groups_of_docs(ch.doc_id, n_groups),
-            special=np.asarray(ch.is_special, bool),
-            layers=ch.layers,
-            nonfinite=nf,
-        )
 
 
 # -------------------------------------------------------------------------------------- arrays
@@ -387,7 +148,7 @@ def _array_blocks(task: Task, n_groups: int, block_rows: int | None, with_data: 
     a, close = open_array(task.path, task.dataset)
     try:
         d = a.shape[1]
-        step = block_rows or _rows_per_block(d, a.dtype.itemsize, 1)
+        step = block_rows or rows_per_block(d, a.dtype.itemsize, 1)
         for s in range(task.start, task.stop, step):
             e = min(task.stop, s + step)
             x = np.asarray(a[s:e])
@@ -426,7 +187,7 @@ def _format_blocks(
     from geomscope.score.formats import FilePart, read_rows
 
     part = FilePart(task.path, task.start, task.stop, task.offset)
-    step = block_rows or _rows_per_block(task.dim, 4, len(layers))
+    step = block_rows or rows_per_block(task.dim, 4, len(layers))
     for r in _guarded(read_rows(task.kind, part, layers, step, task.meta), task.path):
         x = {n: (a if a.dtype.kind == "f" else a.astype(np.float64)) for n, a in r.layers.items()}
         for n, a in x.items():  # a layer's width as planned (Parquet row groups may each differ)
@@ -437,7 +198,7 @@ def _format_blocks(
                 )
         m = next(iter(x.values())).shape[0]
         groups = (
-            _groups_of_docs(r.doc_id, n_groups)
+            groups_of_docs(r.doc_id, n_groups)
             if r.doc_id is not None
             else _array_groups(r.start, r.start + m, task.n_total, n_groups)
         )
@@ -455,7 +216,9 @@ def iter_blocks(
 ) -> Iterator[Block]:
     """Stream a task's rows with activations of ``layers``."""
     if task.kind == "shard":
-        yield from _shard_blocks(task, layers, n_groups, block_rows)
+        from geomscope.store.reader import iter_shard_blocks
+
+        yield from iter_shard_blocks(task, layers, n_groups, block_rows)
     elif task.kind in ("npy", "h5"):  # (a corrupt .h5 chunk is an OSError of h5py's: one line)
         yield from _guarded(_array_blocks(task, n_groups, block_rows, with_data=True), task.path)
     else:
@@ -469,7 +232,9 @@ def iter_meta(task: Task, layers: list[str], n_groups: int) -> Iterator[Block]:
     which rows are finite.
     """
     if task.kind == "shard":
-        yield from _shard_meta(task, layers, n_groups)
+        from geomscope.store.reader import iter_shard_meta
+
+        yield from iter_shard_meta(task, layers, n_groups)
     elif task.kind in ("npy", "h5"):
         yield from _guarded(_array_blocks(task, n_groups, None, with_data=False), task.path)
     else:
@@ -591,7 +356,7 @@ def _open_format(p: Path, fmt: str, columns: list[str] | None, block_rows: int |
     probe = describe(p, fmt, columns, block_rows or 1 << 62)
     n, d, dtype = next(iter(probe.layers.values()))
     itemsize = 2 if "16" in dtype else 8 if "64" in dtype else 4
-    step = max(block_rows or 0, _rows_per_block(d, itemsize, len(probe.layers)))
+    step = max(block_rows or 0, rows_per_block(d, itemsize, len(probe.layers)))
     lay = describe(p, fmt, columns, step) if fmt in ("npz", "safetensors", "pt") else probe
     names = list(lay.layers)
     tasks = [
@@ -609,13 +374,7 @@ def _open_format(p: Path, fmt: str, columns: list[str] | None, block_rows: int |
         )
         for i, part in enumerate(lay.parts)
     ]
-    warnings, flags = [], []
-    if n < d:
-        warnings.append(
-            f"{p.name} has fewer rows than columns ({n} x {d}); rows must be points (N, D) -- "
-            "if they are transposed, save X.T instead; covariance metrics are rank-limited"
-        )
-        flags.append("maybe_transposed")
+    warnings, flags = _shape_warnings(p, n, d, "they are")
     # the layers' indices in the model where the source records them (an export of `-l 2` holds
     # layer_02 alone: its position, 0, misplaced it in plots and `plot --layers`); else positions
     recorded = [lay.indices.get(name) for name in names]
@@ -636,6 +395,17 @@ def _open_format(p: Path, fmt: str, columns: list[str] | None, block_rows: int |
     )
 
 
+def _shape_warnings(p: Path, n: int, d: int, they: str) -> tuple[list[str], list[str]]:
+    """(warnings, flags) of an input of ``n`` rows of ``d`` numbers: fewer rows than columns are
+    probably a transposed array (``they``: how the message names the source's arrays)."""
+    if n >= d:
+        return [], []
+    return [
+        f"{p.name} has fewer rows than columns ({n} x {d}); rows must be points (N, D) -- "
+        f"if {they} transposed, save X.T instead; covariance metrics are rank-limited"
+    ], ["maybe_transposed"]
+
+
 def _open_run(p: Path | str, layers: list[str] | None, partial: bool) -> SourceInfo:
     from geomscope.store import Run
 
@@ -650,39 +420,22 @@ def _open_run(p: Path | str, layers: list[str] | None, partial: bool) -> SourceI
         )
     if not shards:
         raise InputError(f"{p} has no finished shards yet; run `geomscope extract` to fill it")
-    check_manifest(run, p)
+    run.check_consistent(p)
     names = run.resolve_layers(layers)
     order = {n: i for i, n in enumerate(run.layer_names)}
     names = sorted(dict.fromkeys(names), key=order.__getitem__)
     if not names:
         raise InputError(f"{p} records no layers; it is not a usable run")
-    indices = layer_indices(run, names)
+    indices = run.layer_indices(names)
     dim = run.dim
     if dim is None:
         from geomscope.store import shard_dim
 
         dim = shard_dim(run.shard_path(shards[0]), names[0])
     ident = run.identity
-    sample = _kept_sample(ident, p)
+    sample = run.kept_sample
     # every shard's layers are checked to be dim wide before they are read
-    tasks = shard_tasks(run, shards, dim, accumulated=sample is not None)
-    m = ident.get("model", {}) if isinstance(ident.get("model"), dict) else {}
-    model = {
-        "name": m.get("name") or m.get("path"),
-        "revision": m.get("revision"),
-        "commit": m.get("commit") or m.get("commit_hash"),
-        "hidden_size": m.get("hidden_size", dim),
-    }
-    docs = sum(s.docs for s in shards)
-    run_info = {
-        "dir": str(p),
-        "complete": run.complete,
-        "partial": not run.complete,
-        "rows": sum(s.n_tokens for s in shards),
-        "docs": docs,
-    }
-    if ident.get("capture"):  # a gradient run (extract --capture gradients): say what was measured
-        run_info.update(capture=ident["capture"], loss=ident.get("loss"))
+    tasks = run.shard_tasks(dim, accumulated=sample is not None)
     warnings = []
     if not run.complete:
         warnings.append(
@@ -696,8 +449,8 @@ def _open_run(p: Path | str, layers: list[str] | None, partial: bool) -> SourceI
         dim=int(dim),
         tasks=tasks,
         dataset=_run_dataset(ident),
-        model=model,
-        run=run_info,
+        model=_run_model(ident, dim),
+        run=_run_info(run, p, shards),
         warnings=warnings,
         run_obj=run,
         groups="documents" if sample is None else "shards",
@@ -706,15 +459,29 @@ def _open_run(p: Path | str, layers: list[str] | None, partial: bool) -> SourceI
     )
 
 
-def _kept_sample(ident: dict, p) -> int | None:
-    """N of a ``--keep sample:N`` run (None for a run of every row)."""
-    keep = ident.get("keep")
-    if keep is None:
-        return None
-    head, _, n = str(keep).partition(":")
-    if head != "sample" or not n.isdigit():
-        raise InputError(f"{p}: the manifest's keep {keep!r} is not one geomscope writes; the run is damaged")
-    return int(n)
+def _run_model(ident: dict, dim: int) -> dict:
+    """The report's ``source.model``: the model the run records."""
+    m = ident.get("model", {}) if isinstance(ident.get("model"), dict) else {}
+    return {
+        "name": m.get("name") or m.get("path"),
+        "revision": m.get("revision"),
+        "commit": m.get("commit") or m.get("commit_hash"),
+        "hidden_size": m.get("hidden_size", dim),
+    }
+
+
+def _run_info(run, p, shards) -> dict:
+    """The report's ``source.run``: where the run is, how complete, what its read shards hold."""
+    info = {
+        "dir": str(p),
+        "complete": run.complete,
+        "partial": not run.complete,
+        "rows": sum(s.n_tokens for s in shards),
+        "docs": sum(s.docs for s in shards),
+    }
+    if run.identity.get("capture"):  # a gradient run (extract --capture gradients): what was measured
+        info.update(capture=run.identity["capture"], loss=run.identity.get("loss"))
+    return info
 
 
 def _run_dataset(ident: dict) -> str | None:
@@ -749,16 +516,10 @@ def _open_array(p: Path, dataset: str | None, block_rows: int | None) -> SourceI
     n, d = shape
     if n < 2 or d < 2:
         raise DataError(f"{p} is {n} x {d}; at least 2 rows (points) and 2 columns (dimensions) are needed")
-    warnings, flags = [], []
-    if n < d:
-        warnings.append(
-            f"{p.name} has fewer rows than columns ({n} x {d}); rows must be points (N, D) -- "
-            "if it is transposed, save X.T instead; covariance metrics are rank-limited"
-        )
-        flags.append("maybe_transposed")
+    warnings, flags = _shape_warnings(p, n, d, "it is")
     # one task = one read block (~32 MiB): each task maps the file afresh, so the pages of a
     # memory-mapped .npy that count as resident stay bounded by a block, not the whole array
-    step = max(block_rows or 0, _rows_per_block(d, dtype.itemsize, 1))
+    step = max(block_rows or 0, rows_per_block(d, dtype.itemsize, 1))
     tasks = [
         Task(
             kind="npy" if p.suffix.lower() == ".npy" else "h5",

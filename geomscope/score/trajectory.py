@@ -25,10 +25,12 @@ IW_COLUMNS = ("iw_input_raw", "iw_input_centred", "iw_output_raw", "iw_output_ce
 
 def runs_in(path) -> list[Path]:
     """The run directories directly inside ``path`` (those holding a manifest), by step then name."""
+    from geomscope.store.names import MANIFEST_NAME
+
     p = Path(path)
-    if not p.is_dir() or (p / "manifest.json").exists():
+    if not p.is_dir() or (p / MANIFEST_NAME).exists():
         return []
-    runs = [d for d in p.iterdir() if d.is_dir() and (d / "manifest.json").exists()]
+    runs = [d for d in p.iterdir() if d.is_dir() and (d / MANIFEST_NAME).exists()]
 
     def key(d: Path):
         m = STEP_RE.match(d.name)
@@ -142,7 +144,7 @@ TRAJECTORY_HEADER = b"model,revision,step,layer,index,n_rows"
 def check_trajectory_out(path) -> Path:
     """``path`` if a trajectory may be written there: nothing, or an earlier trajectory.csv (replaced);
     InputError (one line) for a user's file of that name."""
-    from geomscope.fileio import HEAD_BYTES, ensure_replaceable, starts_with
+    from geomscope.outputs import HEAD_BYTES, ensure_replaceable, starts_with
 
     ensure_replaceable(path, starts_with(TRAJECTORY_HEADER), head=HEAD_BYTES)
     return Path(path)

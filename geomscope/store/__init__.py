@@ -14,18 +14,17 @@
 
 Writers: :class:`RunWriter` (manifest, identity check, resume, lock) and :class:`ShardWriter`
 (one shard, appended batch by batch, written under a temporary name, fsynced, renamed).
-Readers: :class:`Run` and :func:`iter_shard`.  Nothing here imports torch.
+Readers: :class:`Run` (reader.py: the manifest, layers, shards as tasks, blocks of rows, the
+checks), :func:`iter_shard`; integrity.py holds the checks between the files and the reads;
+names.py every file name and format tag; sample.py the seeded row keys of a sample (a
+``--keep sample`` run's, ``score``'s). Nothing here imports torch.
 """
 
 from geomscope.store.describe import describe_run
-from geomscope.store.manifest import (
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    RunWriter,
-    identity_differences,
-    shard_name,
-)
-from geomscope.store.reader import Run, ShardChunk, iter_shard, read_shard_index, shard_dim, verify_shard
+from geomscope.store.integrity import verify_shard
+from geomscope.store.manifest import RunWriter, identity_differences
+from geomscope.store.names import FORMAT_VERSION, MANIFEST_NAME, shard_name
+from geomscope.store.reader import Run, ShardChunk, iter_shard, read_shard_index, shard_dim
 from geomscope.store.shard import ShardInfo, ShardWriter, nonfinite_rows
 
 __all__ = [

@@ -7,8 +7,10 @@ from pathlib import Path
 
 from geomscope.errors import DataError
 from geomscope.store import remote
-from geomscope.store.manifest import MANIFEST_NAME, PART_RE, _damaged, _short, being_written, shard_name
-from geomscope.store.reader import Run, shard_counts, verify_layout, verify_shard
+from geomscope.store.integrity import coverage, manifest_problems, verify_shard
+from geomscope.store.manifest import being_written, damaged, short
+from geomscope.store.names import MANIFEST_NAME, PART_RE
+from geomscope.store.reader import Run, check_documents, read_shard_index, shard_counts, verify_layout
 
 OPTION_KEYS = (
     "store_dtype",
@@ -38,7 +40,7 @@ def describe_run(run_dir: Path | str, *, verify: bool = False) -> dict:
     model = ident.get("model", {}) if isinstance(ident.get("model"), dict) else {}
     why = _field_problem(ident, model)
     if why:
-        raise _damaged(remote.join(run.dir, MANIFEST_NAME), why)
+        raise damaged(remote.join(run.dir, MANIFEST_NAME), why)
     shards = run.shards
     stats = [s.get("stats", {}) for s in m.get("shards", [])]
     nonfinite_by_layer: dict[str, int] = {}
@@ -128,13 +130,13 @@ def _field_problem(ident: dict, model: dict) -> str | None:
     for key in MODEL_TEXT_FIELDS:
         v = model.get(key)
         if v is not None and not isinstance(v, str):
-            return f"identity.model.{key} is {_short(v)}, not a string"
+            return f"identity.model.{key} is {short(v)}, not a string"
     v = model.get("num_hidden_states")
     if v is not None and not (is_int(v) and v >= 0):
-        return f"identity.model.num_hidden_states is {_short(v)}, not a non-negative integer"
+        return f"identity.model.num_hidden_states is {short(v)}, not a non-negative integer"
     inputs = ident.get("inputs", [])
     if not isinstance(inputs, list) or not all(isinstance(i, dict) for i in inputs):
-        return f"identity.inputs is {_short(inputs)}, not a list of objects"
+        return f"identity.inputs is {short(inputs)}, not a list of objects"
     for key, kind, what in (
         ("keep", str, "a string"),
         ("capture", str, "a string"),
@@ -143,10 +145,10 @@ def _field_problem(ident: dict, model: dict) -> str | None:
     ):
         v = ident.get(key)
         if v is not None and not isinstance(v, kind):
-            return f"identity.{key} is {_short(v)}, not {what}"
+            return f"identity.{key} is {short(v)}, not {what}"
     for i, layer in enumerate(ident.get("layers") or []):  # read_manifest checked they are named objects
         if layer.get("tensor") is not None and not isinstance(layer["tensor"], str):
-            return f"identity.layers[{i}].tensor is {_short(layer['tensor'])}, not a string"
+            return f"identity.layers[{i}].tensor is {short(layer['tensor'])}, not a string"
     return None
 
 
@@ -175,77 +177,11 @@ def _verify(run: Run, shards) -> dict:
         "bad": bad,  # damaged shards: redone by deleting them and rerunning extract
         "manifest": problems,  # a manifest that disagrees with itself: no shard to delete
         "ok": not bad and not problems,
-        "documents": _coverage(shards, run.complete),
+        "documents": coverage(shards, run.complete),
     }
-
-
-def manifest_problems(run: Run) -> list[str]:
-    """What makes a run's manifest disagree with itself, from the manifest alone (no shard is read):
-    a shard index or file listed twice, two shards claiming the same documents, a complete run with
-    a shard missing, a total that is not the sum of its shards, or shards that measured more rows
-    than they store in a run that keeps every row (its ``keep`` removed: the samples would be scored
-    as whole layers). ``score`` refuses a run with any; ``inspect --verify`` lists them."""
-    shards = run.shards
-    problems = [
-        f"shard {s.index} is recorded as file {s.file}, not {shard_name(s.index)}"
-        for s in shards
-        if s.file != shard_name(s.index)
-    ][:1]
-    for what, values in (("index", [s.index for s in shards]), ("file", [s.file for s in shards])):
-        twice = sorted({v for v in values if values.count(v) > 1})
-        if twice:
-            problems.append(f"shard {what} {twice[0]} is listed more than once")
-    coverage = _coverage(shards, run.complete)
-    if coverage["problem"]:
-        problems.append(coverage["problem"])
-    totals = run.manifest.get("totals") or {}
-    for key, actual in (
-        ("rows", sum(s.n_tokens for s in shards)),
-        ("rows_stored", sum(s.rows for s in shards)),
-        ("docs", sum(s.docs for s in shards)),
-        ("shards", len(shards)),
-    ):
-        if key in totals and totals[key] != actual:
-            problems.append(f"totals.{key} is {totals[key]!r}, the shards hold {actual}")
-    if run.identity.get("keep") is None:
-        sampled = [s.file for s in shards if s.n_tokens != s.rows]
-        if sampled:
-            problems.append(
-                f"shard {sampled[0]} measured more rows than it stores, but the run records no --keep sample"
-            )
-    return problems
 
 
 def _check_documents_in_range(path, s) -> None:
     """Every document id a shard stores lies in the range its entry assigns it."""
-    from geomscope.store.reader import check_documents, read_shard_index
-
     if s.documents is not None:
         check_documents(path, read_shard_index(path, s.rows)["doc_id"], s.documents)
-
-
-def _coverage(shards, complete: bool) -> dict:
-    """Each document id in exactly one shard: the shards' document ranges are disjoint and in
-    order (only empty records lie between them), each shard's documents lie in its range (checked
-    per shard), and a complete run has every shard index from 0 -- whatever the number of processes
-    that wrote it."""
-    ordered = sorted(shards, key=lambda s: s.index)
-    problem = None
-    ranged = [s for s in ordered if s.documents is not None]  # (0..0: a shard that records none)
-    for a, b in zip(ranged, ranged[1:], strict=False):
-        if b.doc_start < a.doc_stop:
-            problem = f"shards {a.file} and {b.file} both claim documents {b.doc_start}..{a.doc_stop - 1}"
-            break
-    indices = [s.index for s in ordered]
-    missing = sorted(set(range(max(indices) + 1)) - set(indices)) if indices else []
-    if problem is None and complete and missing:
-        problem = f"the run is marked complete but shard(s) {missing[:5]} are missing"
-    return {
-        "shards": len(ordered),
-        "docs": sum(s.docs for s in ordered),
-        "first_doc": ordered[0].doc_start if ordered else None,
-        "last_doc": ordered[-1].doc_stop - 1 if ordered else None,
-        "missing_shards": missing,
-        "each_document_once": problem is None,
-        "problem": problem,
-    }

@@ -23,17 +23,22 @@ import time
 from pathlib import Path
 
 from geomscope.errors import DataError, InputError
-from geomscope.fileio import TEMP_PREFIX, fsync_dir, make_dirs, write_text_atomic
-from geomscope.store import checksum
-from geomscope.store.shard import SHARD_FILE_RE, SHARD_TEMP_RE, ShardInfo, ShardWriter
+from geomscope.fileio import TEMP_PREFIX, fsync_dir, make_dirs, write_all, write_text_atomic
+from geomscope.store import checksum, remote
+from geomscope.store.integrity import verify_shard
+from geomscope.store.names import (
+    FORMAT_VERSION,
+    LOCK_NAME,
+    MANIFEST_NAME,
+    PART_RE,
+    RUN_FORMAT,
+    SHARD_FILE_RE,
+    SHARD_TEMP_RE,
+    part_name,
+    shard_name,
+)
+from geomscope.store.shard import ShardInfo, ShardWriter
 
-FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
-LOCK_NAME = ".geomscope.lock"
-#: every process records its finished shards in its own shard log (:class:`ShardLog`), which
-#: process 0 folds into the manifest (at the end, and when a run is resumed); ``.json`` is the part
-#: file of geomscope before the logs (one JSON document, rewritten per shard), still read
-PART_RE = re.compile(r"\.geomscope-rank-\d{5}\.jsonl?")
 #: a layer name a manifest may hold: a shard keeps each layer as an HDF5 dataset of that name, and
 #: reports print it, so no "/" (a path inside the shard), no control character (a terminal escape),
 #: no surrogate, nothing empty or leading dot; what geomscope writes is far narrower (layer_06,
@@ -58,7 +63,7 @@ _SHARD_FIELDS = {
 }  # and the checksums (store/checksum.py)
 
 
-def _damaged(path: Path, why: str) -> InputError:
+def damaged(path: Path, why: str) -> InputError:
     return InputError(
         f"{path} is damaged ({why}); rerun `geomscope extract` with --overwrite, or into a new --out"
     )
@@ -66,26 +71,24 @@ def _damaged(path: Path, why: str) -> InputError:
 
 def _check_shard_entry(s, i: int, path: Path) -> None:
     if not isinstance(s, dict):
-        raise _damaged(path, f"shards[{i}] is not an object")
+        raise damaged(path, f"shards[{i}] is not an object")
     for key, kind in _SHARD_FIELDS.items():
         v = s.get(key)
         if not isinstance(v, kind) or isinstance(v, bool) or (kind is int and v < 0):
-            raise _damaged(
+            raise damaged(
                 path,
-                f"shards[{i}].{key} is {_short(v)}, not a{'n' if kind is int else ''} "
+                f"shards[{i}].{key} is {short(v)}, not a{'n' if kind is int else ''} "
                 f"{'non-negative integer' if kind is int else 'string'}",
             )
     for algorithm in (checksum.SLOW, checksum.FAST):  # xxh3_128: runs written since it existed
         v = s.get(algorithm)
         if (v is not None or algorithm == checksum.SLOW) and not checksum.well_formed(algorithm, v):
-            raise _damaged(
-                path, f"shards[{i}].{algorithm} is {_short(v)}, not {checksum.describe(algorithm)}"
-            )
+            raise damaged(path, f"shards[{i}].{algorithm} is {short(v)}, not {checksum.describe(algorithm)}")
     tokens = s.get("tokens")
     if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0):
-        raise _damaged(path, f"shards[{i}].tokens is {_short(tokens)}, not a non-negative integer")
+        raise damaged(path, f"shards[{i}].tokens is {short(tokens)}, not a non-negative integer")
     if not SHARD_FILE_RE.fullmatch(s["file"]):  # never a path: nothing outside the run is read or deleted
-        raise _damaged(path, f"shards[{i}].file {s['file']!r} is not a shard name geomscope writes")
+        raise damaged(path, f"shards[{i}].file {s['file']!r} is not a shard name geomscope writes")
 
 
 def check_manifest(m, path: Path) -> dict:
@@ -95,43 +98,43 @@ def check_manifest(m, path: Path) -> dict:
     missing or mistyped identity, layer list, shard entry or total, or a shard ``file`` that is not
     a plain shard name (a path could make resume delete, or score read, outside the run).
     """
-    if not isinstance(m, dict) or m.get("format") != "geomscope-run":
+    if not isinstance(m, dict) or m.get("format") != RUN_FORMAT:
         raise InputError(
             f"{path} is not a geomscope manifest; choose a run directory made by `geomscope extract`"
         )
     version = m.get("format_version")
     if not isinstance(version, int) or isinstance(version, bool):
-        raise _damaged(path, f"format_version is {version!r}")
+        raise damaged(path, f"format_version is {version!r}")
     if version > FORMAT_VERSION:
         raise InputError(f"{path} has run format_version {version}; upgrade geomscope to read it")
     ident = m.get("identity")
     if not isinstance(ident, dict):
-        raise _damaged(path, "no identity object")
+        raise damaged(path, "no identity object")
     layers = ident.get("layers")
     named = isinstance(layers, list) and all(
         isinstance(x, dict) and isinstance(x.get("name"), str) for x in layers
     )
     if not named:
-        raise _damaged(path, "identity.layers is not a list of named layers")
+        raise damaged(path, "identity.layers is not a list of named layers")
     names = [x["name"] for x in layers]
     for name in names:
         if not LAYER_NAME_RE.fullmatch(name):
-            raise _damaged(path, f"identity.layers names a layer {name!r}, not a name geomscope writes")
+            raise damaged(path, f"identity.layers names a layer {name!r}, not a name geomscope writes")
     if len(set(names)) != len(names):
-        raise _damaged(path, "identity.layers names a layer twice")
+        raise damaged(path, "identity.layers names a layer twice")
     model = ident.get("model", {})
     if not isinstance(model, dict):
-        raise _damaged(path, "identity.model is not an object")
+        raise damaged(path, "identity.model is not an object")
     width = model.get("hidden_size")
     if width is not None and (not isinstance(width, int) or isinstance(width, bool) or width < 1):
-        raise _damaged(path, f"identity.model.hidden_size is {_short(width)}, not a positive integer")
+        raise damaged(path, f"identity.model.hidden_size is {short(width)}, not a positive integer")
     shards = m.get("shards")
     if not isinstance(shards, list):
-        raise _damaged(path, "shards is not a list")
+        raise damaged(path, "shards is not a list")
     for i, s in enumerate(shards):
         _check_shard_entry(s, i, path)
     if not isinstance(m.get("totals", {}), dict) or not isinstance(m.get("complete", False), bool):
-        raise _damaged(path, "totals or complete has the wrong type")
+        raise damaged(path, "totals or complete has the wrong type")
     return m
 
 
@@ -152,18 +155,25 @@ def _names_itself_ours(path: Path) -> bool:
         m = json.loads(_read_file_text(path))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return False
-    return isinstance(m, dict) and m.get("format") == "geomscope-run"
+    return isinstance(m, dict) and m.get("format") == RUN_FORMAT
 
 
-def read_manifest(path: Path) -> dict:
-    """Read and check a manifest (InputError, one line, for anything unreadable or malformed)."""
+def read_manifest(path: Path | str) -> dict:
+    """Read and check a manifest (InputError, one line, for anything unreadable or malformed): a
+    local file (a regular file, never waited on), or a URL's JSON text read through fsspec, which goes
+    through the same checks (a shard ``file`` must be a plain shard name). Every reader of a manifest
+    reads it here."""
+    url = remote.is_url(path)
     try:
-        m = json.loads(_read_file_text(Path(path)))
+        m = json.loads(remote.read_text(path) if url else _read_file_text(Path(path)))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise InputError(
-            f"{path} is unreadable ({(str(e).splitlines() or [type(e).__name__])[0]}); move it out of the "
-            "way, or extract into a new --out"
-        ) from e
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        hint = (
+            "check the run at that URL, or extract it again"
+            if url
+            else "move it out of the way, or extract into a new --out"
+        )
+        raise InputError(f"{path} is unreadable ({why}); {hint}") from e
     return check_manifest(m, path)
 
 
@@ -192,14 +202,6 @@ def being_written(run_dir: Path) -> bool:
     finally:
         os.close(fd)
     return False
-
-
-def shard_name(index: int) -> str:
-    return f"shard-{index:05d}.h5"
-
-
-def part_name(rank: int) -> str:
-    return f".geomscope-rank-{rank:05d}.jsonl"
 
 
 def identity_digest(identity: dict) -> str:
@@ -279,7 +281,7 @@ class ShardLog:
     def append(self, entry: dict) -> None:
         if self._fd is None:
             self._open()
-        _write_all(self._fd, (json.dumps(entry) + "\n").encode("utf-8"))
+        write_all(self._fd, (json.dumps(entry) + "\n").encode("utf-8"))
         os.fsync(self._fd)
         if os.fstat(self._fd).st_nlink == 0:  # folded and removed by a run that took the directory over
             raise InputError(
@@ -299,9 +301,9 @@ class ShardLog:
             os.close(fd)
             raise InputError(f"{self.path} is not a plain file; move it out of {self.path.parent}")
         if st.st_size == 0:
-            _write_all(fd, (json.dumps({"identity_sha256": self.digest}) + "\n").encode())
+            write_all(fd, (json.dumps({"identity_sha256": self.digest}) + "\n").encode())
         elif os.pread(fd, 1, st.st_size - 1) != b"\n":  # a torn last line must not swallow the next
-            _write_all(fd, b"\n")
+            write_all(fd, b"\n")
         os.fsync(fd)
         fsync_dir(self.path.parent)
         self._fd = fd
@@ -315,14 +317,6 @@ class ShardLog:
         """Close and delete the log: its shards are all in the manifest now."""
         self.close()
         self.path.unlink(missing_ok=True)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    """Write every byte (a short write, as on a nearly full disk, is followed by the rest or by the
-    error that stopped it)."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 def _flatten(d, prefix=""):
@@ -340,7 +334,7 @@ def _flatten(d, prefix=""):
     return out
 
 
-def _short(v) -> str:
+def short(v) -> str:
     r = repr(v)
     return r if len(r) <= 70 else r[:67] + "..."
 
@@ -356,7 +350,7 @@ def identity_differences(old: dict, new: dict) -> list[str]:
     for key in sorted(set(a) | set(b), key=lambda k: (k.split(".")[0], not k.endswith(".count"), k)):
         if a.get(key, "<absent>") != b.get(key, "<absent>"):
             diffs.append(
-                f"{key}: {_short(a.get(key, '<absent>'))} in the run, {_short(b.get(key, '<absent>'))} now"
+                f"{key}: {short(a.get(key, '<absent>'))} in the run, {short(b.get(key, '<absent>'))} now"
             )
     return diffs
 
@@ -489,7 +483,7 @@ class RunWriter:
         if existing is None:
             now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
             self.manifest = {
-                "format": "geomscope-run",
+                "format": RUN_FORMAT,
                 "format_version": FORMAT_VERSION,
                 "created": now,
                 "identity": identity,
@@ -536,8 +530,6 @@ class RunWriter:
     def _intact(self, entry: dict) -> bool:
         """A finished shard is kept on resume only if it is a plain file of the recorded size and
         checksum (xxh3_128, or the sha256 of a run written before it: store/checksum.py)."""
-        from geomscope.store.reader import verify_shard
-
         p = self.dir / entry["file"]
         if p.is_symlink() or not p.is_file():
             return False

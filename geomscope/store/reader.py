@@ -1,11 +1,12 @@
-"""Reading a run: the manifest, its shards, and streaming a shard in bounded chunks."""
+"""Reading a run: :class:`Run` (its manifest, layers, shards as tasks, the checks before a read),
+a shard streamed in bounded chunks (:func:`iter_shard`) or as the blocks ``score`` and ``export``
+read (:func:`iter_shard_blocks`, :func:`iter_shard_meta`), and a ``--keep sample`` shard's stored
+accumulators (:func:`read_accumulated`). The file checks each read goes through are integrity.py's."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import socket
-import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,26 +15,29 @@ import h5py
 import numpy as np
 
 from geomscope.errors import DataError, InputError
-from geomscope.store import checksum, remote
+from geomscope.store import remote
+from geomscope.store.blocks import Block, Task, groups_of_docs, row_bytes
 from geomscope.store.chunks import row_spans
+from geomscope.store.integrity import (
+    check_regular_file,
+    check_same_file,
+    corrupt,
+    manifest_problems,
+    missing,
+    open_regular,
+)
+from geomscope.store.integrity import identity as shard_identity
 from geomscope.store.manifest import (
-    MANIFEST_NAME,
-    check_manifest,
     identity_digest,
     read_logs,
     read_manifest,
     with_logged,
 )
+from geomscope.store.names import MANIFEST_NAME, SHARD_FORMAT
+from geomscope.store.sample import run_keys
 from geomscope.store.shard import META_FIELDS, ShardInfo
 
 READ_CHUNK_BYTES = 64 * 1024 * 1024  # default bytes of one read step (its rows' layers and fields)
-
-
-def row_bytes(dim: int, itemsize: int, n_layers: int) -> int:
-    """Bytes one row of a read step takes: its layers' values, its index fields (token_id, doc_id,
-    position: int64; is_special) and a non-finite flag per layer. Counting the fields keeps a step
-    bounded for narrow layers too (D = 2 in float16 would otherwise read 16M rows, 0.4 GB of fields)."""
-    return dim * itemsize * n_layers + 3 * 8 + 1 + n_layers
 
 
 @dataclass
@@ -52,16 +56,6 @@ class ShardChunk:
 
     def __len__(self) -> int:
         return self.stop - self.start
-
-
-def _corrupt(path, why: str) -> DataError:
-    return DataError(
-        f"shard {path} is corrupt or truncated ({why}); rerun the same `geomscope extract` command to redo it"
-    )
-
-
-def _missing(path) -> DataError:
-    return DataError(f"shard {path} is missing; rerun the same `geomscope extract` command to redo it")
 
 
 class _StreamedFile(h5py.File):
@@ -83,88 +77,6 @@ class _StreamedFile(h5py.File):
             self._fobj.close()
 
 
-def check_regular_file(path) -> None:
-    """A local shard must be a regular file in its run: not a symbolic link (its bytes would come
-    from elsewhere, unchecked by where the run lies), a FIFO or a device (a read that blocks or never
-    ends). DataError (one line) otherwise. A ``file://`` URL is checked at its local path (it names
-    the same file); another URL is left to its filesystem."""
-    if remote.is_url(path):
-        local = remote.local_path(path)
-        if local is None:
-            return
-        path = local
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError as e:
-        raise _missing(path) from e
-    except OSError as e:
-        raise _corrupt(path, f"cannot read it: {e}") from e
-    if stat.S_ISLNK(mode):
-        raise DataError(
-            f"shard {path} is a symbolic link; geomscope reads only the files extract wrote into the "
-            "run: put the shard itself there"
-        )
-    if not stat.S_ISREG(mode):
-        raise _corrupt(path, "not a regular file")
-
-
-def open_regular(path):
-    """A local shard opened for reading (an unbuffered binary file), checked as
-    :func:`check_regular_file` checks it but on the open file itself: a link is refused by the open
-    (``O_NOFOLLOW``), a FIFO does not block it (``O_NONBLOCK``), and what is not a regular file is
-    refused by its ``fstat`` -- nothing can be put in its place between the check and the reads."""
-    flags = (
-        os.O_RDONLY
-        | getattr(os, "O_NOFOLLOW", 0)
-        | getattr(os, "O_NONBLOCK", 0)
-        | getattr(os, "O_CLOEXEC", 0)
-    )
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError as e:
-        raise _missing(path) from e
-    except OSError as e:
-        check_regular_file(path)  # a link (ELOOP) or what else it is, said as such
-        raise _corrupt(path, f"cannot read it: {e.strerror}") from e
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # (before open(): a directory would raise there)
-        os.close(fd)
-        raise _corrupt(path, "not a regular file")
-    return open(fd, "rb", buffering=0)  # noqa: SIM115 -- the caller closes it
-
-
-def identity(path) -> tuple | None:
-    """What tells this local file from one put in its place or changed: (this machine's name, device,
-    inode, size, modification time in ns). None for a URL, or a path that is not a regular file now
-    (the checks before any read say what it is)."""
-    if remote.is_url(path):
-        return None
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    return file_identity(st) if stat.S_ISREG(st.st_mode) else None
-
-
-def file_identity(st: os.stat_result) -> tuple:
-    """:func:`identity` of a file's ``os.stat`` / ``os.fstat`` result."""
-    return (socket.gethostname(), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def check_same_file(path, fd: int, expected: tuple | None) -> None:
-    """DataError unless the open file ``fd`` is the file ``expected`` (:func:`identity`) describes:
-    the shard was replaced or changed since, and the bytes checked and the rows read could otherwise
-    come from different files. An identity taken on another machine (a Dask worker elsewhere, reading
-    a shared filesystem whose device and inode numbers are its own) is not compared."""
-    if expected is None:
-        return
-    now = file_identity(os.fstat(fd))
-    if expected[0] == now[0] and tuple(expected) != now:
-        raise DataError(
-            f"shard {path} was replaced or changed while geomscope read it (another `geomscope extract` "
-            "writing into this run?); score it again once that is done"
-        )
-
-
 def _descriptor(f: h5py.File) -> int | None:
     """The file descriptor through which h5py reads a local shard (HDF5's default "sec2" driver);
     None for a URL's file object or another driver (set by ``HDF5_DRIVER``, say)."""
@@ -177,7 +89,7 @@ def _open(path, expected: tuple | None = None) -> h5py.File:
     """A shard at a location (a Path, or a URL read through fsspec) opened for reading; a local one,
     when ``expected`` is given, must still be that file (:func:`check_same_file`)."""
     if not remote.exists(path):
-        raise _missing(path)
+        raise missing(path)
     check_regular_file(path)
     try:
         if remote.is_url(path):
@@ -185,9 +97,9 @@ def _open(path, expected: tuple | None = None) -> h5py.File:
         else:
             f = h5py.File(path, "r")
     except FileNotFoundError as e:
-        raise _missing(path) from e
+        raise missing(path) from e
     except OSError as e:
-        raise _corrupt(path, str(e).split("(")[0].strip() or "cannot open") from e
+        raise corrupt(path, str(e).split("(")[0].strip() or "cannot open") from e
     try:
         fd = _descriptor(f)
         if fd is not None:
@@ -195,8 +107,8 @@ def _open(path, expected: tuple | None = None) -> h5py.File:
         elif expected is not None and not remote.is_url(path):  # another HDF5 driver: by path
             with open_regular(path) as again:
                 check_same_file(path, again.fileno(), expected)
-        if f.attrs.get("format") != "geomscope-shard" or "layers" not in f:
-            raise _corrupt(path, "not a geomscope shard")
+        if f.attrs.get("format") != SHARD_FORMAT or "layers" not in f:
+            raise corrupt(path, "not a geomscope shard")
     except BaseException:
         f.close()
         raise
@@ -205,7 +117,7 @@ def _open(path, expected: tuple | None = None) -> h5py.File:
 
 def open_shard(path, expected: tuple | None = None) -> h5py.File:
     """A finished shard (a path or a URL) opened for reading; DataError (one line) when it is missing
-    or not a shard, or (``expected``: :func:`identity`) no longer the file it was."""
+    or not a shard, or (``expected``: integrity.identity) no longer the file it was."""
     return _open(remote.location(path), expected)
 
 
@@ -218,11 +130,11 @@ def read_accumulated(f: h5py.File, layer: str, *, extras: bool, dim: int, tokens
     path = getattr(f, "location", f.filename)
     try:
         if f.attrs.get("keep") != "sample":
-            raise _corrupt(path, "it keeps every row, but the run records a --keep sample")
+            raise corrupt(path, "it keeps every row, but the run records a --keep sample")
         if f.attrs.get("tokens") != tokens:
-            raise _corrupt(path, f"it says it measured {f.attrs.get('tokens')} rows, its entry {tokens}")
+            raise corrupt(path, f"it says it measured {f.attrs.get('tokens')} rows, its entry {tokens}")
         if layer not in f[GROUP]:
-            raise _corrupt(path, f"it has no accumulators of layer {layer}")
+            raise corrupt(path, f"it has no accumulators of layer {layer}")
         lg = f[GROUP][layer]
         regular = read_moments(lg["regular"], dim=dim, most=tokens, extras=extras)
         special = None
@@ -232,9 +144,9 @@ def read_accumulated(f: h5py.File, layer: str, *, extras: bool, dim: int, tokens
     except DataError as e:
         if str(path) in str(e):
             raise
-        raise _corrupt(path, str(e).split(";")[0]) from e
+        raise corrupt(path, str(e).split(";")[0]) from e
     except READ_ERRORS as e:
-        raise _corrupt(path, _h5_reason(e)) from e
+        raise corrupt(path, _h5_reason(e)) from e
 
 
 #: what a damaged or crafted shard's structure makes h5py or numpy raise while it is read
@@ -257,14 +169,14 @@ def _own_dataset(f: h5py.File, key: str, path) -> h5py.Dataset:
     shard's checksum does not cover)."""
     link = f.get(key, getlink=True)
     if link is None:
-        raise _corrupt(path, f"no {key}")
+        raise corrupt(path, f"no {key}")
     if not isinstance(link, h5py.HardLink):
-        raise _corrupt(path, f"{key} is a link to another file or place")
+        raise corrupt(path, f"{key} is a link to another file or place")
     ds = f[key]
     if not isinstance(ds, h5py.Dataset):
-        raise _corrupt(path, f"{key} is not a dataset")
+        raise corrupt(path, f"{key} is not a dataset")
     if ds.external or ds.is_virtual:
-        raise _corrupt(path, f"{key} keeps its data outside the shard")
+        raise corrupt(path, f"{key} keeps its data outside the shard")
     return ds
 
 
@@ -279,25 +191,25 @@ def check_layout(f: h5py.File, path, layers=(), *, rows: int | None = None, dim:
     for key in (*META_FIELDS, "is_special"):
         ds = _own_dataset(f, key, path)
         if ds.ndim != 1 or ds.dtype.kind not in "iub":
-            raise _corrupt(path, f"{key} is not a column of integers")
+            raise corrupt(path, f"{key} is not a column of integers")
         if n is None:
             n = int(ds.shape[0])
         elif ds.shape[0] != n:
-            raise _corrupt(path, f"{key} has {ds.shape[0]} rows, token_id has {n}")
+            raise corrupt(path, f"{key} has {ds.shape[0]} rows, token_id has {n}")
     if rows is not None and n != rows:
-        raise _corrupt(path, f"it stores {n} rows, its manifest entry says {rows}")
+        raise corrupt(path, f"it stores {n} rows, its manifest entry says {rows}")
     for name in layers:
         ds = _own_dataset(f, f"layers/{name}", path)
         if ds.ndim != 2 or ds.dtype.kind != "f":
-            raise _corrupt(path, f"layer {name} is not a (rows, D) float array")
+            raise corrupt(path, f"layer {name} is not a (rows, D) float array")
         if ds.shape[0] != n:
-            raise _corrupt(path, f"layer {name} has {ds.shape[0]} rows, the index has {n}")
+            raise corrupt(path, f"layer {name} has {ds.shape[0]} rows, the index has {n}")
         if dim is not None and ds.shape[1] != dim:
-            raise _corrupt(path, f"layer {name} is {ds.shape[1]} wide, the run's layers {dim}")
+            raise corrupt(path, f"layer {name} is {ds.shape[1]} wide, the run's layers {dim}")
         if f.get(f"nonfinite/{name}", getlink=True) is not None:
             flags = _own_dataset(f, f"nonfinite/{name}", path)
             if flags.shape != (n,) or flags.dtype.kind not in "bui":
-                raise _corrupt(path, f"the non-finite flags of layer {name} are not {n} booleans")
+                raise corrupt(path, f"the non-finite flags of layer {name} are not {n} booleans")
     return n
 
 
@@ -309,7 +221,7 @@ def verify_layout(path, layers, *, rows: int | None = None, dim: int | None = No
         try:
             check_layout(f, path, layers, rows=rows, dim=dim)
         except READ_ERRORS as e:
-            raise _corrupt(path, str(e)) from e
+            raise corrupt(path, str(e)) from e
 
 
 def read_shard_index(path: Path, rows: int | None = None) -> dict[str, np.ndarray]:
@@ -321,17 +233,28 @@ def read_shard_index(path: Path, rows: int | None = None) -> dict[str, np.ndarra
             check_layout(f, path, rows=rows)
             return {k: f[k][:] for k in (*META_FIELDS, "is_special")}
         except READ_ERRORS as e:
-            raise _corrupt(path, str(e)) from e
+            raise corrupt(path, str(e)) from e
 
 
 def shard_dim(path: Path, layer: str) -> int:
     """The width D of ``layer`` in one shard."""
+    return _layer_form(path, layer)[0]
+
+
+def shard_dtype(path: Path, layer: str) -> str:
+    """The stored dtype of ``layer`` in one shard, as numpy writes it (``"<f2"``)."""
+    return _layer_form(path, layer)[1].str
+
+
+def _layer_form(path: Path, layer: str) -> tuple[int, np.dtype]:
+    """(width, dtype) of ``layer``'s dataset in one shard."""
     path = remote.location(path)
     with _open(path) as f:
         try:
-            return int(f["layers"][layer].shape[1])
+            ds = f["layers"][layer]
+            return int(ds.shape[1]), ds.dtype
         except (OSError, KeyError) as e:
-            raise _corrupt(path, str(e).split("(")[0].strip()) from e
+            raise corrupt(path, str(e).split("(")[0].strip()) from e
 
 
 class _RowReader:
@@ -373,7 +296,7 @@ class _RowReader:
         while len(into):
             n = os.preadv(self._fd, [into], offset)
             if not n:
-                raise _corrupt(self.path, "a chunk of rows ends past the end of the file")
+                raise corrupt(self.path, "a chunk of rows ends past the end of the file")
             into, offset = into[n:], offset + n
 
 
@@ -393,7 +316,7 @@ def iter_shard(
     ``activations=False`` reads only the row index and the non-finite flags of ``layers`` (a chunk's
     ``layers`` is then empty): the metadata pass of ``score --max-rows``. ``path``: a path or a URL.
     ``rows``, ``dim``: the manifest's row count and the run's width, checked (:func:`check_layout`)
-    before anything is read. ``expected``: the shard's :func:`identity` when it was planned (checked
+    before anything is read. ``expected``: the shard's integrity.identity when it was planned (checked
     on the open file). ``docs``: the documents [start, stop) its manifest entry assigns it; a row of
     another document is refused (it would be counted twice, or in the wrong jackknife group).
     """
@@ -402,11 +325,11 @@ def iter_shard(
         try:
             stored = f["layers"]
             if not isinstance(stored, h5py.Group):
-                raise _corrupt(path, "its layers are not a group of datasets")
+                raise corrupt(path, "its layers are not a group of datasets")
             names = list(stored.keys()) if layers is None else list(layers)
             for n in names:
                 if n not in stored:
-                    raise _corrupt(path, f"it has no layer {n!r}, which the run lists")
+                    raise corrupt(path, f"it has no layer {n!r}, which the run lists")
             n_rows = check_layout(f, path, names, rows=rows, dim=dim)
             if names and activations:
                 d = f["layers"][names[0]].shape[1]
@@ -417,7 +340,7 @@ def iter_shard(
             step = chunk_rows or default
             for ds in [f["layers"][n] for n in names]:
                 if ds.shape[0] != n_rows:
-                    raise _corrupt(path, f"layer {ds.name} has {ds.shape[0]} rows, index has {n_rows}")
+                    raise corrupt(path, f"layer {ds.name} has {ds.shape[0]} rows, index has {n_rows}")
             for start in range(0, n_rows, step):
                 stop = min(n_rows, start + step)
                 meta = {k: f[k][start:stop] for k in (*META_FIELDS, "is_special")}
@@ -436,7 +359,61 @@ def iter_shard(
                     is_special=meta["is_special"],
                 )
         except READ_ERRORS as e:  # truncated file, broken chunk, a structure no writer made
-            raise _corrupt(path, _h5_reason(e)) from e
+            raise corrupt(path, _h5_reason(e)) from e
+
+
+def iter_shard_meta(task: Task, layers: list[str], n_groups: int) -> Iterator[Block]:
+    """Metadata (keys, groups, special, non-finite flags) of a shard task, without activations: the
+    row index and the stored non-finite flags alone are read."""
+    for ch in iter_shard(
+        task.path,
+        layers,
+        chunk_rows=1 << 20,
+        activations=False,
+        rows=task.rows,
+        expected=task.identity,
+        docs=task.docs,
+    ):
+        n = ch.stop - ch.start
+        nf = {
+            name: np.asarray(ch.nonfinite[name], bool) if name in ch.nonfinite else np.zeros(n, bool)
+            for name in layers
+        }
+        yield Block(
+            keys=run_keys(ch.doc_id, ch.position),
+            group=groups_of_docs(ch.doc_id, n_groups),
+            special=np.asarray(ch.is_special, bool),
+            nonfinite=nf,
+        )
+
+
+def iter_shard_blocks(
+    task: Task, layers: list[str], n_groups: int, block_rows: int | None
+) -> Iterator[Block]:
+    """A shard task's rows with the activations of ``layers``, in blocks of ``block_rows`` (None: the
+    default read step), held to what the task records (rows, width, identity, documents)."""
+    for ch in iter_shard(
+        task.path,
+        layers,
+        chunk_rows=block_rows,
+        rows=task.rows,
+        dim=task.dim or None,
+        expected=task.identity,
+        docs=task.docs,
+    ):
+        nf = {}
+        for n in layers:
+            if n in ch.nonfinite:  # the store flags every row whose stored values hold NaN/Inf
+                nf[n] = np.asarray(ch.nonfinite[n], bool)
+            else:  # a shard without flags: find those rows here
+                nf[n] = ~np.isfinite(ch.layers[n]).all(axis=1)
+        yield Block(
+            keys=run_keys(ch.doc_id, ch.position),
+            group=groups_of_docs(ch.doc_id, n_groups),
+            special=np.asarray(ch.is_special, bool),
+            layers=ch.layers,
+            nonfinite=nf,
+        )
 
 
 def _h5_reason(e: BaseException) -> str:
@@ -447,7 +424,7 @@ def _h5_reason(e: BaseException) -> str:
 def check_documents(path, doc_id: np.ndarray, docs: tuple[int, int]) -> None:
     """Every document id of a shard's rows lies in [start, stop), the range its entry assigns it."""
     if doc_id.size and (int(doc_id.min()) < docs[0] or int(doc_id.max()) >= docs[1]):
-        raise _corrupt(
+        raise corrupt(
             path,
             f"it stores rows of documents {int(doc_id.min())}..{int(doc_id.max())}, outside its range "
             f"{docs[0]}..{docs[1] - 1}",
@@ -460,48 +437,16 @@ def shard_counts(path: Path, rows: int | None = None) -> tuple[int, int]:
     return int(idx["doc_id"].shape[0]), int(np.unique(idx["doc_id"]).size)
 
 
-def verify_shard(path: Path, info: ShardInfo) -> None:
-    """Check size and checksum of a shard (a path, or a URL whose bytes are streamed through fsspec)
-    against its manifest entry (DataError if they differ)."""
-    path = remote.location(path)
-    if not remote.exists(path):
-        raise _missing(path)
-    check_regular_file(path)
-    try:
-        size = remote.size(path)
-        if size != info.bytes:
-            raise _corrupt(path, f"{size} bytes on disk, {info.bytes} recorded")
-        digest = info.digest
-        same = digest is not None and checksum.matches(path, digest)
-    except FileNotFoundError as e:
-        raise _missing(path) from e
-    except OSError as e:
-        raise _corrupt(path, f"cannot read it: {e}") from e
-    if not same:
-        raise _corrupt(path, "checksum differs from the manifest")
-
-
-def _read_manifest(run_dir) -> dict:
-    """The checked manifest of a run at a location: a URL's JSON text is read through fsspec and
-    goes through the same checks as a local manifest (a shard ``file`` must be a plain shard name)."""
-    mpath = remote.join(run_dir, MANIFEST_NAME)
-    if not remote.is_url(mpath):
-        return read_manifest(mpath)
-    import json
-
-    try:
-        m = json.loads(remote.read_text(mpath))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(
-            f"{mpath} is unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-            "check the run at that URL, or extract it again"
-        ) from e
-    return check_manifest(m, mpath)
-
-
 class Run:
     """A run directory opened for reading: a path, or an fsspec URL (``self.dir`` is then the URL
-    string, and :meth:`shard_path` gives URLs)."""
+    string, and :meth:`shard_path` gives URLs).
+
+    What ``score``, ``export`` and ``inspect`` know of a run comes from here: its checked manifest
+    (with the shards of an unfinished run's logs folded in), layers and their indices in the model,
+    the kept sample's size (:attr:`kept_sample`), the manifest's agreement with itself
+    (:meth:`check_consistent`), and its shards as tasks (:meth:`shard_tasks`) whose rows
+    :func:`iter_shard_blocks` and :func:`iter_shard_meta` stream, and whose stored accumulators
+    :func:`read_accumulated` reads."""
 
     def __init__(self, run_dir: Path | str):
         self.dir = remote.location(run_dir)
@@ -518,7 +463,7 @@ class Run:
         # the shard logs before the manifest: a writer rewrites the manifest before it removes a
         # log, so a shard is in one or the other whenever this reads them
         logs = [] if remote.is_url(self.dir) else read_logs(Path(self.dir))
-        self.manifest = _read_manifest(self.dir)
+        self.manifest = read_manifest(mpath)
         if logs and not self.complete:
             self._fold_logs(logs)
 
@@ -562,30 +507,69 @@ class Run:
     def total_rows(self) -> int:
         return sum(s.rows for s in self.shards)
 
-    def resolve_layers(self, wanted: list[str] | None) -> list[str]:
-        """Map user layer names or indices (``"3"``, ``"-1"``, ``"layer_03"``) to stored layer names."""
-        names = self.layer_names
-        if not wanted:
-            return names
-        out = []
-        for w in wanted:
-            w = str(w).strip()
-            if w in names:
-                out.append(w)
-                continue
-            by_index = {str(layer.get("index")): layer["name"] for layer in self.layers}
-            if w in by_index:
-                out.append(by_index[w])
-                continue
-            try:
-                i = int(w)
-            except ValueError:
-                i = None
-            if i is not None and -len(names) <= i < 0:
-                out.append(names[i])
-                continue
-            raise InputError(f"layer {w!r} is not in this run (it has {', '.join(names)}); pick one of those")
+    @property
+    def kept_sample(self) -> int | None:
+        """N of a ``--keep sample:N`` run, whose shards keep accumulators and N sampled rows each
+        (None: a run of every row). InputError for a ``keep`` geomscope never writes."""
+        keep = self.identity.get("keep")
+        if keep is None:
+            return None
+        head, _, n = str(keep).partition(":")
+        if head != "sample" or not n.isdigit():
+            raise InputError(
+                f"{self.dir}: the manifest's keep {keep!r} is not one geomscope writes; the run is damaged"
+            )
+        return int(n)
+
+    def check_consistent(self, where) -> None:
+        """InputError unless the manifest agrees with itself (integrity.manifest_problems: a shard
+        listed twice, documents claimed twice, totals that disagree...): every row is read once, by
+        score and by export alike, or the run is refused. ``where``: the run as the user named it."""
+        problems = manifest_problems(self)
+        if problems:
+            raise InputError(
+                f"{where} is damaged: its manifest disagrees with itself ({problems[0]}); rerun "
+                "`geomscope extract` with --overwrite, or into a new --out"
+            )
+
+    def layer_indices(self, names: list[str]) -> dict[str, int | None]:
+        """layer -> its index in the model as the run records it (None where it records no integer)."""
+        recorded = {lay.get("name"): lay.get("index") for lay in self.layers}
+        out = {}
+        for n in names:
+            v = recorded.get(n)
+            out[n] = v if isinstance(v, int) and not isinstance(v, bool) else None
         return out
+
+    def shard_tasks(self, dim: int, *, accumulated: bool = False) -> list[Task]:
+        """The run's shards as tasks, in index order: path, rows, recorded size and checksum, their
+        documents, and the identity of each file now (the reads must come from the file planned).
+        ``dim``: the width every layer is held to (0: not checked); ``accumulated``: the shards of a
+        ``--keep sample`` run (:attr:`kept_sample`)."""
+        return [
+            Task(
+                kind="shard",
+                path=str(self.shard_path(s)),
+                index=s.index,
+                rows=s.rows,
+                nbytes=s.bytes,
+                digest=s.digest,
+                identity=shard_identity(self.shard_path(s)),
+                dim=dim,
+                accumulated=accumulated,
+                docs=s.documents,
+                tokens=s.n_tokens,
+            )
+            for s in sorted(self.shards, key=lambda s: s.index)
+        ]
+
+    def resolve_layers(self, wanted) -> list[str]:
+        """The stored layer names a ``--layers`` selection picks (``"3"``, ``"-1"``, ``"layer_03"``,
+        ``"1-3"``, ``"blocks"`` ...: the grammar of :mod:`geomscope.layers`), in the run's order,
+        each once; None or an empty list: every layer."""
+        from geomscope.layers import select_names, stored_layers
+
+        return select_names(wanted, stored_layers(self.layers, "this run"))
 
     def __repr__(self) -> str:
         return (

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -17,10 +16,8 @@ from geomscope.errors import InputError
 from geomscope.fileio import create_exclusive, fsync_dir
 from geomscope.store import checksum
 from geomscope.store.chunks import chunk_spans, stored_as_rows
+from geomscope.store.names import SHARD_FORMAT
 
-#: the only names geomscope gives shards, and their temporary names while being written
-SHARD_FILE_RE = re.compile(r"shard-\d{5,}\.h5")
-SHARD_TEMP_RE = re.compile(r"\.shard-\d{5,}\.h5(\.[0-9a-f]+)?\.tmp")
 CHUNK_BYTES = 2 * 1024 * 1024  # target bytes per (rows, D) chunk of a layer dataset
 META_FIELDS = ("token_id", "doc_id", "position")
 #: rows whose per-row fields (META_FIELDS, is_special, flags: ~30 bytes a row) are written together
@@ -223,7 +220,7 @@ class ShardWriter:
         self._buf_rows = 0
         os.close(create_exclusive(self.tmp_path))
         self._f = h5py.File(self.tmp_path, "w")
-        self._f.attrs["format"] = "geomscope-shard"
+        self._f.attrs["format"] = SHARD_FORMAT
         self._f.attrs["shard_index"] = index
         self._f.attrs["layer_names"] = np.array(self.layer_names, dtype=h5py.string_dtype())
         g = self._f.create_group("layers")

@@ -28,7 +28,7 @@ import shutil
 from pathlib import Path
 
 from geomscope.errors import InputError
-from geomscope.fileio import make_dirs, write_json_atomic, write_text_atomic
+from geomscope.fileio import fresh_dir, make_dirs, replace_dir, write_json_atomic, write_text_atomic
 
 CKPT = "checkpoint"
 #: --lora: the final adapter (``DIR/adapter/``), written first to its working directory
@@ -347,7 +347,7 @@ def save_checkpoint(
     tokenizer.save_pretrained(tmp)
     if optimizer is None:
         (tmp / "state.json").write_text(json.dumps({**state, "resumable": False}, indent=2))
-        _replace_dir(tmp, out / CKPT)
+        replace_dir(tmp, out / CKPT, aside=out / (CKPT + ".old"))  # put back by a resume after a crash
         return out / CKPT
     tensors: dict = {}
     trainer = {
@@ -359,35 +359,13 @@ def save_checkpoint(
     save_file(tensors, str(tmp / _TENSORS))
     (tmp / _STATE).write_text(json.dumps(trainer))
     (tmp / "state.json").write_text(json.dumps(state, indent=2))
-    _replace_dir(tmp, out / CKPT)
+    replace_dir(tmp, out / CKPT, aside=out / (CKPT + ".old"))  # put back by a resume after a crash
     return out / CKPT
 
 
 def _save_model(model, where: Path, weights: dict | None) -> None:
     """``save_pretrained``, from ``weights`` when the model is sharded (its own tensors are shards)."""
     model.save_pretrained(where, **({"state_dict": weights} if weights is not None else {}))
-
-
-def fresh_dir(tmp: Path) -> Path:
-    """An empty working directory of geomscope's own name (a link planted there is removed, never
-    followed)."""
-    if tmp.is_symlink() or tmp.is_file():
-        tmp.unlink()
-    elif tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def _replace_dir(tmp: Path, final: Path) -> None:
-    old = final.with_name(final.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old.exists():
-        shutil.rmtree(old)
 
 
 def read_state(out: Path) -> dict | None:
@@ -511,7 +489,7 @@ def save_snapshot(out: Path, model, tokenizer, step: int, weights: dict | None =
     tmp = fresh_dir(out / SNAPSHOTS / f".step{step}.tmp")
     _save_model(model, tmp, weights)
     tokenizer.save_pretrained(tmp)
-    os.replace(tmp, dest)
+    replace_dir(tmp, dest)
     return dest
 
 

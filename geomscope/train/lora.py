@@ -15,12 +15,11 @@ in LLaMA); ``q``, ``k``, ``v`` and ``o`` also stand for the usual spellings of t
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
 from pathlib import Path
 
 from geomscope.errors import InputError
-from geomscope.train.checkpoint import ADAPTER, ADAPTER_TEMP, export_model, fresh_dir, record_outputs
+from geomscope.fileio import fresh_dir, replace_dir
+from geomscope.train.checkpoint import ADAPTER, ADAPTER_TEMP, export_model, record_outputs
 
 ALIASES = {
     "q": ("query", "q_proj", "q_lin", "q"),
@@ -118,9 +117,6 @@ def export(out: Path, model, tokenizer, extra: dict) -> None:
     tmp = fresh_dir(out / ADAPTER_TEMP)
     model.save_pretrained(tmp)
     record_outputs(out, [ADAPTER])
-    dest = out / ADAPTER
-    if dest.is_dir() and not dest.is_symlink():
-        shutil.rmtree(dest)
-    os.replace(tmp, dest)
+    replace_dir(tmp, out / ADAPTER)
     merged = model.merge_and_unload()
     export_model(out, merged, tokenizer, extra)

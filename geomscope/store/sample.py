@@ -12,6 +12,9 @@ never on the order in which shards are read or on how they are spread over worke
 - Intrinsic-dimension sample: :class:`Reservoir` keeps the rows with the smallest hashes of a
   second stream while streaming (memory bounded by ~2k rows per layer); partial reservoirs from
   workers merge exactly.
+- ``extract --keep sample:N`` keeps, per shard, the N rows with the smallest hashes of that same
+  stream (extract/keep.py), so the run's keys, hashes and streams live here, with the store that
+  keeps the sample, and ``score`` draws from a kept sample what it would draw from every row.
 """
 
 from __future__ import annotations
