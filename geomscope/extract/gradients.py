@@ -174,7 +174,7 @@ class GradientCapture(Capture):
                     attention_mask=t_mask,
                     output_hidden_states=True,
                     return_dict=True,
-                    **self.lm._forward_kwargs,
+                    **self.lm.forward_kwargs,
                 )
                 loss = self._loss(out.logits, docs, targets)
                 tensors = [out.hidden_states[i] if src == "hs" else grabbed[src] for src, i in self.sources]
