@@ -13,8 +13,6 @@ from dataclasses import dataclass
 
 REPORT_FORMAT = "geomscope-report"
 REPORT_FORMAT_VERSION = 1
-#: the name of a layer's gradient rows (extract --capture gradients): ``layer_06.grad``
-GRAD_SUFFIX = ".grad"
 
 #: top-level keys of a report, in the order they are written
 #: a training step in a revision or checkpoint name: ``step143000`` (Pythia), ``checkpoint-500`` (HF Trainer)

@@ -13,8 +13,8 @@ import torch
 from helpers_models import SAMPLE_TEXTS, make_tiny_model, poison_token
 
 from geomscope.errors import DataError, InputError
-from geomscope.extract.layers import parse_layers
 from geomscope.extract.run import extract
+from geomscope.layers import parse_layers
 from geomscope.model.load import load_model
 from geomscope.store import Run, iter_shard
 

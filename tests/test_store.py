@@ -118,7 +118,9 @@ def test_corrupt_and_missing(tmp_path):
 def test_resolve_layers(tmp_path):
     _write(tmp_path / "run", n_shards=1, rows=(6,))
     run = Run(tmp_path / "run")
-    assert run.resolve_layers(["1", "-2", "layer_01"]) == ["layer_01", "layer_00", "layer_01"]
+    # the run's order, each layer once (a layer named twice was exported twice)
+    assert run.resolve_layers(["1", "-2", "layer_01"]) == ["layer_00", "layer_01"]
+    assert run.resolve_layers(["0-1"]) == run.resolve_layers("blocks,0") == ["layer_00", "layer_01"]
     with pytest.raises(InputError, match="not in this run"):
         run.resolve_layers(["7"])
 

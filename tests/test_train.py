@@ -11,7 +11,7 @@ from test_train_helpers import SAMPLE, make_checkpoint, synthetic_rows, words_of
 
 from geomscope import distributed as dd
 from geomscope.errors import DataError, GeomscopeError, InputError
-from geomscope.extract.layers import parse_layers
+from geomscope.layers import parse_layers
 from geomscope.metrics.isotropy import isoscore_star_torch
 from geomscope.train import FinetuneConfig, finetune
 from geomscope.train.data import (

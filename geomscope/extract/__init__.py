@@ -20,7 +20,7 @@ def __getattr__(name):
 
         return ExtractOptions
     if name == "parse_layers":
-        from geomscope.extract.layers import parse_layers
+        from geomscope.layers import parse_layers
 
         return parse_layers
     raise AttributeError(name)

@@ -34,7 +34,7 @@ import numpy as np
 from geomscope.errors import InputError
 from geomscope.extract.batching import Doc, pad_right, row_meta
 from geomscope.extract.capture import Capture
-from geomscope.schema import GRAD_SUFFIX
+from geomscope.layers import gradient_name
 
 CAPTURES = ("activations", "gradients", "activations,gradients")
 REDUCTION = (
@@ -126,7 +126,7 @@ class GradientCapture(Capture):
                 self.pad_id = cfg_pad
         for p in lm.model.parameters():
             p.requires_grad_(False)
-        self.out_names = [*(self.names if activations else []), *(n + GRAD_SUFFIX for n in self.names)]
+        self.out_names = [*(self.names if activations else []), *(gradient_name(n) for n in self.names)]
 
     def reset_totals(self) -> tuple[float, int, int]:
         """(loss sum, documents, documents without a prediction) since the last reset; then zero them."""
@@ -191,7 +191,7 @@ class GradientCapture(Capture):
         for name, h, g in zip(self.names, tensors, grads, strict=True):
             if self.activations:
                 result[name] = rows(h)
-            result[name + GRAD_SUFFIX] = rows(g if g is not None else torch.zeros_like(h))
+            result[gradient_name(name)] = rows(g if g is not None else torch.zeros_like(h))
         self.batches += 1
         meta = row_meta(docs)
         meta["loss_target"] = (targets.reshape(-1) != -100)[flat]

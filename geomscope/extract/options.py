@@ -12,9 +12,10 @@ from geomscope.errors import InputError
 class ExtractOptions:
     """See ``geomscope extract --help``; the field names are the CLI's options (``--max-docs`` ...).
 
-    ``layers``: ``all`` | ``blocks`` | ``0,6,12`` | ``4-8`` | ``-1`` | ``layer_06`` (indices into
-    ``output_hidden_states``). ``text_field`` names the text of .jsonl records and datasets,
-    ``text_column`` that of .csv/.tsv files (the CLI's ``--text-field`` sets both).
+    ``layers``: ``all`` | ``blocks`` | ``0,6,12`` | ``4-8`` | ``-1`` | ``layer_06`` | ``final_norm``
+    (indices into ``output_hidden_states``; the grammar is :mod:`geomscope.layers`). ``text_field``
+    names the text of .jsonl records and datasets, ``text_column`` that of .csv/.tsv files (the
+    CLI's ``--text-field`` sets both).
     """
 
     layers: str | list | tuple = "all"

@@ -30,7 +30,7 @@ from pathlib import Path
 from geomscope.errors import DataError, InputError
 from geomscope.extract.batching import Doc, length_order, plan_batches, tokenize
 from geomscope.extract.capture import HeapTrim
-from geomscope.extract.layers import LAYER_NOTE, describe_layers, parse_layers, split_final_norm
+from geomscope.extract.layers import LAYER_NOTE, describe_layers
 from geomscope.extract.options import ExtractOptions
 from geomscope.extract.plan import Scan, bytes_per_row, check_disk, estimate_tokens, human_bytes, scan_inputs
 from geomscope.extract.sources import (
@@ -44,6 +44,7 @@ from geomscope.extract.sources import (
 )
 from geomscope.extract.storing import StoreThread
 from geomscope.formatting import counted
+from geomscope.layers import FINAL_NORM_LAYER, gradient_name, model_layers, names_layer, select_layers
 from geomscope.progress import Progress
 from geomscope.provenance import package_versions
 
@@ -471,12 +472,12 @@ def _stored_layers(read_layers: list[dict], opts: ExtractOptions) -> list[dict]:
     """The layers a run stores: the activations read, and/or their gradients (``<name>.grad``)."""
     if not opts.gradients:
         return read_layers
-    from geomscope.extract.gradients import GRAD_SUFFIX, parse_capture
+    from geomscope.extract.gradients import parse_capture
 
     grads = [
         {
             **la,
-            "name": la["name"] + GRAD_SUFFIX,
+            "name": gradient_name(la["name"]),
             "capture": "gradients",
             "tensor": f"gradient of the loss with respect to the {la['tensor']}",
         }
@@ -556,9 +557,8 @@ def _estimate_bytes(tokens: int, shards: int, n_layers: int, dim: int, opts: Ext
 def _chosen_layers(lm, spec) -> tuple[list[int], bool]:
     """(residual-stream indices, whether the final norm's output is stored too) for ``--layers``:
     ``all`` (the default) includes ``final_norm`` where the model has one; ``final_norm`` names it."""
-    rest, named = split_final_norm(spec)
     separable = bool(lm.final_norm and lm.final_norm_name)
-    if named and not separable:
+    if names_layer(spec, FINAL_NORM_LAYER) and not separable:
         why = (
             "a BERT-style post-LN model has none: its last layer is the model's output"
             if not lm.final_norm
@@ -567,10 +567,9 @@ def _chosen_layers(lm, spec) -> tuple[list[int], bool]:
         raise InputError(
             f"--layers final_norm: {lm.info['name']} has no final norm to store separately ({why})"
         )
-    if rest is None:
-        return ([] if named else parse_layers(None, lm.n_hidden_states)), separable
-    everything = rest.strip().lower() == "all"
-    return parse_layers(rest, lm.n_hidden_states), separable and (named or everything)
+    chosen = select_layers(spec, model_layers(lm.n_hidden_states, final_norm=separable))
+    indices = [la.index for la in chosen if la.name != FINAL_NORM_LAYER]
+    return indices, len(indices) < len(chosen)
 
 
 def _final_norm_params(lm) -> dict | None:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from geomscope import layers as grammar
 from geomscope.errors import InputError
+from geomscope.layers import activation_name, is_gradient, listed_layers
 from geomscope.report import load_report
-from geomscope.schema import GRAD_SUFFIX, NON_METRIC_LAYER_KEYS, STEP_RE, is_metric_key
+from geomscope.schema import NON_METRIC_LAYER_KEYS, STEP_RE, is_metric_key
 from geomscope.schema import _number as _schema_number
 
 #: the metrics drawn when the user names none (those present in the reports, in this order)
@@ -104,16 +106,6 @@ def is_number(v) -> bool:
     return _schema_number(v)
 
 
-def is_gradient(name: str) -> bool:
-    """A layer of gradient rows (``layer_06.grad``, extract --capture gradients)."""
-    return name.endswith(GRAD_SUFFIX)
-
-
-def activation_name(name: str) -> str:
-    """The activation layer a gradient layer belongs to (``layer_06.grad`` -> ``layer_06``)."""
-    return name[: -len(GRAD_SUFFIX)] if is_gradient(name) else name
-
-
 def available_metrics(reports: Sequence[dict]) -> list[str]:
     """Scalar per-layer metrics with at least one finite value in some report, in first-seen order."""
     seen: list[str] = []
@@ -162,23 +154,20 @@ def layer_key(lay: dict, pos: int) -> int:
 
 
 def select_layers(reports: Sequence[dict], layers: Sequence[str] | None) -> list[dict]:
-    """Copies of the reports keeping only the named layers (names, or integer indices)."""
+    """Copies of the reports keeping the layers a ``--layers`` selection picks in each (the grammar
+    of :mod:`geomscope.layers`: names, indices, negative indices, ranges, ``all``, ``blocks``), an
+    index being :func:`layer_key`'s; a report that lacks a selected layer is an InputError."""
     if not layers:
         return list(reports)
-    wanted = [str(x).strip() for x in layers if str(x).strip()]
     out = []
     for rep in reports:
-        keep = []
-        for pos, lay in enumerate(rep["layers"]):
-            if lay["layer"] in wanted or str(layer_key(lay, pos)) in wanted:
-                keep.append(lay)
-        known = {lay["layer"] for lay in rep["layers"]} | {
-            str(layer_key(x, i)) for i, x in enumerate(rep["layers"])
-        }
-        missing = [w for w in wanted if w not in known]
-        if missing:
-            names = ", ".join(lay["layer"] for lay in rep["layers"])
-            raise InputError(f"layer '{missing[0]}' is not in {report_name(rep)}; available: {names}")
+        entries = rep["layers"]
+        things = listed_layers(
+            [lay["layer"] for lay in entries],
+            [layer_key(lay, pos) for pos, lay in enumerate(entries)],
+            report_name(rep),
+        )
+        keep = [entries[la.position] for la in grammar.select_layers(layers, things)]
         out.append({**rep, "layers": keep})
     return out
 

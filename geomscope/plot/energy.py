@@ -19,9 +19,9 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import NullLocator
 
 from geomscope.errors import InputError
+from geomscope.layers import activation_name, listed_layers, select_names
 from geomscope.plot._reports import is_number, layer_key, report_labels, report_name
 from geomscope.plot._style import add_caption, depth_cmap, panels, plain_text, series_style, styled
-from geomscope.schema import GRAD_SUFFIX
 
 #: at most this many layers are named in the E panel's legend (evenly spaced, first and last kept)
 MAX_LEGEND_LAYERS = 8
@@ -58,7 +58,9 @@ def _layer_index(rep: dict, name: str, pos: int) -> int:
 
 def energy_layers(rep: dict, layers: Sequence[str] | None = None) -> list[tuple[str, list | None]]:
     """``[(gradient layer, per-rank dicts or None)]`` in the section's (depth) order, kept by
-    ``layers``: layer names, their activation pair (``layer_01`` for ``layer_01.grad``) or indices.
+    ``layers``: a ``--layers`` selection (:mod:`geomscope.layers`) over the report's layers, the
+    section's gradient layers and their activation pairs, so that ``layer_01`` keeps
+    ``layer_01.grad``; an index keeps the gradient layer at that index.
 
     A name or index that is neither in the section nor among the report's layers is an InputError.
     """
@@ -66,27 +68,27 @@ def energy_layers(rep: dict, layers: Sequence[str] | None = None) -> list[tuple[
     items = [(str(k), v) for k, v in (ge.get("layers") or {}).items()]
     if not layers:
         return items
-    wanted = [str(x).strip() for x in layers if str(x).strip()]
     pairs = ge.get("pairs") or {}
-    keys = {}
-    for pos, (name, _) in enumerate(items):
-        keys[name] = {name, str(pairs.get(name, name)), str(_layer_index(rep, name, pos))}
-    known = set().union(*keys.values()) if keys else set()
+    index_of: dict[str, int] = {}
     for pos, lay in enumerate(rep.get("layers") or []):
         if isinstance(lay, dict) and "layer" in lay:
-            known |= {str(lay["layer"]), str(layer_key(lay, pos))}
-    missing = [w for w in wanted if w not in known]
-    if missing:
-        names = ", ".join(name for name, _ in items) or "none"
-        raise InputError(
-            f"layer '{missing[0]}' is not in {report_name(rep)}; gradient-energy layers: {names}"
-        )
-    return [(name, v) for name, v in items if keys[name] & set(wanted)]
+            index_of.setdefault(str(lay["layer"]), layer_key(lay, pos))
+    for pos, (name, _) in enumerate(items):
+        index_of.setdefault(name, _layer_index(rep, name, pos))
+        index_of.setdefault(str(pairs.get(name, activation_name(name))), index_of[name])
+    chosen = set(
+        select_names(layers, listed_layers(list(index_of), list(index_of.values()), report_name(rep)))
+    )
+    return [
+        (name, v)
+        for name, v in items
+        if name in chosen or str(pairs.get(name, activation_name(name))) in chosen
+    ]
 
 
 def short_layer(name: str) -> str:
     """Tick label of a layer: ``layer_01.grad`` -> ``1``, ``final_norm.grad`` -> ``fn``."""
-    base = name[: -len(GRAD_SUFFIX)] if name.endswith(GRAD_SUFFIX) else name
+    base = activation_name(name)
     m = re.fullmatch(r"[A-Za-z]*[_.-]?0*(\d+)", base)
     if m:
         return m.group(1)
@@ -99,7 +101,7 @@ def short_layer(name: str) -> str:
 def _short_labels(names: Sequence[str]) -> list[str]:
     short = [short_layer(n) for n in names]
     if len(set(short)) < len(short):  # an ambiguous short form: the names without the suffix
-        return [n[: -len(GRAD_SUFFIX)] if n.endswith(GRAD_SUFFIX) else n for n in names]
+        return [activation_name(n) for n in names]
     return short
 
 
@@ -292,7 +294,7 @@ def _draw_energy(ax, ge: dict, sel, colours, title: str, own: bool) -> None:
 
 def short_or(name: str) -> str:
     """Legend label of a gradient layer: the name without ``.grad``."""
-    return name[: -len(GRAD_SUFFIX)] if name.endswith(GRAD_SUFFIX) else name
+    return activation_name(name)
 
 
 def _draw_kappa(ax, ge: dict, sel) -> None:

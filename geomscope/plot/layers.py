@@ -8,11 +8,10 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from geomscope.layers import activation_name, is_gradient
 from geomscope.plot._reports import (
-    activation_name,
     check_common_layers,
     choose_metrics,
-    is_gradient,
     is_number,
     layer_key,
     layer_positions,

@@ -12,8 +12,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from geomscope.errors import InputError
+from geomscope.layers import is_gradient
 from geomscope.plot._reports import (
-    is_gradient,
     is_number,
     layer_key,
     report_labels,

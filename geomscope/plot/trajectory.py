@@ -12,10 +12,10 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
 
 from geomscope.errors import InputError
+from geomscope.layers import is_gradient
 from geomscope.plot._reports import (
     check_common_layers,
     choose_metrics,
-    is_gradient,
     is_number,
     layer_key,
     parse_step,

@@ -1,5 +1,5 @@
 """The final norm's effect, for a run that holds the last block's output both before (``layer_N``,
-the norm's input) and after the model's final norm (``final_norm``); see extract/layers.py.
+the norm's input) and after the model's final norm (``final_norm``); see geomscope/extract/layers.py.
 
 Machina & Mercer (NAACL 2024) argue that large Pythia models tune their final LayerNorm for
 isotropy. The report's ``final_norm`` entry gives what that claim needs:
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from geomscope.extract.layers import FINAL_NORM_LAYER
-from geomscope.schema import GRAD_SUFFIX, SCALAR_METRIC_NAMES
+from geomscope.layers import FINAL_NORM_LAYER, is_gradient
+from geomscope.schema import SCALAR_METRIC_NAMES
 
 
 def _spearman(a: np.ndarray, b: np.ndarray) -> float | None:
@@ -51,7 +51,7 @@ def final_norm_effect(
         (
             e
             for e in layers
-            if e.get("index") == before_idx and e is not after and not str(e["layer"]).endswith(GRAD_SUFFIX)
+            if e.get("index") == before_idx and e is not after and not is_gradient(e["layer"])
         ),
         None,
     )

@@ -15,8 +15,9 @@ Formats (``FORMATS``):
   by memory; numpy.savez, or C order, streams).
 - ``safetensors`` -- one layer per tensor, read by row slices (memory-mapped by the library).
 - ``pt`` -- ``torch.load(weights_only=True)`` only: a tensor, a dict of tensors or a list/tuple of
-  tensors (named ``layer_0``...). Zip-format files are memory-mapped; a legacy (non-zip) file is
-  loaded whole, so it is one read unit; nothing is ever unpickled.
+  tensors (named as a run names hidden states: ``layer_00``, ``layer_01`` ...). Zip-format files
+  are memory-mapped; a legacy (non-zip) file is loaded whole, so it is one read unit; nothing is
+  ever unpickled.
 - ``arrow`` -- Arrow IPC files (file or stream format), a ``datasets.save_to_disk`` directory, or a
   directory of such directories (SAELens' activation cache: one ``shard_i`` dataset per buffer);
   ``parquet`` -- a Parquet file or a directory of them, read one row group at a time (memory is
@@ -48,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from geomscope.errors import DataError, InputError
+from geomscope.layers import layer_name
 
 FORMATS = ("npz", "safetensors", "pt", "arrow", "parquet")
 SUFFIX_FORMATS = {
@@ -446,7 +448,7 @@ def _pt_load(path: Path) -> tuple[dict, bool]:
     if isinstance(obj, torch.Tensor):
         return {"array": obj}, mapped
     if isinstance(obj, (list, tuple)):
-        obj = {f"layer_{i}": t for i, t in enumerate(obj)}
+        obj = {layer_name(i, len(obj)): t for i, t in enumerate(obj)}  # as a run names hidden states
     if not isinstance(obj, dict):
         raise InputError(f"{path} holds a {type(obj).__name__}; save a tensor, or a dict or list of tensors")
     return {str(k): v for k, v in obj.items() if isinstance(v, torch.Tensor)}, mapped

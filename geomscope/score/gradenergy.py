@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from geomscope.errors import InputError
-from geomscope.schema import GRAD_SUFFIX
+from geomscope.layers import activation_name, is_gradient
 from geomscope.score.sources import SourceInfo, open_source
 
 
@@ -38,7 +38,7 @@ def _model_identity(src: SourceInfo) -> dict:
 
 def open_basis(src: SourceInfo, path: str, ranks, partial: bool) -> Basis:
     """Open and check ``--basis``; InputError (one line) when it cannot serve the gradient run."""
-    grads = [n for n in src.layers if n.endswith(GRAD_SUFFIX)]
+    grads = [n for n in src.layers if is_gradient(n)]
     if src.kind != "run" or not grads:
         raise InputError(
             f"--basis measures gradients in an activation subspace, but {src.path} holds no gradient "
@@ -61,8 +61,8 @@ def open_basis(src: SourceInfo, path: str, ranks, partial: bool) -> Basis:
             f"--basis run {path} is of model {theirs['name']}, the gradients of {ours['name']} "
             "(other weights); extract the basis from the same checkpoint"
         )
-    pairs = {g: g[: -len(GRAD_SUFFIX)] for g in grads}
-    have = [n for n in basis.layers if not n.endswith(GRAD_SUFFIX)]
+    pairs = {g: activation_name(g) for g in grads}
+    have = [n for n in basis.layers if not is_gradient(n)]
     missing = [a for a in pairs.values() if a not in have]
     if missing:
         raise InputError(

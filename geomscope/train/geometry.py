@@ -66,7 +66,7 @@ import torch
 
 from geomscope import distributed as dd
 from geomscope.errors import InputError
-from geomscope.extract.layers import layer_name
+from geomscope.layers import layer_name
 from geomscope.metrics.isotropy import isoscore_star_from_cov_torch
 from geomscope.train.regularizers import batch_covariance, select_tokens
 

@@ -184,7 +184,7 @@ def _planned_layers(cfg: FinetuneConfig) -> tuple[object, list[int]]:
     weights read), with the same one-line errors as loading it."""
     from types import SimpleNamespace
 
-    from geomscope.extract.layers import parse_layers
+    from geomscope.layers import parse_layers
     from geomscope.model.classifier import check_model_source
     from geomscope.model.probe import n_blocks
 
@@ -300,7 +300,7 @@ class _Trainer:
         self.train_t, self.eval_t, self.label2id = read_data(self.cfg, label2id)
 
     def _load_model(self) -> None:
-        from geomscope.extract.layers import parse_layers
+        from geomscope.layers import parse_layers
         from geomscope.model.classifier import load_classifier
         from geomscope.model.probe import n_blocks
 
