@@ -4,6 +4,8 @@ the same layers for the same selection."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from geomscope.errors import InputError
@@ -284,8 +286,6 @@ def test_finetune_selects_the_same_hidden_states(models, spec):
 def test_the_cli_takes_ranges_blocks_and_negative_indices(cli, models, whole_report, tmp_path):
     """score, export and plot accept what extract accepts (they refused ranges, ``blocks`` and, in
     plot, ``-1``)."""
-    import json
-
     from test_plot_factory import write_report
 
     code, out, err = cli(
@@ -305,3 +305,17 @@ def test_the_cli_takes_ranges_blocks_and_negative_indices(cli, models, whole_rep
     assert code == 0, err
     code, out, err = cli(["plot", rep, "--kind", "layers", "-l", "9", "--out", tmp_path / "q.png"])
     assert code == 2 and "layer 9 is not in" in err and "use e.g. --layers" in err
+
+
+def test_a_shrinkage_target_layer_is_one_layer_of_the_grammar(models):
+    from geomscope.score import ScoreOptions, score
+
+    def opts(target):
+        return ScoreOptions(
+            metrics=("isoscore_star",), jackknife_groups=0, layers="1", shrinkage_target=target
+        )
+
+    rep = score(models["run"], opts("layer:-1"))
+    assert "layer:layer_04" in json.dumps(rep["params"])
+    with pytest.raises(InputError, match=r"layer:1-2 picks 2 layers \(layer_01, layer_02\); name one"):
+        score(models["run"], opts("layer:1-2"))

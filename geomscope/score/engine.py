@@ -166,8 +166,13 @@ class _Scorer:
         name = t[len("layer:") :]
         if self.src.kind != "run":
             raise InputError("--shrinkage-target layer:NAME needs a run directory; an array has one layer")
-        resolved = self.src.run_obj.resolve_layers([name])[0]
-        return f"layer:{resolved}", resolved
+        picked = self.src.run_obj.resolve_layers([name])
+        if len(picked) != 1:  # a range, a keyword, or an index a layer shares with its gradient
+            raise InputError(
+                f"--shrinkage-target layer:{name} picks {len(picked)} layers ({', '.join(picked)}); "
+                "name one, e.g. layer:" + picked[0]
+            )
+        return f"layer:{picked[0]}", picked[0]
 
     # -- main --------------------------------------------------------------------------------
     def run(self) -> dict:

@@ -110,7 +110,7 @@ class ScoreOptions:
             ),
             twonn_fit=_one_of("--twonn-fit", self.twonn_fit, TWONN_FITS),
             product_dtype=_one_of("--product-dtype", self.product_dtype, PRODUCT_DTYPES),
-            layers=_selection("--layers", self.layers, "layer names or indices"),
+            layers=_selection("--layers", self.layers, "layers: names, indices, ranges a-b, all or blocks"),
             columns=_selection("--column", self.columns, "array names"),
             shrinkage_target=normalise_target(self.shrinkage_target),
             ranks=_checked_ranks(self.ranks),
