@@ -7,7 +7,7 @@ importing the package stays light).
 
 from __future__ import annotations
 
-__all__ = ["ExtractOptions", "extract", "parse_layers"]
+__all__ = ["ExtractOptions", "extract"]
 
 
 def __getattr__(name):
@@ -19,8 +19,4 @@ def __getattr__(name):
         from geomscope.extract.options import ExtractOptions
 
         return ExtractOptions
-    if name == "parse_layers":
-        from geomscope.layers import parse_layers
-
-        return parse_layers
     raise AttributeError(name)
