@@ -117,8 +117,8 @@ class Timeline:
 # looked up (capture.py calls its own ``pad_right``). The batch plan is a generator, consumed by the
 # loop: its time is the loop's.
 STAGES = [
-    ("geomscope.extract.run", "_scan", "scan input"),
-    ("geomscope.extract.run", "_ShardRun._tokenize", "tokenize"),
+    ("geomscope.extract.run", "scan_and_hash", "scan input"),
+    ("geomscope.extract.shards", "ShardRun._tokenize", "tokenize"),
     ("geomscope.extract.capture", "Capture.launch", "launch"),
     ("geomscope.extract.capture", "Capture.device_rows", "cast and gather"),
     ("geomscope.extract.capture", "pad_right", "pad"),
@@ -127,7 +127,7 @@ STAGES = [
     ("geomscope.extract.capture", "row_meta", "row metadata"),
     ("geomscope.extract.capture", "start_host_copies", "queue host copies"),
     ("geomscope.extract.capture", "HostCopies.result", "wait for rows"),
-    ("geomscope.extract.run", "_ShardRun._hand_over", "hand over"),
+    ("geomscope.extract.shards", "ShardRun._hand_over", "hand over"),
     ("geomscope.extract.storing", "StoreThread.wait_idle", "wait for the store thread"),
     ("geomscope.extract.storing", "StoreThread.drain", "wait for the last shards"),
     ("geomscope.extract.capture", "HeapTrim._trim", "heap trim"),

@@ -638,8 +638,8 @@ def test_on_a_gpu_the_next_batch_is_queued_before_the_last_is_waited_for(tmp_pat
     copies that stay "in flight" until waited for. In every shard batch k is waited for right after
     batch k + 1 is launched, the last one before the shard is published, and the run stores what
     the plain run stores."""
-    import geomscope.extract.run as run_mod
     from geomscope.extract import capture as cap
+    from geomscope.extract import shards as shards_mod
 
     model = make_tiny_model("bert", tmp_path, name="pipelined")
     src = write_lines(tmp_path / "in.txt", TEXTS * 3)
@@ -655,7 +655,7 @@ def test_on_a_gpu_the_next_batch_is_queued_before_the_last_is_waited_for(tmp_pat
             log.append(f"W{self.n}")
 
     real_init, real_launch, real_copies = cap.Capture.__init__, cap.Capture.launch, cap.start_host_copies
-    real_write = run_mod._ShardRun._write
+    real_write = shards_mod.ShardRun._write
 
     def as_if_on_a_gpu(self, *a, **k):
         real_init(self, *a, **k)
@@ -675,7 +675,7 @@ def test_on_a_gpu_the_next_batch_is_queued_before_the_last_is_waited_for(tmp_pat
     monkeypatch.setattr(cap.Capture, "__init__", as_if_on_a_gpu)
     monkeypatch.setattr(cap.Capture, "launch", launch)
     monkeypatch.setattr(cap, "start_host_copies", in_flight)
-    monkeypatch.setattr(run_mod._ShardRun, "_write", write)
+    monkeypatch.setattr(shards_mod.ShardRun, "_write", write)
     got = extract(str(model), [src], tmp_path / "got", **kw)
     shards = " ".join(log).split("|")[1:]
     assert len(shards) == got["shards_written"] >= 3

@@ -12,7 +12,9 @@ import pytest
 from conftest import assert_one_line_error
 from helpers_models import SAMPLE_TEXTS, make_tiny_model
 
+from geomscope.extract import plan as plan_mod
 from geomscope.extract import run as run_mod
+from geomscope.extract import shards as shards_mod
 
 LINES = [SAMPLE_TEXTS[i % 8] for i in range(300)]
 MORE = [f"an added line {i} about the sun" for i in range(100)]
@@ -32,7 +34,7 @@ def _grow(tmp_path):
 def _append_during_shard(monkeypatch, src, when: int):
     """While shard ``when`` is written (after its documents, and the next shard's, were read), 100
     lines are appended to ``src``: the run's own seam between shards, no timing involved."""
-    write = run_mod._ShardRun._write
+    write = shards_mod.ShardRun._write
 
     def writing(self, k, *args, **kw):
         if k == when:
@@ -40,7 +42,7 @@ def _append_during_shard(monkeypatch, src, when: int):
                 f.write("\n".join(MORE) + "\n")
         return write(self, k, *args, **kw)
 
-    monkeypatch.setattr(run_mod._ShardRun, "_write", writing)
+    monkeypatch.setattr(shards_mod.ShardRun, "_write", writing)
 
 
 def _manifest(out):
@@ -80,19 +82,21 @@ def test_input_appended_after_the_last_document_was_read_is_refused(model, tmp_p
     assert m["complete"] is False and len(m["shards"]) == 6
 
 
-@pytest.mark.parametrize("seam", ["hash_input", "_load"])
-def test_input_changed_before_the_run_is_made_writes_nothing(model, tmp_path, cli, monkeypatch, seam):
+@pytest.mark.parametrize(
+    "module, seam", [(plan_mod, "hash_input"), (run_mod, "load_for_run")], ids=["hash_input", "load"]
+)
+def test_input_changed_before_the_run_is_made_writes_nothing(model, tmp_path, cli, monkeypatch, module, seam):
     """Changed between counting its documents and hashing it, or while the model loads: refused
     before the run directory is made."""
     src, out = _grow(tmp_path), tmp_path / "rscan"
-    real = getattr(run_mod, seam)
+    real = getattr(module, seam)
 
     def appending(*args, **kw):
         with open(src, "a") as f:
             f.write("\n".join(MORE) + "\n")
         return real(*args, **kw)
 
-    monkeypatch.setattr(run_mod, seam, appending)
+    monkeypatch.setattr(module, seam, appending)
     code, o, err = cli(["extract", model, src, "--out", out, "--layers", 0, "-q"])
     line = assert_one_line_error(code, o, err, f"input {src} changed while geomscope read it", exit_code=2)
     assert "nothing was written" in line and not out.exists()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from helpers_models import SAMPLE_TEXTS, make_tiny_model
 
-import geomscope.extract.run as run_mod
+import geomscope.extract.shards as shards_mod
 import geomscope.extract.storing as storing
 from geomscope.extract import capture as cap
 from geomscope.extract.run import extract
@@ -237,7 +237,7 @@ def test_a_finished_shard_is_published_though_a_later_append_failed():
 def test_rows_equal_a_synchronous_store(bert, src, tmp_path, monkeypatch):
     a = extract(bert, [src], tmp_path / "thread", **KW)
     assert store_threads() == []
-    monkeypatch.setattr(run_mod, "StoreThread", SyncStore)
+    monkeypatch.setattr(shards_mod, "StoreThread", SyncStore)
     b = extract(bert, [src], tmp_path / "sync", **KW)
     assert a["shards_written"] == b["shards_written"] >= 3 and a["rows"] == b["rows"]
     assert_same_rows(tmp_path / "thread", tmp_path / "sync")
@@ -290,7 +290,7 @@ def test_a_failure_in_the_forward_still_publishes_the_shard_before_it(bert, src,
             raise KeyboardInterrupt
         return real(self, docs)
 
-    write, handed_over = run_mod._ShardRun._write, []
+    write, handed_over = shards_mod.ShardRun._write, []
 
     def counted_write(self, k, group, prog, *rest):
         out = write(self, k, group, prog, *rest)
@@ -298,7 +298,7 @@ def test_a_failure_in_the_forward_still_publishes_the_shard_before_it(bert, src,
         return out
 
     monkeypatch.setattr(cap.Capture, "launch", flaky)
-    monkeypatch.setattr(run_mod._ShardRun, "_write", counted_write)
+    monkeypatch.setattr(shards_mod.ShardRun, "_write", counted_write)
     with pytest.raises(KeyboardInterrupt):
         extract(bert, [src], tmp_path / "run", **KW)
     assert store_threads() == []  # nothing goes on writing after extract raised
@@ -396,7 +396,7 @@ def test_one_sample_keeper_at_a_time(bert, src, tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------ tokenizing ahead
 def _tokenize_threads(monkeypatch) -> list[tuple[int, str]]:
     """(first doc id, thread name) of every tokenize call extract makes."""
-    real, seen, inside, lock = run_mod.tokenize, [], [0], threading.Lock()
+    real, seen, inside, lock = shards_mod.tokenize, [], [0], threading.Lock()
 
     def spy(tok, group, max_length):
         seen.append((group[0][0], threading.current_thread().name))
@@ -410,12 +410,12 @@ def _tokenize_threads(monkeypatch) -> list[tuple[int, str]]:
             with lock:
                 inside[0] -= 1
 
-    monkeypatch.setattr(run_mod, "tokenize", spy)
+    monkeypatch.setattr(shards_mod, "tokenize", spy)
     return seen
 
 
 def test_the_next_shard_is_tokenized_in_a_thread_with_the_same_rows(bert, src, tmp_path, monkeypatch):
-    monkeypatch.setattr(run_mod, "StoreThread", SyncStore)
+    monkeypatch.setattr(shards_mod, "StoreThread", SyncStore)
     ref = extract(bert, [src], tmp_path / "ref", **KW, max_tokens=10**9)  # --max-tokens: nothing ahead
     seen = _tokenize_threads(monkeypatch)
     s = extract(bert, [src], tmp_path / "ahead", **KW)
@@ -432,23 +432,23 @@ def test_the_next_shard_is_tokenized_in_a_thread_with_the_same_rows(bert, src, t
 
 def test_lookahead_gives_the_item_depth_places_on():
     items = list(range(7))
-    assert list(run_mod._lookahead(items)) == [(i, i + 1 if i < 6 else None) for i in items]
-    assert list(run_mod._lookahead(items, depth=3)) == [(i, i + 3 if i < 4 else None) for i in items]
-    assert list(run_mod._lookahead([], depth=2)) == []
-    assert list(run_mod._lookahead([5], depth=2)) == [(5, None)]
+    assert list(shards_mod._lookahead(items)) == [(i, i + 1 if i < 6 else None) for i in items]
+    assert list(shards_mod._lookahead(items, depth=3)) == [(i, i + 3 if i < 4 else None) for i in items]
+    assert list(shards_mod._lookahead([], depth=2)) == []
+    assert list(shards_mod._lookahead([5], depth=2)) == [(5, None)]
 
 
 def test_a_process_of_several_tokenizes_its_own_next_shard_ahead(bert, src, tmp_path, monkeypatch):
     # process 1 of 2 writes shards 1, 3, 5...: the one read ahead is two places on, never the
     # other process's (which it would have tokenized for nothing)
-    monkeypatch.setattr(run_mod, "StoreThread", SyncStore)
-    init = run_mod._ShardRun.__init__
+    monkeypatch.setattr(shards_mod, "StoreThread", SyncStore)
+    init = shards_mod.ShardRun.__init__
 
     def second_of_two(self, *a, **k):
         init(self, *a, **k)
         self.rank, self.world = 1, 2
 
-    monkeypatch.setattr(run_mod._ShardRun, "__init__", second_of_two)
+    monkeypatch.setattr(shards_mod.ShardRun, "__init__", second_of_two)
     seen = _tokenize_threads(monkeypatch)
     s = extract(bert, [src], tmp_path / "odd", **KW)
     planned = Run(tmp_path / "odd").manifest["planned_shards"]
@@ -462,20 +462,20 @@ def test_a_process_of_several_tokenizes_its_own_next_shard_ahead(bert, src, tmp_
 def test_a_tokenizer_failure_ahead_is_one_line_and_the_shards_before_it_stay(
     bert, src, tmp_path, monkeypatch
 ):
-    real = run_mod.tokenize
+    real = shards_mod.tokenize
 
     def fails_on_the_third_shard(tok, group, max_length):
         if group[0][0] >= 2 * KW["shard_docs"]:
             raise RuntimeError("Already borrowed")
         return real(tok, group, max_length)
 
-    monkeypatch.setattr(run_mod, "tokenize", fails_on_the_third_shard)
+    monkeypatch.setattr(shards_mod, "tokenize", fails_on_the_third_shard)
     with pytest.raises(
-        run_mod.InputError, match=r"failed on documents 8\.\.11 \(RuntimeError: Already borrowed\)"
+        shards_mod.InputError, match=r"failed on documents 8\.\.11 \(RuntimeError: Already borrowed\)"
     ):
         extract(bert, [src], tmp_path / "run", **KW)
     assert store_threads() == []
     assert [i.index for i in Run(tmp_path / "run").shards] == [0, 1]
-    monkeypatch.setattr(run_mod, "tokenize", real)
+    monkeypatch.setattr(shards_mod, "tokenize", real)
     s = extract(bert, [src], tmp_path / "run", **KW)
     assert s["shards_resumed"] == 2 and Run(tmp_path / "run").complete

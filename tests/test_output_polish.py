@@ -70,7 +70,7 @@ def test_extract_of_one_document_and_one_layer_says_so(cli, tiny_bert, one_doc, 
 
 # -------------------------------------------------------------- a resumed extract states what it did
 def test_done_line_of_one_document_in_one_shard_is_singular():
-    from geomscope.extract.run import done_line
+    from geomscope.extract.shards import done_line
 
     line = done_line(_summary(rows=1, docs=1, shards=1, shards_resumed=0, shards_written=1, rows_this_run=1))
     assert "1 row of 1 document in 1 shard," in line, line
@@ -79,7 +79,7 @@ def test_done_line_of_one_document_in_one_shard_is_singular():
 
 
 def test_done_line_of_a_finished_run_gives_no_rate():
-    from geomscope.extract.run import done_line
+    from geomscope.extract.shards import done_line
 
     line = done_line(_summary(shards_resumed=4, shards_written=0, rows_this_run=0, tokens_per_second=None))
     assert line.startswith("done: nothing to do") and "tokens/s" not in line, line
@@ -87,7 +87,7 @@ def test_done_line_of_a_finished_run_gives_no_rate():
 
 
 def test_done_line_of_a_resumed_run_rates_the_new_rows_only():
-    from geomscope.extract.run import done_line
+    from geomscope.extract.shards import done_line
 
     line = done_line(_summary())
     assert "1 shard kept from an earlier run, 3 written now (11,000 rows, 556 tokens/s)" in line, line

@@ -174,7 +174,7 @@ def _to_device(a: np.ndarray, dev):
     """``a`` as a tensor on ``dev``, the copy queued without waiting. To a GPU it goes through
     page-locked memory: a copy from ordinary (pageable) memory first waits for everything already
     queued on the stream, which is the previous batch's forward, so the next batch could not be
-    queued while the GPU runs it (extract's pipeline, run.py). torch keeps the page-locked block
+    queued while the GPU runs it (extract's pipeline, shards.py). torch keeps the page-locked block
     until the copy has read it."""
     import torch
 
@@ -225,7 +225,7 @@ class Capture:
         """The capture of ``docs``, queued: ``result()`` gives ``(layers, meta)`` as calling the
         capture does. On the CPU it is complete at once; on a GPU the forward, the gathers and the
         copies to the host are queued, and ``result()`` waits for them (extract queues the next
-        batch first: run.py)."""
+        batch first: shards.py)."""
         rows, meta = self.device_rows(docs)
         if self.on_cpu:
             return HostCopies(({k: v.numpy() for k, v in rows.items()}, meta))

@@ -51,6 +51,14 @@ def parse_capture(spec: str) -> tuple[bool, bool]:
     return "activations" in parts, "gradients" in parts
 
 
+def label_map(lm) -> tuple[dict[str, int], int]:
+    """(the model's label names -> class index, its number of classes)."""
+    config = lm.model.config
+    return {str(k): int(v) for k, v in (getattr(config, "label2id", None) or {}).items()}, int(
+        config.num_labels
+    )
+
+
 def label_index(raw, label2id: dict, n_labels: int, doc_id: int) -> int:
     """A document's class index: a label name of the model, or an index below its number of labels."""
     if raw is None or (isinstance(raw, str) and not raw.strip()):
@@ -109,7 +117,7 @@ class GradientCapture(Capture):
         self.loss_sum = 0.0
         self.loss_docs = 0
         self.docs_without_targets = 0
-        # read once: the next shard may be being tokenized meanwhile (extract/run.py), and a fast
+        # read once: the next shard may be being tokenized meanwhile (extract/shards.py), and a fast
         # tokenizer used from two threads at once can fail ("Already borrowed")
         self.mask_id = lm.tokenizer.mask_token_id
         if loss == "masked-lm" and self.mask_id is None:

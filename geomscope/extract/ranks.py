@@ -28,6 +28,8 @@ from pathlib import Path
 
 from geomscope import distributed as dd
 from geomscope.errors import InputError
+from geomscope.extract.plan import load_for_run, plan_run, scan_and_hash
+from geomscope.extract.shards import ShardRun, done_line, open_run, refuse_nonfinite
 from geomscope.formatting import counted
 
 
@@ -75,7 +77,6 @@ def check_options(opts, inputs) -> None:
 
 def extract_ranks(model, inputs, out: Path, opts, *, progress: bool, log, stdin) -> dict:
     """The multi-process ``extract`` (see the module docstring); every process returns the summary."""
-    from geomscope.extract import run as single
     from geomscope.extract.sources import close_inputs, open_inputs
     from geomscope.store.manifest import RankWriter
 
@@ -93,9 +94,9 @@ def extract_ranks(model, inputs, out: Path, opts, *, progress: bool, log, stdin)
                 from geomscope.extract.sources import check_out_outside_inputs
 
                 check_out_outside_inputs(ins, out)
-                scan = single._scan(ins, local)
-                lm = single._load(model, local)
-                return scan, lm, single._plan(lm, ins, scan, local, out)
+                scan = scan_and_hash(ins, local)
+                lm = load_for_run(model, local)
+                return scan, lm, plan_run(lm, ins, scan, local, out)
 
             scan, lm, p = _together(d, plan)
             _together(d, lambda: _check_same_request(d, p.identity))
@@ -103,7 +104,7 @@ def extract_ranks(model, inputs, out: Path, opts, *, progress: bool, log, stdin)
             # process 0 opens (or resumes) the run; then the others join it
             opened = _together(d, lambda: _open_main(out, p, lm, local, scan, d) if is_main else None)
             writer = _together(d, lambda: opened if is_main else RankWriter(out, d.rank))
-            shard_run = single._ShardRun(writer, lm, ins, p, local, progress and is_main)
+            shard_run = ShardRun(writer, lm, ins, p, local, progress and is_main)
             shard_run.rank, shard_run.world = d.rank, d.world_size
             seconds = _together(d, shard_run.write_shards)
             new_rows, written, seconds = _run_totals(d, shard_run, seconds)
@@ -126,8 +127,8 @@ def extract_ranks(model, inputs, out: Path, opts, *, progress: bool, log, stdin)
         if writer is not None:
             writer.release()
         dd.teardown(d)
-    say(single.done_line(summary))
-    single._refuse_nonfinite(summary, opts, out)
+    say(done_line(summary))
+    refuse_nonfinite(summary, opts, out)
     return summary
 
 
@@ -180,15 +181,7 @@ def _run_totals(d, shard_run, seconds: float) -> tuple[int, int, float]:
 
 
 def _open_main(out: Path, p, lm, opts, scan, d):
-    from geomscope.extract import run as single
-    from geomscope.store import RunWriter
-
-    writer = RunWriter(out, p.identity, overwrite=opts.overwrite, extra=single._manifest_extra(lm, opts))
-    writer.manifest.update(
-        planned_shards=p.shards,
-        planned_docs=scan.docs,
-        estimate={"tokens": p.est_tokens, "bytes": p.est_bytes},
-        last_invocation=single._invocation(lm, opts, processes=d.world_size),
-    )
+    """Process 0 opens (or resumes) the run and saves its manifest at once: the others join it."""
+    writer = open_run(out, p, lm, opts, scan.docs, processes=d.world_size)
     writer.update()
     return writer

@@ -54,18 +54,18 @@ def _drop(rev: Revision, cache_dir: str | None, present_before: set[str] | None,
 
 class _Hashed:
     """The inputs, opened and hashed once for every revision's request, and again only when a file
-    changed since (run.py's _signatures): one read of the inputs per call, not one per revision."""
+    changed since (plan.input_signatures): one read of the inputs per call, not one per revision."""
 
     def __init__(self, args: list[str]):
         self.args, self.ins, self.signatures = args, None, None
 
     def __call__(self):
-        from geomscope.extract.run import _signatures
+        from geomscope.extract.plan import input_signatures
         from geomscope.extract.sources import hash_input, open_inputs
 
         if self.ins is None:
             self.ins = open_inputs(self.args)
-        now = _signatures(self.ins)  # before the hash: a change while hashing is seen next time
+        now = input_signatures(self.ins)  # before the hash: a change while hashing is seen next time
         if now != self.signatures:
             for inp in self.ins:
                 hash_input(inp)
