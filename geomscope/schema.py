@@ -117,7 +117,7 @@ def csv_columns(report: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ reading reports
-def _number(v) -> bool:
+def is_number(v) -> bool:
     """A finite JSON number. An integer beyond float range (a 400-digit one, which ``json`` reads as
     an int) is not one: every reader converts to float, where it overflows."""
     if not isinstance(v, (int, float)) or isinstance(v, bool):
@@ -129,11 +129,11 @@ def _number(v) -> bool:
 
 
 def _optional_number(v) -> bool:
-    return v is None or _number(v)
+    return v is None or is_number(v)
 
 
 def _integer(v) -> bool:
-    return isinstance(v, int) and _number(v)
+    return isinstance(v, int) and is_number(v)
 
 
 def _dict_of(v, ok) -> bool:

@@ -14,21 +14,22 @@ import typer
 from geomscope import choices
 
 
-def _choice_enum(name: str, values: tuple[str, ...]) -> type[enum.Enum]:
+def choice_enum(name: str, values: tuple[str, ...]) -> type[enum.Enum]:
+    """A str Enum of ``values``: Typer shows and checks them as the option's choices."""
     return enum.Enum(name, {v: v for v in values}, type=str)
 
 
-ComputeDtype = _choice_enum("ComputeDtype", choices.COMPUTE_DTYPES)
-StoreDtype = _choice_enum("StoreDtype", choices.STORE_DTYPES)
-Stack = _choice_enum("Stack", choices.STACKS)
-OutlierRule = _choice_enum("OutlierRule", choices.OUTLIER_RULES)
-OutlierStat = _choice_enum("OutlierStat", choices.OUTLIER_STATS)
-TwoNNFit = _choice_enum("TwoNNFit", choices.TWONN_FITS)
-ProductDtype = _choice_enum("ProductDtype", choices.PRODUCT_DTYPES)
-Regulariser = _choice_enum("Regulariser", choices.REGULARISERS)
-Precision = _choice_enum("Precision", choices.PRECISIONS)
-PenaltyPrecision = _choice_enum("PenaltyPrecision", choices.PENALTY_PRECISIONS)
-FigureFormat = _choice_enum("FigureFormat", choices.FIGURE_FORMATS)
+ComputeDtype = choice_enum("ComputeDtype", choices.COMPUTE_DTYPES)
+StoreDtype = choice_enum("StoreDtype", choices.STORE_DTYPES)
+Stack = choice_enum("Stack", choices.STACKS)
+OutlierRule = choice_enum("OutlierRule", choices.OUTLIER_RULES)
+OutlierStat = choice_enum("OutlierStat", choices.OUTLIER_STATS)
+TwoNNFit = choice_enum("TwoNNFit", choices.TWONN_FITS)
+ProductDtype = choice_enum("ProductDtype", choices.PRODUCT_DTYPES)
+Regulariser = choice_enum("Regulariser", choices.REGULARISERS)
+Precision = choice_enum("Precision", choices.PRECISIONS)
+PenaltyPrecision = choice_enum("PenaltyPrecision", choices.PENALTY_PRECISIONS)
+FigureFormat = choice_enum("FigureFormat", choices.FIGURE_FORMATS)
 
 
 def choice_metavar(values: tuple[str, ...]) -> str:

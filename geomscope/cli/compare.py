@@ -104,13 +104,13 @@ def _table_cells(result: dict, width: int) -> list[list[str]]:
     the SD under its mean (rich, made to shrink a table, cuts headers short: "IsoScor…")."""
     from geomscope.report import shown
     from geomscope.study.compare import LABELS
-    from geomscope.study.sweep import _number
+    from geomscope.study.sweep import lambda_text
 
     metrics = result["metrics"]
     headers = ["reg", "lambda", "n", *(LABELS[m] for m in metrics)]
     for sep in (" ± ", "\n± "):
         cells = [
-            [shown(r["reg"]), _number(r["lambda"]), str(r["n"])]
+            [shown(r["reg"]), lambda_text(r["lambda"]), str(r["n"])]
             + [_fmt(r[f"{m}_mean"], r[f"{m}_sd"], sep) for m in metrics]
             for r in result["table"]
         ]
@@ -176,7 +176,7 @@ def _paired_table(result: dict):
 
     from geomscope.report import shown
     from geomscope.study.compare import LABELS
-    from geomscope.study.sweep import _number
+    from geomscope.study.sweep import lambda_text
 
     outcome = result["outcome"]
     t = Table(title="paired differences against lambda = 0 (same seed)", header_style="bold")
@@ -187,5 +187,5 @@ def _paired_table(result: dict):
         t.add_column(label, justify="right", **_header(label))
     for p in result["paired_vs_lambda_0"]:
         cells = [f"{_num(p[m]['estimate'])}\n{_interval(p[m])}" for m in (outcome, "isoscore_star")]
-        t.add_row(shown(p["reg"]), _number(p["lambda"]), str(p["n_pairs"]), *cells)
+        t.add_row(shown(p["reg"]), lambda_text(p["lambda"]), str(p["n_pairs"]), *cells)
     return t

@@ -25,7 +25,7 @@ from geomscope.cli._app import app
 from geomscope.cli._options import (
     PenaltyPrecision,
     Precision,
-    _choice_enum,
+    choice_enum,
     choice_metavar,
     flatten,
     float_list,
@@ -38,8 +38,8 @@ from geomscope.cli._options import (
     zeta_option,
 )
 
-Scheduler = _choice_enum("Scheduler", choices.SCHEDULERS)
-Tracker = _choice_enum("Tracker", choices.TRACKERS)
+Scheduler = choice_enum("Scheduler", choices.SCHEDULERS)
+Tracker = choice_enum("Tracker", choices.TRACKERS)
 
 
 @app.command("finetune")

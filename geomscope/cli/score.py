@@ -330,14 +330,14 @@ def _table_columns(columns: list[str], opts) -> list[str] | None:
     but null in every layer is still refused after the pass."""
     from geomscope.errors import InputError
     from geomscope.report import table_metrics
-    from geomscope.score.layer import _scalar_keys
+    from geomscope.score.layer import scalar_keys
 
     if not columns:
         return None
     names = split_list(columns)
     if not names:
         raise InputError("--columns is empty; give metric names (comma list) or all, or leave it out")
-    table_metrics({"layers": [dict.fromkeys(_scalar_keys(opts), 0.0)]}, names)
+    table_metrics({"layers": [dict.fromkeys(scalar_keys(opts), 0.0)]}, names)
     return names
 
 

@@ -54,7 +54,8 @@ def isoscore_cap(n: int, d: int) -> float:
     return (min(int(n) - 1, int(d)) - 1) / (int(d) - 1)
 
 
-def _check_zeta(zeta) -> float:
+def check_zeta(zeta) -> float:
+    """``zeta`` as a float in [0, 1] (the weight on the shrinkage target); InputError otherwise."""
     z = float(zeta)
     if not 0.0 <= z <= 1.0:
         raise InputError(f"zeta must be in [0, 1] (weight on the shrinkage target); got {zeta}")
@@ -134,7 +135,7 @@ def shrinkage_target(C, target="trace") -> np.ndarray:
 
 def isoscore_star_from_cov(C, zeta, target="trace") -> float:
     """IsoScore* = IsoScore of (1 - zeta) * C + zeta * C0, C0 = shrinkage_target(C, target)."""
-    z = _check_zeta(zeta)
+    z = check_zeta(zeta)
     c = as_covariance(C)
     c0 = shrinkage_target(c, target)
     cz = (1.0 - z) * c + z * c0
@@ -145,7 +146,7 @@ def isoscore_star_from_cov(C, zeta, target="trace") -> float:
 
 def isoscore_star(X, zeta, target="trace") -> float:
     """IsoScore* of points X (N, D); see ``isoscore_star_from_cov``. X must have non-zero variance."""
-    _check_zeta(zeta)
+    check_zeta(zeta)
     a = as_rows(X)
     check_points(a, finite=False)  # finiteness is checked block-wise while accumulating
     d = a.shape[1]
@@ -252,7 +253,7 @@ def isoscore_star_torch(X, zeta, C0=None, *, check: bool = True):
     C0=None: trace-matched identity tr(cov(X))/D * I of the batch (scale-invariant); a (D, D)
     tensor: that covariance (no gradient flows into it unless it requires grad). float64 inside.
     """
-    z = _check_zeta(zeta)
+    z = check_zeta(zeta)
     _check_rows_torch(X, "isoscore_star_torch")
     x = X.double()
     n, d = x.shape
@@ -281,7 +282,7 @@ def isoscore_star_from_cov_torch(C, zeta, C0=None, *, check: bool = True):
     C0=None: trace-matched identity tr(C)/D * I; else the given (D, D) covariance. zeta = 0 gives
     IsoScore of C. float64 inside; float64 result for float64 C, else float32.
     """
-    z = _check_zeta(zeta)
+    z = check_zeta(zeta)
     if not is_torch(C):
         raise InputError("isoscore_star_from_cov_torch expects a torch tensor; use isoscore_star_from_cov")
     if C.ndim != 2 or C.shape[0] != C.shape[1] or C.shape[0] < 2:

@@ -1081,10 +1081,10 @@ def two_nearest(
     bad = count_nonfinite_rows(a)
     if bad:
         raise NonfiniteRows(bad, n)
-    return _two_nearest(a, block_size, device, refine, memory_budget, return_info, prune)
+    return two_nearest_unchecked(a, block_size, device, refine, memory_budget, return_info, prune)
 
 
-def _two_nearest(a: np.ndarray, block_size, device, refine, memory_budget, return_info, prune=None):
+def two_nearest_unchecked(a: np.ndarray, block_size, device, refine, memory_budget, return_info, prune=None):
     """:func:`two_nearest` on an already validated float numpy array (N >= 3, finite)."""
     import torch
 

@@ -80,7 +80,7 @@ from geomscope.metrics._validate import (
     check_psd,
     to_numpy,
 )
-from geomscope.metrics.isotropy import SHRINKAGE_TARGETS, _check_zeta, isoscore_star_from_cov
+from geomscope.metrics.isotropy import SHRINKAGE_TARGETS, check_zeta, isoscore_star_from_cov
 
 # Fractions (E, E_max, r/D, control energies) live in [0, 1]; below this a difference or a control
 # mean is float64 rounding, not signal.
@@ -399,7 +399,7 @@ def gradient_energy(
     when r exceeds C_act's (S's) numerical rank); the notes say why. S or C_act with a negative
     eigenvalue beyond rounding raises DataError; a malformed ``act_eig`` InputError.
     """
-    z = _check_zeta(zeta)
+    z = check_zeta(zeta)
     k = _check_count(controls)
     seed = _check_seed(seed)
     s = _symmetric(S, "S")

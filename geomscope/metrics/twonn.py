@@ -26,7 +26,7 @@ import numpy as np
 from geomscope.choices import TWONN_FITS
 from geomscope.errors import DataError, InputError
 from geomscope.metrics._validate import NonfiniteRows, as_rows, count_nonfinite_rows
-from geomscope.metrics.neighbors import _two_nearest
+from geomscope.metrics.neighbors import two_nearest_unchecked
 
 F_CONVENTION = "F_i = i/N"
 ESTIMATORS = TWONN_FITS
@@ -262,7 +262,7 @@ def twonn(
     """
     _check_params(discard_fraction, estimator)
     a, n_points, removed, sub = prepare_points(X, dedup, max_points, seed, expect_dim, allow_wide)
-    r1, r2, _, _, info = _two_nearest(a, block_size, device, True, None, True, prune)
+    r1, r2, _, _, info = two_nearest_unchecked(a, block_size, device, True, None, True, prune)
     zero = int(np.count_nonzero(r1 == 0))
     if zero:
         raise DataError(f"{zero} rows have an exact duplicate (r1 = 0); use dedup=True to remove them")

@@ -13,8 +13,7 @@ from geomscope import layers as grammar
 from geomscope.errors import InputError
 from geomscope.layers import activation_name, is_gradient, listed_layers
 from geomscope.report import load_report
-from geomscope.schema import NON_METRIC_LAYER_KEYS, STEP_RE, is_metric_key
-from geomscope.schema import _number as _schema_number
+from geomscope.schema import NON_METRIC_LAYER_KEYS, STEP_RE, is_metric_key, is_number
 
 #: the metrics drawn when the user names none (those present in the reports, in this order)
 DEFAULT_METRICS = ("isoscore_star", "isoscore", "avgcos", "twonn")
@@ -98,12 +97,6 @@ def parse_step(rep: dict) -> int | None:
         ):
             return int(step)
     return None
-
-
-def is_number(v) -> bool:
-    """A finite number (not a bool, not an integer beyond float range): the schema's test, so that
-    what a report may hold and what a figure draws are one definition."""
-    return _schema_number(v)
 
 
 def available_metrics(reports: Sequence[dict]) -> list[str]:

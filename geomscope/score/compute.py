@@ -55,7 +55,8 @@ def jackknife_se(reps) -> float | None:
     return float(math.sqrt((g - 1) / g * float(((a - a.mean()) ** 2).sum())))
 
 
-def _try(fn, notes: dict, key: str):
+def value_or_note(fn, notes: dict, key: str):
+    """``fn()``, or None with the DataError's message noted under ``key`` (why that metric is null)."""
     try:
         return fn()
     except DataError as e:
@@ -79,19 +80,21 @@ def moment_values(m, opts: ScoreOptions, c0, notes: dict, *, full: bool) -> dict
             m.check_variance("the layer", "every covariance metric")
             return m.covariance()
 
-        cov = _try(_cov, nts, "covariance")
+        cov = value_or_note(_cov, nts, "covariance")
     if opts.wants("isoscore"):
-        out["isoscore"] = None if cov is None else _try(lambda: isoscore_from_cov(cov), nts, "isoscore")
+        out["isoscore"] = (
+            None if cov is None else value_or_note(lambda: isoscore_from_cov(cov), nts, "isoscore")
+        )
     if opts.wants("isoscore_star"):
         out["isoscore_star"] = (
             None
             if cov is None
-            else _try(lambda: isoscore_star_from_cov(cov, opts.zeta, c0), nts, "isoscore_star")
+            else value_or_note(lambda: isoscore_star_from_cov(cov, opts.zeta, c0), nts, "isoscore_star")
         )
     if opts.wants("avgcos") and "plain" in opts.avgcos_variants:
-        out["avgcos"] = _try(lambda: float(avgcos_from_sum(m.sum_unit, m.n_unit())), nts, "avgcos")
+        out["avgcos"] = value_or_note(lambda: float(avgcos_from_sum(m.sum_unit, m.n_unit())), nts, "avgcos")
     if opts.wants("spectrum"):
-        sp = None if cov is None else _try(lambda: spectrum(cov, top_k=TOP_K), nts, "spectrum")
+        sp = None if cov is None else value_or_note(lambda: spectrum(cov, top_k=TOP_K), nts, "spectrum")
         if sp is None:
             out.update(dict.fromkeys(SPECTRUM_KEYS))
         else:

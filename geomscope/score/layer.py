@@ -116,12 +116,12 @@ class LayerResult:
         for v, mus in unit.items():
             key = compute.AVGCOS_KEY[v]
             last = mus.replicates - 1
-            self.values[key] = compute._try(
+            self.values[key] = compute.value_or_note(
                 lambda m=mus, r=last: float(avgcos_from_sum(m.sum_unit[r], m.n_unit(r))), self.notes, key
             )
             if self.live:
                 self.reps[key] = [
-                    compute._try(
+                    compute.value_or_note(
                         lambda m=mus, r=r: float(avgcos_from_sum(m.sum_unit[r], m.n_unit(r))), {}, key
                     )
                     for r in self.live
@@ -157,7 +157,7 @@ class LayerResult:
         o = self.opts
         v = self.values
         se = {}
-        for k in _scalar_keys(o):  # every requested scalar metric has an se entry (null: see notes)
+        for k in scalar_keys(o):  # every requested scalar metric has an se entry (null: see notes)
             if k in self.reps:
                 se[k] = compute.jackknife_se(self.reps[k])
             else:
@@ -172,7 +172,7 @@ class LayerResult:
                 f"rows fall in {self.n_live} jackknife group(s); at least 2 are needed "
                 "for standard errors of moment metrics",
             )
-        for k in _scalar_keys(o):
+        for k in scalar_keys(o):
             general = "se" in self.notes and k not in self.id_info.get("se", {})
             if not general and se[k] is None and v.get(k, self.id_info.get("values", {}).get(k)) is not None:
                 self.notes.setdefault(
@@ -214,7 +214,8 @@ def _moment_keys(o: ScoreOptions) -> list[str]:
     return keys
 
 
-def _scalar_keys(o: ScoreOptions) -> list[str]:
+def scalar_keys(o: ScoreOptions) -> list[str]:
+    """The scalar metric keys ``o`` requests, in report order (each with an ``se`` entry)."""
     keys = _moment_keys(o)
     if "twonn" in o.id_names:
         keys.append("twonn")
@@ -223,7 +224,7 @@ def _scalar_keys(o: ScoreOptions) -> list[str]:
 
 
 def _fill_null_notes(e: dict, o: ScoreOptions) -> None:
-    wanted = set(_scalar_keys(o))
+    wanted = set(scalar_keys(o))
     for k in (*SCALAR_METRIC_NAMES, *[f"{EXTRA_ID_PREFIX}{n}" for n in o.extra_id]):
         if e.get(k) is None and k not in e["notes"]:
             e["notes"][k] = (

@@ -160,14 +160,14 @@ def _check_settings_once(runs: list[RunResult]) -> None:
     """Each (regulariser, lambda, seed) once: two runs of one setting (a rerun in another folder, or two
     sweeps that share a point) would count twice in the table and the correlations, and the paired
     differences would keep one of them at random."""
-    from geomscope.study.sweep import _number
+    from geomscope.study.sweep import lambda_text
 
     first: dict[tuple[str, float, int], RunResult] = {}
     for r in runs:
         other = first.setdefault((r.reg, r.lam, r.seed), r)
         if other is not r:
             raise InputError(
-                f"{other.dir} and {r.dir} are both the run {r.reg!r} lambda {_number(r.lam)} seed "
+                f"{other.dir} and {r.dir} are both the run {r.reg!r} lambda {lambda_text(r.lam)} seed "
                 f"{r.seed}; a comparison counts each setting once: compare them separately, or leave "
                 "one of them out"
             )

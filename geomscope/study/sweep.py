@@ -29,10 +29,10 @@ class GridPoint:
 
     @property
     def name(self) -> str:
-        return f"{self.reg}_lambda{_number(self.lam)}_seed{self.seed}"
+        return f"{self.reg}_lambda{lambda_text(self.lam)}_seed{self.seed}"
 
 
-def _number(x: float) -> str:
+def lambda_text(x: float) -> str:
     """``:g`` (the names sweeps have always had) when it reads back as ``x``, else the shortest text
     that does (``repr``): ``:g`` keeps 6 digits, so 1e-6 and 1.000001e-6 would share a name. The one
     home of how a lambda is written (run names; compare's table and messages)."""

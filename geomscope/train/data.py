@@ -43,7 +43,7 @@ class Table:
         return len(self.labels)
 
 
-def _read_rows(path: Path) -> tuple[list[str], list[dict]]:
+def read_rows(path: Path) -> tuple[list[str], list[dict]]:
     """Return (column names, rows as dicts) of a csv/tsv/jsonl file or a save_to_disk directory."""
     if not path.exists():
         raise InputError(f"data file {path} does not exist")
@@ -150,7 +150,7 @@ def load_table(
 ) -> Table:
     """Read a labelled table; raise a one-line :class:`InputError` on missing columns or values."""
     path = Path(path)
-    cols, rows = _read_rows(path)
+    cols, rows = read_rows(path)
     if not rows:
         raise InputError(f"data file {path} has no rows; it needs at least one labelled row")
     texts = _field(rows, cols, text_field, "text", path)

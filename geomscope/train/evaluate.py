@@ -60,7 +60,9 @@ from geomscope.metrics.moments import Moments
 from geomscope.train.regularizers import select_tokens
 
 
-def _forward(model, batch, device, autocast):
+def forward_batch(model, batch, device, autocast):
+    """The model's outputs, hidden states included, on ``batch`` (its labels left out), and the
+    batch's attention mask, on ``device``."""
     inputs = {k: v.to(device) for k, v in batch.items() if k != "labels"}
     with autocast():
         return model(**inputs, output_hidden_states=True), inputs["attention_mask"]
@@ -115,7 +117,7 @@ def compute_c0(
         full = m.n + L > budget
         if _stop(full, d):
             break
-        out, mask = _forward(model, encoded.collate(ids), d.device, autocast)
+        out, mask = forward_batch(model, encoded.collate(ids), d.device, autocast)
         if full or not real:  # lockstep: a forward the other processes need, its tokens dropped
             continue
         X = select_tokens(out.hidden_states, layers, mask, include_padding)  # (L*t, D), layer-major
@@ -268,7 +270,7 @@ def evaluate(
     geo = EvalGeometry(D, layers, dev)
     for ids, real in rank_batches(list(range(len(encoded))), batch_size, d):
         batch = encoded.collate(ids)
-        out, mask = _forward(model, batch, dev, autocast)
+        out, mask = forward_batch(model, batch, dev, autocast)
         if not real:
             continue
         labels = batch["labels"].to(dev)

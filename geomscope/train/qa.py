@@ -103,7 +103,7 @@ class QATable:
 
 def _read_records(path: Path) -> list[dict]:
     """Flat records of a SQuAD JSON, a JSON list, JSON lines, or a save_to_disk directory."""
-    from geomscope.train.data import _read_rows
+    from geomscope.train.data import read_rows
 
     if not path.exists():
         raise InputError(f"data file {path} does not exist")
@@ -129,7 +129,7 @@ def _read_records(path: Path) -> list[dict]:
             f"unsupported QA data file {path}: use SQuAD .json, .jsonl records or a datasets "
             "save_to_disk directory"
         )
-    return _read_rows(path)[1]
+    return read_rows(path)[1]
 
 
 def _flatten_squad(obj: dict, path: Path) -> list[dict]:
@@ -373,7 +373,7 @@ def evaluate_qa(
     import torch
 
     from geomscope import distributed as dd
-    from geomscope.train.evaluate import EvalGeometry, _forward, rank_batches
+    from geomscope.train.evaluate import EvalGeometry, forward_batch, rank_batches
 
     was_training = model.training
     model.eval()
@@ -384,7 +384,7 @@ def evaluate_qa(
     with torch.no_grad():
         for idx, real in rank_batches(list(range(len(encoded))), batch_size, d):
             batch = encoded.collate(idx)
-            out, mask = _forward(model, batch, dev, autocast)
+            out, mask = forward_batch(model, batch, dev, autocast)
             if not real:  # lockstep (FSDP): a forward the other processes need
                 continue
             loss_sum += qa_loss_sum(out, batch["labels"].to(dev), mask).double()

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from geomscope.errors import DataError
-from geomscope.metrics.isotropy import _check_zeta, star_terms
+from geomscope.metrics.isotropy import check_zeta, star_terms
 
 
 def select_tokens(
@@ -276,7 +276,7 @@ class IStar:
 
     @zeta.setter
     def zeta(self, zeta: float) -> None:
-        self._zeta = _check_zeta(zeta)
+        self._zeta = check_zeta(zeta)
 
     @property
     def C0(self) -> torch.Tensor | None:
