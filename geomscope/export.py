@@ -32,9 +32,9 @@ import numpy as np
 
 from geomscope.errors import DataError, InputError
 from geomscope.fileio import create_exclusive, replace_dir, temp_path, write_all
+from geomscope.schema import EXPORT_MARKER
 
 EXPORT_FORMATS = ("arrow", "npy")
-EXPORT_MARKER = "geomscope-export.json"
 META = (("doc_id", np.int64), ("position", np.int64), ("token_id", np.int64), ("special", np.bool_))
 
 

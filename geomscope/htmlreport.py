@@ -19,10 +19,8 @@ from pathlib import Path
 from geomscope.htmltable import escape_html as _e  # short: it wraps every value of the page
 from geomscope.htmltable import number_html as _num
 from geomscope.htmltable import report_table_html
+from geomscope.schema import HTML_GENERATOR
 
-#: what a page records as its generator: how a later ``report --html`` knows a file at its path for
-#: its own earlier page, which it replaces (fileio.ensure_replaceable)
-GENERATOR = "<meta name='generator' content='geomscope'>"
 #: how every page begins, byte for byte, up to the generator mark (pages before the mark had none)
 _OPENING = "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
 _VIEWPORT = "<meta name='viewport' content='width=device-width, initial-scale=1'>"
@@ -174,7 +172,7 @@ def html_page(reports: Sequence[dict], *, kinds: Sequence[str] = ("auto",), titl
             f"{report_table_html(r)}{_final_norm(r)}{_notes(r)}</section>"
         )
     return (
-        f"{_OPENING}{GENERATOR}{_VIEWPORT}"
+        f"{_OPENING}{HTML_GENERATOR}{_VIEWPORT}"
         f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>"
         f"<h1>{_e(title)}</h1>{''.join(sections)}<h2>Figures</h2>{''.join(figures)}</body></html>\n"
     )
@@ -184,7 +182,7 @@ def _is_page(data: bytes) -> bool:
     """A page geomscope wrote: one that begins exactly as :func:`html_page` begins it, with the
     generator mark; or, from before the mark, with that opening without it and holding the report
     sections. A mark or a section anywhere else (a user's notes quoting a page) is not enough."""
-    if data.startswith((_OPENING + GENERATOR).encode()):
+    if data.startswith((_OPENING + HTML_GENERATOR).encode()):
         return True
     return data.startswith((_OPENING + _VIEWPORT + "<title>").encode()) and _SECTION.encode() in data
 

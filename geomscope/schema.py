@@ -1,8 +1,14 @@
-"""The score report's schema: the one home of its metric names, layer-entry keys and CSV columns.
+"""The score report's schema: the one home of its metric names, layer-entry keys and CSV columns;
+and the format tags of every file geomscope writes beside a run directory.
 
 ``score`` builds entries with these keys, :mod:`geomscope.report` writes and reads them, ``plot``
 chooses what to draw from them, and the tests check reports against them. Scripts rely on the
 names and their order (README, "Report format"), so change them only with ``REPORT_FORMAT_VERSION``.
+
+A format tag is how geomscope knows a file for its own: a JSON file's first key ``"format"``
+(outputs.json_format_is), a marker file's name, a figure's creator, a page's generator. A file at
+an output path is replaced only when it bears its tag; so a tag never changes. The run directory's
+own tags (manifest, shards) live with the store (store/names.py).
 """
 
 from __future__ import annotations
@@ -13,6 +19,23 @@ from dataclasses import dataclass
 
 REPORT_FORMAT = "geomscope-report"
 REPORT_FORMAT_VERSION = 1
+#: ``compare``'s compare.json
+COMPARE_FORMAT = "geomscope-compare"
+#: a sweep's sweep.json: the grid of finetune runs it holds
+SWEEP_FORMAT = "geomscope-sweep"
+#: the marker that makes a directory a finetune output (train/checkpoint.py), its format and the
+#: version of its record (2: complete, every path a run wrote; markers without it list exported files)
+FINETUNE_MARKER = ".geomscope-finetune.json"
+FINETUNE_FORMAT = "geomscope-finetune"
+FINETUNE_MARKER_VERSION = 2
+#: the summary ``export`` writes into the directory it exports
+EXPORT_MARKER = "geomscope-export.json"
+#: the creator a figure records (PNG "Software", SVG and PDF "Creator"): how a later plot knows a
+#: file at its --out for its own earlier figure, which it replaces (outputs.ensure_replaceable)
+FIGURE_CREATOR = "geomscope plot, with Matplotlib"  # no parentheses: PDF strings escape them
+#: what a ``report --html`` page records as its generator: how a later ``report --html`` knows a file
+#: at its path for its own earlier page, which it replaces
+HTML_GENERATOR = "<meta name='generator' content='geomscope'>"
 
 #: top-level keys of a report, in the order they are written
 #: a training step in a revision or checkpoint name: ``step143000`` (Pythia), ``checkpoint-500`` (HF Trainer)

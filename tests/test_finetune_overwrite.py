@@ -84,7 +84,7 @@ def test_an_older_marker_removes_only_what_it_proves_and_nothing_outside(cli, da
     outside = tmp_path / "outside.txt"
     outside.write_text("keep")
     exported = [n for n in ck.read_marker(out)["files"] if (out / n).is_file() and n not in ck.RUN_FILES]
-    (out / ck.MARKER).write_text(
+    (out / ck.FINETUNE_MARKER).write_text(
         json.dumps({"format": "geomscope-finetune", "files": [*exported, "../outside.txt"]})
     )
     for d in ("checkpoints/step0", "tensorboard", "adapter"):
@@ -96,7 +96,7 @@ def test_an_older_marker_removes_only_what_it_proves_and_nothing_outside(cli, da
     for d in ("checkpoints/step0", "tensorboard", "adapter"):
         assert (out / d / "f.txt").read_text() == d
     assert (out / "notes.txt").read_text() == "n" and outside.read_text() == "keep"
-    assert ck.read_marker(out)["version"] == ck.MARKER_VERSION
+    assert ck.read_marker(out)["version"] == ck.FINETUNE_MARKER_VERSION
     # the folders an older run cannot be proven to have made are refused where the new run writes
     code, o, err = _run(cli, data, out, "--overwrite", "--save-every", "1")
     assert_one_line_error(code, o, err, "checkpoints/step0", exit_code=2)
@@ -116,7 +116,9 @@ class _Saves:
 def test_export_never_replaces_a_file_the_marker_does_not_record(tmp_path):
     out = tmp_path / "exp"
     out.mkdir()
-    (out / ck.MARKER).write_text(json.dumps({"format": "geomscope-finetune", "version": 2, "files": []}))
+    (out / ck.FINETUNE_MARKER).write_text(
+        json.dumps({"format": "geomscope-finetune", "version": 2, "files": []})
+    )
     (out / "config.json").write_text("the user's")  # appeared while the run trained
     with pytest.raises(InputError, match="config.json is not recorded"):
         ck.export_model(out, _Saves("config.json", "model.safetensors"), _Saves("vocab.txt"), {})

@@ -47,6 +47,7 @@ def compare_cmd(
     from geomscope.plot.figures import FIGURE_HINT, is_figure
     from geomscope.plot.study import study_png
     from geomscope.report import shown
+    from geomscope.schema import COMPARE_FORMAT
     from geomscope.study.compare import compare, to_csv
 
     # where the outputs go, and whether they may, is settled before the bootstraps run
@@ -54,7 +55,7 @@ def compare_cmd(
         raise InputError("several DIRs were given: name where the comparison goes with --out DIR")
     dest = out if out is not None else dirs[0]
     # a user's file at any of these names is refused before anything is written, never replaced
-    ensure_replaceable(dest / "compare.json", json_format_is("geomscope-compare"), head=HEAD_BYTES)
+    ensure_replaceable(dest / "compare.json", json_format_is(COMPARE_FORMAT), head=HEAD_BYTES)
     ensure_replaceable(dest / "compare.csv", starts_with(b"reg,lambda,n"), head=HEAD_BYTES)
     ensure_replaceable(dest / "compare.png", is_figure, hint=FIGURE_HINT)
     ensure_writable(dest)

@@ -29,6 +29,7 @@ from geomscope.plot.layers import plot_layers
 from geomscope.plot.outliers import has_outlier_statistic, plot_outliers
 from geomscope.plot.spectrum import has_spectrum, plot_spectrum
 from geomscope.plot.trajectory import is_trajectory, plot_trajectory
+from geomscope.schema import FIGURE_CREATOR
 
 KINDS = ("layers", "spectrum", "outliers", "trajectory", "training", "energy")
 FORMATS = ("png", "svg", "pdf")
@@ -112,9 +113,6 @@ def make_figures(
     return figs
 
 
-#: the creator a figure records (PNG "Software", SVG and PDF "Creator"): how a later plot knows a
-#: file at its --out for its own earlier figure, which it replaces (fileio.ensure_replaceable)
-FIGURE_CREATOR = "geomscope plot, with Matplotlib"  # no parentheses: PDF strings escape them
 _CREATOR_KEY = {"png": "Software", "svg": "Creator", "pdf": "Creator"}
 
 

@@ -21,7 +21,8 @@ def study_png(result: dict, *, dpi: int = 150) -> bytes:
     before compare writes anything, so that a figure that cannot be drawn leaves no outputs of this
     comparison beside older ones: InputError, one line, for data matplotlib cannot draw."""
     from geomscope.errors import InputError
-    from geomscope.plot.figures import FIGURE_CREATOR, close_figure
+    from geomscope.plot.figures import close_figure
+    from geomscope.schema import FIGURE_CREATOR
 
     fig = None
     buf = io.BytesIO()

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from geomscope.errors import InputError
+from geomscope.schema import COMPARE_FORMAT
 from geomscope.study import stats
 
 #: the eval metrics of each task (the first is the outcome), then the geometry every run has
@@ -302,7 +303,7 @@ def compare(dirs, *, allow_mixed: bool = False, n_boot: int = 2000, seed: int = 
         "seeds_per_configuration": {"min": fewest, "max": max(groups.count(g) for g in set(groups))},
     }
     return {
-        "format": "geomscope-compare",
+        "format": COMPARE_FORMAT,
         "task": task,
         "metrics": list(metrics),
         "outcome": outcome,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from geomscope.errors import GeomscopeError, InputError
 from geomscope.fileio import make_dirs, write_json_atomic
+from geomscope.schema import SWEEP_FORMAT
 
 SWEEP_FILE = "sweep.json"
 
@@ -89,7 +90,7 @@ def _claim(out: Path, points: list[GridPoint]) -> None:
     write_json_atomic(
         out / SWEEP_FILE,
         {
-            "format": "geomscope-sweep",
+            "format": SWEEP_FORMAT,
             "runs": [{"name": p.name, "reg": p.reg, "lambda": p.lam, "seed": p.seed} for p in points],
         },
     )

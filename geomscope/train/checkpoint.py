@@ -29,13 +29,11 @@ from pathlib import Path
 
 from geomscope.errors import InputError
 from geomscope.fileio import fresh_dir, make_dirs, replace_dir, write_json_atomic, write_text_atomic
+from geomscope.schema import FINETUNE_FORMAT, FINETUNE_MARKER, FINETUNE_MARKER_VERSION
 
 CKPT = "checkpoint"
 #: --lora: the final adapter (``DIR/adapter/``), written first to its working directory
 ADAPTER, ADAPTER_TEMP = "adapter", ".adapter.tmp"
-MARKER = ".geomscope-finetune.json"
-#: the marker's record is complete (every path a run wrote); markers without it list exported files only
-MARKER_VERSION = 2
 #: what a finetune run writes besides the exported model files
 RUN_FILES = ("run.json", "steps.jsonl", "eval.jsonl", "summary.json", "label_map.json")
 #: geomscope's working directories in DIR: every run may write them
@@ -48,14 +46,14 @@ _TENSORS, _STATE = "trainer.safetensors", "trainer.json"
 
 # ---------------------------------------------------------------------------------- ownership
 def read_marker(out: Path) -> dict | None:
-    p = out / MARKER
+    p = out / FINETUNE_MARKER
     if not p.is_file() or p.is_symlink():
         return None
     try:
         m = json.loads(p.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
-    return m if isinstance(m, dict) and m.get("format") == "geomscope-finetune" else None
+    return m if isinstance(m, dict) and m.get("format") == FINETUNE_FORMAT else None
 
 
 def planned_outputs(*, lora: bool, tracker_dir: str | None, snapshots: bool) -> tuple[list[str], list[str]]:
@@ -71,7 +69,7 @@ def _names(values) -> list[str]:
         if not isinstance(v, str) or not v or "\\" in v or v.startswith("/"):
             continue
         parts = v.split("/")
-        if all(p not in ("", ".", "..") for p in parts) and v != MARKER:
+        if all(p not in ("", ".", "..") for p in parts) and v != FINETUNE_MARKER:
             out.append(v)
     return out
 
@@ -84,7 +82,7 @@ def _recorded(marker: dict) -> tuple[set[str], set[str]]:
     ours; ``checkpoints/`` and the trackers' folders cannot be told apart from a user's and are left
     alone."""
     files, dirs = set(_names(marker.get("files"))), set(_names(marker.get("dirs")))
-    if marker.get("version") != MARKER_VERSION:
+    if marker.get("version") != FINETUNE_MARKER_VERSION:
         files = {n for n in files if "/" not in n} | set(RUN_FILES) | set(INTERNAL)
         dirs = set()
     return files, dirs
@@ -146,7 +144,7 @@ def check_output(
             "replace it, or choose another --out"
         )
     files, dirs = _recorded(marker)
-    legacy = marker.get("version") != MARKER_VERSION
+    legacy = marker.get("version") != FINETUNE_MARKER_VERSION
     for rel in writes:
         p = _inside(out, rel)
         if p is not None and _present(p) and rel not in files and not (legacy and resume):
@@ -167,7 +165,7 @@ def check_output(
 
 def _refuse_unrecorded(out: Path, rel: str) -> None:
     raise InputError(
-        f"{out / rel} is not recorded in {out / MARKER} as written by geomscope, and this run would "
+        f"{out / rel} is not recorded in {out / FINETUNE_MARKER} as written by geomscope, and this run would "
         f"write there; move it out of {out} (or choose another --out)"
     )
 
@@ -192,10 +190,10 @@ def take_output(out: Path, *, resume: bool, writes=(), writes_into=()) -> None:
 
 def _write_marker(out: Path, files, dirs) -> None:
     write_json_atomic(
-        out / MARKER,
+        out / FINETUNE_MARKER,
         {
-            "format": "geomscope-finetune",
-            "version": MARKER_VERSION,
+            "format": FINETUNE_FORMAT,
+            "version": FINETUNE_MARKER_VERSION,
             "files": sorted(files),
             "dirs": sorted(dirs),
         },
@@ -241,7 +239,7 @@ def _remove_previous_output(out: Path, marker: dict) -> None:
 def record_outputs(out: Path, names: list[str]) -> None:
     """Add paths this run is about to write to the marker, so that --overwrite removes them and
     nothing else."""
-    marker = read_marker(out) or {"format": "geomscope-finetune", "version": MARKER_VERSION}
+    marker = read_marker(out) or {"format": FINETUNE_FORMAT, "version": FINETUNE_MARKER_VERSION}
     files, dirs = _recorded(marker)
     _write_marker(out, files | set(names), dirs)
 
@@ -462,12 +460,12 @@ def export_model(out: Path, model, tokenizer, extra: dict[str, dict], weights: d
         (tmp / name).write_text(json.dumps(obj, indent=2))
     files = [f for f in sorted(tmp.rglob("*")) if f.is_file()]
     names = sorted({f.relative_to(tmp).parts[0] for f in files})
-    recorded, _ = _recorded(read_marker(out) or {"version": MARKER_VERSION})
+    recorded, _ = _recorded(read_marker(out) or {"version": FINETUNE_MARKER_VERSION})
     for name in names:  # a user's file of that name, put there during the run: never replaced
         if name not in recorded and _present(out / name):
             shutil.rmtree(tmp)
             raise InputError(
-                f"{out / name} is not recorded in {out / MARKER} as written by geomscope, and the "
+                f"{out / name} is not recorded in {out / FINETUNE_MARKER} as written by geomscope, and the "
                 f"export would replace it; move it out of {out} and rerun with --resume"
             )
     record_outputs(out, names)
