@@ -279,7 +279,7 @@ def test_participation_ratio_does_not_depend_on_the_scale(scale):
 
 def test_participation_terms_are_the_plain_ones_in_the_normal_range():
     """No rescale between 2^-400 and 2^400: the same bits as tr(C) and vdot(C, C)."""
-    from geomscope.metrics._validate import participation_terms
+    from geomscope.metrics.validate import participation_terms
 
     c = np.cov(_cloud(200, 6, 1).T) * 3.7
     assert participation_terms(c) == (float(np.trace(c)), float(np.vdot(c, c)))

@@ -90,7 +90,7 @@ def test_nothing_removed_returns_the_rows_themselves():
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 def test_count_nonfinite_rows_fast_path_is_exact(dtype):
-    from geomscope.metrics._validate import count_nonfinite_rows
+    from geomscope.metrics.validate import count_nonfinite_rows
 
     rng = np.random.default_rng(4)
     X = rng.standard_normal((200, 8)).astype(dtype)

@@ -9,7 +9,7 @@ because ||sum x_hat||^2 = N + sum_{i != j} cos(x_i, x_j). Variants, always label
 ``plain`` (raw rows), ``centred`` (subtract the mean row first), ``standardised`` (subtract the
 mean and divide each dimension by its standard deviation, ddof=1; Timkey & van Schijndel 2021).
 A constant dimension (its spread within float64's rounding of its mean) is 0 after centring in
-both: exactly 0, not the rounding residue the subtraction leaves (``_validate.cosine_shift_scale``).
+both: exactly 0, not the rounding residue the subtraction leaves (``validate.cosine_shift_scale``).
 
 Zero-norm rows: the cosine with a zero vector is undefined, so rows whose (transformed) norm is
 exactly 0 are excluded and N counts the remaining rows; the number excluded is reported by the
@@ -21,14 +21,14 @@ from __future__ import annotations
 import numpy as np
 
 from geomscope.errors import DataError, InputError
-from geomscope.metrics._validate import (
+from geomscope.metrics.moments import UnitSum
+from geomscope.metrics.validate import (
     NonfiniteRows,
     as_rows,
     cosine_shift_scale,
     count_nonfinite_rows,
     is_torch,
 )
-from geomscope.metrics.moments import UnitSum
 
 COSINE_VARIANTS = ("plain", "centred", "standardised")
 

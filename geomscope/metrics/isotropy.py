@@ -30,7 +30,8 @@ from __future__ import annotations
 import numpy as np
 
 from geomscope.errors import DataError, InputError
-from geomscope.metrics._validate import (
+from geomscope.metrics.moments import Moments
+from geomscope.metrics.validate import (
     ZERO_VARIANCE_MESSAGE,
     as_covariance,
     as_rows,
@@ -39,7 +40,6 @@ from geomscope.metrics._validate import (
     participation_terms,
     variance_is_zero,
 )
-from geomscope.metrics.moments import Moments
 
 SHRINKAGE_TARGETS = ("trace", "identity")
 

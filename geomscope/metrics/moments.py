@@ -53,7 +53,7 @@ import numpy as np
 
 from geomscope.choices import PRODUCT_DTYPES
 from geomscope.errors import DataError, InputError
-from geomscope.metrics._validate import (
+from geomscope.metrics.validate import (
     OVERFLOW_MESSAGE,
     ZERO_VARIANCE_MESSAGE,
     NonfiniteRows,
@@ -653,7 +653,7 @@ class UnitSum:
     """Sum of unit vectors of (x - shift) / scale, for the centred / standardised average cosine.
 
     ``UnitSum(shift, scale=None)``: shift (D,) (usually the mean from a first Moments pass), scale
-    (D,) (usually the standard deviation, from ``_validate.cosine_shift_scale``); a dimension of
+    (D,) (usually the standard deviation, from ``validate.cosine_shift_scale``); a dimension of
     scale inf or 0 is constant and adds exactly 0 ((x - shift) / inf; what the shift leaves of it is
     rounding). Rows whose transformed norm is exactly 0 are counted in ``n_zero_norm`` and
     excluded. Attributes: n, sum_unit, sum_unit_sq, n_zero_norm.

@@ -48,7 +48,7 @@ import numpy as np
 
 from geomscope.devices import resolve_device
 from geomscope.errors import DataError, InputError
-from geomscope.metrics._validate import NonfiniteRows, as_rows, count_nonfinite_rows
+from geomscope.metrics.validate import NonfiniteRows, as_rows, count_nonfinite_rows
 
 #: Bytes allowed for one strip of float32 candidate distances (and for each float64 chunk).
 DEFAULT_MEMORY_BUDGET = 256 * 2**20

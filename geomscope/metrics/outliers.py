@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from geomscope.errors import DataError, InputError
-from geomscope.metrics._validate import NonfiniteRows, as_rows, count_nonfinite_rows
+from geomscope.metrics.validate import NonfiniteRows, as_rows, count_nonfinite_rows
 
 
 @dataclass

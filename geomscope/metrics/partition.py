@@ -7,7 +7,7 @@ W), so ``log_z_min`` and ``log_z_max`` are accurate at any norm; I = exp(log Z_m
 in [0, 1] and underflows to 0.0 once the two differ by more than about 745 (W * 1000 of a typical
 embedding already does): compare the log values there. 1 means perfectly isotropic.
 ``centred=True`` subtracts the mean row first (and takes the eigenvectors of the centred W^T W);
-identical rows (zero variance by the library's rule, _validate.variance_is_zero) then have no
+identical rows (zero variance by the library's rule, validate.variance_is_zero) then have no
 centred partition function: DataError, as for every other metric of constant data.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from geomscope.errors import DataError
-from geomscope.metrics._validate import (
+from geomscope.metrics.validate import (
     ZERO_VARIANCE_MESSAGE,
     NonfiniteRows,
     as_rows,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from geomscope.errors import DataError
-from geomscope.metrics._validate import ZERO_VARIANCE_MESSAGE, as_covariance, check_psd, participation_terms
+from geomscope.metrics.validate import ZERO_VARIANCE_MESSAGE, as_covariance, check_psd, participation_terms
 
 
 def _checked_cov(C) -> np.ndarray:

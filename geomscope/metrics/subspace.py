@@ -25,7 +25,7 @@ U_r = top-r eigenvectors of C_act, V_r = top-r eigenvectors of S (descending eig
 
 kappa is what makes layers comparable: E alone grows with r/D and with how concentrated S is.
 
-S and C_act must be PSD (their smallest eigenvalue is checked, _validate.check_psd). U_r is unique
+S and C_act must be PSD (their smallest eigenvalue is checked, validate.check_psd). U_r is unique
 only while lambda_r(C_act) > 0: an eigenvalue at or below D * eps * lambda_1 is 0 (rounding, see
 _NULL_EIGENVALUE), and for r above that numerical rank k the last r - k columns of U_r are arbitrary
 null-space directions, so E, kappa, e, overlap, activation_gap and the controls are None, with
@@ -73,14 +73,14 @@ from itertools import islice
 import numpy as np
 
 from geomscope.errors import DataError, InputError
-from geomscope.metrics._validate import (
+from geomscope.metrics.isotropy import SHRINKAGE_TARGETS, check_zeta, isoscore_star_from_cov
+from geomscope.metrics.validate import (
     ZERO_VARIANCE_MESSAGE,
     as_covariance,
     binary_exponent,
     check_psd,
     to_numpy,
 )
-from geomscope.metrics.isotropy import SHRINKAGE_TARGETS, check_zeta, isoscore_star_from_cov
 
 # Fractions (E, E_max, r/D, control energies) live in [0, 1]; below this a difference or a control
 # mean is float64 rounding, not signal.

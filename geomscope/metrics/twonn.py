@@ -25,8 +25,8 @@ import numpy as np
 
 from geomscope.choices import TWONN_FITS
 from geomscope.errors import DataError, InputError
-from geomscope.metrics._validate import NonfiniteRows, as_rows, count_nonfinite_rows
 from geomscope.metrics.neighbors import two_nearest_unchecked
+from geomscope.metrics.validate import NonfiniteRows, as_rows, count_nonfinite_rows
 
 F_CONVENTION = "F_i = i/N"
 ESTIMATORS = TWONN_FITS

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from geomscope.errors import DataError
-from geomscope.metrics._validate import NonfiniteRows
 from geomscope.metrics.moments import OrderedWork, update_groups
+from geomscope.metrics.validate import NonfiniteRows
 from geomscope.score.sources import iter_blocks, iter_meta
 from geomscope.store.blocks import Task
 from geomscope.store.integrity import check_shard_file

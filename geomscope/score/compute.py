@@ -121,8 +121,8 @@ def _top_share(sp: dict) -> dict[int, float | None]:
 
 def unit_shift_scale(m, variant: str) -> tuple[np.ndarray, np.ndarray | None]:
     """Shift/scale of the second-pass unit sums for a cosine variant, from that replicate's Moments
-    (:func:`geomscope.metrics._validate.cosine_shift_scale`: constant dimensions add exactly 0)."""
-    from geomscope.metrics._validate import cosine_shift_scale
+    (:func:`geomscope.metrics.validate.cosine_shift_scale`: constant dimensions add exactly 0)."""
+    from geomscope.metrics.validate import cosine_shift_scale
 
     variance = m.variance() if m.n >= 2 else np.zeros(m.dim)  # one row: every dimension constant
     return cosine_shift_scale(m.mean, variance, variant)
@@ -146,7 +146,7 @@ def load_cov_file(path: str, dim: int) -> np.ndarray:
         raise InputError(
             f"--shrinkage-target {path} is {c.shape[0]} x {c.shape[0]} but the data has D = {dim}"
         )
-    from geomscope.metrics._validate import as_covariance, check_psd
+    from geomscope.metrics.validate import as_covariance, check_psd
 
     name = f"--shrinkage-target {path}"
     try:  # the library's own checks of a covariance, said of the option

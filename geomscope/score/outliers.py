@@ -14,7 +14,7 @@ sample without groups: no support (a note says so).
 
 variance / zscore on variance follow IsoScore's zero-variance rule (Moments.check_variance): a layer
 without variance has no outlier dimension (null, with a note), and a constant dimension's variance
-is exactly 0 (_validate.cosine_shift_scale's per-dimension rule), not its mean's rounding residue.
+is exactly 0 (validate.cosine_shift_scale's per-dimension rule), not its mean's rounding residue.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _variance(m) -> np.ndarray:
     dimension of largest |x| with support 1.0, where IsoScore refused the layer)."""
     m.check_variance("the layer", "an outlier dimension by variance")
     variance = m.variance()
-    _, scale = compute.unit_shift_scale(m, "standardised")  # inf: constant (_validate.cosine_shift_scale)
+    _, scale = compute.unit_shift_scale(m, "standardised")  # inf: constant (validate.cosine_shift_scale)
     return np.where(np.isinf(scale), 0.0, variance)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from geomscope.metrics._validate import binary_exponent
+from geomscope.metrics.validate import binary_exponent
 
 #: an interval over configurations needs this many configurations, each with this many seeds
 MIN_CONFIGURATIONS = 3
