@@ -29,7 +29,16 @@ def test_license_file_matches_metadata():
 
 
 # The stacks that only some tests and extras need; the demo and the studies must run without them.
-OPTIONAL_STACKS = ("deepspeed", "dask", "distributed", "tensorboard", "peft", "pytest", "hypothesis", "isoscore")
+OPTIONAL_STACKS = (
+    "deepspeed",
+    "dask",
+    "distributed",
+    "tensorboard",
+    "peft",
+    "pytest",
+    "hypothesis",
+    "isoscore",
+)
 
 _BLOCKER = """
 import json, sys
@@ -69,15 +78,36 @@ def test_the_demo_and_the_study_need_none_of_the_optional_stacks(tmp_path):
         ["extract", "bundled:minilm", str(texts), "--out", str(tmp_path / "run"), "-q"],
         ["score", str(tmp_path / "run"), "--out", str(tmp_path / "report"), "-q"],
         ["plot", str(tmp_path / "report.json"), "--out", f"{tmp_path / 'figs'}/"],
-        ["finetune", "bundled:minilm", "--train", str(tmp_path / "train.csv"), "--eval",
-         str(tmp_path / "dev.csv"), "--text-field", "sentence", "--label-field", "label", "--reg", "istar",
-         "--lambda=-1,1", "--epochs", "1", "--batch-size", "8", "--out", str(tmp_path / "study"), "--quiet"],
+        [
+            "finetune",
+            "bundled:minilm",
+            "--train",
+            str(tmp_path / "train.csv"),
+            "--eval",
+            str(tmp_path / "dev.csv"),
+            "--text-field",
+            "sentence",
+            "--label-field",
+            "label",
+            "--reg",
+            "istar",
+            "--lambda=-1,1",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "8",
+            "--out",
+            str(tmp_path / "study"),
+            "--quiet",
+        ],
         ["compare", str(tmp_path / "study"), "--out", str(tmp_path / "cmp")],
     ]
     script = tmp_path / "blocked_main.py"
     script.write_text(_BLOCKER.format(blocked=set(OPTIONAL_STACKS)))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, str(script), json.dumps(steps)], capture_output=True, text=True, env=env)
+    r = subprocess.run(
+        [sys.executable, str(script), json.dumps(steps)], capture_output=True, text=True, env=env
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "cmp" / "compare.json").is_file() and list((tmp_path / "figs").glob("*.png"))
 

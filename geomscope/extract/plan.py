@@ -384,11 +384,12 @@ def _as_the_run_fingerprints(identity: dict, lm, out: Path) -> dict:
     before whole files were hashed holds ``weights_sha256`` (their first and last 64 KiB), and is
     compared, so resumed, on that (else every such run was refused as made with other weights)."""
     from geomscope.model.fingerprint import WEIGHTS_KEY, legacy_weights_fingerprint
-    from geomscope.store.manifest import MANIFEST_NAME
+    from geomscope.store.manifest import read_manifest
+    from geomscope.store.names import MANIFEST_NAME
 
     try:
-        stored = json.loads((Path(out) / MANIFEST_NAME).read_text(encoding="utf-8"))["identity"]["model"]
-    except (OSError, ValueError, KeyError, TypeError):
+        stored = read_manifest(Path(out) / MANIFEST_NAME)["identity"].get("model")
+    except InputError:
         return identity
     path = (lm.source or {}).get("path")
     if not isinstance(stored, dict) or "weights_sha256" not in stored or WEIGHTS_KEY in stored or not path:
@@ -412,13 +413,15 @@ def _estimate_bytes(tokens: int, shards: int, n_layers: int, dim: int, opts: Ext
 
 def _existing_finished_bytes(out: Path, identity: dict) -> int:
     """Bytes of finished shards an earlier run with this identity left in ``out`` (0 if none)."""
+    from geomscope.store.manifest import read_manifest, read_parts, with_logged
+    from geomscope.store.names import MANIFEST_NAME
+
     try:
-        m = json.loads((out / "manifest.json").read_text())
-    except (OSError, ValueError):
+        m = read_manifest(out / MANIFEST_NAME)
+    except InputError:
         return 0
     if json.loads(json.dumps(m.get("identity"))) != json.loads(json.dumps(identity)):
         return 0
-    from geomscope.store.manifest import read_parts, with_logged
 
     listed = [s for s in m.get("shards", []) if isinstance(s, dict) and "index" in s]
     shards = with_logged(listed, read_parts(out, identity)[0])
