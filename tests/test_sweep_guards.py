@@ -87,7 +87,7 @@ def test_distinct_lambdas_get_distinct_directories():
 
 
 def test_two_points_that_would_share_a_directory_are_refused(monkeypatch):
-    monkeypatch.setattr(sweep, "_number", lambda x: "x")
+    monkeypatch.setattr(sweep, "lambda_text", lambda x: "x")
     with pytest.raises(InputError, match="would both be run in istar_lambdax_seed0"):
         grid(["istar"], [1.0, 2.0], [0])
 
