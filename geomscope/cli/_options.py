@@ -60,6 +60,13 @@ def quiet_option(what: str = "No progress bar or messages."):
     return typer.Option(False, "--quiet", "-q", help=what)
 
 
+#: --layers of the commands that read a run or a report (score, export, plot): geomscope.layers' grammar
+STORED_LAYERS_HELP = (
+    "Only these layers: names, indices (-1 = last block), ranges a-b, all, blocks, final_norm, "
+    "<name>.grad (comma list)."
+)
+
+
 def layers_option(default, help: str, complete=None):
     """``--layers/-l``; ``complete`` (geomscope.cli._complete) supplies shell-completion candidates."""
     return typer.Option(default, "--layers", "-l", metavar="LIST", help=help, autocompletion=complete)

@@ -11,7 +11,7 @@ import typer
 
 from geomscope.cli import _complete
 from geomscope.cli._app import app
-from geomscope.cli._options import json_option, layers_option, quiet_option, split_list
+from geomscope.cli._options import STORED_LAYERS_HELP, json_option, layers_option, quiet_option, split_list
 
 
 class ExportFormat(str, Enum):
@@ -32,9 +32,7 @@ def export_cmd(
     out: Path = typer.Option(
         ..., "--out", "-o", metavar="DIR", help="A new (or empty) directory to write; never overwritten."
     ),
-    layers: List[str] = layers_option(
-        [], "Only these layers (names or indices, comma list).", _complete.run_layers
-    ),
+    layers: List[str] = layers_option([], STORED_LAYERS_HELP, _complete.run_layers),
     no_verify: bool = typer.Option(
         False, "--no-verify", help="Skip the shard checksum check (size is still checked)."
     ),

@@ -46,7 +46,8 @@ def extract_cmd(
     ),
     layers: str = layers_option(
         "all",
-        "all | blocks | 0,6,12 | 4-8 | -1 | layer_06: hidden states to keep (0 = embeddings, i = block i).",
+        "all | blocks | 0,6,12 | 4-8 | -1 | layer_06 | final_norm: hidden states to keep (0 = embeddings, "
+        "i = block i, -1 = the last block, final_norm = the final norm's output).",
         _complete.model_layers,
     ),
     revision: Optional[str] = typer.Option(

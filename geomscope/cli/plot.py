@@ -12,6 +12,7 @@ from geomscope import choices
 from geomscope.cli import _complete
 from geomscope.cli._app import app
 from geomscope.cli._options import (
+    STORED_LAYERS_HELP,
     FigureFormat,
     choice_metavar,
     json_option,
@@ -49,9 +50,7 @@ def plot_cmd(
         "Metrics to draw (comma list); default isoscore_star,isoscore,avgcos,twonn where present.",
         _complete.plot_metrics,
     ),
-    layers: Optional[List[str]] = layers_option(
-        None, "Only these layers (names or indices, comma list).", _complete.report_layers
-    ),
+    layers: Optional[List[str]] = layers_option(None, STORED_LAYERS_HELP, _complete.report_layers),
     fmt: Optional[FigureFormat] = typer.Option(
         None,
         "--format",

@@ -16,6 +16,7 @@ from geomscope.cli import _complete
 from geomscope.cli._app import app, state
 from geomscope.cli._options import (
     SEED_RANGE_HELP,
+    STORED_LAYERS_HELP,
     OutlierRule,
     OutlierStat,
     ProductDtype,
@@ -149,9 +150,7 @@ def score_cmd(
     exclude_special: bool = typer.Option(
         False, "--exclude-special", help="Drop special tokens (CLS/SEP/BOS...) before measuring."
     ),
-    layers: List[str] = layers_option(
-        [], "Only these layers (names or indices, comma list).", _complete.run_layers
-    ),
+    layers: List[str] = layers_option([], STORED_LAYERS_HELP, _complete.run_layers),
     max_rows: Optional[int] = typer.Option(
         None, "--max-rows", min=2, metavar="N", help="Seeded uniform sample of rows per layer."
     ),
