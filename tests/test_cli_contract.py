@@ -8,8 +8,8 @@ from conftest import assert_one_line_error
 
 BAD_USAGE = [
     (["extract", "m", "t.txt", "--out", "r", "--max-docs", "abc"], "'--max-docs'"),
-    (["extract", "m", "t.txt", "--out", "r", "--max-docs", "0"], "'--max-docs'"),
-    (["extract", "m", "t.txt", "--out", "r", "--store-dtype", "int8"], "'--store-dtype'"),
+    (["extract", "m", "t.txt", "--out", "r", "--max-docs", "0"], "--max-docs must be"),
+    (["extract", "m", "t.txt", "--out", "r", "--store-dtype", "int8"], "--store-dtype must be"),
     (["extract", "m"], "Missing argument 'INPUT'"),
     (["score", "x.npy", "--seed", "abc"], "'--seed'"),
     (["score", "x.npy", "--zeta", "2"], "'--zeta'"),

@@ -533,7 +533,7 @@ def test_input_errors_write_nothing(tmp_path, loaded):
         ([good], {"layers": "3"}, "layer 3 is out of range"),
         ([good], {"layers": "-4"}, "out of range"),
         ([good], {"max_docs": 0}, "--max-docs must be a positive"),
-        ([good], {"store_dtype": "int8"}, "--store-dtype int8"),
+        ([good], {"store_dtype": "int8"}, "--store-dtype must be one of"),
         ([], {}, "no input given"),
     ]
     for inputs, kw, msg in cases:
@@ -584,7 +584,7 @@ def test_bfloat16_compute_close_to_float32(tmp_path, tiny):
     for n in a["layers"]:
         scale = np.abs(a["layers"][n]).max()
         assert np.abs(a["layers"][n] - b["layers"][n]).max() < 0.05 * scale
-    with pytest.raises(InputError, match="--stack sideways is not one of encoder, decoder"):
+    with pytest.raises(InputError, match="--stack must be one of auto, encoder, decoder"):
         extract(str(tiny["t5"]), [src], tmp_path / "x", stack="sideways")
 
 

@@ -78,7 +78,7 @@ def test_bad_input_one_line_errors(cli, models, text, tmp_path):
         (
             ["extract", models["bert"], text, "--dtype", "float8"],
             2,
-            "Invalid value for '--dtype': 'float8' is not one of",
+            "--dtype must be one of float32, float16, bfloat16, not 'float8'",
         ),
         (["extract", models["bert"], text, "--device", "cuda:7"], 2, "--device cuda:7"),
     ]

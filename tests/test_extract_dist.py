@@ -316,7 +316,7 @@ def test_device_map_places_the_model_and_stores_the_same_rows(data, tmp_path):
         (["--device-map", "sequential", "--max-memory", "cpu=10KB"], "does not fit in the --max-memory"),
         (["--max-memory", "cpu=1GiB"], "--max-memory applies with --device-map"),
         (["--device-map", "auto", "--device", "cpu"], "drop --device"),
-        (["--device-map", "everywhere"], "--device-map everywhere is not one of"),
+        (["--device-map", "everywhere"], "--device-map must be one of auto, balanced"),
         (["--device-map", "auto", "--max-memory", "cpu"], "DEVICE=SIZE"),
     ],
 )

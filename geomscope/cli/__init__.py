@@ -23,6 +23,7 @@ import typer
 from geomscope.cli import compare, export, extract, finetune, inspect, plot, report, score  # noqa: F401
 from geomscope.cli._app import app, state
 from geomscope.errors import GeomscopeError
+from geomscope.options import OptionError
 
 INTERRUPTED = "error: interrupted; finished work is kept, rerun the same command to resume"
 
@@ -79,7 +80,10 @@ def _main(argv: list[str] | None) -> None:
     except GeomscopeError as e:
         if debug or state["debug"]:
             raise
-        print(f"error: {_as_text(_first_line(str(e), type(e).__name__))}", file=sys.stderr)
+        line = _as_text(_first_line(str(e), type(e).__name__))
+        if isinstance(e, OptionError) and len(args) > 0 and not args[0].startswith("-"):
+            line += f" (see 'geomscope {args[0]} --help')"
+        print(f"error: {line}", file=sys.stderr)
         sys.exit(e.exit_code)
     except (KeyboardInterrupt, typer.Abort) as e:
         if isinstance(e.__cause__, EOFError):  # click reads an EOFError as Ctrl-D: here, a file cut short

@@ -12,6 +12,7 @@ import enum
 import typer
 
 from geomscope import choices
+from geomscope.options import SEED_RANGE, declared, default_of
 
 
 def choice_enum(name: str, values: tuple[str, ...]) -> type[enum.Enum]:
@@ -30,10 +31,6 @@ Regulariser = choice_enum("Regulariser", choices.REGULARISERS)
 Precision = choice_enum("Precision", choices.PRECISIONS)
 PenaltyPrecision = choice_enum("PenaltyPrecision", choices.PENALTY_PRECISIONS)
 FigureFormat = choice_enum("FigureFormat", choices.FIGURE_FORMATS)
-
-
-def choice_metavar(values: tuple[str, ...]) -> str:
-    return "[" + "|".join(values) + "]"
 
 
 def value(choice) -> str | None:
@@ -65,6 +62,22 @@ STORED_LAYERS_HELP = (
     "Only these layers: names, indices (-1 = last block), ranges a-b, all, blocks, final_norm, "
     "<name>.grad (comma list)."
 )
+
+
+def declared_option(cls, name: str, complete=None):
+    """The ``typer.Option`` of field ``name`` of the declared options ``cls``: its default, flag,
+    help and metavar come from the declaration, and its value is checked by the library
+    (:func:`geomscope.options.check`) with the same words as a library call."""
+    opt = declared(cls)[name]
+    flags = [opt.flag] + ([opt.short] if opt.short else [])
+    return typer.Option(
+        default_of(cls, name),
+        *flags,
+        metavar=opt.metavar,
+        help=opt.help,
+        hidden=opt.hidden,
+        autocompletion=complete,
+    )
 
 
 def layers_option(default, help: str, complete=None):
@@ -123,7 +136,7 @@ def seed_value(value) -> int:
 
 
 #: how --help states seed_value's range
-SEED_RANGE_HELP = f"0 <= N < 2^{choices.SEED_BITS}"
+SEED_RANGE_HELP = SEED_RANGE
 
 float_list = _list_parser(float, "numbers")
 seed_list = _list_parser(_non_negative_int, "seeds (whole numbers >= 0)")

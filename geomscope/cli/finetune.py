@@ -26,7 +26,6 @@ from geomscope.cli._options import (
     PenaltyPrecision,
     Precision,
     choice_enum,
-    choice_metavar,
     flatten,
     float_list,
     json_option,
@@ -37,6 +36,7 @@ from geomscope.cli._options import (
     value,
     zeta_option,
 )
+from geomscope.options import choice_metavar
 
 Scheduler = choice_enum("Scheduler", choices.SCHEDULERS)
 Tracker = choice_enum("Tracker", choices.TRACKERS)

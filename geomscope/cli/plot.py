@@ -14,7 +14,6 @@ from geomscope.cli._app import app
 from geomscope.cli._options import (
     STORED_LAYERS_HELP,
     FigureFormat,
-    choice_metavar,
     json_option,
     layers_option,
     metrics_option,
@@ -22,6 +21,7 @@ from geomscope.cli._options import (
     split_list,
     value,
 )
+from geomscope.options import choice_metavar
 
 
 @app.command("plot")

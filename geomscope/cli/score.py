@@ -21,7 +21,6 @@ from geomscope.cli._options import (
     OutlierStat,
     ProductDtype,
     TwoNNFit,
-    choice_metavar,
     json_option,
     layers_option,
     metrics_option,
@@ -31,6 +30,7 @@ from geomscope.cli._options import (
     value,
     zeta_option,
 )
+from geomscope.options import choice_metavar
 
 CORE_METRICS = "isoscore,isoscore_star,avgcos,spectrum,outliers,twonn,partition"
 

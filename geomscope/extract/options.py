@@ -4,47 +4,188 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from geomscope.choices import COMPUTE_DTYPES, LOSSES, STACKS, STORE_DTYPES
+from geomscope.choices import COMPUTE_DTYPES, DEVICE_MAPS, LOSSES, STACKS, STORE_DTYPES
+from geomscope.devices import DEVICE_HELP
 from geomscope.errors import InputError
+from geomscope.options import (
+    POSITIVE_INT,
+    PROBABILITY,
+    SEED,
+    SEED_RANGE,
+    Choice,
+    Device,
+    Flag,
+    Layers,
+    Parsed,
+    Text,
+    check,
+    choice_metavar,
+    option,
+)
+
+
+def _keep(spec: str):
+    from geomscope.extract.keep import parse_keep
+
+    return parse_keep(spec)
+
+
+def _capture(spec: str):
+    from geomscope.extract.gradients import parse_capture
+
+    return parse_capture(spec)
+
+
+def max_memory_map(spec: str | None) -> dict | None:
+    """``--max-memory 0=20GiB,cpu=64GiB`` -> {0: "20GiB", "cpu": "64GiB"} (accelerate's form)."""
+    if not spec:
+        return None
+    out: dict = {}
+    for item in str(spec).split(","):
+        dev, sep, size = item.strip().partition("=")
+        if not sep or not dev.strip() or not size.strip():
+            raise InputError(
+                f"--max-memory {spec!r}: write DEVICE=SIZE pairs, e.g. 0=20GiB,1=20GiB,cpu=64GiB"
+            )
+        dev = dev.strip()
+        out[int(dev) if dev.isdigit() else dev] = size.strip()
+    return out
 
 
 @dataclass(frozen=True)
 class ExtractOptions:
-    """See ``geomscope extract --help``; the field names are the CLI's options (``--max-docs`` ...).
+    """Everything ``extract`` needs besides the model, the inputs and the run directory, declared
+    once (:mod:`geomscope.options`): ``geomscope extract --help`` is built from these fields.
 
-    ``layers``: ``all`` | ``blocks`` | ``0,6,12`` | ``4-8`` | ``-1`` | ``layer_06`` | ``final_norm``
-    (indices into ``output_hidden_states``; the grammar is :mod:`geomscope.layers`). ``text_field``
+    ``layers`` is read by :mod:`geomscope.layers` against the model's hidden states. ``text_field``
     names the text of .jsonl records and datasets, ``text_column`` that of .csv/.tsv files (the
     CLI's ``--text-field`` sets both).
     """
 
-    layers: str | list | tuple = "all"
-    revision: str | None = None
-    dtype: str = "float32"
-    store_dtype: str = "auto"  # float16; float32 when gradients are stored (they underflow float16)
-    device: str = "auto"
-    trust_remote_code: bool = False
-    stack: str | None = None
-    text_field: str = "text"
-    text_column: str = "text"
-    max_docs: int | None = None
-    max_tokens: int | None = None
-    max_length: int | None = None
-    batch_tokens: int = 8192
-    shard_docs: int = 1000
-    overwrite: bool = False
-    cache_dir: str | None = None
-    allow_nonfinite: bool = False
-    keep: str = "all"  # "all" | "sample" | "sample:N" (keep.py)
-    seed: int = 0  # the --keep sample's seed (score --seed draws the same rows from a full run); masking's
-    device_map: str | None = (
-        None  # auto | balanced | balanced_low_0 | sequential: a model larger than a device
+    layers: str | list | tuple = option(
+        "all",
+        Layers(),
+        "all | blocks | 0,6,12 | 4-8 | -1 | layer_06 | final_norm: hidden states to keep (0 = embeddings, "
+        "i = block i, -1 = the last block, final_norm = the final norm's output).",
+        metavar="LIST",
+        short="-l",
     )
-    max_memory: str | None = None  # "0=20GiB,1=20GiB,cpu=64GiB": per-device limits of --device-map
-    capture: str = "activations"  # "activations" | "gradients" | "activations,gradients" (gradients.py)
-    loss: str = "auto"  # the loss whose gradients are stored: auto (the checkpoint's head) or LOSSES
-    mlm_probability: float = 0.15
-    label_field: str = "label"
+    revision: str | None = option(
+        None, Text(), "Hub revision: tag, branch or commit.", metavar="REV", optional=True
+    )
+    dtype: str = option(
+        "float32", Choice(COMPUTE_DTYPES), "Model computation dtype.", metavar=choice_metavar(COMPUTE_DTYPES)
+    )
+    store_dtype: str = option(
+        "auto",
+        Choice(STORE_DTYPES),
+        "Shard dtype (auto: float16, or float32 when gradients are stored).",
+        metavar=choice_metavar(STORE_DTYPES),
+    )
+    device: str = option("auto", Device(), f"{DEVICE_HELP}.", metavar="DEVICE")
+    device_map: str | None = option(
+        None,
+        Choice(DEVICE_MAPS),
+        "A model larger than one device: spread its layers over the GPUs (and CPU) with "
+        "accelerate's big-model loading; one process per model replica.",
+        metavar="|".join(DEVICE_MAPS),
+        optional=True,
+    )
+    max_memory: str | None = option(
+        None,
+        Parsed(max_memory_map, bad=("0:20GiB", "=", "cpu=")),
+        "Limits of --device-map, e.g. 0=20GiB,1=20GiB,cpu=64GiB.",
+        metavar="DEV=SIZE,...",
+        optional=True,
+    )
+    trust_remote_code: bool = option(False, Flag(), "Allow the model's own code.")
+    stack: str | None = option(
+        None,
+        Choice(("auto", *STACKS)),
+        "Encoder-decoder models: the encoder (default) or the decoder (teacher-forced on the document).",
+        metavar=choice_metavar(STACKS),
+        optional=True,
+    )
+    text_field: str = option(
+        "text",
+        Text(),
+        "Text field of .jsonl records and datasets, or column of .csv/.tsv files.",
+        metavar="NAME",
+    )
+    text_column: str = option(
+        "text",
+        Text(),
+        "Deprecated spelling of --text-field for .csv/.tsv files.",
+        metavar="NAME",
+        hidden=True,
+    )
+    max_docs: int | None = option(
+        None, POSITIVE_INT, "Use only the first N non-empty documents.", metavar="N", optional=True
+    )
+    max_tokens: int | None = option(
+        None,
+        POSITIVE_INT,
+        "Stop after N rows (tokens); the last document is cut.",
+        metavar="N",
+        optional=True,
+    )
+    max_length: int | None = option(
+        None,
+        POSITIVE_INT,
+        "Truncate documents to N tokens (default: the model's limit).",
+        metavar="N",
+        optional=True,
+    )
+    batch_tokens: int = option(
+        8192,
+        POSITIVE_INT,
+        "Padded tokens per batch (memory knob; does not change the stored rows).",
+        metavar="N",
+    )
+    shard_docs: int = option(1000, POSITIVE_INT, "Documents per shard (the unit of resume).", metavar="N")
+    keep: str = option(
+        "all",
+        Parsed(_keep, bad=("some", "sample:0", "sample:x")),
+        "all: store every row. sample:N (sample = sample:5000): store per shard each layer's "
+        "float64 accumulators, measured on the model's device during the forward pass, and the "
+        "seeded sample of N rows that score --id-sample draws; for corpora too large to store.",
+        metavar="all|sample[:N]",
+    )
+    seed: int = option(
+        0,
+        SEED,
+        "Seed of the --keep sample (score --seed N draws the same rows) and of the masked-lm masks: "
+        f"{SEED_RANGE}.",
+        metavar="N",
+    )
+    capture: str = option(
+        "activations",
+        Parsed(_capture, bad=("", "weights", "activations,weights")),
+        "What to store per token: the hidden states, and/or the gradient of the loss with "
+        "respect to them (stored as <layer>.grad, one forward and backward pass).",
+        metavar="activations|gradients|activations,gradients",
+    )
+    loss: str = option(
+        "auto",
+        Choice(LOSSES),
+        "The loss of --capture gradients: causal-lm (next token), masked-lm, classification "
+        "(--label-field); auto = the checkpoint's own head. Each document's loss is its mean.",
+        metavar=choice_metavar(LOSSES),
+    )
+    mlm_probability: float = option(
+        0.15,
+        PROBABILITY,
+        "masked-lm: chance that a token is masked (seeded by --seed and the document id).",
+        metavar="P",
+    )
+    label_field: str = option("label", Text(), "classification: the label field or column.", metavar="NAME")
+    overwrite: bool = option(False, Flag(), "Delete an existing run in --out and start over.")
+    cache_dir: str | None = option(
+        None, Text(), "Hugging Face cache directory.", metavar="DIR", optional=True
+    )
+    allow_nonfinite: bool = option(
+        False, Flag(), "Exit 0 even if activations hold NaN/Inf (they are flagged either way)."
+    )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -58,59 +199,27 @@ class ExtractOptions:
 
     @property
     def max_memory_map(self) -> dict | None:
-        """``--max-memory 0=20GiB,cpu=64GiB`` -> {0: "20GiB", "cpu": "64GiB"} (accelerate's form)."""
-        if not self.max_memory:
-            return None
-        out: dict = {}
-        for item in str(self.max_memory).split(","):
-            dev, sep, size = item.strip().partition("=")
-            if not sep or not dev.strip() or not size.strip():
-                raise InputError(
-                    f"--max-memory {self.max_memory!r}: write DEVICE=SIZE pairs, "
-                    "e.g. 0=20GiB,1=20GiB,cpu=64GiB"
-                )
-            dev = dev.strip()
-            out[int(dev) if dev.isdigit() else dev] = size.strip()
-        return out
+        """``--max-memory`` as accelerate takes it (:func:`max_memory_map`)."""
+        return max_memory_map(self.max_memory)
 
     def validate(self) -> ExtractOptions:
-        """A checked copy with ``store_dtype`` resolved (``auto``); InputError (one line) naming the
-        option otherwise."""
-        for option, value in (
-            ("--max-docs", self.max_docs),
-            ("--max-tokens", self.max_tokens),
-            ("--max-length", self.max_length),
-        ):
-            if value is not None:
-                _positive(option, value)
-        _positive("--batch-tokens", self.batch_tokens)
-        self.sample_size  # noqa: B018 -- parses --keep (InputError when malformed)
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
-            raise InputError(f"--seed must be a non-negative whole number, not {self.seed!r}")
-        _positive("--shard-docs", self.shard_docs)
-        _one_of("--dtype", self.dtype, COMPUTE_DTYPES)
-        _one_of("--store-dtype", self.store_dtype, STORE_DTYPES)
-        self.max_memory_map  # noqa: B018 -- parses --max-memory
+        """A checked copy with ``store_dtype`` resolved (``auto``); OptionError (one line) naming the
+        option otherwise: each option against its declaration, then the rules between options."""
+        check(self)
         if self.device_map is not None and self.device not in ("auto", None):
             raise InputError("--device-map places the model itself; drop --device")
-        if self.stack not in (None, "auto"):
-            _one_of("--stack", self.stack, STACKS)
         self._check_gradients()
         if self.store_dtype != "auto":
             return self
         return replace(self, store_dtype="float32" if self.gradients else "float16")
 
     def _check_gradients(self) -> None:
-        _one_of("--loss", self.loss, LOSSES)
-        grads = self.gradients  # parses --capture
-        if not (isinstance(self.mlm_probability, (int, float)) and 0 < self.mlm_probability < 1):
-            raise InputError(f"--mlm-probability must be between 0 and 1, not {self.mlm_probability!r}")
-        if grads and self.store_dtype == "float16":
+        if self.gradients and self.store_dtype == "float16":
             raise InputError(
                 "--store-dtype float16 cannot hold gradients (they are mostly below float16's normal "
                 "range, 6e-5); use --store-dtype float32 (the default for gradients)"
             )
-        if grads and self.sample_size is not None:
+        if self.gradients and self.sample_size is not None:
             raise InputError("--keep sample stores activations only; use --keep all with --capture gradients")
 
     @property
@@ -119,13 +228,3 @@ class ExtractOptions:
         from geomscope.extract.keep import parse_keep
 
         return parse_keep(self.keep)
-
-
-def _positive(option: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise InputError(f"{option} must be a positive whole number, not {value!r}")
-
-
-def _one_of(option: str, value, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise InputError(f"{option} {value} is not one of {', '.join(allowed)}")

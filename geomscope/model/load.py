@@ -16,7 +16,7 @@ import re
 from contextlib import contextmanager
 from pathlib import Path
 
-from geomscope.choices import COMPUTE_DTYPES, STACKS
+from geomscope.choices import COMPUTE_DTYPES, DEVICE_MAPS, STACKS
 from geomscope.devices import resolve_device
 from geomscope.errors import InputError
 from geomscope.model.files import check_model_dir, damage_errors
@@ -35,7 +35,6 @@ from geomscope.model.names import resolve_model
 from geomscope.model.probe import probe
 
 DTYPES = COMPUTE_DTYPES
-DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 #: model types whose learned positions start after the padding index (usable length = table - pad - 1)
 _PADDING_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "data2vec-text", "xmod", "longformer")
 
