@@ -400,9 +400,8 @@ class ShardWriter:
         self._f.close()
         self._direct.close()
         # the checksums start now, in a pool shared by the process's shards: publishing waits for
-        # them in shard order, but a shard's checksums no longer wait for the one before's (a read of
-        # the whole file, sha256 about 1 GB/s: every MiniLM layer on an H200 stores 2.2 GB in 2.6 s,
-        # 2.1 s of which one thread spent hashing)
+        # them in shard order, while a shard's checksums run beside the one before's (each reads the
+        # whole file at sha256's ~1 GB/s, most of the time a fast device needs to store a shard)
         self._digests = _digest_pool().submit(checksum.digests, self.tmp_path)
 
     def publish(self) -> ShardInfo:
