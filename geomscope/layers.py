@@ -281,3 +281,10 @@ def _example(things: Layers) -> str:
     if things.model:
         return f"all, blocks, {lo},{hi} or {min(lo + 1, hi)}-{hi}"
     return f"all, {things.layers[0].name}, {lo},{hi}, {lo}-{hi} or -1"
+
+
+#: --layers of the commands that read a run or a report (score, export, plot): this module's grammar
+STORED_LAYERS_HELP = (
+    "Only these layers: names, indices (-1 = last block), ranges a-b, all, blocks, final_norm, "
+    "<name>.grad (comma list)."
+)

@@ -250,3 +250,28 @@ def invalid_settings(cls) -> Iterator[tuple[str, str, object]]:
     for name, opt in declared(cls).items():
         for value in opt.constraint.invalid():
             yield name, opt.flag, value
+
+@dataclass(frozen=True)
+class Items(Constraint):
+    """A list option: one comma-separated string, or a list or tuple of strings (each may be a comma
+    list itself, as a repeated option gives them) or, with ``whole``, of whole numbers. With
+    ``whole`` every item is a whole number >= 1. Which names exist, and whether an empty list means
+    everything or nothing, is the command's to say."""
+
+    what: str
+    whole: bool = False
+
+    def _ok(self, item) -> bool:
+        if isinstance(item, str):
+            words = [w.strip() for w in item.split(",") if w.strip()]
+            return not self.whole or all(w.isdigit() and int(w) >= 1 for w in words)
+        return self.whole and _is_int(item) and item >= 1
+
+    def reason(self, value) -> str | None:
+        items = [value] if isinstance(value, str) else value if isinstance(value, (list, tuple)) else None
+        if items is None or not all(self._ok(v) for v in items):
+            return f"must be a comma list of {self.what}"
+        return None
+
+    def invalid(self) -> tuple:
+        return (3, 2.5, (None,), *(("x", "8,0", (0,)) if self.whole else ()))

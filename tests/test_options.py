@@ -29,8 +29,9 @@ from geomscope.options import (
     declared,
     invalid_settings,
 )
+from geomscope.score.options import ScoreOptions
 
-DECLARED = [ExtractOptions]
+DECLARED = [ExtractOptions, ScoreOptions]
 CASES = [(cls, *case) for cls in DECLARED for case in invalid_settings(cls)]
 
 
@@ -83,6 +84,26 @@ def test_extract_refuses_every_invalid_value_in_one_line(cli, tmp_path, name, fl
     line = assert_one_line_error(code, out, err, flag, exit_code=2)
     assert "--help" in line
     assert not (tmp_path / "run").exists()
+
+
+SCORE_CLI = [
+    (name, flag, arg)
+    for _cls, name, flag, value in CASES
+    if _cls is ScoreOptions
+    and (arg := _on_the_command_line(declared(ScoreOptions)[name].constraint, value)) is not None
+]
+
+
+@pytest.mark.parametrize("name, flag, arg", SCORE_CLI, ids=[f"{f}={a!r}" for _, f, a in SCORE_CLI])
+def test_score_refuses_every_invalid_value_in_one_line(cli, tmp_path, name, flag, arg):
+    """Refused before the array is read: nothing is written beside it."""
+    import numpy as np
+
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).normal(size=(50, 4)))
+    code, out, err = cli(["score", tmp_path / "x.npy", "--out", tmp_path / "r", f"{flag}={arg}"])
+    line = assert_one_line_error(code, out, err, flag, exit_code=2)
+    assert "--help" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy"]
 
 
 def _only_three(spec: str) -> int:

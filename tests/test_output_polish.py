@@ -153,21 +153,21 @@ def test_score_help_states_the_seed_range_readably(cli):
     assert "0 <= N < 2^64" in seed_help and "18446744073709551615" not in out, seed_help
 
 
-@pytest.mark.parametrize("seed", [str(2**64), "-1", "seven"])
-def test_score_refuses_a_seed_out_of_range_in_one_line(cli, tmp_path, seed):
+@pytest.mark.parametrize("seed, said", [(str(2**64), "2^64 - 1"), ("-1", "2^64 - 1"), ("seven", "'--seed'")])
+def test_score_refuses_a_seed_out_of_range_in_one_line(cli, tmp_path, seed, said):
     from conftest import assert_one_line_error
 
     code, out, err = cli(["score", tmp_path / "nowhere", "--seed", seed, "--out", tmp_path / "o"])
-    assert_one_line_error(code, out, err, "--seed", "2^64 - 1", exit_code=2)
+    assert_one_line_error(code, out, err, "--seed", said, exit_code=2)
 
 
 def test_the_seed_bound_has_one_definition():
     from geomscope import choices
-    from geomscope.cli._options import seed_value
+    from geomscope.options import SEED
     from geomscope.score.options import MAX_SEED
 
     assert MAX_SEED is choices.MAX_SEED == 2**64 - 1
-    assert seed_value(str(2**64 - 1)) == 2**64 - 1 and seed_value(0) == 0
+    assert SEED.reason(2**64 - 1) is None and SEED.reason(0) is None and SEED.reason(2**64) is not None
 
 
 # ----------------------------------------------------------------------- values with their SEs

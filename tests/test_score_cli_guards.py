@@ -342,7 +342,7 @@ def test_a_seed_beyond_64_bits_is_refused(cli, run_dir, tmp_path, no_work):
 
     assert MAX_SEED == LIBRARY_MAX_SEED == 2**64 - 1  # one bound, for the CLI and the library
     code, out, err = cli(["score", run_dir, "-q", "--seed", str(2**64), "--out", tmp_path / "o"])
-    assert_one_line_error(code, out, err, "--seed", str(2**64 - 1), exit_code=2)
+    assert_one_line_error(code, out, err, "--seed", "2^64 - 1", exit_code=2)
     code, out, err = cli(["score", "--help"])
     assert "0 <= N < 2^64" in out and "18446744073709551615" not in out
 

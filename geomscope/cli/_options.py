@@ -12,7 +12,8 @@ import enum
 import typer
 
 from geomscope import choices
-from geomscope.options import SEED_RANGE, declared, default_of
+from geomscope.layers import STORED_LAYERS_HELP  # noqa: F401 (export, plot)
+from geomscope.options import declared, default_of
 
 
 def choice_enum(name: str, values: tuple[str, ...]) -> type[enum.Enum]:
@@ -23,10 +24,6 @@ def choice_enum(name: str, values: tuple[str, ...]) -> type[enum.Enum]:
 ComputeDtype = choice_enum("ComputeDtype", choices.COMPUTE_DTYPES)
 StoreDtype = choice_enum("StoreDtype", choices.STORE_DTYPES)
 Stack = choice_enum("Stack", choices.STACKS)
-OutlierRule = choice_enum("OutlierRule", choices.OUTLIER_RULES)
-OutlierStat = choice_enum("OutlierStat", choices.OUTLIER_STATS)
-TwoNNFit = choice_enum("TwoNNFit", choices.TWONN_FITS)
-ProductDtype = choice_enum("ProductDtype", choices.PRODUCT_DTYPES)
 Regulariser = choice_enum("Regulariser", choices.REGULARISERS)
 Precision = choice_enum("Precision", choices.PRECISIONS)
 PenaltyPrecision = choice_enum("PenaltyPrecision", choices.PENALTY_PRECISIONS)
@@ -55,13 +52,6 @@ def json_option(what: str = "the result"):
 
 def quiet_option(what: str = "No progress bar or messages."):
     return typer.Option(False, "--quiet", "-q", help=what)
-
-
-#: --layers of the commands that read a run or a report (score, export, plot): geomscope.layers' grammar
-STORED_LAYERS_HELP = (
-    "Only these layers: names, indices (-1 = last block), ranges a-b, all, blocks, final_norm, "
-    "<name>.grad (comma list)."
-)
 
 
 def declared_option(cls, name: str, complete=None):
@@ -119,24 +109,6 @@ def _choice_of(allowed: tuple[str, ...]):
 
     return convert
 
-
-def seed_value(value) -> int:
-    """A typer ``parser`` for score's ``--seed``: a whole number from 0 to choices.MAX_SEED; a
-    one-line usage error naming the bound otherwise (typer's ``min``/``max`` would print the bound's
-    20 digits in --help)."""
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        n = None
-    if n is None or not 0 <= n <= choices.MAX_SEED:
-        raise typer.BadParameter(
-            f"{value} is not a whole number from 0 to {choices.MAX_SEED_TEXT} ({choices.MAX_SEED})"
-        )
-    return n
-
-
-#: how --help states seed_value's range
-SEED_RANGE_HELP = SEED_RANGE
 
 float_list = _list_parser(float, "numbers")
 seed_list = _list_parser(_non_negative_int, "seeds (whole numbers >= 0)")

@@ -1,8 +1,9 @@
 """``geomscope score``: per-layer geometry of a run directory or an (N, D) array -> JSON + CSV report.
 
 Thin wrapper over :func:`geomscope.score.score` and :mod:`geomscope.report`; numpy, h5py and the
-metrics are imported only inside the command. Click parses and range-checks the numbers; the
-library's :class:`~geomscope.score.ScoreOptions` validates what depends on more than one option.
+metrics are imported only inside the command. Each option of :class:`~geomscope.score.ScoreOptions`
+is built from its declaration (:mod:`geomscope.options`) and checked by the library; the options
+that only the command has (where the report goes, what the terminal shows) are declared here.
 """
 
 from __future__ import annotations
@@ -11,28 +12,40 @@ from typing import List, Optional
 
 import typer
 
-from geomscope import choices
 from geomscope.cli import _complete
 from geomscope.cli._app import app, state
-from geomscope.cli._options import (
-    SEED_RANGE_HELP,
-    STORED_LAYERS_HELP,
-    OutlierRule,
-    OutlierStat,
-    ProductDtype,
-    TwoNNFit,
-    json_option,
-    layers_option,
-    metrics_option,
-    quiet_option,
-    seed_value,
-    split_list,
-    value,
-    zeta_option,
-)
-from geomscope.options import choice_metavar
+from geomscope.cli._options import declared_option, json_option, quiet_option, split_list
+from geomscope.options import declared, default_of
+from geomscope.score.options import ScoreOptions
 
-CORE_METRICS = "isoscore,isoscore_star,avgcos,spectrum,outliers,twonn,partition"
+SOURCES_HELP = (
+    "A run directory written by `geomscope extract`; an (N, D) array (.npy, .h5); or one "
+    "(N, D) array per layer: .npz, .safetensors, .pt (tensors only), .arrow, .parquet, or a "
+    "directory of them (datasets.save_to_disk, SAELens activation cache). Several runs, or a "
+    "directory of runs (extract --revisions), are scored one by one and tabled in trajectory.csv."
+)
+OUT_HELP = (
+    "Directory (report.json + report.csv) or prefix (PREFIX.json + PREFIX.csv). Default: the run "
+    "directory; for an array FILE_report.* next to it. With several runs: a directory for "
+    "<run>.json/.csv and trajectory.csv (default: each run's own directory, trajectory.csv beside them)."
+)
+COLUMNS_HELP = (
+    "Metrics in the terminal table: a comma list, or all (default: isoscore_star, isoscore, avgcos, "
+    "pr, twonn, which fit 80 columns). The JSON and CSV always hold every metric."
+)
+
+
+def _declared(name: str, complete=None, *, repeated: bool = False):
+    """The declared option ``name``; a list's default is its comma list (the command line's form).
+    ``repeated``: a list option given as often as wanted, each time a comma list (typer takes its
+    default as a list: here the one comma list)."""
+    info = declared_option(ScoreOptions, name, complete)
+    default = default_of(ScoreOptions, name)
+    if isinstance(default, tuple):
+        info.default = ",".join(map(str, default))
+    if repeated:
+        info.default = [info.default] if default else []
+    return info
 
 
 def _default_out(source: str) -> str:
@@ -56,204 +69,63 @@ def _default_out(source: str) -> str:
 
 @app.command("score")
 def score_cmd(
-    sources: List[str] = typer.Argument(
-        ...,
-        metavar="SOURCE",
-        help="A run directory written by `geomscope extract`; an (N, D) array (.npy, .h5); or one "
-        "(N, D) array per layer: .npz, .safetensors, .pt (tensors only), .arrow, .parquet, or a "
-        "directory of them (datasets.save_to_disk, SAELens activation cache). Several runs, or a "
-        "directory of runs (extract --revisions), are scored one by one and tabled in trajectory.csv.",
-    ),
-    dataset: Optional[str] = typer.Option(
-        None, "--dataset", metavar="PATH", help="Dataset path inside an .h5 array file."
-    ),
-    column: List[str] = typer.Option(
-        [],
-        "--column",
-        metavar="NAME",
-        help="Arrays to score from an .npz, .safetensors, .pt, Arrow or Parquet source "
-        "(members, tensors or columns; comma list or repeated; default: every 2-D numeric one).",
-    ),
-    metrics: List[str] = metrics_option(
-        [CORE_METRICS],
-        "Comma list of isoscore, isoscore_star, avgcos, spectrum, outliers, twonn, partition and "
-        "scikit-dimension estimators (e.g. mle, lpca); 'all' = those seven core metrics (the estimators "
-        "only when named).",
-        _complete.score_metrics,
-    ),
-    zeta: float = zeta_option("IsoScore* weight on the shrinkage target (0 = plain IsoScore)."),
-    shrinkage_target: str = typer.Option(
-        "trace",
-        "--shrinkage-target",
-        metavar="TARGET",
-        help="trace (trace-matched identity), identity, FILE.npy (a D x D covariance), RUN_DIR (that run's "
-        "covariance of the same layer) or layer:NAME (this run's layer, the paper's practice).",
-    ),
-    avgcos_variants: List[str] = typer.Option(
-        ["plain,centred,standardised"],
-        "--avgcos-variants",
-        metavar="LIST",
-        help="Average cosine variants: plain, centred, standardised.",
-    ),
-    outlier_rule: OutlierRule = typer.Option(
-        "variance",
-        "--outlier-rule",
-        metavar=choice_metavar(choices.OUTLIER_RULES),
-        help="Rule that flags outlier dimensions.",
-    ),
-    outlier_threshold: Optional[float] = typer.Option(
-        None,
-        "--outlier-threshold",
-        metavar="FLOAT",
-        help="variance: k x mean variance (5); zscore: z (3); quantile: q (0.99); magnitude: |x| (6).",
-    ),
-    outlier_stat: OutlierStat = typer.Option(
-        "variance",
-        "--outlier-stat",
-        metavar=choice_metavar(choices.OUTLIER_STATS),
-        help="Statistic of the zscore rule.",
-    ),
-    discard_fraction: float = typer.Option(
-        0.1,
-        "--discard-fraction",
-        min=0.0,
-        metavar="FLOAT",
-        help="TwoNN: fraction of the largest ratios dropped, in [0, 1).",
-    ),
-    id_sample: int = typer.Option(
-        5000, "--id-sample", min=3, metavar="N", help="Rows per layer sampled for intrinsic dimension."
-    ),
-    id_estimator: List[str] = typer.Option(
-        [], "--id-estimator", metavar="LIST", help="More intrinsic-dimension estimators (comma list)."
-    ),
-    twonn_fit: TwoNNFit = typer.Option(
-        "linear",
-        "--twonn-fit",
-        metavar=choice_metavar(choices.TWONN_FITS),
-        help="TwoNN fit: linear (Facco et al.) or maximum likelihood.",
-    ),
-    id_repeats: Optional[int] = typer.Option(
-        None,
-        "--id-repeats",
-        min=2,
-        metavar="N",
-        help="Parts of the ID sample for the decimation SE, each of >= 3 rows: at most --id-sample / 3 "
-        "(default: 4, fewer where --id-sample is under 12; below 6 the SE is null).",
-    ),
-    seed: int = typer.Option(
-        0,
-        "--seed",
-        parser=seed_value,
-        metavar="N",
-        help=f"Seed of every sample (rows, ID sample, decimation): {SEED_RANGE_HELP}.",
-    ),
-    exclude_special: bool = typer.Option(
-        False, "--exclude-special", help="Drop special tokens (CLS/SEP/BOS...) before measuring."
-    ),
-    layers: List[str] = layers_option([], STORED_LAYERS_HELP, _complete.run_layers),
-    max_rows: Optional[int] = typer.Option(
-        None, "--max-rows", min=2, metavar="N", help="Seeded uniform sample of rows per layer."
-    ),
-    workers: int = typer.Option(
-        1,
-        "--workers",
-        "-w",
-        min=1,
-        metavar="N",
-        help="Processes reading shards (and threads finishing layers) in parallel, at most one per "
-        "shard and 1024 in all; BLAS runs single-threaded in each. One process already computes on "
-        "every usable core (threads over blocks); more pay where reading or many layers are the "
-        "limit. Above the core count the processes share the cores (each holds its own "
-        "accumulators): that pays only where reading waits on storage.",
-    ),
-    scheduler: Optional[str] = typer.Option(
-        None,
-        "--scheduler",
-        metavar="local:N|tcp://HOST:PORT|FILE.json",
-        help="Run the shard reading as Dask tasks: local:N starts N single-threaded worker processes "
-        "here for the call; tcp://HOST:PORT or a scheduler FILE.json uses a running Dask cluster (its "
-        "workers must read the run at the same path). Same report as --workers (merged in shard "
-        "order); not combined with --workers. Needs pip install 'geomscope[dask]'.",
-    ),
-    jackknife_groups: int = typer.Option(
-        10,
-        "--jackknife-groups",
-        min=0,
-        metavar="N",
-        help="Document groups of the jackknife SE (0 = off; otherwise >= 2).",
-    ),
-    product_dtype: ProductDtype = typer.Option(
-        "float64",
-        "--product-dtype",
-        metavar=choice_metavar(choices.PRODUCT_DTYPES),
-        help="Dtype of the covariance's block products. float32: each block, centred in float64, is "
-        "multiplied in float32 and added in float64: ~1.5x faster on 2 cores, ~1e-8 relative error in "
-        "the covariance (up to ~1e-7 on small samples) and more in metrics near 0 such as IsoScore "
-        "(2e-7 measured; the isoscore package: ~1e-6).",
-    ),
-    memory_mb: float = typer.Option(
-        2048, "--memory-mb", min=1.0, metavar="MIB", help="Memory budget of the per-layer accumulators."
-    ),
-    partial: bool = typer.Option(False, "--partial", help="Score the finished shards of an incomplete run."),
+    sources: List[str] = typer.Argument(..., metavar="SOURCE", help=SOURCES_HELP),
+    dataset: Optional[str] = _declared("dataset"),
+    columns: List[str] = _declared("columns", repeated=True),
+    metrics: List[str] = _declared("metrics", _complete.score_metrics, repeated=True),
+    zeta: float = _declared("zeta"),
+    shrinkage_target: str = _declared("shrinkage_target"),
+    avgcos_variants: List[str] = _declared("avgcos_variants", repeated=True),
+    outlier_rule: str = _declared("outlier_rule"),
+    outlier_threshold: Optional[float] = _declared("outlier_threshold"),
+    outlier_stat: str = _declared("outlier_stat"),
+    discard_fraction: float = _declared("discard_fraction"),
+    id_sample: int = _declared("id_sample"),
+    id_estimator: List[str] = _declared("id_estimator", repeated=True),
+    twonn_fit: str = _declared("twonn_fit"),
+    id_repeats: Optional[int] = _declared("id_repeats"),
+    seed: int = _declared("seed"),
+    exclude_special: bool = _declared("exclude_special"),
+    layers: List[str] = _declared("layers", _complete.run_layers, repeated=True),
+    max_rows: Optional[int] = _declared("max_rows"),
+    workers: int = _declared("workers"),
+    scheduler: Optional[str] = _declared("scheduler"),
+    jackknife_groups: int = _declared("jackknife_groups"),
+    product_dtype: str = _declared("product_dtype"),
+    memory_mb: float = _declared("memory_mb"),
+    partial: bool = _declared("partial"),
     no_verify: bool = typer.Option(
         False, "--no-verify", help="Skip the shard checksum check (size is still checked)."
     ),
-    out: Optional[str] = typer.Option(
-        None,
-        "--out",
-        "-o",
-        metavar="DIR|PREFIX",
-        help="Directory (report.json + report.csv) or prefix (PREFIX.json + PREFIX.csv). Default: the run "
-        "directory; for an array FILE_report.* next to it. With several runs: a directory for "
-        "<run>.json/.csv and trajectory.csv (default: each run's own directory, trajectory.csv beside them).",
-    ),
-    columns: List[str] = typer.Option(
-        [],
-        "--columns",
-        metavar="LIST",
-        help="Metrics in the terminal table: a comma list, or all (default: isoscore_star, isoscore, avgcos, "
-        "pr, twonn, which fit 80 columns). The JSON and CSV always hold every metric.",
-    ),
-    basis: Optional[str] = typer.Option(
-        None,
-        "--basis",
-        metavar="ACTRUN",
-        help="With a gradient run (extract --capture gradients): the run of activations of the same "
-        "model whose top-r covariance eigenvectors U_r are the subspace; reports, per gradient "
-        "layer and rank, the captured energy tr(U'SU)/tr(S) against r/D, its maximum, kappa, "
-        "random normal controls and the removal test (report key gradient_energy).",
-    ),
-    rank: str = typer.Option(
-        "8,32,128", "--rank", metavar="LIST", help="Ranks r of the --basis subspaces (each below D)."
-    ),
-    controls: int = typer.Option(
-        20,
-        "--controls",
-        min=0,
-        metavar="K",
-        help="Random rank-r subspaces of U_r's complement per rank (seeded by --seed) for --basis.",
-    ),
+    out: Optional[str] = typer.Option(None, "--out", "-o", metavar="DIR|PREFIX", help=OUT_HELP),
+    table_columns: List[str] = typer.Option([], "--columns", metavar="LIST", help=COLUMNS_HELP),
+    basis: Optional[str] = _declared("basis"),
+    ranks: str = _declared("ranks"),
+    controls: int = _declared("controls"),
     as_json: bool = json_option("the report"),
     quiet: bool = quiet_option("No progress bar and no table (warnings still shown)."),
 ) -> None:
     """Score per-layer geometry: IsoScore, IsoScore*, average cosine, spectrum, outlier dimensions,
     intrinsic dimension (with standard errors) and partition isotropy of the embedding matrices."""
+    chosen = {name: value for name, value in locals().items() if name in declared(ScoreOptions)}
+    # left out: every layer (array); given but empty: refused by the library; --layers is one
+    # comma list (its grammar refuses an empty item) however often it is given
+    layers = ",".join(layers) if layers else None  # (--layers "" is given: refused, not all)
+    chosen.update(layers=layers, columns=columns or None, verify=not no_verify)
+    _score_sources(sources, chosen, out, table_columns, as_json, quiet)
+
+
+def _score_sources(sources: list[str], chosen: dict, out, table_columns, as_json: bool, quiet: bool) -> None:
+    """Check what can be checked before the work (--out, the options, --columns, the report's
+    path), then score one source, or each run of several (:func:`_score_many`)."""
     import sys
 
     from rich.console import Console
 
-    from geomscope.report import (
-        check_out_given,
-        check_report_out,
-        gradient_energy_lines,
-        report_table,
-        save_report,
-        shown,
-        to_json,
-    )
-    from geomscope.score import ScoreOptions, score
-    from geomscope.score.engine import check_memory_mb
+    from geomscope.report import check_out_given, check_report_out, save_report, shown, to_json
+    from geomscope.score import score
     from geomscope.score.resources import check_workers
+    from geomscope.score.trajectory import runs_in
 
     console = Console(stderr=True)
 
@@ -262,42 +134,9 @@ def score_cmd(
 
     if out is not None:
         check_out_given(out)
-
-    opts = ScoreOptions(
-        metrics=tuple(split_list(metrics)),
-        zeta=zeta,
-        shrinkage_target=shrinkage_target,
-        avgcos_variants=tuple(split_list(avgcos_variants)),
-        outlier_rule=value(outlier_rule),
-        outlier_threshold=outlier_threshold,
-        outlier_stat=value(outlier_stat),
-        discard_fraction=discard_fraction,
-        id_sample=id_sample,
-        id_estimator=tuple(split_list(id_estimator)),
-        twonn_fit=value(twonn_fit),
-        id_repeats=id_repeats,
-        seed=seed,
-        exclude_special=exclude_special,
-        layers=tuple(split_list(layers)) if layers else None,  # given but empty: refused, not "all"
-        max_rows=max_rows,
-        workers=workers,
-        scheduler=scheduler,
-        partial=partial,
-        jackknife_groups=jackknife_groups,
-        memory_mb=memory_mb,
-        product_dtype=value(product_dtype),
-        verify=not no_verify,
-        dataset=dataset,
-        columns=tuple(split_list(column)) if column else None,
-        basis=basis,
-        ranks=_ranks(rank),
-        controls=controls,
-    ).validate()
+    opts = ScoreOptions(**chosen).validate()
     check_workers(opts.workers)  # (the library asks again; here before any source is opened)
-    check_memory_mb(opts.memory_mb)
-    table_columns = _table_columns(columns, opts)
-    from geomscope.score.trajectory import runs_in
-
+    shown_columns = _table_columns(table_columns, opts)
     expanded = [str(r) for src in sources for r in (runs_in(src) or [src])]
     if len(expanded) > 1:
         _score_many(expanded, sources, opts, out, as_json, quiet, console, log)
@@ -309,17 +148,24 @@ def score_cmd(
     _record_command(report)
     jpath, cpath = save_report(report, dest)
     if not quiet:
-        console.print(report_table(report, table_columns))
-        for line in gradient_energy_lines(report):
-            console.print(line, highlight=False, markup=False)
-        console.print(
-            f"wrote {shown(jpath, markup=False)}\nwrote {shown(cpath, markup=False)}",
-            highlight=False,
-            markup=False,
-        )
+        _print_report(console, report, shown_columns, jpath, cpath)
     if as_json:
         sys.stdout.write(to_json(report) + "\n")
         sys.stdout.flush()
+
+
+def _print_report(console, report: dict, columns, jpath, cpath) -> None:
+    """The table, the gradient-energy lines and the paths written, on stderr."""
+    from geomscope.report import gradient_energy_lines, report_table, shown
+
+    console.print(report_table(report, columns))
+    for line in gradient_energy_lines(report):
+        console.print(line, highlight=False, markup=False)
+    console.print(
+        f"wrote {shown(jpath, markup=False)}\nwrote {shown(cpath, markup=False)}",
+        highlight=False,
+        markup=False,
+    )
 
 
 def _table_columns(columns: list[str], opts) -> list[str] | None:
@@ -338,12 +184,6 @@ def _table_columns(columns: list[str], opts) -> list[str] | None:
         raise InputError("--columns is empty; give metric names (comma list) or all, or leave it out")
     table_metrics({"layers": [dict.fromkeys(scalar_keys(opts), 0.0)]}, names)
     return names
-
-
-def _ranks(spec: str) -> tuple:
-    """``--rank 8,32,128`` -> (8, 32, 128); a word that is not a whole number is kept for the
-    library's one-line error."""
-    return tuple(int(x) if x.strip().isdigit() else x for x in split_list([spec]))
 
 
 def _record_command(report: dict) -> None:

@@ -15,7 +15,17 @@ are computed: see :mod:`geomscope.score.engine`, :mod:`~geomscope.score.compute`
 """
 
 from geomscope.schema import SCALAR_METRIC_NAMES as SCALAR_METRICS
-from geomscope.score.engine import score
 from geomscope.score.options import AVGCOS_VARIANTS, CORE_METRICS, DEFAULT_METRICS, ScoreOptions
+
+
+def __getattr__(name: str):
+    """``score`` on first use: the options (what ``geomscope score --help`` is built from) import
+    nothing heavy, the engine imports numpy."""
+    if name == "score":
+        from geomscope.score.engine import score
+
+        return score
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["AVGCOS_VARIANTS", "CORE_METRICS", "DEFAULT_METRICS", "SCALAR_METRICS", "ScoreOptions", "score"]

@@ -39,7 +39,7 @@ from geomscope.score import compute, idest, outliers, resources
 from geomscope.score.accumulate import PassSpec
 from geomscope.score.executor import Executor, make_executor
 from geomscope.score.layer import LayerResult
-from geomscope.score.options import ScoreOptions
+from geomscope.score.options import MAX_MEMORY_MB, ScoreOptions
 from geomscope.score.sources import SourceInfo, open_source
 from geomscope.store.accumulators import ABS_THRESHOLD as KEPT_ABS_THRESHOLD
 
@@ -66,9 +66,6 @@ def _has_special_flags(src) -> bool:
     return src.kind == "run" or all("special" in t.meta for t in src.tasks)
 
 
-#: the largest --memory-mb (2^40 MiB = 1 EiB, far beyond any machine's memory): a budget must be a
-#: finite number of bytes (1e308 overflowed the conversion with a traceback)
-MAX_MEMORY_MB = 2.0**40
 
 
 def check_memory_mb(memory_mb: float) -> float:

@@ -1,20 +1,37 @@
-"""Scoring options: one validated, typed config (the CLI builds it; the library takes it)."""
+"""``ScoreOptions``: everything ``score`` needs besides the input path, declared once
+(:mod:`geomscope.options`): ``geomscope score --help`` is built from these fields, and the library
+takes the same object."""
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from geomscope.choices import (
-    MAX_SEED,
-    MAX_SEED_TEXT,
+    MAX_SEED,  # noqa: F401 (the seed bound of geomscope.options.SEED)
     OUTLIER_RULES,
     OUTLIER_STATS,
     PRODUCT_DTYPES,
     TWONN_FITS,
 )
 from geomscope.errors import InputError
+from geomscope.layers import STORED_LAYERS_HELP
+from geomscope.options import (
+    POSITIVE_INT,
+    SEED,
+    SEED_RANGE,
+    Choice,
+    Flag,
+    Interval,
+    Items,
+    Layers,
+    OptionError,
+    Parsed,
+    Text,
+    check,
+    choice_metavar,
+    option,
+)
 
 MOMENT_METRICS = ("isoscore", "isoscore_star", "avgcos", "spectrum", "outliers")
 CORE_METRICS = (*MOMENT_METRICS, "twonn", "partition")
@@ -25,6 +42,9 @@ DEFAULT_OUTLIER_THRESHOLD = {"variance": 5.0, "zscore": 3.0, "quantile": 0.99, "
 DEFAULT_ID_REPEATS = 4
 #: rows each decimation part needs (geomscope.metrics.twonn.decimation_se: fewer give no SE)
 ROWS_PER_PART = 3
+#: the largest --memory-mb (2^40 MiB = 1 EiB, far beyond any machine's memory): a budget must be a
+#: finite number of bytes (1e308 overflows the conversion)
+MAX_MEMORY_MB = 2.0**40
 
 
 def id_estimator_names() -> tuple[str, ...]:
@@ -34,87 +54,233 @@ def id_estimator_names() -> tuple[str, ...]:
     return ("twonn", *SKDIM_ESTIMATORS)
 
 
+def _target(spec: str) -> str:
+    return normalise_target(spec)
+
+
+def _scheduler(spec: str) -> str:
+    from geomscope.score.dask_executor import parse_scheduler
+
+    return parse_scheduler(spec)
+
+
 @dataclass
 class ScoreOptions:
-    """Everything ``score`` needs besides the input path. See ``geomscope score --help``.
+    """Everything ``score`` needs besides the input path, declared once (:mod:`geomscope.options`):
+    ``geomscope score --help`` is built from these fields.
 
     metrics: names among isoscore, isoscore_star, avgcos, spectrum, outliers, twonn, partition and
     the intrinsic-dimension estimators of ``geomscope.metrics.intrinsic.ID_ESTIMATORS``.
     shrinkage_target: "trace" | "identity" | a .npy (D, D) covariance | a run directory (that run's
     covariance of the same layer) | "layer:NAME" (this run's layer NAME); "file:"/"run:" prefixes
-    are accepted too.
+    are accepted too. The lists (metrics, avgcos_variants, id_estimator, layers, columns, ranks)
+    may be one comma string ("isoscore,avgcos") or a list of them, as the CLI takes them; numbers
+    may be numpy scalars. ``verify`` and ``block_rows`` have no declaration: the CLI spells the
+    first ``--no-verify`` and leaves the second to the library.
     """
 
-    metrics: tuple[str, ...] = DEFAULT_METRICS
-    zeta: float = 0.2
-    shrinkage_target: str = "trace"
-    avgcos_variants: tuple[str, ...] = AVGCOS_VARIANTS
-    outlier_rule: str = "variance"
-    outlier_threshold: float | None = None
-    outlier_stat: str = "variance"  # zscore rule: "variance" | "mean_abs"
-    discard_fraction: float = 0.1
-    id_sample: int = 5000
-    id_estimator: tuple[str, ...] = ()  # extra ID estimators besides those named in metrics
-    twonn_fit: str = "linear"
-    seed: int = 0
-    exclude_special: bool = False
-    layers: tuple[str, ...] | None = None
-    max_rows: int | None = None
-    workers: int = 1
-    partial: bool = False
-    jackknife_groups: int = 10
-    id_repeats: int | None = None  # None: DEFAULT_ID_REPEATS, fewer where --id-sample cannot fill them
-    memory_mb: float = 2048
+    metrics: tuple[str, ...] | str = option(
+        DEFAULT_METRICS,
+        Items("metric names"),
+        "Comma list of isoscore, isoscore_star, avgcos, spectrum, outliers, twonn, partition and "
+        "scikit-dimension estimators (e.g. mle, lpca); 'all' = those seven core metrics (the "
+        "estimators only when named).",
+        metavar="LIST",
+        short="-m",
+    )
+    zeta: float = option(
+        0.2,
+        Interval(whole=False, low=0, high=1, words="a number in [0, 1]"),
+        "IsoScore* weight on the shrinkage target (0 = plain IsoScore).",
+        metavar="FLOAT",
+    )
+    shrinkage_target: str = option(
+        "trace",
+        Parsed(_target, bad=("bogus", "layer:")),
+        "trace (trace-matched identity), identity, FILE.npy (a D x D covariance), RUN_DIR (that run's "
+        "covariance of the same layer) or layer:NAME (this run's layer, the paper's practice).",
+        metavar="TARGET",
+    )
+    avgcos_variants: tuple[str, ...] | str = option(
+        AVGCOS_VARIANTS,
+        Items("average cosine variants"),
+        "Average cosine variants: plain, centred, standardised.",
+        metavar="LIST",
+    )
+    outlier_rule: str = option(
+        "variance",
+        Choice(OUTLIER_RULES),
+        "Rule that flags outlier dimensions.",
+        metavar=choice_metavar(OUTLIER_RULES),
+    )
+    outlier_threshold: float | None = option(
+        None,
+        Interval(whole=False, low=0, open_low=True),
+        "variance: k x mean variance (5); zscore: z (3); quantile: q (0.99); magnitude: |x| (6).",
+        metavar="FLOAT",
+        optional=True,
+    )
+    outlier_stat: str = option(
+        "variance",
+        Choice(OUTLIER_STATS),
+        "Statistic of the zscore rule.",
+        metavar=choice_metavar(OUTLIER_STATS),
+    )
+    discard_fraction: float = option(
+        0.1,
+        Interval(whole=False, low=0, high=1, open_high=True, words="a number in [0, 1)"),
+        "TwoNN: fraction of the largest ratios dropped, in [0, 1).",
+        metavar="FLOAT",
+    )
+    id_sample: int = option(
+        5000, Interval(whole=True, low=3), "Rows per layer sampled for intrinsic dimension.", metavar="N"
+    )
+    id_estimator: tuple[str, ...] | str = option(
+        (), Items("estimator names"), "More intrinsic-dimension estimators (comma list).", metavar="LIST"
+    )
+    twonn_fit: str = option(
+        "linear",
+        Choice(TWONN_FITS),
+        "TwoNN fit: linear (Facco et al.) or maximum likelihood.",
+        metavar=choice_metavar(TWONN_FITS),
+    )
+    seed: int = option(
+        0, SEED, f"Seed of every sample (rows, ID sample, decimation): {SEED_RANGE}.", metavar="N"
+    )
+    exclude_special: bool = option(False, Flag(), "Drop special tokens (CLS/SEP/BOS...) before measuring.")
+    layers: tuple[str, ...] | str | None = option(
+        None, Layers(), STORED_LAYERS_HELP, metavar="LIST", short="-l", optional=True
+    )
+    max_rows: int | None = option(
+        None,
+        Interval(whole=True, low=2),
+        "Seeded uniform sample of rows per layer.",
+        metavar="N",
+        optional=True,
+    )
+    workers: int = option(
+        1,
+        POSITIVE_INT,
+        "Processes reading shards (and threads finishing layers) in parallel, at most one per "
+        "shard and 1024 in all; BLAS runs single-threaded in each. One process already computes on "
+        "every usable core (threads over blocks); more pay where reading or many layers are the "
+        "limit. Above the core count the processes share the cores (each holds its own "
+        "accumulators): that pays only where reading waits on storage.",
+        metavar="N",
+        short="-w",
+    )
+    partial: bool = option(False, Flag(), "Score the finished shards of an incomplete run.")
+    jackknife_groups: int = option(
+        10,
+        Interval(whole=True, low=0),
+        "Document groups of the jackknife SE (0 = off; otherwise >= 2).",
+        metavar="N",
+    )
+    id_repeats: int | None = option(
+        None,
+        Interval(whole=True, low=2),
+        "Parts of the ID sample for the decimation SE, each of >= 3 rows: at most --id-sample / 3 "
+        "(default: 4, fewer where --id-sample is under 12; below 6 the SE is null).",
+        metavar="N",
+        optional=True,
+    )
+    memory_mb: float = option(
+        2048,
+        Interval(whole=False, low=0, high=MAX_MEMORY_MB, open_low=True, words="in (0, 2^40] MiB"),
+        "Memory budget of the per-layer accumulators.",
+        metavar="MIB",
+    )
     verify: bool = True
-    dataset: str | None = None
-    columns: tuple[str, ...] | None = None  # arrays of an .npz/.safetensors/.pt/Arrow/Parquet source
+    dataset: str | None = option(
+        None, Text(), "Dataset path inside an .h5 array file.", metavar="PATH", optional=True
+    )
+    columns: tuple[str, ...] | str | None = option(
+        None,
+        Items("array names"),
+        "Arrays to score from an .npz, .safetensors, .pt, Arrow or Parquet source "
+        "(members, tensors or columns; comma list or repeated; default: every 2-D numeric one).",
+        metavar="NAME",
+        flag="--column",
+        optional=True,
+    )
     block_rows: int | None = None
-    product_dtype: str = "float64"  # the covariance's block products (metrics/moments.py): float64 | float32
-    basis: str | None = None  # a run of activations: gradient energy in its top-r subspaces (gradenergy.py)
-    ranks: tuple[int, ...] = (8, 32, 128)
-    controls: int = 20
-    scheduler: str | None = None  # Dask: "local:N" | "tcp://HOST:PORT" | "FILE.json" (dask_executor.py)
+    product_dtype: str = option(
+        "float64",
+        Choice(PRODUCT_DTYPES),
+        "Dtype of the covariance's block products. float32: each block, centred in float64, is "
+        "multiplied in float32 and added in float64: ~1.5x faster on 2 cores, ~1e-8 relative error in "
+        "the covariance (up to ~1e-7 on small samples) and more in metrics near 0 such as IsoScore "
+        "(2e-7 measured; the isoscore package: ~1e-6).",
+        metavar=choice_metavar(PRODUCT_DTYPES),
+    )
+    basis: str | None = option(
+        None,
+        Text(),
+        "With a gradient run (extract --capture gradients): the run of activations of the same "
+        "model whose top-r covariance eigenvectors U_r are the subspace; reports, per gradient "
+        "layer and rank, the captured energy tr(U'SU)/tr(S) against r/D, its maximum, kappa, "
+        "random normal controls and the removal test (report key gradient_energy).",
+        metavar="ACTRUN",
+        optional=True,
+    )
+    ranks: tuple[int, ...] | str = option(
+        (8, 32, 128),
+        Items("ranks (whole numbers >= 1)", whole=True),
+        "Ranks r of the --basis subspaces (each below D).",
+        metavar="LIST",
+        flag="--rank",
+    )
+    controls: int = option(
+        20,
+        Interval(whole=True, low=0),
+        "Random rank-r subspaces of U_r's complement per rank (seeded by --seed) for --basis.",
+        metavar="K",
+    )
+    scheduler: str | None = option(
+        None,
+        Parsed(_scheduler, bad=("local:0", "tcp://nohost", "cluster")),
+        "Run the shard reading as Dask tasks: local:N starts N single-threaded worker processes "
+        "here for the call; tcp://HOST:PORT or a scheduler FILE.json uses a running Dask cluster (its "
+        "workers must read the run at the same path). Same report as --workers (merged in shard "
+        "order); not combined with --workers. Needs pip install 'geomscope[dask]'.",
+        metavar="local:N|tcp://HOST:PORT|FILE.json",
+        optional=True,
+    )
     extra_id: tuple[str, ...] = field(default=(), repr=False)  # filled by validate()
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def validate(self) -> ScoreOptions:
-        """A normalised copy; InputError (one line) for anything out of range, unknown or mistyped.
-
-        Lists (metrics, avgcos_variants, id_estimator, layers, columns) may be given as one comma
-        string ("isoscore,avgcos"), as the CLI takes them; numbers may be numpy scalars."""
+        """A normalised copy (tuples, plain ints and floats); InputError (one line) naming the option
+        otherwise: a selection given but empty, each option against its declaration (OptionError),
+        then the names and the rules between options."""
+        layers = _selection("--layers", self.layers, "layers: names, indices, ranges a-b, all or blocks")
+        columns = _selection("--column", self.columns, "array names")
+        check(self)
         metrics, est, extra = _checked_metrics(_listed(self.metrics), _listed(self.id_estimator))
-        variants = _checked_variants(_listed(self.avgcos_variants), "avgcos" in metrics)
-        rule, threshold = _checked_outlier_rule(self.outlier_rule, self.outlier_threshold, self.outlier_stat)
-        n = _Numbers(self)
-        id_sample = n.whole("id_sample", lo=3)
+        id_sample = int(self.id_sample)
         return replace(
             self,
             metrics=metrics,
-            zeta=n.real("zeta", lo=0.0, hi=1.0),
-            avgcos_variants=variants,
-            outlier_rule=rule,
-            outlier_threshold=threshold,
+            zeta=float(self.zeta),
+            avgcos_variants=_checked_variants(_listed(self.avgcos_variants), "avgcos" in metrics),
+            outlier_threshold=_checked_threshold(self.outlier_rule, self.outlier_threshold),
             id_estimator=est,
             extra_id=extra,
-            discard_fraction=n.real("discard_fraction", lo=0.0, hi=1.0, hi_open=True),
+            discard_fraction=float(self.discard_fraction),
             id_sample=id_sample,
-            max_rows=n.whole("max_rows", lo=2, optional=True),
-            workers=n.whole("workers", lo=1),
-            jackknife_groups=_checked_groups(n.whole("jackknife_groups", lo=0)),
-            memory_mb=n.real("memory_mb", lo=0.0, lo_open=True),
-            id_repeats=_checked_repeats(n.whole("id_repeats", lo=2, optional=True), id_sample),
-            seed=n.whole(
-                "seed", lo=0, hi=MAX_SEED, why=f" ({MAX_SEED_TEXT}: the row samples hash it in 64 bits)"
-            ),
-            twonn_fit=_one_of("--twonn-fit", self.twonn_fit, TWONN_FITS),
-            product_dtype=_one_of("--product-dtype", self.product_dtype, PRODUCT_DTYPES),
-            layers=_selection("--layers", self.layers, "layers: names, indices, ranges a-b, all or blocks"),
-            columns=_selection("--column", self.columns, "array names"),
+            max_rows=None if self.max_rows is None else int(self.max_rows),
+            workers=int(self.workers),
+            jackknife_groups=_checked_groups(int(self.jackknife_groups)),
+            memory_mb=float(self.memory_mb),
+            id_repeats=_checked_repeats(None if self.id_repeats is None else int(self.id_repeats), id_sample),
+            seed=int(self.seed),
+            layers=layers,
+            columns=columns,
             shrinkage_target=normalise_target(self.shrinkage_target),
             ranks=_checked_ranks(self.ranks),
-            controls=n.whole("controls", lo=0),
+            controls=int(self.controls),
             scheduler=_checked_scheduler(self.scheduler, self.workers),
         )
 
@@ -134,13 +300,6 @@ class ScoreOptions:
     @property
     def needs_second_pass(self) -> bool:
         return "avgcos" in self.metrics and any(v != "plain" for v in self.avgcos_variants)
-
-
-def _one_of(option: str, value, allowed: tuple[str, ...]) -> str:
-    v = str(value).strip().lower()
-    if v not in allowed:
-        raise InputError(f"{option} must be one of {', '.join(allowed)}; got {value!r}")
-    return v
 
 
 def _checked_metrics(names, id_estimators) -> tuple[tuple, tuple, tuple]:
@@ -183,32 +342,36 @@ def _checked_variants(names, wanted: bool) -> tuple[str, ...]:
     return tuple(dict.fromkeys(variants))
 
 
-def _checked_outlier_rule(rule, threshold, stat) -> tuple[str, float]:
-    """(rule, threshold): the rule's default threshold when none is given; quantiles lie in (0, 1)."""
-    rule = _one_of("--outlier-rule", rule, OUTLIER_RULES)
-    _one_of("--outlier-stat", stat, OUTLIER_STATS)
+def _checked_threshold(rule: str, threshold) -> float:
+    """--outlier-threshold (> 0 by its declaration), or the rule's default when none is given; a
+    quantile lies in (0, 1)."""
     if threshold is None:
-        thr = DEFAULT_OUTLIER_THRESHOLD[rule]
-    else:
-        thr = _Numbers.as_real("--outlier-threshold", threshold)
-    if not thr == thr:
-        raise InputError("--outlier-threshold must be a number")
+        return DEFAULT_OUTLIER_THRESHOLD[rule]
+    thr = float(threshold)
     if rule == "quantile" and not 0.0 < thr < 1.0:
         raise InputError(f"--outlier-threshold for the quantile rule is a quantile in (0, 1); got {thr}")
-    if rule != "quantile" and thr <= 0:
-        raise InputError(f"--outlier-threshold must be > 0; got {thr}")
-    return rule, float(thr)
+    return thr
 
 
 def _checked_ranks(ranks) -> tuple[int, ...]:
-    out = []
-    for r in ranks:
-        if isinstance(r, bool) or not isinstance(r, numbers.Integral) or r < 1:
-            raise InputError(f"--rank entries must be whole numbers >= 1; got {r!r}")
-        out.append(int(r))
+    """--rank (whole numbers >= 1 by its declaration) as sorted distinct ints."""
+    out = sorted({int(r) for r in _listed(ranks)})
     if not out:
         raise InputError("--rank is empty; give ranks such as 8,32,128")
-    return tuple(sorted(set(out)))
+    return tuple(out)
+
+
+def _listed(value) -> list:
+    """A list option's items: a str is one comma list (iterating it would give its characters,
+    metrics="isoscore" read as the metric 'i'), and so is each str of a list (a repeated option);
+    other items are kept as given."""
+    out: list = []
+    for item in [value] if isinstance(value, str) else value:
+        if isinstance(item, str):
+            out.extend(v.strip() for v in item.split(",") if v.strip())
+        else:
+            out.append(item)
+    return out
 
 
 def _checked_scheduler(scheduler, workers) -> str | None:
@@ -228,22 +391,14 @@ def _checked_scheduler(scheduler, workers) -> str | None:
     return s
 
 
-def _listed(value) -> list:
-    """A list option's items: a str is one comma list (iterating it would give its characters,
-    metrics="isoscore" read as the metric 'i'); anything else is iterated as given."""
-    if isinstance(value, str):
-        return [v.strip() for v in value.split(",") if v.strip()]
-    return list(value)
-
-
 def _selection(option: str, value, what: str) -> tuple | None:
     """None (everything) or the named items; a selection given but empty (``--layers=,``) is refused
     rather than read as everything."""
-    if value is None:
-        return None
+    if not isinstance(value, (str, list, tuple)):
+        return value  # None (everything), or a value the declared constraint refuses next
     items = _listed(value)
     if not items:
-        raise InputError(f"{option} is empty; give {what} (comma list), or leave it out for all of them")
+        raise OptionError(f"{option} is empty; give {what} (comma list), or leave it out for all of them")
     return tuple(items)
 
 
@@ -267,55 +422,6 @@ def _checked_groups(groups: int) -> int:
     if groups == 1:
         raise InputError("--jackknife-groups must be 0 (off) or >= 2; got 1")
     return groups
-
-
-class _Numbers:
-    """Typed, range-checked numeric fields of a ScoreOptions (library callers get the CLI's messages)."""
-
-    def __init__(self, opts: ScoreOptions):
-        self.opts = opts
-
-    @staticmethod
-    def option(field_name: str) -> str:
-        return "--" + field_name.replace("_", "-")
-
-    @staticmethod
-    def as_real(option: str, value) -> float:
-        # numbers.Real: numpy scalars too (np.float32(0.2)); a bool is no number here
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise InputError(f"{option} must be a number; got {value!r}")
-        return float(value)
-
-    def real(
-        self, name: str, *, lo: float, hi: float | None = None, lo_open: bool = False, hi_open: bool = False
-    ) -> float:
-        option = self.option(name)
-        v = self.as_real(option, getattr(self.opts, name))
-        too_low = v <= lo if lo_open else v < lo
-        too_high = hi is not None and (v >= hi if hi_open else v > hi)
-        if too_low or too_high or v != v:
-            left = "(" if lo_open else "["
-            right = ")" if hi_open or hi is None else "]"
-            span = f"{left}{lo:g}, {'inf' if hi is None else f'{hi:g}'}{right}"
-            raise InputError(f"{option} must be in {span}; got {v}")
-        return v
-
-    def whole(
-        self, name: str, *, lo: int, hi: int | None = None, why: str = "", optional: bool = False
-    ) -> int | None:
-        option = self.option(name)
-        v = getattr(self.opts, name)
-        if v is None and optional:
-            return None
-        # numbers.Integral: numpy integers too (np.int64(500)), kept as a plain int for the report
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            raise InputError(f"{option} must be a whole number; got {v!r}")
-        v = int(v)
-        if v < lo:
-            raise InputError(f"{option} must be >= {lo}; got {v}")
-        if hi is not None and v > hi:
-            raise InputError(f"{option} must be at most {hi}{why}; got {v}")
-        return v
 
 
 def normalise_target(t) -> str:
