@@ -196,6 +196,41 @@ class Flag(Constraint):
 
 
 @dataclass(frozen=True)
+class CommaList(Constraint):
+    """A non-empty list of values that ``item`` allows: a list or tuple, or a comma list (``8,32``;
+    empty words skipped) whose words ``convert`` reads (a word it cannot read stays text, for
+    ``item`` to refuse)."""
+
+    item: Constraint
+    convert: Callable = str
+    words: str = "a non-empty comma list"
+
+    def items(self, value) -> list:
+        """The values of ``value`` (a comma list's words read by ``convert``)."""
+        if not isinstance(value, str):
+            return list(value)
+        out = []
+        for word in (w.strip() for w in value.split(",") if w.strip()):
+            try:
+                out.append(self.convert(word))
+            except ValueError:
+                out.append(word)
+        return out
+
+    def reason(self, value) -> str | None:
+        items = self.items(value) if isinstance(value, (str, list, tuple)) else []
+        ok = bool(items) and all(self.item.reason(v) is None for v in items)
+        return None if ok else f"must be {self.words}"
+
+    def invalid(self) -> tuple:
+        return ("", ",", 7, *((v,) for v in self.item.invalid()))
+
+
+#: a number in [0, 1]: a shrinkage weight, a fraction
+UNIT_INTERVAL = Interval(whole=False, low=0, high=1, words="a number in [0, 1]")
+
+
+@dataclass(frozen=True)
 class Option:
     """One declared option: its constraint, help and command-line form. ``optional``: None is a
     value (the option is unset); ``flag``: the long flag (default ``--field-name``)."""
@@ -233,15 +268,21 @@ def default_of(cls, name: str):
 def check(options) -> None:
     """Check every declared option of ``options`` (a declared dataclass instance); OptionError
     naming the flag, what its value must be and the value given, at the first that fails."""
-    for name, opt in declared(type(options)).items():
-        value = getattr(options, name)
-        if value is None and opt.optional:
-            continue
-        why = opt.constraint.reason(value)
-        if why is not None and isinstance(opt.constraint, Parsed) and isinstance(value, str):
-            raise OptionError(why)
-        if why is not None:
-            raise OptionError(f"{opt.flag} {why}, not {value!r}")
+    for name in declared(type(options)):
+        check_value(type(options), name, getattr(options, name))
+
+
+def check_value(cls, name: str, value) -> None:
+    """Check ``value`` against the declared option ``name`` of ``cls`` (one item of a grid's comma
+    list, too); OptionError worded as :func:`check` words it."""
+    opt = declared(cls)[name]
+    if value is None and opt.optional:
+        return
+    why = opt.constraint.reason(value)
+    if why is not None and isinstance(opt.constraint, Parsed) and isinstance(value, str):
+        raise OptionError(why)
+    if why is not None:
+        raise OptionError(f"{opt.flag} {why}, not {value!r}")
 
 
 def invalid_settings(cls) -> Iterator[tuple[str, str, object]]:
@@ -250,6 +291,7 @@ def invalid_settings(cls) -> Iterator[tuple[str, str, object]]:
     for name, opt in declared(cls).items():
         for value in opt.constraint.invalid():
             yield name, opt.flag, value
+
 
 @dataclass(frozen=True)
 class Items(Constraint):

@@ -16,8 +16,11 @@ BAD_USAGE = [
     (["score", "x.npy", "--twonn-fit", "cubic"], "--twonn-fit must be"),
     (["plot", "r.json", "--out", "f.png", "--dpi", "many"], "'--dpi'"),
     (["plot", "r.json"], "Missing option '--out'"),
-    (["finetune", "m", "--train", "a.csv", "--eval", "b.csv", "--out", "o", "--epochs", "0"], "'--epochs'"),
-    (["finetune", "m", "--train", "a.csv", "--eval", "b.csv", "--out", "o", "--reg", "l2"], "'--reg'"),
+    (
+        ["finetune", "m", "--train", "a.csv", "--eval", "b.csv", "--out", "o", "--epochs", "0"],
+        "--epochs must be",
+    ),
+    (["finetune", "m", "--train", "a.csv", "--eval", "b.csv", "--out", "o", "--reg", "l2"], "--reg must be"),
     (["inspect"], "Missing argument 'RUN_DIR'"),
     (["score", "x.npy", "--no-such-option"], "No such option"),
     (["extrakt"], "No such command"),

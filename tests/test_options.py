@@ -30,9 +30,17 @@ from geomscope.options import (
     invalid_settings,
 )
 from geomscope.score.options import ScoreOptions
+from geomscope.train.config import FinetuneConfig
 
-DECLARED = [ExtractOptions, ScoreOptions]
+DECLARED = [ExtractOptions, FinetuneConfig, ScoreOptions]
 CASES = [(cls, *case) for cls in DECLARED for case in invalid_settings(cls)]
+#: the fields a declaration needs besides its options (a run's inputs and output)
+REQUIRED = {FinetuneConfig: {"model": "m", "train": "t.csv", "eval": "t.csv", "out": "o"}}
+
+
+def _example(cls):
+    """``cls`` at its defaults (with its required fields filled in)."""
+    return cls(**REQUIRED.get(cls, {}))
 
 
 def _id(case) -> str:
@@ -42,7 +50,7 @@ def _id(case) -> str:
 
 def test_the_defaults_pass_their_own_constraints():
     for cls in DECLARED:
-        check(cls())
+        check(_example(cls))
         assert declared(cls), cls
 
 
@@ -50,7 +58,7 @@ def test_the_defaults_pass_their_own_constraints():
 def test_every_invalid_value_is_refused_naming_its_option(case):
     cls, name, flag, value = case
     with pytest.raises(OptionError) as err:
-        replace(cls(), **{name: value}).validate()
+        replace(_example(cls), **{name: value}).validate()
     message = str(err.value)
     assert "\n" not in message and flag in message, message
 
@@ -81,6 +89,24 @@ def test_extract_refuses_every_invalid_value_in_one_line(cli, tmp_path, name, fl
     text = tmp_path / "t.txt"
     text.write_text("a few words\n")
     code, out, err = cli(["extract", "bundled:minilm", text, "--out", tmp_path / "run", f"{flag}={arg}"])
+    line = assert_one_line_error(code, out, err, flag, exit_code=2)
+    assert "--help" in line
+    assert not (tmp_path / "run").exists()
+
+
+FINETUNE_CLI = [
+    (name, flag, arg)
+    for _cls, name, flag, value in CASES
+    if _cls is FinetuneConfig
+    and (arg := _on_the_command_line(declared(FinetuneConfig)[name].constraint, value)) is not None
+]
+
+
+@pytest.mark.parametrize("name, flag, arg", FINETUNE_CLI, ids=[f"{f}={a!r}" for _, f, a in FINETUNE_CLI])
+def test_finetune_refuses_every_invalid_value_in_one_line(cli, tmp_path, name, flag, arg):
+    """Refused before the model loads: the files need not exist."""
+    args = ["finetune", "bundled:minilm", "--train", "t.csv", "--eval", "t.csv", "--out", tmp_path / "run"]
+    code, out, err = cli([*args, f"{flag}={arg}"])
     line = assert_one_line_error(code, out, err, flag, exit_code=2)
     assert "--help" in line
     assert not (tmp_path / "run").exists()

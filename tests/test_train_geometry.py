@@ -160,9 +160,9 @@ def test_bad_geometry_options_are_one_line_errors(cli, runs, tmp_path):
     for extra, needle in (
         (["--log-geometry", "1"], "--geometry-rank 32 is not below the model's hidden size D = 32"),
         (["--log-geometry", "1", "--geometry-rank", "8,40"], "--geometry-rank 40 is not below"),
-        (["--log-geometry", "0"], "--log-geometry must be at least 1"),
+        (["--log-geometry", "0"], "--log-geometry must be a positive whole number"),
         (["--log-geometry", "2", "--geometry-rank", "8,x"], "comma list of whole numbers"),
-        (["--log-geometry", "2", "--geometry-rank", "0"], "--geometry-rank 0 is below 1"),
+        (["--log-geometry", "2", "--geometry-rank", "0"], "--geometry-rank must be a comma list"),
     ):
         out = tmp_path / "o"
         assert_one_line_error(*cli([*base, "--out", out, *extra]), needle, exit_code=2)

@@ -24,9 +24,6 @@ def choice_enum(name: str, values: tuple[str, ...]) -> type[enum.Enum]:
 ComputeDtype = choice_enum("ComputeDtype", choices.COMPUTE_DTYPES)
 StoreDtype = choice_enum("StoreDtype", choices.STORE_DTYPES)
 Stack = choice_enum("Stack", choices.STACKS)
-Regulariser = choice_enum("Regulariser", choices.REGULARISERS)
-Precision = choice_enum("Precision", choices.PRECISIONS)
-PenaltyPrecision = choice_enum("PenaltyPrecision", choices.PENALTY_PRECISIONS)
 FigureFormat = choice_enum("FigureFormat", choices.FIGURE_FORMATS)
 
 
@@ -57,11 +54,13 @@ def quiet_option(what: str = "No progress bar or messages."):
 def declared_option(cls, name: str, complete=None):
     """The ``typer.Option`` of field ``name`` of the declared options ``cls``: its default, flag,
     help and metavar come from the declaration, and its value is checked by the library
-    (:func:`geomscope.options.check`) with the same words as a library call."""
+    (:func:`geomscope.options.check`) with the same words as a library call. A tuple default is
+    given as its comma list (the command line's form)."""
     opt = declared(cls)[name]
     flags = [opt.flag] + ([opt.short] if opt.short else [])
+    default = default_of(cls, name)
     return typer.Option(
-        default_of(cls, name),
+        ",".join(map(str, default)) if isinstance(default, tuple) else default,
         *flags,
         metavar=opt.metavar,
         help=opt.help,
@@ -77,51 +76,3 @@ def layers_option(default, help: str, complete=None):
 
 def metrics_option(default, help: str, complete=None):
     return typer.Option(default, "--metrics", "-m", metavar="LIST", help=help, autocompletion=complete)
-
-
-def _list_parser(convert, what: str):
-    """A typer ``parser`` for a comma list (``-1,-0.1,0``) of ``convert``-ible values."""
-
-    def parse(value):
-        if not isinstance(value, str):
-            return [value]
-        items = [v.strip() for v in value.split(",") if v.strip()]
-        try:
-            return [convert(v) for v in items]
-        except ValueError as e:
-            raise typer.BadParameter(f"{value!r} is not a comma list of {what} ({e})") from None
-
-    return parse
-
-
-def _non_negative_int(v: str) -> int:
-    n = int(v)
-    if n < 0:
-        raise ValueError(f"{n} < 0")
-    return n
-
-
-def _choice_of(allowed: tuple[str, ...]):
-    def convert(v: str) -> str:
-        if v.lower() not in allowed:
-            raise ValueError(f"{v!r} is not one of {', '.join(allowed)}")
-        return v.lower()
-
-    return convert
-
-
-float_list = _list_parser(float, "numbers")
-seed_list = _list_parser(_non_negative_int, "seeds (whole numbers >= 0)")
-regulariser_list = _list_parser(_choice_of(choices.REGULARISERS), "regularisers")
-
-
-def flatten(values) -> list:
-    """Repeated list options -> one flat list (typer hands back one list per occurrence)."""
-    out = []
-    for v in values or []:
-        out.extend(v if isinstance(v, list) else [v])
-    return out
-
-
-def zeta_option(help: str):
-    return typer.Option(0.2, "--zeta", min=0.0, max=1.0, metavar="FLOAT", help=help)

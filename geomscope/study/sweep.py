@@ -102,12 +102,11 @@ def _check_shared_inputs(base) -> None:
     for what none of the points could use."""
     from geomscope.model.classifier import check_model_source
     from geomscope.model.names import resolve_model
-    from geomscope.train.config import validate
     from geomscope.train.engine import check_device
     from geomscope.train.loop import read_data
 
     resolve_model(base.model)  # first: a hub name that does not resolve is one line at once
-    validate(base)
+    base.validate()
     check_device(base.device, base.precision)
     read_data(base)
     check_model_source(base.model)

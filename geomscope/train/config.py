@@ -31,11 +31,25 @@ older checkpoints still resume):
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
-from geomscope.choices import PENALTY_PRECISIONS, PRECISIONS, REGULARISERS, SCHEDULERS, TASKS
+from geomscope.choices import PENALTY_PRECISIONS, PRECISIONS, REGULARISERS, SCHEDULERS, TASKS, TRACKERS
 from geomscope.errors import InputError
+from geomscope.options import (
+    POSITIVE_INT,
+    UNIT_INTERVAL,
+    Choice,
+    CommaList,
+    Device,
+    Flag,
+    Interval,
+    Layers,
+    Text,
+    check,
+    check_value,
+    choice_metavar,
+    option,
+)
 
 #: the training options added after the first release, with their defaults: recorded in run.json and the
 #: resume fingerprint only when set to something else (so checkpoints written before them still resume)
@@ -76,133 +90,249 @@ _FINGERPRINT = (
 )
 
 
+#: the largest --seed + 1: the seed is mixed with the epoch (data.epoch_order) and the rank (dropout)
+#: into torch generator seeds, which must stay below 2**64; NumPy takes seeds below 2**32
+SEED_LIMIT = 2**32
+#: finetune's seeds: below :data:`SEED_LIMIT`
+FINETUNE_SEED = Interval(
+    whole=True, low=0, high=SEED_LIMIT - 1, words=f"a whole number from 0 to {SEED_LIMIT - 1}"
+)
+_POSITIVE = Interval(whole=False, low=0, open_low=True, words="a positive number")
+
+
 @dataclass
 class FinetuneConfig:
-    """Options of one fine-tuning run (the CLI flags of ``geomscope finetune``)."""
+    """Options of one fine-tuning run, declared once (:mod:`geomscope.options`): ``geomscope
+    finetune --help`` is built from these fields. ``model``, ``train``, ``eval`` and ``out`` are the
+    run's inputs and output; ``monitor`` and ``extra`` are the library's alone.
+
+    One run has one regulariser, lambda and seed: the CLI reads the comma lists of ``--reg``,
+    ``--lambda`` and ``--seed`` (a grid, :mod:`geomscope.study.sweep`) and checks each item against
+    the single-value field declared here (:func:`geomscope.options.check_value`).
+    """
 
     model: str
     train: str
     out: str
     eval: str | None = None
-    task: str = "classification"  # classification (single sentences / pairs) | qa (SQuAD-style spans)
-    reg: str = "istar"
-    lam: float = -5.0
-    zeta: float = 0.2
-    c0_points: int = 250_000
-    layers: str | None = None
-    epochs: int = 4
-    lr: float = 1e-5
-    batch_size: int = 32
-    max_length: int = 128
-    seed: int = 0
-    precision: str = "fp32"
-    device: str = "auto"
-    include_padding: bool = False
-    text_field: str = "sentence"
-    text_field_2: str | None = None
-    label_field: str = "label"
-    resume: bool = False
-    overwrite: bool = False  # replace a previous finetune output in out (only what it wrote)
-    penalty_precision: str = "fp64"  # arithmetic of the I-STAR batch covariance: fp64 | fp32
+    task: str = option(
+        "classification",
+        Choice(TASKS),
+        "classification (single sentences or pairs, --text-field[-2], --label-field) or qa: "
+        "extractive question answering (SQuAD; span head, eval exact_match and f1 in percent).",
+        metavar="|".join(TASKS),
+    )
+    reg: str = option(
+        "istar",
+        Choice(REGULARISERS),
+        "Regulariser: I-STAR, CosReg or none; a comma list runs a grid.",
+        metavar=choice_metavar(REGULARISERS) + "[,...]",
+    )
+    lam: float = option(
+        -5.0,
+        Interval(whole=False, words="a finite number"),
+        "Weight of the penalty (I-STAR: < 0 pushes away from isotropy, > 0 toward it); a comma list "
+        "(e.g. -1,-0.1,0,0.1,1) runs a grid.",
+        metavar="FLOAT[,...]",
+        flag="--lambda",
+    )
+    zeta: float = option(
+        0.2, UNIT_INTERVAL, "IsoScore* shrinkage weight on C0 (0 = plain IsoScore).", metavar="FLOAT"
+    )
+    c0_points: int = option(
+        250_000,
+        Interval(whole=True, low=2),
+        "Token vectors used for C0 each epoch (at most).",
+        metavar="N",
+    )
+    layers: str | None = option(
+        None,
+        Layers(),
+        "Hidden states for I-STAR: blocks | all | 1-6 | 2,4,-1 | layer_03 (default: blocks, every "
+        "block; 0 = embedding output).",
+        metavar="LIST",
+        short="-l",
+        optional=True,
+    )
+    epochs: int = option(4, POSITIVE_INT, "Training epochs.", metavar="N")
+    lr: float = option(1e-5, _POSITIVE, "AdamW learning rate (peak rate with --scheduler).", metavar="FLOAT")
+    batch_size: int = option(32, POSITIVE_INT, "Examples per step per process.", metavar="N")
+    max_length: int = option(
+        128, Interval(whole=True, low=2), "Truncate inputs to this many tokens.", metavar="N"
+    )
+    seed: int = option(
+        0,
+        FINETUNE_SEED,
+        "Seed for the head, shuffling and dropout; a comma list runs a grid.",
+        metavar="N[,...]",
+    )
+    precision: str = option(
+        "fp32",
+        Choice(PRECISIONS),
+        "Training arithmetic, through Accelerate's mixed precision: fp32, fp16 (CUDA, gradient "
+        "scaling) or bf16 (autocast).",
+        metavar=choice_metavar(PRECISIONS),
+    )
+    device: str = option(
+        "auto", Device(), "auto (CUDA when present, else CPU), cpu, cuda, cuda:N or mps.", metavar="DEVICE"
+    )
+    include_padding: bool = option(
+        False,
+        Flag(),
+        "Count padding positions in the training penalties and C0 (the official code's "
+        "behaviour); default: excluded by the attention mask. The eval geometry (eval.jsonl, compare) "
+        "never counts padding, so it does not depend on --batch-size.",
+    )
+    text_field: str = option("sentence", Text(), "Text field (column) of the examples.", metavar="NAME")
+    text_field_2: str | None = option(
+        None, Text(), "Second text column for sentence pairs (e.g. QNLI).", metavar="NAME", optional=True
+    )
+    label_field: str = option("label", Text(), "Column with the label.", metavar="NAME")
+    resume: bool = option(False, Flag(), "Continue from the last epoch checkpoint in --out.")
+    overwrite: bool = option(
+        False, Flag(), "Replace a previous finetune output in --out (only the files it wrote)."
+    )
+    penalty_precision: str = option(
+        "fp64",
+        Choice(PENALTY_PRECISIONS),
+        "I-STAR batch covariance arithmetic: fp64 (exact) or fp32 (centred rows, about half the cost; "
+        "for GPUs with slow float64).",
+        metavar=choice_metavar(PENALTY_PRECISIONS),
+    )
     monitor: bool = True  # log batch IsoScore* (identity target) also for cosreg / none
-    save_every: int | None = None  # keep out/checkpoints/step<N>/ every N optimiser steps (and step0)
-    log_geometry: int | None = None  # every N steps: per-layer gradient energy / IsoScore* (train.geometry)
-    geometry_rank: tuple[int, ...] = (8, 32)  # ranks r of the top-r C0 subspaces of --log-geometry
-    weight_decay: float | None = None  # None: torch's AdamW default (0.01 on every parameter)
-    scheduler: str = "constant"  # constant | linear | cosine (transformers' get_scheduler)
-    warmup: float = 0.0  # warmup fraction of the optimiser steps
-    grad_accum: int = 1  # micro-batches of batch_size per optimiser step (penalty per micro-batch)
-    max_grad_norm: float | None = None  # clip the global gradient norm before each update (None: no clip)
-    gradient_checkpointing: bool = False  # recompute block activations in backward (memory for compute)
-    lora: int | None = None  # LoRA rank (None: full fine-tuning)
-    lora_alpha: float | None = None  # LoRA alpha (None: 2 * rank)
-    lora_target: str = "q,v"  # module names (or q, k, v, o) that get adapters
-    report_to: str = "none"  # none | tensorboard | wandb | mlflow
+    save_every: int | None = option(
+        None,
+        POSITIVE_INT,
+        "Also keep the model every STEPS optimiser steps (and before the first) as "
+        "DIR/checkpoints/step<N>/, for `extract --revisions 'DIR/checkpoints/*'`.",
+        metavar="STEPS",
+        optional=True,
+    )
+    log_geometry: int | None = option(
+        None,
+        POSITIVE_INT,
+        "Every EVERY optimiser steps, log per chosen layer (--layers) in steps.jsonl the share of the "
+        "task-loss gradient's energy in the top-r principal subspace of C0 (the epoch's training "
+        "covariance of the chosen layers pooled; computed for cosreg/none too) against r/D, and the "
+        "batch IsoScore*. `geomscope plot DIR` draws it.",
+        metavar="EVERY",
+        optional=True,
+    )
+    geometry_rank: tuple[int, ...] = option(
+        (8, 32),
+        CommaList(POSITIVE_INT, int, words="a comma list of whole numbers >= 1 (e.g. 8,32)"),
+        "Ranks r of the C0 subspaces for --log-geometry (each below the hidden size D).",
+        metavar="LIST",
+    )
+    weight_decay: float | None = option(
+        None,
+        Interval(whole=False, low=0),
+        "AdamW weight decay W on weights, none on biases and LayerNorm weights (as transformers "
+        "does). Default: torch's AdamW default, 0.01 on every parameter (the released I-STAR setting).",
+        metavar="W",
+        optional=True,
+    )
+    scheduler: str = option(
+        "constant",
+        Choice(SCHEDULERS),
+        "Learning-rate schedule over the run's optimiser steps (transformers' get_scheduler).",
+        metavar=choice_metavar(SCHEDULERS),
+    )
+    warmup: float = option(
+        0.0,
+        UNIT_INTERVAL,
+        "Linear warmup over this fraction of the optimiser steps (rounded up), then --scheduler.",
+        metavar="RATIO",
+    )
+    grad_accum: int = option(
+        1,
+        POSITIVE_INT,
+        "Micro-batches of --batch-size per optimiser step (gradients summed; the task loss is the "
+        "mean over all N*batch examples). The I-STAR/CosReg penalty is taken per micro-batch (its own "
+        "covariance) and averaged: one covariance over the accumulated batch would need every "
+        "micro-batch's hidden states in memory at once.",
+        metavar="N",
+    )
+    max_grad_norm: float | None = option(
+        None,
+        _POSITIVE,
+        "Clip the global gradient norm (task loss + penalty, over all processes) to NORM before "
+        "each update, through Accelerate; steps.jsonl logs grad_norm before clipping. Default: no "
+        "clipping (the released I-STAR setting).",
+        metavar="NORM",
+        optional=True,
+    )
+    gradient_checkpointing: bool = option(
+        False,
+        Flag(),
+        "Recompute each block's activations in the backward pass instead of storing them "
+        "(transformers' gradient checkpointing): less memory for big models, about a third more "
+        "compute, the same gradients.",
+    )
+    lora: int | None = option(
+        None,
+        POSITIVE_INT,
+        "Train rank-R LoRA adapters (and the task head) instead of every weight; needs "
+        "pip install 'geomscope[lora]'. Writes the merged model to --out and the adapter to --out/adapter/.",
+        metavar="R",
+        optional=True,
+    )
+    lora_alpha: float | None = option(
+        None, _POSITIVE, "LoRA scaling alpha (default: 2*R).", metavar="A", optional=True
+    )
+    lora_target: str = option(
+        "q,v",
+        Text(),
+        "Modules that get adapters: module names (query, value, q_proj, ...) or q, k, v, o.",
+        metavar="LIST",
+    )
+    report_to: str = option(
+        "none",
+        Choice(TRACKERS),
+        "Also log the step and eval records to TensorBoard (--out/tensorboard/), wandb (offline) or "
+        "MLflow (file store --out/mlruns/); rank 0 only.",
+        metavar=choice_metavar(TRACKERS),
+    )
     extra: dict = field(default_factory=dict)  # recorded in run.json / summary.json (e.g. model alias)
 
+    def validate(self) -> FinetuneConfig:
+        """``self`` when every option meets its declaration (:func:`geomscope.options.check`) and the
+        rules between options hold; InputError (one line) naming the option otherwise."""
+        check(self)
+        if self.eval is None:
+            raise InputError("an evaluation file is needed: pass --eval FILE")
+        if self.grad_accum > 1 and self.log_geometry is not None:
+            raise InputError("--log-geometry does not support --grad-accum > 1 yet; pass one of them")
+        self._check_lora()
+        from geomscope.train.tracking import check_tracker
 
-def validate(cfg: FinetuneConfig) -> None:
-    if cfg.task not in TASKS:
-        raise InputError(f"unknown --task {cfg.task!r}; use one of {', '.join(TASKS)}")
-    if cfg.reg not in REGULARISERS:
-        raise InputError(f"unknown --reg {cfg.reg!r}; use one of {', '.join(REGULARISERS)}")
-    if cfg.precision not in PRECISIONS:
-        raise InputError(f"unknown --precision {cfg.precision!r}; use one of {', '.join(PRECISIONS)}")
-    if cfg.penalty_precision not in PENALTY_PRECISIONS:
-        raise InputError(f"unknown --penalty-precision {cfg.penalty_precision!r}; use fp64 or fp32")
-    if not 0.0 <= cfg.zeta <= 1.0:
-        raise InputError(f"--zeta must lie in [0, 1], got {cfg.zeta}")
-    for name, v, lo in (
-        ("epochs", cfg.epochs, 1),
-        ("batch-size", cfg.batch_size, 1),
-        ("max-length", cfg.max_length, 2),
-        ("c0-points", cfg.c0_points, 2),
-    ):
-        if v < lo:
-            raise InputError(f"--{name} must be at least {lo}, got {v}")
-    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
-        raise InputError(f"--lr must be a positive number, got {cfg.lr}")
-    if not math.isfinite(cfg.lam):
-        raise InputError(f"--lambda must be a finite number, got {cfg.lam}")
-    check_seed(cfg.seed)
-    if cfg.eval is None:
-        raise InputError("an evaluation file is needed: pass --eval FILE")
-    if cfg.save_every is not None and cfg.save_every < 1:
-        raise InputError(f"--save-every must be at least 1 step, got {cfg.save_every}")
-    if cfg.log_geometry is not None:
-        from geomscope.train.geometry import check_ranks
+        check_tracker(self.report_to)  # the tracker's package is installed
+        return self
 
-        if cfg.log_geometry < 1:
-            raise InputError(f"--log-geometry must be at least 1 step, got {cfg.log_geometry}")
-        check_ranks(cfg.geometry_rank)  # whole numbers >= 1 here; below D once the model is loaded
-    _validate_training_options(cfg)
-
-
-def _validate_training_options(cfg: FinetuneConfig) -> None:
-    """The options of issue 14 (weight decay, schedule, accumulation, LoRA, tracker): one-line errors."""
-    from geomscope.train.tracking import check_tracker
-
-    wd = cfg.weight_decay
-    if wd is not None and not (math.isfinite(wd) and wd >= 0):
-        raise InputError(f"--weight-decay must be a number >= 0, got {wd}")
-    if cfg.scheduler not in SCHEDULERS:
-        raise InputError(f"unknown --scheduler {cfg.scheduler!r}; use one of {', '.join(SCHEDULERS)}")
-    if not (math.isfinite(cfg.warmup) and 0.0 <= cfg.warmup <= 1.0):
-        raise InputError(f"--warmup is a fraction of the steps in [0, 1], got {cfg.warmup}")
-    if isinstance(cfg.grad_accum, bool) or not isinstance(cfg.grad_accum, int) or cfg.grad_accum < 1:
-        raise InputError(f"--grad-accum must be at least 1 (micro-batches per step), got {cfg.grad_accum}")
-    mgn = cfg.max_grad_norm
-    if mgn is not None and not (math.isfinite(mgn) and mgn > 0):
-        raise InputError(f"--max-grad-norm must be a positive number, got {mgn}")
-    if cfg.grad_accum > 1 and cfg.log_geometry is not None:
-        raise InputError("--log-geometry does not support --grad-accum > 1 yet; pass one of them")
-    if cfg.lora is None:
-        if cfg.lora_alpha is not None or cfg.lora_target != NEW_DEFAULTS["lora_target"]:
-            raise InputError("--lora-alpha and --lora-target need --lora RANK")
-    else:
+    def _check_lora(self) -> None:
+        if self.lora is None:
+            if self.lora_alpha is not None or self.lora_target != NEW_DEFAULTS["lora_target"]:
+                raise InputError("--lora-alpha and --lora-target need --lora RANK")
+            return
         from geomscope.train.lora import check_peft
 
-        if cfg.lora < 1:
-            raise InputError(f"--lora is the adapter rank, at least 1, got {cfg.lora}")
-        if cfg.lora_alpha is not None and not (math.isfinite(cfg.lora_alpha) and cfg.lora_alpha > 0):
-            raise InputError(f"--lora-alpha must be a positive number, got {cfg.lora_alpha}")
-        if cfg.save_every is not None:
+        if self.save_every is not None:
             raise InputError("--save-every does not support --lora yet (snapshots would hold only adapters)")
         check_peft()
-    check_tracker(cfg.report_to)
 
 
-#: the fingerprint's records of the data files' contents (a file changed in place keeps its path)
-_DATA_KEYS = {"train_data": "train", "eval_data": "eval"}
-#: the largest --seed + 1: the seed is mixed with the epoch (data.epoch_order) and the rank (dropout)
-#: into torch generator seeds, which must stay below 2**64; NumPy takes seeds below 2**32
-SEED_LIMIT = 2**32
+def validate(cfg: FinetuneConfig) -> FinetuneConfig:
+    """:meth:`FinetuneConfig.validate` as a function."""
+    return cfg.validate()
 
 
 def check_seed(seed) -> None:
     """One line for a seed the generators cannot take (checked by a grid before any run, too)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
-        raise InputError(f"--seed must be a whole number from 0 to {SEED_LIMIT - 1}, got {seed}")
+    check_value(FinetuneConfig, "seed", seed)
+
+
+#: the fingerprint's records of the data files' contents (a file changed in place keeps its path)
+_DATA_KEYS = {"train_data": "train", "eval_data": "eval"}
 
 
 def data_identity(path: str) -> dict:

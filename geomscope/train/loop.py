@@ -48,7 +48,6 @@ from geomscope.train.config import (
     config_record,
     fingerprint,
     resolved_lora_alpha,
-    validate,
 )
 from geomscope.train.data import (
     Encoded,
@@ -196,7 +195,7 @@ def planned_fingerprint(cfg: FinetuneConfig) -> dict:
     """The fingerprint ``finetune(cfg)`` records in its checkpoint, from the model's config alone (no
     weights read): what a sweep compares its finished runs with before deciding to skip them."""
     cfg = _resolve_model_alias(cfg)
-    validate(cfg)
+    cfg.validate()
     return fingerprint(cfg, _planned_layers(cfg)[1], dd.world_from_env()[1])
 
 
@@ -233,7 +232,7 @@ def check_run(cfg: FinetuneConfig) -> FinetuneConfig:
     from geomscope.train.engine import check_device
 
     cfg = _resolve_model_alias(cfg)
-    validate(cfg)
+    cfg.validate()
     check_device(cfg.device, cfg.precision)
     out = Path(cfg.out)
     state = check_out(cfg)
@@ -254,7 +253,7 @@ def finetune(cfg: FinetuneConfig, *, quiet: bool = False, note=None) -> dict:
     """Run the fine-tuning described by ``cfg``; return the summary (also written to summary.json)."""
     note = note or (lambda msg: print(msg, file=sys.stderr))
     cfg = _resolve_model_alias(cfg)
-    validate(cfg)
+    cfg.validate()
     from geomscope.train import engine as en
 
     eng = en.start(cfg.device, cfg.precision)
