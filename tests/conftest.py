@@ -20,6 +20,7 @@ def cli(capsys):
     def run(args):
         from geomscope.cli import main
 
+        capsys.readouterr()  # only the command's own output: not what the test's set-up printed
         code = 0
         try:
             main([str(a) for a in args])

@@ -66,8 +66,6 @@ def _has_special_flags(src) -> bool:
     return src.kind == "run" or all("special" in t.meta for t in src.tasks)
 
 
-
-
 def check_memory_mb(memory_mb: float) -> float:
     """``memory_mb`` if in (0, :data:`MAX_MEMORY_MB`]; InputError (one line) otherwise (NaN too)."""
     if not 0 < memory_mb <= MAX_MEMORY_MB:
