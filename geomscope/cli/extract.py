@@ -19,45 +19,39 @@ def _declared(name: str, complete=None):
     return declared_option(ExtractOptions, name, complete)
 
 
+MODEL_HELP = "Local model directory, hub name (org/name), or bundled:minilm (the packaged all-MiniLM-L6-v2)."
+INPUT_HELP = (
+    "Text files (one document per line), .jsonl, .csv/.tsv, a datasets.save_to_disk directory, "
+    "or - for stdin."
+)
+OUT_HELP = (
+    "Run directory to write (rerun the same command to resume); with --revisions, the directory that "
+    "holds one run per revision."
+)
+REVISIONS_HELP = (
+    "Many checkpoints, one run each in --out/<revision>/: hub revisions (comma list or a file, one per "
+    "line), the preset pythia-mm21 (step0, step7000 ... step143000), or local checkpoint directories (a "
+    "glob, e.g. 'ft_out/checkpoints/*'). A finished run is skipped when asked for as before (the same "
+    "model files or commit, inputs and options); otherwise it is extracted as one extract would "
+    "(resumed, or refused naming what differs)."
+)
+DROP_WEIGHTS_HELP = (
+    "With --revisions: delete each revision's snapshot from the hub cache once its run is complete, if "
+    "this command downloaded it (disk stays at about one checkpoint)."
+)
+
+
 @app.command("extract")
 def extract_cmd(
-    model: str = typer.Argument(
-        ...,
-        metavar="MODEL",
-        help="Local model directory, hub name (org/name), or bundled:minilm (the packaged all-MiniLM-L6-v2).",
-    ),
-    inputs: list[str] = typer.Argument(
-        ...,
-        metavar="INPUT",
-        help="Text files (one document per line), "
-        ".jsonl, .csv/.tsv, a datasets.save_to_disk directory, or - for stdin.",
-    ),
-    out: Path = typer.Option(
-        ...,
-        "--out",
-        "-o",
-        metavar="RUN_DIR",
-        help="Run directory to write (rerun the same command to resume); with --revisions, the "
-        "directory that holds one run per revision.",
-    ),
+    model: str = typer.Argument(..., metavar="MODEL", help=MODEL_HELP),
+    inputs: list[str] = typer.Argument(..., metavar="INPUT", help=INPUT_HELP),
+    out: Path = typer.Option(..., "--out", "-o", metavar="RUN_DIR", help=OUT_HELP),
     layers: str = _declared("layers", _complete.model_layers),
     revision: Optional[str] = _declared("revision"),
     revisions: Optional[str] = typer.Option(
-        None,
-        "--revisions",
-        metavar="LIST|FILE|PRESET|GLOB",
-        help="Many checkpoints, one run each in --out/<revision>/: hub revisions (comma list or a "
-        "file, one per line), the preset pythia-mm21 (step0, step7000 ... step143000), or local "
-        "checkpoint directories (a glob, e.g. 'ft_out/checkpoints/*'). A finished run is skipped when "
-        "asked for as before (the same model files or commit, inputs and options); otherwise it is "
-        "extracted as one extract would (resumed, or refused naming what differs).",
+        None, "--revisions", metavar="LIST|FILE|PRESET|GLOB", help=REVISIONS_HELP
     ),
-    drop_weights: bool = typer.Option(
-        False,
-        "--drop-weights",
-        help="With --revisions: delete each revision's snapshot from the hub cache once its run is "
-        "complete, if this command downloaded it (disk stays at about one checkpoint).",
-    ),
+    drop_weights: bool = typer.Option(False, "--drop-weights", help=DROP_WEIGHTS_HELP),
     dtype: str = _declared("dtype"),
     store_dtype: str = _declared("store_dtype"),
     device: str = _declared("device"),
@@ -87,49 +81,51 @@ def extract_cmd(
     """Run a checkpoint over texts and store every requested layer's token activations (or the loss's
     gradients with respect to them) as HDF5 shards."""
     import json
-    import sys
-
-    chosen = {name: value for name, value in locals().items() if name in declared(ExtractOptions)}
-
-    from rich.console import Console
 
     from geomscope.errors import GeomscopeError
-    from geomscope.extract.run import extract
 
-    console = Console(stderr=True)
-    log = None if quiet else (lambda msg: console.print(msg, markup=False, highlight=False, soft_wrap=True))
+    chosen = {name: value for name, value in locals().items() if name in declared(ExtractOptions)}
     try:
         options = ExtractOptions(**{**chosen, "text_column": text_column or text_field})
-        if revisions is not None:
-            from geomscope.errors import InputError
-            from geomscope.extract.revisions import extract_revisions
-            from geomscope.model.revisions import resolve_revisions
-
-            if revision is not None:
-                raise InputError("give either --revision (one checkpoint) or --revisions (many), not both")
-            summary = extract_revisions(
-                model,
-                inputs,
-                out,
-                resolve_revisions(model, revisions),
-                options,
-                drop_weights=drop_weights,
-                progress=not quiet,
-                log=log,
-                stdin=sys.stdin,
-            )
-        else:
-            if drop_weights:
-                from geomscope.errors import InputError
-
-                raise InputError("--drop-weights applies to --revisions runs")
-            summary = extract(model, inputs, out, options, progress=not quiet, log=log, stdin=sys.stdin)
+        summary = _extract(model, inputs, out, options, revisions, drop_weights, quiet)
     except GeomscopeError as e:
         if json_out and getattr(e, "summary", None) is not None:
             typer.echo(json.dumps(e.summary))
         raise
     if json_out and _is_main_process():  # several processes (torchrun): one summary, from process 0
         typer.echo(json.dumps(summary))
+
+
+def _extract(model, inputs, out, options, revisions, drop_weights: bool, quiet: bool) -> dict:
+    """One run, or one run per revision of ``--revisions``: the summary the library returns."""
+    import sys
+
+    from rich.console import Console
+
+    from geomscope.errors import InputError
+    from geomscope.extract.revisions import extract_revisions
+    from geomscope.extract.run import extract
+    from geomscope.model.revisions import resolve_revisions
+
+    console = Console(stderr=True)
+    log = None if quiet else (lambda msg: console.print(msg, markup=False, highlight=False, soft_wrap=True))
+    if revisions is None:
+        if drop_weights:
+            raise InputError("--drop-weights applies to --revisions runs")
+        return extract(model, inputs, out, options, progress=not quiet, log=log, stdin=sys.stdin)
+    if options.revision is not None:
+        raise InputError("give either --revision (one checkpoint) or --revisions (many), not both")
+    return extract_revisions(
+        model,
+        inputs,
+        out,
+        resolve_revisions(model, revisions),
+        options,
+        drop_weights=drop_weights,
+        progress=not quiet,
+        log=log,
+        stdin=sys.stdin,
+    )
 
 
 def _is_main_process() -> bool:

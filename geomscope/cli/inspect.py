@@ -30,7 +30,6 @@ def inspect_cmd(
     from rich.console import Console
     from rich.table import Table
 
-    from geomscope.errors import DataError
     from geomscope.report import shown
     from geomscope.store import describe_run
 
@@ -38,85 +37,81 @@ def inspect_cmd(
     if json_out:
         typer.echo(json.dumps(d))
     else:
-        m = d["model"]
         t = Table(show_header=False, box=None, pad_edge=False)
         t.add_column(style="bold")
         t.add_column()
-        rev = m.get("revision") or "-"
-        if m.get("commit"):
-            rev += f" (commit {m['commit'][:12]})"
-        planned = d.get("planned_shards")
-        status = _status(d, planned)
-        rows = [
-            ("run", d["run_dir"]),
-            ("status", status),
-            (
-                "model",
-                f"{m.get('name')} ({m.get('model_type')}, {m.get('architecture')}, {m.get('stack')} stack, "
-                f"{m.get('attention')})",
-            ),
-            ("revision", rev),
-            (
-                "layers",
-                f"{len(d['layers'])}: {', '.join(d['layers'])}" + _norm_note(d),
-            ),
-            ("dim", str(d["dim"])),
-            *([("capture", _capture_note(d))] if d.get("capture", "activations") != "activations" else []),
-            ("dtype", f"model {m.get('dtype')}, stored {d['store_dtype']}"),
-            ("rows", f"{d['rows']:,}" + _keep_note(d)),
-            ("documents", f"{d['docs']:,}"),
-            ("shards", f"{d['shards']}" + (f" of {planned}" if planned and not d["complete"] else "")),
-            ("size on disk", _human(d["bytes_on_disk"])),
-            (
-                "nonfinite rows",
-                f"{d['nonfinite_rows']:,}"
-                + (
-                    " (" + ", ".join(f"{k}: {v}" for k, v in d["nonfinite_by_layer"].items()) + ")"
-                    if d["nonfinite_by_layer"]
-                    else ""
-                ),
-            ),
-            ("inputs", ", ".join(f"{i.get('path')} ({i.get('kind')})" for i in d["inputs"]) or "-"),
-            ("options", ", ".join(f"{k}={v}" for k, v in d["options"].items())),
-        ]
-        if d["interrupted_shard_files"]:
-            rows.append(("interrupted", ", ".join(d["interrupted_shard_files"]) + " (redone on resume)"))
-        if "verify" in d:
-            v = d["verify"]
-            rows.append(
-                (
-                    "verify",
-                    "all shards match their checksums; every document id is in exactly one shard "
-                    f"({counted(v['documents']['docs'], 'document')} in "
-                    f"{counted(v['documents']['shards'], 'shard')})"
-                    if v["ok"]
-                    else "; ".join(
-                        [f"the manifest disagrees with itself: {why}" for why in v["manifest"]]
-                        + (
-                            [
-                                f"{len(v['bad'])} of {v['checked']} shards damaged: "
-                                + ", ".join(b["file"] for b in v["bad"])
-                            ]
-                            if v["bad"]
-                            else []
-                        )
-                    ),
-                )
-            )
-        for k, v in rows:  # every value holds names from the run (model, layers, files, inputs)
+        for k, v in _rows(d):  # every value holds names from the run (model, layers, files, inputs)
             t.add_row(k, shown(v))
         Console().print(t)  # the report is the output: stdout, like --json
-    if verify and d["verify"]["manifest"]:  # deleting shards would not mend it
-        v = d["verify"]
+    if verify:
+        _refuse_damage(d["verify"], run_dir)
+
+
+def _rows(d: dict) -> list[tuple[str, str]]:
+    """The table's rows: what the run is, holds and asked for."""
+    m = d["model"]
+    rev = m.get("revision") or "-"
+    if m.get("commit"):
+        rev += f" (commit {m['commit'][:12]})"
+    planned = d.get("planned_shards")
+    nonfinite = ", ".join(f"{k}: {v}" for k, v in d["nonfinite_by_layer"].items())
+    rows = [
+        ("run", d["run_dir"]),
+        ("status", _status(d, planned)),
+        (
+            "model",
+            f"{m.get('name')} ({m.get('model_type')}, {m.get('architecture')}, {m.get('stack')} stack, "
+            f"{m.get('attention')})",
+        ),
+        ("revision", rev),
+        ("layers", f"{len(d['layers'])}: {', '.join(d['layers'])}" + _norm_note(d)),
+        ("dim", str(d["dim"])),
+        *([("capture", _capture_note(d))] if d.get("capture", "activations") != "activations" else []),
+        ("dtype", f"model {m.get('dtype')}, stored {d['store_dtype']}"),
+        ("rows", f"{d['rows']:,}" + _keep_note(d)),
+        ("documents", f"{d['docs']:,}"),
+        ("shards", f"{d['shards']}" + (f" of {planned}" if planned and not d["complete"] else "")),
+        ("size on disk", _human(d["bytes_on_disk"])),
+        ("nonfinite rows", f"{d['nonfinite_rows']:,}" + (f" ({nonfinite})" if nonfinite else "")),
+        ("inputs", ", ".join(f"{i.get('path')} ({i.get('kind')})" for i in d["inputs"]) or "-"),
+        ("options", ", ".join(f"{k}={v}" for k, v in d["options"].items())),
+    ]
+    if d["interrupted_shard_files"]:
+        rows.append(("interrupted", ", ".join(d["interrupted_shard_files"]) + " (redone on resume)"))
+    if "verify" in d:
+        rows.append(("verify", _verify_line(d["verify"])))
+    return rows
+
+
+def _verify_line(v: dict) -> str:
+    """What ``--verify`` found, in one line."""
+    if v["ok"]:
+        return (
+            "all shards match their checksums; every document id is in exactly one shard "
+            f"({counted(v['documents']['docs'], 'document')} in {counted(v['documents']['shards'], 'shard')})"
+        )
+    found = [f"the manifest disagrees with itself: {why}" for why in v["manifest"]]
+    if v["bad"]:
+        found.append(
+            f"{len(v['bad'])} of {v['checked']} shards damaged: " + ", ".join(b["file"] for b in v["bad"])
+        )
+    return "; ".join(found)
+
+
+def _refuse_damage(v: dict, run_dir: str) -> None:
+    """DataError when ``--verify`` found the manifest or a shard damaged, saying how to mend it."""
+    from geomscope.errors import DataError
+
+    if v["manifest"]:  # deleting shards would not mend it
         also = f", and {len(v['bad'])} of {v['checked']} shards are damaged" if v["bad"] else ""
         raise DataError(
             f"the manifest of {run_dir} disagrees with itself ({v['manifest'][0]}){also}; rerun "
             "`geomscope extract` with --overwrite, or into a new --out"
         )
-    if verify and not d["verify"]["ok"]:
-        bad = d["verify"]["bad"]
+    if not v["ok"]:
+        bad = v["bad"]
         raise DataError(
-            f"{len(bad)} of {d['verify']['checked']} shards of {run_dir} are damaged "
+            f"{len(bad)} of {v['checked']} shards of {run_dir} are damaged "
             f"({', '.join(b['file'] for b in bad[:5])}); delete them and rerun the same "
             "`geomscope extract` command to redo them"
         )
