@@ -42,27 +42,43 @@ def compare_cmd(
     import json
 
     from geomscope.errors import InputError
-    from geomscope.fileio import ensure_writable, make_dirs, write_bytes_atomic, write_text_atomic
-    from geomscope.outputs import HEAD_BYTES, ensure_replaceable, json_format_is, starts_with
-    from geomscope.plot.figures import FIGURE_HINT, is_figure
-    from geomscope.plot.study import study_png
-    from geomscope.report import shown
-    from geomscope.schema import COMPARE_FORMAT
-    from geomscope.study.compare import compare, to_csv
+    from geomscope.study.compare import compare
 
-    # where the outputs go, and whether they may, is settled before the bootstraps run
     if out is None and len(dirs) != 1:
         raise InputError("several DIRs were given: name where the comparison goes with --out DIR")
     dest = out if out is not None else dirs[0]
-    # a user's file at any of these names is refused before anything is written, never replaced
+    _check_outputs(dest)  # where the outputs go, and whether they may, is settled before the bootstraps
+    result = compare([str(d) for d in dirs], allow_mixed=allow_mixed, n_boot=n_boot, seed=seed)
+    _write(dest, result, quiet)
+    if as_json:
+        typer.echo(json.dumps(result, allow_nan=False))
+
+
+def _check_outputs(dest: Path) -> None:
+    """A user's file at any of compare's output names is refused before anything is written."""
+    from geomscope.fileio import ensure_writable
+    from geomscope.outputs import HEAD_BYTES, ensure_replaceable, json_format_is, starts_with
+    from geomscope.plot.figures import FIGURE_HINT, is_figure
+    from geomscope.schema import COMPARE_FORMAT
+
     ensure_replaceable(dest / "compare.json", json_format_is(COMPARE_FORMAT), head=HEAD_BYTES)
     ensure_replaceable(dest / "compare.csv", starts_with(b"reg,lambda,n"), head=HEAD_BYTES)
     ensure_replaceable(dest / "compare.png", is_figure, hint=FIGURE_HINT)
     ensure_writable(dest)
-    result = compare([str(d) for d in dirs], allow_mixed=allow_mixed, n_boot=n_boot, seed=seed)
-    # every output is made before any is written: a figure that cannot be drawn leaves no new
-    # compare.json beside an old compare.png. allow_nan=False: Infinity or NaN is not JSON (the
-    # statistics give None for what a float cannot hold, so this only guards against a bug)
+
+
+def _write(dest: Path, result: dict, quiet: bool) -> None:
+    """compare.json, compare.csv and compare.png, every one made before any is written: a figure
+    that cannot be drawn leaves no new compare.json beside an old compare.png. allow_nan=False:
+    Infinity or NaN is not JSON (the statistics give None for what a float cannot hold, so this
+    only guards against a bug)."""
+    import json
+
+    from geomscope.fileio import make_dirs, write_bytes_atomic, write_text_atomic
+    from geomscope.plot.study import study_png
+    from geomscope.report import shown
+    from geomscope.study.compare import to_csv
+
     document = json.dumps(result, indent=1, allow_nan=False) + "\n"
     png = study_png(result)
     make_dirs(dest)
@@ -72,8 +88,6 @@ def compare_cmd(
     if not quiet:
         _print_table(result)
         typer.echo(f"wrote {shown(dest / 'compare.json', markup=False)}, compare.csv, compare.png", err=True)
-    if as_json:
-        typer.echo(json.dumps(result, allow_nan=False))
 
 
 def _fmt(mean, sd, sep: str = " ± ") -> str:

@@ -23,14 +23,15 @@ from geomscope.cli._options import (
 )
 from geomscope.options import choice_metavar
 
+REPORT_HELP = "Score report JSON files, a trajectory.csv (or finetune output dirs / steps.jsonl)."
+KIND_HELP = f"{' | '.join(choices.PLOT_KINDS)} (repeat or comma-separate; default auto)."
+METRICS_HELP = "Metrics to draw (comma list); default isoscore_star,isoscore,avgcos,twonn where present."
+LOG_X_HELP = "Trajectory: log (step 0 kept) or linear step axis; default log when steps span 2 decades."
+
 
 @app.command("plot")
 def plot_cmd(
-    inputs: List[str] = typer.Argument(
-        ...,
-        metavar="REPORT",
-        help="Score report JSON files, a trajectory.csv (or finetune output dirs / steps.jsonl).",
-    ),
+    inputs: List[str] = typer.Argument(..., metavar="REPORT", help=REPORT_HELP),
     out: str = typer.Option(
         ...,
         "--out",
@@ -38,18 +39,8 @@ def plot_cmd(
         metavar="FILE|DIR/",
         help="FILE.png|svg|pdf for one figure, or DIR/ for one file per kind.",
     ),
-    kind: Optional[List[str]] = typer.Option(
-        None,
-        "--kind",
-        "-k",
-        metavar="LIST",
-        help=f"{' | '.join(choices.PLOT_KINDS)} (repeat or comma-separate; default auto).",
-    ),
-    metrics: Optional[List[str]] = metrics_option(
-        None,
-        "Metrics to draw (comma list); default isoscore_star,isoscore,avgcos,twonn where present.",
-        _complete.plot_metrics,
-    ),
+    kind: Optional[List[str]] = typer.Option(None, "--kind", "-k", metavar="LIST", help=KIND_HELP),
+    metrics: Optional[List[str]] = metrics_option(None, METRICS_HELP, _complete.plot_metrics),
     layers: Optional[List[str]] = layers_option(None, STORED_LAYERS_HELP, _complete.report_layers),
     fmt: Optional[FigureFormat] = typer.Option(
         None,
@@ -65,11 +56,7 @@ def plot_cmd(
         max=choices.DPI_RANGE[1],
         help="Resolution of raster output, dots per inch.",
     ),
-    log_x: Optional[bool] = typer.Option(
-        None,
-        "--log-x/--linear-x",
-        help="Trajectory: log (step 0 kept) or linear step axis; default log when steps span 2 decades.",
-    ),
+    log_x: Optional[bool] = typer.Option(None, "--log-x/--linear-x", help=LOG_X_HELP),
     normalise: bool = typer.Option(
         False, "--normalise", help="Spectrum: explained-variance ratio against index / D."
     ),
