@@ -121,7 +121,7 @@ def run_request(model, ins, opts: ExtractOptions) -> dict | None:
 
     if isinstance(model, LoadedModel):
         return None
-    # no hub request: a revision the cache no longer holds is compared by name (request_differences)
+    # no hub request: a revision missing from the cache is compared by name (request_differences)
     rec = model_request(str(model), opts.revision, opts.cache_dir)
     if rec is None:
         return None
