@@ -75,13 +75,20 @@ def _on_the_command_line(constraint, value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-EXTRACT_CLI = [
-    (name, flag, arg)
-    for _cls, name, flag, value in CASES
-    if _cls is ExtractOptions
-    and not declared(ExtractOptions)[name].hidden  # a deprecated spelling the CLI maps itself
-    and (arg := _on_the_command_line(declared(ExtractOptions)[name].constraint, value)) is not None
-]
+def _cli_cases(cls) -> list[tuple[str, str, str]]:
+    """(field, flag, argument) of every invalid value of ``cls`` the command line can carry; a
+    hidden option (a deprecated spelling the CLI maps itself) is left out."""
+    options = declared(cls)
+    return [
+        (name, flag, arg)
+        for owner, name, flag, value in CASES
+        if owner is cls
+        and not options[name].hidden
+        and (arg := _on_the_command_line(options[name].constraint, value)) is not None
+    ]
+
+
+EXTRACT_CLI = _cli_cases(ExtractOptions)
 
 
 @pytest.mark.parametrize("name, flag, arg", EXTRACT_CLI, ids=[f"{f}={a!r}" for _, f, a in EXTRACT_CLI])
@@ -94,12 +101,7 @@ def test_extract_refuses_every_invalid_value_in_one_line(cli, tmp_path, name, fl
     assert not (tmp_path / "run").exists()
 
 
-FINETUNE_CLI = [
-    (name, flag, arg)
-    for _cls, name, flag, value in CASES
-    if _cls is FinetuneConfig
-    and (arg := _on_the_command_line(declared(FinetuneConfig)[name].constraint, value)) is not None
-]
+FINETUNE_CLI = _cli_cases(FinetuneConfig)
 
 
 @pytest.mark.parametrize("name, flag, arg", FINETUNE_CLI, ids=[f"{f}={a!r}" for _, f, a in FINETUNE_CLI])
@@ -112,12 +114,7 @@ def test_finetune_refuses_every_invalid_value_in_one_line(cli, tmp_path, name, f
     assert not (tmp_path / "run").exists()
 
 
-SCORE_CLI = [
-    (name, flag, arg)
-    for _cls, name, flag, value in CASES
-    if _cls is ScoreOptions
-    and (arg := _on_the_command_line(declared(ScoreOptions)[name].constraint, value)) is not None
-]
+SCORE_CLI = _cli_cases(ScoreOptions)
 
 
 @pytest.mark.parametrize("name, flag, arg", SCORE_CLI, ids=[f"{f}={a!r}" for _, f, a in SCORE_CLI])
