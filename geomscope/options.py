@@ -197,33 +197,48 @@ class Flag(Constraint):
 
 @dataclass(frozen=True)
 class CommaList(Constraint):
-    """A non-empty list of values that ``item`` allows: a list or tuple, or a comma list (``8,32``;
-    empty words skipped) whose words ``convert`` reads (a word it cannot read stays text, for
-    ``item`` to refuse)."""
+    """A list option: one comma list (``8,32``), or a list or tuple whose strings may each be a
+    comma list (a repeated option gives them); empty words are skipped. Each word is read by
+    ``convert`` (a word it cannot read stays text, for ``item`` to refuse); every value must satisfy
+    ``item``. ``what`` names the values in the error. With ``nonempty`` an empty list is refused;
+    without, whether it means everything or nothing is the command's to say, as is which names
+    exist."""
 
-    item: Constraint
+    what: str
+    item: Constraint = Text()
     convert: Callable = str
-    words: str = "a non-empty comma list"
+    nonempty: bool = False
 
     def items(self, value) -> list:
-        """The values of ``value`` (a comma list's words read by ``convert``)."""
-        if not isinstance(value, str):
-            return list(value)
-        out = []
-        for word in (w.strip() for w in value.split(",") if w.strip()):
-            try:
-                out.append(self.convert(word))
-            except ValueError:
-                out.append(word)
+        """The values of ``value``: every comma list's words read by ``convert``, other items as given."""
+        out: list = []
+        for part in [value] if isinstance(value, str) else value:
+            if not isinstance(part, str):
+                out.append(part)
+                continue
+            for word in (w.strip() for w in part.split(",") if w.strip()):
+                try:
+                    out.append(self.convert(word))
+                except ValueError:
+                    out.append(word)
         return out
 
+    def describe(self) -> str:
+        return f"a comma list of {self.what}"
+
     def reason(self, value) -> str | None:
-        items = self.items(value) if isinstance(value, (str, list, tuple)) else []
-        ok = bool(items) and all(self.item.reason(v) is None for v in items)
-        return None if ok else f"must be {self.words}"
+        values = self.items(value) if isinstance(value, (str, list, tuple)) else None
+        ok = values is not None and (bool(values) or not self.nonempty)
+        ok = ok and all(self.item.reason(v) is None for v in values)
+        return None if ok else f"must be {self.describe()}"
 
     def invalid(self) -> tuple:
-        return ("", ",", 7, *((v,) for v in self.item.invalid()))
+        """Not a list; a list holding None; each of the item's invalid values as a word (a string)
+        or as a list's item; and, with ``nonempty``, the empty lists. A word ``convert`` reads into
+        a valid value (the string "1" of whole numbers) is left out."""
+        bad = [7, 2.5, (None,), *(("", ",", ()) if self.nonempty else ())]
+        bad += [v if isinstance(v, str) else (v,) for v in self.item.invalid()]
+        return tuple({repr(v): v for v in bad if self.reason(v) is not None}.values())
 
 
 #: a number in [0, 1]: a shrinkage weight, a fraction
@@ -233,19 +248,27 @@ UNIT_INTERVAL = Interval(whole=False, low=0, high=1, words="a number in [0, 1]")
 @dataclass(frozen=True)
 class Option:
     """One declared option: its constraint, help and command-line form. ``optional``: None is a
-    value (the option is unset); ``flag``: the long flag (default ``--field-name``)."""
+    value (the option is unset); ``flag``: the long flag (default ``--field-name``); ``off``: the
+    flag that sets a :class:`Flag` False where its default, None, leaves the choice to the command
+    (``--log-x/--linear-x``)."""
 
     constraint: Constraint
     help: str
     metavar: str | None = None
     flag: str | None = None
     short: str | None = None
+    off: str | None = None
     optional: bool = False
     hidden: bool = False
 
 
+#: the default of an option that has none: it must be given (``export --to``)
+REQUIRED = dataclasses.MISSING
+
+
 def option(default, constraint: Constraint, help: str, **form) -> dataclasses.Field:
-    """A dataclass field declaring an option (``form``: the keywords of :class:`Option`)."""
+    """A dataclass field declaring an option (``form``: the keywords of :class:`Option`); a
+    ``REQUIRED`` option is a field without a default."""
     return field(default=default, metadata={"option": Option(constraint, help, **form)})
 
 
@@ -261,7 +284,7 @@ def declared(cls) -> dict[str, Option]:
 
 
 def default_of(cls, name: str):
-    """The declared default of field ``name`` of ``cls``."""
+    """The declared default of field ``name`` of ``cls`` (``REQUIRED`` where it has none)."""
     return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
 
@@ -291,29 +314,3 @@ def invalid_settings(cls) -> Iterator[tuple[str, str, object]]:
     for name, opt in declared(cls).items():
         for value in opt.constraint.invalid():
             yield name, opt.flag, value
-
-
-@dataclass(frozen=True)
-class Items(Constraint):
-    """A list option: one comma-separated string, or a list or tuple of strings (each may be a comma
-    list itself, as a repeated option gives them) or, with ``whole``, of whole numbers. With
-    ``whole`` every item is a whole number >= 1. Which names exist, and whether an empty list means
-    everything or nothing, is the command's to say."""
-
-    what: str
-    whole: bool = False
-
-    def _ok(self, item) -> bool:
-        if isinstance(item, str):
-            words = [w.strip() for w in item.split(",") if w.strip()]
-            return not self.whole or all(w.isdigit() and int(w) >= 1 for w in words)
-        return self.whole and _is_int(item) and item >= 1
-
-    def reason(self, value) -> str | None:
-        items = [value] if isinstance(value, str) else value if isinstance(value, (list, tuple)) else None
-        if items is None or not all(self._ok(v) for v in items):
-            return f"must be a comma list of {self.what}"
-        return None
-
-    def invalid(self) -> tuple:
-        return (3, 2.5, (None,), *(("x", "8,0", (0,)) if self.whole else ()))

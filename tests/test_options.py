@@ -18,6 +18,7 @@ from geomscope.options import (
     PROBABILITY,
     SEED,
     Choice,
+    CommaList,
     Device,
     Flag,
     Interval,
@@ -147,6 +148,8 @@ def _only_three(spec: str) -> int:
         (Text(), ("text", "a b")),
         (Flag(), (True, False)),
         (Parsed(_only_three, bad=("x", "4")), ("3",)),
+        (CommaList("names"), ("a", "a, b", ["a", "b,c"], "", ",", [])),
+        (CommaList("ranks", POSITIVE_INT, int, nonempty=True), ("8", "8,32", (8, 32), ["8", 32])),
     ],
 )
 def test_each_constraint_accepts_its_values_and_refuses_its_invalid_ones(constraint, good):
@@ -154,6 +157,15 @@ def test_each_constraint_accepts_its_values_and_refuses_its_invalid_ones(constra
         assert constraint.reason(value) is None, (constraint, value)
     for value in constraint.invalid():
         assert constraint.reason(value) is not None, (constraint, value)
+
+
+def test_a_list_refuses_what_its_items_refuse():
+    names = CommaList("names")
+    assert {names.reason(v) for v in (3, (None,), ("a", 3))} == {"must be a comma list of names"}
+    ranks = CommaList("ranks", POSITIVE_INT, int, nonempty=True)
+    for bad in ("", ",", (), "8,0", "8,x", "1.5", (0,), ("8", True)):
+        assert ranks.reason(bad) == "must be a comma list of ranks", bad
+    assert ranks.items(["8,32", 128]) == [8, 32, 128]
 
 
 def test_a_seed_is_bounded_by_one_rule():

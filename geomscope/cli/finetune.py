@@ -138,10 +138,10 @@ def _axis(name: str, text, read) -> list:
     """The values of the comma list ``text`` of grid option ``name``, each read by ``read`` and
     checked against the option's declaration (one line naming the flag for the first that fails)."""
     opt = declared(FinetuneConfig)[name]
-    axis = CommaList(opt.constraint, read)
+    axis = CommaList("one or more values", opt.constraint, read, nonempty=True)
     values = axis.items(str(text))
     if not values:
-        raise OptionError(f"{opt.flag} must be {axis.words}, not {text!r}")
+        raise OptionError(f"{opt.flag} must be {axis.describe()}, not {text!r}")
     for v in values:
         check_value(FinetuneConfig, name, v)
     return values

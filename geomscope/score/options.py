@@ -21,9 +21,9 @@ from geomscope.options import (
     SEED,
     SEED_RANGE,
     Choice,
+    CommaList,
     Flag,
     Interval,
-    Items,
     Layers,
     OptionError,
     Parsed,
@@ -81,7 +81,7 @@ class ScoreOptions:
 
     metrics: tuple[str, ...] | str = option(
         DEFAULT_METRICS,
-        Items("metric names"),
+        CommaList("metric names"),
         "Comma list of isoscore, isoscore_star, avgcos, spectrum, outliers, twonn, partition and "
         "scikit-dimension estimators (e.g. mle, lpca); 'all' = those seven core metrics (the "
         "estimators only when named).",
@@ -103,7 +103,7 @@ class ScoreOptions:
     )
     avgcos_variants: tuple[str, ...] | str = option(
         AVGCOS_VARIANTS,
-        Items("average cosine variants"),
+        CommaList("average cosine variants"),
         "Average cosine variants: plain, centred, standardised.",
         metavar="LIST",
     )
@@ -136,7 +136,7 @@ class ScoreOptions:
         5000, Interval(whole=True, low=3), "Rows per layer sampled for intrinsic dimension.", metavar="N"
     )
     id_estimator: tuple[str, ...] | str = option(
-        (), Items("estimator names"), "More intrinsic-dimension estimators (comma list).", metavar="LIST"
+        (), CommaList("estimator names"), "More intrinsic-dimension estimators (comma list).", metavar="LIST"
     )
     twonn_fit: str = option(
         "linear",
@@ -196,7 +196,7 @@ class ScoreOptions:
     )
     columns: tuple[str, ...] | str | None = option(
         None,
-        Items("array names"),
+        CommaList("array names"),
         "Arrays to score from an .npz, .safetensors, .pt, Arrow or Parquet source "
         "(members, tensors or columns; comma list or repeated; default: every 2-D numeric one).",
         metavar="NAME",
@@ -225,7 +225,7 @@ class ScoreOptions:
     )
     ranks: tuple[int, ...] | str = option(
         (8, 32, 128),
-        Items("ranks (whole numbers >= 1)", whole=True),
+        CommaList("ranks (whole numbers >= 1)", POSITIVE_INT, int),
         "Ranks r of the --basis subspaces (each below D).",
         metavar="LIST",
         flag="--rank",

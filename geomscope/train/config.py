@@ -98,6 +98,8 @@ FINETUNE_SEED = Interval(
     whole=True, low=0, high=SEED_LIMIT - 1, words=f"a whole number from 0 to {SEED_LIMIT - 1}"
 )
 _POSITIVE = Interval(whole=False, low=0, open_low=True, words="a positive number")
+#: --geometry-rank: whole numbers >= 1, however written (8,32 or a list of them)
+_RANKS = CommaList("whole numbers >= 1 (e.g. 8,32)", POSITIVE_INT, int, nonempty=True)
 
 
 @dataclass
@@ -220,7 +222,7 @@ class FinetuneConfig:
     )
     geometry_rank: tuple[int, ...] = option(
         (8, 32),
-        CommaList(POSITIVE_INT, int, words="a comma list of whole numbers >= 1 (e.g. 8,32)"),
+        _RANKS,
         "Ranks r of the C0 subspaces for --log-geometry (each below the hidden size D).",
         metavar="LIST",
     )
@@ -296,9 +298,11 @@ class FinetuneConfig:
     extra: dict = field(default_factory=dict)  # recorded in run.json / summary.json (e.g. model alias)
 
     def validate(self) -> FinetuneConfig:
-        """``self`` when every option meets its declaration (:func:`geomscope.options.check`) and the
-        rules between options hold; InputError (one line) naming the option otherwise."""
+        """``self``, its ``geometry_rank`` read as a tuple of whole numbers ("8,32" -> (8, 32)), when
+        every option meets its declaration (:func:`geomscope.options.check`) and the rules between
+        options hold; InputError (one line) naming the option otherwise."""
         check(self)
+        self.geometry_rank = tuple(_RANKS.items(self.geometry_rank))
         if self.eval is None:
             raise InputError("an evaluation file is needed: pass --eval FILE")
         if self.grad_accum > 1 and self.log_geometry is not None:
