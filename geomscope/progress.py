@@ -1,4 +1,12 @@
-"""The one progress display of every command: a rich bar on stderr, a no-op when disabled.
+"""The one message and progress convention of every command.
+
+Every library entry point (``extract``, ``extract_revisions``, ``score``, ``export_run``,
+``finetune``, ``run_sweep``) takes the same pair, with the same defaults:
+
+- ``progress: bool = False``: a rich bar on stderr while it works;
+- ``log: Log | None = None``: where its messages go, one line each (what it plans, what it wrote,
+  what it warns about); ``None`` is :func:`silent`. The command line passes a log that prints on
+  stderr (:func:`geomscope.cli._options.stderr_log`) unless ``--quiet``.
 
 ``with Progress(enabled) as bar: task = bar.add("extract", total, unit="docs", rate_unit="tok")``,
 then ``task.advance(n, work=tokens)`` (``work`` drives the rate; default ``n``), ``task.skip(n)``
@@ -9,6 +17,19 @@ for work an earlier run did (counts toward the bar, not the rate), ``task.descri
 from __future__ import annotations
 
 import time
+from typing import Callable
+
+#: a message sink: called with one line of text (no newline)
+Log = Callable[[str], None]
+
+
+def silent(msg: str) -> None:
+    """The log that says nothing: the default of every library entry point."""
+
+
+def log_to(log: Log | None) -> Log:
+    """``log`` itself, or :func:`silent` for ``None``."""
+    return silent if log is None else log
 
 
 class Task:
@@ -103,3 +124,23 @@ def _as_text(description: str) -> str:
     from geomscope.report import shown
 
     return shown(description)
+
+
+def stderr_log(prefix: str = "") -> Log:
+    """The command line's log: each message one line on stderr, soft-wrapped, every character of it
+    shown as itself (:func:`geomscope.report.shown`), after ``prefix`` in yellow when one is given
+    (``stderr_log("warning:")``)."""
+    from rich.console import Console
+    from rich.text import Text
+
+    from geomscope.report import shown
+
+    console = Console(stderr=True)
+
+    def log(msg: str) -> None:
+        text = Text(shown(msg, markup=False))
+        if prefix:
+            text = Text.assemble((prefix, "yellow"), " ", text)
+        console.print(text, highlight=False, soft_wrap=True)
+
+    return log

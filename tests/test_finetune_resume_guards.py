@@ -148,7 +148,7 @@ def test_eval_geometry_with_include_padding_does_not_depend_on_batch_size(data, 
             reg="none",
             include_padding=True,
         )
-        evals[bs] = loop.finetune(cfg, quiet=True, note=lambda m: None)["final"]
+        evals[bs] = loop.finetune(cfg)["final"]
     for bs in (4, 12):
         for k in ("isoscore_star", "isoscore", "avgcos", "avgcos_last_layer", "eval_tokens"):
             assert evals[bs][k] == pytest.approx(evals[1][k], rel=1e-5, abs=1e-7), (bs, k)

@@ -150,7 +150,7 @@ def test_sweep_checks_bundled_minilm_as_a_run_loads_it(tiny, tmp_path, monkeypat
         model="bundled:minilm", train=str(tiny["train"]), eval=str(tiny["eval"]),
         out=str(tmp_path / "sw"), text_field="sentence", label_field="label", device="cpu",
     )  # fmt: skip
-    results = run_sweep(base, grid(["istar"], [-1.0, 0.0], [0]), quiet=True)
+    results = run_sweep(base, grid(["istar"], [-1.0, 0.0], [0]))
     assert [r["status"] for r in results] == ["done", "done"]
     assert [c.model for c in seen] == ["bundled:minilm"] * 2
 

@@ -205,7 +205,7 @@ def test_compare_bad_inputs(cli, sweep, tmp_path):
         device="cpu",
         reg="none",
     )
-    assert all(r["status"] == "done" for r in run_sweep(base, grid(["none"], [0.0], [0, 1]), quiet=True))
+    assert all(r["status"] == "done" for r in run_sweep(base, grid(["none"], [0.0], [0, 1])))
     other = tmp_path / "other"
     import shutil
 
@@ -280,8 +280,8 @@ def test_sweep_restarts_a_run_cut_off_before_its_first_checkpoint(tmp_path):
     (cut / ".geomscope-finetune.json").write_text('{"format": "geomscope-finetune", "files": []}')
     (cut / "run.json").write_text("{}")  # what a run killed during its first epoch leaves
     (tmp_path / "g" / "sweep.json").write_text('{"format": "geomscope-sweep", "runs": []}')
-    assert [r["status"] for r in run_sweep(base, points, quiet=True)] == ["done", "done"]
-    assert [r["status"] for r in run_sweep(base, points, quiet=True)] == ["skipped", "skipped"]
+    assert [r["status"] for r in run_sweep(base, points)] == ["done", "done"]
+    assert [r["status"] for r in run_sweep(base, points)] == ["skipped", "skipped"]
 
 
 def test_a_grid_stops_at_a_bad_input_and_says_why(cli, sweep, tmp_path):

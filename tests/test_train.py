@@ -440,7 +440,7 @@ def _steps(out):
 
 def test_finetune_outputs_and_head_note(tiny, tmp_path):
     notes = []
-    s = finetune(_cfg(tiny, tmp_path / "o"), quiet=True, note=notes.append)
+    s = finetune(_cfg(tiny, tmp_path / "o"), log=notes.append)
     out = tmp_path / "o"
     assert any("no sequence-classification head" in n and "added" in n for n in notes)
     assert s["steps"] == 12 and s["head_added"] and s["layers"] == [1, 2]
@@ -459,28 +459,25 @@ def test_finetune_outputs_and_head_note(tiny, tmp_path):
     assert m.config.id2label == {0: "negative", 1: "positive"}
     # a checkpoint that has a matching head is used silently; a different label count is replaced loudly
     notes.clear()
-    finetune(_cfg(tiny, tmp_path / "o2", model=str(out), epochs=1, reg="none"), quiet=True, note=notes.append)
+    finetune(_cfg(tiny, tmp_path / "o2", model=str(out), epochs=1, reg="none"), log=notes.append)
     assert notes == []
     three = write_csv(tmp_path / "three.csv", synthetic_rows(12) + [("so so film", "mixed")] * 4)
     finetune(
         _cfg(tiny, tmp_path / "o3", model=str(out), train=str(three), eval=str(three), epochs=1),
-        quiet=True,
-        note=notes.append,
+        log=notes.append,
     )
     assert any("replaced it" in n for n in notes)
 
 
 def test_resume_reproduces_an_uninterrupted_run(tiny, tmp_path):
-    full = finetune(_cfg(tiny, tmp_path / "full", epochs=2), quiet=True, note=lambda m: None)
-    finetune(_cfg(tiny, tmp_path / "part", epochs=1), quiet=True, note=lambda m: None)
+    full = finetune(_cfg(tiny, tmp_path / "full", epochs=2))
+    finetune(_cfg(tiny, tmp_path / "part", epochs=1))
     (tmp_path / "part" / "summary.json").unlink()
     with pytest.raises(InputError, match="already holds a finetune run"):
-        finetune(_cfg(tiny, tmp_path / "part", epochs=2), quiet=True, note=lambda m: None)
+        finetune(_cfg(tiny, tmp_path / "part", epochs=2))
     with pytest.raises(InputError, match="trained with lr=0.002, not 0.001"):
-        finetune(
-            _cfg(tiny, tmp_path / "part", epochs=2, lr=1e-3, resume=True), quiet=True, note=lambda m: None
-        )
-    res = finetune(_cfg(tiny, tmp_path / "part", epochs=2, resume=True), quiet=True, note=lambda m: None)
+        finetune(_cfg(tiny, tmp_path / "part", epochs=2, lr=1e-3, resume=True))
+    res = finetune(_cfg(tiny, tmp_path / "part", epochs=2, resume=True))
     assert res["resumed"] and res["steps"] == full["steps"]
     a, b = _steps(tmp_path / "full"), _steps(tmp_path / "part")
     assert [r["step"] for r in b] == [r["step"] for r in a]
@@ -489,7 +486,7 @@ def test_resume_reproduces_an_uninterrupted_run(tiny, tmp_path):
     for k in ("accuracy", "isoscore_star", "avgcos", "eval_loss"):
         assert res["final"][k] == pytest.approx(full["final"][k], abs=1e-6)
     with pytest.raises(InputError, match="nothing to resume"):
-        finetune(_cfg(tiny, tmp_path / "fresh", resume=True), quiet=True, note=lambda m: None)
+        finetune(_cfg(tiny, tmp_path / "fresh", resume=True))
 
 
 def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(tiny, tmp_path, monkeypatch):
@@ -506,13 +503,13 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(tiny, tmp_path,
     monkeypatch.setattr(regs.IStar, "__call__", flaky)
     out = tmp_path / "nan"
     with pytest.raises(DataError, match=r"NaN/inf at step 9 \(epoch 2\).*last good checkpoint \(epoch 1\)"):
-        finetune(_cfg(tiny, out), quiet=True, note=lambda m: None)
+        finetune(_cfg(tiny, out))
     state = json.loads((out / "checkpoint" / "state.json").read_text())
     assert state["epochs_done"] == 1 and state["global_step"] == 6
     assert not (out / "summary.json").exists() and not (out / "model.safetensors").exists()
     before = {p.name: p.read_bytes() for p in (out / "checkpoint").iterdir() if p.is_file()}
     monkeypatch.setattr(regs.IStar, "__call__", real)
-    s = finetune(_cfg(tiny, out, resume=True), quiet=True, note=lambda m: None)  # the kept checkpoint resumes
+    s = finetune(_cfg(tiny, out, resume=True))  # the kept checkpoint resumes
     assert s["steps"] == 12 and [r["step"] for r in _steps(out)] == list(range(1, 13))
     assert before["state.json"] != (out / "checkpoint" / "state.json").read_bytes()
 
@@ -526,11 +523,11 @@ def test_bad_options_are_input_errors(tiny, tmp_path):
         (dict(model=str(tmp_path / "nope")), "does not exist"),
     ):
         with pytest.raises(GeomscopeError, match=msg):
-            finetune(_cfg(tiny, tmp_path / "x", **kw), quiet=True, note=lambda m: None)
+            finetune(_cfg(tiny, tmp_path / "x", **kw))
 
 
 def test_bf16_autocast_on_cpu_runs(tiny, tmp_path):
-    s = finetune(_cfg(tiny, tmp_path / "bf", epochs=1, precision="bf16"), quiet=True, note=lambda m: None)
+    s = finetune(_cfg(tiny, tmp_path / "bf", epochs=1, precision="bf16"))
     assert s["precision"] == "bf16" and 0 <= s["final"]["isoscore_star"] <= 1
     assert all(np.isfinite(r["penalty"]) for r in _steps(tmp_path / "bf"))
 
@@ -561,7 +558,7 @@ def _sample_run(model, out, **kw):
         seed=0,
         **kw,
     )
-    return finetune(cfg, quiet=True, note=lambda m: None)["final"]
+    return finetune(cfg)["final"]
 
 
 def test_istar_sign_moves_eval_isoscore(sample_model, tmp_path):

@@ -95,7 +95,7 @@ def _worker(rank, tmp, payload):
     res["C0"], res["C0_n"] = compute_c0(m, enc, list(range(len(enc))), [1, 2], 10**6, 5, d, _null, False)
     torch.save(res, f"{tmp}/rank{rank}.pt")
     # a whole fine-tuning run on two processes
-    finetune(FinetuneConfig(**payload["cfg"]), quiet=True, note=lambda s: None)
+    finetune(FinetuneConfig(**payload["cfg"]))
     dist.destroy_process_group()
 
 
@@ -160,11 +160,7 @@ def test_two_processes_match_one(tmp_path):
     assert n1 == r[0]["C0_n"] and torch.allclose(C0_1, r[0]["C0"], rtol=1e-5, atol=1e-7)
 
     # (3) the 2-process run equals one process with the doubled batch (no dropout)
-    single = finetune(
-        FinetuneConfig(**{**cfg, "out": str(tmp_path / "one"), "batch_size": 8}),
-        quiet=True,
-        note=lambda s: None,
-    )
+    single = finetune(FinetuneConfig(**{**cfg, "out": str(tmp_path / "one"), "batch_size": 8}))
     ddp = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     assert ddp["world_size"] == 2 and ddp["global_batch"] == 8 and ddp["steps"] == single["steps"]
     for a, b in zip(_steps(tmp_path / "ddp"), _steps(tmp_path / "one"), strict=True):

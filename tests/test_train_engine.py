@@ -77,7 +77,7 @@ def test_results_equal_the_loop_before_accelerate(data, tmp_path, name):
     kw["model"] = data[kw["model"]]
     cfg = dict(train=data["train"], eval=data["eval"], out=str(tmp_path / name), epochs=2, lr=2e-3)
     cfg.update(batch_size=8, device="cpu", lam=-1.0, c0_points=2000)
-    summary = finetune(FinetuneConfig(**{**cfg, **kw}), quiet=True, note=lambda m: None)
+    summary = finetune(FinetuneConfig(**{**cfg, **kw}))
     steps = [json.loads(ln) for ln in (tmp_path / name / "steps.jsonl").read_text().splitlines()]
     want = BEFORE[name]
     assert len(steps) == len(want["steps"])
@@ -346,26 +346,26 @@ def test_a_sharded_run_saves_the_gathered_model_and_cannot_be_resumed(data, tmp_
     import torch
     from safetensors.torch import load_file
 
-    sharded = finetune(_cfg(data, tmp_path / "sh"), quiet=True, note=lambda m: None)
+    sharded = finetune(_cfg(data, tmp_path / "sh"))
     ck = tmp_path / "sh" / "checkpoint"
     state = json.loads((ck / "state.json").read_text())
     assert state["resumable"] is False and not (ck / "trainer.safetensors").exists()
     assert sorted(p.name for p in (tmp_path / "sh" / "checkpoints").iterdir()) == ["step0", "step2", "step4"]
     with pytest.raises(InputError, match="--resume is not available under FSDP"):
-        finetune(_cfg(data, tmp_path / "sh", epochs=2, resume=True), quiet=True, note=lambda m: None)
+        finetune(_cfg(data, tmp_path / "sh", epochs=2, resume=True))
     for flag, kw in (("--lora", {"lora": 4}), ("--log-geometry", {"log_geometry": 1})):
         with pytest.raises(InputError, match=f"{flag} is not available under FSDP"):
-            finetune(_cfg(data, tmp_path / flag, save_every=None, **kw), quiet=True, note=lambda m: None)
+            finetune(_cfg(data, tmp_path / flag, save_every=None, **kw))
         assert not (tmp_path / flag).exists()  # refused before anything was written
     from geomscope.train import engine
 
     plain = _cfg(data, tmp_path / "plain")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engine.Engine, "sharded", property(lambda self: False))
-        ordinary = finetune(plain, quiet=True, note=lambda m: None)
+        ordinary = finetune(plain)
         # a DDP launch cannot resume the sharded run's checkpoint either: it has no optimizer state
         with pytest.raises(InputError, match="written by a sharded run"):
-            finetune(_cfg(data, tmp_path / "sh", epochs=2, resume=True), quiet=True, note=lambda m: None)
+            finetune(_cfg(data, tmp_path / "sh", epochs=2, resume=True))
     assert sharded["final"] == ordinary["final"]
     a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("sh", "plain"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -510,7 +510,7 @@ def test_options_a_deepspeed_launch_cannot_honour_are_refused_before_writing(dat
     monkeypatch.setattr(engine.Engine, "sharded", property(lambda self: True))
     monkeypatch.setattr(engine.Engine, "kind", property(lambda self: "DeepSpeed ZeRO-2"))
     with pytest.raises(InputError, match="--lora is not available under DeepSpeed ZeRO-2"):
-        finetune(_cfg(data, tmp_path / "l", save_every=None, lora=4), quiet=True, note=lambda m: None)
+        finetune(_cfg(data, tmp_path / "l", save_every=None, lora=4))
     assert not (tmp_path / "l").exists()
 
 
@@ -620,24 +620,16 @@ def test_gradient_checkpointing_gives_the_same_run_and_resumes_either_way(data, 
     """Dropout is on: the non-reentrant recomputation replays its masks, so the steps match."""
     cfg = dict(model=data["dropout"], train=data["train"], eval=data["eval"], epochs=1, lr=2e-3)
     cfg.update(batch_size=8, device="cpu", lam=-1.0, c0_points=2000)
-    plain = finetune(FinetuneConfig(**cfg, out=str(tmp_path / "a")), quiet=True, note=lambda m: None)
-    ckpt = finetune(
-        FinetuneConfig(**cfg, out=str(tmp_path / "b"), gradient_checkpointing=True),
-        quiet=True,
-        note=lambda m: None,
-    )
+    plain = finetune(FinetuneConfig(**cfg, out=str(tmp_path / "a")))
+    ckpt = finetune(FinetuneConfig(**cfg, out=str(tmp_path / "b"), gradient_checkpointing=True))
     for a, b in zip(_steps(tmp_path / "a"), _steps(tmp_path / "b"), strict=True):
         for k in ("task_loss", "penalty", "isoscore_star"):
             assert abs(a[k] - b[k]) <= 1e-6 * max(1.0, abs(a[k])), (k, a, b)
     assert abs(plain["final"]["eval_loss"] - ckpt["final"]["eval_loss"]) < 1e-6
     # not part of the resume fingerprint: a run may be continued with or without it
     more = {**cfg, "epochs": 2}
-    finetune(FinetuneConfig(**more, out=str(tmp_path / "a"), resume=True), quiet=True, note=lambda m: None)
-    finetune(
-        FinetuneConfig(**more, out=str(tmp_path / "b"), resume=True, gradient_checkpointing=False),
-        quiet=True,
-        note=lambda m: None,
-    )
+    finetune(FinetuneConfig(**more, out=str(tmp_path / "a"), resume=True))
+    finetune(FinetuneConfig(**more, out=str(tmp_path / "b"), resume=True, gradient_checkpointing=False))
 
 
 def test_a_launch_asking_for_other_mixed_precision_is_refused(monkeypatch):

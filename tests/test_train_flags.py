@@ -50,7 +50,7 @@ def _cfg(tiny, out, **kw):
 
 
 def _run(tiny, out, **kw):
-    return finetune(_cfg(tiny, out, **kw), quiet=True, note=lambda m: None)
+    return finetune(_cfg(tiny, out, **kw))
 
 
 def _steps(out):
@@ -421,7 +421,7 @@ def _ddp_worker(rank, tmp, cfg):
     torch.set_num_threads(1)
     os.environ["LOCAL_RANK"] = str(rank)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=2)
-    finetune(FinetuneConfig(**cfg), quiet=True, note=lambda s: None)
+    finetune(FinetuneConfig(**cfg))
     dist.destroy_process_group()
 
 
@@ -449,9 +449,7 @@ def test_two_processes_with_grad_accum_lora_and_tensorboard_match_one(tiny, tmp_
     )
     mp.spawn(_ddp_worker, args=(str(tmp_path), cfg), nprocs=2, join=True)
     single = finetune(
-        FinetuneConfig(**{**cfg, "out": str(tmp_path / "one"), "batch_size": 4, "report_to": "none"}),
-        quiet=True,
-        note=lambda s: None,
+        FinetuneConfig(**{**cfg, "out": str(tmp_path / "one"), "batch_size": 4, "report_to": "none"})
     )
     ddp = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     assert ddp["world_size"] == 2 and ddp["global_batch"] == 8 and ddp["steps"] == single["steps"] == 4

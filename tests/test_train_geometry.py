@@ -43,7 +43,7 @@ def runs(tmp_path_factory):
             lam=-1.0,
         )
         cfg = FinetuneConfig(**{**base, **kw})
-        return cfg, finetune(cfg, quiet=True, note=lambda m: None)
+        return cfg, finetune(cfg)
 
     data["istar"] = run("istar", reg="istar", log_geometry=1, geometry_rank=RANKS, save_every=100)
     data["none_geo"] = run("none_geo", reg="none", log_geometry=1, geometry_rank=RANKS)
@@ -327,7 +327,7 @@ def test_finetune_eval_records_both_targets_from_the_penalty_c0(tmp_path, monkey
         model=str(model), train=str(train), eval=str(dev), out=str(tmp_path / "o"), epochs=1, lr=2e-3,
         batch_size=8, device="cpu", reg="istar", lam=-1.0, zeta=0.4,
     )  # fmt: skip
-    summary = finetune(cfg, quiet=True, note=lambda m: None)
+    summary = finetune(cfg)
     rec = summary["final"]
     assert len(seen["c0"]) == 1 and seen["eval_c0"] is seen["c0"][0]
     rows = {k: np.vstack([b[k] for b in seen["rows"]]) for k in ("1", "2")}

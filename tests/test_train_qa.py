@@ -193,7 +193,7 @@ def _evals(out):
 def test_finetune_qa_end_to_end(qa, tmp_path, reg):
     notes = []
     out = tmp_path / reg
-    s = finetune(_cfg(qa, out, reg=reg), quiet=True, note=notes.append)
+    s = finetune(_cfg(qa, out, reg=reg), log=notes.append)
     assert any("no question-answering head" in n and "added" in n for n in notes), notes
     assert s["task"] == "qa" and s["head_added"] and s["train_examples"] == 18
     assert s["train_features"] > 18 and s["eval_examples"] == 8
@@ -218,12 +218,12 @@ def test_finetune_qa_end_to_end(qa, tmp_path, reg):
 
 
 def test_qa_resume_reproduces_an_uninterrupted_run(qa, tmp_path):
-    full = finetune(_cfg(qa, tmp_path / "full"), quiet=True, note=lambda m: None)
-    finetune(_cfg(qa, tmp_path / "part", epochs=1), quiet=True, note=lambda m: None)
+    full = finetune(_cfg(qa, tmp_path / "full"))
+    finetune(_cfg(qa, tmp_path / "part", epochs=1))
     (tmp_path / "part" / "summary.json").unlink()
     with pytest.raises(InputError, match="trained with max_length=48, not 40"):
-        finetune(_cfg(qa, tmp_path / "part", max_length=40, resume=True), quiet=True, note=lambda m: None)
-    res = finetune(_cfg(qa, tmp_path / "part", resume=True), quiet=True, note=lambda m: None)
+        finetune(_cfg(qa, tmp_path / "part", max_length=40, resume=True))
+    res = finetune(_cfg(qa, tmp_path / "part", resume=True))
     assert res["resumed"] and res["steps"] == full["steps"]
     a = [json.loads(ln) for ln in (tmp_path / "full" / "steps.jsonl").read_text().splitlines()]
     b = [json.loads(ln) for ln in (tmp_path / "part" / "steps.jsonl").read_text().splitlines()]
@@ -267,9 +267,7 @@ def test_compare_and_plot_read_qa_runs_on_their_own_scores(qa, tmp_path, cli):
     the training figure draws F1 / exact match; classification and QA runs are not mixed."""
     runs = tmp_path / "runs"
     for lam, seed in ((0.0, 0), (0.0, 1), (-1.0, 0), (-1.0, 1)):
-        finetune(
-            _cfg(qa, runs / f"l{lam}_s{seed}", lam=lam, seed=seed, epochs=1), quiet=True, note=lambda m: None
-        )
+        finetune(_cfg(qa, runs / f"l{lam}_s{seed}", lam=lam, seed=seed, epochs=1))
     code, stdout, err = cli(
         ["compare", str(runs), "--out", str(tmp_path / "cmp"), "--json", "--bootstrap", "200"]
     )
@@ -306,9 +304,7 @@ def test_compare_and_plot_read_qa_runs_on_their_own_scores(qa, tmp_path, cli):
             batch_size=4,
             device="cpu",
             c0_points=500,
-        ),
-        quiet=True,
-        note=lambda m: None,
+        )
     )
     code, stdout, err = cli(["compare", str(cls), "--out", str(tmp_path / "cmp2"), "--allow-mixed"])
     assert code == 2 and "different tasks (classification, qa)" in err and len(err.strip().splitlines()) == 1

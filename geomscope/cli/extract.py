@@ -100,15 +100,13 @@ def _extract(model, inputs, out, options, revisions, drop_weights: bool, quiet: 
     """One run, or one run per revision of ``--revisions``: the summary the library returns."""
     import sys
 
-    from rich.console import Console
-
     from geomscope.errors import InputError
     from geomscope.extract.revisions import extract_revisions
     from geomscope.extract.run import extract
     from geomscope.model.revisions import resolve_revisions
+    from geomscope.progress import silent, stderr_log
 
-    console = Console(stderr=True)
-    log = None if quiet else (lambda msg: console.print(msg, markup=False, highlight=False, soft_wrap=True))
+    log = silent if quiet else stderr_log()
     if revisions is None:
         if drop_weights:
             raise InputError("--drop-weights applies to --revisions runs")

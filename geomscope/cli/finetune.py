@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -23,6 +22,7 @@ from geomscope.cli import _complete
 from geomscope.cli._app import app
 from geomscope.cli._options import declared_option, json_option, quiet_option
 from geomscope.options import CommaList, OptionError, check_value, declared
+from geomscope.progress import stderr_log
 from geomscope.train.config import FinetuneConfig
 
 _MODEL = typer.Argument(
@@ -147,16 +147,12 @@ def _axis(name: str, text, read) -> list:
     return values
 
 
-def _note(msg: str) -> None:
-    print(msg, file=sys.stderr)
-
-
 def _sweep(cfg: FinetuneConfig, points, out: Path, quiet: bool, as_json: bool) -> None:
     """Every point of the grid, one run each in ``out``; one line for the runs that failed."""
     from geomscope.errors import GeomscopeError
     from geomscope.study.sweep import run_sweep
 
-    results = run_sweep(cfg, points, quiet=quiet, note=_note)
+    results = run_sweep(cfg, points, progress=not quiet, log=stderr_log())
     if as_json:
         typer.echo(json.dumps({"sweep": str(out), "runs": results}))
     failed = [r for r in results if r["status"] == "failed"]
@@ -173,7 +169,7 @@ def _one_run(cfg: FinetuneConfig, out: Path, quiet: bool, as_json: bool) -> None
     from geomscope.train import finetune
 
     try:
-        summary = finetune(cfg, quiet=quiet, note=_note)
+        summary = finetune(cfg, progress=not quiet, log=stderr_log())
     except KeyboardInterrupt:
         raise GeomscopeError(_interrupted(out), exit_code=130) from None
     if os.environ.get("RANK", "0") != "0":  # non-main rank of a torchrun / accelerate run: rank 0 reports

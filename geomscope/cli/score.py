@@ -122,16 +122,14 @@ def _score_sources(sources: list[str], chosen: dict, out, table_columns, as_json
 
     from rich.console import Console
 
-    from geomscope.report import check_out_given, check_report_out, save_report, shown, to_json
+    from geomscope.progress import stderr_log
+    from geomscope.report import check_out_given, check_report_out, save_report, to_json
     from geomscope.score import score
     from geomscope.score.resources import check_workers
     from geomscope.score.trajectory import runs_in
 
     console = Console(stderr=True)
-
-    def log(msg: str) -> None:  # a warning may name layers or files from the data
-        console.print(f"[yellow]warning:[/yellow] {shown(msg)}", highlight=False, markup=True)
-
+    log = stderr_log("warning:")  # warnings are shown with --quiet too
     if out is not None:
         check_out_given(out)
     opts = ScoreOptions(**chosen).validate()

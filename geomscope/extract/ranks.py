@@ -31,6 +31,7 @@ from geomscope.errors import InputError
 from geomscope.extract.plan import load_for_run, plan_run, scan_and_hash
 from geomscope.extract.shards import ShardRun, done_line, open_run, refuse_nonfinite
 from geomscope.formatting import counted
+from geomscope.progress import Log, log_to, silent
 
 
 def _together(d, fn):
@@ -75,7 +76,7 @@ def check_options(opts, inputs) -> None:
         )
 
 
-def extract_ranks(model, inputs, out: Path, opts, *, progress: bool, log, stdin) -> dict:
+def extract_ranks(model, inputs, out: Path, opts, *, progress: bool, log: Log | None, stdin) -> dict:
     """The multi-process ``extract`` (see the module docstring); every process returns the summary."""
     from geomscope.extract.sources import close_inputs, open_inputs
     from geomscope.store.manifest import RankWriter
@@ -84,7 +85,7 @@ def extract_ranks(model, inputs, out: Path, opts, *, progress: bool, log, stdin)
     writer = None
     try:
         is_main = d.rank == 0
-        say = log if (log and is_main) else (lambda msg: None)
+        say = log_to(log) if is_main else silent
         t_start = time.perf_counter()
         ins = open_inputs([str(i) for i in inputs], stdin=stdin)
         try:

@@ -20,6 +20,7 @@ from geomscope.errors import GeomscopeError, InputError
 from geomscope.fileio import make_dirs
 from geomscope.model.hub import cached_snapshot, drop_snapshot, snapshot_names
 from geomscope.model.revisions import Revision
+from geomscope.progress import Log, log_to
 
 
 def _snapshots_present(rev: Revision, cache_dir: str | None) -> set[str] | None:
@@ -146,8 +147,8 @@ def extract_revisions(
     options,
     *,
     drop_weights: bool = False,
-    progress=False,
-    log=None,
+    progress: bool = False,
+    log: Log | None = None,
     stdin=None,
 ):
     """Extract every revision into ``out/<name>/`` with the same ``options``; return
@@ -157,7 +158,7 @@ def extract_revisions(
     from geomscope.extract.run import extract
     from geomscope.extract.sources import is_stream
 
-    say = log or (lambda msg: None)
+    say = log_to(log)
     args = [str(i) for i in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
     streams = [i for i in args if is_stream(i)]
     if len(revisions) > 1 and streams:

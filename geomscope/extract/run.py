@@ -37,6 +37,7 @@ from geomscope.extract.plan import (
 )
 from geomscope.extract.shards import ShardRun, done_line, open_run, refuse_nonfinite
 from geomscope.extract.sources import check_out_outside_inputs, close_inputs, open_inputs
+from geomscope.progress import Log, log_to
 
 
 def extract(
@@ -46,7 +47,7 @@ def extract(
     options: ExtractOptions | None = None,
     *,
     progress: bool = False,
-    log=None,
+    log: Log | None = None,
     stdin=None,
     **overrides,
 ) -> dict:
@@ -64,7 +65,7 @@ def extract(
     from geomscope.distributed import world_from_env
 
     opts = replace(options or ExtractOptions(), **overrides).validate()
-    say = log or (lambda msg: None)
+    say = log_to(log)
     out = Path(out)
     args = [str(i) for i in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
     if world_from_env()[1] > 1:  # torchrun / accelerate launch / srun: extract/ranks.py

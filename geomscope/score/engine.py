@@ -28,12 +28,11 @@ depend on the thread count.
 from __future__ import annotations
 
 import datetime as _dt
-from collections.abc import Callable
 
 import numpy as np
 
 from geomscope.errors import DataError, InputError
-from geomscope.progress import Progress
+from geomscope.progress import Log, Progress, log_to
 from geomscope.schema import REPORT_FORMAT, REPORT_FORMAT_VERSION
 from geomscope.score import compute, idest, outliers, resources
 from geomscope.score.accumulate import PassSpec
@@ -73,23 +72,21 @@ def check_memory_mb(memory_mb: float) -> float:
     return memory_mb
 
 
-def _log_default(msg: str) -> None:
-    import sys
-
-    print(f"warning: {msg}", file=sys.stderr)
-
-
 def score(
     path,
     options: ScoreOptions | None = None,
     *,
     progress: bool = False,
-    log: Callable[[str], None] | None = None,
+    log: Log | None = None,
 ) -> dict:
-    """Score a run directory or an (N, D) array file; return the report dict (keys: geomscope.schema)."""
+    """Score a run directory or an (N, D) array file; return the report dict (keys: geomscope.schema).
+
+    ``progress`` and ``log`` follow :mod:`geomscope.progress`: a bar on stderr, and the warnings
+    (layers left out, notes on the data) one line each to ``log``; both off by default.
+    """
     opts = (options or ScoreOptions()).validate()
     check_memory_mb(opts.memory_mb)  # (validate bounds it below only)
-    log = log or _log_default
+    log = log_to(log)
     src = open_source(
         path,
         dataset=opts.dataset,

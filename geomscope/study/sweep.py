@@ -17,6 +17,7 @@ from pathlib import Path
 
 from geomscope.errors import GeomscopeError, InputError
 from geomscope.fileio import make_dirs, write_json_atomic
+from geomscope.progress import Log, Progress, log_to
 from geomscope.schema import SWEEP_FORMAT
 
 SWEEP_FILE = "sweep.json"
@@ -184,7 +185,7 @@ def _plan(base, points: list[GridPoint]) -> dict:
     return plan
 
 
-def run_sweep(base, points: list[GridPoint], *, quiet: bool = False, note=None) -> list[dict]:
+def run_sweep(base, points: list[GridPoint], *, progress: bool = False, log: Log | None = None) -> list[dict]:
     """Run every grid point of ``base`` (a FinetuneConfig whose ``out`` is the sweep directory).
 
     Returns one record per point: ``{name, dir, reg, lambda, seed, status, error}`` with status
@@ -193,18 +194,18 @@ def run_sweep(base, points: list[GridPoint], *, quiet: bool = False, note=None) 
     of its own) is recorded and the sweep goes on. The inputs every point shares (the data files, the
     model's config) are checked once first, and the finished points' options against those asked: an
     InputError there stops the sweep before any point, as every point would fail the same way after
-    loading the model again.
+    loading the model again. ``progress`` and ``log`` follow :mod:`geomscope.progress`: a bar over
+    the points (a failed point is printed above it), and the closing count to ``log``.
     """
-    from geomscope.progress import Progress
     from geomscope.train import finetune
 
     out = Path(base.out)
     _check_shared_inputs(base)  # the data's hashes are in the fingerprints compared below
     plan = _plan(base, points)
     _claim(out, points)
-    say = note or (lambda msg: None)
+    say = log_to(log)
     results = []
-    with Progress(enabled=not quiet) as bar:
+    with Progress(enabled=progress) as bar:
         task = bar.add("sweep", len(points), unit="runs")
         for p in points:
             run_dir = out / p.name
@@ -223,7 +224,7 @@ def run_sweep(base, points: list[GridPoint], *, quiet: bool = False, note=None) 
             else:  # a run cut off before its first checkpoint is started again by finetune itself
                 cfg = point_config(base, p, plan[p])
                 try:
-                    finetune(cfg, quiet=True, note=lambda msg: None)
+                    finetune(cfg)
                 except GeomscopeError as e:
                     rec["status"], rec["error"] = "failed", str(e).splitlines()[0]
                     bar.print(f"failed: {p.name}: {rec['error']}")

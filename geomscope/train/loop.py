@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -38,7 +37,7 @@ from pathlib import Path
 from geomscope import distributed as dd
 from geomscope.errors import DataError, InputError
 from geomscope.fileio import write_json_atomic
-from geomscope.progress import Progress
+from geomscope.progress import Log, Progress, log_to, silent
 from geomscope.provenance import package_versions
 from geomscope.train import checkpoint as ck
 from geomscope.train.config import (
@@ -249,22 +248,26 @@ def check_run(cfg: FinetuneConfig) -> FinetuneConfig:
     return cfg
 
 
-def finetune(cfg: FinetuneConfig, *, quiet: bool = False, note=None) -> dict:
-    """Run the fine-tuning described by ``cfg``; return the summary (also written to summary.json)."""
-    note = note or (lambda msg: print(msg, file=sys.stderr))
+def finetune(cfg: FinetuneConfig, *, progress: bool = False, log: Log | None = None) -> dict:
+    """Run the fine-tuning described by ``cfg``; return the summary (also written to summary.json).
+
+    ``progress`` and ``log`` follow :mod:`geomscope.progress` (a bar on stderr; notes such as a
+    clamped ``--max-length`` one line each to ``log``), on the main process only.
+    """
+    note = log_to(log)
     cfg = _resolve_model_alias(cfg)
     cfg.validate()
     from geomscope.train import engine as en
 
     eng = en.start(cfg.device, cfg.precision)
     try:
-        return _run(cfg, eng, quiet, note if eng.d.is_main else (lambda msg: None))
+        return _run(cfg, eng, progress, note if eng.d.is_main else silent)
     finally:
         en.stop(eng)
 
 
-def _run(cfg: FinetuneConfig, eng, quiet: bool, note) -> dict:
-    return _Trainer(cfg, eng, note).setup().train(quiet).finish()
+def _run(cfg: FinetuneConfig, eng, progress: bool, note: Log) -> dict:
+    return _Trainer(cfg, eng, note).setup().train(progress).finish()
 
 
 class _Trainer:
@@ -496,11 +499,11 @@ class _Trainer:
         return rec
 
     # -- training ----------------------------------------------------------------------------
-    def train(self, quiet: bool) -> _Trainer:
+    def train(self, progress: bool) -> _Trainer:
         cfg, d = self.cfg, self.d
         per_epoch = self.per_epoch
         self.logf = open(self.steps_path, "a") if d.is_main else None
-        bar = Progress(enabled=d.is_main and not quiet)
+        bar = Progress(enabled=d.is_main and progress)
         if self.step == 0:
             self._snapshot(initial=True)  # step0: the model before any update
         try:
