@@ -1,4 +1,5 @@
-"""The faster paths of the streaming accumulators give the numbers of the plain ones.
+"""The faster paths of the streaming unit-vector sums (score/multiunit.py) give the numbers of the
+plain ones.
 
 - multiunit.update_all: the centred and standardised cosine sums of every jackknife replicate
   computed together (one shifted block, products side by side) equal each MultiUnitSum alone and a
@@ -6,9 +7,6 @@
   and sums with different reference shifts.
 - the threaded second pass (accumulate._update_units) adds the same blocks in the same order as one
   thread: bitwise equal.
-- Moments.merge's rank-one corrections, kept as rows and added together (R^T R) once MAX_PENDING
-  wait or when M2 is read, give the float64 scatter of all rows across many merges, through
-  pickling, copies and variance(); they also serve an M2 that is not C-contiguous.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from geomscope.metrics import Moments, UnitSum
+from geomscope.metrics import UnitSum
 from geomscope.metrics.moments import OrderedWork
 from geomscope.score import multiunit
 from geomscope.score.accumulate import _update_units
@@ -108,72 +106,6 @@ def test_fresh_shares_the_setup_not_the_sums():
     before = base.sum_unit.copy()
     f.update(x, g)
     np.testing.assert_array_equal(base.sum_unit, before)
-
-
-@pytest.mark.parametrize("layout", ["fortran", "strided"])
-def test_merge_rank_one_update_on_a_non_contiguous_m2(layout):
-    rng = np.random.default_rng(8)
-    a = rng.normal(size=(400, D)) * 3 + 100.0
-    b = rng.normal(size=(300, D)) - 50.0
-    m = Moments.from_rows(a)
-    full = m.M2.copy()
-    if layout == "fortran":
-        m._m2 = np.asfortranarray(full)
-    else:  # a view with row strides of a larger array
-        big = np.zeros((D, 2 * D))
-        big[:, ::2] = full
-        m._m2 = big[:, ::2]
-    m.merge(Moments.from_rows(b))
-    ref = np.vstack([a, b])
-    y = ref - ref.mean(0)
-    np.testing.assert_allclose(m.M2, y.T @ y, rtol=1e-12)
-    np.testing.assert_allclose(m.mean, ref.mean(0), rtol=1e-14)
-
-
-def _scatter64(x):
-    y = x - x.mean(0)
-    return y.T @ y
-
-
-@pytest.mark.parametrize("block_rows", [7, 64])
-def test_many_merges_with_an_offset_match_the_float64_scatter(block_rows):
-    """More blocks than MAX_PENDING (the corrections are added in several batches), a 1e4 offset
-    and a drifting mean: M2, variance and the mean against float64 numpy at 1e-10."""
-    from geomscope.metrics.moments import MAX_PENDING
-
-    rng = np.random.default_rng(11)
-    n = block_rows * (2 * MAX_PENDING + 5)
-    x = rng.normal(size=(n, D)) * rng.uniform(0.5, 3, D) + 1e4
-    x += np.linspace(0, 50, n)[:, None]  # every block's mean differs: every correction matters
-    m = Moments(D, block_rows=block_rows).update(x)
-    assert 0 < len(m._pending) < MAX_PENDING  # added in batches: the waiting rows stay bounded
-    ref = _scatter64(x)
-    np.testing.assert_allclose(m.M2, ref, rtol=1e-10, atol=1e-10 * np.abs(ref).max())
-    np.testing.assert_allclose(m.variance(), np.diag(ref) / (n - 1), rtol=1e-10)
-    np.testing.assert_allclose(m.mean, x.mean(0), rtol=1e-13)
-
-
-def test_waiting_corrections_travel_with_pickles_copies_and_merges():
-    import pickle
-
-    rng = np.random.default_rng(12)
-    parts = [rng.normal(size=(20, D)) + k for k in range(9)]
-    a = Moments(D, block_rows=5)
-    for p in parts[:5]:
-        a.update(p)
-    assert a._pending  # corrections still waiting: what follows must carry them
-    b = pickle.loads(pickle.dumps(a))
-    c = Moments(D, block_rows=5)
-    c.merge(a)  # an empty accumulator copies a, waiting rows included
-    rest = Moments(D, block_rows=5)
-    for p in parts[5:]:
-        rest.update(p)
-    b.merge(rest)
-    c.merge(rest)
-    ref = _scatter64(np.vstack(parts))
-    for m in (b, c):
-        np.testing.assert_allclose(m.M2, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
-    np.testing.assert_allclose(a.M2, _scatter64(np.vstack(parts[:5])), rtol=1e-12, atol=1e-9)
 
 
 def test_batches_of_lays_out_every_replicate_once_and_drops_the_zero_linear_columns():
