@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_metrics_neighbors_pruning import low_rank
 from test_metrics_twonn import assert_same_neighbours as assert_exact
-from test_neighbors_pruning import low_rank
 
 from geomscope.metrics import neighbors as nb
 from geomscope.metrics.neighbors import two_nearest
