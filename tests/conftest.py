@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +65,10 @@ def assert_one_line_error(code, out, err, *needles, exit_code=None) -> str:
     for needle in needles:
         assert needle in errors[0], errors[0]
     return errors[0]
+
+
+def edit_manifest(run: Path, edit) -> None:
+    """``run``'s manifest.json read, changed by ``edit(manifest)`` in place, and written back."""
+    m = json.loads((run / "manifest.json").read_text())
+    edit(m)
+    (run / "manifest.json").write_text(json.dumps(m))

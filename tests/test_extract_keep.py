@@ -1,24 +1,29 @@
 """extract --keep sample:N: per-shard accumulators measured during the forward pass and a seeded
 sample, scored like a full run of the same data (moment metrics to 1e-9, the same TwoNN sample),
-against the float64 reference, brute-force selections, resume and bad input."""
+against the float64 reference, brute-force selections, resume and bad input; and its stored
+accumulators, crafted, refused before they are trusted."""
 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import assert_one_line_error
+from conftest import assert_one_line_error, edit_manifest
 from helpers_models import SAMPLE_TEXTS, bundled_minilm_dir, make_tiny_model, poison_token
 
-from geomscope.errors import InputError
+from geomscope.errors import DataError, InputError
 from geomscope.extract.keep import SampleKeeper, parse_keep
 from geomscope.extract.run import extract
 from geomscope.metrics import Moments
 from geomscope.metrics.moments_torch import HostMoments, TorchMoments, _syrk_upper, device_moments
 from geomscope.score import ScoreOptions, score
 from geomscope.store import Run, iter_shard
+from geomscope.store.checksum import digests
 from geomscope.store.sample import STREAM_ID_SAMPLE, row_hash, run_keys
 
 MOMENT_KEYS = ("isoscore", "isoscore_star", "avgcos", "pr", "erank", "top1_share")
@@ -324,3 +329,104 @@ def test_magnitude_rule_at_the_kept_threshold(minilm_pair):
     kw = {"outlier_rule": "magnitude", "metrics": ("outliers", "isoscore")}
     a, b = _scores(kept, **kw), _scores(full, **kw)
     assert [la["outliers"] for la in a["layers"]] == [lb["outliers"] for lb in b["layers"]]
+
+
+# ------------------------------------------------------------------ stored accumulators, crafted
+# A --keep sample shard's stored accumulators and the run's identity.keep are checked before they
+# are trusted: never a number computed from a sample taken for the whole.
+
+
+@pytest.fixture(scope="module")
+def kept(tmp_path_factory):
+    from geomscope.extract import extract
+    from geomscope.model.names import bundled_minilm_dir
+
+    assert bundled_minilm_dir().exists()
+    root = tmp_path_factory.mktemp("kept")
+    src = root / "in.txt"
+    src.write_text("\n".join(f"Sentence number {i} is about a cat and a dog." for i in range(40)) + "\n")
+    extract("bundled:minilm", [src], root / "run", keep="sample:30", shard_docs=20, layers="0,6")
+    return root / "run"
+
+
+def _damage_accumulator(run: Path, edit) -> None:
+    """Shard 1's regular accumulator of layer_00 edited, the manifest made to match the file."""
+    entry = json.loads((run / "manifest.json").read_text())["shards"][1]
+    path = run / entry["file"]
+    with h5py.File(path, "a") as f:
+        edit(f, f["accumulators/layer_00/regular"])
+    m = json.loads((run / "manifest.json").read_text())
+    m["shards"][1]["bytes"] = path.stat().st_size
+    m["shards"][1].update(digests(path))
+    (run / "manifest.json").write_text(json.dumps(m))
+
+
+def _set_attr(key, value):
+    def edit(f, g):
+        g.attrs[key] = value
+
+    return edit
+
+
+def _set_file_attr(key, value):
+    def edit(f, g):
+        f.attrs[key] = value
+
+    return edit
+
+
+def _replace(key, value):
+    def edit(f, g):
+        del g[key]
+        g.create_dataset(key, data=value)
+
+    return edit
+
+
+def _nan_in(key):
+    def edit(f, g):
+        a = g[key][()]
+        a[0] = np.nan
+        g[key][...] = a
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (_set_attr("n", 10**15), "has n = 1000000000000000"),
+        (_set_attr("n", -100), "has n = -100"),
+        (_set_attr("n", "7"), "has n = 7"),
+        (_set_file_attr("tokens", 5), "measured 5 rows"),
+        (_nan_in("m2_upper"), "NaN or Inf in m2_upper"),
+        (_replace("mean", np.zeros(3_000_000)), "mean of shape (3000000,)"),
+        (_replace("mean", np.array([b"x"] * 384)), "mean of shape"),
+        (_set_attr("abs_threshold", np.nan), "abs_threshold = nan"),
+        (_set_file_attr("keep", "all"), "keeps every row"),
+    ],
+)
+def test_stored_accumulators_are_checked_before_they_are_trusted(kept, tmp_path, edit, needle):
+    """A crafted --keep sample shard (its checksums made to match) was scored on its word: n of 10^15
+    gave 10^15 rows and NaN/Inf 'dropped' counts below zero, a NaN emptied the IsoScore, a 3-million
+    value mean tried a 65 TiB allocation, a tokens attribute of 5 said -1,423 rows dropped."""
+    run = tmp_path / "run"
+    shutil.copytree(kept, run)
+    _damage_accumulator(run, edit)
+    with pytest.raises(DataError, match="is corrupt") as e:
+        score(run, ScoreOptions(metrics=("isoscore", "avgcos")))
+    assert needle in str(e.value) and "shard-00001.h5" in str(e.value)
+
+
+def test_a_sample_run_whose_keep_was_removed_is_refused(kept, tmp_path):
+    """Without identity.keep the samples were scored as whole layers: IsoScore 0.211 for 0.270."""
+    run = tmp_path / "run"
+    shutil.copytree(kept, run)
+    edit_manifest(run, lambda m: m["identity"].pop("keep"))
+    with pytest.raises(InputError, match="records no --keep sample"):
+        score(run, ScoreOptions(metrics=("isoscore", "avgcos")))
+
+
+def test_the_untouched_sample_run_still_scores(kept):
+    e = score(kept, ScoreOptions(metrics=("isoscore", "avgcos")))["layers"][0]
+    assert e["isoscore"] is not None and e["n_rows"] > 0

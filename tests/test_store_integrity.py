@@ -1,12 +1,17 @@
-"""Crafted and damaged shards: `score` and `inspect --verify` give one `error:` line naming the shard,
-promptly, without reading files outside the run or allocating from shapes the manifest did not
-announce. Most cases rewrite the manifest's size and checksums to match the altered shard (a manifest
-that lies), so the structure checks themselves, not the checksum, must catch them."""
+"""The checks between a run's files and what is read from them (store/integrity.py, the reads of
+store/reader.py and store/chunks.py) against crafted and damaged shards: `score` and
+`inspect --verify` give one `error:` line naming the shard, promptly, without reading files outside
+the run, following a link, waiting on a FIFO, or allocating from shapes the manifest did not
+announce. Most cases rewrite the manifest's size and checksums to match the altered shard (a
+manifest that lies), so the structure checks themselves, not the checksum, must catch them. A shard
+whose rows belong to documents outside its entry is refused; a shard replaced while it is read is
+refused."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,16 +19,18 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import assert_one_line_error
+from conftest import assert_one_line_error, edit_manifest
 
 from geomscope.errors import DataError
+from geomscope.score import ScoreOptions, score
 from geomscope.store import RunWriter
 from geomscope.store.checksum import digests
 
 D, ROWS = 16, 300
+OPTS = ScoreOptions(metrics=("isoscore", "avgcos"))
 
 
-def _run(dest: Path) -> Path:
+def two_shard_run(dest: Path) -> Path:
     """Two shards of ROWS float16 rows x D, one layer, written by the store."""
     ident = {"model": {"name": "synthetic", "hidden_size": D}, "layers": [{"name": "layer_00", "index": 0}]}
     rng = np.random.default_rng(0)
@@ -54,7 +61,7 @@ def _shard(run: Path) -> Path:
     return run / json.loads((run / "manifest.json").read_text())["shards"][1]["file"]
 
 
-def _lie(run: Path) -> None:
+def match_manifest_to_shard(run: Path) -> None:
     """The manifest's entry of shard 1 rewritten to match the file as it now is."""
     m = json.loads((run / "manifest.json").read_text())
     entry = m["shards"][1]
@@ -80,7 +87,7 @@ def _rewrite(run: Path, edit) -> None:
         f.create_group("layers")
         f.create_group("nonfinite")
         edit(f, data)
-    _lie(run)
+    match_manifest_to_shard(run)
 
 
 def _plain(f, data, skip=()):
@@ -101,7 +108,7 @@ def _fails(cli, run, *needles, out_dir=None):
 
 @pytest.fixture
 def run(tmp_path):
-    return _run(tmp_path / "run")
+    return two_shard_run(tmp_path / "run")
 
 
 def test_the_untouched_run_scores(cli, run, tmp_path):
@@ -269,7 +276,7 @@ def test_unflagged_nan_rows_named_whichever_block_of_a_stream_holds_them():
     from geomscope.store.blocks import Task
 
     with tempfile.TemporaryDirectory() as tmp:
-        run = _run(Path(tmp) / "run")
+        run = two_shard_run(Path(tmp) / "run")
 
         def nan_unflagged(f, data):
             data["layers/layer_00"][ROWS - 1] = np.inf  # in its last block
@@ -341,3 +348,78 @@ def test_a_run_left_alone_scores_with_every_open_checked(run, tmp_path):
     for la, lb in zip(a["layers"], b["layers"], strict=True):
         for key in ("isoscore", "avgcos", "avgcos_centred", "avgcos_standardised"):
             assert la[key] == pytest.approx(lb[key], rel=1e-12, abs=1e-15), key
+
+
+def test_rows_of_documents_outside_the_shards_entry_are_refused(run):
+    """The entry's document range is what keeps each document in one shard: rows of another
+    document (stored by a crafted shard whose entry still names its own range) are refused."""
+    edit_manifest(run, lambda m: m["shards"][1].update(doc_start=15, doc_stop=20))  # it stores 10..19
+    with pytest.raises(DataError, match="documents 10..19, outside its range 15..19"):
+        score(run, OPTS)
+
+
+def test_shards_written_without_document_ranges_still_score(tmp_path):
+    """A shard written through the library without a planned range records 0..0, no range: such
+    runs (document ids restarting in each shard included) score as they did before ranges were
+    checked; a run that records ranges is held to them."""
+    from geomscope.store import RunWriter
+
+    ident = {"model": {"name": "t", "hidden_size": 4}, "layers": [{"name": "layer_00", "index": 0}]}
+    rng = np.random.default_rng(0)
+    with RunWriter(tmp_path / "r", ident) as w:
+        for s in range(2):
+            sw = w.shard_writer(s, layer_names=["layer_00"], dim=4, store_dtype="float32")
+            sw.append(
+                {"layer_00": rng.normal(size=(6, 4)).astype(np.float32)},
+                token_id=np.arange(6),
+                doc_id=np.array([0, 0, 1, 1, 2, 2]),  # restarting at 0 in each shard
+                position=np.arange(6) % 2,
+                is_special=np.zeros(6, bool),
+            )
+            info = sw.close()
+            assert info.documents is None
+            w.add_shard(info)
+        w.finalize({"docs": 6})
+    assert score(tmp_path / "r", OPTS)["layers"][0]["n_rows"] == 12
+
+
+def test_a_manifest_that_is_a_fifo_does_not_hang(run, tmp_path):
+    """open() of a FIFO waits for a writer: score (and a directory of runs) hung until killed."""
+    (run / "manifest.json").unlink()
+    os.mkfifo(run / "manifest.json")
+    code = (
+        "import sys\nfrom geomscope.score import score, ScoreOptions\n"
+        "try:\n    score(sys.argv[1], ScoreOptions(metrics=('isoscore',)))\n"
+        "except Exception as e:\n    print(type(e).__name__, e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True, timeout=60)
+    assert "not a regular file" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_shard_that_is_a_directory_is_refused(cli, run, tmp_path):
+    """os.open of a directory succeeds; wrapping it in a file raised IsADirectoryError (a traceback)."""
+    shard = run / "shard-00001.h5"
+    shard.unlink()
+    shard.mkdir()
+    code, out, err = cli(["score", run, "--out", tmp_path / "r", "--quiet"])
+    assert_one_line_error(code, out, err, "shard-00001.h5", "not a regular file")
+
+
+def test_layers_that_are_not_a_group_are_refused(run):
+    _edit_shard = run / "shard-00001.h5"
+    with h5py.File(_edit_shard, "a") as f:
+        del f["layers"]
+        f.create_dataset("layers", data=np.zeros(3))
+    match_manifest_to_shard(run)
+    with pytest.raises(DataError, match="shard-00001.h5 is corrupt.*layers are not a group"):
+        score(run, OPTS)
+
+
+def test_a_file_url_to_a_run_holding_a_link_is_refused(run, tmp_path):
+    """The path refused a shard that is a symbolic link; the same run as file:// read through it."""
+    shard = run / "shard-00001.h5"
+    outside = tmp_path / "outside.h5"
+    shutil.move(shard, outside)
+    shard.symlink_to(outside)
+    with pytest.raises(DataError, match="symbolic link"):
+        score(f"file://{run}", OPTS)

@@ -1,0 +1,75 @@
+"""A run's manifest (store/manifest.py) read as written and refused as damaged: one that disagrees
+with itself (shards listed twice, documents claimed twice, a shard missing from a complete run,
+totals), layer names and widths no writer gives. Each is one `error:` line or an InputError naming
+what is wrong -- never a number computed from rows counted twice."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import assert_one_line_error, edit_manifest
+from test_store_integrity import two_shard_run
+
+from geomscope.errors import InputError
+from geomscope.score import ScoreOptions, score
+
+OPTS = ScoreOptions(metrics=("isoscore", "avgcos"))
+
+
+@pytest.fixture
+def run(tmp_path):
+    return two_shard_run(tmp_path / "run")
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (lambda m: m["shards"].append(dict(m["shards"][0])), "listed more than once"),
+        (
+            lambda m: m["shards"].append({**m["shards"][0], "index": 5}),
+            "shard 5 is recorded as file shard-00000",
+        ),
+        (lambda m: m["shards"][1].update(doc_start=5), "both claim documents 5..9"),
+        (lambda m: m["shards"].pop(0), "marked complete but shard(s) [0] are missing"),
+        (lambda m: m["totals"].update(rows=1), "totals.rows is 1"),
+        (lambda m: m["shards"][1].update(index=7), "shard 7 is recorded as file shard-00001.h5"),
+    ],
+)
+def test_a_manifest_that_disagrees_with_itself_is_refused(cli, run, tmp_path, edit, needle):
+    """Each of these was scored: a shard listed twice was counted twice (8,818 rows of 7,299; the
+    IsoScore moved in the third digit), a shard dropped from a complete run gave a complete report
+    of the rest. inspect --verify found them; score now refuses them the same way."""
+    edit_manifest(run, edit)
+    with pytest.raises(InputError, match="manifest disagrees with itself"):
+        score(run, OPTS)
+    code, out, err = cli(["score", run, "--out", tmp_path / "r", "--quiet"])
+    assert_one_line_error(code, out, err, needle, exit_code=2)
+    assert not (tmp_path / "r.json").exists()
+    code, _o, err = cli(["inspect", run, "--verify"])
+    assert code != 0 and needle in err + _o
+
+
+@pytest.mark.parametrize(
+    ("width", "needle"),
+    [
+        ([16], "hidden_size is [16]"),
+        ("16", "hidden_size is '16'"),
+        (True, "hidden_size is True"),
+        (0, "is 0"),
+    ],
+)
+def test_a_width_that_is_no_positive_integer_is_refused(cli, run, tmp_path, width, needle):
+    """A list or a string gave a TypeError/ValueError traceback; 0 switched the width check off; a
+    string or True blamed the shards ('layer_00 is 16 wide, the run's layers 16')."""
+    edit_manifest(run, lambda m: m["identity"]["model"].update(hidden_size=width))
+    code, out, err = cli(["score", run, "--out", tmp_path / "r", "--quiet"])
+    assert_one_line_error(code, out, err, "manifest.json is damaged", needle, exit_code=2)
+
+
+@pytest.mark.parametrize("name", ["\x00", "\ud800", "x\x1b[2Jy", "a/b", ""])
+def test_a_layer_name_geomscope_never_writes_is_refused(cli, run, tmp_path, name):
+    """A NUL made h5py raise RuntimeError, a lone surrogate UnicodeEncodeError (tracebacks); an
+    escape sequence reached the terminal; a "/" names a path inside the shard."""
+    edit_manifest(run, lambda m: m["identity"]["layers"][0].update(name=name))
+    code, out, err = cli(["score", run, "--out", tmp_path / "r", "--quiet"])
+    assert_one_line_error(code, out, err, "manifest.json is damaged", "not a name geomscope writes")
+    assert "\x1b" not in err
