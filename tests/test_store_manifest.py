@@ -1,9 +1,12 @@
 """A run's manifest (store/manifest.py) read as written and refused as damaged: one that disagrees
 with itself (shards listed twice, documents claimed twice, a shard missing from a complete run,
 totals), layer names and widths no writer gives. Each is one `error:` line or an InputError naming
-what is wrong -- never a number computed from rows counted twice."""
+what is wrong -- never a number computed from rows counted twice. And what the manifest says: the
+identity differences a resume names, one line per shard entry in its text."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from conftest import assert_one_line_error, edit_manifest
@@ -73,3 +76,38 @@ def test_a_layer_name_geomscope_never_writes_is_refused(cli, run, tmp_path, name
     code, out, err = cli(["score", run, "--out", tmp_path / "r", "--quiet"])
     assert_one_line_error(code, out, err, "manifest.json is damaged", "not a name geomscope writes")
     assert "\x1b" not in err
+
+
+# ------------------------------------------------------------------ identity and manifest text
+
+
+def test_identity_differences_name_the_entry():
+    from geomscope.store import identity_differences
+
+    old = {
+        "layers": [{"name": "layer_00", "index": 0}, {"name": "layer_06", "index": 6}],
+        "x": {"y": "a" * 200},
+    }
+    new = {"layers": [{"name": "layer_00", "index": 0}], "x": {"y": "b"}}
+    d = identity_differences(old, new)
+    assert d[0] == "layers.count: 2 in the run, 1 now"
+    assert "layers.1.index: 6 in the run, '<absent>' now" in d
+    assert any(x.startswith("x.y: 'aaa") and "... in the run, 'b' now" in x and len(x) < 120 for x in d)
+    assert identity_differences(old, old) == []
+
+
+def test_manifest_text_round_trips_one_line_per_shard(tmp_path):
+    from geomscope.store.manifest import dumps_manifest
+
+    m = {
+        "format": "geomscope-run",
+        "identity": {"a": [1, {"b": None}], "c": "é"},
+        "shards": [],
+        "totals": {},
+        "complete": False,
+    }
+    assert json.loads(dumps_manifest(m)) == m
+    m["shards"] = [{"index": i, "file": f"shard-{i:05d}.h5", "stats": {"x": {"y": i}}} for i in range(3)]
+    text = dumps_manifest(m)
+    assert json.loads(text) == m
+    assert sum(1 for line in text.splitlines() if '"index":' in line) == 3  # one line per shard entry
