@@ -34,6 +34,30 @@ def cli(capsys):
     return run
 
 
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory) -> Path:
+    """A tiny random BERT checkpoint (helpers_models.make_tiny_model, seed 0), built once per
+    process; tests copy it before they change it."""
+    from helpers_models import make_tiny_model
+
+    return make_tiny_model("bert", tmp_path_factory.mktemp("tiny-models"))
+
+
+@pytest.fixture
+def twelve_docs(tmp_path) -> Path:
+    """helpers_models.TWELVE_DOCS in a text file: three shards at ``--shard-docs 4``."""
+    from helpers_models import TWELVE_DOCS
+
+    p = tmp_path / "t.txt"
+    p.write_text(TWELVE_DOCS)
+    return p
+
+
+def quiet_extract(cli, model, text, run, *extra):
+    """``geomscope extract MODEL TEXT --out RUN --quiet --shard-docs 4 EXTRA...`` through ``cli``."""
+    return cli(["extract", model, text, "--out", run, "--quiet", "--shard-docs", "4", *extra])
+
+
 @pytest.fixture(autouse=True, scope="module")
 def one_torch_thread():
     """Tiny models on a small shared machine: one intra-op thread avoids OpenMP barrier stalls
@@ -72,3 +96,18 @@ def edit_manifest(run: Path, edit) -> None:
     m = json.loads((run / "manifest.json").read_text())
     edit(m)
     (run / "manifest.json").write_text(json.dumps(m))
+
+
+def files_of(d: Path) -> dict[str, bytes]:
+    """Every file under ``d``, by its path relative to ``d``, with its bytes."""
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+class Planted:
+    """A pickle that runs ``touch MARKER`` when loaded: it must never be loaded."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))

@@ -70,6 +70,9 @@ SAMPLE_TEXTS = [
     "Memory grows with batch size.",
 ]
 
+#: twelve short documents alike but for a number: three shards at ``--shard-docs 4``
+TWELVE_DOCS = "\n".join(f"the quick brown fox number {i} jumps over the lazy dog" for i in range(12)) + "\n"
+
 
 def _wordlevel_tokenizer(specials: list[str], unk: str, post: str | None):
     from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors

@@ -152,28 +152,6 @@ def test_progress_descriptions_are_shown_as_text():
     assert Text.from_markup(_as_text("layer [bold red]x[/] \x1b[2J")).plain == "layer [bold red]x[/] \\x1b[2J"
 
 
-def test_a_tokenizer_of_its_own_code_asks_for_trust_and_runs_nothing(cli, tmp_path):
-    """transformers said only that a backend tokenizer could not be built (sentencepiece)."""
-    import json
-    import shutil
-
-    from helpers_models import bundled_minilm_dir
-
-    model = tmp_path / "model"
-    shutil.copytree(bundled_minilm_dir(), model)
-    (model / "tokenizer.json").unlink()
-    marker = tmp_path / "ran"
-    (model / "tok.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
-    cfg = json.loads((model / "tokenizer_config.json").read_text())
-    cfg.update(auto_map={"AutoTokenizer": ["tok.MyTok", None]}, tokenizer_class="MyTok")
-    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
-    src = tmp_path / "in.txt"
-    src.write_text("a sentence\n")
-    code, out, err = cli(["extract", model, src, "--out", tmp_path / "r", "-q"])
-    assert_one_line_error(code, out, err, "needs its own code", "--trust-remote-code", exit_code=2)
-    assert not marker.exists()
-
-
 def test_extract_refuses_an_out_inside_its_input_dataset(cli, tmp_path):
     """The dataset's hash covers every file under it, the run's own included: such a run could
     never be resumed ('inputs.0.bytes 3260 in the run, 3112652 now', blaming the input)."""

@@ -1,4 +1,5 @@
-"""`geomscope inspect` on the command line: table on stderr, --json on stdout, --verify exit codes."""
+"""`geomscope inspect` on the command line: table on stderr, --json on stdout, --verify exit codes; a
+run being written, edited totals and hand-edited manifest fields."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import shutil
 
 import pytest
 import torch
-from helpers_models import SAMPLE_TEXTS, make_tiny_model
+from conftest import assert_one_line_error, quiet_extract
+from helpers_models import SAMPLE_TEXTS, make_tiny_model, make_tiny_run
 
 from geomscope.extract.run import extract
 
@@ -70,3 +72,57 @@ def test_incomplete_and_not_a_run(cli, run_dir, tmp_path):
     assert code == 0 and "INCOMPLETE (1 of 3 shards)" in out and "resume" in out
     code, out, err = cli(["inspect", tmp_path / "nothing"])
     assert code == 2 and err.strip().startswith("error: ") and "does not exist" in err
+
+
+@pytest.mark.parametrize(
+    "where, value, needle",
+    [
+        (("model", "commit"), 12345, "identity.model.commit is 12345"),
+        (("model", "revision"), {"a": 1}, "identity.model.revision is {'a': 1}"),
+        (("inputs",), "abc", "identity.inputs is 'abc'"),
+        (("keep",), 5, "identity.keep is 5"),
+        (("layers", -1, "tensor"), 7, "identity.layers[2].tensor is 7"),
+    ],
+    ids=["commit", "revision", "inputs", "keep", "tensor"],
+)
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_inspect_refuses_mistyped_manifest_fields(
+    where, value, needle, as_json, tmp_path_factory, cli, capsys
+):
+    run = make_tiny_run(tmp_path_factory.mktemp("inspect") / "runs", "bert")
+    capsys.readouterr()  # (what loading the model printed: not inspect's output)
+    m = json.loads((run / "manifest.json").read_text())
+    holder = m["identity"]
+    for key in where[:-1]:
+        holder = holder[key]
+    holder[where[-1]] = value
+    (run / "manifest.json").write_text(json.dumps(m))
+    code, out, err = cli(["inspect", run, *(["--json"] if as_json else [])])
+    assert_one_line_error(code, out, err, "manifest.json is damaged", needle, exit_code=2)
+
+
+def test_inspect_verify_checks_edited_totals(cli, tiny_bert, twelve_docs, tmp_path):
+    run = tmp_path / "run"
+    assert quiet_extract(cli, tiny_bert, twelve_docs, run)[0] == 0
+    m = json.loads((run / "manifest.json").read_text())
+    m["totals"]["rows"] += 5
+    m["shards"][0]["rows"] += 5  # an entry edited to match a forged total: the shard itself disagrees
+    (run / "manifest.json").write_text(json.dumps(m))
+    code, out, err = cli(["inspect", run, "--verify", "--json"])
+    # the forged total disagrees with the stored one (totals.rows_stored), and the shard with its entry
+    assert code == 3 and "disagrees with itself" in err and "1 of 3 shards are damaged" in err, err
+    bad = json.loads(out)["verify"]["bad"]
+    assert any("stores" in b["error"] for b in bad)
+
+
+def test_a_run_being_written_shows_in_progress(cli, tiny_bert, twelve_docs, tmp_path):
+    from geomscope.store import RunWriter
+
+    run = tmp_path / "run"
+    assert quiet_extract(cli, tiny_bert, twelve_docs, run)[0] == 0
+    ident = json.loads((run / "manifest.json").read_text())["identity"]
+    with RunWriter(run, ident):
+        code, out, _ = cli(["inspect", run])
+        assert code == 0 and "IN PROGRESS" in out
+        code, out, err = quiet_extract(cli, tiny_bert, twelve_docs, run)
+        assert_one_line_error(code, out, err, "another geomscope process is writing", exit_code=2)

@@ -1,19 +1,29 @@
-"""Checkpoints that would have been read wrongly, and kept quiet about it: weights that lack tensors
-(loaded with those at random), damaged weight files and configs (tracebacks that ended an
-``extract --revisions`` sweep), a revision name that is also a folder here, an adapter's settings
-left out of the fingerprint, a ref file with a trailing newline, a snapshot shared with a new ref
-deleted by ``--drop-weights``, I(W) read from a checkpoint overwritten since the run (or at a ref
-moved since), hand-edited manifest fields that ``inspect`` crashed on, and ``--cache-dir`` left
-out of a missing revision's message."""
+"""The model room (geomscope/model) against checkpoints that would have been read wrongly, and kept
+quiet about it, and against checkpoints someone else made: weights that lack tensors (loaded with
+those at random), damaged weight files and configs (tracebacks that ended an ``extract --revisions``
+sweep), a model's own code or tokenizer code (never run unless asked), weights that need pickle
+(never unpickled), a directory without tokenizer files; a revision name that is also a folder here,
+a ref file with a trailing newline, a snapshot shared with a new ref deleted by ``--drop-weights``,
+``--cache-dir`` left out of a missing revision's message; an adapter's settings left out of the
+fingerprint; and I(W) read from a checkpoint overwritten since the run (or at a ref moved since)."""
 
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
+from pathlib import Path
 
 import pytest
-from conftest import assert_one_line_error
-from helpers_models import SAMPLE_TEXTS, hf_cache_with, make_tiny_head_model, make_tiny_model, make_tiny_run
+from conftest import Planted, assert_one_line_error, quiet_extract
+from helpers_models import (
+    SAMPLE_TEXTS,
+    bundled_minilm_dir,
+    hf_cache_with,
+    make_tiny_head_model,
+    make_tiny_model,
+)
+from test_train_helpers import make_checkpoint, synthetic_rows, words_of, write_csv
 
 from geomscope.errors import InputError
 
@@ -25,11 +35,6 @@ def text(tmp_path_factory):
     p = tmp_path_factory.mktemp("text") / "t.txt"
     p.write_text("\n".join(SAMPLE_TEXTS[:5]) + "\n")
     return p
-
-
-@pytest.fixture(scope="module")
-def bert(tmp_path_factory):
-    return make_tiny_model("bert", tmp_path_factory.mktemp("bert"))
 
 
 @pytest.fixture(scope="module")
@@ -71,16 +76,16 @@ def _edit_config(model_dir, **values) -> None:
 # -- weights that lack tensors: refused, never loaded at random ------------------------------------
 
 
-def test_weights_without_a_block_are_refused(bert, text, tmp_path, cli):
-    ckpt = _copy(bert, tmp_path / "no-block")
+def test_weights_without_a_block_are_refused(tiny_bert, text, tmp_path, cli):
+    ckpt = _copy(tiny_bert, tmp_path / "no-block")
     _save_without(ckpt, lambda k: ".layer.1." in k)  # block 1 absent: it would be random, run to run
     code, out, err = cli(["extract", ckpt, text, "--out", tmp_path / "run", "-q"])
     line = assert_one_line_error(code, out, err, "encoder.layer.1.", "incomplete", exit_code=2)
     assert "and 13 more" in line and not (tmp_path / "run" / "manifest.json").exists()
 
 
-def test_another_architectures_weights_are_refused(bert, text, tmp_path, cli):
-    ckpt = _copy(bert, tmp_path / "neox-weights")
+def test_another_architectures_weights_are_refused(tiny_bert, text, tmp_path, cli):
+    ckpt = _copy(tiny_bert, tmp_path / "neox-weights")
     neox = make_tiny_model("gpt_neox", tmp_path / "neox")
     shutil.copy(neox / "model.safetensors", ckpt / "model.safetensors")
     code, out, err = cli(["extract", ckpt, text, "--out", tmp_path / "run", "-q"])
@@ -129,19 +134,19 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("case", sorted(DAMAGE))
-def test_damaged_checkpoint_is_one_line(case, bert, text, tmp_path, cli):
+def test_damaged_checkpoint_is_one_line(case, tiny_bert, text, tmp_path, cli):
     damage, needles = DAMAGE[case]
-    ckpt = _copy(bert, tmp_path / case)
+    ckpt = _copy(tiny_bert, tmp_path / case)
     damage(ckpt)
     code, out, err = cli(["extract", ckpt, text, "--out", tmp_path / "run", "-q"])
     line = assert_one_line_error(code, out, err, *needles, exit_code=2)
     assert "an input file ended" not in line  # (the empty .bin's EOFError blamed the text input)
 
 
-def test_revisions_sweep_goes_on_past_a_damaged_checkpoint(bert, text, tmp_path, cli):
+def test_revisions_sweep_goes_on_past_a_damaged_checkpoint(tiny_bert, text, tmp_path, cli):
     ckpts = tmp_path / "ckpts"
     for step in ("step1", "step2", "step3"):
-        _copy(bert, ckpts / step)
+        _copy(tiny_bert, ckpts / step)
     _garbage_bin(ckpts / "step2")
     out = tmp_path / "runs"
     code, o, err = cli(["extract", "ft", text, "--revisions", str(ckpts / "*"), "--out", out, "-q"])
@@ -174,10 +179,10 @@ def test_bare_revision_of_a_hub_model_is_never_a_folder_here(tmp_path, monkeypat
 # -- the fingerprint covers an adapter's settings ---------------------------------------------------
 
 
-def test_fingerprint_covers_adapter_config(bert, tmp_path):
+def test_fingerprint_covers_adapter_config(tiny_bert, tmp_path):
     from geomscope.model.fingerprint import weights_fingerprint
 
-    d = _copy(bert, tmp_path / "adapted")
+    d = _copy(tiny_bert, tmp_path / "adapted")
     bare = weights_fingerprint(d)
     (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 8}))
     with_adapter = weights_fingerprint(d)
@@ -290,12 +295,12 @@ def test_iw_is_read_at_the_recorded_commit_not_a_moved_ref(hub, text, tmp_path, 
 
 
 @pytest.mark.parametrize("content", [b"PK\x03\x04garbage" * 10, b""], ids=["garbage", "empty"])
-def test_iw_of_a_damaged_checkpoint_is_null_with_reason(content, bert, tmp_path):
+def test_iw_of_a_damaged_checkpoint_is_null_with_reason(content, tiny_bert, tmp_path):
     from test_score import make_run
 
     from geomscope.score import ScoreOptions, score
 
-    ckpt = _copy(bert, tmp_path / "ckpt")
+    ckpt = _copy(tiny_bert, tmp_path / "ckpt")
     (ckpt / "model.safetensors").unlink()
     (ckpt / "pytorch_model.bin").write_bytes(content)
     make_run(tmp_path / "run", n_shards=1, rows=60, dim=32, model_name=str(ckpt))  # no fingerprint recorded
@@ -304,34 +309,7 @@ def test_iw_of_a_damaged_checkpoint_is_null_with_reason(content, bert, tmp_path)
     assert rep["layers"][0]["isoscore"] > 0  # the rest of the report is there
 
 
-# -- inspect on hand-edited manifest fields ---------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "where, value, needle",
-    [
-        (("model", "commit"), 12345, "identity.model.commit is 12345"),
-        (("model", "revision"), {"a": 1}, "identity.model.revision is {'a': 1}"),
-        (("inputs",), "abc", "identity.inputs is 'abc'"),
-        (("keep",), 5, "identity.keep is 5"),
-        (("layers", -1, "tensor"), 7, "identity.layers[2].tensor is 7"),
-    ],
-    ids=["commit", "revision", "inputs", "keep", "tensor"],
-)
-@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
-def test_inspect_refuses_mistyped_manifest_fields(
-    where, value, needle, as_json, tmp_path_factory, cli, capsys
-):
-    run = make_tiny_run(tmp_path_factory.mktemp("inspect") / "runs", "bert")
-    capsys.readouterr()  # (what loading the model printed: not inspect's output)
-    m = json.loads((run / "manifest.json").read_text())
-    holder = m["identity"]
-    for key in where[:-1]:
-        holder = holder[key]
-    holder[where[-1]] = value
-    (run / "manifest.json").write_text(json.dumps(m))
-    code, out, err = cli(["inspect", run, *(["--json"] if as_json else [])])
-    assert_one_line_error(code, out, err, "manifest.json is damaged", needle, exit_code=2)
+# -- what transformers reports of tensors it made at random -----------------------------------------
 
 
 def test_random_tensors_refused_whatever_transformers_reports_them_as():
@@ -360,3 +338,117 @@ def test_missing_revision_names_those_of_the_cache_dir(hub, tmp_path, monkeypatc
         InputError, match=r"no revision 'step9' in the local cache \(it has step0, step1000\)"
     ):
         load_model(REPO, revision="step9", cache_dir=str(hub), device="cpu")
+
+
+# -- a checkpoint someone else made: its code never runs, no pickle is loaded, damage is one line ---
+
+
+def _remote_code_model(tmp_path: Path, base: Path, marker: Path, model_type: str) -> Path:
+    d = tmp_path / f"remote-{model_type}"
+    shutil.copytree(base, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = model_type
+    cfg["auto_map"] = {
+        "AutoConfig": "evil.EvilConfig",
+        "AutoModel": "evil.EvilModel",
+        "AutoModelForSequenceClassification": "evil.EvilModel",
+    }
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "evil.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
+    return d
+
+
+def test_a_models_own_code_never_runs_unless_asked(cli, tiny_bert, text, tmp_path):
+    """A config that points at its own code: a known architecture loads transformers' own class,
+    an unknown one is refused with one line; the model's code never runs."""
+    marker = tmp_path / "RAN"
+    train = write_csv(tmp_path / "train.csv", synthetic_rows(8, 0))
+    known = _remote_code_model(tmp_path, tiny_bert, marker, "bert")
+    code, _, err = quiet_extract(cli, known, text, tmp_path / "run-known")
+    assert code == 0, err
+    unknown = _remote_code_model(tmp_path, tiny_bert, marker, "evil-arch")
+    code, out, err = quiet_extract(cli, unknown, text, tmp_path / "run")
+    assert_one_line_error(code, out, err, exit_code=2)
+    code, out, err = cli(["finetune", unknown, "--train", train, "--eval", train, "--out", tmp_path / "ft"])
+    assert_one_line_error(code, out, err, "never runs a model's code", exit_code=2)
+    assert not marker.exists()
+
+
+def test_model_directory_without_tokenizer_files_is_refused(cli, tiny_bert, text, tmp_path):
+    d = tmp_path / "notok"
+    shutil.copytree(tiny_bert, d)
+    for p in d.iterdir():
+        if p.name.startswith(("tokenizer", "vocab", "special")):
+            p.unlink()
+    code, out, err = quiet_extract(cli, d, text, tmp_path / "run")
+    assert_one_line_error(code, out, err, "has no tokenizer files", "tokenizer.json", exit_code=2)
+    train = write_csv(tmp_path / "train.csv", synthetic_rows(8, 0))
+    code, out, err = cli(["finetune", d, "--train", train, "--eval", train, "--out", tmp_path / "ft"])
+    assert_one_line_error(code, out, err, "has no tokenizer files", exit_code=2)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "ft").exists()
+
+
+def test_corrupt_safetensors_is_one_line(cli, tiny_bert, text, tmp_path):
+    d = tmp_path / "corrupt"
+    shutil.copytree(tiny_bert, d)
+    (d / "model.safetensors").write_bytes(b"\xff" * 64)
+    code, out, err = quiet_extract(cli, d, text, tmp_path / "run")
+    assert_one_line_error(code, out, err, "model.safetensors", "is damaged", exit_code=2)
+    train = write_csv(tmp_path / "train.csv", synthetic_rows(8, 0))
+    code, out, err = cli(["finetune", d, "--train", train, "--eval", train, "--out", tmp_path / "ft"])
+    assert_one_line_error(code, out, err, "model.safetensors", "is damaged", exit_code=2)
+
+
+def test_a_checkpoint_whose_weights_need_pickle_is_one_line_and_never_loaded(cli, tiny_bert, text, tmp_path):
+    """A pytorch_model.bin holding more than tensors: transformers' torch.load(weights_only=True) refuses
+    it with a 70-line UnpicklingError; geomscope says what it is, and nothing in it runs."""
+    marker = tmp_path / "PWNED"
+    models = []
+    for name, src in (("enc", tiny_bert), ("clf", make_checkpoint(tmp_path / "m", words_of([])))):
+        bad = tmp_path / name
+        shutil.copytree(src, bad)
+        for f in bad.glob("*.safetensors"):
+            f.unlink()
+        with open(bad / "pytorch_model.bin", "wb") as fh:
+            pickle.dump({"weight": Planted(marker)}, fh)
+        models.append(bad)
+    code, out, err = quiet_extract(cli, models[0], text, tmp_path / "run")
+    assert_one_line_error(code, out, err, "never unpickles", "safetensors", exit_code=2)
+    train = write_csv(tmp_path / "train.csv", synthetic_rows(16, 0))
+    code, out, err = cli(
+        ["finetune", models[1], "--train", train, "--eval", train, "--out", tmp_path / "ft", "--quiet"]
+    )
+    assert_one_line_error(code, out, err, "never unpickles", exit_code=2)
+    assert not marker.exists()
+
+
+def test_embedding_weights_that_need_pickle_are_refused_not_loaded(tmp_path):
+    """score --metrics partition reads a run's embedding matrices from its checkpoint: a
+    pytorch_model.bin holding more than tensors is one line, and nothing in it runs."""
+    from geomscope.model.embeddings import _Weights
+
+    marker = tmp_path / "PWNED"
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    with open(ckpt / "pytorch_model.bin", "wb") as fh:
+        pickle.dump({"weight": Planted(marker)}, fh)
+    with pytest.raises(InputError, match="never unpickles"):
+        _Weights(ckpt)
+    assert not marker.exists()
+
+
+def test_a_tokenizer_of_its_own_code_asks_for_trust_and_runs_nothing(cli, tmp_path):
+    """transformers said only that a backend tokenizer could not be built (sentencepiece)."""
+    model = tmp_path / "model"
+    shutil.copytree(bundled_minilm_dir(), model)
+    (model / "tokenizer.json").unlink()
+    marker = tmp_path / "ran"
+    (model / "tok.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg.update(auto_map={"AutoTokenizer": ["tok.MyTok", None]}, tokenizer_class="MyTok")
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    src = tmp_path / "in.txt"
+    src.write_text("a sentence\n")
+    code, out, err = cli(["extract", model, src, "--out", tmp_path / "r", "-q"])
+    assert_one_line_error(code, out, err, "needs its own code", "--trust-remote-code", exit_code=2)
+    assert not marker.exists()
