@@ -1,8 +1,13 @@
 """The CLI's shared contract: usage errors are one `error:` line (exit 2) on every command, Ctrl-C
-keeps finished work and says so, and shared options read the same on every command."""
+keeps finished work and says so, and shared options read the same on every command; what no check
+foresaw (an EOFError, a MemoryError) is still one line, names from the user's data reach the
+terminal as escapes, and the SIGTERM handler is put back."""
 
 from __future__ import annotations
 
+import signal
+
+import numpy as np
 import pytest
 from conftest import assert_one_line_error
 
@@ -93,3 +98,47 @@ def test_text_field_is_one_name():
 def test_bare_command_prints_help(cli):
     code, out, err = cli([])
     assert code == 0 and out.startswith("Usage: geomscope") and err == ""
+
+
+def test_the_cli_puts_the_previous_sigterm_handler_back(cli):
+    before = signal.getsignal(signal.SIGTERM)
+    cli(["--help"])
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_error_lines_show_control_characters_as_escapes(cli, tmp_path):
+    """An error names files from the user's data; ESC in such a name drove the terminal."""
+    name = tmp_path / "x\x1b]0;owned\x07.txt"
+    code, out, err = cli(["extract", "bundled:minilm", name, "--out", tmp_path / "r"])
+    assert code == 2 and "\x1b" not in err and "\x07" not in err and "\\x1b" in err
+
+
+@pytest.mark.parametrize(
+    "raised, needles, exit_code",
+    [
+        (
+            EOFError("Compressed file ended before the end-of-stream marker was reached"),
+            ("ended before its end", "end-of-stream"),
+            2,
+        ),
+        (
+            MemoryError("Unable to allocate 74.5 GiB for an array with shape (100000, 100000)"),
+            ("out of memory", "74.5 GiB"),
+            1,
+        ),
+    ],
+)
+def test_what_no_check_foresaw_is_still_one_line(cli, tmp_path, monkeypatch, raised, needles, exit_code):
+    """Whatever reader lets an EOFError through (click would call it Ctrl-D: "interrupted"), and a
+    MemoryError no check foresaw: main says what each is, in one line."""
+    import geomscope.score
+
+    def fail(*a, **k):
+        raise raised
+
+    monkeypatch.setattr(geomscope.score, "score", fail)
+    ok = tmp_path / "ok.npy"
+    np.save(ok, np.zeros((5, 3)))
+    code, out, err = cli(["score", ok, "--quiet"])
+    line = assert_one_line_error(code, out, err, *needles, exit_code=exit_code)
+    assert "interrupted" not in line

@@ -1,6 +1,7 @@
 """finetune's data and models that gave a traceback or a silent guess: a lone surrogate, texts and
 labels that are no text or no class, a column given twice, a text the tokenizer makes nothing of,
-an encoder-decoder checkpoint; and IStar's C0 counted whole where only its symmetric part acts."""
+an encoder-decoder checkpoint, CSVs that are not UTF-8 or hold huge fields, damaged saved datasets
+and QA answers; and IStar's C0 counted whole where only its symmetric part acts."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import json
 
 import pytest
 import torch
+from conftest import assert_one_line_error
 from helpers_models import make_tiny_model
+from test_train_helpers import make_checkpoint, synthetic_rows, words_of, write_csv
 
 from geomscope.errors import InputError
 from geomscope.train.data import Encoded, load_table
@@ -92,3 +95,79 @@ def test_istar_counts_only_the_symmetric_part_of_c0():
     plain = IStar([0], 0.5, c0)(h, mask)[1]
     with_skew = IStar([0], 0.5, c0 + 0.5 * skew)(h, mask)[1]
     assert float(with_skew) == pytest.approx(float(plain), rel=1e-12)
+
+
+def test_a_finetune_csv_with_trailing_commas_loads(tmp_path):
+    """Excel's trailing commas give blank column names: not 'the column '' twice'."""
+    from geomscope.train.data import load_table
+
+    path = tmp_path / "d.csv"
+    path.write_text("sentence,label,,\nhello,a,,\nworld,b,,\n")
+    assert load_table(path).labels == ["a", "b"]
+
+
+def test_finetune_bad_csvs_are_one_line(cli, tmp_path):
+    model = make_checkpoint(tmp_path / "m", words_of([]))
+    latin = tmp_path / "latin1.csv"
+    latin.write_bytes("sentence,label\ncaf\xe9 cr\xe8me,pos\n".encode("latin-1"))
+    huge = tmp_path / "huge.csv"
+    huge.write_text("sentence,label\n" + '"' + "word " * 40_000 + '",pos\n"fine",neg\n')
+    ok = write_csv(tmp_path / "ok.csv", synthetic_rows(8, 0))
+    code, out, err = cli(["finetune", model, "--train", latin, "--eval", ok, "--out", tmp_path / "a"])
+    assert_one_line_error(code, out, err, "is not UTF-8 text", exit_code=2)
+    # a field past the csv module's default limit (131,072 characters) is read, not a traceback
+    code, out, err = cli(
+        [
+            "finetune",
+            model,
+            "--train",
+            huge,
+            "--eval",
+            ok,
+            "--out",
+            tmp_path / "b",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "2",
+            "--device",
+            "cpu",
+            "--quiet",
+            "--reg",
+            "none",
+        ]
+    )
+    assert "Traceback" not in err
+    assert code == 0 or err.strip().startswith("error:"), err
+
+
+def test_damaged_training_inputs_are_one_line(cli, tmp_path):
+    """A saved dataset whose dataset_dict.json or state.json was damaged, a QA answer_start that is not
+    a finite number, a --revisions file that is not text: one line each (they were tracebacks)."""
+    from geomscope.model.revisions import resolve_revisions
+    from geomscope.train.data import load_table
+    from geomscope.train.qa import load_qa
+
+    dsdict = tmp_path / "dsdict"
+    dsdict.mkdir()
+    (dsdict / "dataset_dict.json").write_text("{bad")
+    with pytest.raises(InputError, match="DatasetDict"):
+        load_table(dsdict)
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "state.json").write_text("{}")
+    (state / "dataset_info.json").write_text("{}")
+    with pytest.raises(InputError, match="not a readable datasets save_to_disk directory"):
+        load_table(state)
+    for start in ("NaN", "Infinity", "1e400"):
+        qa = tmp_path / f"qa-{start}.jsonl"
+        qa.write_text(
+            '{"id": "1", "question": "q?", "context": "the answer is here", '
+            f'"answers": {{"text": ["answer"], "answer_start": [{start}]}}}}\n'
+        )
+        with pytest.raises(InputError, match="not a whole number"):
+            load_qa(qa)
+    revs = tmp_path / "revs.txt"
+    revs.write_bytes(b"step1\n\xff\xfe\n")
+    with pytest.raises(InputError, match="cannot be read as UTF-8"):
+        resolve_revisions(str(tmp_path), str(revs))

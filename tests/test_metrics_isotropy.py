@@ -327,3 +327,13 @@ def test_the_zero_variance_message_says_what_to_do_when_rows_differ():
     with pytest.raises(DataError, match="subtract the mean row first"):
         isoscore(x)
     assert isoscore(x - x.mean(0)) == pytest.approx(isoscore_published(x - x.mean(0)), abs=1e-9)
+
+
+def test_a_covariance_handed_over_in_half_precision_is_accepted():
+    import geomscope.metrics as gm
+
+    x = np.random.default_rng(0).standard_normal((500, 64)).astype(np.float32)
+    c = x.T @ x / 499
+    want = gm.isoscore_from_cov(c)
+    assert gm.isoscore_from_cov(c.astype(np.float16)) == pytest.approx(want, rel=1e-3)
+    assert gm.isoscore_from_cov(torch.tensor(c).bfloat16()) == pytest.approx(want, rel=1e-2)

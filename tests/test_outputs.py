@@ -1,17 +1,21 @@
 """Outputs a user names replace only geomscope's own earlier output of that kind: a user's file, a link
 or a directory at an output name is one `error:` line before anything is written, and stays as it was
 (`score`'s report and trajectory, `plot`'s figures, `report --html`'s page; `compare`:
-tests/test_study.py). Reruns over geomscope's own outputs still replace them."""
+tests/test_study.py). Reruns over geomscope's own outputs still replace them. Links in a run
+directory are never written through; an --out under a file or through a link to nothing is one
+line."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
 import numpy as np
 import pytest
-from conftest import assert_one_line_error
+from conftest import assert_one_line_error, quiet_extract
 from test_plot_factory import make_report, write_report
+from test_train_helpers import finetune_cosreg
 
 from geomscope.outputs import ensure_replaceable, json_format_is, starts_with
 
@@ -161,3 +165,49 @@ def test_a_report_is_recognised_from_its_start_whatever_its_size(tmp_path, monke
     path = tmp_path / "r.json"
     path.write_text('{\n "format": "geomscope-report",\n "layers": [' + ", ".join(["1"] * 1000) + "]}")
     outputs.ensure_replaceable(path, json_format_is("geomscope-report"), head=outputs.HEAD_BYTES)
+
+
+# ------------------------------------------------------------------ an --out that cannot be made
+
+
+def test_an_out_through_a_link_to_nothing_says_so(cli, tmp_path):
+    (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
+    src = tmp_path / "in.txt"
+    src.write_text("a sentence\n")
+    for out_dir in (tmp_path / "dangling", tmp_path / "dangling" / "sub"):
+        code, out, err = cli(["extract", "bundled:minilm", src, "--out", out_dir, "-q"])
+        assert_one_line_error(code, out, err, "dangling is a link to nothing", exit_code=2)
+
+
+def test_links_in_a_run_directory_are_never_written_through(cli, tiny_bert, twelve_docs, tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".geomscope.lock").symlink_to(outside)  # the lock would be opened (and truncated) through it
+    code, out, err = quiet_extract(cli, tiny_bert, twelve_docs, run)
+    assert_one_line_error(code, out, err, ".geomscope.lock is not a plain file", exit_code=2)
+    assert outside.read_text() == "precious"
+    (run / ".geomscope.lock").unlink()
+    assert quiet_extract(cli, tiny_bert, twelve_docs, run)[0] == 0
+    (run / "report.json").symlink_to(outside)  # score's report would be written through it
+    (run / "report.csv").symlink_to(outside)
+    code, out, err = cli(["score", run, "--metrics", "isoscore", "--quiet"])  # refused, link kept
+    assert_one_line_error(code, out, err, "report.json exists and is a link", exit_code=2)
+    assert outside.read_text() == "precious" and (run / "report.json").is_symlink()
+    (run / "report.json").unlink()
+    (run / "report.csv").unlink()
+    code, _, err = cli(["score", run, "--metrics", "isoscore", "--quiet"])
+    assert code == 0, err
+    assert json.loads((run / "report.json").read_text())["format"] == "geomscope-report"
+
+
+def test_an_out_under_a_file_is_one_line(cli, tiny_bert, twelve_docs, tmp_path):
+    """--out a/sub where a is a file: NotADirectoryError was a traceback in extract and finetune."""
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    code, out, err = quiet_extract(cli, tiny_bert, twelve_docs, afile / "sub")
+    assert_one_line_error(code, out, err, "afile/sub", "Not a directory", exit_code=2)
+    code, out, err = finetune_cosreg(cli, tmp_path, afile / "sub")
+    assert_one_line_error(code, out, err, "afile/sub", "Not a directory", exit_code=2)
+    assert afile.read_text() == "mine"

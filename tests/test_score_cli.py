@@ -1,4 +1,6 @@
-"""`geomscope score` (CLI): outputs, --json purity, CSV columns, and every bad-input path."""
+"""`geomscope score` (CLI): outputs, --json purity, CSV columns, and every bad-input path: an --out
+onto a directory or a full disk, rows too wide for the machine's memory, a shrinkage target that is
+no covariance, a --scheduler's bound."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 from conftest import assert_one_line_error
 from test_score import make_run
 
+from geomscope.errors import InputError
 from geomscope.schema import LAYER_KEYS, REPORT_KEYS
 from geomscope.schema import SCALAR_METRIC_NAMES as CSV_METRICS
 
@@ -180,3 +183,68 @@ def test_too_few_rows(cli, tmp_path):
     make_run(tmp_path / "r", n_shards=1, rows=10, doc_len=1)
     code, out, err = cli(["score", tmp_path / "r", "--exclude-special", "--json"])
     assert_one_line_error(code, out, err, "at least 2")
+
+
+def test_dask_local_workers_are_bounded_like_workers():
+    from geomscope.score.dask_executor import parse_scheduler
+
+    assert parse_scheduler("local:4") == "local:4"
+    with pytest.raises(InputError, match="at most 1024"):
+        parse_scheduler("local:100000")
+
+
+def test_score_out_onto_a_directory_or_a_failing_disk(cli, tmp_path, monkeypatch):
+    X = np.random.default_rng(0).normal(size=(50, 4))
+    np.save(tmp_path / "x.npy", X)
+    (tmp_path / "p.json").mkdir()
+    code, out, err = cli(["score", tmp_path / "x.npy", "--out", tmp_path / "p", "--quiet"])
+    assert_one_line_error(code, out, err, "is a directory", exit_code=2)
+    import errno
+
+    import geomscope.report as report
+
+    def disk_full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(report, "write_text_atomic", disk_full)  # any write error, e.g. a full disk
+    code, out, err = cli(["score", tmp_path / "x.npy", "--out", tmp_path / "r", "--quiet"])
+    assert_one_line_error(code, out, err, "cannot write the report", "No space left", exit_code=2)
+
+
+def test_rows_too_wide_for_this_machine_are_one_line_before_any_allocation(cli, tmp_path, monkeypatch):
+    """D x D accumulators larger than the machine's memory: said with the numbers, not numpy's 74.5 GiB
+    allocation error after the rows were read."""
+    import geomscope.score.resources as resources
+
+    monkeypatch.setattr(resources, "physical_memory", lambda: 40 * 2**20)  # a 40 MiB machine
+    wide = tmp_path / "wide.npy"
+    np.save(wide, np.random.default_rng(0).normal(size=(20, 2000)).astype(np.float32))  # 2000^2 x 16 B
+    code, out, err = cli(["score", wide, "--metrics", "twonn", "--quiet"])
+    assert_one_line_error(code, out, err, "D = 2000 is too wide", "GiB", exit_code=2)
+    mid = tmp_path / "mid.npy"
+    np.save(mid, np.random.default_rng(0).normal(size=(40, 1000)).astype(np.float32))  # 16 MB, 10 groups: not
+    code, out, err = cli(["score", mid, "--metrics", "avgcos", "--quiet"])
+    assert_one_line_error(code, out, err, "D = 1000", "--jackknife-groups", exit_code=2)
+    code, out, err = cli(
+        ["score", mid, "--metrics", "avgcos", "--jackknife-groups", "2", "--out", tmp_path / "r", "--quiet"]
+    )
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("target", [-np.eye(8), np.zeros((8, 8)), np.diag([1.0, 1, 1, 1, 1, 1, 1, -0.5])])
+def test_a_shrinkage_target_that_is_no_covariance_is_refused(cli, tmp_path, target):
+    """IsoScore* shrinks toward C0: a matrix with negative eigenvalues (or none above 0) gave a number."""
+    np.save(tmp_path / "c0.npy", target)
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).normal(size=(100, 8)))
+    code, out, err = cli(
+        [
+            "score",
+            tmp_path / "x.npy",
+            "--metrics",
+            "isoscore_star",
+            "--shrinkage-target",
+            tmp_path / "c0.npy",
+            "--quiet",
+        ]
+    )
+    assert_one_line_error(code, out, err, "is not a covariance", exit_code=2)

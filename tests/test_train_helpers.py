@@ -140,6 +140,20 @@ def finetune_args(data: dict, out, *extra, train=None, lr: str | None = "1e-3") 
     ]
 
 
+def finetune_cosreg(cli, d: Path, out, *extra):
+    """``geomscope finetune`` of a tiny checkpoint ``d/m`` on ``d/train.csv`` (16 rows; built on the
+    first call, reused after) into ``out``: one quiet CosReg epoch on the CPU, evaluated on the
+    training rows."""
+    model = d / "m"
+    if not model.exists():
+        make_checkpoint(model, words_of([]))
+    train = d / "train.csv"
+    if not train.exists():
+        write_csv(train, synthetic_rows(16, 0))
+    args = ["--epochs", "1", "--batch-size", "8", "--device", "cpu", "--quiet", "--reg", "cosreg"]
+    return cli(["finetune", model, "--train", train, "--eval", train, "--out", out, *args, *extra])
+
+
 def test_builders(tmp_path):
     from transformers import AutoModel, AutoTokenizer
 

@@ -1,20 +1,25 @@
-"""extract's inputs and its disk: a device is refused (it was copied until the disk was full), a
-stream that does not fit the temporary folder, a disk that fills up while shards are written and a
-SIGTERM are each one line, with no copy of the input left behind; --out inside an input dataset is
-refused (it could never be resumed)."""
+"""extract's inputs (extract/sources.py) and its disk: a device is refused (it was copied until the
+disk was full), a stream that does not fit the temporary folder, a disk that fills up while shards
+are written and a SIGTERM are each one line, with no copy of the input left behind; --out inside an
+input dataset is refused (it could never be resumed). stdin and named pipes are spooled and read
+once, to their end, and refused where several readers would each need them; a CSV's byte order
+mark is no part of its first column; a cut .csv.gz is one line."""
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from conftest import assert_one_line_error
+from conftest import assert_one_line_error, quiet_extract
+from helpers_models import TWELVE_DOCS
 
 from geomscope.errors import InputError
 
@@ -89,12 +94,6 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
     assert not list(tmp_path.glob("geomscope-stdin-*"))
 
 
-def test_the_cli_puts_the_previous_sigterm_handler_back(cli):
-    before = signal.getsignal(signal.SIGTERM)
-    cli(["--help"])
-    assert signal.getsignal(signal.SIGTERM) is before
-
-
 def test_out_inside_an_input_dataset_is_refused(tmp_path):
     from geomscope.extract.sources import check_out_outside_inputs, open_inputs
 
@@ -108,15 +107,6 @@ def test_out_inside_an_input_dataset_is_refused(tmp_path):
     assert Path(ds).is_dir()
 
 
-def test_an_out_through_a_link_to_nothing_says_so(cli, tmp_path):
-    (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
-    src = tmp_path / "in.txt"
-    src.write_text("a sentence\n")
-    for out_dir in (tmp_path / "dangling", tmp_path / "dangling" / "sub"):
-        code, out, err = cli(["extract", "bundled:minilm", src, "--out", out_dir, "-q"])
-        assert_one_line_error(code, out, err, "dangling is a link to nothing", exit_code=2)
-
-
 def test_long_documents_raise_no_false_warning_about_indexing(tmp_path, capfd):
     """The plan's token estimate tokenizes a sample at full length (truncation comes per bin after);
     transformers warned 'Token indices sequence length is longer ... indexing errors'."""
@@ -126,30 +116,6 @@ def test_long_documents_raise_no_false_warning_about_indexing(tmp_path, capfd):
     src.write_text(" ".join(["word"] * 2000) + "\n")
     extract("bundled:minilm", [src], tmp_path / "r", layers="0")
     assert "indexing errors" not in capfd.readouterr().err
-
-
-def test_error_lines_show_control_characters_as_escapes(cli, tmp_path):
-    """An error names files from the user's data; ESC in such a name drove the terminal."""
-    name = tmp_path / "x\x1b]0;owned\x07.txt"
-    code, out, err = cli(["extract", "bundled:minilm", name, "--out", tmp_path / "r"])
-    assert code == 2 and "\x1b" not in err and "\x07" not in err and "\\x1b" in err
-
-
-def test_dask_local_workers_are_bounded_like_workers():
-    from geomscope.score.dask_executor import parse_scheduler
-
-    assert parse_scheduler("local:4") == "local:4"
-    with pytest.raises(InputError, match="at most 1024"):
-        parse_scheduler("local:100000")
-
-
-def test_progress_descriptions_are_shown_as_text():
-    from rich.text import Text
-
-    from geomscope.progress import _as_text
-
-    # rendered with markup, it reads as written, the ESC as a visible escape
-    assert Text.from_markup(_as_text("layer [bold red]x[/] \x1b[2J")).plain == "layer [bold red]x[/] \\x1b[2J"
 
 
 def test_extract_refuses_an_out_inside_its_input_dataset(cli, tmp_path):
@@ -163,23 +129,100 @@ def test_extract_refuses_an_out_inside_its_input_dataset(cli, tmp_path):
     assert not (ds / "run").exists()
 
 
-def test_a_finetune_csv_with_trailing_commas_loads(tmp_path):
-    """Excel's trailing commas give blank column names: not 'the column '' twice'."""
+# ------------------------------------------------------------------ stdin, pipes, CSV, gzip
+
+
+def test_stdin_copy_is_removed_when_a_later_input_is_bad(tmp_path, monkeypatch, tiny_bert):
+    import io
+
+    from geomscope.extract.run import extract
+
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spool))
+    stdin = io.TextIOWrapper(io.BytesIO(TWELVE_DOCS.encode()))
+    with pytest.raises(InputError, match="does not exist"):
+        extract(tiny_bert, ["-", str(tmp_path / "missing.txt")], tmp_path / "run", stdin=stdin)
+    assert list(spool.iterdir()) == []
+
+
+def test_csv_byte_order_mark(cli, tiny_bert, tmp_path):
+    csv_in = tmp_path / "bom.csv"
+    csv_in.write_bytes(b"\xef\xbb\xbftext,other\nhello there,1\nsecond row,2\n")
+    code, _, err = cli(["extract", tiny_bert, csv_in, "--out", tmp_path / "run", "--quiet"])
+    assert code == 0, err
     from geomscope.train.data import load_table
 
-    path = tmp_path / "d.csv"
-    path.write_text("sentence,label,,\nhello,a,,\nworld,b,,\n")
-    assert load_table(path).labels == ["a", "b"]
+    ft = tmp_path / "bom-train.csv"
+    ft.write_bytes(b"\xef\xbb\xbfsentence,label\ngood film,pos\nbad film,neg\n")
+    t = load_table(ft)
+    assert list(t.labels) == ["pos", "neg"]
 
 
-def test_a_covariance_handed_over_in_half_precision_is_accepted():
-    import numpy as np
-    import torch
+def test_a_cut_gzip_csv_is_one_line(cli, tiny_bert, tmp_path):
+    import gzip
 
-    import geomscope.metrics as gm
+    whole = gzip.compress(("text\n" + TWELVE_DOCS).encode() * 50)
+    cut = tmp_path / "cut.csv.gz"
+    cut.write_bytes(whole[: len(whole) // 2])
+    code, out, err = cli(
+        ["extract", tiny_bert, cut, "--text-field", "text", "--out", tmp_path / "run", "--quiet"]
+    )
+    line = assert_one_line_error(code, out, err, "cut.csv.gz", exit_code=2)
+    assert "interrupted" not in line
 
-    x = np.random.default_rng(0).standard_normal((500, 64)).astype(np.float32)
-    c = x.T @ x / 499
-    want = gm.isoscore_from_cov(c)
-    assert gm.isoscore_from_cov(c.astype(np.float16)) == pytest.approx(want, rel=1e-3)
-    assert gm.isoscore_from_cov(torch.tensor(c).bfloat16()) == pytest.approx(want, rel=1e-2)
+
+def test_extract_reads_a_pipe_to_its_end_once(cli, tiny_bert, tmp_path):
+    """A named FIFO (or ``<(zcat x.gz)``) is spooled like stdin: its bytes are read once, to their end,
+    and give the rows the same text in a file gives; the spooled copy is removed."""
+    import threading
+
+    fifo = tmp_path / "docs.txt"
+    os.mkfifo(fifo)
+
+    def writer():
+        with open(fifo, "w") as f:
+            f.write(TWELVE_DOCS)
+
+    th = threading.Thread(target=writer, daemon=True)
+    th.start()
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    old = tempfile.tempdir
+    tempfile.tempdir = str(spool)
+    try:
+        code, _o, e = quiet_extract(cli, tiny_bert, fifo, tmp_path / "piped")
+    finally:
+        tempfile.tempdir = old
+    th.join(timeout=10)
+    assert code == 0, e
+    assert not list(spool.iterdir())  # the spooled copy is gone
+    plain = tmp_path / "docs-file.txt"
+    plain.write_text(TWELVE_DOCS)
+    assert quiet_extract(cli, tiny_bert, plain, tmp_path / "filed")[0] == 0
+    from geomscope.store import Run
+
+    piped, filed = Run(tmp_path / "piped"), Run(tmp_path / "filed")
+    assert piped.total_rows == filed.total_rows > 0
+    manifest = json.loads((tmp_path / "piped" / "manifest.json").read_text())
+    assert str(fifo) in json.dumps(manifest)  # the input is recorded as given
+
+
+def test_a_pipe_read_by_several_readers_is_refused_before_anyone_reads(tmp_path):
+    """Several revisions, or several processes, read their input each: a pipe gives its bytes to one
+    of them only (a second `<(...)` read is empty; a named FIFO blocks). Refused like stdin."""
+    from types import SimpleNamespace
+
+    from geomscope.extract.ranks import check_options
+    from geomscope.extract.revisions import extract_revisions
+    from geomscope.extract.sources import is_stream
+
+    fifo = tmp_path / "docs.txt"
+    os.mkfifo(fifo)
+    plain = tmp_path / "plain.txt"
+    plain.write_text(TWELVE_DOCS)
+    assert is_stream("-") and is_stream(fifo) and not is_stream(plain) and not is_stream(tmp_path)
+    with pytest.raises(InputError, match="docs.txt can be read once"):
+        extract_revisions("model", [str(plain), str(fifo)], tmp_path / "out", ["a", "b"], None)
+    with pytest.raises(InputError, match="cannot share .*docs.txt"):
+        check_options(SimpleNamespace(max_tokens=None), [str(fifo)])
