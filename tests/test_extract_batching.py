@@ -1,6 +1,13 @@
-"""Batch planning: every cut respects the token budget, keeps the order, and pads little."""
+"""Batch planning (extract/batching.py): every cut respects the token budget, keeps the order, and pads
+little; a huge document is tokenized from a bounded prefix, to the tokens of the whole."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 from hypothesis import given, settings
@@ -127,3 +134,42 @@ def test_pad_right_and_row_meta_match_document_by_document(lengths, decoder_star
         )
         rows += n
     assert all(len(v) == rows for v in meta.values()) and meta["token_id"].dtype == np.int64
+
+
+# ------------------------------------------------------------------ tokenizing a bounded prefix
+
+
+def test_a_huge_document_keeps_memory_flat(tmp_path, tiny_bert):
+    """A 20 MB line, truncated to 16 tokens: the tokenizer sees a bounded prefix (the original bug took
+    3.4 GB), and the stored tokens are those of the document's start."""
+    big = tmp_path / "big.txt"
+    words = ("lorem ipsum dolor sit amet " * 800_000)[:20_000_000]
+    big.write_text("short first document\n" + words + "\n")
+    code = (
+        "import resource, sys, json\n"
+        "from geomscope.extract.run import extract\n"
+        f"s = extract({str(tiny_bert)!r}, [{str(big)!r}], {str(tmp_path / 'run')!r}, max_length=16)\n"
+        "rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024\n"
+        "print(json.dumps({'rss_mb': rss, 'rows': s['rows']}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    from transformers import AutoTokenizer
+
+    short = len(AutoTokenizer.from_pretrained(tiny_bert)("short first document")["input_ids"])
+    assert got["rows"] == short + 16  # the short document whole, 16 tokens of the huge one
+    assert got["rss_mb"] < 1500, got  # the whole-line tokenization alone took over 3,000 MB
+
+
+def test_bounded_prefix_gives_the_tokens_of_the_whole_document(tiny_bert):
+    from transformers import AutoTokenizer
+
+    from geomscope.extract.batching import tokenize
+
+    tok = AutoTokenizer.from_pretrained(tiny_bert)
+    long_doc = " ".join(["the quick brown fox jumps over the lazy dog"] * 5000)
+    [doc] = tokenize(tok, [(0, long_doc)], 64)
+    whole = tok(long_doc, truncation=True, max_length=64)["input_ids"]
+    assert doc.ids.tolist() == whole and len(whole) == 64

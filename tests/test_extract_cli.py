@@ -1,11 +1,13 @@
 """`geomscope extract` on the command line: JSON on stdout, messages on stderr, one-line errors, and resume
-after SIGKILL of a real process."""
+after SIGKILL of a real process; --overwrite removes only what the manifest lists, after checking it,
+and a resume redoes a shard whose checksum fails."""
 
 from __future__ import annotations
 
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import assert_one_line_error
+from conftest import assert_one_line_error, files_of, quiet_extract
 from helpers_models import SAMPLE_TEXTS, make_tiny_model, poison_token
 
 from geomscope.store import Run, iter_shard
@@ -155,3 +157,77 @@ def test_resume_after_sigkill_equals_clean_run(cli, models, tmp_path):
     assert m1.shape[1] == Run(run).total_rows == Run(tmp_path / "clean").total_rows
     for n in l1:
         np.testing.assert_allclose(l1[n].astype(np.float32), l2[n].astype(np.float32), rtol=1e-3, atol=1e-3)
+
+
+# ------------------------------------------------------------------ --overwrite, resume, limits
+
+
+def test_extract_overwrite_removes_only_what_the_manifest_lists(cli, tiny_bert, twelve_docs, tmp_path):
+    run = tmp_path / "run"
+    assert quiet_extract(cli, tiny_bert, twelve_docs, run)[0] == 0
+    (run / "shard-notes.txt").write_text("mine")
+    (run / "shards_backup").mkdir()
+    (run / "shards_backup" / "old.h5").write_text("mine too")
+    code, _, err = quiet_extract(cli, tiny_bert, twelve_docs, run, "--overwrite", "--layers", "0")
+    assert code == 0, err
+    assert (run / "shard-notes.txt").read_text() == "mine"
+    assert (run / "shards_backup" / "old.h5").read_text() == "mine too"
+
+
+def test_extract_overwrite_checks_before_deleting(cli, tiny_bert, twelve_docs, tmp_path):
+    run = tmp_path / "run"
+    assert quiet_extract(cli, tiny_bert, twelve_docs, run)[0] == 0
+    before = files_of(run)
+    (run / "shard-00001.h5").unlink()
+    (run / "shard-00001.h5").mkdir()  # a directory where a listed shard should be
+    (run / "shard-00001.h5" / "x").write_text("x")
+    code, out, err = quiet_extract(cli, tiny_bert, twelve_docs, run, "--overwrite")
+    assert_one_line_error(code, out, err, "is a directory, not a file geomscope wrote", exit_code=2)
+    after = files_of(run)
+    assert all(after[k] == v for k, v in before.items() if k in after and not k.startswith(".geomscope.lock"))
+    assert (run / "manifest.json").exists() and (run / "shard-00000.h5").exists()  # nothing half-deleted
+    shutil.rmtree(run / "shard-00001.h5")
+    code, _, err = quiet_extract(
+        cli, tiny_bert, twelve_docs, run, "--overwrite"
+    )  # once moved away, --overwrite works
+    assert code == 0, err
+
+
+def test_resume_redoes_a_shard_whose_checksum_fails(cli, tiny_bert, twelve_docs, tmp_path):
+    from geomscope.store import Run, verify_shard
+
+    run = tmp_path / "run"
+    assert quiet_extract(cli, tiny_bert, twelve_docs, run, "--store-dtype", "float32")[0] == 0
+    clean = {p.name: p.read_bytes() for p in run.glob("shard-*.h5")}
+    target = run / "shard-00001.h5"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, different bytes
+    target.write_bytes(bytes(data))
+    code, out, err = cli(
+        [
+            "extract",
+            tiny_bert,
+            twelve_docs,
+            "--out",
+            run,
+            "--quiet",
+            "--shard-docs",
+            "4",
+            "--store-dtype",
+            "float32",
+            "--json",
+        ]
+    )
+    assert code == 0, err
+    s = json.loads(out)
+    assert s["shards_written"] == 1 and s["shards_resumed"] == len(clean) - 1
+    r = Run(run)
+    for info in r.shards:
+        verify_shard(r.shard_path(info), info)
+    assert target.read_bytes() == clean[target.name]  # the redone shard equals the clean one
+
+
+def test_max_length_below_the_special_tokens(cli, tiny_bert, twelve_docs, tmp_path):
+    code, out, err = quiet_extract(cli, tiny_bert, twelve_docs, tmp_path / "run", "--max-length", "1")
+    assert_one_line_error(code, out, err, "leaves no room for text", exit_code=2)
+    assert not (tmp_path / "run").exists()

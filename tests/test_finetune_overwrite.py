@@ -1,5 +1,6 @@
 """``finetune --overwrite`` removes only what the previous run recorded in its marker (review: it
-removed every folder of a fixed list -- ``checkpoints/``, ``wandb/`` ... -- whoever had made it)."""
+removed every folder of a fixed list -- ``checkpoints/``, ``wandb/`` ... -- whoever had made it);
+an --out that holds files geomscope did not write is refused, with or without --overwrite."""
 
 from __future__ import annotations
 
@@ -7,8 +8,16 @@ import json
 
 import pytest
 import torch
-from conftest import assert_one_line_error
-from test_train_helpers import finetune_args, tiny_finetune_data
+from conftest import assert_one_line_error, files_of
+from test_train_helpers import (
+    finetune_args,
+    finetune_cosreg,
+    make_checkpoint,
+    synthetic_rows,
+    tiny_finetune_data,
+    words_of,
+    write_csv,
+)
 
 from geomscope.errors import InputError
 from geomscope.train import checkpoint as ck
@@ -127,3 +136,25 @@ def test_export_never_replaces_a_file_the_marker_does_not_record(tmp_path):
     (out / "config.json").unlink()
     ck.export_model(out, _Saves("config.json", "model.safetensors"), _Saves("vocab.txt"), {})
     assert {"config.json", "model.safetensors", "vocab.txt"} <= set(ck.read_marker(out)["files"])
+
+
+def test_finetune_refuses_an_out_it_did_not_write(cli, tmp_path):
+    model = make_checkpoint(tmp_path / "m", words_of([]))
+    train = write_csv(tmp_path / "train.csv", synthetic_rows(16, 0))
+    before = files_of(model)
+    for flags in ([], ["--overwrite"]):
+        code, out, err = cli(["finetune", model, "--train", train, "--eval", train, "--out", model, *flags])
+        assert_one_line_error(code, out, err, "holds files geomscope did not write", exit_code=2)
+    assert files_of(model) == before
+
+
+def test_finetune_overwrite_replaces_only_its_own_output(cli, tmp_path):
+    out = tmp_path / "ft"
+    code, _, err = finetune_cosreg(cli, tmp_path, out)
+    assert code == 0, err
+    (out / "my-notes.txt").write_text("keep")
+    code, o, err = finetune_cosreg(cli, tmp_path, out)
+    assert_one_line_error(code, o, err, "already holds a finetune run", exit_code=2)
+    code, _, err = finetune_cosreg(cli, tmp_path, out, "--overwrite")
+    assert code == 0, err
+    assert (out / "my-notes.txt").read_text() == "keep" and (out / "model.safetensors").exists()

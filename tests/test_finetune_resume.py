@@ -1,17 +1,19 @@
 """What a rerun of ``finetune`` may continue, and what it is told (review findings): data changed in
 place is refused on --resume; a seed the generators cannot take is one line; an interrupted run is
 continued by what the interrupt message says; and the eval geometry never counts padding, so with
---include-padding it does not depend on --batch-size."""
+--include-padding it does not depend on --batch-size. A resume never unpickles the trainer state
+and never writes through a link planted in the run; damaged trainer state or log is one line."""
 
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 
 import pytest
 import torch
-from conftest import assert_one_line_error
-from test_train_helpers import finetune_args, synthetic_rows, tiny_finetune_data, write_csv
+from conftest import Planted, assert_one_line_error
+from test_train_helpers import finetune_args, finetune_cosreg, synthetic_rows, tiny_finetune_data, write_csv
 
 import geomscope.train.loop as loop
 from geomscope.errors import InputError
@@ -152,3 +154,54 @@ def test_eval_geometry_with_include_padding_does_not_depend_on_batch_size(data, 
     for bs in (4, 12):
         for k in ("isoscore_star", "isoscore", "avgcos", "avgcos_last_layer", "eval_tokens"):
             assert evals[bs][k] == pytest.approx(evals[1][k], rel=1e-5, abs=1e-7), (bs, k)
+
+
+# ------------------------------------------------------------------ damaged and planted resume state
+
+
+def test_resume_never_unpickles_trainer_state(cli, tmp_path):
+    out = tmp_path / "ft"
+    assert finetune_cosreg(cli, tmp_path, out)[0] == 0
+    marker = tmp_path / "PWNED"
+    with open(out / "checkpoint" / "trainer.pt", "wb") as f:
+        pickle.dump(Planted(marker), f)
+    code, o, err = finetune_cosreg(cli, tmp_path, out, "--resume", "--epochs", "2")
+    assert_one_line_error(code, o, err, "trainer.pt, a pickle", exit_code=2)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "state-json", "missing"])
+def test_resume_with_damaged_trainer_state_is_one_line(cli, tmp_path, damage):
+    out = tmp_path / "ft"
+    assert finetune_cosreg(cli, tmp_path, out)[0] == 0
+    ck = out / "checkpoint"
+    if damage == "truncate":
+        data = (ck / "trainer.safetensors").read_bytes()
+        (ck / "trainer.safetensors").write_bytes(data[: len(data) // 3])
+    elif damage == "state-json":
+        (ck / "state.json").write_text("{not json")
+    else:
+        (ck / "trainer.json").unlink()
+    code, o, err = finetune_cosreg(cli, tmp_path, out, "--resume", "--epochs", "2")
+    assert_one_line_error(
+        code, o, err, "damaged" if damage != "missing" else "missing or damaged", exit_code=2
+    )
+
+
+def test_resume_with_a_damaged_log_or_planted_links(cli, tmp_path):
+    out = tmp_path / "ft"
+    assert finetune_cosreg(cli, tmp_path, out)[0] == 0
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep")
+    (out / ".checkpoint.tmp").symlink_to(outside, target_is_directory=True)
+    (out / ".export.tmp").symlink_to(outside, target_is_directory=True)
+    code, _, err = finetune_cosreg(cli, tmp_path, out, "--resume", "--epochs", "2")
+    assert code == 0, err
+    assert (outside / "keep.txt").read_text() == "keep" and sorted(p.name for p in outside.iterdir()) == [
+        "keep.txt"
+    ]
+    with open(out / "steps.jsonl", "a") as f:
+        f.write("{half a line\n")
+    code, o, err = finetune_cosreg(cli, tmp_path, out, "--resume", "--epochs", "3")
+    assert_one_line_error(code, o, err, "steps.jsonl line", "is not JSON", exit_code=2)

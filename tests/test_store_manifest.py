@@ -1,15 +1,17 @@
 """A run's manifest (store/manifest.py) read as written and refused as damaged: one that disagrees
 with itself (shards listed twice, documents claimed twice, a shard missing from a complete run,
 totals), layer names and widths no writer gives. Each is one `error:` line or an InputError naming
-what is wrong -- never a number computed from rows counted twice. And what the manifest says: the
-identity differences a resume names, one line per shard entry in its text."""
+what is wrong -- never a number computed from rows counted twice; a manifest that names paths
+outside the run or is structurally broken is one line for score, inspect and extract alike, and
+--overwrite starts such a run over. And what the manifest says: the identity differences a resume
+names, one line per shard entry in its text."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from conftest import assert_one_line_error, edit_manifest
+from conftest import assert_one_line_error, edit_manifest, quiet_extract
 from test_store_integrity import two_shard_run
 
 from geomscope.errors import InputError
@@ -111,3 +113,60 @@ def test_manifest_text_round_trips_one_line_per_shard(tmp_path):
     text = dumps_manifest(m)
     assert json.loads(text) == m
     assert sum(1 for line in text.splitlines() if '"index":' in line) == 3  # one line per shard entry
+
+
+# ------------------------------------------------------------------ a manifest edited by hand
+
+
+def test_a_manifest_naming_paths_outside_the_run_is_refused(cli, tiny_bert, twelve_docs, tmp_path):
+    run = tmp_path / "run"
+    assert quiet_extract(cli, tiny_bert, twelve_docs, run)[0] == 0
+    victim = tmp_path / "victim.h5"
+    victim.write_text("keep")
+    m = json.loads((run / "manifest.json").read_text())
+    m["shards"][0]["file"] = "../victim.h5"
+    (run / "manifest.json").write_text(json.dumps(m))
+    for args in (["score", run, "--quiet"], ["inspect", run]):
+        code, out, err = cli(args)
+        assert_one_line_error(code, out, err, "is not a shard name geomscope writes", exit_code=2)
+    code, out, err = quiet_extract(
+        cli, tiny_bert, twelve_docs, run
+    )  # resume would trust the entries: refused
+    assert_one_line_error(code, out, err, "is not a shard name geomscope writes", exit_code=2)
+    code, _, err = quiet_extract(
+        cli, tiny_bert, twelve_docs, run, "--overwrite"
+    )  # starts over, deleting by no listed name
+    assert code == 0, err
+    assert victim.read_text() == "keep"
+
+
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda m: m.pop("identity"), "no identity object"),
+        (lambda m: m.__setitem__("shards", {"a": 1}), "shards is not a list"),
+        (lambda m: m["shards"][0].__setitem__("rows", "many"), "shards[0].rows"),
+        (lambda m: m.__setitem__("format_version", "1"), "format_version"),
+        (lambda m: m["identity"].__setitem__("layers", "all"), "identity.layers"),
+    ],
+)
+def test_structurally_broken_manifest_is_one_line_everywhere(
+    cli, tiny_bert, twelve_docs, tmp_path, edit, needle
+):
+    run = tmp_path / "run"
+    assert quiet_extract(cli, tiny_bert, twelve_docs, run)[0] == 0
+    m = json.loads((run / "manifest.json").read_text())
+    edit(m)
+    (run / "manifest.json").write_text(json.dumps(m))
+    for args in (
+        ["score", run, "--quiet"],
+        ["inspect", run],
+        ["extract", tiny_bert, twelve_docs, "--out", run, "--quiet"],
+    ):
+        code, out, err = cli(args)
+        assert_one_line_error(code, out, err, needle, exit_code=2)
+    code, _, err = quiet_extract(
+        cli, tiny_bert, twelve_docs, run, "--overwrite"
+    )  # ours, though damaged: --overwrite starts over
+    assert code == 0, err
+    assert json.loads((run / "manifest.json").read_text())["complete"] is True
