@@ -50,6 +50,8 @@ TRACKERS = ("none", "tensorboard", "wandb", "mlflow")
 FIGURE_FORMATS = ("png", "svg", "pdf")
 DPI_RANGE = (10, 2400)  # the resolutions plot --dpi (plot_files) accepts, in dots per inch
 PLOT_KINDS = ("auto", "layers", "spectrum", "outliers", "trajectory", "training", "energy")
+#: export: the formats a run is written in (geomscope.export)
+EXPORT_FORMATS = ("arrow", "npy")
 
 #: --device-map: how accelerate spreads a model larger than one device
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")

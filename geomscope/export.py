@@ -26,34 +26,33 @@ import io
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from geomscope.errors import DataError, InputError
+from geomscope.export_options import ExportOptions
 from geomscope.fileio import create_exclusive, replace_dir, temp_path, write_all
 from geomscope.schema import EXPORT_MARKER
 
-EXPORT_FORMATS = ("arrow", "npy")
 META = (("doc_id", np.int64), ("position", np.int64), ("token_id", np.int64), ("special", np.bool_))
 
 
-def export_run(
-    run_dir, to: str, out_dir, *, layers: list[str] | None = None, progress=None, verify: bool = True
-) -> dict:
-    """Write the run ``run_dir`` as ``to`` ("arrow" | "npy") into ``out_dir``; return the summary
-    recorded in ``out_dir/geomscope-export.json``. ``progress(rows)`` is called per chunk read.
+def export_run(run_dir, out_dir, options: ExportOptions | None = None, *, progress=None, **overrides) -> dict:
+    """Write the run ``run_dir`` as ``options.to`` ("arrow" | "npy") into ``out_dir``; return the
+    summary recorded in ``out_dir/geomscope-export.json``. ``options``: an
+    :class:`~geomscope.export_options.ExportOptions`; keyword ``overrides`` replace its fields, or
+    make it (``export_run(run, out, to="npy", layers=["2"])``). ``progress(rows)`` is called per
+    chunk read.
 
     The run is read as ``score`` reads it: a manifest that disagrees with itself is refused, each
     shard's size is checked against the manifest before it is read and its checksum while it is read
     (``verify=False``: the size only), and its rows are held to the documents its entry assigns it.
     """
-    if to not in EXPORT_FORMATS:
-        raise InputError(
-            f"--to {to!r} is not a format export writes; choose one of {', '.join(EXPORT_FORMATS)}"
-        )
+    opts = (ExportOptions(**overrides) if options is None else replace(options, **overrides)).validate()
     run, shards = _open_run(run_dir)
-    names = run.resolve_layers(layers)
+    names = run.resolve_layers(opts.layers)
     out = Path(out_dir)
     if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
         raise InputError(f"{out} exists and is not an empty directory; choose a new --out directory")
@@ -68,12 +67,12 @@ def export_run(
             f"cannot write into {out.parent} ({e.strerror or e}); choose another --out"
         ) from None
     try:
-        if to == "npy":
-            files = _npy(run, tasks, names, tmp, progress, verify)
+        if opts.to == "npy":
+            files = _npy(run, tasks, names, tmp, progress, opts.verify)
         else:
-            files = _arrow(run, tasks, names, indices, tmp, progress, verify)
+            files = _arrow(run, tasks, names, indices, tmp, progress, opts.verify)
         summary = {
-            "format": to,
+            "format": opts.to,
             "source_run": str(Path(run_dir).resolve()),
             "model": (run.identity.get("model") or {}).get("name"),
             "layers": names,

@@ -103,7 +103,7 @@ def test_a_shard_holding_other_documents_is_refused(run, tmp_path):
 
     _edit_manifest(r, same_as_first)
     with pytest.raises(DataError, match="outside its range"):
-        export_run(r, "npy", tmp_path / "e")
+        export_run(r, tmp_path / "e", to="npy")
     _nothing_left(tmp_path)
 
 
@@ -129,7 +129,7 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(run, tmp_path, monkeypatch):
         pytest.skip("needs /proc/self/fd to tell the export's files")
     monkeypatch.setattr(os, "write", full_disk)
     with pytest.raises(InputError, match="No space left on device"):
-        export_run(run, "npy", tmp_path / "e")
+        export_run(run, tmp_path / "e", to="npy")
     assert written["n"] > 4096
     assert list(tmp_path.iterdir()) == []
 
@@ -161,15 +161,15 @@ def test_a_layer_exported_alone_keeps_its_index(run, tmp_path):
     first and ``plot --layers 0`` picked it."""
     from geomscope.score import ScoreOptions, score
 
-    summary = export_run(run, "arrow", tmp_path / "e", layers=["2"])
+    summary = export_run(run, tmp_path / "e", to="arrow", layers=["2"])
     assert summary["layer_indices"] == {"layer_02": 2}
     rep = score(tmp_path / "e", ScoreOptions(metrics=("isoscore",), jackknife_groups=0))
     assert [(e["layer"], e["index"]) for e in rep["layers"]] == [("layer_02", 2)]
-    both = export_run(run, "arrow", tmp_path / "e2", layers=["0", "2"])
+    both = export_run(run, tmp_path / "e2", to="arrow", layers=["0", "2"])
     rep = score(tmp_path / "e2", ScoreOptions(metrics=("isoscore",), jackknife_groups=0))
     assert [(e["layer"], e["index"]) for e in rep["layers"]] == [("layer_00", 0), ("layer_02", 2)]
     assert both["layer_indices"] == {"layer_00": 0, "layer_02": 2}
-    npy = export_run(run, "npy", tmp_path / "e3", layers=["2"])
+    npy = export_run(run, tmp_path / "e3", to="npy", layers=["2"])
     assert json.loads((tmp_path / "e3" / "geomscope-export.json").read_text())["layer_indices"] == {
         "layer_02": 2
     }

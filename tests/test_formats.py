@@ -265,7 +265,7 @@ def test_export_round_trips_the_rows(run, tmp_path, cli, to):
 def test_scoring_an_arrow_export_equals_scoring_the_run(run, tmp_path):
     from geomscope.export import export_run
 
-    export_run(run, "arrow", tmp_path / "e")
+    export_run(run, tmp_path / "e", to="arrow")
     opts = dict(metrics=("isoscore", "isoscore_star", "avgcos", "spectrum"), jackknife_groups=3)
     a = score(run, ScoreOptions(**opts, exclude_special=True))
     b = score(tmp_path / "e", ScoreOptions(**opts, exclude_special=True))

@@ -248,7 +248,7 @@ def test_score_selects_the_same_layers(models, spec):
 def test_export_selects_the_same_layers(models, spec, tmp_path):
     from geomscope.export import export_run
 
-    summary = export_run(models["run"], "npy", tmp_path / "e", layers=[spec])
+    summary = export_run(models["run"], tmp_path / "e", to="npy", layers=[spec])
     assert summary["layers"] == SPECS[spec]
 
 

@@ -103,7 +103,6 @@ def _bad(tmp_path):
         (["good.json", "--kind", "bars"], ["unknown figure kind 'bars'"]),
         (["good.json", "--format", "svg"], ["contradicts"]),
         (["good.json", "--layers", "layer_77"], ["layer 'layer_77'"]),
-        (["good.json", "--dpi", "0"], ["--dpi"]),
     ],
 )
 def test_plot_bad_input(cli, tmp_path, args, needles):

@@ -1,35 +1,16 @@
-"""What every command shares: choice types, comma lists and the options that must read the same
-everywhere (``--json``, ``--quiet/-q``, ``--layers/-l``, ``--out/-o``, ``--metrics/-m``).
+"""What every command shares: the typer option of a declared option, comma lists, and the options
+that must read the same everywhere (``--json``, ``--quiet/-q``).
 
-Choices are Enums built from :mod:`geomscope.choices`, so the CLI and the library's validation use
-one list; ``--help`` shows them as ``[a|b|c]``.
+A declared option (:mod:`geomscope.options`) gives its typer option its default, flags, help and
+metavar; the value is checked by the library, so a value given on the command line and one given
+to the library function meet the same rule and the same one-line error.
 """
 
 from __future__ import annotations
 
-import enum
-
 import typer
 
-from geomscope import choices
-from geomscope.layers import STORED_LAYERS_HELP  # noqa: F401 (export, plot)
-from geomscope.options import declared, default_of
-
-
-def choice_enum(name: str, values: tuple[str, ...]) -> type[enum.Enum]:
-    """A str Enum of ``values``: Typer shows and checks them as the option's choices."""
-    return enum.Enum(name, {v: v for v in values}, type=str)
-
-
-ComputeDtype = choice_enum("ComputeDtype", choices.COMPUTE_DTYPES)
-StoreDtype = choice_enum("StoreDtype", choices.STORE_DTYPES)
-Stack = choice_enum("Stack", choices.STACKS)
-FigureFormat = choice_enum("FigureFormat", choices.FIGURE_FORMATS)
-
-
-def value(choice) -> str | None:
-    """The plain string of an Enum choice (None stays None)."""
-    return None if choice is None else getattr(choice, "value", choice)
+from geomscope.options import REQUIRED, declared, default_of
 
 
 def split_list(values) -> list[str]:
@@ -39,6 +20,12 @@ def split_list(values) -> list[str]:
     if isinstance(values, str):
         values = [values]
     return [v.strip() for item in values for v in str(item).split(",") if v.strip()]
+
+
+def selection(values: list[str] | None) -> str | None:
+    """A repeated ``--layers`` as the one comma list its values make (its grammar refuses an empty
+    item, ``-l ""`` too); None where it is not given (every layer)."""
+    return ",".join(values) if values else None
 
 
 def json_option(what: str = "the result"):
@@ -51,28 +38,27 @@ def quiet_option(what: str = "No progress bar or messages."):
     return typer.Option(False, "--quiet", "-q", help=what)
 
 
-def declared_option(cls, name: str, complete=None):
-    """The ``typer.Option`` of field ``name`` of the declared options ``cls``: its default, flag,
+def declared_option(cls, name: str, complete=None, *, repeated: bool = False):
+    """The ``typer.Option`` of field ``name`` of the declared options ``cls``: its default, flags,
     help and metavar come from the declaration, and its value is checked by the library
     (:func:`geomscope.options.check`) with the same words as a library call. A tuple default is
-    given as its comma list (the command line's form)."""
+    given as its comma list (the command line's form); a ``REQUIRED`` option must be given.
+    ``repeated``: a list option given as often as wanted, each time a comma list (typer takes its
+    default as a list: the one comma list, or none)."""
     opt = declared(cls)[name]
-    flags = [opt.flag] + ([opt.short] if opt.short else [])
+    flags = [f"{opt.flag}/{opt.off}" if opt.off else opt.flag] + ([opt.short] if opt.short else [])
     default = default_of(cls, name)
+    if default is REQUIRED:
+        default = ...
+    elif isinstance(default, tuple):
+        default = ",".join(map(str, default))
+    if repeated and isinstance(default, str):
+        default = [default] if default else []
     return typer.Option(
-        ",".join(map(str, default)) if isinstance(default, tuple) else default,
+        default,
         *flags,
         metavar=opt.metavar,
         help=opt.help,
         hidden=opt.hidden,
         autocompletion=complete,
     )
-
-
-def layers_option(default, help: str, complete=None):
-    """``--layers/-l``; ``complete`` (geomscope.cli._complete) supplies shell-completion candidates."""
-    return typer.Option(default, "--layers", "-l", metavar="LIST", help=help, autocompletion=complete)
-
-
-def metrics_option(default, help: str, complete=None):
-    return typer.Option(default, "--metrics", "-m", metavar="LIST", help=help, autocompletion=complete)

@@ -3,20 +3,15 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import typer
 
 from geomscope.cli import _complete
 from geomscope.cli._app import app
-from geomscope.cli._options import STORED_LAYERS_HELP, json_option, layers_option, quiet_option, split_list
-
-
-class ExportFormat(str, Enum):
-    arrow = "arrow"
-    npy = "npy"
+from geomscope.cli._options import declared_option, json_option, quiet_option, selection
+from geomscope.export_options import ExportOptions
 
 
 @app.command("export")
@@ -24,15 +19,13 @@ def export_cmd(
     run_dir: Path = typer.Argument(
         ..., metavar="RUN_DIR", help="A finished run written by `geomscope extract`."
     ),
-    to: ExportFormat = typer.Option(
-        ...,
-        "--to",
-        help="arrow: a datasets.save_to_disk directory (Arrow IPC files); npy: one .npy per layer.",
-    ),
+    to: str = declared_option(ExportOptions, "to"),
     out: Path = typer.Option(
         ..., "--out", "-o", metavar="DIR", help="A new (or empty) directory to write; never overwritten."
     ),
-    layers: List[str] = layers_option([], STORED_LAYERS_HELP, _complete.run_layers),
+    layers: Optional[List[str]] = declared_option(
+        ExportOptions, "layers", _complete.run_layers, repeated=True
+    ),
     no_verify: bool = typer.Option(
         False, "--no-verify", help="Skip the shard checksum check (size is still checked)."
     ),
@@ -50,23 +43,17 @@ def export_cmd(
     from geomscope.progress import Progress
     from geomscope.store import Run
 
+    options = ExportOptions(to=to, layers=selection(layers), verify=not no_verify).validate()
     total = Run(run_dir).total_rows if not quiet else 0
     with Progress(enabled=not quiet) as prog:
         bar = prog.add("exporting", total, unit="rows", rate_unit="rows")
-        summary = export_run(
-            run_dir,
-            to.value,
-            out,
-            layers=split_list(layers) or None,
-            progress=bar.advance if not quiet else None,
-            verify=not no_verify,
-        )
+        summary = export_run(run_dir, out, options, progress=bar.advance if not quiet else None)
         bar.complete()
     if as_json:
         typer.echo(json.dumps(summary))
     elif not quiet:
         print(
             f"exported {counted(summary['rows'], 'row')} x {counted(len(summary['layers']), 'layer')} "
-            f"to {out} ({to.value})",
+            f"to {out} ({options.to})",
             file=sys.stderr,
         )

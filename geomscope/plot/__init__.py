@@ -8,29 +8,37 @@ Every function takes loaded reports (dicts in the ``geomscope-report`` format) a
     save_figure(fig, "layers.png")
 """
 
-from geomscope.plot._reports import available_metrics, parse_step, read_report, report_labels
-from geomscope.plot.energy import plot_energy
-from geomscope.plot.figures import KINDS, auto_kinds, make_figures, plot_files, save_figure
-from geomscope.plot.layers import plot_layers
-from geomscope.plot.outliers import outlier_matrix, plot_outliers
-from geomscope.plot.spectrum import plot_spectrum
-from geomscope.plot.trajectory import plot_trajectory, trajectory_steps
+from __future__ import annotations
 
-__all__ = [
-    "KINDS",
-    "auto_kinds",
-    "available_metrics",
-    "make_figures",
-    "outlier_matrix",
-    "parse_step",
-    "plot_energy",
-    "plot_files",
-    "plot_layers",
-    "plot_outliers",
-    "plot_spectrum",
-    "plot_trajectory",
-    "read_report",
-    "report_labels",
-    "save_figure",
-    "trajectory_steps",
-]
+from importlib import import_module
+
+#: each public name -> the module that defines it: imported on first use, so that the options
+#: (what ``geomscope plot --help`` is built from) import no matplotlib
+_HOMES = {
+    "KINDS": "figures",
+    "PlotOptions": "options",
+    "auto_kinds": "figures",
+    "available_metrics": "_reports",
+    "make_figures": "figures",
+    "outlier_matrix": "outliers",
+    "parse_step": "_reports",
+    "plot_energy": "energy",
+    "plot_files": "figures",
+    "plot_layers": "layers",
+    "plot_outliers": "outliers",
+    "plot_spectrum": "spectrum",
+    "plot_trajectory": "trajectory",
+    "read_report": "_reports",
+    "report_labels": "_reports",
+    "save_figure": "figures",
+    "trajectory_steps": "trajectory",
+}
+
+
+def __getattr__(name: str):
+    if name in _HOMES:
+        return getattr(import_module(f"{__name__}.{_HOMES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = list(_HOMES)

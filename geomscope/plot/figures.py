@@ -15,17 +15,18 @@ import io
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from geomscope.choices import DPI_RANGE
 from geomscope.errors import InputError
 from geomscope.fileio import make_dirs, write_bytes_atomic
 from geomscope.outputs import ensure_replaceable
 from geomscope.plot._reports import check_common_layers, read_report, select_layers
 from geomscope.plot.energy import has_energy, plot_energy
 from geomscope.plot.layers import plot_layers
+from geomscope.plot.options import PlotOptions
 from geomscope.plot.outliers import has_outlier_statistic, plot_outliers
 from geomscope.plot.spectrum import has_spectrum, plot_spectrum
 from geomscope.plot.trajectory import is_trajectory, plot_trajectory
@@ -179,32 +180,26 @@ def _out_paths(out: str | os.PathLike, fmt: str | None) -> tuple[bool, Path, str
 def plot_files(
     inputs: Sequence[str | os.PathLike],
     out: str | os.PathLike,
-    *,
-    kinds: Sequence[str] = ("auto",),
-    fmt: str | None = None,
-    dpi: int = 150,
-    metrics: Sequence[str] | None = None,
-    layers: Sequence[str] | None = None,
-    log_x: bool | None = None,
-    normalise: bool = False,
-    top_k: int | None = 40,
+    options: PlotOptions | None = None,
+    **overrides,
 ) -> list[dict]:
     """Read reports (or training logs), draw the requested kinds and write them.
 
     ``out`` is a file (``.png``/``.svg``/``.pdf``: one kind) or a directory (ends in ``/`` or
-    exists: one ``<kind>.<fmt>`` per kind, created if missing).  Returns ``[{"kind", "path"}]``.
+    exists: one ``<kind>.<fmt>`` per kind, created if missing). ``options``: a
+    :class:`~geomscope.plot.options.PlotOptions`; keyword ``overrides`` replace its fields
+    (``plot_files([r], "f.png", dpi=40)``). Returns ``[{"kind", "path"}]``.
     """
+    opts = replace(options or PlotOptions(), **overrides).validate()
     if not inputs:
         raise InputError("no inputs given; pass report JSON files from `geomscope score`")
-    if not DPI_RANGE[0] <= dpi <= DPI_RANGE[1]:
-        raise InputError(f"--dpi must be between {DPI_RANGE[0]} and {DPI_RANGE[1]}, got {dpi}")
-    to_dir, out_path, fmt = _out_paths(out, fmt)
+    to_dir, out_path, fmt = _out_paths(out, opts.fmt)
     for p in inputs:
         if not os.path.exists(p):
             raise InputError(f"input not found: {p}")
     logs = [looks_like_training_log(p) for p in inputs]
     if any(logs):
-        figs = _training_figures(inputs, logs, kinds)
+        figs = _training_figures(inputs, logs, opts.kinds)
     else:
         reports = []
         for p in inputs:
@@ -216,13 +211,13 @@ def plot_files(
                 reports.append(read_report(p))
         figs = make_figures(
             reports,
-            kinds,
+            opts.kinds,
             single=not to_dir,
-            metrics=metrics,
-            layers=layers,
-            log_x=log_x,
-            normalise=normalise,
-            top_k=top_k,
+            metrics=opts.metrics,
+            layers=opts.layers,
+            log_x=opts.log_x,
+            normalise=opts.normalise,
+            top_k=opts.top_k,
         )
     make_dirs(out_path if to_dir else out_path.parent)
     targets = {kind: out_path / f"{kind}.{fmt}" if to_dir else out_path for kind in figs}
@@ -231,7 +226,9 @@ def plot_files(
         for target in targets.values():  # every one before the first is written
             ensure_replaceable(target, is_figure, hint=FIGURE_HINT)
         for kind in list(figs):
-            written.append({"kind": kind, "path": str(save_figure(figs.pop(kind), targets[kind], dpi=dpi))})
+            written.append(
+                {"kind": kind, "path": str(save_figure(figs.pop(kind), targets[kind], dpi=opts.dpi))}
+            )
     finally:  # a refusal or a failed write: the figures not written are closed too
         for fig in figs.values():
             close_figure(fig)
