@@ -406,7 +406,7 @@ def test_bootstrap_and_seed_reach_every_interval_and_the_band(cli, tmp_path, mon
         return real_corr(*a, **kw)
 
     monkeypatch.setattr(geomscope.plot.study.stats, "line_fit_band", band)
-    monkeypatch.setattr(sys.modules["geomscope.study.compare"].stats, "cluster_correlation", corr)
+    monkeypatch.setattr(stats, "cluster_correlation", corr)
     runs = make_runs(tmp_path / "runs", grid_runs())
     code, out, err = cli(["compare", runs, "--json", "--quiet", "--bootstrap", "150", "--seed", "3"])
     assert code == 0, err

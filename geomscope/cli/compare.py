@@ -9,7 +9,9 @@ from typing import List, Optional
 import typer
 
 from geomscope.cli._app import app
-from geomscope.cli._options import json_option, quiet_option
+from geomscope.cli._options import declared_option, json_option, quiet_option
+from geomscope.options import declared
+from geomscope.study.options import CompareOptions
 
 
 @app.command("compare")
@@ -24,14 +26,9 @@ def compare_cmd(
         metavar="DIR",
         help="Where compare.json, compare.csv and compare.png go (default: the one DIR given).",
     ),
-    allow_mixed: bool = typer.Option(
-        False, "--allow-mixed", help="Compare runs of different models or eval sets."
-    ),
-    # (the resampled intervals: the correlations' and the figure's fit band)
-    n_boot: int = typer.Option(
-        2000, "--bootstrap", min=100, metavar="N", help="Bootstrap resamples of each interval."
-    ),
-    seed: int = typer.Option(0, "--seed", min=0, metavar="N", help="Seed of the bootstrap."),
+    allow_mixed: bool = declared_option(CompareOptions, "allow_mixed"),
+    n_boot: int = declared_option(CompareOptions, "n_boot"),
+    seed: int = declared_option(CompareOptions, "seed"),
     as_json: bool = json_option("the comparison"),
     quiet: bool = quiet_option("No table on stderr."),
 ) -> None:
@@ -44,11 +41,13 @@ def compare_cmd(
     from geomscope.errors import InputError
     from geomscope.study.compare import compare
 
+    chosen = {name: value for name, value in locals().items() if name in declared(CompareOptions)}
+    options = CompareOptions(**chosen).validate()
     if out is None and len(dirs) != 1:
         raise InputError("several DIRs were given: name where the comparison goes with --out DIR")
     dest = out if out is not None else dirs[0]
     _check_outputs(dest)  # where the outputs go, and whether they may, is settled before the bootstraps
-    result = compare([str(d) for d in dirs], allow_mixed=allow_mixed, n_boot=n_boot, seed=seed)
+    result = compare([str(d) for d in dirs], options)
     _write(dest, result, quiet)
     if as_json:
         typer.echo(json.dumps(result, allow_nan=False))

@@ -7,7 +7,8 @@ interval that resamples whole configurations and says how many configurations an
 values it rests on -- none with fewer than 3 configurations or fewer than 3 seeds in one; the
 per-seed paired difference of each lambda against lambda = 0 of the same regulariser, with n and a
 t interval from 3 pairs up; and one plain sentence with the caveat of a small n. Statistics:
-:mod:`geomscope.study.stats`.
+:mod:`geomscope.study.stats`, imported by the functions that compute (it imports numpy; importing
+this module, as ``geomscope --help`` does through :mod:`geomscope.study`, stays light).
 
 Runs are comparable when they share a task, a model and an eval set; the eval set is told by the
 sha256 of its contents that finetune records in the run's checkpoint (``checkpoint/state.json``), or,
@@ -25,12 +26,12 @@ import csv
 import io
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from geomscope.errors import InputError
 from geomscope.schema import COMPARE_FORMAT
-from geomscope.study import stats
+from geomscope.study.options import CompareOptions
 
 #: the eval metrics of each task (the first is the outcome), then the geometry every run has
 TASK_METRICS = {"classification": ("accuracy", "macro_f1"), "qa": ("f1", "exact_match")}
@@ -200,6 +201,8 @@ def _check_comparable(runs: list[RunResult], allow_mixed: bool) -> None:
 
 
 def _table(runs: list[RunResult], metrics: tuple[str, ...]) -> list[dict]:
+    from geomscope.study import stats
+
     rows = []
     for reg, lam in sorted({r.config for r in runs}):
         mine = [r for r in runs if r.config == (reg, lam)]
@@ -214,6 +217,8 @@ def _paired(runs: list[RunResult], outcome: str) -> list[dict]:
     """Per seed, each lambda's outcome (accuracy, or F1 for QA) and IsoScore* minus those of lambda = 0
     (same regulariser): the mean difference over the seeds both have, with n and a t interval
     (:func:`stats.mean_interval`; none below 3 pairs)."""
+    from geomscope.study import stats
+
     out = []
     base = {(r.reg, r.seed): r for r in runs if r.lam == 0}
     for reg, lam in sorted({r.config for r in runs if r.lam != 0}):
@@ -231,6 +236,8 @@ def _paired(runs: list[RunResult], outcome: str) -> list[dict]:
 
 
 def _sentence(assoc: dict, n: int, outcome: str = "accuracy") -> str:
+    from geomscope.study import stats
+
     rho = assoc["spearman"]
     if n < 3:  # before "constant": with 2 runs a rank correlation is undefined whatever the values
         return (
@@ -271,14 +278,19 @@ def _sentence(assoc: dict, n: int, outcome: str = "accuracy") -> str:
     return text + caveat
 
 
-def compare(dirs, *, allow_mixed: bool = False, n_boot: int = 2000, seed: int = 0) -> dict:
-    """The comparison of the finetune runs found in ``dirs`` (see the module docstring)."""
+def compare(dirs, options: CompareOptions | None = None, **overrides) -> dict:
+    """The comparison of the finetune runs found in ``dirs`` (see the module docstring).
+    ``options``: a :class:`~geomscope.study.options.CompareOptions`; keyword ``overrides`` replace
+    its fields (``compare([d], n_boot=500)``)."""
+    from geomscope.study import stats
+
+    opts = replace(options or CompareOptions(), **overrides).validate()
     runs = find_runs(dirs)
     if len(runs) < 2:
         raise InputError(
             f"found {len(runs)} finished run(s) in {', '.join(map(str, dirs))}; compare needs at least 2"
         )
-    _check_comparable(runs, allow_mixed)
+    _check_comparable(runs, opts.allow_mixed)
     task = runs[0].task
     metrics, outcome = metrics_of(task), TASK_METRICS[task][0]
     usable = [r for r in runs if r.values[outcome] is not None and r.values["isoscore_star"] is not None]
@@ -293,7 +305,7 @@ def compare(dirs, *, allow_mixed: bool = False, n_boot: int = 2000, seed: int = 
     configs = {c: i for i, c in enumerate(dict.fromkeys(r.config for r in usable))}
     groups = [configs[r.config] for r in usable]  # (a key, not text: a reg name may hold any character)
     assoc = {
-        m: stats.cluster_correlation(x, y, groups, method=m, n_boot=n_boot, seed=seed).to_dict()
+        m: stats.cluster_correlation(x, y, groups, method=m, n_boot=opts.n_boot, seed=opts.seed).to_dict()
         for m in ("spearman", "pearson")
     }
     k, fewest = stats.design_of(groups)
@@ -315,8 +327,8 @@ def compare(dirs, *, allow_mixed: bool = False, n_boot: int = 2000, seed: int = 
             "method": stats.CLUSTER_METHOD,
             "resampling": stats.CONFIGURATIONS,
             **design,
-            "n_boot": n_boot,
-            "seed": seed,  # (the figure's fit band is drawn with these too)
+            "n_boot": opts.n_boot,
+            "seed": opts.seed,  # (the figure's fit band is drawn with these too)
             **assoc,
         },
         "paired_vs_lambda_0": _paired(runs, outcome),
