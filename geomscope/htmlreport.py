@@ -14,12 +14,42 @@ import base64
 import io
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from geomscope.choices import PLOT_KINDS
 from geomscope.htmltable import escape_html as _e  # short: it wraps every value of the page
 from geomscope.htmltable import number_html as _num
 from geomscope.htmltable import report_table_html
+from geomscope.options import Text, check, option
+from geomscope.plot.options import KIND_LIST
 from geomscope.schema import HTML_GENERATOR
+
+
+@dataclass(frozen=True)
+class ReportOptions:
+    """What the page shows besides the reports, declared once (:mod:`geomscope.options`):
+    ``geomscope report --help`` is built from these fields, and :func:`write_html` takes the same
+    object. ``kinds``: the figure kinds, as ``plot`` names them (one comma string or a list of them;
+    an empty list is ``auto``); ``title`` None: one made from the reports."""
+
+    kinds: tuple[str, ...] | list | str = option(
+        ("auto",),
+        KIND_LIST,
+        f"Figures: {'|'.join(k for k in PLOT_KINDS if k != 'training')} "
+        "(comma list; auto: every kind the reports support).",
+        metavar="LIST",
+        flag="--kind",
+        short="-k",
+    )
+    title: str | None = option(None, Text(), "Page title.", metavar="TEXT", optional=True)
+
+    def validate(self) -> ReportOptions:
+        """A checked copy with ``kinds`` as a list of names; OptionError (one line) naming the
+        option otherwise."""
+        check(self)
+        return replace(self, kinds=KIND_LIST.items(self.kinds) or ["auto"])
+
 
 #: how every page begins, byte for byte, up to the generator mark (pages before the mark had none)
 _OPENING = "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
@@ -188,20 +218,18 @@ def _is_page(data: bytes) -> bool:
 
 
 def write_html(
-    reports: Sequence[dict],
-    path: str | os.PathLike,
-    *,
-    kinds: Sequence[str] = ("auto",),
-    title: str | None = None,
+    reports: Sequence[dict], path: str | os.PathLike, options: ReportOptions | None = None, **overrides
 ) -> Path:
     """Write :func:`html_page` to ``path`` atomically (a crash never leaves half a page). A file
-    already there is replaced only if it is a page geomscope wrote."""
+    already there is replaced only if it is a page geomscope wrote. ``options``: a
+    :class:`ReportOptions`; keyword ``overrides`` replace its fields (``write_html(r, p, title="t")``)."""
     from geomscope.fileio import make_dirs, write_text_atomic
     from geomscope.outputs import ensure_replaceable
 
+    opts = replace(options or ReportOptions(), **overrides).validate()
     path = Path(path)
     ensure_replaceable(path, _is_page, option="--html")
-    page = html_page(reports, kinds=kinds, title=title)
+    page = html_page(reports, kinds=opts.kinds, title=opts.title)
     make_dirs(path.parent, option="--html")
     write_text_atomic(path, page)
     return path
