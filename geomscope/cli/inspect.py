@@ -5,8 +5,9 @@ from __future__ import annotations
 import typer
 
 from geomscope.cli._app import app
-from geomscope.cli._options import json_option
+from geomscope.cli._options import declared_option, json_option
 from geomscope.formatting import counted
+from geomscope.store.options import InspectOptions
 
 
 @app.command("inspect")
@@ -18,11 +19,7 @@ def inspect_cmd(
         "hf://, ...; read through fsspec, the filesystem's package installed).",
     ),
     json_out: bool = json_option("the description"),
-    verify: bool = typer.Option(
-        False,
-        "--verify",
-        help="Also check every shard's size and checksum against the manifest (reads every byte).",
-    ),
+    verify: bool = declared_option(InspectOptions, "verify"),
 ) -> None:
     """Show a run's model, revision, layers, rows, documents, shards, dtype, size on disk and completeness."""
     import json
@@ -33,7 +30,7 @@ def inspect_cmd(
     from geomscope.report import shown
     from geomscope.store import describe_run
 
-    d = describe_run(run_dir, verify=verify)
+    d = describe_run(run_dir, InspectOptions(verify=verify))
     if json_out:
         typer.echo(json.dumps(d))
     else:

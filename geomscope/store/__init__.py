@@ -20,27 +20,36 @@ names.py every file name and format tag; sample.py the seeded row keys of a samp
 ``--keep sample`` run's, ``score``'s). Nothing here imports torch.
 """
 
-from geomscope.store.describe import describe_run
-from geomscope.store.integrity import verify_shard
-from geomscope.store.manifest import RunWriter, identity_differences
-from geomscope.store.names import FORMAT_VERSION, MANIFEST_NAME, shard_name
-from geomscope.store.reader import Run, ShardChunk, iter_shard, read_shard_index, shard_dim
-from geomscope.store.shard import ShardInfo, ShardWriter, nonfinite_rows
+from __future__ import annotations
 
-__all__ = [
-    "FORMAT_VERSION",
-    "MANIFEST_NAME",
-    "Run",
-    "RunWriter",
-    "ShardChunk",
-    "ShardInfo",
-    "ShardWriter",
-    "describe_run",
-    "identity_differences",
-    "iter_shard",
-    "shard_dim",
-    "nonfinite_rows",
-    "read_shard_index",
-    "shard_name",
-    "verify_shard",
-]
+from importlib import import_module
+
+#: each public name -> the module that defines it: imported on first use, so that the options
+#: (what ``geomscope inspect --help`` is built from) import no h5py
+_HOMES = {
+    "FORMAT_VERSION": "names",
+    "InspectOptions": "options",
+    "MANIFEST_NAME": "names",
+    "Run": "reader",
+    "RunWriter": "manifest",
+    "ShardChunk": "reader",
+    "ShardInfo": "shard",
+    "ShardWriter": "shard",
+    "describe_run": "describe",
+    "identity_differences": "manifest",
+    "iter_shard": "reader",
+    "nonfinite_rows": "shard",
+    "read_shard_index": "reader",
+    "shard_dim": "reader",
+    "shard_name": "names",
+    "verify_shard": "integrity",
+}
+
+
+def __getattr__(name: str):
+    if name in _HOMES:
+        return getattr(import_module(f"{__name__}.{_HOMES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = list(_HOMES)

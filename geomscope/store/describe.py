@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from fnmatch import fnmatchcase
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from geomscope.store import remote
 from geomscope.store.integrity import coverage, manifest_problems, verify_shard
 from geomscope.store.manifest import being_written, damaged, short
 from geomscope.store.names import MANIFEST_NAME, PART_RE
+from geomscope.store.options import InspectOptions
 from geomscope.store.reader import Run, check_documents, read_shard_index, shard_counts, verify_layout
 
 OPTION_KEYS = (
@@ -25,15 +27,18 @@ OPTION_KEYS = (
 )
 
 
-def describe_run(run_dir: Path | str, *, verify: bool = False) -> dict:
+def describe_run(run_dir: Path | str, options: InspectOptions | None = None, **overrides) -> dict:
     """Summarise a run: model, layers, rows, documents, shards, dtype, size on disk, completeness.
 
     ``run_dir``: a path, or an fsspec URL (read through fsspec; ``in_progress`` is then only known
     for a ``file://`` URL -- the writer's lock is a local file lock -- and is False elsewhere).
+    ``options``: an :class:`~geomscope.store.options.InspectOptions`; keyword ``overrides`` replace
+    its fields (``describe_run(run, verify=True)``).
 
     ``verify=True`` also checks every finished shard's size and checksum against the manifest; the
     result's ``verify.bad`` lists the shards that fail (the caller decides whether that is an error).
     """
+    opts = replace(options or InspectOptions(), **overrides).validate()
     run = Run(run_dir)
     m = run.manifest
     ident = run.identity
@@ -101,7 +106,7 @@ def describe_run(run_dir: Path | str, *, verify: bool = False) -> dict:
     }
     local = remote.local_path(run.dir)
     out["in_progress"] = being_written(local) if local is not None else False
-    if verify:
+    if opts.verify:
         out["verify"] = _verify(run, shards)
     return out
 
