@@ -12,7 +12,9 @@ import pytest
 from conftest import assert_one_line_error
 
 from geomscope.errors import InputError
+from geomscope.export_options import ExportOptions
 from geomscope.extract.options import ExtractOptions
+from geomscope.htmlreport import ReportOptions
 from geomscope.options import (
     POSITIVE_INT,
     PROBABILITY,
@@ -30,13 +32,29 @@ from geomscope.options import (
     declared,
     invalid_settings,
 )
+from geomscope.plot.options import PlotOptions
 from geomscope.score.options import ScoreOptions
+from geomscope.store.options import InspectOptions
+from geomscope.study.options import CompareOptions
 from geomscope.train.config import FinetuneConfig
 
-DECLARED = [ExtractOptions, FinetuneConfig, ScoreOptions]
+DECLARED = [
+    CompareOptions,
+    ExportOptions,
+    ExtractOptions,
+    FinetuneConfig,
+    InspectOptions,
+    PlotOptions,
+    ReportOptions,
+    ScoreOptions,
+]
 CASES = [(cls, *case) for cls in DECLARED for case in invalid_settings(cls)]
-#: the fields a declaration needs besides its options (a run's inputs and output)
-REQUIRED = {FinetuneConfig: {"model": "m", "train": "t.csv", "eval": "t.csv", "out": "o"}}
+#: the fields a declaration needs besides its options (a run's inputs and output), and the options
+#: that have no default
+REQUIRED = {
+    ExportOptions: {"to": "npy"},
+    FinetuneConfig: {"model": "m", "train": "t.csv", "eval": "t.csv", "out": "o"},
+}
 
 
 def _example(cls):
@@ -128,6 +146,32 @@ def test_score_refuses_every_invalid_value_in_one_line(cli, tmp_path, name, flag
     line = assert_one_line_error(code, out, err, flag, exit_code=2)
     assert "--help" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy"]
+
+
+#: each of the other commands around one option's value: its inputs need not exist, since the
+#: options are checked before anything is read or written
+INVOCATIONS = {
+    CompareOptions: lambda tmp: ["compare", tmp / "runs", "--out", tmp / "out"],
+    ExportOptions: lambda tmp: ["export", tmp / "run", "--to", "npy", "--out", tmp / "out"],
+    InspectOptions: lambda tmp: ["inspect", tmp / "run"],
+    PlotOptions: lambda tmp: ["plot", tmp / "r.json", "--out", tmp / "out" / "f.png"],
+    ReportOptions: lambda tmp: ["report", tmp / "r.json", "--html", tmp / "out" / "p.html"],
+}
+OTHER_CLI = [(cls, *case) for cls in INVOCATIONS for case in _cli_cases(cls)]
+
+
+@pytest.mark.parametrize(
+    "cls, name, flag, arg", OTHER_CLI, ids=[f"{c.__name__}{f}={a!r}" for c, _, f, a in OTHER_CLI]
+)
+def test_the_other_commands_refuse_every_invalid_value_in_one_line(cli, tmp_path, cls, name, flag, arg):
+    code, out, err = cli([*INVOCATIONS[cls](tmp_path), f"{flag}={arg}"])
+    line = assert_one_line_error(code, out, err, flag, exit_code=2)
+    assert "--help" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_every_declared_command_is_run_on_the_command_line():
+    assert set(INVOCATIONS) | {ExtractOptions, FinetuneConfig, ScoreOptions} == set(DECLARED)
 
 
 def _only_three(spec: str) -> int:
