@@ -1,4 +1,5 @@
-"""Hostile and damaged files of other tools' formats (score/formats.py, score/sources.py).
+"""What ``score`` reads (score/sources.py: one .npy / .h5 array, or another tool's format through
+score/formats.py), damaged and crafted: .npz, Arrow / Parquet, .h5, .npy and torch files.
 
 Each file is built here, small. A file that is read wrongly must read right (checked against the
 same rows from a plain .npy); one that cannot be read is a one-line error, never a traceback, a
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import Planted, assert_one_line_error
 
 from geomscope.errors import DataError, InputError
 from geomscope.score import ScoreOptions, score
@@ -67,12 +69,6 @@ def _cli(args, timeout=120):
     except subprocess.TimeoutExpired:
         pytest.fail(f"geomscope {' '.join(map(str, args))} hung for {timeout} s")
     return r.returncode, r.stdout, r.stderr
-
-
-def _one_line(code, out, err, *needles, exit_code=None):
-    from conftest import assert_one_line_error
-
-    return assert_one_line_error(code, out, err, *needles, exit_code=exit_code)
 
 
 # ------------------------------------------------------------------------------------------ npz
@@ -168,7 +164,7 @@ def _compression_99(data, local, central):
 def test_damaged_npz_member_is_one_line(tmp_path, cli, patch):
     path = _patched_npz(tmp_path, patch.__name__, patch)
     code, out, err = cli(["score", path, "-q", "--out", tmp_path / "r"])
-    _one_line(code, out, err, "cannot be read", exit_code=2)
+    assert_one_line_error(code, out, err, "cannot be read", exit_code=2)
 
 
 # ---------------------------------------------------------------------------------- arrow / parquet
@@ -189,7 +185,7 @@ def test_a_fifo_in_a_data_directory_is_refused_not_opened(tmp_path, suffix):
             w.write_table(_table())
     os.mkfifo(d / f"b{suffix}")
     code, out, err = _cli(["score", d, "-q", "--out", tmp_path / "r"], timeout=60)
-    _one_line(code, out, err, "not a regular file", exit_code=2)
+    assert_one_line_error(code, out, err, "not a regular file", exit_code=2)
 
 
 def test_a_fifo_as_datasets_state_is_refused(tmp_path):
@@ -197,7 +193,7 @@ def test_a_fifo_as_datasets_state_is_refused(tmp_path):
     d.mkdir()
     os.mkfifo(d / "state.json")
     code, out, err = _cli(["score", d, "-q", "--out", tmp_path / "r"], timeout=60)
-    _one_line(code, out, err, "not a regular file", exit_code=2)
+    assert_one_line_error(code, out, err, "not a regular file", exit_code=2)
 
 
 def test_ipc_file_with_list_offsets_out_of_range_is_one_line_not_an_abort(tmp_path):
@@ -216,7 +212,7 @@ def test_ipc_file_with_list_offsets_out_of_range_is_one_line_not_an_abort(tmp_pa
     bad[1:] += 1 << 28
     path.write_bytes(data[:at] + bad.tobytes() + data[at + len(bad.tobytes()) :])
     code, out, err = _cli(["score", path, "-q", "--out", tmp_path / "r"])
-    _one_line(code, out, err, "is damaged", exit_code=2)
+    assert_one_line_error(code, out, err, "is damaged", exit_code=2)
 
 
 def test_null_inside_a_vector_is_a_one_line_error(tmp_path):
@@ -300,7 +296,7 @@ def test_h5_external_link_to_a_fifo_does_not_hang(tmp_path):
     with h5py.File(tmp_path / "ext.h5", "w") as f:
         f["a"] = h5py.ExternalLink("fifo", "/x")
     code, out, err = _cli(["score", tmp_path / "ext.h5", "--dataset", "a", "-q", "--out", tmp_path / "r"], 60)
-    _one_line(code, out, err, "link into another file", exit_code=2)
+    assert_one_line_error(code, out, err, "link into another file", exit_code=2)
 
 
 def test_h5_soft_links_within_the_file_are_followed(tmp_path):
@@ -330,15 +326,111 @@ def test_h5_corrupt_compressed_chunk_is_one_line(tmp_path, cli):
         data[i] ^= 0xFF
     path.write_bytes(bytes(data))
     code, out, err = cli(["score", path, "-q", "--out", tmp_path / "r"])
-    _one_line(code, out, err, "cannot be read to the end", exit_code=3)
+    assert_one_line_error(code, out, err, "cannot be read to the end", exit_code=3)
 
 
+@pytest.mark.parametrize("case", ["chunked", "contiguous", "external"])
+def test_an_h5_array_that_does_not_store_its_rows_is_refused_at_once(cli, tmp_path, case):
+    """10^12 declared rows in a kilobyte file would be read as fill values for hours; external raw
+    storage would read another file (here /etc/passwd's stand-in) as rows."""
+    import h5py
+
+    path = tmp_path / "a.h5"
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(np.arange(160, dtype=np.uint8).tobytes())
+    with h5py.File(path, "w") as f:
+        if case == "chunked":
+            f.create_dataset("x", shape=(10**12, 8), dtype="f4", chunks=(1024, 8))
+        elif case == "contiguous":
+            f.create_dataset("x", shape=(10**9, 8), dtype="f4")
+        else:
+            f.create_dataset("x", shape=(5, 8), dtype="f4", external=[(str(secret), 0, 160)])
+    code, out, err = cli(["score", path, "--metrics", "avgcos", "--max-rows", "100", "--quiet"])
+    needle = "other files" if case == "external" else "declares shape"
+    assert_one_line_error(code, out, err, "a.h5", needle, exit_code=2)
+
+
+def test_an_h5_array_partly_compressed_and_whole_scores(cli, tmp_path):
+    import h5py
+
+    path = tmp_path / "a.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset(
+            "x", data=np.random.default_rng(0).normal(size=(3000, 8)), chunks=(1000, 8), compression="gzip"
+        )
+    assert cli(["score", path, "--metrics", "avgcos", "--out", tmp_path / "r", "--quiet"])[0] == 0
+
+
+# ------------------------------------------------------------------------------------------ .npy
 def test_npy_suffix_is_case_insensitive(tmp_path):
     x = _anisotropic()
     ref = _reference(tmp_path, x)
     np.save(tmp_path / "x.npy", x)
     os.rename(tmp_path / "x.npy", tmp_path / "X.NPY")
     np.testing.assert_allclose(_numbers(score(tmp_path / "X.NPY", _opts())), ref, rtol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "array, needle",
+    [
+        (np.zeros((3, 4, 5)), "shape (3, 4, 5)"),
+        (np.array([["a", "b"], ["c", "d"]]), "dtype <U1"),
+        (np.zeros((10, 4), complex), "dtype complex128"),
+    ],
+)
+def test_score_wrong_array_shape_or_dtype_exits_2(cli, tmp_path, array, needle):
+    np.save(tmp_path / "a.npy", array)
+    code, out, err = cli(["score", tmp_path / "a.npy", "--quiet"])
+    assert_one_line_error(code, out, err, needle, exit_code=2)
+
+
+def test_score_never_unpickles_an_object_array(cli, tmp_path):
+    marker = tmp_path / "PWNED"
+    arr = np.empty((2, 2), dtype=object)
+    arr[0, 0] = Planted(marker)
+    np.save(tmp_path / "obj.npy", arr, allow_pickle=True)
+    code, out, err = cli(["score", tmp_path / "obj.npy", "--quiet"])
+    assert_one_line_error(code, out, err, exit_code=2)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        (b"", "empty or cut short"),
+        (b"\x93NUMPY\x01", "empty or cut short"),
+        (bytes(range(256)) * 4, "never unpickles"),
+    ],
+)
+def test_a_broken_npy_is_one_line_that_never_suggests_unpickling(cli, tmp_path, content, needle):
+    """An empty or cut .npy is not a Ctrl-C (numpy's EOFError reads as one to click), and random bytes
+    are not "pickled data you may load unsafely"."""
+    bad = tmp_path / "bad.npy"
+    bad.write_bytes(content)
+    code, out, err = cli(["score", bad, "--quiet"])
+    line = assert_one_line_error(code, out, err, "bad.npy", needle, exit_code=2)
+    assert "unsafe" not in line and "interrupted" not in line
+    ok = tmp_path / "ok.npy"
+    np.save(ok, np.random.default_rng(0).normal(size=(50, 4)))
+    code, out, err = cli(["score", ok, "--metrics", "isoscore_star", "--shrinkage-target", bad, "--quiet"])
+    line = assert_one_line_error(code, out, err, "--shrinkage-target", needle, exit_code=2)
+    assert "interrupted" not in line
+
+
+def test_score_refuses_a_fifo_at_once(tmp_path):
+    fifo = tmp_path / "rows.npy"
+    os.mkfifo(fifo)
+    ok = tmp_path / "ok.npy"
+    np.save(ok, np.zeros((5, 3)))
+    for args in (["score", fifo], ["score", ok, "--metrics", "isoscore_star", "--shrinkage-target", fifo]):
+        p = subprocess.run(
+            [sys.executable, "-m", "geomscope", *map(str, args), "--quiet"],
+            capture_output=True,
+            text=True,
+            timeout=120,  # a read of the FIFO would block until then
+        )
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+        assert p.stderr.strip().splitlines()[-1].startswith("error:") and "rows.npy" in p.stderr
 
 
 # ------------------------------------------------------------------------------------ torch files
@@ -378,3 +470,9 @@ def test_sparse_pt_tensor_is_refused_in_one_line(tmp_path):
     torch.save(torch.from_numpy(_anisotropic()).to_sparse(), tmp_path / "s.pt")
     with pytest.raises(InputError, match="sparse tensor"):
         score(tmp_path / "s.pt", _opts())
+
+
+def test_an_empty_pt_file_is_one_line(cli, tmp_path):
+    (tmp_path / "zero.pt").write_bytes(b"")
+    code, out, err = cli(["score", tmp_path / "zero.pt", "--quiet"])
+    assert_one_line_error(code, out, err, "zero.pt", exit_code=2)
