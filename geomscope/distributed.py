@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 
 from geomscope.devices import resolve_device
-from geomscope.errors import GeomscopeError, InputError
+from geomscope.errors import GeomscopeError, InputError, first_line
 
 TIMEOUT_ENV = "GEOMSCOPE_DIST_TIMEOUT"
 _MESSAGE_BYTES = 1024
@@ -110,7 +110,7 @@ def setup(device: str = "auto", backend: str | None = None) -> Dist:
         except (RuntimeError, ValueError) as e:  # DistStoreError / DistNetworkError: no rendezvous
             raise RankFailed(
                 f"the {world} processes of this command did not meet within {TIMEOUT_ENV}="
-                f"{timeout_seconds():g} s ({str(e).splitlines()[0][:160]}); start them all, with the "
+                f"{timeout_seconds():g} s ({first_line(e, 160)}); start them all, with the "
                 "same MASTER_ADDR and MASTER_PORT"
             ) from None
         owns = True
@@ -196,8 +196,7 @@ def agree(d: Dist, failure: GeomscopeError | BaseException | None) -> None:
     box = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
     if failure is not None:
         code = getattr(failure, "exit_code", 1)
-        text = (str(failure).splitlines() or [type(failure).__name__])[0]
-        raw = text.encode("utf-8", "replace")[: _MESSAGE_BYTES - 2]
+        raw = first_line(failure).encode("utf-8", "replace")[: _MESSAGE_BYTES - 2]
         box[0], box[1] = 1, int(code) % 256
         box[2 : 2 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
     got = [torch.zeros_like(box) for _ in range(d.world_size)]
@@ -207,7 +206,7 @@ def agree(d: Dist, failure: GeomscopeError | BaseException | None) -> None:
         if failure is not None:
             raise failure from None
         raise RankFailed(
-            f"another process of this command stopped answering ({str(e).splitlines()[0][:200]}); "
+            f"another process of this command stopped answering ({first_line(e, 200)}); "
             "check its log, then rerun the same command: finished shards are kept"
         ) from None
     if failure is not None:

@@ -30,3 +30,10 @@ class DataError(GeomscopeError):
     """The data cannot give a meaningful number (too few points, zero variance, NaN ...)."""
 
     exit_code = 3
+
+
+def first_line(e: BaseException, limit: int | None = None) -> str:
+    """The first line of an exception's text, cut to ``limit`` characters (the name of its type when
+    the text is blank): what a one-line error quotes of the exception behind it."""
+    text = str(e).strip()
+    return text.splitlines()[0][:limit] if text else type(e).__name__

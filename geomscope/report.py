@@ -55,7 +55,7 @@ import os
 import re
 from pathlib import Path
 
-from geomscope.errors import InputError
+from geomscope.errors import InputError, first_line
 from geomscope.fileio import ensure_writable, write_text_atomic
 from geomscope.formatting import counted, value_and_se
 from geomscope.outputs import HEAD_BYTES, ensure_replaceable, json_format_is, starts_with
@@ -246,7 +246,7 @@ def load_report(path: str | os.PathLike) -> Report:
         with open(p, encoding="utf-8") as f:
             rep = json.load(f)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: bad JSON, a huge integer
-        why = "nested too deeply" if isinstance(e, RecursionError) else _first_line(e)
+        why = "nested too deeply" if isinstance(e, RecursionError) else first_line(e, 160)
         raise InputError(
             f"{p} is not valid JSON ({why}); give a report written by `geomscope score`"
         ) from None
@@ -261,10 +261,6 @@ def load_report(path: str | os.PathLike) -> Report:
     if why:
         raise InputError(f"{p} is a damaged report ({why}); score the source again")
     return Report(rep)
-
-
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
 
 
 #: characters never sent to a terminal as they are: the C0 and C1 controls and DEL (ESC opens the

@@ -36,12 +36,24 @@ def export_cmd(
     columns beside each layer's vectors (same row order). Streams shard by shard; written to a
     temporary directory and renamed into place when complete."""
     import json
+    import sys
 
     from geomscope.export import export_run
-    from geomscope.progress import silent, stderr_log
+    from geomscope.formatting import counted
+    from geomscope.progress import Progress
+    from geomscope.store import Run
 
     options = ExportOptions(to=to, layers=selection(layers), verify=not no_verify).validate()
-    log = silent if quiet or as_json else stderr_log()
-    summary = export_run(run_dir, out, options, progress=not quiet, log=log)
+    total = Run(run_dir).total_rows if not quiet else 0
+    with Progress(enabled=not quiet) as prog:
+        bar = prog.add("exporting", total, unit="rows", rate_unit="rows")
+        summary = export_run(run_dir, out, options, progress=bar.advance if not quiet else None)
+        bar.complete()
     if as_json:
         typer.echo(json.dumps(summary))
+    elif not quiet:
+        print(
+            f"exported {counted(summary['rows'], 'row')} x {counted(len(summary['layers']), 'layer')} "
+            f"to {out} ({options.to})",
+            file=sys.stderr,
+        )

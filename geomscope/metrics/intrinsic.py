@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from sklearn.base import BaseEstimator
 
 from geomscope.choices import SKDIM_ESTIMATORS
-from geomscope.errors import DataError, InputError
+from geomscope.errors import DataError, InputError, first_line
 from geomscope.metrics.neighbors import two_nearest
 from geomscope.metrics.twonn import (
     TwoNNError,
@@ -235,15 +235,13 @@ class SkdimEstimator(_IDEstimator):
                 warnings.simplefilter("ignore")
                 est.fit(a.astype("float64", copy=False))
         except (ValueError, ZeroDivisionError, FloatingPointError, IndexError) as e:
-            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise DataError(
-                f"{self.name} ({implementation}) failed on these points: {msg}; "
+                f"{self.name} ({implementation}) failed on these points: {first_line(e)}; "
                 "try more points or another estimator"
             ) from None
         except TypeError as e:  # a parameter of the wrong type, e.g. tle's epsilon="x" (UFuncTypeError)
-            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise InputError(
-                f"bad parameter for {self.name} ({implementation}): {msg}; "
+                f"bad parameter for {self.name} ({implementation}): {first_line(e)}; "
                 f"check the types of {', '.join(sorted(kw)) or 'its parameters'}"
             ) from None
         params = {

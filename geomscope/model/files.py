@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from geomscope.errors import InputError
+from geomscope.errors import InputError, first_line
 
 #: endings of weight files, of every framework transformers saves for
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
@@ -63,9 +63,8 @@ def _check_safetensors(path: Path, name: str) -> None:
         with safe_open(str(path), framework="pt") as f:
             f.keys()
     except Exception as e:  # SafetensorError, OSError: the header does not parse or the file is short
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise InputError(
-            f"{path.name} of {name} is damaged ({why}); re-download or re-save the checkpoint"
+            f"{path.name} of {name} is damaged ({first_line(e)}); re-download or re-save the checkpoint"
         ) from None
 
 

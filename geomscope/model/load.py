@@ -26,8 +26,8 @@ from geomscope.model.identity import loaded_identity
 from geomscope.model.load_errors import (
     adds_no_hidden_state,
     call_from_pretrained,
-    first_line,
     load_error,
+    one_line,
     refuse_random_weights,
 )
 from geomscope.model.loaded import LoadedModel
@@ -252,7 +252,7 @@ def _config_and_tokenizer(load_from: str, kw: dict, info: dict, revision: str | 
         raise load_error(e, name, info, revision, cache_dir) from e
     except damage_errors() as e:  # a field of the wrong type ("hidden_size": "abc") ...
         raise InputError(
-            f"config.json of model {at} is malformed ({first_line(e)}); fix it or re-save the checkpoint"
+            f"config.json of model {at} is malformed ({one_line(e)}); fix it or re-save the checkpoint"
         ) from None
     try:
         tok = transformers.AutoTokenizer.from_pretrained(load_from, **kw)
@@ -266,7 +266,7 @@ def _config_and_tokenizer(load_from: str, kw: dict, info: dict, revision: str | 
         raise load_error(e, name, info, revision, cache_dir) from e
     except damage_errors() as e:
         raise InputError(
-            f"the tokenizer files of model {at} are damaged ({first_line(e)}); re-save the "
+            f"the tokenizer files of model {at} are damaged ({one_line(e)}); re-save the "
             "checkpoint's tokenizer (tokenizer.save_pretrained)"
         ) from None
     return config, tok

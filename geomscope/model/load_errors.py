@@ -69,8 +69,10 @@ def load_error(
     return InputError(f"cannot load model {at}: {msg[:300]}")
 
 
-def first_line(e: BaseException, limit: int = 200) -> str:
-    """An exception's text on one line, cut to ``limit`` (a KeyError's is only the quoted key)."""
+def one_line(e: BaseException, limit: int = 200) -> str:
+    """An exception's whole text with its lines and runs of white space joined by single spaces, cut
+    to ``limit`` with "..." (a KeyError's text is only the quoted key, so it reads "no entry 'key'");
+    :func:`geomscope.errors.first_line` quotes the first line alone."""
     text = " ".join(str(e).split())
     if isinstance(e, KeyError):
         text = f"no entry {text}"
@@ -112,7 +114,7 @@ def call_from_pretrained(auto, load_from: str, kwargs: dict, info: dict, revisio
         at = f"{name}@{revision}" if revision else name
         if isinstance(e, TypeError):  # a config field of a type the model's code cannot take
             raise InputError(
-                f"cannot load model {at} ({first_line(e, 160)}); check its config.json, or re-save "
+                f"cannot load model {at} ({one_line(e, 160)}); check its config.json, or re-save "
                 "the checkpoint"
             ) from None
         if "mismatch" in str(e).lower():
@@ -128,7 +130,7 @@ def call_from_pretrained(auto, load_from: str, kwargs: dict, info: dict, revisio
         which = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
         raise InputError(
             f"the weights of model {at}{f' ({which})' if which else ''} are damaged or unreadable "
-            f"({first_line(e, 100)}); re-download or re-save the checkpoint"
+            f"({one_line(e, 100)}); re-download or re-save the checkpoint"
         ) from None
 
 

@@ -61,7 +61,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from geomscope.errors import InputError
+from geomscope.errors import InputError, first_line
 from geomscope.score.accumulate import PassSpec, merge_parts, run_task
 from geomscope.score.resources import check_workers, init_worker, worker_start_method
 from geomscope.store.blocks import Task
@@ -128,7 +128,7 @@ def _check_scheduler_file(path: str) -> None:
     try:
         info = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as e:
-        info, why = None, _first_line(e)
+        info, why = None, first_line(e)
     else:
         why = "no scheduler address in it"
     address = info.get("address") if isinstance(info, dict) else None
@@ -162,11 +162,6 @@ def dask_run_chunk(tasks: list[Task], spec: PassSpec) -> dict:
     return acc
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
-
-
 class DaskExecutor:
     """``DaskExecutor(scheduler)``: connects (or starts ``local:N``) at once; ``run`` as Executor's."""
 
@@ -187,7 +182,7 @@ class DaskExecutor:
             self.close()
             raise InputError(
                 f"--scheduler {self.scheduler}: no Dask scheduler with workers answered within "
-                f"{CONNECT_TIMEOUT_S} s ({_first_line(e)})"
+                f"{CONNECT_TIMEOUT_S} s ({first_line(e)})"
             ) from None
         except BaseException:
             self.close()
@@ -264,7 +259,7 @@ class DaskExecutor:
                 cause = getattr(failed[0], "_Server__startup_exc", None)  # what Dask's Server keeps
                 raise InputError(
                     f"--scheduler {self.scheduler}: {len(failed)} of its worker processes failed to start"
-                    f" ({_first_line(cause) if cause is not None else 'no cause given'}); "
+                    f" ({first_line(cause) if cause is not None else 'no cause given'}); "
                     "fix that cause, or score with --workers N instead"
                 )
             time.sleep(0.002)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from geomscope.errors import DataError
+from geomscope.errors import DataError, first_line
 from geomscope.model.embeddings import find_checkpoint, read_embedding_matrices
 from geomscope.score.sources import SourceInfo
 
@@ -110,5 +110,4 @@ def embedding_isotropy(src: SourceInfo) -> tuple[dict | None, str]:
     # a damaged checkpoint (a truncated or garbage pytorch_model.bin: RuntimeError, EOFError; a
     # config of the wrong types ...) is a null I(W) with its reason, not the end of the scoring
     except (OSError, ValueError, DataError, *damage_errors()) as e:
-        line = (str(e).splitlines() or [type(e).__name__])[0]
-        return None, f"could not read the embedding matrices from {ckpt}: {line}"
+        return None, f"could not read the embedding matrices from {ckpt}: {first_line(e)}"

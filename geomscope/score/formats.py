@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from geomscope.errors import DataError, InputError
+from geomscope.errors import DataError, InputError, first_line
 from geomscope.layers import layer_name
 
 FORMATS = ("npz", "safetensors", "pt", "arrow", "parquet")
@@ -256,10 +256,9 @@ def _npz_members(path: Path) -> dict[str, _Member]:
                     name_len, extra_len = struct.unpack("<HH", local[26:30])
                     data_at = info.header_offset + 30 + name_len + extra_len + header_len
             except _ZIP_ERRORS as e:
-                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
                 raise InputError(
-                    f"{path}: member {info.filename} cannot be read ({first}); the file is damaged or "
-                    "not one numpy.savez writes -- save the arrays again"
+                    f"{path}: member {info.filename} cannot be read ({first_line(e, 160)}); the file is "
+                    "damaged or not one numpy.savez writes -- save the arrays again"
                 ) from None
             if dtype.hasobject:
                 raise InputError(
@@ -443,8 +442,7 @@ def _pt_load(path: Path) -> tuple[dict, bool]:
             "(torch.save of a tensor or a dict of tensors), or use .safetensors"
         ) from None
     except (RuntimeError, OSError, EOFError, ValueError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise InputError(f"{path} is not a readable .pt file ({first[:160]})") from None
+        raise InputError(f"{path} is not a readable .pt file ({first_line(e, 160)})") from None
     if isinstance(obj, torch.Tensor):
         return {"array": obj}, mapped
     if isinstance(obj, (list, tuple)):
@@ -557,9 +555,7 @@ class _ArrowFile:
                 self.schema = (self._batches[0].schema if self._batches else None) or self._schema(source)
                 self.num_rows = sum(b.num_rows for b in self._batches)
         except (pa.ArrowException, OSError) as e:
-            raise InputError(
-                f"{path} is not a readable {fmt} file ({str(e).splitlines()[0][:160]})"
-            ) from None
+            raise InputError(f"{path} is not a readable {fmt} file ({first_line(e, 160)})") from None
 
     @staticmethod
     def _schema(source):
@@ -597,7 +593,7 @@ class _ArrowFile:
                     picked.validate(full=True)
                 except pa.ArrowInvalid as e:
                     raise InputError(
-                        f"{self.path} is damaged ({str(e).splitlines()[0][:160]}); write it again"
+                        f"{self.path} is damaged ({first_line(e, 160)}); write it again"
                     ) from None
                 for s in range(lo, hi, cells):
                     yield picked.slice(s - pos, min(hi, s + cells) - s)

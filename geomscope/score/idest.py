@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from geomscope.errors import DataError, InputError
+from geomscope.errors import DataError, InputError, first_line
 from geomscope.metrics.twonn import decimation_se
 from geomscope.schema import EXTRA_ID_PREFIX
 from geomscope.score.options import ROWS_PER_PART, ScoreOptions
@@ -67,7 +67,7 @@ def estimate(sample, o: ScoreOptions, notes: dict) -> dict:
         except (DataError, InputError, ValueError, np.linalg.LinAlgError) as e:
             out["values"][key] = None
             out["se"][key] = None
-            notes.setdefault(key, _first_line(e))
+            notes.setdefault(key, first_line(e))
             continue
         # the standard error is apart from the value: too few distinct rows for the parts (TwoNN
         # itself was nulled at --id-sample 3..11), or a part its estimator refuses, leave the
@@ -84,12 +84,8 @@ def estimate(sample, o: ScoreOptions, notes: dict) -> dict:
         try:
             out["se"][key] = decimation_se(x, fn, o.id_repeats, np.random.default_rng(o.seed))
         except (DataError, InputError, ValueError, np.linalg.LinAlgError) as e:
-            notes.setdefault(f"se.{key}", f"no standard error: a part's estimate failed ({_first_line(e)})")
+            notes.setdefault(f"se.{key}", f"no standard error: a part's estimate failed ({first_line(e)})")
     return out
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def _estimator(name: str, o: ScoreOptions):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from geomscope.errors import DataError, InputError
+from geomscope.errors import DataError, InputError, first_line
 from geomscope.formatting import counted
 from geomscope.store.blocks import Block, Task, groups_of_docs, rows_per_block
 
@@ -39,7 +39,7 @@ def _array_groups(start: int, stop: int, n_total: int, n_groups: int) -> np.ndar
 # -------------------------------------------------------------------------------------- arrays
 def npy_error(path, e: Exception, what: str = "") -> str:
     """One line for a .npy numpy cannot load: what it is, never a hint to load it unsafely."""
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    first = first_line(e)
     if "allow_pickle" in first or "pickle" in first:
         why = "it holds pickled objects, or is not a .npy file at all; geomscope never unpickles"
     elif isinstance(e, EOFError) or "No data left" in first or first.startswith("EOF"):
@@ -175,9 +175,9 @@ def _guarded(rows: Iterator, path: str) -> Iterator:
     except GeomscopeError:
         raise
     except Exception as e:  # numpy, zipfile, zlib, safetensors and pyarrow each raise their own
-        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         raise DataError(
-            f"{path} cannot be read to the end ({first}); is it truncated or still being written?"
+            f"{path} cannot be read to the end ({first_line(e, 160)}); is it truncated or still being "
+            "written?"
         ) from e
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from geomscope.errors import DataError
+from geomscope.errors import DataError, first_line
 from geomscope.store import checksum as shard_checksum
 from geomscope.store import remote
 from geomscope.store.blocks import Task
@@ -217,7 +217,7 @@ def _hash_in_background(p, opened, digest: tuple[str, str]) -> Callable[[], None
         if "error" in result or not result.get("same"):
             err = result.get("error")
             why = (
-                f"cannot read it: {(str(err).strip().splitlines() or [type(err).__name__])[0]}"
+                f"cannot read it: {first_line(err)}"
                 if err is not None
                 else "checksum differs from the manifest"
             )

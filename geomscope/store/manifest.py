@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from geomscope.errors import DataError, InputError
+from geomscope.errors import DataError, InputError, first_line
 from geomscope.fileio import TEMP_PREFIX, fsync_dir, make_dirs, write_all, write_text_atomic
 from geomscope.store import checksum, remote
 from geomscope.store.integrity import verify_shard
@@ -167,7 +167,7 @@ def read_manifest(path: Path | str) -> dict:
     try:
         m = json.loads(remote.read_text(path) if url else _read_file_text(Path(path)))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        why = (str(e).splitlines() or [type(e).__name__])[0]
+        why = first_line(e)
         hint = (
             "check the run at that URL, or extract it again"
             if url

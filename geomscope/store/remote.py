@@ -15,7 +15,7 @@ import posixpath
 import re
 from pathlib import Path, PurePath
 
-from geomscope.errors import InputError
+from geomscope.errors import InputError, first_line
 
 URL_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*)://")
 #: the first part of a Path made from a URL (``Path("s3://b/k")`` is ``s3:/b/k``): two letters or
@@ -67,7 +67,7 @@ def filesystem(url: str):
     except ImportError as e:
         pkg = _package(scheme)
         if pkg is None:
-            why = _first_line(e)
+            why = first_line(e, 200)
             raise InputError(f"reading {scheme}:// URLs needs a package not installed ({why})") from None
         raise InputError(f"reading {scheme}:// URLs needs {pkg}: pip install {pkg}") from None
     except ValueError as e:
@@ -76,12 +76,7 @@ def filesystem(url: str):
                 f"{scheme}:// is not a filesystem fsspec knows; give a local path or a URL such as "
                 "file://, s3://, gcs:// or hf:// (its package installed)"
             ) from None
-        raise InputError(f"{url} is not a usable URL ({_first_line(e)})") from None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__
+        raise InputError(f"{url} is not a usable URL ({first_line(e, 200)})") from None
 
 
 def _fs_call(url: str, what: str, fn, *args):
@@ -92,7 +87,7 @@ def _fs_call(url: str, what: str, fn, *args):
     except FileNotFoundError:
         raise
     except Exception as e:  # each filesystem raises its own (botocore, aiohttp, HTTP errors, ...)
-        raise InputError(f"cannot {what} {url} ({_first_line(e)})") from e
+        raise InputError(f"cannot {what} {url} ({first_line(e, 200)})") from e
 
 
 def join(loc, name: str) -> str | Path:

@@ -27,7 +27,7 @@ import re
 import shutil
 from pathlib import Path
 
-from geomscope.errors import InputError
+from geomscope.errors import InputError, first_line
 from geomscope.fileio import fresh_dir, make_dirs, replace_dir, write_json_atomic, write_text_atomic
 from geomscope.schema import FINETUNE_FORMAT, FINETUNE_MARKER, FINETUNE_MARKER_VERSION
 
@@ -375,8 +375,7 @@ def read_state(out: Path) -> dict | None:
         st = json.loads(p.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InputError(
-            f"{p} is damaged ({str(e).splitlines()[0]}); rerun without --resume into a new --out "
-            "(or --overwrite)"
+            f"{p} is damaged ({first_line(e)}); rerun without --resume into a new --out (or --overwrite)"
         ) from None
     need = {"epochs_done": int, "global_step": int, "fingerprint": dict, "label2id": dict}
     if not isinstance(st, dict) or any(not isinstance(st.get(k), t) for k, t in need.items()):
@@ -434,9 +433,8 @@ def _read_trainer_files(ck: Path) -> tuple[dict, dict]:
         tensors = load_file(str(ck / _TENSORS))
         trainer = json.loads((ck / _STATE).read_text(encoding="utf-8"))
     except Exception as e:  # missing or truncated files: SafetensorError, OSError, JSONDecodeError
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise InputError(
-            f"the trainer state in {ck} is missing or damaged ({why}); start again without "
+            f"the trainer state in {ck} is missing or damaged ({first_line(e)}); start again without "
             "--resume into a new --out (or --overwrite)"
         ) from None
     if not isinstance(trainer, dict):

@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from geomscope.errors import DataError, InputError
+from geomscope.errors import DataError, InputError, first_line
 
 
 @dataclass
@@ -123,10 +123,9 @@ def _read_saved_dataset(path: Path) -> tuple[list[str], list[dict]]:
     except MemoryError:
         raise
     except Exception as e:  # a damaged state.json / dataset_info.json: datasets raises what it meets
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise InputError(
-            f"{path} is not a readable datasets save_to_disk directory ({type(e).__name__}: {first}); "
-            "save it again with Dataset.save_to_disk"
+            f"{path} is not a readable datasets save_to_disk directory ({type(e).__name__}: "
+            f"{first_line(e, 160)}); save it again with Dataset.save_to_disk"
         ) from None
     if not hasattr(ds, "column_names") or not hasattr(ds, "to_list"):  # a DatasetDict after all
         raise InputError(f"{path} holds several splits; pass {path}/<split>")

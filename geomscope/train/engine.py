@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 
 from geomscope import distributed as dd
 from geomscope.devices import resolve_device
-from geomscope.errors import InputError
+from geomscope.errors import InputError, first_line
 
 #: --precision -> Accelerate's ``mixed_precision``
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -106,7 +106,7 @@ class Engine:
             if not self.deepspeed:
                 raise
             # DeepSpeed's config checks
-            raise InputError(f"DeepSpeed refused its config: {str(e).splitlines()[0][:240]}") from None
+            raise InputError(f"DeepSpeed refused its config: {first_line(e, 240)}") from None
 
     def forward_model(self, prepared, module):
         """What the no-gradient passes (C0, evaluation) call: FSDP's wrapper, the only one that gathers
@@ -231,7 +231,7 @@ def start(device: str, precision: str) -> Engine:
             raise
         raise dd.RankFailed(
             f"the {world} processes of this command did not meet within {dd.TIMEOUT_ENV}="
-            f"{dd.timeout_seconds():g} s ({str(e).splitlines()[0][:160]}); start them all, with the "
+            f"{dd.timeout_seconds():g} s ({first_line(e, 160)}); start them all, with the "
             "same MASTER_ADDR and MASTER_PORT"
         ) from None
     if on_cpu:

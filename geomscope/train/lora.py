@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from geomscope.errors import InputError
+from geomscope.errors import InputError, first_line
 from geomscope.fileio import fresh_dir, replace_dir
 from geomscope.train.checkpoint import ADAPTER, ADAPTER_TEMP, export_model, record_outputs
 
@@ -97,9 +97,8 @@ def load_adapter(model, ckdir: Path) -> None:
     try:
         weights = load_peft_weights(str(ckdir), device="cpu")
     except Exception as e:  # a missing or damaged adapter file
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise InputError(
-            f"cannot read the LoRA adapter in {ckdir} ({why}); "
+            f"cannot read the LoRA adapter in {ckdir} ({first_line(e)}); "
             "start again without --resume into a new --out (or --overwrite)"
         ) from None
     res = set_peft_model_state_dict(model, weights)

@@ -42,7 +42,7 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
-from geomscope.errors import InputError
+from geomscope.errors import InputError, first_line
 
 N_BEST = 20
 MAX_ANSWER_TOKENS = 30
@@ -258,7 +258,7 @@ class QAEncoded:
         except Exception as e:  # the tokenizers library raises its own Exception for impossible windows
             raise InputError(
                 f"cannot cut {table.source} into windows of --max-length {max_length} "
-                f"({str(e).splitlines()[0]}); a question is too long: raise --max-length"
+                f"({first_line(e)}); a question is too long: raise --max-length"
             ) from None
         self.input_ids: list[list[int]] = enc["input_ids"]
         self.token_type_ids: list[list[int]] | None = enc.get("token_type_ids")
