@@ -1,6 +1,7 @@
 """`geomscope extract` on the command line: JSON on stdout, messages on stderr, one-line errors, and resume
 after SIGKILL of a real process; --overwrite removes only what the manifest lists, after checking it,
-and a resume redoes a shard whose checksum fails."""
+and a resume redoes a shard whose checksum fails; what extract says agrees in number with what it
+counts, and a resumed extract says what it did now."""
 
 from __future__ import annotations
 
@@ -231,3 +232,79 @@ def test_max_length_below_the_special_tokens(cli, tiny_bert, twelve_docs, tmp_pa
     code, out, err = quiet_extract(cli, tiny_bert, twelve_docs, tmp_path / "run", "--max-length", "1")
     assert_one_line_error(code, out, err, "leaves no room for text", exit_code=2)
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------ counts agree with nouns; a resumed run says what it did
+
+
+@pytest.fixture(scope="module")
+def one_doc(tmp_path_factory):
+    p = tmp_path_factory.mktemp("one-doc") / "one.txt"
+    p.write_text("A single document of a few words.\n")
+    return p
+
+
+def _summary(**changes) -> dict:
+    """An extract summary (the keys done_line reads): 4 shards, 3 of them written by this call."""
+    base = {
+        "rows": 15492,
+        "docs": 400,
+        "shards": 4,
+        "bytes": 119_400_000,
+        "shards_resumed": 1,
+        "shards_written": 3,
+        "rows_this_run": 11000,
+        "tokens_per_second": 556.2,
+    }
+    return {**base, **changes}
+
+
+def test_extract_of_one_document_and_one_layer_says_so(cli, tiny_bert, one_doc, tmp_path):
+    run = tmp_path / "run"
+    code, out, err = cli(["extract", tiny_bert, one_doc, "--out", run, "--layers", "0"])
+    assert code == 0, err
+    opening = " ".join(next(ln for ln in err.splitlines() if ln.startswith("extract:")).split())
+    assert "1 document in 1 shard, 1 layer x" in opening, err
+    code, out, err = cli(["inspect", run, "--verify"])
+    assert code == 0, err
+    assert "(1 document in 1 shard)" in " ".join(out.split()), out
+
+
+def test_done_line_of_one_document_in_one_shard_is_singular():
+    from geomscope.extract.shards import done_line
+
+    line = done_line(_summary(rows=1, docs=1, shards=1, shards_resumed=0, shards_written=1, rows_this_run=1))
+    assert "1 row of 1 document in 1 shard," in line, line
+    for wrong in ("1 rows", "1 documents", "1 shards"):
+        assert wrong not in line, line
+
+
+def test_done_line_of_a_finished_run_gives_no_rate():
+    from geomscope.extract.shards import done_line
+
+    line = done_line(_summary(shards_resumed=4, shards_written=0, rows_this_run=0, tokens_per_second=None))
+    assert line.startswith("done: nothing to do") and "tokens/s" not in line, line
+    assert "15,492 rows of 400 documents in 4 shards" in line, line
+
+
+def test_done_line_of_a_resumed_run_rates_the_new_rows_only():
+    from geomscope.extract.shards import done_line
+
+    line = done_line(_summary())
+    assert "1 shard kept from an earlier run, 3 written now (11,000 rows, 556 tokens/s)" in line, line
+
+
+def test_rerunning_a_finished_extract_prints_no_rate(cli, tiny_bert, one_doc, tmp_path):
+    import json
+
+    args = ["extract", tiny_bert, one_doc, "--out", tmp_path / "run", "--layers", "0"]
+    code, _, err = cli(args)
+    assert code == 0, err
+    code, _, err = cli(args)
+    assert code == 0, err
+    done = next(ln for ln in err.splitlines() if ln.startswith("done:"))
+    assert done.startswith("done: nothing to do") and "tokens/s" not in done, err
+    code, out, err = cli([*args, "--json", "--quiet"])
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["shards_written"] == 0 and summary["tokens_per_second"] is None

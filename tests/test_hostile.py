@@ -4,7 +4,6 @@ run, nothing written outside what was asked, and one `error:` line where the inp
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -71,72 +70,6 @@ class _Planted:
 
 
 # ------------------------------------------------------------------------------ smaller
-
-
-def _damaged(rep: dict, case: str):
-    """A report dict edited as the damage ``case`` says (layers[0] unless named)."""
-    import copy
-
-    rep = copy.deepcopy(rep)
-    lay = rep["layers"][0]
-    edits = {
-        "version_text": lambda: rep.update(format_version="abc"),
-        "version_null": lambda: rep.update(format_version=None),
-        "model_text": lambda: rep.update(model="bert"),
-        "params_list": lambda: rep.update(params=[1]),
-        "source_list": lambda: rep.update(source=[1, 2]),
-        "notes_list": lambda: rep.update(notes=["x"]),
-        "se_list": lambda: lay.update(se=[1, 2]),
-        "layer_int": lambda: [e.update(layer=i) for i, e in enumerate(rep["layers"])],
-        "metric_text": lambda: lay.update(isoscore="high"),
-        "eig_negative": lambda: lay.update(eigenvalues=[-1, 0, -5]),
-        "eig_ragged": lambda: lay.update(eigenvalues=[[1, 2], [3]]),
-        "layer_notes_text": lambda: lay.update(notes="zz"),
-        "final_norm_text": lambda: rep.update(final_norm="hello"),
-        "final_norm_partial": lambda: rep.update(final_norm={"before": "x"}),
-    }
-    edits[case]()
-    return rep
-
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        "version_text",
-        "version_null",
-        "model_text",
-        "params_list",
-        "source_list",
-        "notes_list",
-        "se_list",
-        "layer_int",
-        "metric_text",
-        "eig_negative",
-        "eig_ragged",
-        "layer_notes_text",
-        "final_norm_text",
-        "final_norm_partial",
-        "deep",
-        "huge_int",
-    ],
-)
-def test_a_damaged_report_is_one_line_for_report_and_plot(cli, tmp_path, case):
-    from test_plot_factory import make_report
-
-    path = tmp_path / "r.json"
-    if case == "deep":
-        path.write_text('{"format": "geomscope-report", "layers": ' + "[" * 100_000 + "]" * 100_000 + "}")
-    elif case == "huge_int":
-        path.write_text('{"format": "geomscope-report", "format_version": ' + "9" * 5000 + ', "layers": []}')
-    else:
-        path.write_text(json.dumps(_damaged(make_report(n_layers=3, hidden=16), case)))
-    for args in (
-        ["plot", path, "--out", f"{tmp_path}/figs/"],
-        ["report", path, "--html", tmp_path / "p.html"],
-    ):
-        code, out, err = cli(args)
-        assert_one_line_error(code, out, err, "r.json", exit_code=2)
-    assert not (tmp_path / "figs").exists() or not list((tmp_path / "figs").iterdir())
 
 
 @pytest.mark.parametrize(

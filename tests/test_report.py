@@ -1,13 +1,17 @@
-"""geomscope.report: paths, JSON/CSV round trip, atomic replacement, loading errors, the rich table."""
+"""geomscope.report: paths, JSON/CSV round trip, atomic replacement, loading errors, the rich table
+(its notes wrap on words, each value rounded to its SE, as in the HTML table); a damaged report is
+one line for `report` and `plot` alike."""
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 
 import numpy as np
 import pytest
+from conftest import assert_one_line_error
 
 from geomscope.errors import InputError
 from geomscope.report import (
@@ -181,3 +185,141 @@ def test_report_shapes_score_writes_are_not_called_damaged():
     entry = {"layer": "layer_00", "index": 0, "eigenvalues": [3.0, None, 0.0], "isoscore": None}
     assert report_defect({"format_version": 1, "layers": [entry]}) is None
     assert report_defect({"format_version": 1, "layers": [{**entry, "eigenvalues": [3.0, -1.0]}]})
+
+
+# ------------------------------------------------------------------ the table's notes; values with their SEs
+
+
+def _report_with_long_notes() -> dict:
+    layers = [
+        {"layer": f"layer_{i:02d}", "index": i, "n_rows": 2000, "isoscore": 0.25 + i / 10, "se": {}}
+        for i in range(3)
+    ]
+    return {
+        "source": {"kind": "run", "path": "/tmp/run"},
+        "model": {"name": "tiny"},
+        "params": {
+            "metrics": ["isoscore", "isoscore_star"],
+            "zeta": 0.2,
+            "target": "file:/data/targets/reference_covariance.npy",  # wider than the table
+            "uncertainty": {"moments": "delete-one-group jackknife over 10 document groups (doc_id % G)"},
+        },
+        "layers": layers,
+    }
+
+
+@pytest.mark.parametrize("width", [60, 80, 120])
+def test_score_table_notes_wrap_on_words(width):
+    from rich.console import Console
+
+    from geomscope.report import _caption, report_table
+
+    rep = _report_with_long_notes()
+    words = set(" ".join(_caption(rep)).split())
+    buf = io.StringIO()
+    Console(file=buf, width=width, color_system=None).print(report_table(rep))
+    lines = buf.getvalue().splitlines()
+    bottom = max(i for i, ln in enumerate(lines) if ln.startswith("└"))
+    shown_words = [w for ln in lines[bottom + 1 :] for w in ln.split()]
+    assert shown_words and set(shown_words) <= words, lines[bottom + 1 :]
+    assert max(map(len, lines)) <= width
+
+
+def _report_with_ses() -> dict:
+    rows = [(0.4123, 0.0157), (12.345, 1.2), (0.3, float("nan"))]
+    layers = [
+        {"layer": f"layer_{i:02d}", "index": i, "n_rows": 100, "isoscore": v, "se": {"isoscore": s}}
+        for i, (v, s) in enumerate(rows)
+    ]
+    return {"source": {"path": "p"}, "params": {"metrics": ["isoscore"]}, "layers": layers}
+
+
+def test_terminal_table_rounds_each_value_to_its_se():
+    from rich.console import Console
+
+    from geomscope.report import report_table
+
+    buf = io.StringIO()
+    Console(file=buf, width=120, color_system=None).print(report_table(_report_with_ses()))
+    cells = buf.getvalue().replace("│", " ").split()
+    assert "0.412" in cells and "±0.016" in cells and "12.3" in cells and "±1.2" in cells
+    assert "±0.02" not in cells and "±1" not in cells and not any("nan" in c for c in cells)
+
+
+def test_html_table_rounds_each_value_to_its_se():
+    from geomscope.htmltable import report_table_html
+
+    page = report_table_html(_report_with_ses())
+    assert "0.412<br><span class='se'>±0.016</span>" in page
+    assert "12.3<br><span class='se'>±1.2</span>" in page
+    assert "±nan" not in page and "0.4123" not in page and "0.0157" not in page
+    assert "<td>0.3</td>" in page  # a NaN SE: the value alone
+
+
+# ------------------------------------------------------------------ a damaged report
+
+
+def _damaged(rep: dict, case: str):
+    """A report dict edited as the damage ``case`` says (layers[0] unless named)."""
+    import copy
+
+    rep = copy.deepcopy(rep)
+    lay = rep["layers"][0]
+    edits = {
+        "version_text": lambda: rep.update(format_version="abc"),
+        "version_null": lambda: rep.update(format_version=None),
+        "model_text": lambda: rep.update(model="bert"),
+        "params_list": lambda: rep.update(params=[1]),
+        "source_list": lambda: rep.update(source=[1, 2]),
+        "notes_list": lambda: rep.update(notes=["x"]),
+        "se_list": lambda: lay.update(se=[1, 2]),
+        "layer_int": lambda: [e.update(layer=i) for i, e in enumerate(rep["layers"])],
+        "metric_text": lambda: lay.update(isoscore="high"),
+        "eig_negative": lambda: lay.update(eigenvalues=[-1, 0, -5]),
+        "eig_ragged": lambda: lay.update(eigenvalues=[[1, 2], [3]]),
+        "layer_notes_text": lambda: lay.update(notes="zz"),
+        "final_norm_text": lambda: rep.update(final_norm="hello"),
+        "final_norm_partial": lambda: rep.update(final_norm={"before": "x"}),
+    }
+    edits[case]()
+    return rep
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "version_text",
+        "version_null",
+        "model_text",
+        "params_list",
+        "source_list",
+        "notes_list",
+        "se_list",
+        "layer_int",
+        "metric_text",
+        "eig_negative",
+        "eig_ragged",
+        "layer_notes_text",
+        "final_norm_text",
+        "final_norm_partial",
+        "deep",
+        "huge_int",
+    ],
+)
+def test_a_damaged_report_is_one_line_for_report_and_plot(cli, tmp_path, case):
+    from test_plot_factory import make_report
+
+    path = tmp_path / "r.json"
+    if case == "deep":
+        path.write_text('{"format": "geomscope-report", "layers": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    elif case == "huge_int":
+        path.write_text('{"format": "geomscope-report", "format_version": ' + "9" * 5000 + ', "layers": []}')
+    else:
+        path.write_text(json.dumps(_damaged(make_report(n_layers=3, hidden=16), case)))
+    for args in (
+        ["plot", path, "--out", f"{tmp_path}/figs/"],
+        ["report", path, "--html", tmp_path / "p.html"],
+    ):
+        code, out, err = cli(args)
+        assert_one_line_error(code, out, err, "r.json", exit_code=2)
+    assert not (tmp_path / "figs").exists() or not list((tmp_path / "figs").iterdir())

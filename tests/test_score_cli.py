@@ -1,6 +1,7 @@
 """`geomscope score` (CLI): outputs, --json purity, CSV columns, and every bad-input path: an --out
 onto a directory or a full disk, rows too wide for the machine's memory, a shrinkage target that is
-no covariance, a --scheduler's bound."""
+no covariance, a --scheduler's bound; --help states the seed's range plainly and a seed out of it is
+one line."""
 
 from __future__ import annotations
 
@@ -248,3 +249,16 @@ def test_a_shrinkage_target_that_is_no_covariance_is_refused(cli, tmp_path, targ
         ]
     )
     assert_one_line_error(code, out, err, "is not a covariance", exit_code=2)
+
+
+def test_score_help_states_the_seed_range_readably(cli):
+    code, out, _ = cli(["score", "--help"])
+    assert code == 0
+    seed_help = " ".join(out.split("--seed N", 1)[1].split("--exclude-special", 1)[0].split())
+    assert "0 <= N < 2^64" in seed_help and "18446744073709551615" not in out, seed_help
+
+
+@pytest.mark.parametrize("seed, said", [(str(2**64), "2^64 - 1"), ("-1", "2^64 - 1"), ("seven", "'--seed'")])
+def test_score_refuses_a_seed_out_of_range_in_one_line(cli, tmp_path, seed, said):
+    code, out, err = cli(["score", tmp_path / "nowhere", "--seed", seed, "--out", tmp_path / "o"])
+    assert_one_line_error(code, out, err, "--seed", said, exit_code=2)
