@@ -12,7 +12,7 @@ import pickle
 from collections.abc import Callable
 from pathlib import Path
 
-from geomscope.errors import InputError
+from geomscope.errors import InputError, first_line
 from geomscope.model.files import check_model_dir, pickled_weights_error
 from geomscope.model.names import resolve_model
 
@@ -43,7 +43,7 @@ def _checked_config(source: str | Path):
     try:
         config = AutoConfig.from_pretrained(src, trust_remote_code=False)
     except (OSError, ValueError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = first_line(e)
         if "custom code" in first or "trust_remote_code" in first:
             raise InputError(
                 f"model {src!r} needs its own code to load, and finetune never runs a model's code; "
@@ -75,7 +75,28 @@ def _tokenizer(src: str):
     try:
         return AutoTokenizer.from_pretrained(src, trust_remote_code=False)
     except (OSError, ValueError) as e:
-        raise InputError(f"cannot load the tokenizer of {src!r}: {str(e).splitlines()[0]}") from None
+        raise InputError(f"cannot load the tokenizer of {src!r}: {first_line(e)}") from None
+
+
+def _with_head(auto_class, src: str, config, task: str, **head):
+    """(model, loading info) of ``auto_class`` (a transformers ``AutoModelFor...``) from ``src``, a
+    head of ``head``'s shape replacing one of another shape; the one-line errors for weights that
+    need pickle and for an architecture with no ``task`` model class."""
+    try:
+        return auto_class.from_pretrained(
+            src, **head, ignore_mismatched_sizes=True, output_loading_info=True, trust_remote_code=False
+        )
+    except pickle.UnpicklingError:
+        raise pickled_weights_error(str(src)) from None
+    except ValueError as e:
+        raise InputError(
+            f"{src} ({config.model_type}) has no {task} model class in transformers: {first_line(e)}"
+        ) from None
+
+
+def _head_added(info: dict) -> bool:
+    """Whether loading initialised a head: weights the checkpoint lacks, or has in another shape."""
+    return bool(info.get("missing_keys")) or bool(info.get("mismatched_keys"))
 
 
 def load_classifier(source: str | Path, label2id: dict[str, int], note: Callable[[str], None]):
@@ -88,25 +109,17 @@ def load_classifier(source: str | Path, label2id: dict[str, int], note: Callable
 
     src, config = _checked_config(source)
     id2label = {i: lab for lab, i in label2id.items()}
-    try:
-        model, info = AutoModelForSequenceClassification.from_pretrained(
-            src,
-            num_labels=len(label2id),
-            id2label=id2label,
-            label2id=dict(label2id),
-            ignore_mismatched_sizes=True,
-            output_loading_info=True,
-            trust_remote_code=False,
-        )
-    except pickle.UnpicklingError:
-        raise pickled_weights_error(str(src)) from None
-    except ValueError as e:
-        raise InputError(
-            f"{src} ({config.model_type}) has no sequence-classification model class in transformers: "
-            f"{str(e).splitlines()[0]}"
-        ) from None
+    model, info = _with_head(
+        AutoModelForSequenceClassification,
+        src,
+        config,
+        "sequence-classification",
+        num_labels=len(label2id),
+        id2label=id2label,
+        label2id=dict(label2id),
+    )
     tokenizer = _tokenizer(src)
-    head_added = bool(info.get("missing_keys")) or bool(info.get("mismatched_keys"))
+    head_added = _head_added(info)
     archs = [a for a in (config.architectures or []) if a.endswith("ForSequenceClassification")]
     if info.get("mismatched_keys") and archs:
         note(
@@ -145,19 +158,9 @@ def load_qa_model(source: str | Path, note: Callable[[str], None]):
     from transformers import AutoModelForQuestionAnswering
 
     src, config = _checked_config(source)
-    try:
-        model, info = AutoModelForQuestionAnswering.from_pretrained(
-            src, num_labels=2, ignore_mismatched_sizes=True, output_loading_info=True, trust_remote_code=False
-        )
-    except pickle.UnpicklingError:
-        raise pickled_weights_error(str(src)) from None
-    except ValueError as e:
-        raise InputError(
-            f"{src} ({config.model_type}) has no question-answering model class in transformers: "
-            f"{str(e).splitlines()[0]}"
-        ) from None
+    model, info = _with_head(AutoModelForQuestionAnswering, src, config, "question-answering", num_labels=2)
     tokenizer = _tokenizer(src)
-    head_added = bool(info.get("missing_keys")) or bool(info.get("mismatched_keys"))
+    head_added = _head_added(info)
     if head_added:
         note(
             f"note: {src} has no question-answering head ({', '.join(config.architectures or ['?'])}); "
