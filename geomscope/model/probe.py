@@ -59,6 +59,28 @@ def probe(lm: LoadedModel) -> None:
     """Fill n_hidden_states, hidden_size, final_norm, attention and selective from two tiny forwards."""
     import torch
 
+    x = _probe_batch(lm)
+    mask = torch.ones_like(x)
+    with torch.inference_mode():
+        hs = lm.run_stack(x, mask, True)
+        if not hs:
+            raise InputError(f"model {lm.info['name']} returns no hidden states; it cannot be extracted")
+        n = len(hs)
+        hs, block_out = _states_and_last_block(lm, x, mask, n)
+        lm.final_norm = _final_norm_applied(lm, hs[-1], block_out)
+        if lm.final_norm:
+            lm.final_norm_name = final_norm_module_name(lm)
+        lm.attention = _attention_kind(hs[-1])
+        lm.n_hidden_states = n
+        lm.hidden_size = int(hs[0].shape[-1])
+        lm.selective = _keeps_selected_states(lm, x, mask, hs)
+
+
+def _probe_batch(lm: LoadedModel):
+    """A (2, T) batch on the model's device, T >= 2: the probe text's token ids (cut to the model's
+    length) and a copy whose last token is the next id of the vocabulary."""
+    import torch
+
     tok = lm.tokenizer
     ids = tok(_PROBE_TEXT, add_special_tokens=True)["input_ids"]
     if lm.max_length:
@@ -68,54 +90,65 @@ def probe(lm: LoadedModel) -> None:
     vocab = int(getattr(lm.model.config, "vocab_size", 0) or len(tok))
     alt = list(ids)
     alt[-1] = (alt[-1] + 1) % max(2, vocab)
-    x = torch.tensor([ids, alt], device=lm.device)
-    mask = torch.ones_like(x)
+    return torch.tensor([ids, alt], device=lm.device)
+
+
+def _states_and_last_block(lm: LoadedModel, x, mask, n: int):
+    """(the ``n`` hidden states of ``x``, the last block's own output caught by a forward hook): the
+    output is None where no ``ModuleList`` of ``n - 1`` blocks is found."""
     captured = {}
-    with torch.inference_mode():
+    blocks = find_blocks(lm.stack_module(), n - 1)
+    handle = None
+    if blocks is not None:
+
+        def hook(_m, _a, out):
+            captured["last"] = out[0] if isinstance(out, (tuple, list)) else out
+
+        handle = blocks[n - 2].register_forward_hook(hook)
+    try:
         hs = lm.run_stack(x, mask, True)
-        if not hs:
-            raise InputError(f"model {lm.info['name']} returns no hidden states; it cannot be extracted")
-        n = len(hs)
-        blocks = find_blocks(lm.stack_module(), n - 1)
-        handle = None
-        if blocks is not None:
+    finally:
+        if handle is not None:
+            handle.remove()
+    return hs, captured.get("last")
 
-            def hook(_m, _a, out):
-                captured["last"] = out[0] if isinstance(out, (tuple, list)) else out
 
-            handle = blocks[n - 2].register_forward_hook(hook)
-        try:
-            hs = lm.run_stack(x, mask, True)
-        finally:
-            if handle is not None:
-                handle.remove()
-        last = hs[-1].float()
-        if (
-            "last" in captured
-            and torch.is_tensor(captured["last"])
-            and captured["last"].shape == hs[-1].shape
-        ):
-            lm.final_norm = not torch.equal(captured["last"], hs[-1])
-        else:
-            lm.final_norm = has_final_norm_child(lm.stack_module())
-        if lm.final_norm:
-            lm.final_norm_name = final_norm_module_name(lm)
-        scale = float(last[:, :-1].abs().max()) or 1.0
-        diff = float((last[0, :-1] - last[1, :-1]).abs().max())
-        lm.attention = "causal" if diff <= 1e-5 * scale else "bidirectional"
-        lm.n_hidden_states = n
-        lm.hidden_size = int(hs[0].shape[-1])
-        try:
-            sel = lm.run_stack(x, mask, [0, n - 1])
-            lm.selective = (
-                len(sel) == n
-                and sel[0] is not None
-                and sel[-1] is not None
-                and torch.equal(sel[0], hs[0])
-                and torch.equal(sel[-1], hs[-1])
-            )
-        except Exception:
-            lm.selective = False
+def _final_norm_applied(lm: LoadedModel, final, block_out) -> bool:
+    """Whether the last hidden state ``final`` went through a final norm: it differs from the last
+    block's output ``block_out`` where that is a tensor of its shape, else the stack has a norm child."""
+    import torch
+
+    if torch.is_tensor(block_out) and block_out.shape == final.shape:
+        return not torch.equal(block_out, final)
+    return has_final_norm_child(lm.stack_module())
+
+
+def _attention_kind(final) -> str:
+    """ "causal" when the changed last token leaves the earlier rows of the last hidden state ``final``
+    as they are (within 1e-5 of their largest magnitude), else "bidirectional"."""
+    last = final.float()
+    scale = float(last[:, :-1].abs().max()) or 1.0
+    diff = float((last[0, :-1] - last[1, :-1]).abs().max())
+    return "causal" if diff <= 1e-5 * scale else "bidirectional"
+
+
+def _keeps_selected_states(lm: LoadedModel, x, mask, hs) -> bool:
+    """Whether ``output_hidden_states=[0, n - 1]`` gives the first and last of the states ``hs`` as
+    they are, in a tuple of the same length (False where the model refuses the list)."""
+    import torch
+
+    n = len(hs)
+    try:
+        sel = lm.run_stack(x, mask, [0, n - 1])
+        return (
+            len(sel) == n
+            and sel[0] is not None
+            and sel[-1] is not None
+            and torch.equal(sel[0], hs[0])
+            and torch.equal(sel[-1], hs[-1])
+        )
+    except Exception:
+        return False
 
 
 def n_blocks(model) -> int:
