@@ -1,4 +1,5 @@
-"""CLI tests of `geomscope plot`: files written, --json, and one-line errors for bad input."""
+"""CLI tests of `geomscope plot`: files written, --json, and one-line errors for bad input (a damaged
+trajectory.csv among them)."""
 
 from __future__ import annotations
 
@@ -253,3 +254,41 @@ def test_every_figure_is_closed_when_a_write_fails_midway(tmp_path, monkeypatch)
         figures.plot_files([rep], f"{tmp_path}/figs/")
     drawn = len(figures.make_figures([figures.read_report(rep)], ["auto"]))
     assert drawn >= 3 and len(set(closed)) >= drawn  # each figure of the failed call closed once
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda row: row.update(step="abc"),
+        lambda row: row.update(isoscore="high"),
+        lambda row: row.update(n_rows="inf"),
+        lambda row: row.update(n_rows="2.5"),
+        "extra_cell",
+    ],
+)
+def test_a_damaged_trajectory_is_one_line_for_plot(cli, tmp_path, edit):
+    import csv
+
+    from geomscope.score.trajectory import to_trajectory_csv
+
+    reps = []
+    for step in (0, 1000):
+        rep = make_report(n_layers=3, hidden=16)
+        rep["model"]["revision"] = f"step{step}"
+        reps.append(rep)
+    path = tmp_path / "trajectory.csv"
+    path.write_text(to_trajectory_csv(reps))
+    assert cli(["plot", path, "--out", f"{tmp_path}/ok/", "--quiet"])[0] == 0
+    rows = list(csv.DictReader(path.open()))
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        for i, row in enumerate(rows):
+            if i == 2 and edit != "extra_cell":
+                edit(row)
+            w.writerow(row)
+    if edit == "extra_cell":
+        with path.open("a") as f:
+            f.write(",".join(["x"] * (len(rows[0]) + 3)) + "\n")
+    code, out, err = cli(["plot", path, "--out", f"{tmp_path}/figs/", "--quiet"])
+    assert_one_line_error(code, out, err, "trajectory.csv line", exit_code=2)
