@@ -8,7 +8,7 @@ never written through (``os.replace`` replaces the link itself). A directory is 
 temporary name and put in place by renames (:func:`replace_dir`). :func:`ensure_writable` asks,
 with a real file, whether an output's folder can be written before the work that produces it.
 What an output a user names may replace is outputs.py's. Files are hashed by one read loop
-(:func:`hash_into`).
+(:func:`hash_into`); an input's content by :func:`input_digest`.
 """
 
 from __future__ import annotations
@@ -216,6 +216,27 @@ def file_digests(f, algorithms: tuple[str, ...]) -> dict[str, str]:
     hashers = {a: hasher(a) for a in algorithms}
     hash_into(f, hashers.values())
     return {a: h.hexdigest() for a, h in hashers.items()}
+
+
+def input_digest(path: Path, name: str, directory: bool = False) -> tuple[str, int]:
+    """(sha256 hex digest, bytes) of an input's content: the file ``path``, or every file below the
+    directory ``path`` (a ``datasets.save_to_disk`` folder) in sorted order, each after its path
+    relative to ``path`` and a NUL. What a run records of its inputs (extract's identity, finetune's
+    resume fingerprint); InputError naming the input ``name`` when a file cannot be read."""
+    from geomscope.errors import InputError
+
+    h = hasher("sha256")
+    total = 0
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if directory else [path]
+    for p in files:
+        if directory:
+            h.update(str(p.relative_to(path)).encode() + b"\0")
+        try:
+            with open(p, "rb") as f:
+                total += hash_into(f, [h])
+        except OSError as e:
+            raise InputError(f"input {name} cannot be read ({e.strerror or e}); check the file") from e
+    return h.hexdigest(), total
 
 
 def _read_into(f, buf: memoryview) -> int:

@@ -126,3 +126,32 @@ def test_first_line_quotes_one_line_of_an_exception(exc, limit, expected):
     from geomscope.errors import first_line
 
     assert first_line(exc, limit) == expected
+
+
+def test_input_digest_of_a_file_and_of_a_folder(tmp_path):
+    import hashlib
+
+    from geomscope.fileio import input_digest
+    from geomscope.train.config import data_identity
+
+    f = tmp_path / "train.jsonl"
+    f.write_bytes(b'{"sentence": "a"}\n')
+    assert input_digest(f, "train.jsonl") == (hashlib.sha256(f.read_bytes()).hexdigest(), 18)
+    ds = tmp_path / "ds"
+    (ds / "sub").mkdir(parents=True)
+    (ds / "b.arrow").write_bytes(b"BB")
+    (ds / "sub" / "a.json").write_bytes(b"{}")
+    want = hashlib.sha256(b"b.arrow\0BB" + b"sub/a.json\0{}").hexdigest()
+    assert input_digest(ds, "ds", directory=True) == (want, 4)
+    # finetune's fingerprint records its data files as extract records its inputs
+    assert data_identity(str(ds)) == {"sha256": want, "bytes": 4}
+    assert data_identity(str(f))["sha256"] == hashlib.sha256(f.read_bytes()).hexdigest()
+
+
+def test_input_digest_names_an_input_it_cannot_read(tmp_path):
+    from geomscope.fileio import input_digest
+
+    with pytest.raises(
+        InputError, match=r"^input gone\.txt cannot be read \(No such file or directory\); check"
+    ):
+        input_digest(tmp_path / "gone.txt", "gone.txt")

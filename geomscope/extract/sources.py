@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from geomscope.errors import InputError
-from geomscope.fileio import hash_into, hasher
+from geomscope.fileio import input_digest
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 CSV_SUFFIXES = {".csv": ",", ".tsv": "\t", ".tab": "\t"}
@@ -188,19 +188,9 @@ def close_inputs(inputs: list[InputFile]) -> None:
 
 
 def hash_input(inp: InputFile) -> None:
-    """Set ``inp.sha256`` and ``inp.bytes``: of the file's bytes, or of a dataset directory's files."""
-    h = hasher("sha256")
-    total = 0
-    files = [inp.path] if inp.kind != "dataset" else sorted(p for p in inp.path.rglob("*") if p.is_file())
-    for p in files:
-        if inp.kind == "dataset":
-            h.update(str(p.relative_to(inp.path)).encode() + b"\0")
-        try:
-            with open(p, "rb") as f:
-                total += hash_into(f, [h])
-        except OSError as e:
-            raise InputError(f"input {inp.arg} cannot be read ({e.strerror or e}); check the file") from e
-    inp.sha256, inp.bytes = h.hexdigest(), total
+    """Set ``inp.sha256`` and ``inp.bytes``: of the file's bytes, or of a dataset directory's files
+    (:func:`geomscope.fileio.input_digest`)."""
+    inp.sha256, inp.bytes = input_digest(inp.path, inp.arg, directory=inp.kind == "dataset")
 
 
 def _open_text(inp: InputFile):

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 from geomscope.choices import PENALTY_PRECISIONS, PRECISIONS, REGULARISERS, SCHEDULERS, TASKS, TRACKERS
 from geomscope.errors import InputError
+from geomscope.fileio import input_digest
 from geomscope.options import (
     POSITIVE_INT,
     UNIT_INTERVAL,
@@ -341,15 +342,12 @@ _DATA_KEYS = {"train_data": "train", "eval_data": "eval"}
 
 def data_identity(path: str) -> dict:
     """sha256 and size of a data file's bytes (of a save_to_disk directory's files), as extract
-    records its inputs."""
+    records its inputs (:func:`geomscope.fileio.input_digest`)."""
     from pathlib import Path
 
-    from geomscope.extract.sources import InputFile, hash_input
-
     p = Path(path)
-    inp = InputFile(arg=str(path), path=p, kind="dataset" if p.is_dir() else "file")
-    hash_input(inp)
-    return {"sha256": inp.sha256, "bytes": inp.bytes}
+    sha256, size = input_digest(p, str(path), directory=p.is_dir())
+    return {"sha256": sha256, "bytes": size}
 
 
 def fingerprint(cfg: FinetuneConfig, layers: list[int], world: int) -> dict:
