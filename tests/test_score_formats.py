@@ -1,7 +1,9 @@
-"""Other tools' activation formats (score/formats.py) and ``geomscope export``.
+"""Other tools' activation formats (score/formats.py): .npz, .safetensors, .pt, Arrow /
+``datasets.save_to_disk`` / SAELens caches, Parquet.
 
 Every format is checked against the same rows scored from a plain .npy (to 1e-10), read in small
-blocks and large ones; bad and hostile files give one-line errors and nothing is unpickled.
+blocks and large ones; bad columns and files give one-line errors and nothing is unpickled
+(crafted and damaged files of every format: test_score_sources.py).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers_models import make_tiny_run
+from conftest import Planted, assert_one_line_error
 
 from geomscope.errors import DataError, InputError
 from geomscope.score import ScoreOptions, score
@@ -151,8 +153,6 @@ def test_saelens_cache_matrix_cells_flatten_to_rows(tmp_path, reference):
 
 # ------------------------------------------------------------------------------ bad input
 def test_bad_columns_are_one_line_errors(tmp_path, cli):
-    from conftest import assert_one_line_error
-
     path = _write("parquet", tmp_path)
     for args, needle in (
         (["--column", "text"], "not a vector of numbers"),
@@ -177,22 +177,11 @@ def test_safetensors_missing_or_not_2d(tmp_path):
         score(tmp_path / "x.safetensors", _opts(columns=("l0",)))
 
 
-class _Boom:
-    """Unpickling this would create a file: the proof that nothing was unpickled."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (Path.touch, (Path(self.marker),))
-
-
 def test_pt_that_needs_pickle_is_refused_and_not_run(tmp_path, cli):
     import torch
-    from conftest import assert_one_line_error
 
     marker = tmp_path / "unpickled"
-    torch.save({"l0": torch.zeros(3, 2), "evil": _Boom(str(marker))}, tmp_path / "x.pt")
+    torch.save({"l0": torch.zeros(3, 2), "evil": Planted(marker)}, tmp_path / "x.pt")
     code, out, err = cli(["score", tmp_path / "x.pt", "-q", "--out", tmp_path / "r"])
     assert_one_line_error(code, out, err, "never unpickles", "weights_only", exit_code=2)
     assert "Warning" not in err  # torch's warning about the pickle protocol is not shown
@@ -227,77 +216,7 @@ def test_datasets_state_cannot_point_outside(tmp_path):
         score(d, _opts())
 
 
-# ------------------------------------------------------------------------------------ export
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    return make_tiny_run(tmp_path_factory.mktemp("export"), "bert", shard_docs=3, store_dtype="float32")
-
-
-@pytest.mark.parametrize("to", ["npy", "arrow"])
-def test_export_round_trips_the_rows(run, tmp_path, cli, to):
-    from geomscope.store import Run, iter_shard
-
-    code, out, err = cli(["export", run, "--to", to, "--out", tmp_path / "e", "-q", "--json"])
-    assert code == 0, err
-    summary = json.loads(out)
-    r = Run(run)
-    want = {n: [] for n in ("doc_id", "position", "token_id", "special", *r.layer_names)}
-    for s in sorted(r.shards, key=lambda s: s.index):
-        for ch in iter_shard(r.shard_path(s), r.layer_names):
-            want["doc_id"].append(ch.doc_id)
-            want["position"].append(ch.position)
-            want["token_id"].append(ch.token_id)
-            want["special"].append(ch.is_special)
-            for n in r.layer_names:
-                want[n].append(ch.layers[n])
-    want = {k: np.concatenate(v) for k, v in want.items()}
-    assert summary["rows"] == len(want["doc_id"]) and summary["layers"] == r.layer_names
-    if to == "npy":
-        got = {k: np.load(tmp_path / "e" / f"{k}.npy", allow_pickle=False) for k in want}
-    else:
-        datasets = pytest.importorskip("datasets")
-        ds = datasets.load_from_disk(str(tmp_path / "e")).with_format("numpy")
-        got = {k: np.asarray(ds[k]) for k in want}
-    for k in want:
-        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
-
-
-def test_scoring_an_arrow_export_equals_scoring_the_run(run, tmp_path):
-    from geomscope.export import export_run
-
-    export_run(run, tmp_path / "e", to="arrow")
-    opts = dict(metrics=("isoscore", "isoscore_star", "avgcos", "spectrum"), jackknife_groups=3)
-    a = score(run, ScoreOptions(**opts, exclude_special=True))
-    b = score(tmp_path / "e", ScoreOptions(**opts, exclude_special=True))
-    assert "document groups" in b["params"]["uncertainty"]["moments"]
-    assert [e["layer"] for e in a["layers"]] == [e["layer"] for e in b["layers"]]
-    for ea, eb in zip(a["layers"], b["layers"], strict=True):
-        assert ea["n_rows"] == eb["n_rows"] and ea["dropped"] == eb["dropped"]
-        for k in ("isoscore", "isoscore_star", "avgcos", "pr"):
-            assert eb[k] == pytest.approx(ea[k], rel=1e-12, abs=1e-14), k
-            assert eb["se"][k] == pytest.approx(ea["se"][k], rel=1e-9, abs=1e-14), k
-
-
-def test_export_never_overwrites_and_needs_a_finished_run(run, tmp_path, cli):
-    from conftest import assert_one_line_error
-
-    (tmp_path / "full").mkdir()
-    (tmp_path / "full" / "keep.txt").write_text("mine")
-    code, out, err = cli(["export", run, "--to", "npy", "--out", tmp_path / "full", "-q"])
-    assert_one_line_error(code, out, err, "not an empty directory", exit_code=2)
-    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["full"]  # no temporaries left
-    (tmp_path / "empty").mkdir()
-    code, out, err = cli(["export", run, "--to", "npy", "--out", tmp_path / "empty", "-q", "-l", "0"])
-    assert code == 0, err
-    assert (tmp_path / "empty" / "layer_00.npy").exists() or any((tmp_path / "empty").glob("*.npy"))
-    code, out, err = cli(["export", tmp_path / "full", "--to", "npy", "--out", tmp_path / "x", "-q"])
-    assert_one_line_error(code, out, err, exit_code=2)
-
-
 def test_truncated_files_are_one_line_errors(tmp_path, cli):
-    from conftest import assert_one_line_error
-
     for fmt, cut in (("npz", 0.6), ("arrow-stream", 0.6), ("safetensors", 0.6), ("parquet", 0.6)):
         d = tmp_path / fmt
         d.mkdir()
@@ -307,13 +226,3 @@ def test_truncated_files_are_one_line_errors(tmp_path, cli):
         code, out, err = cli(["score", path, "-q", "--out", d / "r"])
         assert_one_line_error(code, out, err)
         assert code in (2, 3), (fmt, err)
-
-
-def test_export_refuses_a_link_as_out(run, tmp_path, cli):
-    from conftest import assert_one_line_error
-
-    (tmp_path / "real").mkdir()
-    (tmp_path / "link").symlink_to(tmp_path / "real")
-    code, out, err = cli(["export", run, "--to", "npy", "--out", tmp_path / "link", "-q"])
-    assert_one_line_error(code, out, err, "not an empty directory", exit_code=2)
-    assert list((tmp_path / "real").iterdir()) == []
