@@ -194,15 +194,7 @@ def run_tasks(tasks: list[Task], spec: PassSpec, progress=None, into: dict | Non
             yield t, _TaskDone(finish)  # the task's last block is in: its checksum is due
 
     with _checksum_first(started), _unflagged_rows_named(merging):  # (the list fills as tasks begin)
-        with OrderedWork(spec.threads) as work:
-            for task, item in _read_ahead(stream()):
-                if isinstance(item, _TaskDone):
-                    work.then(item.finish)  # once the task's blocks are merged: errors in row order
-                    continue
-                _add_block(item, spec, parts, work, task, merging)
-                if progress:
-                    progress(len(item.keys))
-            work.drain()
+        _merge_blocks(_read_ahead(stream()), spec, parts, progress, merging)
     return parts
 
 
@@ -243,13 +235,26 @@ def _run(task: Task, spec: PassSpec, progress, parts: dict) -> dict[str, LayerPa
         return parts
     blocks = iter_blocks(task, spec.layers, spec.n_groups, spec.block_rows)
     merging = _Merging()
-    with _unflagged_rows_named(merging), OrderedWork(spec.threads) as work:
-        for block in _read_ahead(blocks) if spec.threads > 1 else blocks:
-            _add_block(block, spec, parts, work, task, merging)
-            if progress:
-                progress(len(block.keys))
-        work.drain()
+    with _unflagged_rows_named(merging):
+        read = _read_ahead(blocks) if spec.threads > 1 else blocks
+        _merge_blocks(((task, block) for block in read), spec, parts, progress, merging)
     return parts
+
+
+def _merge_blocks(items, spec: PassSpec, parts: dict, progress, merging: _Merging) -> None:
+    """Add each ``(task, block)`` of ``items`` to ``parts`` in order (:func:`_add_block`, on
+    ``spec.threads`` ordered workers), calling ``progress(rows)`` after each block; a
+    ``(task, _TaskDone)`` item runs its ``finish()`` once the blocks before it are merged, so a
+    shard's checksum error comes in row order."""
+    with OrderedWork(spec.threads) as work:
+        for task, item in items:
+            if isinstance(item, _TaskDone):
+                work.then(item.finish)
+                continue
+            _add_block(item, spec, parts, work, task, merging)
+            if progress:
+                progress(len(item.keys))
+        work.drain()
 
 
 @dataclass
