@@ -91,6 +91,13 @@ def assert_one_line_error(code, out, err, *needles, exit_code=None) -> str:
     return errors[0]
 
 
+def one_line_message(excinfo) -> str:
+    """The message of the exception ``pytest.raises`` caught, checked to be one non-empty line."""
+    msg = str(excinfo.value)
+    assert msg and "\n" not in msg, msg
+    return msg
+
+
 def edit_manifest(run: Path, edit) -> None:
     """``run``'s manifest.json read, changed by ``edit(manifest)`` in place, and written back."""
     m = json.loads((run / "manifest.json").read_text())

@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from geomscope.errors import DataError, InputError
-from geomscope.metrics.intrinsic import estimate_id
+from geomscope.errors import InputError
 from geomscope.metrics.subspace import gradient_energy, top_eigenpairs
 
 
@@ -65,38 +64,3 @@ def test_one_rank_as_a_0d_array():
     )
     with pytest.raises(InputError):
         gradient_energy(c, None, c, np.array(2.5), controls=0)
-
-
-_X = np.random.default_rng(0).standard_normal((200, 4))
-
-
-@pytest.mark.parametrize("name", ["twonn", "mle"])
-@pytest.mark.parametrize(
-    "params,match",
-    [
-        ({"max_points": 50.5}, "max_points"),  # numpy TypeError
-        ({"max_points": "50"}, "max_points"),  # TypeError from "'>' not supported"
-        ({"max_points": 2}, "max_points"),
-        ({"max_points": 50, "seed": -1}, "seed"),  # numpy ValueError
-        ({"seed": -1}, "seed"),  # reached the estimator without subsampling
-        ({"seed": 1.5}, "seed"),
-    ],
-)
-def test_estimate_id_refuses_bad_subsampling_arguments(name, params, match):
-    with pytest.raises(InputError, match=match) as e:
-        estimate_id(_X, name, **params)
-    _one_line(e)
-
-
-def test_estimate_id_subsampling_arguments_that_are_whole_numbers():
-    a = estimate_id(_X, "mle", max_points=np.int64(50), seed=np.int32(3))
-    b = estimate_id(_X, "mle", max_points=50, seed=3)
-    assert a.dimension == b.dimension and a.n_used == 50
-
-
-def test_a_parameter_of_the_wrong_type_is_an_input_error():
-    # tle's epsilon="x" escaped as numpy's UFuncTypeError
-    with pytest.raises(InputError, match="bad parameter for tle") as e:
-        estimate_id(_X, "tle", epsilon="x")
-    _one_line(e)
-    assert not isinstance(e.value, DataError)

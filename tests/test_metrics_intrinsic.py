@@ -1,4 +1,6 @@
-"""Conformance of every registered intrinsic-dimension estimator (geomscope.metrics.intrinsic)."""
+"""Conformance of every registered intrinsic-dimension estimator (geomscope.metrics.intrinsic); bad
+subsampling arguments and parameters are one-line InputErrors, whole numbers of any integer type are
+taken."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import warnings
 
 import numpy as np
 import pytest
+from conftest import one_line_message
 
 from geomscope.errors import DataError, InputError
 from geomscope.metrics.intrinsic import ID_ESTIMATORS, IDResult, estimate_id
@@ -156,3 +159,41 @@ def test_duplicates_without_dedup_are_refused(name):
             warnings.simplefilter("ignore")
             want = cls(**kw).fit(X).dimension_
         assert r.dimension == pytest.approx(want, rel=1e-12)
+
+
+# ------------------------------------------------------------------ bad subsampling and parameters
+
+
+_X = np.random.default_rng(0).standard_normal((200, 4))
+
+
+@pytest.mark.parametrize("name", ["twonn", "mle"])
+@pytest.mark.parametrize(
+    "params,match",
+    [
+        ({"max_points": 50.5}, "max_points"),  # numpy TypeError
+        ({"max_points": "50"}, "max_points"),  # TypeError from "'>' not supported"
+        ({"max_points": 2}, "max_points"),
+        ({"max_points": 50, "seed": -1}, "seed"),  # numpy ValueError
+        ({"seed": -1}, "seed"),  # reached the estimator without subsampling
+        ({"seed": 1.5}, "seed"),
+    ],
+)
+def test_estimate_id_refuses_bad_subsampling_arguments(name, params, match):
+    with pytest.raises(InputError, match=match) as e:
+        estimate_id(_X, name, **params)
+    one_line_message(e)
+
+
+def test_estimate_id_subsampling_arguments_that_are_whole_numbers():
+    a = estimate_id(_X, "mle", max_points=np.int64(50), seed=np.int32(3))
+    b = estimate_id(_X, "mle", max_points=50, seed=3)
+    assert a.dimension == b.dimension and a.n_used == 50
+
+
+def test_a_parameter_of_the_wrong_type_is_an_input_error():
+    # tle's epsilon="x" escaped as numpy's UFuncTypeError
+    with pytest.raises(InputError, match="bad parameter for tle") as e:
+        estimate_id(_X, "tle", epsilon="x")
+    one_line_message(e)
+    assert not isinstance(e.value, DataError)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import one_line_message
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from IsoScore import IsoScore as isp
@@ -198,17 +199,11 @@ def test_torch_gradient_pushes_toward_isotropy():
     assert isoscore_torch(x).item() > before + 0.05
 
 
-def _one_line(e):
-    msg = str(e.value)
-    assert msg and "\n" not in msg
-    return msg
-
-
 @pytest.mark.parametrize("fn", [isoscore, lambda x: isoscore_star(x, 0.2), isoscore_published])
 def test_bad_input_numpy(fn):
     with pytest.raises(DataError, match="at least 2 points") as e:
         fn(np.ones((1, 5)))
-    _one_line(e)
+    one_line_message(e)
     with pytest.raises(DataError, match="at least 2 dimensions"):
         fn(np.random.default_rng(0).standard_normal((10, 1)))
     with pytest.raises(DataError, match="zero total variance"):
