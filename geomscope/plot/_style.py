@@ -57,6 +57,19 @@ def depth_cmap():
     return ListedColormap(colormaps[DEPTH_CMAP](np.linspace(0.0, 0.92, 256)), name="viridis_depth")
 
 
+def depth_colorbar(fig: Figure, axes, norm, cmap, label: str = "layer index (depth)", whole: bool = True):
+    """The one colorbar of lines coloured by depth (``cmap`` over ``norm``), beside every panel of the
+    2-D array ``axes``; ticks at whole numbers where depth is a layer index (``whole``)."""
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.ticker import MaxNLocator
+
+    cbar = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=axes.ravel().tolist(), shrink=0.9, pad=0.02)
+    cbar.set_label(label)
+    if whole:
+        cbar.locator = MaxNLocator(integer=True)
+        cbar.update_ticks()
+
+
 RC = {
     "font.size": 9,
     "axes.titlesize": 10,
@@ -132,6 +145,14 @@ def grid_shape(n: int, max_cols: int = 3) -> tuple[int, int]:
     """(rows, cols) of a panel grid for n panels: one row up to 3, then 2 x 2, then rows of 3."""
     cols = n if n <= max_cols else (2 if n == 4 else max_cols)
     return (n + cols - 1) // cols, cols
+
+
+def hide_spare_panels(axes, n: int) -> None:
+    """Hide the panels of the 2-D array ``axes`` after the first ``n`` (the grid's last row may have
+    room to spare)."""
+    nrows, ncols = axes.shape
+    for k in range(n, nrows * ncols):
+        axes[k // ncols][k % ncols].set_visible(False)
 
 
 def wrap_title(text: str, width: int = 42) -> str:

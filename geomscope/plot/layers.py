@@ -22,6 +22,7 @@ from geomscope.plot._style import (
     GRAD_LINESTYLE,
     add_caption,
     grid_shape,
+    hide_spare_panels,
     metric_name,
     metric_title,
     metric_variant,
@@ -103,7 +104,7 @@ def plot_layers(
     nrows, ncols = grid_shape(len(metrics))
     height = 3.0 * nrows + 0.7 + 0.2 * ((len(series) + 2) // 3)
     fig, axes, own = panels(ax, len(metrics), 4.4 * ncols, height)
-    nrows, ncols = axes.shape
+    ncols = axes.shape[1]
     handles = []
     for k, metric in enumerate(metrics):
         ax = axes[k // ncols][k % ncols]
@@ -140,8 +141,7 @@ def plot_layers(
             _name_ticks(ax, x_of)
         if not same:  # the reports differ in this metric's variant: say which is which, in short
             ax.legend(loc="best", frameon=True, framealpha=0.8, fontsize=7, title="variant", title_fontsize=7)
-    for k in range(len(metrics), nrows * ncols):
-        axes[k // ncols][k % ncols].set_visible(False)
+    hide_spare_panels(axes, len(metrics))
     shown = [plain_text(lab) for _, lab, _ in series]
     if not own:  # the caller's figure: a legend on the first panel, no title or caption
         axes[0][0].legend(handles=handles, labels=shown, loc="best", fontsize=7)

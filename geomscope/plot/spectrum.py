@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
@@ -24,8 +23,10 @@ from geomscope.plot._style import (
     GRAD_LINESTYLE,
     add_caption,
     depth_cmap,
+    depth_colorbar,
     gradient_key,
     grid_shape,
+    hide_spare_panels,
     panels,
     plain_text,
     styled,
@@ -122,7 +123,7 @@ def plot_spectrum(
     cmap = depth_cmap()
     nrows, ncols = grid_shape(len(reports))
     fig, axes, own = panels(ax, len(reports), 4.4 * ncols + 0.8, 3.3 * nrows + 0.5, sharey=normalise)
-    nrows, ncols = axes.shape
+    ncols = axes.shape[1]
     clipped = False
     for i, rep in enumerate(reports):
         ax = axes[i // ncols][i % ncols]
@@ -162,16 +163,11 @@ def plot_spectrum(
         if normalise and i % ncols:
             ax.set_ylabel("")
         ax.grid(True, which="major", alpha=0.3)
-    for k in range(len(reports), nrows * ncols):
-        axes[k // ncols][k % ncols].set_visible(False)
-    sm = ScalarMappable(norm=norm, cmap=cmap)
-    cbar = fig.colorbar(sm, ax=axes.ravel().tolist(), shrink=0.9, pad=0.02)
+    hide_spare_panels(axes, len(reports))
     if relative:
-        cbar.set_label("relative depth (layer index / last layer)")
+        depth_colorbar(fig, axes, norm, cmap, "relative depth (layer index / last layer)", whole=False)
     else:
-        cbar.set_label("layer index (depth)")
-        cbar.locator = MaxNLocator(integer=True)
-        cbar.update_ticks()
+        depth_colorbar(fig, axes, norm, cmap)
     if not own:
         return fig
     fig.suptitle("Covariance eigenspectra by layer" + (" (normalised)" if normalise else ""), fontsize=11)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
@@ -26,8 +25,10 @@ from geomscope.plot._style import (
     GRAD_LINESTYLE,
     add_caption,
     depth_cmap,
+    depth_colorbar,
     gradient_key,
     grid_shape,
+    hide_spare_panels,
     metric_name,
     metric_title,
     panels,
@@ -111,7 +112,7 @@ def plot_trajectory(
     cmap = depth_cmap()
     nrows, ncols = grid_shape(len(metrics))
     fig, axes, own = panels(ax, len(metrics), 4.6 * ncols + 0.8, 3.0 * nrows + 0.9)
-    nrows, ncols = axes.shape
+    ncols = axes.shape[1]
     for k, metric in enumerate(metrics):
         ax = axes[k // ncols][k % ncols]
         for name in names:
@@ -147,14 +148,10 @@ def plot_trajectory(
         ax.set_title(plain_text(metric_title(metric, reports[0].get("params"))))
         ax.set_xlabel("training step" + (" (symlog)" if log_x and (x == 0).any() else ""))
         ax.set_ylabel(plain_text(metric_name(metric).split(" (")[0]))
-    for k in range(len(metrics), nrows * ncols):
-        axes[k // ncols][k % ncols].set_visible(False)
+    hide_spare_panels(axes, len(metrics))
     if any(is_gradient(n) for n in names):
         axes[0][0].legend(handles=gradient_key(), loc="best", fontsize=7)
-    cbar = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=axes.ravel().tolist(), shrink=0.9, pad=0.02)
-    cbar.set_label("layer index (depth)")
-    cbar.locator = MaxNLocator(integer=True)
-    cbar.update_ticks()
+    depth_colorbar(fig, axes, norm, cmap)
     if not own:
         return fig
     model = _short_name((reports[0].get("model") or {}).get("name") or "model")
