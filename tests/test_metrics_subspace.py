@@ -15,6 +15,7 @@ from scipy.linalg import null_space
 from geomscope.errors import DataError, InputError
 from geomscope.metrics.isotropy import isoscore_star_from_cov
 from geomscope.metrics.subspace import gradient_energy, normal_controls
+from geomscope.metrics.validate import whole_number
 
 
 def _orthogonal(d, rng):
@@ -550,3 +551,32 @@ def test_float32_covariances_are_accepted_as_as_covariance_accepts_them():
     c = c32.astype(np.float64)
     u = _top((c + c.T) / 2, 4)
     assert row["energy"] == pytest.approx(np.trace(u.T @ s @ u) / np.trace(s), rel=1e-10)
+
+
+@pytest.mark.parametrize("bad", [True, np.bool_(False), 2.0, np.float64(3.0), "2", None, [2]])
+def test_whole_number_refuses_what_is_not_a_count(bad):
+    assert whole_number(bad) is None
+
+
+@pytest.mark.parametrize("good", [0, 7, np.int64(7), np.uint8(7), np.array(7)])
+def test_whole_number_takes_python_and_numpy_integers(good):
+    got = whole_number(good)
+    assert got == int(good) and type(got) is int
+
+
+def test_counts_and_seeds_are_checked_as_whole_numbers():
+    rng = np.random.default_rng(16)
+    d = 10
+    s, gbar = _second_moment(40, d, rng, np.ones(d))
+    c_act = _cov(d, rng)
+    with pytest.raises(InputError) as e:
+        gradient_energy(s, gbar, c_act, [2], controls=2.0)
+    assert _one_line(e) == "--controls must be a whole number >= 0; got 2.0"
+    with pytest.raises(InputError) as e:
+        gradient_energy(s, gbar, c_act, [2], seed=True)
+    assert _one_line(e) == "--seed must be a whole number >= 0; got True"
+    with pytest.raises(InputError) as e:
+        gradient_energy(s, gbar, c_act, ["3"])
+    assert _one_line(e) == "--rank must be a whole number; got '3'"
+    numpy_ints = gradient_energy(s, gbar, c_act, [np.int64(2)], controls=np.int32(3), seed=np.uint16(5))
+    assert numpy_ints == gradient_energy(s, gbar, c_act, [2], controls=3, seed=5)

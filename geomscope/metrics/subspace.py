@@ -66,7 +66,6 @@ ranks) and, per control, products of S, C_act (and C0) with D x r blocks.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Iterator, Sequence
 from itertools import islice
 
@@ -80,6 +79,7 @@ from geomscope.metrics.validate import (
     binary_exponent,
     check_psd,
     to_numpy,
+    whole_number,
 )
 
 # Fractions (E, E_max, r/D, control energies) live in [0, 1]; below this a difference or a control
@@ -127,45 +127,36 @@ def _check_ranks(ranks, d: int) -> list[int]:
     except TypeError:  # one rank: an int, a numpy integer, a 0-d array
         ranks = [ranks]
     out = []
-    for r in ranks:
-        try:
-            if isinstance(r, (bool, np.bool_)):
-                raise TypeError
-            r = operator.index(r)
-        except TypeError:
-            raise InputError(f"--rank must be a whole number; got {r!r}") from None
+    for given in ranks:
+        r = whole_number(given)
+        if r is None:
+            raise InputError(f"--rank must be a whole number; got {given!r}")
         if r >= d:
             raise InputError(f"--rank {r} is not below the hidden size D = {d}; use ranks from 1 to {d - 1}")
         if r < 1:
             raise InputError(f"--rank {r} is below 1; use ranks from 1 to {d - 1}")
-        out.append(int(r))
+        out.append(r)
     if not out:
         raise InputError("no rank given; pass at least one rank, e.g. 8 32 128")
     return out
 
 
 def _check_count(controls) -> int:
-    try:
-        if isinstance(controls, (bool, np.bool_)):
-            raise TypeError
-        k = operator.index(controls)
-    except TypeError:
-        raise InputError(f"--controls must be a whole number >= 0; got {controls!r}") from None
+    k = whole_number(controls)
+    if k is None:
+        raise InputError(f"--controls must be a whole number >= 0; got {controls!r}")
     if k < 0:
         raise InputError(f"--controls must be >= 0 (0 draws no normal controls); got {k}")
-    return int(k)
+    return k
 
 
 def _check_seed(seed) -> int:
-    try:
-        if isinstance(seed, (bool, np.bool_)):
-            raise TypeError
-        s = operator.index(seed)
-    except TypeError:
-        raise InputError(f"--seed must be a whole number >= 0; got {seed!r}") from None
+    s = whole_number(seed)
+    if s is None:
+        raise InputError(f"--seed must be a whole number >= 0; got {seed!r}")
     if s < 0:
         raise InputError(f"--seed must be >= 0; got {s}")
-    return int(s)
+    return s
 
 
 def _check_mean(grad_mean, d: int) -> np.ndarray | None:
@@ -204,16 +195,13 @@ def _top_eigh(a: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return w[::-1].copy(), np.ascontiguousarray(v[:, ::-1])
 
 
-def _check_k(k, d: int) -> int:
-    try:
-        if isinstance(k, (bool, np.bool_)):
-            raise TypeError
-        k = operator.index(k)
-    except TypeError:
-        raise InputError(f"k must be a whole number of eigenpairs from 1 to D = {d}; got {k!r}") from None
+def _check_k(given, d: int) -> int:
+    k = whole_number(given)
+    if k is None:
+        raise InputError(f"k must be a whole number of eigenpairs from 1 to D = {d}; got {given!r}")
     if not 1 <= k <= d:
         raise InputError(f"k = {k} eigenpairs asked of a {d} x {d} matrix; use k from 1 to {d}")
-    return int(k)
+    return k
 
 
 def top_eigenpairs(C, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -17,7 +17,6 @@ it, exact duplicate rows are removed first (they make r1 = 0) and counted, and r
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -26,7 +25,7 @@ import numpy as np
 from geomscope.choices import TWONN_FITS
 from geomscope.errors import DataError, InputError
 from geomscope.metrics.neighbors import two_nearest_unchecked
-from geomscope.metrics.validate import NonfiniteRows, as_rows, count_nonfinite_rows
+from geomscope.metrics.validate import NonfiniteRows, as_rows, count_nonfinite_rows, whole_number
 
 F_CONVENTION = "F_i = i/N"
 ESTIMATORS = TWONN_FITS
@@ -191,18 +190,16 @@ def check_matrix(X, expect_dim: int | None = None, allow_wide: bool = True, min_
 
 
 def _whole_or_none(value, name: str, low: int) -> int | None:
-    """None, or ``value`` as an int >= ``low`` (operator.index: 50.5, "50" and True are refused)."""
+    """None, or ``value`` as an int >= ``low`` (:func:`~geomscope.metrics.validate.whole_number`:
+    50.5, "50" and True are refused)."""
     if value is None:
         return None
-    try:
-        if isinstance(value, (bool, np.bool_)):
-            raise TypeError
-        v = operator.index(value)
-    except TypeError:
-        raise InputError(f"{name} must be a whole number >= {low} or None; got {value!r}") from None
+    v = whole_number(value)
+    if v is None:
+        raise InputError(f"{name} must be a whole number >= {low} or None; got {value!r}")
     if v < low:
         raise InputError(f"{name} must be >= {low}; got {v}")
-    return int(v)
+    return v
 
 
 def prepare_points(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 
 import numpy as np
 
@@ -27,6 +28,17 @@ def to_numpy(x) -> np.ndarray:
             t = t.float()
         return t.cpu().numpy()
     return np.asarray(x)
+
+
+def whole_number(value) -> int | None:
+    """``value`` as an int where it is a whole number (an int, a NumPy integer, anything with
+    ``__index__``), else None: a bool, a float (50.0 too) and a string are not counts."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    try:
+        return int(operator.index(value))
+    except TypeError:
+        return None
 
 
 def as_rows(x, name: str = "X") -> np.ndarray:
