@@ -103,21 +103,21 @@ def name(loc) -> str:
 
 
 def exists(loc) -> bool:
-    loc = location(loc)
-    if not is_url(loc):
-        return loc.exists()
-    try:
-        return bool(_fs_call(loc, "check", lambda fs, p: fs.exists(p)))
-    except FileNotFoundError:
-        return False
+    return _holds(loc, Path.exists, lambda fs, p: fs.exists(p))
 
 
 def isdir(loc) -> bool:
+    return _holds(loc, Path.is_dir, lambda fs, p: fs.isdir(p))
+
+
+def _holds(loc, local, remote) -> bool:
+    """Whether a location passes a check: ``local(path)`` on this machine, ``remote(fs, path)`` on a
+    URL's file system (False where the answer is that nothing is there)."""
     loc = location(loc)
     if not is_url(loc):
-        return loc.is_dir()
+        return local(loc)
     try:
-        return bool(_fs_call(loc, "check", lambda fs, p: fs.isdir(p)))
+        return bool(_fs_call(loc, "check", remote))
     except FileNotFoundError:
         return False
 
