@@ -622,31 +622,14 @@ class _Trainer:
 
         cfg, d = self.cfg, self.d
         progress.describe(f"epoch {epoch + 1}/{cfg.epochs}: eval")
+        # the model, eval set and settings both evaluators take first
+        common = (self.fwd_model, self.eval_enc, self.layers, cfg.zeta, cfg.batch_size, d, self.autocast)
         if cfg.task == "qa":
             from geomscope.train.qa import evaluate_qa
 
-            ev = evaluate_qa(
-                self.fwd_model,
-                self.eval_enc,
-                self.layers,
-                cfg.zeta,
-                cfg.batch_size,
-                d,
-                self.autocast,
-                C0=self.c0,
-            )
+            ev = evaluate_qa(*common, C0=self.c0)
         else:
-            ev = evaluate(
-                self.fwd_model,
-                self.eval_enc,
-                self.layers,
-                cfg.zeta,
-                cfg.batch_size,
-                d,
-                self.autocast,
-                len(self.label2id),
-                self.c0,
-            )
+            ev = evaluate(*common, len(self.label2id), self.c0)
         ev = {"epoch": epoch + 1, "step": self.step, **ev, "c0_points_used": self.c0_used}
         rngs = dd.gather_objects(ck.rng_state(), d)
         weights = self._sharded_weights()
