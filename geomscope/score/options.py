@@ -20,6 +20,7 @@ from geomscope.options import (
     POSITIVE_INT,
     SEED,
     SEED_RANGE,
+    UNIT_INTERVAL,
     Choice,
     CommaList,
     Flag,
@@ -89,10 +90,7 @@ class ScoreOptions:
         short="-m",
     )
     zeta: float = option(
-        0.2,
-        Interval(whole=False, low=0, high=1, words="a number in [0, 1]"),
-        "IsoScore* weight on the shrinkage target (0 = plain IsoScore).",
-        metavar="FLOAT",
+        0.2, UNIT_INTERVAL, "IsoScore* weight on the shrinkage target (0 = plain IsoScore).", metavar="FLOAT"
     )
     shrinkage_target: str = option(
         "trace",
