@@ -1,6 +1,7 @@
 """Gradient energy in the activation subspace: analytic truths (confined and isotropic gradients, Ky Fan
 maximum, the controls' exact expectation), the removal test against an explicit projection, invariances,
-seeded controls and bad input."""
+seeded controls and bad input (numpy's and scipy's errors never reach the user: top_eigenpairs' bad
+counts, eigenpairs of another matrix, a rank as a 0-d array)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,14 @@ import json
 
 import numpy as np
 import pytest
+from conftest import one_line_message
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.linalg import null_space
 
 from geomscope.errors import DataError, InputError
 from geomscope.metrics.isotropy import isoscore_star_from_cov
-from geomscope.metrics.subspace import gradient_energy, normal_controls
-from geomscope.metrics.validate import whole_number
+from geomscope.metrics.subspace import gradient_energy, normal_controls, top_eigenpairs
 
 
 def _orthogonal(d, rng):
@@ -312,12 +313,6 @@ def test_invariant_to_scale_of_s_and_to_rotation(seed, scale, r):
 # -- bad input ---------------------------------------------------------------------------------
 
 
-def _one_line(excinfo):
-    msg = str(excinfo.value)
-    assert msg and "\n" not in msg
-    return msg
-
-
 def test_bad_input():
     rng = np.random.default_rng(15)
     d = 12
@@ -325,47 +320,47 @@ def test_bad_input():
     c_act = _cov(d, rng)
     with pytest.raises(InputError) as e:
         gradient_energy(s, gbar, c_act, [4, d])
-    assert _one_line(e) == "--rank 12 is not below the hidden size D = 12; use ranks from 1 to 11"
+    assert one_line_message(e) == "--rank 12 is not below the hidden size D = 12; use ranks from 1 to 11"
     with pytest.raises(InputError) as e:
         gradient_energy(s, gbar, c_act, [0])
-    assert "from 1 to 11" in _one_line(e)
+    assert "from 1 to 11" in one_line_message(e)
     for bad in ([], [2.5], [True]):
         with pytest.raises(InputError) as e:
             gradient_energy(s, gbar, c_act, bad)
-        _one_line(e)
+        one_line_message(e)
     with pytest.raises(DataError) as e:
         gradient_energy(s, gbar, c_act[:-1, :-1], [2])
-    assert "same layer" in _one_line(e)
+    assert "same layer" in one_line_message(e)
     with pytest.raises(DataError) as e:
         gradient_energy(s[:, :-1], gbar, c_act, [2])
-    _one_line(e)
+    one_line_message(e)
     with pytest.raises(DataError) as e:
         gradient_energy(s, gbar[:-1], c_act, [2])
-    _one_line(e)
+    one_line_message(e)
     with pytest.raises(DataError) as e:
         gradient_energy(np.zeros((d, d)), np.zeros(d), c_act, [2])
-    assert "gradients are all zero" in _one_line(e)
+    assert "gradients are all zero" in one_line_message(e)
     with pytest.raises(DataError) as e:
         gradient_energy(s, gbar, np.zeros((d, d)), [2])
-    _one_line(e)
+    one_line_message(e)
     for name in ("S", "C_act", "grad_mean"):
         args = {"S": s.copy(), "grad_mean": gbar.copy(), "C_act": c_act.copy()}
         args[name][0] = np.nan
         with pytest.raises(DataError) as e:
             gradient_energy(args["S"], args["grad_mean"], args["C_act"], [2])
-        assert "NaN" in _one_line(e)
+        assert "NaN" in one_line_message(e)
     asym = s.copy()
     asym[0, 1] += 1.0
     with pytest.raises(DataError) as e:
         gradient_energy(asym, gbar, c_act, [2])
-    assert "not symmetric" in _one_line(e)
+    assert "not symmetric" in one_line_message(e)
     for kwargs in ({"controls": -1}, {"seed": -1}, {"zeta": 1.5}, {"target": "eye"}):
         with pytest.raises(InputError) as e:
             gradient_energy(s, gbar, c_act, [2], **kwargs)
-        _one_line(e)
+        one_line_message(e)
     with pytest.raises(DataError) as e:
         gradient_energy(s, gbar, c_act, [2], target=np.eye(d + 1))
-    _one_line(e)
+    one_line_message(e)
 
 
 # -- ranks past the numerical rank, PSD, precision at any scale, float32 covariances -------------
@@ -485,7 +480,7 @@ def test_a_matrix_with_a_negative_eigenvalue_is_refused(which):
     args = {"S": s, "C_act": c_act, which: bad}
     with pytest.raises(DataError) as e:
         gradient_energy(args["S"], gbar, args["C_act"], [2], controls=3)
-    assert f"{which} is not a covariance" in _one_line(e)
+    assert f"{which} is not a covariance" in one_line_message(e)
     # rounding-sized negative eigenvalues (a rank-deficient covariance) are not refused
     x = rng.standard_normal((3, d))
     gradient_energy(s, gbar, np.cov(x, rowvar=False), [2], controls=0)
@@ -553,17 +548,6 @@ def test_float32_covariances_are_accepted_as_as_covariance_accepts_them():
     assert row["energy"] == pytest.approx(np.trace(u.T @ s @ u) / np.trace(s), rel=1e-10)
 
 
-@pytest.mark.parametrize("bad", [True, np.bool_(False), 2.0, np.float64(3.0), "2", None, [2]])
-def test_whole_number_refuses_what_is_not_a_count(bad):
-    assert whole_number(bad) is None
-
-
-@pytest.mark.parametrize("good", [0, 7, np.int64(7), np.uint8(7), np.array(7)])
-def test_whole_number_takes_python_and_numpy_integers(good):
-    got = whole_number(good)
-    assert got == int(good) and type(got) is int
-
-
 def test_counts_and_seeds_are_checked_as_whole_numbers():
     rng = np.random.default_rng(16)
     d = 10
@@ -571,12 +555,65 @@ def test_counts_and_seeds_are_checked_as_whole_numbers():
     c_act = _cov(d, rng)
     with pytest.raises(InputError) as e:
         gradient_energy(s, gbar, c_act, [2], controls=2.0)
-    assert _one_line(e) == "--controls must be a whole number >= 0; got 2.0"
+    assert one_line_message(e) == "--controls must be a whole number >= 0; got 2.0"
     with pytest.raises(InputError) as e:
         gradient_energy(s, gbar, c_act, [2], seed=True)
-    assert _one_line(e) == "--seed must be a whole number >= 0; got True"
+    assert one_line_message(e) == "--seed must be a whole number >= 0; got True"
     with pytest.raises(InputError) as e:
         gradient_energy(s, gbar, c_act, ["3"])
-    assert _one_line(e) == "--rank must be a whole number; got '3'"
+    assert one_line_message(e) == "--rank must be a whole number; got '3'"
     numpy_ints = gradient_energy(s, gbar, c_act, [np.int64(2)], controls=np.int32(3), seed=np.uint16(5))
     assert numpy_ints == gradient_energy(s, gbar, c_act, [2], controls=3, seed=5)
+
+
+# ------------------------------------------------------------------ top_eigenpairs and ranks: bad counts
+
+
+def _sample_cov(d, seed=4):
+    return np.cov(np.random.default_rng(seed).standard_normal((50, d)), rowvar=False)
+
+
+@pytest.mark.parametrize("k", [7, 0, -1, 2.7, "3", True, None])
+def test_top_eigenpairs_refuses_a_bad_count(k):
+    # D + 1 and 0 reached scipy's ValueError, 2.7 was truncated to 2
+    with pytest.raises(InputError) as e:
+        top_eigenpairs(_sample_cov(6), k)
+    assert "1 to" in one_line_message(e)
+
+
+def test_top_eigenpairs_accepts_every_count_from_1_to_d():
+    c = _sample_cov(6)
+    w, v = np.linalg.eigh(c)
+    for k in (1, np.int64(3), np.array(6)):
+        lam, vecs = top_eigenpairs(c, k)
+        n = int(k)
+        np.testing.assert_allclose(lam, w[::-1][:n], rtol=1e-12)
+        np.testing.assert_allclose(np.abs(vecs.T @ v[:, ::-1][:, :n]), np.eye(n), atol=1e-10)
+
+
+def test_act_eig_of_another_matrix_is_an_input_error():
+    d = 6
+    c = _sample_cov(d)
+    for bad in (
+        top_eigenpairs(np.eye(d + 2), 3),  # eigenvectors of another size (numpy's matmul ValueError)
+        top_eigenpairs(c, 2),  # too few pairs for max(ranks) + 1 = 3
+        (np.ones(3), np.ones((d, 2))),  # eigenvalues and eigenvectors that do not pair up
+        "eig",  # not a pair
+    ):
+        with pytest.raises(InputError) as e:
+            gradient_energy(c, None, c, [2], controls=0, act_eig=bad)
+        assert "top_eigenpairs" in one_line_message(e)
+    (row,) = gradient_energy(c, None, c, [2], controls=0, act_eig=top_eigenpairs(c, 3))
+    assert row["energy"] == pytest.approx(
+        gradient_energy(c, None, c, [2], controls=0)[0]["energy"], rel=1e-12
+    )
+
+
+def test_one_rank_as_a_0d_array():
+    # np.array(2) raised "iteration over a 0-d array"
+    c = _sample_cov(6)
+    assert gradient_energy(c, None, c, np.array(2), controls=0) == gradient_energy(
+        c, None, c, [2], controls=0
+    )
+    with pytest.raises(InputError):
+        gradient_energy(c, None, c, np.array(2.5), controls=0)
