@@ -77,7 +77,8 @@ def write_denied(folder: str | os.PathLike) -> str | None:
 
     A real probe: an empty file of a fresh temporary name is created there exclusively and removed
     at once. ``os.access`` answers for root as if every permission bit allowed it and knows nothing
-    of read-only mounts or of /sys, so a report was refused only after the whole computation. The
+    of read-only mounts or of /sys, so it would let a report be refused only after the whole
+    computation. The
     probe removes nothing but the file it has just created; nothing is left behind."""
     p = Path(folder)
     while not os.path.lexists(p) and p.parent != p:  # (a dangling link counts as there: mkdir fails)

@@ -109,10 +109,10 @@ def plan_batches(docs: list[Doc], batch_tokens: int, overhead: float | None = No
     longest; fit = budget // L).  Within a run of documents of equal length L that is
     ``g(j) - i L + overhead`` with ``g(j) = j L + best[j]``, so the minimum over a window that slides
     down by one document per step is kept in a monotone deque (amortised O(1) a document) and built
-    afresh, in numpy, where the length changes.  It replaced one numpy pass over the window per
-    document (O(n x docs-per-batch): 5.4-6.1 ms for 1,000 sentences of 3-128 tokens, 1.1 ms now,
-    budgets 8,192 and 32,768) -- work on the thread that feeds the GPU, which runs MiniLM's forward
-    at ~900,000 tokens/s (an H100).  With the default overhead every cost is an integer plus a
+    afresh, in numpy, where the length changes: 1.1 ms for 1,000 sentences of 3-128 tokens
+    (budgets 8,192 and 32,768), where one numpy pass over the window per document, O(n x
+    docs-per-batch), takes 5.4-6.1 ms -- work on the thread that feeds the GPU, which runs MiniLM's
+    forward at ~900,000 tokens/s (an H100).  With the default overhead every cost is an integer plus a
     multiple of 1/32, exact in float64, so the cuts are those of the direct programme (tested).
     """
     n = len(docs)

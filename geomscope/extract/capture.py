@@ -23,7 +23,7 @@ Measured (MiniLM, 500 vs 5,000 sentences, shards of 250, fresh processes, 5 alte
 peak at 10x the text over 1x 1.25-1.29x with the shard trims alone, 1.06-1.10x (median 1.08x)
 with this, for 1-2 % more time (2-3 % in 2-thread fresh processes); with the shard's trim on the
 store thread, pairs of 0.99-1.05x for the same text ten times over and 1.05-1.09x for ten times
-as many sentences (three pairs each, two runs).  Tried and dropped: a slack of 1/8 or 1/6
+as many sentences (three pairs each, two runs).  The alternatives do worse: a slack of 1/8 or 1/6
 (1.08-1.12x: no flatter, +2.4-2.8 % CPU); a trim after every batch (1.04-1.09x, +3.3 %); a fixed
 mmap threshold (1 MiB flat but 12 % slower, 8 MiB 1.03x +4.8 %, 16 MiB 1.15x); handing the shard
 writer whole chunks from a buffer outside the heap (no change: the spread comes from the forward's
@@ -69,7 +69,7 @@ def trim_heap() -> None:
 
 
 #: a batch that leaves the resident set this fraction above where the last trim left it is followed
-#: by a trim (module docstring: 1/4 was as flat as 1/8 at less than half its cost)
+#: by a trim (module docstring: 1/4 is as flat as 1/8 at less than half its cost)
 BATCH_SLACK = 1 / 4
 
 

@@ -127,8 +127,8 @@ class GradientCapture(Capture):
         if loss == "classification":
             # a sequence classifier (GPT-2's, Llama's ...) reads its prediction from the last token
             # that is not config.pad_token_id: padded with the tokenizer's pad (or eos) where the two
-            # differ, every document shorter than its batch's longest was classified from padding
-            # (its loss and gradients then depended on the batch)
+            # differ, every document shorter than its batch's longest would be classified from
+            # padding (its loss and gradients would then depend on the batch)
             cfg_pad = getattr(lm.model.config, "pad_token_id", None)
             if isinstance(cfg_pad, int) and not isinstance(cfg_pad, bool) and cfg_pad >= 0:
                 self.pad_id = cfg_pad

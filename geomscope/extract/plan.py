@@ -382,7 +382,7 @@ def _loss_settings(lm, opts: ExtractOptions) -> dict:
 def _as_the_run_fingerprints(identity: dict, lm, out: Path) -> dict:
     """``identity`` with the weights fingerprinted as the run in ``out`` records them: a run made
     before whole files were hashed holds ``weights_sha256`` (their first and last 64 KiB), and is
-    compared, so resumed, on that (else every such run was refused as made with other weights)."""
+    compared, so resumed, on that (else every such run would be refused as made with other weights)."""
     from geomscope.model.fingerprint import WEIGHTS_KEY, legacy_weights_fingerprint
     from geomscope.store.manifest import read_manifest
     from geomscope.store.names import MANIFEST_NAME

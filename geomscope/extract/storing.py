@@ -2,21 +2,22 @@
 
 Storing a batch (the NaN/Inf check, chunk-aligned HDF5 appends: ~40 ms for 8,192 MiniLM tokens)
 and publishing a shard (final flush, fsync, rename, checksums of the file, the manifest's atomic
-update: ~0.15 s for 500 sentences) used to run in the main thread between forwards, time in which
-no forward ran -- and an fsync is a wait, not work.  One background thread now does them while the
-main thread tokenizes and runs the next batch.  Measured in the benchmark's setting (MiniLM, one
-torch thread, four extract calls of 500 sentences alternating with a plain forward over the same
-batches, 3 repeats): 0.934x -> 0.964x the plain forward's tokens/s; with two torch threads on
-1,500 sentences 0.869x -> 0.876x (the store thread then competes for the cores).
+update: ~0.15 s for 500 sentences) on the main thread between forwards would be time in which no
+forward runs -- and an fsync is a wait, not work.  One background thread does them while the main
+thread tokenizes and runs the next batch.  Measured in the benchmark's setting (MiniLM, one torch
+thread, four extract calls of 500 sentences alternating with a plain forward over the same
+batches, 3 repeats): 0.964x the plain forward's tokens/s, against 0.934x with the storing on the
+main thread; with two torch threads on 1,500 sentences 0.876x against 0.869x (the store thread
+then competes for the cores).
 
 Publishing a shard has two parts. Its final flush and the closing of its HDF5 file run on the
 store thread, and its checksums (a read of the whole file) start then, in a pool shared by the
 process's shards (``store/shard.py``); its fsync, rename and manifest update run on a second,
 publisher thread, which waits for those checksums, so the store thread goes on appending the next
 shard's rows meanwhile, and consecutive shards are hashed side by side.
-On a GPU the forward is no longer what limits extraction: with every layer of MiniLM stored
-(2.2 GB for 387,000 tokens on an H100), the store thread spent 3.4 s appending and 3.0 s
-publishing, one after the other, in a 6.9 s run.
+On a GPU the forward is not what limits extraction: with every layer of MiniLM stored (2.2 GB
+for 387,000 tokens on an H100), appending takes 3.4 s and publishing 3.0 s of a 6.9 s run, which
+is why they overlap.
 
 Nothing about the run changes: ONE thread does every append, in the order they were submitted,
 so a shard's rows are appended in the order they were captured; a shard's file is complete before

@@ -194,9 +194,10 @@ class OrderedWork:
     once everything submitted before it is merged; ``drain()`` merges everything. An error from a
     computation is raised when its turn to merge comes; ``close()`` drops what has not started.
 
-    Why across calls: with one pool per call (``map_in_order``) the scorer's threads waited at every
-    shard boundary for the slowest block of the shard before the next shard's blocks could start
-    (streaming IsoScore of the 200k x 384 benchmark run: each thread was busy 86 % of the time).
+    Why across calls: with one pool per call (``map_in_order``) the scorer's threads would wait at
+    every shard boundary for the slowest block of the shard before the next shard's blocks could
+    start (streaming IsoScore of the 200k x 384 benchmark run keeps each thread busy only 86 % of
+    the time that way).
     With ``threads`` = 1 everything runs at once on the calling thread."""
 
     def __init__(self, threads: int = 1):
@@ -348,7 +349,7 @@ def update_groups(accs: list, x, groups, *, threads: int = 1, work: OrderedWork 
     if work is not None and threads == work.threads:
         _queue_blocks(work, jobs, scratch, a)  # merged later, in order, by work's next calls
         return
-    if work is not None:  # D x D scatters too large to hold several: one block at a time, now
+    if work is not None:  # D x D scatters too large to hold several: the queue is emptied first
         work.drain()
     with OrderedWork(threads) as own:
         _queue_blocks(own, jobs, scratch, a)

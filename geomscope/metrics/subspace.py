@@ -112,7 +112,7 @@ def _smallest_eigenvalue(a: np.ndarray) -> float:
 def _check_psd(a: np.ndarray, top: float, name: str) -> None:
     """DataError unless symmetric ``a`` (largest eigenvalue ``top``) is PSD to rounding: a symmetric
     matrix with a positive diagonal can still have a negative eigenvalue, and then E_max, kappa and
-    the controls read beyond [0, 1] (E_max 1.18 was seen)."""
+    the controls read beyond [0, 1] (E_max reaches 1.18)."""
     check_psd(np.array([_smallest_eigenvalue(a), top]), name)
 
 
@@ -441,7 +441,7 @@ def gradient_energy(
         # U_r (V_r) is unique only while lambda_r > 0: past the numerical rank its last columns are
         # arbitrary null-space directions, and everything measured with them is undefined
         u_defined, v_defined = r <= rank_c, r <= rank_s
-        # fractions in [0, 1]: clipped against rounding (an E_max of 1 + 4e-16 was seen)
+        # fractions in [0, 1]: clipped against rounding (an E_max of 1 + 4e-16 occurs)
         e = min(1.0, max(0.0, float(cum_e[r - 1])))
         base = r / d
         e_max = min(1.0, float(cum_max[r - 1]))

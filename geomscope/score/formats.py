@@ -565,8 +565,8 @@ class _ArrowFile:
     def batches(self, columns: list[str], start: int, stop: int, cells: int):
         """Record batches covering cells [start, stop), at most ``cells`` each."""
         if self.fmt == "parquet":
-            # one row group at a time (iter_batches was measured to buffer far ahead: 390 MB of
-            # Arrow memory for a 217 MB file, against 47 MB row group by row group)
+            # one row group at a time (iter_batches buffers far ahead: 390 MB of Arrow memory for
+            # a 217 MB file, against 47 MB row group by row group)
             pos = 0
             for g in range(self._pq.metadata.num_row_groups):
                 n = self._pq.metadata.row_group(g).num_rows

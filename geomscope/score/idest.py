@@ -70,7 +70,7 @@ def estimate(sample, o: ScoreOptions, notes: dict) -> dict:
             notes.setdefault(key, first_line(e))
             continue
         # the standard error is apart from the value: too few distinct rows for the parts (TwoNN
-        # itself was nulled at --id-sample 3..11), or a part its estimator refuses, leave the
+        # itself is null at --id-sample 3..11), or a part its estimator refuses, leave the
         # full-sample value standing
         out["se"][key] = None
         if x.shape[0] < ROWS_PER_PART * o.id_repeats:  # asked before splitting: each part costs memory

@@ -52,7 +52,7 @@ def npy_error(path, e: Exception, what: str = "") -> str:
 def open_array(path: str, dataset: str | None):
     """(array-like (N, D), closer) for a .npy (memory-mapped) or an .h5 dataset."""
     p = Path(path)
-    if p.suffix.lower() == ".npy":  # as _is_array_path decides (X.NPY was opened as HDF5)
+    if p.suffix.lower() == ".npy":  # as _is_array_path decides (X.NPY is a .npy file too)
         try:
             a = np.load(p, mmap_mode="r", allow_pickle=False)
         except (ValueError, OSError, EOFError) as e:

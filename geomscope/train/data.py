@@ -176,8 +176,8 @@ def load_table(
 
 
 def _check_text(t, path: Path, i: int, field: str) -> None:
-    """A row's text is a string of text: a JSON list or number was turned into its printed form, and
-    a lone surrogate (JSON's "\\ud800") made the tokenizer raise a TypeError."""
+    """A row's text is a string of text: else a JSON list or number would be turned into its printed
+    form, and a lone surrogate (JSON's "\\ud800") makes the tokenizer raise a TypeError."""
     if not isinstance(t, str):
         raise InputError(f"{path} row {i + 1}: {field!r} is a {type(t).__name__}, not text; give a string")
     try:
