@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -579,3 +580,13 @@ def test_single_process_dist_helpers_are_identities():
     assert (d.rank, d.world_size, d.active) == (0, 1, False)
     t = torch.arange(3.0)
     assert dd.all_reduce_sum(t, d) is t and dd.gather_objects(5, d) == [5]
+
+
+def test_finetune_library_resolves_model_aliases():
+    """`bundled:minilm` works in the library as in the CLI; the user's name is recorded."""
+    from geomscope.train.loop import FinetuneConfig, _resolve_model_alias
+
+    cfg = _resolve_model_alias(FinetuneConfig(model="bundled:minilm", train="t.csv", eval="e.csv", out="o"))
+    assert Path(cfg.model).is_dir() and (Path(cfg.model) / "config.json").exists()
+    assert cfg.extra["model_arg"] == "bundled:minilm" and cfg.extra["model_info"]["source"] == "bundled"
+    assert _resolve_model_alias(cfg) is cfg

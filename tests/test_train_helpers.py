@@ -163,13 +163,3 @@ def test_builders(tmp_path):
     assert tok.unk_token_id not in ids and len(ids) == 6
     assert AutoModel.from_pretrained(ck).config.hidden_size == 32
     assert len(synthetic_rows(10)) == 10
-
-
-def test_finetune_library_resolves_model_aliases():
-    """`bundled:minilm` works in the library as in the CLI; the user's name is recorded."""
-    from geomscope.train.loop import FinetuneConfig, _resolve_model_alias
-
-    cfg = _resolve_model_alias(FinetuneConfig(model="bundled:minilm", train="t.csv", eval="e.csv", out="o"))
-    assert Path(cfg.model).is_dir() and (Path(cfg.model) / "config.json").exists()
-    assert cfg.extra["model_arg"] == "bundled:minilm" and cfg.extra["model_info"]["source"] == "bundled"
-    assert _resolve_model_alias(cfg) is cfg
