@@ -142,21 +142,21 @@ def _check_ranks(ranks, d: int) -> list[int]:
 
 
 def _check_count(controls) -> int:
-    k = whole_number(controls)
-    if k is None:
-        raise InputError(f"--controls must be a whole number >= 0; got {controls!r}")
-    if k < 0:
-        raise InputError(f"--controls must be >= 0 (0 draws no normal controls); got {k}")
-    return k
+    return _non_negative(controls, "--controls", " (0 draws no normal controls)")
 
 
 def _check_seed(seed) -> int:
-    s = whole_number(seed)
-    if s is None:
-        raise InputError(f"--seed must be a whole number >= 0; got {seed!r}")
-    if s < 0:
-        raise InputError(f"--seed must be >= 0; got {s}")
-    return s
+    return _non_negative(seed, "--seed")
+
+
+def _non_negative(value, flag: str, meaning: str = "") -> int:
+    """``value`` as an int >= 0; InputError naming ``flag`` otherwise (``meaning``: what 0 does)."""
+    k = whole_number(value)
+    if k is None:
+        raise InputError(f"{flag} must be a whole number >= 0; got {value!r}")
+    if k < 0:
+        raise InputError(f"{flag} must be >= 0{meaning}; got {k}")
+    return k
 
 
 def _check_mean(grad_mean, d: int) -> np.ndarray | None:
