@@ -34,17 +34,27 @@ import numpy as np
 from geomscope.errors import DataError, InputError
 from geomscope.export_options import ExportOptions
 from geomscope.fileio import create_exclusive, replace_dir, temp_path, write_all
+from geomscope.formatting import counted
+from geomscope.progress import Log, Progress, log_to
 from geomscope.schema import EXPORT_MARKER
 
 META = (("doc_id", np.int64), ("position", np.int64), ("token_id", np.int64), ("special", np.bool_))
 
 
-def export_run(run_dir, out_dir, options: ExportOptions | None = None, *, progress=None, **overrides) -> dict:
+def export_run(
+    run_dir,
+    out_dir,
+    options: ExportOptions | None = None,
+    *,
+    progress: bool = False,
+    log: Log | None = None,
+    **overrides,
+) -> dict:
     """Write the run ``run_dir`` as ``options.to`` ("arrow" | "npy") into ``out_dir``; return the
     summary recorded in ``out_dir/geomscope-export.json``. ``options``: an
     :class:`~geomscope.export_options.ExportOptions`; keyword ``overrides`` replace its fields, or
-    make it (``export_run(run, out, to="npy", layers=["2"])``). ``progress(rows)`` is called per
-    chunk read.
+    make it (``export_run(run, out, to="npy", layers=["2"])``). ``progress`` and ``log`` follow
+    :mod:`geomscope.progress`: a bar over the rows, and the line that says what was written.
 
     The run is read as ``score`` reads it: a manifest that disagrees with itself is refused, each
     shard's size is checked against the manifest before it is read and its checksum while it is read
@@ -67,10 +77,12 @@ def export_run(run_dir, out_dir, options: ExportOptions | None = None, *, progre
             f"cannot write into {out.parent} ({e.strerror or e}); choose another --out"
         ) from None
     try:
-        if opts.to == "npy":
-            files = _npy(run, tasks, names, tmp, progress, opts.verify)
-        else:
-            files = _arrow(run, tasks, names, indices, tmp, progress, opts.verify)
+        with Progress(enabled=progress) as bar:
+            rows_done = bar.add("exporting", run.total_rows, unit="rows", rate_unit="rows").advance
+            if opts.to == "npy":
+                files = _npy(run, tasks, names, tmp, rows_done, opts.verify)
+            else:
+                files = _arrow(run, tasks, names, indices, tmp, rows_done, opts.verify)
         summary = {
             "format": opts.to,
             "source_run": str(Path(run_dir).resolve()),
@@ -93,6 +105,8 @@ def export_run(run_dir, out_dir, options: ExportOptions | None = None, *, progre
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    rows, layers = counted(summary["rows"], "row"), counted(len(names), "layer")
+    log_to(log)(f"exported {rows} x {layers} to {out} ({opts.to})")
     return summary
 
 
@@ -206,7 +220,7 @@ class _NpyFile:
         self.close()
 
 
-def _npy(run, tasks, names, tmp: Path, progress, verify: bool) -> list[str]:
+def _npy(run, tasks, names, tmp: Path, rows_done, verify: bool) -> list[str]:
     from geomscope.store.reader import shard_dim, shard_dtype
 
     n = sum(t.rows for t in tasks)
@@ -223,8 +237,7 @@ def _npy(run, tasks, names, tmp: Path, progress, verify: bool) -> list[str]:
                     files[name].append(x, t.path)
                 for m, v in _meta(ch).items():
                     files[m].append(v, t.path)
-                if progress:
-                    progress(ch.stop - ch.start)
+                rows_done(ch.stop - ch.start)
         for name in names:  # a run without rows: the dtype and width of its first shard
             if name not in files:
                 first = tasks[0].path
@@ -237,7 +250,7 @@ def _npy(run, tasks, names, tmp: Path, progress, verify: bool) -> list[str]:
     return sorted(p.name for p in tmp.iterdir())
 
 
-def _arrow(run, tasks, names, indices, tmp: Path, progress, verify: bool) -> list[str]:
+def _arrow(run, tasks, names, indices, tmp: Path, rows_done, verify: bool) -> list[str]:
     try:
         import pyarrow as pa
     except ImportError:
@@ -262,8 +275,7 @@ def _arrow(run, tasks, names, indices, tmp: Path, progress, verify: bool) -> lis
                 if writer is None:
                     writer = pa.ipc.new_stream(sink, batch.schema)
                 writer.write_batch(batch)
-                if progress:
-                    progress(ch.stop - ch.start)
+                rows_done(ch.stop - ch.start)
             if writer is not None:
                 writer.close()
         files.append(fname)

@@ -8,9 +8,14 @@ to the library function meet the same rule and the same one-line error.
 
 from __future__ import annotations
 
-import typer
+import inspect
+import typing
+from typing import List, Optional
 
-from geomscope.options import REQUIRED, declared, default_of
+import typer
+from typer.models import ArgumentInfo
+
+from geomscope.options import REQUIRED, Flag, Interval, declared, default_of
 
 
 def split_list(values) -> list[str]:
@@ -62,3 +67,67 @@ def declared_option(cls, name: str, complete=None, *, repeated: bool = False):
         hidden=opt.hidden,
         autocompletion=complete,
     )
+
+
+def option_type(cls, name: str, *, repeated: bool = False):
+    """The Python type typer reads the declared option ``name`` of ``cls`` as: a list of strings for
+    a repeated option, bool for a :class:`~geomscope.options.Flag`, int or float for an
+    :class:`~geomscope.options.Interval`, else str (the library reads and checks the text);
+    ``Optional`` where the default is None."""
+    constraint = declared(cls)[name].constraint
+    if repeated:
+        kind = List[str]
+    elif isinstance(constraint, Flag):
+        kind = bool
+    elif isinstance(constraint, Interval):
+        kind = int if constraint.whole else float
+    else:
+        kind = str
+    return Optional[kind] if default_of(cls, name) is None else kind
+
+
+def options_from(cls, *, complete: dict | None = None, repeated: tuple[str, ...] = ()):
+    """Decorate a command function: one typer option per declared option of ``cls``, built by
+    :func:`declared_option` with the type of :func:`option_type` and passed to the function in its
+    ``**chosen`` by field name, unless the function declares a parameter of that name itself (a
+    grid's comma list read as text), which then takes the declaration's place.
+
+    ``--help`` lists the function's arguments, ``--out`` and required options, then the declared
+    options in declaration order, then the function's other options. ``complete``: field name -> shell
+    completion (:mod:`geomscope.cli._complete`); ``repeated``: the list options that may be given
+    more than once."""
+    complete = complete or {}
+
+    def decorate(func):
+        signature = inspect.signature(func)
+        hints = typing.get_type_hints(func)
+        own = [
+            p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=hints.get(p.name, p.annotation))
+            for p in signature.parameters.values()
+            if p.kind is not inspect.Parameter.VAR_KEYWORD
+        ]
+        mine = {p.name: p for p in own}
+        at_declaration = [
+            mine.get(name)
+            or inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=declared_option(cls, name, complete.get(name), repeated=name in repeated),
+                annotation=option_type(cls, name, repeated=name in repeated),
+            )
+            for name in declared(cls)
+        ]
+        first = [p for p in own if _comes_first(p) and p.name not in declared(cls)]
+        rest = [p for p in own if p not in first and p.name not in declared(cls)]
+        params = first + at_declaration + rest
+        func.__signature__ = signature.replace(parameters=params, return_annotation=None)
+        func.__annotations__ = {p.name: p.annotation for p in params}
+        return func
+
+    return decorate
+
+
+def _comes_first(param: inspect.Parameter) -> bool:
+    """An argument, ``--out`` or a required option: what a command's ``--help`` lists first."""
+    info = param.default
+    return isinstance(info, ArgumentInfo) or param.name == "out" or getattr(info, "default", None) is ...

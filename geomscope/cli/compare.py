@@ -9,12 +9,12 @@ from typing import List, Optional
 import typer
 
 from geomscope.cli._app import app
-from geomscope.cli._options import declared_option, json_option, quiet_option
-from geomscope.options import declared
+from geomscope.cli._options import json_option, options_from, quiet_option
 from geomscope.study.options import CompareOptions
 
 
 @app.command("compare")
+@options_from(CompareOptions)
 def compare_cmd(
     dirs: List[Path] = typer.Argument(
         ..., metavar="DIR", help="Finetune outputs: runs, sweeps, or folders of runs."
@@ -26,11 +26,9 @@ def compare_cmd(
         metavar="DIR",
         help="Where compare.json, compare.csv and compare.png go (default: the one DIR given).",
     ),
-    allow_mixed: bool = declared_option(CompareOptions, "allow_mixed"),
-    n_boot: int = declared_option(CompareOptions, "n_boot"),
-    seed: int = declared_option(CompareOptions, "seed"),
     as_json: bool = json_option("the comparison"),
     quiet: bool = quiet_option("No table on stderr."),
+    **chosen,
 ) -> None:
     """Does isotropy go with accuracy? Per-configuration means ± SD over seeds, the Spearman and Pearson
     correlation of eval IsoScore* with accuracy (F1 for --task qa runs; intervals that resample whole
@@ -41,7 +39,6 @@ def compare_cmd(
     from geomscope.errors import InputError
     from geomscope.study.compare import compare
 
-    chosen = {name: value for name, value in locals().items() if name in declared(CompareOptions)}
     options = CompareOptions(**chosen).validate()
     if out is None and len(dirs) != 1:
         raise InputError("several DIRs were given: name where the comparison goes with --out DIR")

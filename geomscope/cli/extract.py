@@ -10,14 +10,8 @@ import typer
 
 from geomscope.cli import _complete
 from geomscope.cli._app import app
-from geomscope.cli._options import declared_option, json_option, quiet_option
+from geomscope.cli._options import json_option, options_from, quiet_option
 from geomscope.extract.options import ExtractOptions
-from geomscope.options import declared
-
-
-def _declared(name: str, complete=None):
-    return declared_option(ExtractOptions, name, complete)
-
 
 MODEL_HELP = "Local model directory, hub name (org/name), or bundled:minilm (the packaged all-MiniLM-L6-v2)."
 INPUT_HELP = (
@@ -42,41 +36,19 @@ DROP_WEIGHTS_HELP = (
 
 
 @app.command("extract")
+@options_from(ExtractOptions, complete={"layers": _complete.model_layers})
 def extract_cmd(
     model: str = typer.Argument(..., metavar="MODEL", help=MODEL_HELP),
     inputs: list[str] = typer.Argument(..., metavar="INPUT", help=INPUT_HELP),
     out: Path = typer.Option(..., "--out", "-o", metavar="RUN_DIR", help=OUT_HELP),
-    layers: str = _declared("layers", _complete.model_layers),
-    revision: Optional[str] = _declared("revision"),
     revisions: Optional[str] = typer.Option(
         None, "--revisions", metavar="LIST|FILE|PRESET|GLOB", help=REVISIONS_HELP
     ),
     drop_weights: bool = typer.Option(False, "--drop-weights", help=DROP_WEIGHTS_HELP),
-    dtype: str = _declared("dtype"),
-    store_dtype: str = _declared("store_dtype"),
-    device: str = _declared("device"),
-    device_map: Optional[str] = _declared("device_map"),
-    max_memory: Optional[str] = _declared("max_memory"),
-    trust_remote_code: bool = _declared("trust_remote_code"),
-    stack: Optional[str] = _declared("stack"),
-    text_field: str = _declared("text_field"),
     text_column: Optional[str] = typer.Option(None, "--text-column", hidden=True),
-    max_docs: Optional[int] = _declared("max_docs"),
-    max_tokens: Optional[int] = _declared("max_tokens"),
-    max_length: Optional[int] = _declared("max_length"),
-    batch_tokens: int = _declared("batch_tokens"),
-    shard_docs: int = _declared("shard_docs"),
-    keep: str = _declared("keep"),
-    seed: int = _declared("seed"),
-    capture: str = _declared("capture"),
-    loss: str = _declared("loss"),
-    mlm_probability: float = _declared("mlm_probability"),
-    label_field: str = _declared("label_field"),
-    overwrite: bool = _declared("overwrite"),
-    cache_dir: Optional[str] = _declared("cache_dir"),
-    allow_nonfinite: bool = _declared("allow_nonfinite"),
     json_out: bool = json_option("the summary"),
     quiet: bool = quiet_option(),
+    **chosen,
 ) -> None:
     """Run a checkpoint over texts and store every requested layer's token activations (or the loss's
     gradients with respect to them) as HDF5 shards."""
@@ -84,9 +56,8 @@ def extract_cmd(
 
     from geomscope.errors import GeomscopeError
 
-    chosen = {name: value for name, value in locals().items() if name in declared(ExtractOptions)}
     try:
-        options = ExtractOptions(**{**chosen, "text_column": text_column or text_field})
+        options = ExtractOptions(**{**chosen, "text_column": text_column or chosen["text_field"]})
         summary = _extract(model, inputs, out, options, revisions, drop_weights, quiet)
     except GeomscopeError as e:
         if json_out and getattr(e, "summary", None) is not None:

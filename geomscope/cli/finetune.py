@@ -14,13 +14,12 @@ import json
 import os
 import shlex
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from geomscope.cli import _complete
 from geomscope.cli._app import app
-from geomscope.cli._options import declared_option, json_option, quiet_option
+from geomscope.cli._options import declared_option, json_option, options_from, quiet_option
 from geomscope.options import CommaList, OptionError, check_value, declared
 from geomscope.progress import stderr_log
 from geomscope.train.config import FinetuneConfig
@@ -50,52 +49,25 @@ _DRY_RUN = typer.Option(
 _GRID = (("reg", str.lower), ("lam", float), ("seed", int))
 
 
-def _declared(name: str, complete=None):
-    return declared_option(FinetuneConfig, name, complete)
+def _grid_option(name: str):
+    """A grid option: its declaration's option, read as text (a comma list of values)."""
+    return declared_option(FinetuneConfig, name)
 
 
 @app.command("finetune")
+@options_from(FinetuneConfig, complete={"layers": _complete.model_layers})
 def finetune_cmd(
     model: str = _MODEL,
     train: Path = _TRAIN,
     eval_: Path = _EVAL,
     out: Path = _OUT,
-    task: str = _declared("task"),
-    reg: str = _declared("reg"),
-    lam: str = _declared("lam"),
-    zeta: float = _declared("zeta"),
-    c0_points: int = _declared("c0_points"),
-    save_every: Optional[int] = _declared("save_every"),
-    log_geometry: Optional[int] = _declared("log_geometry"),
-    geometry_rank: str = _declared("geometry_rank"),
-    layers: Optional[str] = _declared("layers", _complete.model_layers),
-    epochs: int = _declared("epochs"),
-    lr: float = _declared("lr"),
-    weight_decay: Optional[float] = _declared("weight_decay"),
-    scheduler: str = _declared("scheduler"),
-    warmup: float = _declared("warmup"),
-    grad_accum: int = _declared("grad_accum"),
-    max_grad_norm: Optional[float] = _declared("max_grad_norm"),
-    gradient_checkpointing: bool = _declared("gradient_checkpointing"),
-    lora: Optional[int] = _declared("lora"),
-    lora_alpha: Optional[float] = _declared("lora_alpha"),
-    lora_target: str = _declared("lora_target"),
-    report_to: str = _declared("report_to"),
-    batch_size: int = _declared("batch_size"),
-    max_length: int = _declared("max_length"),
-    seed: str = _declared("seed"),
-    precision: str = _declared("precision"),
-    device: str = _declared("device"),
-    penalty_precision: str = _declared("penalty_precision"),
-    include_padding: bool = _declared("include_padding"),
-    text_field: str = _declared("text_field"),
-    text_field_2: Optional[str] = _declared("text_field_2"),
-    label_field: str = _declared("label_field"),
-    overwrite: bool = _declared("overwrite"),
-    resume: bool = _declared("resume"),
+    reg: str = _grid_option("reg"),
+    lam: str = _grid_option("lam"),
+    seed: str = _grid_option("seed"),
     dry_run: bool = _DRY_RUN,
     as_json: bool = json_option("the run summary"),
     quiet: bool = quiet_option("No progress bar."),
+    **chosen,
 ) -> None:
     """Fine-tune a sequence classifier (or a QA model: --task qa) while shaping its activation geometry
     (I-STAR or CosReg).
@@ -105,7 +77,7 @@ def finetune_cmd(
     --seed run the grid, each run in --out/<reg>_lambda<L>_seed<S>/ (a rerun skips the runs finished
     with the same options); `geomscope compare OUT` then relates isotropy to accuracy.
     """
-    chosen = {name: v for name, v in locals().items() if name in declared(FinetuneConfig)}
+    chosen.update(reg=reg, lam=lam, seed=seed)
     points, cfg = _plan(FinetuneConfig(model=model, train=str(train), eval=str(eval_), out=str(out)), chosen)
     if dry_run:
         _dry_run(cfg, points, out, quiet)
@@ -129,7 +101,6 @@ def _plan(base: FinetuneConfig, chosen: dict):
         "seed": points[0].seed,
         "task": chosen["task"].strip().lower(),
         "device": chosen["device"].lower(),
-        "geometry_rank": _ranks(chosen["geometry_rank"]),
     }
     return points, replace(base, **{**chosen, **first}).validate()
 
@@ -226,10 +197,3 @@ def _interrupted(out: Path) -> str:
     argv = [a for a in (state.get("argv") or []) if a not in ("--overwrite", "--resume")]
     cmd = shlex.join([*argv, "--resume"]) if argv else "the same command with --resume"
     return f"interrupted; the finished epochs are kept in {out / CKPT}; to continue, run: {cmd}"
-
-
-def _ranks(spec: str) -> tuple:
-    """``--geometry-rank 8,32`` -> (8, 32); a word that is not a whole number is kept for the library's
-    one-line error."""
-    items = [x.strip() for x in str(spec).split(",") if x.strip()]
-    return tuple(int(x) if x.lstrip("-").isdigit() else x for x in items)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import typer
 
 from geomscope.cli._app import app
-from geomscope.cli._options import declared_option, json_option
+from geomscope.cli._options import json_option, options_from
 from geomscope.formatting import counted
 from geomscope.store.options import InspectOptions
 
 
 @app.command("inspect")
+@options_from(InspectOptions)
 def inspect_cmd(
     run_dir: str = typer.Argument(
         ...,
@@ -19,7 +20,7 @@ def inspect_cmd(
         "hf://, ...; read through fsspec, the filesystem's package installed).",
     ),
     json_out: bool = json_option("the description"),
-    verify: bool = declared_option(InspectOptions, "verify"),
+    **chosen,
 ) -> None:
     """Show a run's model, revision, layers, rows, documents, shards, dtype, size on disk and completeness."""
     import json
@@ -30,7 +31,8 @@ def inspect_cmd(
     from geomscope.report import shown
     from geomscope.store import describe_run
 
-    d = describe_run(run_dir, InspectOptions(verify=verify))
+    options = InspectOptions(**chosen)
+    d = describe_run(run_dir, options)
     if json_out:
         typer.echo(json.dumps(d))
     else:
@@ -40,7 +42,7 @@ def inspect_cmd(
         for k, v in _rows(d):  # every value holds names from the run (model, layers, files, inputs)
             t.add_row(k, shown(v))
         Console().print(t)  # the report is the output: stdout, like --json
-    if verify:
+    if options.verify:
         _refuse_damage(d["verify"], run_dir)
 
 

@@ -5,24 +5,24 @@ built from its declaration, and matplotlib is imported only inside the command."
 from __future__ import annotations
 
 import json
-from typing import List, Optional
+from typing import List
 
 import typer
 
 from geomscope.cli import _complete
 from geomscope.cli._app import app
-from geomscope.cli._options import declared_option, json_option, quiet_option, selection
-from geomscope.options import declared
+from geomscope.cli._options import json_option, options_from, quiet_option, selection
 from geomscope.plot.options import PlotOptions
 
 REPORT_HELP = "Score report JSON files, a trajectory.csv (or finetune output dirs / steps.jsonl)."
 
 
-def _declared(name: str, complete=None, *, repeated: bool = False):
-    return declared_option(PlotOptions, name, complete, repeated=repeated)
-
-
 @app.command("plot")
+@options_from(
+    PlotOptions,
+    complete={"metrics": _complete.plot_metrics, "layers": _complete.report_layers},
+    repeated=("kinds", "metrics", "layers"),
+)
 def plot_cmd(
     inputs: List[str] = typer.Argument(..., metavar="REPORT", help=REPORT_HELP),
     out: str = typer.Option(
@@ -32,23 +32,15 @@ def plot_cmd(
         metavar="FILE|DIR/",
         help="FILE.png|svg|pdf for one figure, or DIR/ for one file per kind.",
     ),
-    kinds: List[str] = _declared("kinds", repeated=True),
-    metrics: Optional[List[str]] = _declared("metrics", _complete.plot_metrics, repeated=True),
-    layers: Optional[List[str]] = _declared("layers", _complete.report_layers, repeated=True),
-    fmt: Optional[str] = _declared("fmt"),
-    dpi: int = _declared("dpi"),
-    log_x: Optional[bool] = _declared("log_x"),
-    normalise: bool = _declared("normalise"),
-    top_k: int = _declared("top_k"),
     as_json: bool = json_option('{"figures": [paths], "kinds": [kinds]}'),
     quiet: bool = quiet_option("Do not list the written files on stderr."),
+    **chosen,
 ) -> None:
     """Draw metric-by-layer curves, eigenspectra, outlier-dimension heat maps, checkpoint trajectories,
     gradient energy in the activation subspace or training curves."""
     from geomscope.plot import plot_files
 
-    chosen = {name: value for name, value in locals().items() if name in declared(PlotOptions)}
-    written = plot_files(inputs, out, PlotOptions(**{**chosen, "layers": selection(layers)}))
+    written = plot_files(inputs, out, PlotOptions(**{**chosen, "layers": selection(chosen["layers"])}))
     if not quiet:
         for w in written:
             typer.echo(f"wrote {w['kind']}: {w['path']}", err=True)

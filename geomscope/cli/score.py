@@ -14,8 +14,7 @@ import typer
 
 from geomscope.cli import _complete
 from geomscope.cli._app import app, state
-from geomscope.cli._options import declared_option, json_option, quiet_option, split_list
-from geomscope.options import declared, default_of
+from geomscope.cli._options import json_option, options_from, quiet_option, selection, split_list
 from geomscope.score.options import ScoreOptions
 
 SOURCES_HELP = (
@@ -33,19 +32,6 @@ COLUMNS_HELP = (
     "Metrics in the terminal table: a comma list, or all (default: isoscore_star, isoscore, avgcos, "
     "pr, twonn, which fit 80 columns). The JSON and CSV always hold every metric."
 )
-
-
-def _declared(name: str, complete=None, *, repeated: bool = False):
-    """The declared option ``name``; a list's default is its comma list (the command line's form).
-    ``repeated``: a list option given as often as wanted, each time a comma list (typer takes its
-    default as a list: here the one comma list)."""
-    info = declared_option(ScoreOptions, name, complete)
-    default = default_of(ScoreOptions, name)
-    if isinstance(default, tuple):
-        info.default = ",".join(map(str, default))
-    if repeated:
-        info.default = [info.default] if default else []
-    return info
 
 
 def _default_out(source: str) -> str:
@@ -68,50 +54,28 @@ def _default_out(source: str) -> str:
 
 
 @app.command("score")
+@options_from(
+    ScoreOptions,
+    complete={"metrics": _complete.score_metrics, "layers": _complete.run_layers},
+    repeated=("columns", "metrics", "avgcos_variants", "id_estimator", "layers"),
+)
 def score_cmd(
     sources: List[str] = typer.Argument(..., metavar="SOURCE", help=SOURCES_HELP),
-    dataset: Optional[str] = _declared("dataset"),
-    columns: List[str] = _declared("columns", repeated=True),
-    metrics: List[str] = _declared("metrics", _complete.score_metrics, repeated=True),
-    zeta: float = _declared("zeta"),
-    shrinkage_target: str = _declared("shrinkage_target"),
-    avgcos_variants: List[str] = _declared("avgcos_variants", repeated=True),
-    outlier_rule: str = _declared("outlier_rule"),
-    outlier_threshold: Optional[float] = _declared("outlier_threshold"),
-    outlier_stat: str = _declared("outlier_stat"),
-    discard_fraction: float = _declared("discard_fraction"),
-    id_sample: int = _declared("id_sample"),
-    id_estimator: List[str] = _declared("id_estimator", repeated=True),
-    twonn_fit: str = _declared("twonn_fit"),
-    id_repeats: Optional[int] = _declared("id_repeats"),
-    seed: int = _declared("seed"),
-    exclude_special: bool = _declared("exclude_special"),
-    layers: List[str] = _declared("layers", _complete.run_layers, repeated=True),
-    max_rows: Optional[int] = _declared("max_rows"),
-    workers: int = _declared("workers"),
-    scheduler: Optional[str] = _declared("scheduler"),
-    jackknife_groups: int = _declared("jackknife_groups"),
-    product_dtype: str = _declared("product_dtype"),
-    memory_mb: float = _declared("memory_mb"),
-    partial: bool = _declared("partial"),
+    out: Optional[str] = typer.Option(None, "--out", "-o", metavar="DIR|PREFIX", help=OUT_HELP),
     no_verify: bool = typer.Option(
         False, "--no-verify", help="Skip the shard checksum check (size is still checked)."
     ),
-    out: Optional[str] = typer.Option(None, "--out", "-o", metavar="DIR|PREFIX", help=OUT_HELP),
     table_columns: List[str] = typer.Option([], "--columns", metavar="LIST", help=COLUMNS_HELP),
-    basis: Optional[str] = _declared("basis"),
-    ranks: str = _declared("ranks"),
-    controls: int = _declared("controls"),
     as_json: bool = json_option("the report"),
     quiet: bool = quiet_option("No progress bar and no table (warnings still shown)."),
+    **chosen,
 ) -> None:
     """Score per-layer geometry: IsoScore, IsoScore*, average cosine, spectrum, outlier dimensions,
     intrinsic dimension (with standard errors) and partition isotropy of the embedding matrices."""
-    chosen = {name: value for name, value in locals().items() if name in declared(ScoreOptions)}
     # left out: every layer (array); given but empty: refused by the library; --layers is one
     # comma list (its grammar refuses an empty item) however often it is given
-    layers = ",".join(layers) if layers else None  # (--layers "" is given: refused, not all)
-    chosen.update(layers=layers, columns=columns or None, verify=not no_verify)
+    layers = selection(chosen["layers"])  # (--layers "" is given: refused, not all)
+    chosen.update(layers=layers, columns=chosen["columns"] or None, verify=not no_verify)
     _score_sources(sources, chosen, out, table_columns, as_json, quiet)
 
 
