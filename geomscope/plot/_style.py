@@ -57,6 +57,15 @@ def depth_cmap():
     return ListedColormap(colormaps[DEPTH_CMAP](np.linspace(0.0, 0.92, 256)), name="viridis_depth")
 
 
+def depth_norm(depths, min_span: float = 1):
+    """The colour scale of lines coloured by depth: from the least of ``depths`` to the greatest, over
+    at least ``min_span`` (one layer alone, or layers of one depth, still get a range)."""
+    from matplotlib.colors import Normalize
+
+    low = min(depths)
+    return Normalize(vmin=low, vmax=max(max(depths), low + min_span))
+
+
 def depth_colorbar(fig: Figure, axes, norm, cmap, label: str = "layer index (depth)", whole: bool = True):
     """The one colorbar of lines coloured by depth (``cmap`` over ``norm``), beside every panel of the
     2-D array ``axes``; ticks at whole numbers where depth is a layer index (``whole``)."""

@@ -12,7 +12,6 @@ import re
 from collections.abc import Sequence
 
 import numpy as np
-from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
@@ -21,7 +20,15 @@ from matplotlib.ticker import NullLocator
 from geomscope.errors import InputError
 from geomscope.layers import activation_name, listed_layers, select_names
 from geomscope.plot._reports import is_number, layer_key, report_labels, report_name
-from geomscope.plot._style import add_caption, depth_cmap, panels, plain_text, series_style, styled
+from geomscope.plot._style import (
+    add_caption,
+    depth_cmap,
+    depth_norm,
+    panels,
+    plain_text,
+    series_style,
+    styled,
+)
 
 #: at most this many layers are named in the E panel's legend (evenly spaced, first and last kept)
 MAX_LEGEND_LAYERS = 8
@@ -178,7 +185,7 @@ def plot_energy(
         # colour = depth = position in the whole section (depth order), so a filter keeps colours
         order = {name: pos for pos, name in enumerate(ge["layers"])}
         depth = [order[name] for name, _ in sel]
-        norm = Normalize(vmin=min(depth), vmax=max(max(depth), min(depth) + 1))
+        norm = depth_norm(depth)
         colours = [cmap(norm(d)) for d in depth]
         row_label = labels[i] + (f" (basis {ge['basis_model']})" if ge.get("basis_model") else "")
         _draw_energy(flat[2 * i], ge, sel, colours, row_label, own)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
@@ -24,6 +23,7 @@ from geomscope.plot._style import (
     add_caption,
     depth_cmap,
     depth_colorbar,
+    depth_norm,
     gradient_key,
     grid_shape,
     hide_spare_panels,
@@ -119,7 +119,7 @@ def plot_spectrum(
         return k / last if last > 0 else 0.0
 
     depths = [depth(r, pos) for r in reports for pos in range(len(r["layers"]))]
-    norm = Normalize(vmin=min(depths), vmax=max(max(depths), min(depths) + (0.01 if relative else 1)))
+    norm = depth_norm(depths, 0.01 if relative else 1)
     cmap = depth_cmap()
     nrows, ncols = grid_shape(len(reports))
     fig, axes, own = panels(ax, len(reports), 4.4 * ncols + 0.8, 3.3 * nrows + 0.5, sharey=normalise)

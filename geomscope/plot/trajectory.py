@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
 
@@ -26,6 +25,7 @@ from geomscope.plot._style import (
     add_caption,
     depth_cmap,
     depth_colorbar,
+    depth_norm,
     gradient_key,
     grid_shape,
     hide_spare_panels,
@@ -108,7 +108,7 @@ def plot_trajectory(
         for pos, lay in enumerate(rep["layers"]):
             depth.setdefault(lay["layer"], layer_key(lay, pos))
     names = sorted(depth, key=lambda n: depth[n])
-    norm = Normalize(vmin=min(depth.values()), vmax=max(max(depth.values()), min(depth.values()) + 1))
+    norm = depth_norm(depth.values())
     cmap = depth_cmap()
     nrows, ncols = grid_shape(len(metrics))
     fig, axes, own = panels(ax, len(metrics), 4.6 * ncols + 0.8, 3.0 * nrows + 0.9)
