@@ -155,7 +155,6 @@ def extract_revisions(
     ``{"runs": [{revision, dir, status: done|skipped|failed, error?, rows?}], "failed": n}``.
     Raises the first failure's kind of error (one line naming every failed revision) after trying
     them all, with ``.summary`` set."""
-    from geomscope.extract.run import extract
     from geomscope.extract.sources import is_stream
 
     say = log_to(log)
@@ -174,46 +173,95 @@ def extract_revisions(
         for i, rev in enumerate(revisions, 1):
             run_dir = out / rev.name
             label = rev.revision or rev.model
+            step = f"[{i}/{len(revisions)}]"
             entry = {"revision": label, "dir": str(run_dir)}
             skip, why = (False, "") if options.overwrite else _skip(run_dir, rev, hashed, options, streams)
             if skip:
-                say(f"[{i}/{len(revisions)}] {label}: {why} in {run_dir}, skipped")
+                say(f"{step} {label}: {why} in {run_dir}, skipped")
                 runs.append({**entry, "status": "skipped"})
                 continue
-            say(f"[{i}/{len(revisions)}] {label} -> {run_dir}" + (f" ({why})" if why else ""))
-            present_before = _snapshots_present(rev, options.cache_dir) if drop_weights else None
-            try:
-                summary = extract(
-                    rev.model,
-                    inputs,
-                    run_dir,
-                    options,
-                    revision=rev.revision,
-                    progress=progress,
-                    log=log,
-                    stdin=stdin,
-                )
-                runs.append({**entry, "status": "done", "rows": summary.get("rows")})
-                if drop_weights:
-                    runs[-1]["dropped_bytes"] = _drop(rev, options.cache_dir, present_before, say, label)
-            except GeomscopeError as e:
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                say(f"[{i}/{len(revisions)}] {label} failed: {first}")
-                runs.append({**entry, "status": "failed", "error": first})
-                failures.append((label, e))
-            finally:
-                _free()
+            say(f"{step} {label} -> {run_dir}" + (f" ({why})" if why else ""))
+            error = _extract_revision(
+                rev,
+                run_dir,
+                inputs,
+                options,
+                entry,
+                runs,
+                step=step,
+                drop_weights=drop_weights,
+                progress=progress,
+                log=log,
+                stdin=stdin,
+            )
+            if error is not None:
+                failures.append((label, error))
     finally:
         hashed.close()
     result = {"runs": runs, "failed": len(failures), "out": str(out)}
     if failures:
-        label, first = failures[0]
-        names = ", ".join(f"{lab} ({str(e).strip().splitlines()[0][:400]})" for lab, e in failures[:3])
-        more = f" and {len(failures) - 3} more" if len(failures) > 3 else ""
-        err = type(first)(
-            f"{len(failures)} of {len(revisions)} revisions failed: {names}{more}; the finished runs in "
-            f"{out} are kept -- fix the cause and rerun the same command to do the rest"
-        )
-        err.summary = result
-        raise err
+        raise _failed_revisions(failures, len(revisions), out, result)
     return result
+
+
+def _extract_revision(
+    rev: Revision,
+    run_dir: Path,
+    inputs,
+    options,
+    entry: dict,
+    runs: list[dict],
+    *,
+    step: str,
+    drop_weights: bool,
+    progress: bool,
+    log: Log | None,
+    stdin,
+) -> GeomscopeError | None:
+    """Extract one revision into ``run_dir`` as a single extract would, appending its outcome to
+    ``runs`` (done, with its rows and, under ``drop_weights``, the bytes its dropped download freed;
+    or failed, with the error's first line); return the error it failed with (None: done). The model
+    is freed afterwards either way."""
+    from geomscope.extract.run import extract
+
+    say = log_to(log)
+    label = entry["revision"]
+    present_before = _snapshots_present(rev, options.cache_dir) if drop_weights else None
+    try:
+        summary = extract(
+            rev.model,
+            inputs,
+            run_dir,
+            options,
+            revision=rev.revision,
+            progress=progress,
+            log=log,
+            stdin=stdin,
+        )
+        runs.append({**entry, "status": "done", "rows": summary.get("rows")})
+        if drop_weights:
+            runs[-1]["dropped_bytes"] = _drop(rev, options.cache_dir, present_before, say, label)
+    except GeomscopeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        say(f"{step} {label} failed: {first}")
+        runs.append({**entry, "status": "failed", "error": first})
+        return e
+    finally:
+        _free()
+    return None
+
+
+def _failed_revisions(
+    failures: list[tuple[str, GeomscopeError]], n_revisions: int, out: Path, result: dict
+) -> GeomscopeError:
+    """The error that ends a call in which some revisions failed: of the first failure's kind, one
+    line naming the first three (and how many more), with ``.summary`` = ``result``."""
+    _, first = failures[0]
+    names = ", ".join(f"{lab} ({str(e).strip().splitlines()[0][:400]})" for lab, e in failures[:3])
+    more = f" and {len(failures) - 3} more" if len(failures) > 3 else ""
+    err = type(first)(
+        f"{len(failures)} of {n_revisions} revisions failed: {names}{more}; the finished runs in "
+        f"{out} are kept -- fix the cause and rerun the same command to do the rest"
+    )
+    err.summary = result
+    return err
