@@ -168,6 +168,19 @@ class _Scorer:
 
     # -- main --------------------------------------------------------------------------------
     def run(self) -> dict:
+        o = self.opts
+        self._prepare()
+        layers, extras = self._score_layers()
+        if o.wants("outliers") and o.outlier_rule == "magnitude":
+            outliers.apply_magnitude(layers, extras, o)
+        embeddings, final_norm, top_notes = self._model_sections(layers, extras)
+        return self._report(layers, embeddings, top_notes, final_norm)
+
+    def _prepare(self) -> None:
+        """What every batch of layers shares, before any is scored: a ``--keep sample`` run's limits
+        checked, the rows ``--max-rows`` keeps (``thresholds``), the shrinkage reference (``c0_fixed``:
+        a covariance file or a layer of this source; ``other``: a run whose layers are the references)
+        and the ``--basis`` run of the captured gradient energy."""
         o, src = self.opts, self.src
         if src.sample is not None:
             self._check_sample_run()
@@ -190,6 +203,12 @@ class _Scorer:
             from geomscope.score.gradenergy import open_basis
 
             self.basis = open_basis(src, o.basis, o.ranks, o.partial)
+
+    def _score_layers(self) -> tuple[list[dict], dict]:
+        """(every layer's report entry in the source's order, each layer's extras), batch by batch;
+        the rows dropped as non-finite are logged, and a source with fewer than 2 usable rows in
+        every layer is refused."""
+        o, src = self.opts, self.src
         entries, extras = {}, {}
         for batch in self._batches():
             entries.update(self._score_batch(batch, extras))
@@ -206,8 +225,13 @@ class _Scorer:
                 f"{src.path}: {n} usable row(s) per layer after dropping non-finite"
                 f"{', special' if o.exclude_special else ''} rows; at least 2 are needed"
             )
-        if o.wants("outliers") and o.outlier_rule == "magnitude":
-            outliers.apply_magnitude(layers, extras, o)
+        return layers, extras
+
+    def _model_sections(self, layers: list[dict], extras: dict) -> tuple[dict | None, dict | None, dict]:
+        """(the embedding matrix's isotropy, the final norm's effect, the report's top-level notes):
+        the sections about the model rather than one layer, each None with a note saying why when
+        the source cannot give it."""
+        o, src = self.opts, self.src
         embeddings, top_notes = None, {}
         if o.wants("partition"):
             from geomscope.score.embeddings import embedding_isotropy
@@ -230,7 +254,7 @@ class _Scorer:
                 top_notes["final_norm"] = why
         else:
             top_notes["final_norm"] = "an array source has no final norm"
-        return self._report(layers, embeddings, top_notes, final_norm)
+        return embeddings, final_norm, top_notes
 
     def _check_sample_run(self) -> None:
         """What a ``--keep sample:N`` run cannot serve is refused up front, in one line."""
