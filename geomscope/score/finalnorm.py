@@ -46,8 +46,36 @@ def final_norm_effect(
             "final_norm -- or --layers left it out; BERT-style models have no final norm)"
         )
     before_idx = (after.get("index") or 0) - 1
-    # the activations before the norm: a gradient layer (layer_N.grad) shares its layer's index
-    before = next(
+    before = _layer_before(layers, after, before_idx)
+    if before is None:
+        return (
+            None,
+            f"the layer before the final norm (index {before_idx}) was not scored; add it to --layers",
+        )
+    out = {
+        "before": before["layer"],
+        "after": after["layer"],
+        "metrics": _metric_changes(before, after),
+        "gain": None,
+        "bias": None,
+    }
+    var = (extras.get(before["layer"]) or {}).get("variance")
+    gain = (params or {}).get("gain")
+    if var is None:
+        out["note"] = "per-dimension variance unavailable (score with a moment metric, e.g. isoscore)"
+        return out, None
+    var = np.asarray(var, float)
+    if gain is None or len(gain) != var.size:
+        out["note"] = "the run does not record the norm's gain (re-extract it with this version)"
+        return out, None
+    _add_parameter_effect(out, np.abs(np.asarray(gain, float)), var, params, before.get("outliers") or [])
+    return out, None
+
+
+def _layer_before(layers: list[dict], after: dict, before_idx: int) -> dict | None:
+    """The entry of the activations before the norm: the layer of index ``before_idx`` (a gradient
+    layer, ``layer_N.grad``, shares its layer's index and is not it); None when it was not scored."""
+    return next(
         (
             e
             for e in layers
@@ -55,11 +83,11 @@ def final_norm_effect(
         ),
         None,
     )
-    if before is None:
-        return (
-            None,
-            f"the layer before the final norm (index {before_idx}) was not scored; add it to --layers",
-        )
+
+
+def _metric_changes(before: dict, after: dict) -> dict:
+    """``{metric: {before, after, change}}`` for every scalar metric either layer has (change =
+    after - before, None unless both have it)."""
     metrics = {}
     for m in SCALAR_METRIC_NAMES:
         b, a = before.get(m), after.get(m)
@@ -70,17 +98,14 @@ def final_norm_effect(
             "after": a,
             "change": (a - b) if (a is not None and b is not None) else None,
         }
-    out = {"before": before["layer"], "after": after["layer"], "metrics": metrics, "gain": None, "bias": None}
-    var = (extras.get(before["layer"]) or {}).get("variance")
-    gain = (params or {}).get("gain")
-    if var is None:
-        out["note"] = "per-dimension variance unavailable (score with a moment metric, e.g. isoscore)"
-        return out, None
-    var = np.asarray(var, float)
-    if gain is None or len(gain) != var.size:
-        out["note"] = "the run does not record the norm's gain (re-extract it with this version)"
-        return out, None
-    g = np.abs(np.asarray(gain, float))
+    return metrics
+
+
+def _add_parameter_effect(out: dict, g: np.ndarray, var: np.ndarray, params: dict, outlier_dims) -> None:
+    """Fill ``out``'s ``gain`` and ``bias`` (the Spearman correlations of |γ| and |β| with the
+    per-dimension variance ``var`` before the norm; ``g`` = |γ|) and its ``outliers`` (each of
+    ``outlier_dims`` with its variance ratio and gain ratio), with a ``note`` when the median |γ|
+    leaves the gain ratio undefined."""
     med = float(np.median(g))
     out["gain"] = {
         "module": params.get("module"),
@@ -91,19 +116,26 @@ def final_norm_effect(
     bias = params.get("bias")
     if bias is not None and len(bias) == var.size:
         out["bias"] = {"spearman_abs_bias_variance": _spearman(np.abs(np.asarray(bias, float)), var)}
-    mean_var = float(var.mean()) or 1.0
     # |gamma_d| / median |gamma| needs a positive, finite median: with more than half the gains 0
     # (pruned or dead dimensions) every non-zero gain is infinitely above it, and reading the median
-    # as 1 made a dimension the norm amplifies relative to the others read as "damped"
+    # as 1 would read a dimension the norm amplifies relative to the others as "damped"
     usable = np.isfinite(med) and med > 0
     if not usable:
         out["note"] = (
             f"the median |gain| is {med:g} (more than half of the norm's gains are 0, or some are not "
             "numbers), so gain_ratio = |gain_d| / median |gain| is undefined: gain_ratio and effect are null"
         )
+    out["outliers"] = _outlier_rows(outlier_dims, g, var, med if usable else None)
+
+
+def _outlier_rows(outlier_dims, g: np.ndarray, var: np.ndarray, med: float | None) -> list[dict]:
+    """One row per outlier dimension d: its variance over the mean variance, ``gain_ratio`` =
+    |γ_d| / median |γ| (``med``; None when undefined) and its ``effect`` (damped, amplified or
+    unchanged; None with the ratio)."""
+    mean_var = float(var.mean()) or 1.0
     rows = []
-    for d in before.get("outliers") or []:
-        ratio = float(g[d] / med) if usable else None
+    for d in outlier_dims:
+        ratio = float(g[d] / med) if med is not None else None
         if ratio is None or not np.isfinite(ratio):
             ratio, effect = None, None
         else:
@@ -116,5 +148,4 @@ def final_norm_effect(
                 "effect": effect,
             }
         )
-    out["outliers"] = rows
-    return out, None
+    return rows
