@@ -70,6 +70,17 @@ class LayerResult:
         if len(live) < 2:  # leaving out the only group leaves nothing: no replicates
             live = []
         self.live = live
+        replicate_shifts = self._jackknife_replicates(groups)
+        if replicate_shifts:
+            self.unit_spec = self._unit_spec(replicate_shifts)
+        if not self.keep_groups:  # every number needing them is computed: free G x D x D floats now
+            self.lp.groups = None
+
+    def _jackknife_replicates(self, groups) -> dict[str, list]:
+        """The delete-one-group jackknife replicates of the moment metrics (``reps``) and of the outlier
+        statistic (``rep_stats``), one per live group in order; return, per second-pass cosine variant,
+        each replicate's (shift, scale) of the rows (empty when no second pass is needed)."""
+        o, c0 = self.opts, self.c0
         shifts = {v: [] for v in o.avgcos_variants if v != "plain"} if o.needs_second_pass else {}
         self.rep_stats = []
 
@@ -83,32 +94,36 @@ class LayerResult:
             )
 
         # each replicate in flight holds a merged D x D scatter: large ones one at a time, as in moments.py
-        threads = self.threads if 8 * full.dim**2 <= MAX_THREADED_M2_BYTES else 1
-        for vals, stat, shift_scale in map_in_order(replicate, live, threads):
+        threads = self.threads if 8 * self.full.dim**2 <= MAX_THREADED_M2_BYTES else 1
+        for vals, stat, shift_scale in map_in_order(replicate, self.live, threads):
             for k, v in vals.items():
                 self.reps.setdefault(k, []).append(v)
             self.rep_stats.append(stat)
             for v in shifts:
                 shifts[v].append(shift_scale[v])
-        if shifts:
-            spec = {}
-            for v, lst in shifts.items():
-                sh_full, sc_full = compute.unit_shift_scale(full, v)
-                by_r = dict(zip(live, lst, strict=True))
-                rows = [by_r.get(r, (sh_full, sc_full)) for r in range(self.G if self.G >= 2 else 0)]
-                rows.append((sh_full, sc_full))
-                sh = np.stack([a for a, _ in rows])
-                # the centred cosine has no scales unless some replicate has a constant dimension
-                scales = [b for _, b in rows]
-                sc = (
-                    None
-                    if all(b is None for b in scales)
-                    else np.stack([_ones_if_none(b, full.dim) for b in scales])
-                )
-                spec[v] = (sh, sc)
-            self.unit_spec = spec
-        if not self.keep_groups:  # every number needing them is computed: free G x D x D floats now
-            self.lp.groups = None
+        return shifts
+
+    def _unit_spec(self, replicate_shifts: dict[str, list]) -> dict[str, tuple]:
+        """The second pass's spec per cosine variant: (shifts, scales) stacked over the G jackknife
+        replicates (the full data's for a replicate not computed) and the full data last; scales
+        None when none of them has any."""
+        full = self.full
+        spec = {}
+        for v, lst in replicate_shifts.items():
+            sh_full, sc_full = compute.unit_shift_scale(full, v)
+            by_r = dict(zip(self.live, lst, strict=True))
+            rows = [by_r.get(r, (sh_full, sc_full)) for r in range(self.G if self.G >= 2 else 0)]
+            rows.append((sh_full, sc_full))
+            sh = np.stack([a for a, _ in rows])
+            # the centred cosine has no scales unless some replicate has a constant dimension
+            scales = [b for _, b in rows]
+            sc = (
+                None
+                if all(b is None for b in scales)
+                else np.stack([_ones_if_none(b, full.dim) for b in scales])
+            )
+            spec[v] = (sh, sc)
+        return spec
 
     def cosine_variants(self, unit: dict) -> None:
         from geomscope.metrics import avgcos_from_sum
