@@ -1,5 +1,5 @@
 """What every command shares: the typer option of a declared option, comma lists, and the options
-that must read the same everywhere (``--json``, ``--quiet/-q``).
+that must read the same everywhere (``--json``, ``--quiet/-q``, ``--out/-o``, ``--no-verify``).
 
 A declared option (:mod:`geomscope.options`) gives its typer option its default, flags, help and
 metavar; the value is checked by the library, so a value given on the command line and one given
@@ -41,6 +41,16 @@ def json_option(what: str = "the result"):
 
 def quiet_option(what: str = "No progress bar or messages."):
     return typer.Option(False, "--quiet", "-q", help=what)
+
+
+def out_option(metavar: str, help: str, *, required: bool = True):
+    """``--out/-o``: where a command writes (required unless the command has a default place)."""
+    return typer.Option(... if required else None, "--out", "-o", metavar=metavar, help=help)
+
+
+def no_verify_option():
+    """``--no-verify``: a run's shards are read without their checksums (their sizes still checked)."""
+    return typer.Option(False, "--no-verify", help="Skip the shard checksum check (size is still checked).")
 
 
 def declared_option(cls, name: str, complete=None, *, repeated: bool = False):

@@ -9,7 +9,7 @@ from typing import List, Optional
 import typer
 
 from geomscope.cli._app import app
-from geomscope.cli._options import json_option, options_from, quiet_option
+from geomscope.cli._options import json_option, options_from, out_option, quiet_option
 from geomscope.study.options import CompareOptions
 
 
@@ -19,12 +19,10 @@ def compare_cmd(
     dirs: List[Path] = typer.Argument(
         ..., metavar="DIR", help="Finetune outputs: runs, sweeps, or folders of runs."
     ),
-    out: Optional[Path] = typer.Option(
-        None,
-        "--out",
-        "-o",
-        metavar="DIR",
-        help="Where compare.json, compare.csv and compare.png go (default: the one DIR given).",
+    out: Optional[Path] = out_option(
+        "DIR",
+        "Where compare.json, compare.csv and compare.png go (default: the one DIR given).",
+        required=False,
     ),
     as_json: bool = json_option("the comparison"),
     quiet: bool = quiet_option("No table on stderr."),

@@ -9,7 +9,14 @@ import typer
 
 from geomscope.cli import _complete
 from geomscope.cli._app import app
-from geomscope.cli._options import json_option, options_from, quiet_option, selection
+from geomscope.cli._options import (
+    json_option,
+    no_verify_option,
+    options_from,
+    out_option,
+    quiet_option,
+    selection,
+)
 from geomscope.export_options import ExportOptions
 
 
@@ -19,12 +26,8 @@ def export_cmd(
     run_dir: Path = typer.Argument(
         ..., metavar="RUN_DIR", help="A finished run written by `geomscope extract`."
     ),
-    out: Path = typer.Option(
-        ..., "--out", "-o", metavar="DIR", help="A new (or empty) directory to write; never overwritten."
-    ),
-    no_verify: bool = typer.Option(
-        False, "--no-verify", help="Skip the shard checksum check (size is still checked)."
-    ),
+    out: Path = out_option("DIR", "A new (or empty) directory to write; never overwritten."),
+    no_verify: bool = no_verify_option(),
     as_json: bool = json_option("the export summary"),
     quiet: bool = quiet_option("No progress or summary on stderr."),
     **chosen,

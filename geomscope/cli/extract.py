@@ -10,7 +10,7 @@ import typer
 
 from geomscope.cli import _complete
 from geomscope.cli._app import app
-from geomscope.cli._options import json_option, options_from, quiet_option
+from geomscope.cli._options import json_option, options_from, out_option, quiet_option
 from geomscope.extract.options import ExtractOptions
 
 MODEL_HELP = "Local model directory, hub name (org/name), or bundled:minilm (the packaged all-MiniLM-L6-v2)."
@@ -40,7 +40,7 @@ DROP_WEIGHTS_HELP = (
 def extract_cmd(
     model: str = typer.Argument(..., metavar="MODEL", help=MODEL_HELP),
     inputs: list[str] = typer.Argument(..., metavar="INPUT", help=INPUT_HELP),
-    out: Path = typer.Option(..., "--out", "-o", metavar="RUN_DIR", help=OUT_HELP),
+    out: Path = out_option("RUN_DIR", OUT_HELP),
     revisions: Optional[str] = typer.Option(
         None, "--revisions", metavar="LIST|FILE|PRESET|GLOB", help=REVISIONS_HELP
     ),

@@ -19,7 +19,7 @@ import typer
 
 from geomscope.cli import _complete
 from geomscope.cli._app import app
-from geomscope.cli._options import declared_option, json_option, options_from, quiet_option
+from geomscope.cli._options import declared_option, json_option, options_from, out_option, quiet_option
 from geomscope.options import CommaList, OptionError, check_value, declared
 from geomscope.progress import stderr_log
 from geomscope.train.config import FinetuneConfig
@@ -37,7 +37,7 @@ _TRAIN = typer.Option(
 _EVAL = typer.Option(
     ..., "--eval", metavar="FILE", help="Evaluation data, same format and columns as --train."
 )
-_OUT = typer.Option(..., "--out", "-o", metavar="DIR", help="Output directory (model, logs, checkpoint).")
+_OUT = out_option("DIR", "Output directory (model, logs, checkpoint).")
 _DRY_RUN = typer.Option(
     False,
     "--dry-run",

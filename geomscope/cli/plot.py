@@ -11,7 +11,7 @@ import typer
 
 from geomscope.cli import _complete
 from geomscope.cli._app import app
-from geomscope.cli._options import json_option, options_from, quiet_option, selection
+from geomscope.cli._options import json_option, options_from, out_option, quiet_option, selection
 from geomscope.plot.options import PlotOptions
 
 REPORT_HELP = "Score report JSON files, a trajectory.csv (or finetune output dirs / steps.jsonl)."
@@ -25,13 +25,7 @@ REPORT_HELP = "Score report JSON files, a trajectory.csv (or finetune output dir
 )
 def plot_cmd(
     inputs: List[str] = typer.Argument(..., metavar="REPORT", help=REPORT_HELP),
-    out: str = typer.Option(
-        ...,
-        "--out",
-        "-o",
-        metavar="FILE|DIR/",
-        help="FILE.png|svg|pdf for one figure, or DIR/ for one file per kind.",
-    ),
+    out: str = out_option("FILE|DIR/", "FILE.png|svg|pdf for one figure, or DIR/ for one file per kind."),
     as_json: bool = json_option('{"figures": [paths], "kinds": [kinds]}'),
     quiet: bool = quiet_option("Do not list the written files on stderr."),
     **chosen,

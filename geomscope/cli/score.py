@@ -14,7 +14,15 @@ import typer
 
 from geomscope.cli import _complete
 from geomscope.cli._app import app, state
-from geomscope.cli._options import json_option, options_from, quiet_option, selection, split_list
+from geomscope.cli._options import (
+    json_option,
+    no_verify_option,
+    options_from,
+    out_option,
+    quiet_option,
+    selection,
+    split_list,
+)
 from geomscope.score.options import ScoreOptions
 
 SOURCES_HELP = (
@@ -61,10 +69,8 @@ def _default_out(source: str) -> str:
 )
 def score_cmd(
     sources: List[str] = typer.Argument(..., metavar="SOURCE", help=SOURCES_HELP),
-    out: Optional[str] = typer.Option(None, "--out", "-o", metavar="DIR|PREFIX", help=OUT_HELP),
-    no_verify: bool = typer.Option(
-        False, "--no-verify", help="Skip the shard checksum check (size is still checked)."
-    ),
+    out: Optional[str] = out_option("DIR|PREFIX", OUT_HELP, required=False),
+    no_verify: bool = no_verify_option(),
     table_columns: List[str] = typer.Option([], "--columns", metavar="LIST", help=COLUMNS_HELP),
     as_json: bool = json_option("the report"),
     quiet: bool = quiet_option("No progress bar and no table (warnings still shown)."),
