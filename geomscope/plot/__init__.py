@@ -10,7 +10,7 @@ Every function takes loaded reports (dicts in the ``geomscope-report`` format) a
 
 from __future__ import annotations
 
-from importlib import import_module
+from geomscope.lazy import lazy_names
 
 #: each public name -> the module that defines it: imported on first use, so that the options
 #: (what ``geomscope plot --help`` is built from) import no matplotlib
@@ -34,11 +34,4 @@ _HOMES = {
     "trajectory_steps": "trajectory",
 }
 
-
-def __getattr__(name: str):
-    if name in _HOMES:
-        return getattr(import_module(f"{__name__}.{_HOMES[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = list(_HOMES)
+__getattr__, __all__ = lazy_names(__name__, _HOMES)

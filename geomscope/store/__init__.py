@@ -22,7 +22,7 @@ names.py every file name and format tag; sample.py the seeded row keys of a samp
 
 from __future__ import annotations
 
-from importlib import import_module
+from geomscope.lazy import lazy_names
 
 #: each public name -> the module that defines it: imported on first use, so that the options
 #: (what ``geomscope inspect --help`` is built from) import no h5py
@@ -45,11 +45,4 @@ _HOMES = {
     "verify_shard": "integrity",
 }
 
-
-def __getattr__(name: str):
-    if name in _HOMES:
-        return getattr(import_module(f"{__name__}.{_HOMES[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = list(_HOMES)
+__getattr__, __all__ = lazy_names(__name__, _HOMES)
