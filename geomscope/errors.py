@@ -35,5 +35,11 @@ class DataError(GeomscopeError):
 def first_line(e: BaseException, limit: int | None = None) -> str:
     """The first line of an exception's text, cut to ``limit`` characters (the name of its type when
     the text is blank): what a one-line error quotes of the exception behind it."""
-    text = str(e).strip()
-    return text.splitlines()[0][:limit] if text else type(e).__name__
+    return first_line_of(str(e), type(e).__name__, limit)
+
+
+def first_line_of(text: str, fallback: str = "", limit: int | None = None) -> str:
+    """The first non-blank line of ``text``, stripped and cut to ``limit`` characters; ``fallback``
+    when every line is blank."""
+    text = text.strip()
+    return text.splitlines()[0].strip()[:limit] if text else fallback

@@ -22,15 +22,10 @@ import typer
 
 from geomscope.cli import compare, export, extract, finetune, inspect, plot, report, score  # noqa: F401
 from geomscope.cli._app import app, state
-from geomscope.errors import GeomscopeError
+from geomscope.errors import GeomscopeError, first_line_of
 from geomscope.options import OptionError
 
 INTERRUPTED = "error: interrupted; finished work is kept, rerun the same command to resume"
-
-
-def _first_line(text: str, fallback: str) -> str:
-    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
-    return lines[0] if lines else fallback
 
 
 def _as_text(line: str) -> str:
@@ -44,7 +39,7 @@ def _as_text(line: str) -> str:
 def _usage_error_line(e: Exception) -> str:
     ctx = getattr(e, "ctx", None)
     where = ctx.command_path if ctx is not None else "geomscope"
-    message = _first_line(e.format_message(), type(e).__name__).replace("Value error, ", "")
+    message = first_line_of(e.format_message(), type(e).__name__).replace("Value error, ", "")
     return f"error: {message} (see '{where} --help')"
 
 
@@ -80,7 +75,7 @@ def _main(argv: list[str] | None) -> None:
     except GeomscopeError as e:
         if debug or state["debug"]:
             raise
-        line = _as_text(_first_line(str(e), type(e).__name__))
+        line = _as_text(first_line_of(str(e), type(e).__name__))
         if isinstance(e, OptionError) and len(args) > 0 and not args[0].startswith("-"):
             line += f" (see 'geomscope {args[0]} --help')"
         print(f"error: {line}", file=sys.stderr)
@@ -89,7 +84,7 @@ def _main(argv: list[str] | None) -> None:
         if isinstance(e.__cause__, EOFError):  # click reads an EOFError as Ctrl-D: here, a file cut short
             if debug or state["debug"]:
                 raise
-            why = _first_line(str(e.__cause__), "it ended early")
+            why = first_line_of(str(e.__cause__), "it ended early")
             print(
                 f"error: an input file ended before its end ({why}); check that it is whole", file=sys.stderr
             )
@@ -113,7 +108,7 @@ def _main(argv: list[str] | None) -> None:
     except MemoryError as e:  # what no check before could foresee: one line, not numpy's traceback
         if debug or state["debug"]:
             raise
-        why = _first_line(str(e), "an allocation failed")
+        why = first_line_of(str(e), "an allocation failed")
         print(
             f"error: out of memory ({why}); give the command less data at once or more memory",
             file=sys.stderr,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
-from geomscope.errors import GeomscopeError, InputError
+from geomscope.errors import GeomscopeError, InputError, first_line
 from geomscope.fileio import make_dirs
 from geomscope.model.hub import cached_snapshot, drop_snapshot, snapshot_names
 from geomscope.model.revisions import Revision
@@ -108,7 +108,7 @@ def _skip(run_dir: Path, rev: Revision, hashed: _Hashed, options, streams: list[
         opts = replace(options, revision=rev.revision).validate()  # as extract() makes them
         now = run_request(rev.model, hashed(), opts)
     except GeomscopeError as e:  # extract reports it
-        return False, f"complete, but what is asked cannot be checked ({str(e).splitlines()[0][:120]})"
+        return False, f"complete, but what is asked cannot be checked ({first_line(e, 120)})"
     if now is None:
         return False, "complete, but its model's files cannot be read to compare"
     diffs = request_differences(m.get("request"), now)
@@ -242,7 +242,7 @@ def _extract_revision(
         if drop_weights:
             runs[-1]["dropped_bytes"] = _drop(rev, options.cache_dir, present_before, say, label)
     except GeomscopeError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         say(f"{step} {label} failed: {first}")
         runs.append({**entry, "status": "failed", "error": first})
         return e
@@ -257,7 +257,7 @@ def _failed_revisions(
     """The error that ends a call in which some revisions failed: of the first failure's kind, one
     line naming the first three (and how many more), with ``.summary`` = ``result``."""
     _, first = failures[0]
-    names = ", ".join(f"{lab} ({str(e).strip().splitlines()[0][:400]})" for lab, e in failures[:3])
+    names = ", ".join(f"{lab} ({first_line(e, 400)})" for lab, e in failures[:3])
     more = f" and {len(failures) - 3} more" if len(failures) > 3 else ""
     err = type(first)(
         f"{len(failures)} of {n_revisions} revisions failed: {names}{more}; the finished runs in "

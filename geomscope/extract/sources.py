@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from geomscope.errors import InputError
+from geomscope.errors import InputError, first_line_of
 from geomscope.fileio import input_digest
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -311,7 +311,7 @@ def _dataset_records(inp: InputFile, field: str) -> Iterator[str]:
     except Exception as e:
         raise InputError(
             f"input {inp.arg} cannot be loaded as a saved dataset ({type(e).__name__}: "
-            f"{str(e).splitlines()[0][:200] if str(e) else ''}); check the directory"
+            f"{first_line_of(str(e), limit=200)}); check the directory"
         ) from e
     if isinstance(ds, datasets.DatasetDict):
         splits = list(ds.keys())

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from geomscope.errors import GeomscopeError, InputError
+from geomscope.errors import GeomscopeError, InputError, first_line
 from geomscope.fileio import make_dirs, write_json_atomic
 from geomscope.progress import Log, Progress, log_to
 from geomscope.schema import SWEEP_FORMAT
@@ -141,7 +141,7 @@ def check_sweep(base, points: list[GridPoint]) -> dict:
         try:
             check_out(point_config(base, p, plan[p]))
         except InputError as e:
-            raise InputError(f"run {p.name}: {str(e).splitlines()[0]}") from None
+            raise InputError(f"run {p.name}: {first_line(e)}") from None
     return plan
 
 
@@ -226,7 +226,7 @@ def run_sweep(base, points: list[GridPoint], *, progress: bool = False, log: Log
                 try:
                     finetune(cfg)
                 except GeomscopeError as e:
-                    rec["status"], rec["error"] = "failed", str(e).splitlines()[0]
+                    rec["status"], rec["error"] = "failed", first_line(e)
                     bar.print(f"failed: {p.name}: {rec['error']}")
             results.append(rec)
             task.advance()
