@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from itertools import islice
 
 import numpy as np
@@ -388,8 +389,16 @@ def gradient_energy(
     eigenvalue beyond rounding raises DataError; a malformed ``act_eig`` InputError.
     """
     z = check_zeta(zeta)
-    k = _check_count(controls)
+    count = _check_count(controls)
     seed = _check_seed(seed)
+    s, c, rs, gbar, c0 = _checked_matrices(S, grad_mean, C_act, ranks, target)
+    layer = _layer_subspaces(s, c, gbar, max(rs), act_eig, z, target, c0)
+    return [_rank_row(layer, r, count, seed) for r in rs]
+
+
+def _checked_matrices(S, grad_mean, C_act, ranks, target):
+    """(S, C_act, ranks, g-bar or None, C0 or None) of :func:`gradient_energy`: S and C_act
+    symmetrised, of one hidden size D and with a positive trace; each rank 1 <= r < D."""
     s = _symmetric(S, "S")
     c = _symmetric(C_act, "C_act")
     if c.shape != s.shape:
@@ -400,16 +409,47 @@ def gradient_energy(
     rs = _check_ranks(ranks, d)
     gbar = _check_mean(grad_mean, d)
     c0 = _check_target(target, d)
-    tr_s = float(np.trace(s))
-    if not tr_s > 0:
+    if not float(np.trace(s)) > 0:
         raise DataError(
             "S has zero trace: the gradients are all zero (the loss does not reach this layer, or no "
             "backward pass was recorded); check that the layer is trainable and gradients were captured"
         )
     if not float(np.trace(c)) > 0:
         raise DataError(ZERO_VARIANCE_MESSAGE.format(name="C_act", what="the activation subspace U_r"))
+    return s, c, rs, gbar, c0
 
-    rmax = max(rs)
+
+@dataclass(frozen=True)
+class _LayerSubspaces:
+    """What every rank of one :func:`gradient_energy` call reads, from the top ``rmax`` eigenpairs of
+    C_act and S. The ``*_upto`` arrays are cumulative: entry r - 1 belongs to rank r."""
+
+    s: np.ndarray  # S, symmetrised
+    trace_s: float  # tr(S)
+    act_eigenvalues: np.ndarray  # C_act's top rmax + 1 eigenvalues, descending, 0 past act_rank
+    act_rank: int  # C_act's numerical rank: U_r is unique for r <= act_rank
+    grad_rank: int  # S's numerical rank: V_r is unique for r <= grad_rank
+    u_top: np.ndarray  # U_rmax (D, rmax): U_r is its first r columns
+    removal: _Removal  # the removal test's IsoScore*
+    removal_cu: np.ndarray  # removal.c @ u_top
+    removal_c0u: np.ndarray | None  # removal.c0 @ u_top (matrix target)
+    energy_upto: np.ndarray  # E = tr(U_r^T S U_r) / tr(S)
+    energy_max_upto: np.ndarray  # E_max = (sum of S's top r eigenvalues) / tr(S)
+    act_share_upto: np.ndarray  # top-r share of C_act's variance
+    mean_energy_upto: np.ndarray | None  # e = ||U_r^T g-bar||^2 / ||g-bar||^2 (None: no or zero g-bar)
+    u_t_v: np.ndarray  # U_rmax^T V_rmax (overlap of rank r: its top-left r x r block)
+    isoscore_star: float | None  # of C_act, nothing removed
+
+    @property
+    def dim(self) -> int:
+        """The hidden size D."""
+        return self.s.shape[0]
+
+
+def _layer_subspaces(s, c, gbar, rmax: int, act_eig, zeta: float, target, c0) -> _LayerSubspaces:
+    """The eigendecompositions (C_act's from ``act_eig`` when given), checked PSD, the removal test
+    (``zeta``, ``target``, ``c0``) and the cumulative fractions of every rank up to ``rmax``."""
+    d = s.shape[0]
     if act_eig is not None:
         lam_c, u_all = _check_act_eig(act_eig, d, rmax + 1)
     else:
@@ -419,94 +459,121 @@ def gradient_energy(
     _check_psd(c, float(lam_c[0]), "C_act")
     # below the rounding bound the eigenvalues are 0 (and a rounding negative one too)
     rank_c = _numerical_rank(lam_c, d)
-    rank_s = _numerical_rank(lam_s, d)
     lam_c = np.where(np.arange(lam_c.size) < rank_c, lam_c, 0.0)
     u_all = u_all[:, :rmax]
-    su = s @ u_all
-    removal = _Removal(c, z, target, c0)
-    cu = removal.c @ u_all
-    c0u = removal.c0 @ u_all if removal.c0 is not None else None
-    cum_e = np.cumsum(np.einsum("ij,ij->j", u_all, su)) / tr_s
-    cum_max = np.cumsum(lam_s) / tr_s
-    cum_c = np.cumsum(lam_c) / float(np.trace(c))
-    cross = u_all.T @ v_all
+    removal = _Removal(c, zeta, target, c0)
+    tr_s = float(np.trace(s))
     if gbar is not None and float(np.vdot(gbar, gbar)) > 0:
         cum_g = np.cumsum((u_all.T @ gbar) ** 2) / float(np.vdot(gbar, gbar))
     else:
         cum_g = None
-    star_full = isoscore_star_from_cov(c, z, target if c0 is None else c0)
+    return _LayerSubspaces(
+        s=s,
+        trace_s=tr_s,
+        act_eigenvalues=lam_c,
+        act_rank=rank_c,
+        grad_rank=_numerical_rank(lam_s, d),
+        u_top=u_all,
+        removal=removal,
+        removal_cu=removal.c @ u_all,
+        removal_c0u=removal.c0 @ u_all if removal.c0 is not None else None,
+        energy_upto=np.cumsum(np.einsum("ij,ij->j", u_all, s @ u_all)) / tr_s,
+        energy_max_upto=np.cumsum(lam_s) / tr_s,
+        act_share_upto=np.cumsum(lam_c) / float(np.trace(c)),
+        mean_energy_upto=cum_g,
+        u_t_v=u_all.T @ v_all,
+        isoscore_star=isoscore_star_from_cov(c, zeta, target if c0 is None else c0),
+    )
 
-    out = []
-    for r in rs:
-        # U_r (V_r) is unique only while lambda_r > 0: past the numerical rank its last columns are
-        # arbitrary null-space directions, and everything measured with them is undefined
-        u_defined, v_defined = r <= rank_c, r <= rank_s
-        # fractions in [0, 1]: clipped against rounding (an E_max of 1 + 4e-16 occurs)
-        e = min(1.0, max(0.0, float(cum_e[r - 1])))
-        base = r / d
-        e_max = min(1.0, float(cum_max[r - 1]))
-        lam_r, lam_next = float(lam_c[r - 1]), float(lam_c[r])
-        u = u_all[:, :r]
-        rem, why = removal.score(u, cu[:, :r], None if c0u is None else c0u[:, :r], explicit=True, name="U_r")
-        if not u_defined and removal.kind == "matrix":
-            # C_act has nothing left either way, but P C0 P depends on the arbitrary columns
-            rem, why = None, "U_r is not unique (see subspace_note), and neither is C0 with U_r removed"
-        row = {
-            "rank": r,
-            "dim": d,
-            "energy": e if u_defined else None,
-            "baseline": base,
-            "energy_max": e_max,
-            "kappa": (e - base) / (e_max - base) if u_defined and e_max - base > _TINY else None,
-            "mean_energy": None if cum_g is None or not u_defined else float(cum_g[r - 1]),
-            "overlap": min(1.0, float(np.vdot(cross[:r, :r], cross[:r, :r])) / r)
-            if u_defined and v_defined
-            else None,
-            "activation_share": min(1.0, float(cum_c[r - 1])),
-            "activation_gap": (lam_r - lam_next) / lam_r if lam_r > 0 else None,
-            "controls": 0,
-            "control_energy_mean": None,
-            "control_energy_sd": None,
-            "control_energy_expected": None,
-            "energy_ratio": None,
-            "p_value": None,
-            "controls_note": None,
-            "isoscore_star": star_full,
-            "removal_isoscore_star": rem,
-            "removal_control_isoscore_star_mean": None,
-            "removal_control_isoscore_star_sd": None,
-            "removal_note": why,
-            "subspace_note": None,
+
+def _rank_row(layer: _LayerSubspaces, r: int, count: int, seed: int) -> dict:
+    """The JSON-ready dict of rank r, with :func:`gradient_energy`'s keys in its order."""
+    d = layer.dim
+    # U_r (V_r) is unique only while lambda_r > 0: past the numerical rank its last columns are
+    # arbitrary null-space directions, and everything measured with them is undefined
+    u_defined, v_defined = r <= layer.act_rank, r <= layer.grad_rank
+    # fractions in [0, 1]: clipped against rounding (an E_max of 1 + 4e-16 occurs)
+    e = min(1.0, max(0.0, float(layer.energy_upto[r - 1])))
+    base = r / d
+    e_max = min(1.0, float(layer.energy_max_upto[r - 1]))
+    lam_r, lam_next = float(layer.act_eigenvalues[r - 1]), float(layer.act_eigenvalues[r])
+    block = layer.u_t_v[:r, :r]
+    rem, why = _removal_of_u(layer, r, u_defined)
+    row = {
+        "rank": r,
+        "dim": d,
+        "energy": e if u_defined else None,
+        "baseline": base,
+        "energy_max": e_max,
+        "kappa": (e - base) / (e_max - base) if u_defined and e_max - base > _TINY else None,
+        "mean_energy": None
+        if layer.mean_energy_upto is None or not u_defined
+        else float(layer.mean_energy_upto[r - 1]),
+        "overlap": min(1.0, float(np.vdot(block, block)) / r) if u_defined and v_defined else None,
+        "activation_share": min(1.0, float(layer.act_share_upto[r - 1])),
+        "activation_gap": (lam_r - lam_next) / lam_r if lam_r > 0 else None,
+        "controls": 0,
+        "control_energy_mean": None,
+        "control_energy_sd": None,
+        "control_energy_expected": None,
+        "energy_ratio": None,
+        "p_value": None,
+        "controls_note": None,
+        "isoscore_star": layer.isoscore_star,
+        "removal_isoscore_star": rem,
+        "removal_control_isoscore_star_mean": None,
+        "removal_control_isoscore_star_sd": None,
+        "removal_note": why,
+        "subspace_note": _subspace_note(r, layer.act_rank, layer.grad_rank),
+    }
+    if u_defined:
+        row.update(_controls_of_rank(layer, r, e, count, seed))
+    else:
+        row["controls_note"] = "U_r is not unique (see subspace_note); no normal controls"
+    return row
+
+
+def _removal_of_u(layer: _LayerSubspaces, r: int, u_defined: bool) -> tuple[float | None, str | None]:
+    """(IsoScore* of C_act with U_r removed, None) or (None, why it is undefined)."""
+    removal = layer.removal
+    if not u_defined and removal.kind == "matrix":
+        # C_act has nothing left either way, but P C0 P depends on the arbitrary columns
+        return None, "U_r is not unique (see subspace_note), and neither is C0 with U_r removed"
+    c0u = None if layer.removal_c0u is None else layer.removal_c0u[:, :r]
+    return removal.score(layer.u_top[:, :r], layer.removal_cu[:, :r], c0u, explicit=True, name="U_r")
+
+
+def _subspace_note(r: int, act_rank: int, grad_rank: int) -> str | None:
+    """Why U_r (or V_r) is not unique at rank r and what that leaves undefined; None while both are."""
+    if r > act_rank:
+        return (
+            f"r = {r} exceeds C_act's numerical rank k = {act_rank} (eigenvalues at or below D eps "
+            f"lambda_1 are 0), so U_r's last {r - act_rank} column(s) are arbitrary null-space directions: "
+            f"energy, kappa, mean_energy, overlap, activation_gap and the controls are undefined; "
+            f"use r <= {act_rank}"
+        )
+    if r > grad_rank:
+        return (
+            f"r = {r} exceeds S's numerical rank {grad_rank}, so V_r's last {r - grad_rank} column(s) are "
+            f"arbitrary null-space directions: overlap is undefined; use r <= {grad_rank} for it"
+        )
+    return None
+
+
+def _controls_of_rank(layer: _LayerSubspaces, r: int, e: float, count: int, seed: int) -> dict:
+    """The control fields of a rank whose U_r is unique: the ``count`` normal controls and their
+    expectation, or a ``controls_note`` saying why there are none."""
+    d = layer.dim
+    if 2 * r > d:
+        return {
+            "controls_note": f"no rank-{r} subspace fits in the {d - r}-dimensional complement of U_r "
+            f"(needs 2r <= D = {d}); no normal controls"
         }
-        notes = []
-        if not u_defined:
-            notes.append(
-                f"r = {r} exceeds C_act's numerical rank k = {rank_c} (eigenvalues at or below D eps "
-                f"lambda_1 are 0), so U_r's last {r - rank_c} column(s) are arbitrary null-space directions: "
-                f"energy, kappa, mean_energy, overlap, activation_gap and the controls are undefined; "
-                f"use r <= {rank_c}"
-            )
-        elif not v_defined:
-            notes.append(
-                f"r = {r} exceeds S's numerical rank {rank_s}, so V_r's last {r - rank_s} column(s) are "
-                f"arbitrary null-space directions: overlap is undefined; use r <= {rank_s} for it"
-            )
-        row["subspace_note"] = "; ".join(notes) or None
-        if not u_defined:
-            row["controls_note"] = "U_r is not unique (see subspace_note); no normal controls"
-        elif 2 * r > d:
-            row["controls_note"] = (
-                f"no rank-{r} subspace fits in the {d - r}-dimensional complement of U_r "
-                f"(needs 2r <= D = {d}); no normal controls"
-            )
-        else:
-            row["control_energy_expected"] = r / (d - r) * (1.0 - e)
-            if k == 0:
-                row["controls_note"] = "controls = 0: no normal controls were drawn"
-            else:
-                row.update(_control_fields(s, u, k, seed, tr_s, e, removal))
-        out.append(row)
-    return out
+    expected = {"control_energy_expected": r / (d - r) * (1.0 - e)}
+    if count == 0:
+        return {**expected, "controls_note": "controls = 0: no normal controls were drawn"}
+    u = layer.u_top[:, :r]
+    return {**expected, **_control_fields(layer.s, u, count, seed, layer.trace_s, e, layer.removal)}
 
 
 def _check_act_eig(act_eig, d: int, need: int) -> tuple[np.ndarray, np.ndarray]:
