@@ -198,8 +198,11 @@ def plot_energy(
 
 
 def _draw_energy(ax, ge: dict, sel, colours, title: str, own: bool) -> None:
+    """E against rank on ``ax``: per layer of ``sel`` with values (in its colour of ``colours``) its
+    controls, E_max and E (:func:`_draw_layer_energy`); each distinct r/D baseline once; the rank
+    axis; a legend naming at most MAX_LEGEND_LAYERS layers and the reference lines drawn."""
     ranks_seen: set[int] = set()
-    baselines: dict[tuple, np.ndarray] = {}
+    baselines: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
     handles = []
     drawn_at = [k for k, (_, v) in enumerate(sel) if _rows(v)]
     shown = {drawn_at[j] for j in _legend_layers(len(drawn_at))}
@@ -210,57 +213,8 @@ def _draw_energy(ax, ge: dict, sel, colours, title: str, own: bool) -> None:
             continue
         x = np.asarray([float(r["rank"]) for r in rows])
         ranks_seen |= {int(r["rank"]) for r in rows}
-        e = _column(rows, "energy")
-        mean, sd = _column(rows, "control_energy_mean"), _column(rows, "control_energy_sd")
-        has_sd = np.isfinite(mean) & np.isfinite(sd)
-        if has_sd.any():
-            ax.fill_between(
-                x,
-                mean - sd,
-                mean + sd,
-                where=has_sd,
-                color=colour,
-                alpha=_BAND_ALPHA,
-                linewidth=0,
-                gid="control",
-            )
-            band = True
-        if (np.isfinite(mean) & ~has_sd).any():
-            ax.plot(
-                x,
-                np.where(has_sd, np.nan, mean),
-                color=colour,
-                alpha=0.5,
-                linewidth=0.8,
-                linestyle="-.",
-                marker=".",
-                markersize=3,
-                gid="control_mean",
-                label=f"_{plain_text(name)}",
-            )
-            mean_only = True
-        emax = _column(rows, "energy_max")
-        if np.isfinite(emax).any():
-            ax.plot(
-                x,
-                emax,
-                color=colour,
-                alpha=_EMAX_ALPHA,
-                linewidth=0.9,
-                linestyle=":",
-                gid="energy_max",
-                label=f"_{plain_text(name)}",
-            )
-        (line,) = ax.plot(
-            x,
-            e,
-            color=colour,
-            linewidth=1.5,
-            marker="o",
-            markersize=3.5,
-            gid="energy",
-            label=plain_text(name),
-        )
+        line, layer_band, layer_mean_only = _draw_layer_energy(ax, x, rows, colour, name)
+        band, mean_only = band or layer_band, mean_only or layer_mean_only
         if k in shown:
             handles.append(line)
         b = _baseline(rows)
@@ -269,24 +223,80 @@ def _draw_energy(ax, ge: dict, sel, colours, title: str, own: bool) -> None:
             baselines[key] = (x, b)
     for x, b in baselines.values():
         ax.plot(x, b, color="black", linestyle="--", linewidth=1.1, gid="baseline", label="_r/D")
-    ranks = sorted(ranks_seen) or [int(r) for r in ge.get("ranks") or [] if is_number(r) and r > 0]
+    _rank_axis(ax, sorted(ranks_seen) or [int(r) for r in ge.get("ranks") or [] if is_number(r) and r > 0])
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("rank r of the activation subspace")
+    ax.set_ylabel("captured gradient energy E")
+    ax.set_title(plain_text(title), loc="left")
+    _energy_legend(ax, handles, len(drawn_at), band, mean_only, own)
+
+
+def _draw_layer_energy(
+    ax, x: np.ndarray, rows: Sequence[dict], colour, name: str
+) -> tuple[Line2D, bool, bool]:
+    """One gradient layer's curves at ranks ``x``: its controls' mean ± SD as a band where both are
+    given, the mean alone (dash-dotted) where only it is, E_max dotted and E; returns (the E line,
+    whether a band was drawn, whether a mean alone was)."""
+    mean, sd = _column(rows, "control_energy_mean"), _column(rows, "control_energy_sd")
+    has_sd = np.isfinite(mean) & np.isfinite(sd)
+    band = bool(has_sd.any())
+    if band:
+        ax.fill_between(
+            x, mean - sd, mean + sd, where=has_sd, color=colour, alpha=_BAND_ALPHA, linewidth=0, gid="control"
+        )
+    mean_only = bool((np.isfinite(mean) & ~has_sd).any())
+    if mean_only:
+        ax.plot(
+            x,
+            np.where(has_sd, np.nan, mean),
+            color=colour,
+            alpha=0.5,
+            linewidth=0.8,
+            linestyle="-.",
+            marker=".",
+            markersize=3,
+            gid="control_mean",
+            label=f"_{plain_text(name)}",
+        )
+    emax = _column(rows, "energy_max")
+    if np.isfinite(emax).any():
+        ax.plot(
+            x,
+            emax,
+            color=colour,
+            alpha=_EMAX_ALPHA,
+            linewidth=0.9,
+            linestyle=":",
+            gid="energy_max",
+            label=f"_{plain_text(name)}",
+        )
+    e = _column(rows, "energy")
+    (line,) = ax.plot(
+        x, e, color=colour, linewidth=1.5, marker="o", markersize=3.5, gid="energy", label=plain_text(name)
+    )
+    return line, band, mean_only
+
+
+def _rank_axis(ax, ranks: Sequence[int]) -> None:
+    """A log rank axis with a tick at each of ``ranks`` (a range around a single one)."""
     ax.set_xscale("log")
     if ranks:
         ax.set_xticks(ranks, [str(r) for r in ranks])
         ax.xaxis.set_minor_locator(NullLocator())
         if len(ranks) == 1:
             ax.set_xlim(ranks[0] / 1.5, ranks[0] * 1.5)
-    ax.set_ylim(bottom=0)
-    ax.set_xlabel("rank r of the activation subspace")
-    ax.set_ylabel("captured gradient energy E")
-    ax.set_title(plain_text(title), loc="left")
+
+
+def _energy_legend(ax, handles: list, n_drawn: int, band: bool, mean_only: bool, own: bool) -> None:
+    """The E panel's legend: the layers' lines in ``handles`` (of ``n_drawn`` drawn), then r/D, E_max
+    and the controls' band or mean where drawn; outside the panel on a figure of our own."""
     refs = [Line2D([], [], color="black", linestyle="--", label="r/D (isotropic)")]
     refs.append(Line2D([], [], color="0.4", alpha=_EMAX_ALPHA + 0.2, linestyle=":", label="E_max"))
     if band:
         refs.append(Patch(color="0.5", alpha=0.3, label="controls mean ± SD"))
     if mean_only:
         refs.append(Line2D([], [], color="0.4", linestyle="-.", label="controls mean"))
-    layer_title = "layer" if len(handles) == len(drawn_at) else f"layer ({len(handles)} of {len(drawn_at)})"
+    layer_title = "layer" if len(handles) == n_drawn else f"layer ({len(handles)} of {n_drawn})"
     ax.legend(
         handles=handles + refs,
         labels=[short_or(h.get_label()) for h in handles]
