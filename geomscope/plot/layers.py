@@ -107,40 +107,9 @@ def plot_layers(
     ncols = axes.shape[1]
     handles = []
     for k, metric in enumerate(metrics):
-        ax = axes[k // ncols][k % ncols]
-        variants = [metric_variant(metric, r.get("params")) for r in reports]
-        same = len(set(variants)) == 1
-        for i, lab, grad in series:
-            x, y, se = layer_series(reports[i], metric, gradients=grad, x_of=x_of)
-            if not same and variants[i]:
-                lab = variants[i] + (" (gradients)" if grad else "")
-            style = series_style(i)
-            if grad:  # the report's colour and marker, dashed and hollow
-                style.update(linestyle=GRAD_LINESTYLE, markerfacecolor="none")
-            cont = ax.errorbar(
-                x,
-                y,
-                yerr=None if np.all(np.isnan(se)) else se,
-                label=plain_text(lab),
-                markersize=4,
-                linewidth=1.4,
-                capsize=0,
-                elinewidth=1.0,
-                alpha=0.95,
-                **style,
-            )
-            if k == 0:
-                handles.append(cont)
-        title = metric_title(metric, reports[0].get("params")) if same else metric_name(metric)
-        ax.set_title(plain_text(title))
-        ax.set_ylabel(plain_text(metric_name(metric).split(" (")[0]))
-        if x_of is None:
-            ax.set_xlabel("layer index")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        else:
-            _name_ticks(ax, x_of)
-        if not same:  # the reports differ in this metric's variant: say which is which, in short
-            ax.legend(loc="best", frameon=True, framealpha=0.8, fontsize=7, title="variant", title_fontsize=7)
+        drawn = _draw_metric(axes[k // ncols][k % ncols], reports, metric, series, x_of)
+        if k == 0:
+            handles = drawn
     hide_spare_panels(axes, len(metrics))
     shown = [plain_text(lab) for _, lab, _ in series]
     if not own:  # the caller's figure: a legend on the first panel, no title or caption
@@ -156,11 +125,49 @@ def plot_layers(
         title="Geometry by layer",
         title_fontsize=11,
     )
-    text = _caption(reports, metrics, labels)
-    if x_of is not None:
-        text += " Layers are placed by name: the reports number them differently."
-    add_caption(fig, text)
+    add_caption(fig, _caption(reports, metrics, labels, by_name=x_of is not None))
     return fig
+
+
+def _draw_metric(ax, reports: Sequence[dict], metric: str, series, x_of: dict[str, int] | None) -> list:
+    """One metric's panel: a line with error bars per entry of ``series`` (:func:`_series`), the
+    metric's title, its layer axis (by index, or by name where ``x_of`` places the layers), and a
+    legend of variants when the reports differ in the metric's variant.  Returns the lines' containers,
+    in ``series`` order."""
+    variants = [metric_variant(metric, r.get("params")) for r in reports]
+    same = len(set(variants)) == 1
+    drawn = []
+    for i, lab, grad in series:
+        x, y, se = layer_series(reports[i], metric, gradients=grad, x_of=x_of)
+        if not same and variants[i]:
+            lab = variants[i] + (" (gradients)" if grad else "")
+        style = series_style(i)
+        if grad:  # the report's colour and marker, dashed and hollow
+            style.update(linestyle=GRAD_LINESTYLE, markerfacecolor="none")
+        cont = ax.errorbar(
+            x,
+            y,
+            yerr=None if np.all(np.isnan(se)) else se,
+            label=plain_text(lab),
+            markersize=4,
+            linewidth=1.4,
+            capsize=0,
+            elinewidth=1.0,
+            alpha=0.95,
+            **style,
+        )
+        drawn.append(cont)
+    title = metric_title(metric, reports[0].get("params")) if same else metric_name(metric)
+    ax.set_title(plain_text(title))
+    ax.set_ylabel(plain_text(metric_name(metric).split(" (")[0]))
+    if x_of is None:
+        ax.set_xlabel("layer index")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    else:
+        _name_ticks(ax, x_of)
+    if not same:  # the reports differ in this metric's variant: say which is which, in short
+        ax.legend(loc="best", frameon=True, framealpha=0.8, fontsize=7, title="variant", title_fontsize=7)
+    return drawn
 
 
 def _name_ticks(ax, x_of: dict[str, int]) -> None:
@@ -174,8 +181,9 @@ def _name_ticks(ax, x_of: dict[str, int]) -> None:
     ax.set_xlabel("layer")
 
 
-def _caption(reports: Sequence[dict], metrics: Sequence[str], labels: Sequence[str]) -> str:
-    """Error-bar method, row counts, special tokens, then why values are missing and layer flags."""
+def _caption(reports: Sequence[dict], metrics: Sequence[str], labels: Sequence[str], by_name: bool) -> str:
+    """Error-bar method, row counts, special tokens, why values are missing, layer flags, and, when
+    the layers are placed ``by_name``, that they are."""
     text = uncertainty_caption(reports, metrics)
     rows = sorted({lay.get("n_rows") for r in reports for lay in r["layers"] if is_number(lay.get("n_rows"))})
     if rows:
@@ -195,6 +203,8 @@ def _caption(reports: Sequence[dict], metrics: Sequence[str], labels: Sequence[s
                     flags[str(f)].append(lay["layer"])
     if flags:
         text += " Flags: " + "; ".join(f"{f} ({_few(ls)})" for f, ls in flags.items()) + "."
+    if by_name:
+        text += " Layers are placed by name: the reports number them differently."
     return text
 
 
