@@ -121,57 +121,17 @@ def plot_outliers(
     if top_k is not None and top_k < 1:
         raise InputError(f"--top-k must be at least 1, got {top_k}")
     labels = list(labels) if labels is not None else report_labels(reports)
-    rel = [_relative_for(r, relative) for r in reports]
-    mats = [outlier_matrix(r, top_k, relative=q) for r, q in zip(reports, rel, strict=True)]
-    width = min(13.0, max(6.0, 0.2 * max(m[2].size for m in mats) + 3.0))
-    heights = [max(1.6, 0.24 * m[0].shape[0] + 1.3) for m in mats]
+    relatives = [_relative_for(r, relative) for r in reports]
+    matrices = [outlier_matrix(r, top_k, relative=q) for r, q in zip(reports, relatives, strict=True)]
+    width = min(13.0, max(6.0, 0.2 * max(m[2].size for m in matrices) + 3.0))
+    heights = [max(1.6, 0.24 * m[0].shape[0] + 1.3) for m in matrices]
     extra = {"rows_only": True, "height_ratios": heights} if ax is None else {}
     fig, grid, own = panels(ax, len(reports), width, sum(heights) + 0.7, **extra)
     axes = grid.ravel()
-    # one colour scale for all panels when they show the same quantity (e.g. checkpoints of a model)
-    rules = {(q, (r.get("params") or {}).get("outlier_rule")) for r, q in zip(reports, rel, strict=True)}
-    pooled = np.concatenate([m[0][np.isfinite(m[0])] for m in mats]) if len(rules) == 1 else None
-    for ax, rep, lab, relative, (stat, names, dims, flagged) in zip(
-        axes, reports, labels, rel, mats, strict=True
-    ):
-        finite = pooled if pooled is not None else stat[np.isfinite(stat)]
-        pos = finite[finite > 0]
-        if not relative and finite.size and pos.size == finite.size and finite.max() / finite.min() > 100:
-            norm = LogNorm(vmin=finite.min(), vmax=finite.max())
-        else:
-            norm = Normalize(vmin=finite.min() if finite.size else 0, vmax=finite.max() if finite.size else 1)
-        im = ax.imshow(stat, aspect="auto", interpolation="nearest", cmap=HEAT_CMAP, norm=norm)
-        rr, cc = np.nonzero(flagged)
-        ax.scatter(cc, rr, s=18, marker="o", facecolors="white", edgecolors="black", linewidths=0.8, zorder=3)
-        ax.set_yticks(range(len(names)), [plain_text(n) for n in names])
-        step = max(1, int(np.ceil(dims.size / 60)))
-        ax.set_xticks(
-            range(0, dims.size, step), [str(d) for d in dims[::step]], rotation=90 if dims.size > 12 else 0
-        )
-        ax.grid(False)
-        ax.set_xlabel("hidden dimension")
-        ax.set_ylabel("layer")
-        d_total = len(next(lay["outlier_statistic"] for lay in rep["layers"] if lay.get("outlier_statistic")))
-        shown = (
-            f"top {dims.size} of {d_total} dimensions by statistic"
-            if dims.size < d_total
-            else f"all {d_total} dimensions"
-        )
-        ax.set_title(plain_text(f"{lab}: {shown}"))
-        cbar = fig.colorbar(im, ax=ax, pad=0.01, fraction=0.04)
-        params = rep.get("params") or {}
-        stat_name = _STAT_NAMES.get(params.get("outlier_rule"), "outlier statistic")
-        what = f"{stat_name} / layer mean" if relative else stat_name
-        cbar.set_label(plain_text(f"{what}\n({_rule_text(params)})"), fontsize=8)
-        thr = params.get("outlier_threshold")
-        if (
-            relative
-            and params.get("outlier_rule") == "variance"
-            and thr is not None
-            and norm.vmin <= float(thr) <= norm.vmax
-        ):
-            cbar.ax.axhline(float(thr), color="white", linewidth=2.4)
-            cbar.ax.axhline(float(thr), color="black", linewidth=1.2, linestyle=(0, (2, 1)))
+    scale_values = _scale_values(reports, relatives, matrices)
+    for k, (panel, rep) in enumerate(zip(axes, reports, strict=True)):
+        norm = _heat_norm(scale_values[k], relatives[k])
+        _draw_heatmap(fig, panel, rep, labels[k], matrices[k], norm, relatives[k])
     marker = Line2D(
         [],
         [],
@@ -188,3 +148,66 @@ def plot_outliers(
     fig.legend(handles=[marker], loc="outside lower right", frameon=False)
     fig.suptitle("Outlier dimensions by layer", fontsize=11)
     return fig
+
+
+def _scale_values(reports: Sequence[dict], relatives: Sequence[bool], matrices) -> list[np.ndarray]:
+    """The finite values each panel's colour scale spans: all panels' together when they show the
+    same quantity (one rule, all relative or all raw: e.g. checkpoints of a model), else its own."""
+    rules = {
+        (q, (r.get("params") or {}).get("outlier_rule")) for r, q in zip(reports, relatives, strict=True)
+    }
+    each = [m[0][np.isfinite(m[0])] for m in matrices]
+    return [np.concatenate(each)] * len(each) if len(rules) == 1 else each
+
+
+def _heat_norm(finite: np.ndarray, relative: bool) -> Normalize:
+    """The colour scale over the ``finite`` values: logarithmic for raw values, all positive and
+    spanning more than two decades, else linear (0 to 1 when there are none)."""
+    pos = finite[finite > 0]
+    if not relative and finite.size and pos.size == finite.size and finite.max() / finite.min() > 100:
+        return LogNorm(vmin=finite.min(), vmax=finite.max())
+    return Normalize(vmin=finite.min() if finite.size else 0, vmax=finite.max() if finite.size else 1)
+
+
+def _draw_heatmap(fig: Figure, ax, rep: dict, label: str, matrix, norm: Normalize, relative: bool) -> None:
+    """One report's panel: its :func:`outlier_matrix` as a heat map in ``norm``, the flagged
+    dimensions dotted, the layers and dimensions as ticks, a title saying which dimensions are shown,
+    and the colorbar (:func:`_stat_colorbar`)."""
+    stat, names, dims, flagged = matrix
+    im = ax.imshow(stat, aspect="auto", interpolation="nearest", cmap=HEAT_CMAP, norm=norm)
+    rr, cc = np.nonzero(flagged)
+    ax.scatter(cc, rr, s=18, marker="o", facecolors="white", edgecolors="black", linewidths=0.8, zorder=3)
+    ax.set_yticks(range(len(names)), [plain_text(n) for n in names])
+    step = max(1, int(np.ceil(dims.size / 60)))
+    ax.set_xticks(
+        range(0, dims.size, step), [str(d) for d in dims[::step]], rotation=90 if dims.size > 12 else 0
+    )
+    ax.grid(False)
+    ax.set_xlabel("hidden dimension")
+    ax.set_ylabel("layer")
+    d_total = len(next(lay["outlier_statistic"] for lay in rep["layers"] if lay.get("outlier_statistic")))
+    shown = (
+        f"top {dims.size} of {d_total} dimensions by statistic"
+        if dims.size < d_total
+        else f"all {d_total} dimensions"
+    )
+    ax.set_title(plain_text(f"{label}: {shown}"))
+    _stat_colorbar(fig, ax, im, norm, rep.get("params") or {}, relative)
+
+
+def _stat_colorbar(fig: Figure, ax, im, norm: Normalize, params: dict, relative: bool) -> None:
+    """The heat map's colorbar, labelled with the statistic and the rule; for the ``variance`` rule
+    drawn relative to the layer mean, the threshold k marked where it is on the scale."""
+    cbar = fig.colorbar(im, ax=ax, pad=0.01, fraction=0.04)
+    stat_name = _STAT_NAMES.get(params.get("outlier_rule"), "outlier statistic")
+    what = f"{stat_name} / layer mean" if relative else stat_name
+    cbar.set_label(plain_text(f"{what}\n({_rule_text(params)})"), fontsize=8)
+    thr = params.get("outlier_threshold")
+    if (
+        relative
+        and params.get("outlier_rule") == "variance"
+        and thr is not None
+        and norm.vmin <= float(thr) <= norm.vmax
+    ):
+        cbar.ax.axhline(float(thr), color="white", linewidth=2.4)
+        cbar.ax.axhline(float(thr), color="black", linewidth=1.2, linestyle=(0, (2, 1)))
