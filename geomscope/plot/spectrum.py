@@ -98,27 +98,11 @@ def plot_spectrum(
     ``ax``: draw into these Axes (one per report) of the caller's figure and return that figure.
     """
     reports = select_layers(reports, layers)
-    missing = [report_name(r) for r in reports if not _has_eigenvalues(r)]
-    if missing:
-        raise InputError(f"{missing[0]} has no eigenvalues; rescore it with --metrics including spectrum")
-    empty = [report_name(r) for r in reports if not has_spectrum(r)]
-    if empty:  # every eigenvalue zero or null: nothing a log axis can show
-        raise InputError(
-            f"{empty[0]} has no positive eigenvalue in the layers drawn (all zero or null), so there is "
-            "no spectrum to draw; choose other --layers or rescore the run"
-        )
+    _check_spectra(reports)
     labels = list(labels) if labels is not None else report_labels(reports)
     lasts = {max(layer_key(lay, pos) for pos, lay in enumerate(r["layers"])) for r in reports}
     relative = len(lasts) > 1
-
-    def depth(rep: dict, pos: int) -> float:
-        k = layer_key(rep["layers"][pos], pos)
-        if not relative:
-            return k
-        last = max(layer_key(la, j) for j, la in enumerate(rep["layers"]))
-        return k / last if last > 0 else 0.0
-
-    depths = [depth(r, pos) for r in reports for pos in range(len(r["layers"]))]
+    depths = [_depth(r, pos, relative) for r in reports for pos in range(len(r["layers"]))]
     norm = depth_norm(depths, 0.01 if relative else 1)
     cmap = depth_cmap()
     nrows, ncols = grid_shape(len(reports))
@@ -126,43 +110,10 @@ def plot_spectrum(
     ncols = axes.shape[1]
     clipped = False
     for i, rep in enumerate(reports):
-        ax = axes[i // ncols][i % ncols]
-        lows: list[float] = []
-        grads = False
-        for pos, lay in enumerate(rep["layers"]):
-            ev = lay.get("eigenvalues")
-            if not ev:
-                continue
-            x, y = spectrum_curve(ev, normalise=normalise)
-            grad = is_gradient(lay["layer"])  # its activation layer's colour (same index), dashed
-            grads |= grad
-            ax.plot(
-                x,
-                y,
-                color=cmap(norm(depth(rep, pos))),
-                linewidth=1.1,
-                linestyle=GRAD_LINESTYLE if grad else "-",
-                label=plain_text(lay["layer"]),
-            )
-            if y.size:
-                low, cut = visible_floor(y)
-                lows.append(low)
-                clipped |= cut
-        ax.set_yscale("log")
-        if lows and ax.get_ylim()[0] < min(lows) / 2:
-            ax.set_ylim(min(lows) / 2, ax.get_ylim()[1])
-        if log_x:
-            ax.set_xscale("log")
-        ax.set_title(plain_text(labels[i]))
-        if grads:
-            ax.legend(handles=gradient_key(), loc="best", fontsize=7)
-        ax.set_xlabel("eigenvalue index / D" if normalise else "eigenvalue index")
-        ax.set_ylabel("explained variance ratio λᵢ/Σλ" if normalise else "eigenvalue λᵢ of the covariance")
-        if not normalise and not log_x:
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        if normalise and i % ncols:
-            ax.set_ylabel("")
-        ax.grid(True, which="major", alpha=0.3)
+        colours = [cmap(norm(_depth(rep, pos, relative))) for pos in range(len(rep["layers"]))]
+        clipped |= _draw_spectra(
+            axes[i // ncols][i % ncols], rep, colours, labels[i], normalise, log_x, i % ncols
+        )
     hide_spare_panels(axes, len(reports))
     if relative:
         depth_colorbar(fig, axes, norm, cmap, "relative depth (layer index / last layer)", whole=False)
@@ -178,3 +129,70 @@ def plot_spectrum(
             "e.g. the direction LayerNorm removes) run off the bottom of the axes.",
         )
     return fig
+
+
+def _check_spectra(reports: Sequence[dict]) -> None:
+    """InputError naming the first report without eigenvalues, else the first without a positive one."""
+    missing = [report_name(r) for r in reports if not _has_eigenvalues(r)]
+    if missing:
+        raise InputError(f"{missing[0]} has no eigenvalues; rescore it with --metrics including spectrum")
+    empty = [report_name(r) for r in reports if not has_spectrum(r)]
+    if empty:  # every eigenvalue zero or null: nothing a log axis can show
+        raise InputError(
+            f"{empty[0]} has no positive eigenvalue in the layers drawn (all zero or null), so there is "
+            "no spectrum to draw; choose other --layers or rescore the run"
+        )
+
+
+def _depth(rep: dict, pos: int, relative: bool) -> float:
+    """The colour value of the layer at ``pos``: its index, or with ``relative`` its index over the
+    report's last index (0 when that is 0)."""
+    k = layer_key(rep["layers"][pos], pos)
+    if not relative:
+        return k
+    last = max(layer_key(la, j) for j, la in enumerate(rep["layers"]))
+    return k / last if last > 0 else 0.0
+
+
+def _draw_spectra(ax, rep: dict, colours, title: str, normalise: bool, log_x: bool, column: int) -> bool:
+    """One report's panel: a curve per layer with eigenvalues in its colour of ``colours`` (gradient
+    layers dashed, with a legend saying so), the y axis cut at the layers' visible floors, and the
+    axes' scales and labels (normalised panels share y: those past the grid's first ``column`` have no
+    y label).  Returns whether some eigenvalues run off the bottom."""
+    lows: list[float] = []
+    grads = clipped = False
+    for pos, lay in enumerate(rep["layers"]):
+        ev = lay.get("eigenvalues")
+        if not ev:
+            continue
+        x, y = spectrum_curve(ev, normalise=normalise)
+        grad = is_gradient(lay["layer"])  # its activation layer's colour (same index), dashed
+        grads |= grad
+        ax.plot(
+            x,
+            y,
+            color=colours[pos],
+            linewidth=1.1,
+            linestyle=GRAD_LINESTYLE if grad else "-",
+            label=plain_text(lay["layer"]),
+        )
+        if y.size:
+            low, cut = visible_floor(y)
+            lows.append(low)
+            clipped |= cut
+    ax.set_yscale("log")
+    if lows and ax.get_ylim()[0] < min(lows) / 2:
+        ax.set_ylim(min(lows) / 2, ax.get_ylim()[1])
+    if log_x:
+        ax.set_xscale("log")
+    ax.set_title(plain_text(title))
+    if grads:
+        ax.legend(handles=gradient_key(), loc="best", fontsize=7)
+    ax.set_xlabel("eigenvalue index / D" if normalise else "eigenvalue index")
+    ax.set_ylabel("explained variance ratio λᵢ/Σλ" if normalise else "eigenvalue λᵢ of the covariance")
+    if not normalise and not log_x:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if normalise and column:
+        ax.set_ylabel("")
+    ax.grid(True, which="major", alpha=0.3)
+    return clipped
