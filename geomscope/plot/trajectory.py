@@ -110,44 +110,12 @@ def plot_trajectory(
     names = sorted(depth, key=lambda n: depth[n])
     norm = depth_norm(depth.values())
     cmap = depth_cmap()
+    colours = {name: cmap(norm(depth[name])) for name in names}
     nrows, ncols = grid_shape(len(metrics))
     fig, axes, own = panels(ax, len(metrics), 4.6 * ncols + 0.8, 3.0 * nrows + 0.9)
     ncols = axes.shape[1]
     for k, metric in enumerate(metrics):
-        ax = axes[k // ncols][k % ncols]
-        for name in names:
-            y, se = np.full(x.size, np.nan), np.full(x.size, np.nan)
-            for j, rep in enumerate(reports):
-                lay = next((la for la in rep["layers"] if la["layer"] == name), None)
-                if lay is None:
-                    continue
-                if is_number(lay.get(metric)):
-                    y[j] = lay[metric]
-                e = (lay.get("se") or {}).get(metric)
-                if is_number(e) and e >= 0:
-                    se[j] = e
-            color = cmap(norm(depth[name]))
-            ax.plot(
-                x,
-                y,
-                color=color,
-                marker="o",
-                markersize=3,
-                linewidth=1.3,
-                # a gradient layer has its activation layer's index, so its colour: dashed to tell them apart
-                linestyle=GRAD_LINESTYLE if is_gradient(name) else "-",
-                label=plain_text(name),
-            )
-            if np.isfinite(se).any():
-                ax.fill_between(x, y - se, y + se, color=color, alpha=0.18, linewidth=0)
-        if log_x:
-            _log_step_axis(ax, x)
-        else:
-            ax.xaxis.set_major_locator(MaxNLocator(nbins=6))
-            ax.xaxis.set_major_formatter(FuncFormatter(step_formatter))
-        ax.set_title(plain_text(metric_title(metric, reports[0].get("params"))))
-        ax.set_xlabel("training step" + (" (symlog)" if log_x and (x == 0).any() else ""))
-        ax.set_ylabel(plain_text(metric_name(metric).split(" (")[0]))
+        _draw_trajectories(axes[k // ncols][k % ncols], reports, metric, x, colours, log_x)
     hide_spare_panels(axes, len(metrics))
     if any(is_gradient(n) for n in names):
         axes[0][0].legend(handles=gradient_key(), loc="best", fontsize=7)
@@ -159,6 +127,52 @@ def plot_trajectory(
     fig.suptitle(plain_text(f"{model} over training ({len(reports)} checkpoints, {span})"), fontsize=11)
     add_caption(fig, uncertainty_caption(reports, metrics).replace("Error bars", "Bands"))
     return fig
+
+
+def _draw_trajectories(
+    ax, reports: Sequence[dict], metric: str, x: np.ndarray, colours: dict, log_x: bool
+) -> None:
+    """One metric's panel: a line per layer of ``colours`` (name -> colour, in depth order) over the
+    steps ``x`` of the step-ordered ``reports``, with its ±1 se band where given, and the step axis."""
+    for name, color in colours.items():
+        y, se = _layer_values(reports, name, metric)
+        ax.plot(
+            x,
+            y,
+            color=color,
+            marker="o",
+            markersize=3,
+            linewidth=1.3,
+            # a gradient layer has its activation layer's index, so its colour: dashed to tell them apart
+            linestyle=GRAD_LINESTYLE if is_gradient(name) else "-",
+            label=plain_text(name),
+        )
+        if np.isfinite(se).any():
+            ax.fill_between(x, y - se, y + se, color=color, alpha=0.18, linewidth=0)
+    if log_x:
+        _log_step_axis(ax, x)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=6))
+        ax.xaxis.set_major_formatter(FuncFormatter(step_formatter))
+    ax.set_title(plain_text(metric_title(metric, reports[0].get("params"))))
+    ax.set_xlabel("training step" + (" (symlog)" if log_x and (x == 0).any() else ""))
+    ax.set_ylabel(plain_text(metric_name(metric).split(" (")[0]))
+
+
+def _layer_values(reports: Sequence[dict], name: str, metric: str) -> tuple[np.ndarray, np.ndarray]:
+    """(value, se) of layer ``name``'s ``metric`` in each report; NaN where the report lacks the layer
+    or gives no value (no non-negative se)."""
+    y, se = np.full(len(reports), np.nan), np.full(len(reports), np.nan)
+    for j, rep in enumerate(reports):
+        lay = next((la for la in rep["layers"] if la["layer"] == name), None)
+        if lay is None:
+            continue
+        if is_number(lay.get(metric)):
+            y[j] = lay[metric]
+        e = (lay.get("se") or {}).get(metric)
+        if is_number(e) and e >= 0:
+            se[j] = e
+    return y, se
 
 
 def _short_name(name: str) -> str:
