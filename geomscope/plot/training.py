@@ -19,7 +19,7 @@ Logs written with ``finetune --log-geometry`` (step records with a ``geometry`` 
 E = tr(U_r^T S U_r) / tr(S) against the step, one line per layer (coloured by depth) at the log's
 largest rank -- or, when every log has a single chosen layer, one line per rank -- with the r/D
 baselines dashed; and the per-layer batch IsoScore*.  Logs without geometry draw the four panels
-alone, as before.
+alone.
 """
 
 from __future__ import annotations
@@ -276,7 +276,7 @@ def _isoscore_targets(log: dict) -> tuple[str, str, str]:
 
 def plot_training_log(log_paths, out: str | os.PathLike | None = None):
     """Figure (matplotlib Figure) of one or more training logs; saved to ``out`` when given."""
-    from geomscope.plot._style import new_figure, plain_text, series_style
+    from geomscope.plot._style import new_figure
 
     paths = [log_paths] if isinstance(log_paths, (str, os.PathLike)) else list(log_paths)
     if not paths:
@@ -285,37 +285,61 @@ def plot_training_log(log_paths, out: str | os.PathLike | None = None):
     geometry = any(any(r.get("geometry") for r in log["steps"]) for log in logs)
     fig = new_figure(9.0, 9.0 if geometry else 6.0)
     axes = fig.subplots(3 if geometry else 2, 2, sharex=True)
-    (ax_loss, ax_pen), (ax_iso, ax_acc) = axes[:2]
     for i, log in enumerate(logs):
-        st = series_style(i)
-        line = {"color": st["color"], "linestyle": st["linestyle"], "linewidth": 1.0}
-        mark = {"color": st["color"], "marker": st["marker"], "markersize": 4}
-        label = plain_text(log["label"])  # a directory name: drawn as it is
-        ax_loss.plot(*_series(log["steps"], "task_loss"), label=label, **line)
-        xs, ys = _series(log["steps"], "penalty")
-        if xs:
-            ax_pen.plot(xs, ys, label=label, **line)
-        batch_target, eval_key, eval_target = _isoscore_targets(log)
-        ax_iso.plot(
-            *_series(log["steps"], "isoscore_star"), label=f"{label}: batch{batch_target}", alpha=0.8, **line
+        _draw_log(axes[:2], log, i)
+    _label_panels(fig, axes[:2], logs)
+    if geometry:
+        _plot_geometry(*axes[2], logs)
+    if out is not None:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out)
+    return fig
+
+
+def _draw_log(main_axes, log: dict, i: int) -> None:
+    """The i-th log's curves, in the i-th series style, on the four panels ``main_axes``, ``((loss,
+    penalty), (IsoScore*, eval scores))``: task loss, penalty (when logged), batch IsoScore* with its
+    eval marks, and the eval scores (accuracy and macro-F1, or F1 and exact match for a QA run)."""
+    from geomscope.plot._style import plain_text, series_style
+
+    (ax_loss, ax_pen), (ax_iso, ax_acc) = main_axes
+    st = series_style(i)
+    line = {"color": st["color"], "linestyle": st["linestyle"], "linewidth": 1.0}
+    mark = {"color": st["color"], "marker": st["marker"], "markersize": 4}
+    label = plain_text(log["label"])  # a directory name: drawn as it is
+    ax_loss.plot(*_series(log["steps"], "task_loss"), label=label, **line)
+    xs, ys = _series(log["steps"], "penalty")
+    if xs:
+        ax_pen.plot(xs, ys, label=label, **line)
+    batch_target, eval_key, eval_target = _isoscore_targets(log)
+    ax_iso.plot(
+        *_series(log["steps"], "isoscore_star"), label=f"{label}: batch{batch_target}", alpha=0.8, **line
+    )
+    xs, ys = _series(log["evals"], eval_key)
+    if xs:
+        ax_iso.plot(xs, ys, linestyle="none", label=f"{label}: eval{eval_target}", **mark)
+    qa = any("exact_match" in e for e in log["evals"])  # --task qa: SQuAD scores, in percent
+    first, second = (("f1", "F1 %"), ("exact_match", "exact match %")) if qa else _CLASSIFY
+    xs, ys = _series(log["evals"], first[0])
+    if xs:
+        ax_acc.plot(xs, ys, label=f"{label}: {first[1]}", linestyle=st["linestyle"], **mark)
+        ax_acc.plot(
+            *_series(log["evals"], second[0]),
+            label=f"{label}: {second[1]}",
+            linestyle=":",
+            color=st["color"],
+            marker=st["marker"],
+            markersize=3,
+            alpha=0.6,
         )
-        xs, ys = _series(log["evals"], eval_key)
-        if xs:
-            ax_iso.plot(xs, ys, linestyle="none", label=f"{label}: eval{eval_target}", **mark)
-        qa = any("exact_match" in e for e in log["evals"])  # --task qa: SQuAD scores, in percent
-        first, second = (("f1", "F1 %"), ("exact_match", "exact match %")) if qa else _CLASSIFY
-        xs, ys = _series(log["evals"], first[0])
-        if xs:
-            ax_acc.plot(xs, ys, label=f"{label}: {first[1]}", linestyle=st["linestyle"], **mark)
-            ax_acc.plot(
-                *_series(log["evals"], second[0]),
-                label=f"{label}: {second[1]}",
-                linestyle=":",
-                color=st["color"],
-                marker=st["marker"],
-                markersize=3,
-                alpha=0.6,
-            )
+
+
+def _label_panels(fig, main_axes, logs: list[dict]) -> None:
+    """The four panels ``main_axes``' titles (the first log's zeta in IsoScore*'s; the eval panel's
+    named for the logs' tasks), the figure's note on shrinkage targets, step labels, legends, and a
+    note on an empty penalty panel."""
+    (ax_loss, ax_pen), (ax_iso, ax_acc) = main_axes
     zeta = logs[0]["run"].get("zeta")
     ax_loss.set_title("task loss (cross-entropy)")
     ax_pen.set_title("penalty R (I-STAR: 1 − IsoScore*; CosReg)")
@@ -343,10 +367,3 @@ def plot_training_log(log_paths, out: str | os.PathLike | None = None):
         ax_pen.text(
             0.5, 0.5, "no regulariser (--reg none)", ha="center", va="center", transform=ax_pen.transAxes
         )
-    if geometry:
-        _plot_geometry(*axes[2], logs)
-    if out is not None:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out)
-    return fig
