@@ -99,9 +99,9 @@ bench: $(TEST_STAMP)
 	$(BIN)/pip install -q fastwonn==0.0.9 --no-deps || echo "fastwonn not installed: its row is skipped"
 	$(BIN)/python benchmarks/run_all.py
 
-# the README's command reference, regenerated from --help
+# the docs command reference (docs/reference/cli.md), regenerated from --help
 docs: $(TEST_STAMP)
-	$(BIN)/python -m geomscope.cli.reference --write README.md
+	$(BIN)/python -m geomscope.cli.reference --write
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check geomscope tests benchmarks
