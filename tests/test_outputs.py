@@ -155,7 +155,7 @@ def test_outputs_of_a_geomscope_from_before_the_marks(cli, tmp_path):
     fig.subplots().plot([1, 2], [3, 4])
     fig.savefig(tmp_path / "layers.png")  # Matplotlib's own metadata, as geomscope wrote before
     code, o, e = cli(["plot", rep, "--out", tmp_path / "layers.png", "--kind", "layers", "--quiet"])
-    assert_one_line_error(code, o, e, "layers.png", "before 2026-11-27", exit_code=2)
+    assert_one_line_error(code, o, e, "layers.png", "a figure of an older geomscope", exit_code=2)
 
 
 def test_a_report_is_recognised_from_its_start_whatever_its_size(tmp_path, monkeypatch):

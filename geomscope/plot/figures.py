@@ -117,8 +117,9 @@ def make_figures(
 _CREATOR_KEY = {"png": "Software", "svg": "Creator", "pdf": "Creator"}
 
 
-#: figures written before they recorded their creator cannot be told from a user's: said in the refusal
-FIGURE_HINT = " (or a figure of a geomscope from before 2026-11-27, which did not mark its figures)"
+#: a figure without its recorded creator cannot be told from a user's, even one an older geomscope
+#: wrote: the refusal says so
+FIGURE_HINT = " (or a figure of an older geomscope, which did not mark its figures)"
 
 
 def is_figure(data: bytes) -> bool:
