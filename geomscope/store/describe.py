@@ -26,6 +26,20 @@ OPTION_KEYS = (
     "sample_seed",
 )
 
+#: identity.model's fields that the description shows, in its order
+MODEL_KEYS = (
+    "name",
+    "revision",
+    "commit",
+    "model_type",
+    "architecture",
+    "hidden_size",
+    "num_hidden_states",
+    "stack",
+    "attention",
+    "dtype",
+)
+
 
 def describe_run(run_dir: Path | str, options: InspectOptions | None = None, **overrides) -> dict:
     """Summarise a run: model, layers, rows, documents, shards, dtype, size on disk, completeness.
@@ -47,17 +61,11 @@ def describe_run(run_dir: Path | str, options: InspectOptions | None = None, **o
     if why:
         raise damaged(remote.join(run.dir, MANIFEST_NAME), why)
     shards = run.shards
-    stats = [s.get("stats", {}) for s in m.get("shards", [])]
-    nonfinite_by_layer: dict[str, int] = {}
-    for st in stats:
-        for k, v in (st.get("nonfinite_by_layer") or {}).items():
-            nonfinite_by_layer[k] = nonfinite_by_layer.get(k, 0) + int(v)
+    nonfinite_by_layer = _nonfinite_by_layer(m)
     listed = {s.file for s in shards}
     names = remote.listdir(run.dir)
     on_disk = [n for n in names if fnmatchcase(n, "shard-*.h5")]
-    size = sum(remote.size(remote.join(run.dir, f)) for f in on_disk)
-    size += remote.size(remote.join(run.dir, MANIFEST_NAME))
-    size += sum(remote.size(remote.join(run.dir, n)) for n in names if PART_RE.fullmatch(n))  # shard logs
+    size = _bytes_on_disk(run.dir, names, on_disk)
     layers = run.layers
     final = [la["name"] for la in layers if la.get("final_norm")]
     out = {
@@ -66,21 +74,7 @@ def describe_run(run_dir: Path | str, options: InspectOptions | None = None, **o
         "format_version": m.get("format_version"),
         "created": m.get("created"),
         "finished": m.get("finished"),
-        "model": {
-            k: model.get(k)
-            for k in (
-                "name",
-                "revision",
-                "commit",
-                "model_type",
-                "architecture",
-                "hidden_size",
-                "num_hidden_states",
-                "stack",
-                "attention",
-                "dtype",
-            )
-        },
+        "model": {k: model.get(k) for k in MODEL_KEYS},
         "layers": [la["name"] for la in layers],
         "layer_indices": [la.get("index") for la in layers],
         "final_norm_layer": final[0] if final else None,
@@ -109,6 +103,24 @@ def describe_run(run_dir: Path | str, options: InspectOptions | None = None, **o
     if opts.verify:
         out["verify"] = _verify(run, shards)
     return out
+
+
+def _nonfinite_by_layer(manifest: dict) -> dict[str, int]:
+    """The rows with NaN/Inf per layer, summed over the shards' entries (layers without any absent)."""
+    by_layer: dict[str, int] = {}
+    for st in [s.get("stats", {}) for s in manifest.get("shards", [])]:
+        for k, v in (st.get("nonfinite_by_layer") or {}).items():
+            by_layer[k] = by_layer.get(k, 0) + int(v)
+    return by_layer
+
+
+def _bytes_on_disk(run_dir, names: list[str], shard_files: list[str]) -> int:
+    """The bytes of the run's files among ``names`` (its directory's listing): the shard files
+    ``shard_files``, the manifest and the shard logs."""
+    size = sum(remote.size(remote.join(run_dir, f)) for f in shard_files)
+    size += remote.size(remote.join(run_dir, MANIFEST_NAME))
+    size += sum(remote.size(remote.join(run_dir, n)) for n in names if PART_RE.fullmatch(n))  # shard logs
+    return size
 
 
 #: identity.model's fields that the description shows as text (None: not recorded)
