@@ -447,6 +447,19 @@ class RunWriter:
                 f"--out {self.dir} is not empty and holds no geomscope run; choose a new or empty directory"
             )
         make_dirs(self.dir)
+        self._lock()
+        existing = self._take_over(existing, identity, overwrite)
+        # leftovers of an interrupted shard are never trusted (only geomscope's own temporary names)
+        for tmp in self.dir.glob(".shard-*.tmp"):
+            if SHARD_TEMP_RE.fullmatch(tmp.name) and (tmp.is_symlink() or tmp.is_file()):
+                tmp.unlink()
+        if existing is None:
+            self._start_manifest(identity, extra)
+        else:
+            self._resume_manifest(existing, extra)
+
+    def _lock(self) -> None:
+        """Take the run directory's exclusive lock, or refuse: another process is writing it."""
         self._lock_fd = open_lock(self.dir, create=True)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -455,6 +468,12 @@ class RunWriter:
             raise InputError(
                 f"another geomscope process is writing {self.dir}; wait for it or choose another --out"
             ) from None
+
+    def _take_over(self, existing: dict | None, identity: dict, overwrite: bool) -> dict | None:
+        """With the lock held, before anything is written: the shard logs' names cleared, and the run
+        already there removed (``overwrite``) or held to ``identity`` (a different one is refused with
+        the differences named); return the run to resume (None: a new one). A refusal or a failure
+        of these steps releases the lock first."""
         try:
             self._clear_log_names()
         except BaseException:
@@ -466,8 +485,8 @@ class RunWriter:
             except BaseException:
                 self.release()
                 raise
-            existing = None
-        elif existing is not None:
+            return None
+        if existing is not None:
             diffs = identity_differences(existing.get("identity", {}), identity)
             if diffs:
                 self.release()
@@ -476,31 +495,33 @@ class RunWriter:
                     f"{'; ...' if len(diffs) > 3 else ''}); "
                     "rerun with --overwrite to start over or choose another --out"
                 )
-        # leftovers of an interrupted shard are never trusted (only geomscope's own temporary names)
-        for tmp in self.dir.glob(".shard-*.tmp"):
-            if SHARD_TEMP_RE.fullmatch(tmp.name) and (tmp.is_symlink() or tmp.is_file()):
-                tmp.unlink()
-        if existing is None:
-            now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-            self.manifest = {
-                "format": RUN_FORMAT,
-                "format_version": FORMAT_VERSION,
-                "created": now,
-                "identity": identity,
-                "shards": [],
-                "totals": {},
-                "complete": False,
-            }
-            self.manifest.update(extra or {})
-            self._save()
-        else:
-            self.manifest = existing
-            if extra:
-                self.manifest.update({k: v for k, v in extra.items() if k not in self.manifest})
-            # keep only shards whose files match their size and checksum: the rest are redone
-            self.manifest["shards"] = [s for s in self.manifest["shards"] if self._intact(s)]
-            self.manifest["complete"] = False
-            self.fold_parts()
+        return existing
+
+    def _start_manifest(self, identity: dict, extra: dict | None) -> None:
+        """A new run's manifest (no shard yet, not complete, with the ``extra`` fields), saved."""
+        now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        self.manifest = {
+            "format": RUN_FORMAT,
+            "format_version": FORMAT_VERSION,
+            "created": now,
+            "identity": identity,
+            "shards": [],
+            "totals": {},
+            "complete": False,
+        }
+        self.manifest.update(extra or {})
+        self._save()
+
+    def _resume_manifest(self, existing: dict, extra: dict | None) -> None:
+        """The manifest of the run being resumed: the ``extra`` fields it lacks added, its intact
+        shards kept (and those its shard logs recorded folded in), marked not complete."""
+        self.manifest = existing
+        if extra:
+            self.manifest.update({k: v for k, v in extra.items() if k not in self.manifest})
+        # keep only shards whose files match their size and checksum: the rest are redone
+        self.manifest["shards"] = [s for s in self.manifest["shards"] if self._intact(s)]
+        self.manifest["complete"] = False
+        self.fold_parts()
 
     def _clear_log_names(self) -> None:
         """Before anything is removed or written: a link at a shard log's name is removed (it is
