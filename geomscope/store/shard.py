@@ -211,25 +211,36 @@ class ShardWriter:
             self.chunk = max(1, min(self.chunk, int(expected_rows)))
         self.rows = 0
         self.nonfinite_rows = 0
-        self.nonfinite_by_layer: dict[
-            str, int
-        ] = {}  # rows with NaN/Inf per layer (layers without any absent)
+        # rows with NaN/Inf per layer (layers without any absent)
+        self.nonfinite_by_layer: dict[str, int] = {}
         self._docs: set[int] = set()
         self._measured: dict | None = None  # a sample shard's counts over every row it measured
         self._buf: list[dict] = []
         self._buf_rows = 0
         os.close(create_exclusive(self.tmp_path))
         self._f = h5py.File(self.tmp_path, "w")
+        # each array of an appended batch (a layer "L:name", its NaN/Inf flags "N:name", a row field)
+        # -> its dataset, opened once: an h5py lookup by name costs as much as a small write
+        self._datasets: dict[str, h5py.Dataset] = self._create_datasets()
+        # the per-row fields and flags of rows already in the layers, written META_BLOCK_ROWS at a time
+        self._meta_parts: list[dict] = []
+        self._meta_rows = 0
+        self._digests = None  # the checksums of the finished file, started by finish()
+        self._direct = _DirectRows(self.tmp_path)
+
+    def _create_datasets(self) -> dict[str, h5py.Dataset]:
+        """Write the shard's attributes into the new file and create its empty datasets, growable
+        by rows and chunked ``chunk`` rows at a time: per layer its rows (``layers/<name>``, laid out
+        by :func:`_rows_in_place`) and their NaN/Inf flags (``nonfinite/<name>``), and the per-row
+        fields and flags. Returns them by the key of their array in an appended batch."""
         self._f.attrs["format"] = SHARD_FORMAT
-        self._f.attrs["shard_index"] = index
+        self._f.attrs["shard_index"] = self.index
         self._f.attrs["layer_names"] = np.array(self.layer_names, dtype=h5py.string_dtype())
         g = self._f.create_group("layers")
         nf = self._f.create_group("nonfinite")
-        # each array of an appended batch (a layer "L:name", its NaN/Inf flags "N:name", a row field)
-        # -> its dataset, opened once: an h5py lookup by name costs as much as a small write
-        self._datasets: dict[str, h5py.Dataset] = {}
+        datasets: dict[str, h5py.Dataset] = {}
         for name in self.layer_names:
-            self._datasets["L:" + name] = g.create_dataset(
+            datasets["L:" + name] = g.create_dataset(
                 name,
                 shape=(0, self.dim),
                 maxshape=(None, self.dim),
@@ -237,22 +248,18 @@ class ShardWriter:
                 chunks=(self.chunk, self.dim),
                 dcpl=_rows_in_place(),
             )
-            self._datasets["N:" + name] = nf.create_dataset(
+            datasets["N:" + name] = nf.create_dataset(
                 name, shape=(0,), maxshape=(None,), dtype=bool, chunks=(self.chunk * 8,)
             )
         for name in META_FIELDS:
-            self._datasets[name] = self._f.create_dataset(
+            datasets[name] = self._f.create_dataset(
                 name, shape=(0,), maxshape=(None,), dtype=np.int64, chunks=(self.chunk * 4,)
             )
         for name in ("is_special", *self.row_flags):
-            self._datasets[name] = self._f.create_dataset(
+            datasets[name] = self._f.create_dataset(
                 name, shape=(0,), maxshape=(None,), dtype=bool, chunks=(self.chunk * 8,)
             )
-        # the per-row fields and flags of rows already in the layers, written META_BLOCK_ROWS at a time
-        self._meta_parts: list[dict] = []
-        self._meta_rows = 0
-        self._digests = None  # the checksums of the finished file, started by finish()
-        self._direct = _DirectRows(self.tmp_path)
+        return datasets
 
     def append(self, layers: dict, token_id, doc_id, position, is_special, nonfinite=None, **flags) -> None:
         """Add rows: ``layers[name]`` is (rows, D) for every layer name; the rest are (rows,), and
