@@ -186,11 +186,7 @@ def check_device(device: str, precision: str):
 def start(device: str, precision: str) -> Engine:
     """One Accelerator for this run (any earlier one in this process is forgotten first: Accelerate's
     state is a process-wide singleton, and a notebook or test may run several fine-tunings)."""
-    import datetime
-
-    from accelerate import Accelerator
     from accelerate.state import AcceleratorState
-    from accelerate.utils import InitProcessGroupKwargs
 
     world = dd.world_from_env()[1]
     _export_world(*dd.world_from_env())
@@ -198,20 +194,44 @@ def start(device: str, precision: str) -> Engine:
     import torch.distributed as dist
 
     existed = dist.is_initialized()
+    _check_launch_precision(precision)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    _name_deepspeed_accelerator()
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if deepspeed:
+        _need_deepspeed()
+    on_cpu = dev.type == "cpu"
+    acc = _accelerator(precision, world, on_cpu=on_cpu, deepspeed=deepspeed)
+    if on_cpu:
+        _fsdp_on_cpu(acc)
+    d = _penalty_dist(acc, device, dev)
+    eng = Engine(acc, d, owns_group=not existed and dist.is_initialized())
+    if eng.sharded:  # each forward gathers parameters from every process: no pass may skip one
+        eng.d = replace(d, lockstep=True)
+    return eng
+
+
+def _check_launch_precision(precision: str) -> None:
+    """A launch's ``--mixed_precision`` (``accelerate launch``) other than ``--precision``'s is refused:
+    geomscope's flag decides."""
     launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")  # accelerate launch --mixed_precision
     if launched not in ("no", MIXED_PRECISION[precision]):
         raise InputError(
             f"accelerate launch asks for --mixed_precision {launched} but finetune has --precision "
             f"{precision}; geomscope's flag decides, so pass --precision {launched.replace('no', 'fp32')}"
         )
-    AcceleratorState._reset_state(reset_partial_state=True)
-    _name_deepspeed_accelerator()
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    if deepspeed:
-        _need_deepspeed()
+
+
+def _accelerator(precision: str, world: int, *, on_cpu: bool, deepspeed: bool):
+    """The Accelerator of ``world`` processes (it starts a multi-process launch's group); processes
+    that do not meet within the timeout raise :class:`geomscope.distributed.RankFailed` in one line."""
+    import datetime
+
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
     # DeepSpeed runs on the CPU too (its CPU accelerator, gloo), but Accelerate starts it only for a
     # process not marked cpu, and then needs the backend named
-    on_cpu = dev.type == "cpu"
     group = InitProcessGroupKwargs(
         timeout=datetime.timedelta(seconds=dd.timeout_seconds()),
         **({"backend": "gloo"} if deepspeed and on_cpu else {}),
@@ -219,7 +239,7 @@ def start(device: str, precision: str) -> Engine:
     try:
         with warnings.catch_warnings():  # its thread-count notice for CPU processes
             warnings.filterwarnings("ignore", message=".*OMP_NUM_THREADS.*")
-            acc = Accelerator(
+            return Accelerator(
                 cpu=on_cpu and not deepspeed,
                 mixed_precision=MIXED_PRECISION[precision],
                 device_placement=False,
@@ -234,8 +254,11 @@ def start(device: str, precision: str) -> Engine:
             f"{dd.timeout_seconds():g} s ({first_line(e, 160)}); start them all, with the "
             "same MASTER_ADDR and MASTER_PORT"
         ) from None
-    if on_cpu:
-        _fsdp_on_cpu(acc)
+
+
+def _penalty_dist(acc, device: str, dev) -> dd.Dist:
+    """The :class:`~geomscope.distributed.Dist` the penalties use, on the group the Accelerator
+    started (:func:`geomscope.distributed.setup` adds their own group) and on the device it trains on."""
     d = dd.setup(device)  # the group exists now: this adds the penalties' own group
     if acc.num_processes != d.world_size:  # cannot happen with a launcher; guards a half-made group
         raise InputError(
@@ -244,10 +267,7 @@ def start(device: str, precision: str) -> Engine:
         )
     if d.active or dev.type != "cpu":
         d = replace(d, device=acc.device if d.active else dev)
-    eng = Engine(acc, d, owns_group=not existed and dist.is_initialized())
-    if eng.sharded:  # each forward gathers parameters from every process: no pass may skip one
-        eng.d = replace(d, lockstep=True)
-    return eng
+    return d
 
 
 def _fsdp_on_cpu(acc) -> None:
