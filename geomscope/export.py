@@ -68,14 +68,7 @@ def export_run(
         raise InputError(f"{out} exists and is not an empty directory; choose a new --out directory")
     tasks = run.shard_tasks(run.dim or 0)  # each shard's identity now: the reads come from it
     indices = run.layer_indices(names)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = temp_path(out)
-        tmp.mkdir()
-    except OSError as e:
-        raise InputError(
-            f"cannot write into {out.parent} ({e.strerror or e}); choose another --out"
-        ) from None
+    tmp = _temp_dir_beside(out)
     try:
         with Progress(enabled=progress) as bar:
             rows_done = bar.add("exporting", run.total_rows, unit="rows", rate_unit="rows").advance
@@ -108,6 +101,20 @@ def export_run(
     rows, layers = counted(summary["rows"], "row"), counted(len(names), "layer")
     log_to(log)(f"exported {rows} x {layers} to {out} ({opts.to})")
     return summary
+
+
+def _temp_dir_beside(out: Path) -> Path:
+    """A new, empty directory under a fresh temporary name next to ``out`` (its parents made first),
+    into which the export is written before it is renamed to ``out``; one line when it cannot be made."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temp_path(out)
+        tmp.mkdir()
+    except OSError as e:
+        raise InputError(
+            f"cannot write into {out.parent} ({e.strerror or e}); choose another --out"
+        ) from None
+    return tmp
 
 
 def _open_run(run_dir):
