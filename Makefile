@@ -5,6 +5,7 @@ BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
+DOCS_STAMP := $(VENV)/.installed-docs
 # setuptools warns on every editable install of a flat layout; the package dir is the project's own
 QUIET_BUILD := PYTHONWARNINGS=ignore::Warning
 
@@ -28,6 +29,11 @@ $(STAMP): pyproject.toml Makefile
 $(TEST_STAMP): $(STAMP)
 	$(QUIET_BUILD) $(BIN)/python -m pip install --quiet -e ".[test]" "$(TORCH_PIN)"
 	touch $(TEST_STAMP)
+
+# what the docs site needs on top: MkDocs, its theme and mkdocstrings
+$(DOCS_STAMP): $(TEST_STAMP)
+	$(QUIET_BUILD) $(BIN)/python -m pip install --quiet -e ".[docs]" "$(TORCH_PIN)"
+	touch $(DOCS_STAMP)
 
 install: $(STAMP)
 
@@ -99,13 +105,17 @@ bench: $(TEST_STAMP)
 	$(BIN)/pip install -q fastwonn==0.0.9 --no-deps || echo "fastwonn not installed: its row is skipped"
 	$(BIN)/python benchmarks/run_all.py
 
-# the docs command reference (docs/reference/cli.md), regenerated from --help
-docs: $(TEST_STAMP)
+# the docs site: the command reference regenerated from --help, `mkdocs build --strict` into site/
+# (a warning fails it), then every bash block of the README, the tutorials and the how-to guides run
+# here at tiny size (docs/run_blocks.py; the blocks need the test extras' optional stacks)
+docs: $(DOCS_STAMP)
 	$(BIN)/python -m geomscope.cli.reference --write
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	$(BIN)/python docs/run_blocks.py
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check geomscope tests benchmarks
 	$(BIN)/ruff format --check geomscope tests benchmarks
 
 clean:
-	rm -rf $(VENV) demo_out study_out trajectory_out gradients_out .pytest_cache
+	rm -rf $(VENV) demo_out study_out trajectory_out gradients_out docs_out site .pytest_cache
