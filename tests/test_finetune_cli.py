@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from conftest import assert_one_line_error
-from test_train_helpers import make_checkpoint, synthetic_rows, words_of, write_csv
+from helpers_train import make_checkpoint, synthetic_rows, words_of, write_csv
 
 torch.set_num_threads(1)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import assert_one_line_error
 from helpers_models import make_tiny_model
-from test_train_helpers import make_checkpoint, synthetic_rows, words_of, write_csv
+from helpers_train import make_checkpoint, synthetic_rows, words_of, write_csv
 
 from geomscope.errors import InputError
 from geomscope.train.data import Encoded, load_table

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from conftest import assert_one_line_error, files_of
-from test_train_helpers import (
+from helpers_train import (
     finetune_args,
     finetune_cosreg,
     make_checkpoint,

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 from conftest import Planted, assert_one_line_error
-from test_train_helpers import finetune_args, finetune_cosreg, synthetic_rows, tiny_finetune_data, write_csv
+from helpers_train import finetune_args, finetune_cosreg, synthetic_rows, tiny_finetune_data, write_csv
 
 import geomscope.train.loop as loop
 from geomscope.errors import InputError

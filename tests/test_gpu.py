@@ -42,7 +42,7 @@ import numpy as np
 import pytest
 import torch
 from helpers_models import SAMPLE_TEXTS, make_tiny_model
-from test_train_helpers import make_checkpoint, synthetic_rows, words_of, write_csv
+from helpers_train import make_checkpoint, synthetic_rows, words_of, write_csv
 
 from geomscope.devices import resolve_device
 from geomscope.errors import InputError

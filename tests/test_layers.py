@@ -199,7 +199,7 @@ def models(tmp_path_factory):
     """A tiny GPT-2 of 4 blocks (5 hidden states and a final norm), extracted whole, and a tiny BERT
     classifier of 4 blocks (5 hidden states, no final norm) for finetune."""
     from helpers_models import SAMPLE_TEXTS, make_tiny_model
-    from test_train_helpers import make_checkpoint, synthetic_rows, words_of, write_csv
+    from helpers_train import make_checkpoint, synthetic_rows, words_of, write_csv
 
     from geomscope.extract.run import extract
 

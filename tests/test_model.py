@@ -23,7 +23,7 @@ from helpers_models import (
     make_tiny_head_model,
     make_tiny_model,
 )
-from test_train_helpers import make_checkpoint, synthetic_rows, words_of, write_csv
+from helpers_train import make_checkpoint, synthetic_rows, words_of, write_csv
 
 from geomscope.errors import InputError
 

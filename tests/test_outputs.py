@@ -14,8 +14,8 @@ import shutil
 import numpy as np
 import pytest
 from conftest import assert_one_line_error, quiet_extract
+from helpers_train import finetune_cosreg
 from test_plot_factory import make_report, write_report
-from test_train_helpers import finetune_cosreg
 
 from geomscope.outputs import ensure_replaceable, json_format_is, starts_with
 

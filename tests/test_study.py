@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 from conftest import assert_one_line_error
+from helpers_train import make_checkpoint, synthetic_rows, words_of, write_csv
 from scipy import stats as sps
-from test_train_helpers import make_checkpoint, synthetic_rows, words_of, write_csv
 
 from geomscope.study import stats
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_train_helpers import SAMPLE, make_checkpoint, synthetic_rows, words_of, write_csv
+from helpers_train import SAMPLE, make_checkpoint, synthetic_rows, words_of, write_csv
 
 from geomscope import distributed as dd
 from geomscope.errors import DataError, GeomscopeError, InputError
@@ -590,3 +590,14 @@ def test_finetune_library_resolves_model_aliases():
     assert Path(cfg.model).is_dir() and (Path(cfg.model) / "config.json").exists()
     assert cfg.extra["model_arg"] == "bundled:minilm" and cfg.extra["model_info"]["source"] == "bundled"
     assert _resolve_model_alias(cfg) is cfg
+
+
+def test_the_test_builders_make_a_usable_checkpoint_and_rows(tmp_path):
+    from transformers import AutoModel, AutoTokenizer
+
+    ck = make_checkpoint(tmp_path / "m")
+    tok = AutoTokenizer.from_pretrained(ck)
+    ids = tok("the film was good")["input_ids"]
+    assert tok.unk_token_id not in ids and len(ids) == 6
+    assert AutoModel.from_pretrained(ck).config.hidden_size == 32
+    assert len(synthetic_rows(10)) == 10

@@ -13,7 +13,7 @@ import os
 
 import torch
 import torch.multiprocessing as mp
-from test_train_helpers import make_checkpoint, synthetic_rows, words_of, write_csv
+from helpers_train import make_checkpoint, synthetic_rows, words_of, write_csv
 
 from geomscope.train import FinetuneConfig, finetune
 from geomscope.train.regularizers import CosReg, IStar

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_train_helpers import make_checkpoint, synthetic_rows, words_of, write_csv
+from helpers_train import make_checkpoint, synthetic_rows, words_of, write_csv
 
 from geomscope.errors import InputError
 from geomscope.train import FinetuneConfig, finetune

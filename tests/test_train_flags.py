@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from conftest import assert_one_line_error
-from test_train_helpers import make_checkpoint, synthetic_rows, words_of, write_csv
+from helpers_train import make_checkpoint, synthetic_rows, words_of, write_csv
 
 from geomscope.errors import InputError
 from geomscope.train import FinetuneConfig, finetune

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_one_line_error
-from test_train_helpers import make_checkpoint, synthetic_rows, words_of, write_csv
+from helpers_train import make_checkpoint, synthetic_rows, words_of, write_csv
 
 from geomscope.train import FinetuneConfig, finetune
 

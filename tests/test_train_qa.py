@@ -289,7 +289,7 @@ def test_compare_and_plot_read_qa_runs_on_their_own_scores(qa, tmp_path, cli):
     ax = fig.axes[3]
     assert "F1" in ax.get_title() and any("exact match" in t.get_text() for t in ax.get_legend().get_texts())
     # a classification run among them is refused in one line
-    from test_train_helpers import make_checkpoint, synthetic_rows, words_of, write_csv
+    from helpers_train import make_checkpoint, synthetic_rows, words_of, write_csv
 
     cls = tmp_path / "mixed"
     cls.mkdir()

@@ -1,6 +1,6 @@
 """Builders for the fine-tuning tests: tiny random BERT checkpoints, tokenizers and labelled data.
 
-No test functions here beyond a sanity check of the builders themselves.
+No test functions here: test_train.py checks the builders themselves.
 """
 
 from __future__ import annotations
@@ -152,14 +152,3 @@ def finetune_cosreg(cli, d: Path, out, *extra):
         write_csv(train, synthetic_rows(16, 0))
     args = ["--epochs", "1", "--batch-size", "8", "--device", "cpu", "--quiet", "--reg", "cosreg"]
     return cli(["finetune", model, "--train", train, "--eval", train, "--out", out, *args, *extra])
-
-
-def test_builders(tmp_path):
-    from transformers import AutoModel, AutoTokenizer
-
-    ck = make_checkpoint(tmp_path / "m")
-    tok = AutoTokenizer.from_pretrained(ck)
-    ids = tok("the film was good")["input_ids"]
-    assert tok.unk_token_id not in ids and len(ids) == 6
-    assert AutoModel.from_pretrained(ck).config.hidden_size == 32
-    assert len(synthetic_rows(10)) == 10

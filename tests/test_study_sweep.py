@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from conftest import assert_one_line_error
-from test_train_helpers import finetune_args, synthetic_rows, tiny_finetune_data, write_csv
+from helpers_train import finetune_args, synthetic_rows, tiny_finetune_data, write_csv
 
 import geomscope.study.sweep as sweep
 from geomscope.errors import InputError
