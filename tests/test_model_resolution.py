@@ -210,7 +210,7 @@ def test_revisions_of_bundled_minilm_checkpoints_and_of_a_hub_typo(cli, tmp_path
 # ---------------------------------------------------------------------------------- hub typo
 def _hub_typo_fails_at_once(argv: list[str], tmp_path: Path) -> str:
     """Run the CLI with the hub on (HF_HUB_OFFLINE unset) and an empty hub cache: one error line
-    naming HF_HUB_OFFLINE=1 and a local directory, no retries, well within the ~26 s the retries took."""
+    naming HF_HUB_OFFLINE=1 and a local directory, and no retries."""
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env.update(HF_HUB_CACHE=str(tmp_path / "empty_hub_cache"), HF_HOME=str(tmp_path / "hf_home"))
     start = time.monotonic()
@@ -222,7 +222,9 @@ def _hub_typo_fails_at_once(argv: list[str], tmp_path: Path) -> str:
     line = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert proc.returncode != 0 and len(line) == 1, proc.stderr
     assert "HF_HUB_OFFLINE=1" in line[0] and "local model directory" in line[0], line[0]
-    assert elapsed < 15, (elapsed, proc.stderr)  # a bound only the retry loop (~26 s) exceeds
+    # no retries is what the "Retrying" check above asserts; the bound only catches a hang (the
+    # start of a Python process importing torch takes seconds on a loaded 2-core machine)
+    assert elapsed < 90, (elapsed, proc.stderr)
     return line[0]
 
 
