@@ -28,29 +28,51 @@ _MESSAGE_BYTES = 1024
 
 def world_from_env() -> tuple[int, int, int]:
     """(rank, world size, local rank) of this process: torchrun/accelerate's variables, else SLURM's
-    (``srun`` with several tasks), else a single process. SLURM's are copied to the torch names."""
+    (``srun`` with several tasks), else a single process. SLURM's are copied to the torch names.
+    Each is a whole number in its range (:func:`_checked_world`), or InputError names it."""
     env = os.environ
     if "WORLD_SIZE" in env:
-        try:
-            world = int(env["WORLD_SIZE"])
-            rank = int(env.get("RANK", "0"))
-            local = int(env.get("LOCAL_RANK", str(rank)))
-        except ValueError:
-            raise InputError(
-                "RANK / WORLD_SIZE / LOCAL_RANK are not whole numbers; check the launcher"
-            ) from None
-        return rank, world, local
-    if int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_PROCID" in env:
-        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
-        local = int(env.get("SLURM_LOCALID", "0"))
+        world = _whole("WORLD_SIZE", env["WORLD_SIZE"])
+        rank = _whole("RANK", env.get("RANK", "0"))
+        local = _whole("LOCAL_RANK", env.get("LOCAL_RANK", str(rank)))
+        return _checked_world(("RANK", rank), ("WORLD_SIZE", world), ("LOCAL_RANK", local))
+    tasks = _whole("SLURM_NTASKS", env.get("SLURM_NTASKS") or "1")  # (empty: no task count)
+    if tasks > 1 and "SLURM_PROCID" in env:
+        rank = _whole("SLURM_PROCID", env["SLURM_PROCID"])
+        local = _whole("SLURM_LOCALID", env.get("SLURM_LOCALID", "0"))
+        _checked_world(("SLURM_PROCID", rank), ("SLURM_NTASKS", tasks), ("SLURM_LOCALID", local))
         if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
             raise InputError(
                 "srun started several tasks but MASTER_ADDR / MASTER_PORT are not set; export them "
                 "(e.g. the first host of $SLURM_JOB_NODELIST and a free port) before srun"
             )
-        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local))
-        return rank, world, local
+        env.update(RANK=str(rank), WORLD_SIZE=str(tasks), LOCAL_RANK=str(local))
+        return rank, tasks, local
     return 0, 1, 0
+
+
+def _whole(name: str, raw: str) -> int:
+    """The launcher variable ``name`` as an integer (what ``int`` reads), or InputError naming it."""
+    try:
+        return int(raw)
+    except ValueError:
+        raise InputError(f"{name}={raw!r} is not a whole number; check the launcher") from None
+
+
+def _checked_world(rank: tuple[str, int], world: tuple[str, int], local: tuple[str, int]):
+    """(rank, world size, local rank), each given as (variable name, value): InputError naming the
+    variable unless the world has at least one process, 0 <= rank < world and local rank >= 0 (a
+    rank past the world would wait for peers that never come, until the rendezvous timeout)."""
+    (rank_name, r), (world_name, w), (local_name, lr) = rank, world, local
+    if w < 1:
+        raise InputError(f"{world_name}={w} is not a number of processes (1 or more); check the launcher")
+    if not 0 <= r < w:
+        raise InputError(
+            f"{rank_name}={r} is not a rank of {world_name}={w} (0 to {w - 1}); check the launcher"
+        )
+    if lr < 0:
+        raise InputError(f"{local_name}={lr} is not a local rank (0 or more); check the launcher")
+    return r, w, lr
 
 
 def timeout_seconds() -> float:
