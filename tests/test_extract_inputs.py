@@ -146,6 +146,25 @@ def test_stdin_copy_is_removed_when_a_later_input_is_bad(tmp_path, monkeypatch, 
     assert list(spool.iterdir()) == []
 
 
+class _UnreadableStdin:
+    """A standard input whose descriptor is gone (``<&-`` after start-up): every read is EBADF."""
+
+    def read(self, n=-1):
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+
+
+@pytest.mark.parametrize("stdin", [None, _UnreadableStdin()], ids=["closed", "unreadable"])
+def test_a_closed_stdin_is_one_line(cli, tmp_path, monkeypatch, stdin):
+    """``extract MODEL -`` with standard input closed (``<&-``: Python then has no sys.stdin) or
+    failing to read was an AttributeError or OSError traceback; no run directory is made."""
+    monkeypatch.setattr(sys, "stdin", stdin)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    code, out, err = cli(["extract", "bundled:minilm", "-", "--out", tmp_path / "r"])
+    assert_one_line_error(code, out, err, "standard input", exit_code=2)
+    assert not (tmp_path / "r").exists()
+    assert not list(tmp_path.glob("geomscope-stdin-*"))
+
+
 def test_csv_byte_order_mark(cli, tiny_bert, tmp_path):
     csv_in = tmp_path / "bom.csv"
     csv_in.write_bytes(b"\xef\xbb\xbftext,other\nhello there,1\nsecond row,2\n")

@@ -145,8 +145,15 @@ def _open_input(a: str) -> InputFile:
 
 
 def _spool_stdin(stdin) -> InputFile:
+    """``-``: standard input spooled. Python has no ``sys.stdin`` where the process started with
+    descriptor 0 closed (``<&-``); that, or a read that fails, is InputError (one line)."""
     src = stdin if stdin is not None else sys.stdin
-    return _spool(getattr(src, "buffer", None) or src, "-", "stdin", False)
+    if src is None:
+        raise InputError("input - is standard input, but it is closed; pipe the text in, or give a file")
+    try:
+        return _spool(getattr(src, "buffer", None) or src, "-", "stdin", False)
+    except OSError as e:
+        raise InputError(f"input - (standard input) cannot be read ({e.strerror or e}); give a file") from e
 
 
 def _spool(src, arg: str, kind: str, gz: bool) -> InputFile:
