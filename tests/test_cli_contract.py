@@ -52,6 +52,34 @@ def test_ctrl_c_keeps_work_and_says_so(cli, tmp_path, monkeypatch):
     assert err.strip() == "error: interrupted; finished work is kept, rerun the same command to resume"
 
 
+@pytest.mark.parametrize(
+    "command, target",
+    [
+        ("report", "geomscope.plot.read_report"),
+        ("plot", "geomscope.plot.plot_files"),
+        ("score", "geomscope.score.score"),
+    ],
+)
+def test_ctrl_c_in_a_command_that_does_not_resume_says_so(cli, tmp_path, monkeypatch, command, target):
+    """Only extract and finetune continue an unfinished run; the others are started again."""
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(target, interrupted)
+    report = tmp_path / "r.json"
+    report.write_text("{}")
+    args = {
+        "report": ["report", report, "--html", tmp_path / "r.html"],
+        "plot": ["plot", report, "--out", tmp_path / "f.png"],
+        "score": ["score", tmp_path / "x.npy"],
+    }[command]
+    np.save(tmp_path / "x.npy", np.zeros((4, 3), np.float32))
+    code, out, err = cli(args)
+    line = assert_one_line_error(code, out, err, exit_code=130)
+    assert line == f"error: interrupted; {command} does not resume: rerun the same command to start it again"
+
+
 def _options(command: str) -> dict[str, tuple[str, ...]]:
     """{option name: all its spellings} of one command, from the click command object."""
     import typer.main

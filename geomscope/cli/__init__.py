@@ -4,8 +4,9 @@ Each command lives in its own module and registers itself on :data:`app`. :func:
 place where failures become what a user sees: a :class:`~geomscope.errors.GeomscopeError` or a
 usage error (bad type, out of range, unknown option, missing argument) becomes one ``error: ...``
 line on stderr and a non-zero exit (2 for bad input and usage, 3 for data that cannot give a
-number); Ctrl-C, and a SIGTERM (a scheduler's or a container's stop) alike, say that finished work
-is kept, after the same clean-up (a spooled stdin removed); an input that ends early (an
+number); Ctrl-C, and a SIGTERM (a scheduler's or a container's stop) alike, say what a rerun does
+(:func:`rerun_advice`: extract and finetune resume, the others start again), after the same clean-up
+(a spooled stdin removed); an input that ends early (an
 ``EOFError``, which click would take for Ctrl-D), running out of memory and a full disk are said as
 such. ``geomscope --debug ...`` shows the traceback.
 """
@@ -25,7 +26,18 @@ from geomscope.cli._app import app, state
 from geomscope.errors import GeomscopeError, first_line_of
 from geomscope.options import OptionError
 
-INTERRUPTED = "error: interrupted; finished work is kept, rerun the same command to resume"
+#: the commands that continue where an unfinished run of theirs stopped (extract from its last
+#: shard, finetune from its last epoch checkpoint, a sweep from its unfinished runs)
+RESUMING = ("extract", "finetune")
+
+
+def rerun_advice(args: list[str]) -> str:
+    """What a rerun of the command in ``args`` does with an unfinished run of it: continue it (the
+    :data:`RESUMING` commands) or start it again (the others keep nothing to resume from)."""
+    command = next((a for a in args if not a.startswith("-")), "geomscope")
+    if command in RESUMING:
+        return "finished work is kept, rerun the same command to resume"
+    return f"{command} does not resume: rerun the same command to start it again"
 
 
 def _as_text(line: str) -> str:
@@ -44,7 +56,7 @@ def _usage_error_line(e: Exception) -> str:
 
 
 #: the errors of a full disk, an exhausted quota and a file-size limit (ulimit -f)
-_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def _terminated(signum, frame) -> None:
@@ -89,19 +101,19 @@ def _main(argv: list[str] | None) -> None:
                 f"error: an input file ended before its end ({why}); check that it is whole", file=sys.stderr
             )
             sys.exit(2)
-        print(INTERRUPTED, file=sys.stderr)
+        print(f"error: interrupted; {rerun_advice(args)}", file=sys.stderr)
         sys.exit(130)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except OSError as e:
         # a disk that fills up (or a quota, or a file-size limit) while a command writes: what it
         # finished is kept (extract resumes from its last shard), so one line saying what to do
-        if e.errno not in _SPACE_ERRNOS or debug or state["debug"]:
+        if e.errno not in SPACE_ERRNOS or debug or state["debug"]:
             raise
         where = f" writing {e.filename}" if e.filename else ""
         print(
-            f"error: {os.strerror(e.errno).lower()}{where}; free some space (or choose another --out) "
-            "and rerun the same command: finished work is kept",
+            f"error: {os.strerror(e.errno).lower()}{where}; free some space (or choose another --out); "
+            f"{rerun_advice(args)}",
             file=sys.stderr,
         )
         sys.exit(1)
@@ -120,7 +132,7 @@ def _main(argv: list[str] | None) -> None:
         print(_usage_error_line(e), file=sys.stderr)
         sys.exit(2 if getattr(e, "exit_code", 2) in (1, 2) else e.exit_code)
     if code == 130:  # Typer turns Ctrl-C inside a command into exit code 130
-        print(INTERRUPTED, file=sys.stderr)
+        print(f"error: interrupted; {rerun_advice(args)}", file=sys.stderr)
     sys.exit(code if isinstance(code, int) else 0)
 
 
