@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -139,37 +140,116 @@ def test_pad_right_and_row_meta_match_document_by_document(lengths, decoder_star
 # ------------------------------------------------------------------ tokenizing a bounded prefix
 
 
+#: the environment of the measured process: one thread for every pool (torch's OpenMP, BLAS, the
+#: tokenizer's), no distributed or SLURM variables that a test or the machine set, the CPU device --
+#: so what is measured is the same process on every machine
+_PINNED_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "RAYON_NUM_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+}
+
+_MEASURE = """
+import json, resource, sys
+from geomscope.extract.run import extract
+model, out, *inputs = sys.argv[1:]
+got = []
+for i, path in enumerate(inputs):
+    s = extract(model, [path], f"{out}/run{i}", max_length=16, device="cpu")
+    got.append({"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rows": s["rows"]})
+print(json.dumps(got))
+"""
+
+
+def _peaks_of_extracts(model, tmp_path, inputs) -> list[dict]:
+    """``{"peak_mb", "rows"}`` after each input's extract (max_length 16), one after the other in
+    one fresh process in :data:`_PINNED_ENV`."""
+    keep = ("PATH", "HOME", "TMPDIR", "LD_LIBRARY_PATH")
+    env = {k: os.environ[k] for k in keep if k in os.environ} | _PINNED_ENV
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    args = [sys.executable, "-c", _MEASURE, str(model), str(tmp_path), *map(str, inputs)]
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def test_a_huge_document_keeps_memory_flat(tmp_path, tiny_bert):
-    """A 20 MB line, truncated to 16 tokens: the tokenizer sees a bounded prefix (the original bug took
-    3.4 GB), and the stored tokens are those of the document's start."""
+    """Two 20 MB lines, truncated to 16 tokens -- words, and one character repeated (no whitespace
+    to cut at) -- grow the process's peak by less than 400 MB over an extract of one short line in
+    the same process (tokenizing them whole takes 5,000 and 1,200 MB more), and the stored tokens
+    are those of each document's start."""
+    from transformers import AutoTokenizer
+
+    small = tmp_path / "small.txt"
+    small.write_text("short first document\n")
     big = tmp_path / "big.txt"
     words = ("lorem ipsum dolor sit amet " * 800_000)[:20_000_000]
-    big.write_text("short first document\n" + words + "\n")
-    code = (
-        "import resource, sys, json\n"
-        "from geomscope.extract.run import extract\n"
-        f"s = extract({str(tiny_bert)!r}, [{str(big)!r}], {str(tmp_path / 'run')!r}, max_length=16)\n"
-        "rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024\n"
-        "print(json.dumps({'rss_mb': rss, 'rows': s['rows']}))\n"
-    )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    big.write_text("short first document\n" + words + "\n" + "a" * 20_000_000 + "\n")
+    base, huge = _peaks_of_extracts(tiny_bert, tmp_path, [small, big])
+    tok = AutoTokenizer.from_pretrained(tiny_bert)
+    short = len(tok("short first document")["input_ids"])
+    # the tokenizer reads any run of over 100 letters as one unknown word: [CLS] [UNK] [SEP]
+    one_word = len(tok("a" * 200_000)["input_ids"])
+    assert base["rows"] == short and huge["rows"] == short + 16 + one_word
+    assert huge["peak_mb"] - base["peak_mb"] < 400, (base, huge)
+
+
+_FOX = "the quick brown fox jumps over the lazy dog"
+#: documents of 200,000 characters or more, each of whose first 16 tokens lie in its first 16 x 1024
+_HUGE_DOCUMENTS = {
+    "words": " ".join([_FOX] * 5000),
+    "one character": "a" * 200_000,
+    "words then one long word": "a b c\t" + "x" * 200_000,
+    "long words between lines": "\n".join(["y" * 150] * 2000),
+    "a word over a quarter of the prefix": _FOX + " " + "z" * 16_000 + " " + _FOX * 5000,
+    "a long word across the prefix's end": "fox " + " " * 12_000 + "z" * 200_000,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_HUGE_DOCUMENTS))
+def test_bounded_prefix_gives_the_tokens_of_the_whole_document(tiny_bert, name):
     from transformers import AutoTokenizer
 
-    short = len(AutoTokenizer.from_pretrained(tiny_bert)("short first document")["input_ids"])
-    assert got["rows"] == short + 16  # the short document whole, 16 tokens of the huge one
-    assert got["rss_mb"] < 1500, got  # the whole-line tokenization alone took over 3,000 MB
-
-
-def test_bounded_prefix_gives_the_tokens_of_the_whole_document(tiny_bert):
-    from transformers import AutoTokenizer
-
-    from geomscope.extract.batching import tokenize
+    from geomscope.extract.batching import MAX_CHARS_PER_TOKEN, tokenize
 
     tok = AutoTokenizer.from_pretrained(tiny_bert)
-    long_doc = " ".join(["the quick brown fox jumps over the lazy dog"] * 5000)
-    [doc] = tokenize(tok, [(0, long_doc)], 64)
-    whole = tok(long_doc, truncation=True, max_length=64)["input_ids"]
-    assert doc.ids.tolist() == whole and len(whole) == 64
+    text = _HUGE_DOCUMENTS[name]
+    for max_length in (16, 64):
+        [doc] = tokenize(tok, [(0, text)], max_length)
+        whole = tok(text, truncation=True, max_length=max_length)["input_ids"]
+        assert doc.ids.tolist() == whole, (name, max_length)
+        assert len(text) > max_length * MAX_CHARS_PER_TOKEN
+
+
+class _Recording:
+    """A tokenizer that records the length of every text it is given."""
+
+    def __init__(self, tok):
+        self.tok, self.lengths = tok, []
+
+    def __call__(self, texts, **kw):
+        self.lengths += [len(t) for t in ([texts] if isinstance(texts, str) else texts)]
+        return self.tok(texts, **kw)
+
+
+def test_a_document_is_read_to_at_most_max_length_times_the_chars_per_token_limit(tiny_bert):
+    """A document of one character repeated gives 3 tokens however much of it is read: the prefix
+    stops growing at MAX_CHARS_PER_TOKEN characters a token, and the tokens of what follows a run of
+    whitespace or a word longer than that are left out (the stated limit)."""
+    from transformers import AutoTokenizer
+
+    from geomscope.extract.batching import MAX_CHARS_PER_TOKEN, tokenize
+
+    tok = _Recording(AutoTokenizer.from_pretrained(tiny_bert))
+    text = "a" * 1_000_000
+    tokenize(tok, [(0, text)], 16)
+    assert tok.lengths and max(tok.lengths) <= 16 * MAX_CHARS_PER_TOKEN
+    for far in ("fox " + " " * (16 * MAX_CHARS_PER_TOKEN) + _FOX, "x" * 200_000 + " " + _FOX):
+        [doc] = tokenize(tok, [(0, far)], 16)
+        assert doc.ids.tolist() == tok.tok(far[: 16 * MAX_CHARS_PER_TOKEN])["input_ids"]
+        assert len(doc) < len(tok.tok(far, truncation=True, max_length=16)["input_ids"])

@@ -28,32 +28,56 @@ class Doc:
         return len(self.ids)
 
 
-#: characters of a document read per token kept, before tokenizing (grown while too few tokens come out)
+#: characters of a document read per token kept, at first (the prefix grows 4x while too few tokens
+#: come out of it: :func:`_truncated_texts`)
 CHARS_PER_TOKEN = 16
+
+#: the most characters of a document read per token kept: ``max_length x 1024`` characters at most
+#: are tokenized, so memory follows ``max_length``, not the document (tokenizing costs up to ~270
+#: bytes a character: 140 MB for 512 tokens). A vocabulary's longest tokens are ~100 characters (a
+#: longer word is one unknown token in WordPiece), so only runs of whitespace or of words over a
+#: thousand characters leave fewer than ``max_length`` tokens in that many characters.
+MAX_CHARS_PER_TOKEN = 1024
+
+_WHITESPACE = " \t\n\r\f\v"
+
+
+def _last_whitespace(text: str, stop: int) -> int:
+    """The index of the last whitespace character in ``text[:stop]``, -1 where there is none."""
+    return max(text.rfind(c, 0, stop) for c in _WHITESPACE)
 
 
 def bounded_prefix(text: str, max_length: int | None, chars_per_token: int = CHARS_PER_TOKEN) -> str:
-    """The part of ``text`` that can matter for its first ``max_length`` tokens, so that memory does
-    not grow with a document's length (a 20 MB line would otherwise be tokenized whole to keep 128
-    tokens). The cut falls on whitespace where there is some, so no word is split."""
+    """The part of ``text`` that can matter for its first ``max_length`` tokens, at most
+    ``max_length x chars_per_token`` characters, so that memory does not grow with a document's
+    length (a 20 MB line would otherwise be tokenized whole to keep 128 tokens).
+
+    The cut falls on the last whitespace before that limit, so no word is split and the prefix's
+    tokens are the document's first ones. A first word longer than the limit (a line without
+    whitespace) is cut at the limit. At :data:`MAX_CHARS_PER_TOKEN`, the prefix's last size, a word
+    of over a quarter of the limit that crosses it is cut there rather than left out: its part has
+    at least 256 characters, which WordPiece reads as one unknown token, as it does the whole word."""
     if max_length is None:
         return text
     limit = max_length * chars_per_token
     if len(text) <= limit:
         return text
-    cut = text.rfind(" ", limit * 3 // 4, limit)
-    return text[: cut if cut > 0 else limit]
+    cut = _last_whitespace(text, limit)
+    if cut > 0 and (chars_per_token < MAX_CHARS_PER_TOKEN or cut >= limit * 3 // 4):
+        return text[:cut]
+    return text[:limit]
 
 
 def _truncated_texts(tokenizer, texts: list[str], max_length: int | None) -> list[str]:
-    """Each text cut to :func:`bounded_prefix`, with a longer prefix wherever a cut one gave fewer than
-    ``max_length`` tokens (so the tokens kept are those of the whole text)."""
+    """Each text cut to :func:`bounded_prefix`, with a prefix 4x longer wherever a cut one gave fewer
+    than ``max_length`` tokens (so the tokens kept are those of the whole text), up to
+    :data:`MAX_CHARS_PER_TOKEN` characters a token."""
     out = []
     for text in texts:
         per_token = CHARS_PER_TOKEN
         while True:
             prefix = bounded_prefix(text, max_length, per_token)
-            if len(prefix) == len(text):
+            if len(prefix) == len(text) or per_token >= MAX_CHARS_PER_TOKEN:
                 break
             n = len(
                 tokenizer(prefix, add_special_tokens=True, truncation=True, max_length=max_length)[
