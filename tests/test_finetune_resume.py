@@ -205,3 +205,46 @@ def test_resume_with_a_damaged_log_or_planted_links(cli, tmp_path):
         f.write("{half a line\n")
     code, o, err = finetune_cosreg(cli, tmp_path, out, "--resume", "--epochs", "3")
     assert_one_line_error(code, o, err, "steps.jsonl line", "is not JSON", exit_code=2)
+
+
+# ------------------------------------------------------------------------------------ a full disk
+def _disk_full_at_second_checkpoint(monkeypatch, error):
+    import safetensors.torch
+
+    real, calls = safetensors.torch.save_file, {"n": 0}
+
+    def save_file(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise error
+        return real(*a, **kw)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+
+
+def _safetensors_disk_full():
+    from safetensors import SafetensorError
+
+    return SafetensorError(
+        "Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+        'message: "No space left on device" })'
+    )
+
+
+@pytest.mark.parametrize(
+    "make_error", [_safetensors_disk_full, lambda: OSError(28, "No space left on device")]
+)
+def test_a_full_disk_while_checkpointing_keeps_the_last_checkpoint(
+    cli, data, tmp_path, monkeypatch, make_error
+):
+    out = tmp_path / "full"
+    with monkeypatch.context() as mp:
+        _disk_full_at_second_checkpoint(mp, make_error())
+        code, o, err = cli(_args(data, out, "--epochs", "2"))
+    line = assert_one_line_error(code, o, err, "no space left on device", "--resume", exit_code=1)
+    assert "--epochs 2" in line and "--overwrite" not in line
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["epochs_done"] == 1
+    assert not (out / ".checkpoint.tmp").exists() and not (out / "checkpoint.old").exists()
+    code, _, err = cli(_args(data, out, "--epochs", "2", "--resume"))  # what it says to run
+    assert code == 0, err
+    assert [json.loads(ln)["epoch"] for ln in (out / "eval.jsonl").read_text().splitlines()] == [1, 2]

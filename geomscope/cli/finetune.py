@@ -136,6 +136,7 @@ def _sweep(cfg: FinetuneConfig, points, out: Path, quiet: bool, as_json: bool) -
 
 def _one_run(cfg: FinetuneConfig, out: Path, quiet: bool, as_json: bool) -> None:
     """One run; rank 0 says what it wrote (and prints the summary with --json)."""
+    from geomscope.cli import SPACE_ERRNOS
     from geomscope.errors import GeomscopeError
     from geomscope.train import finetune
 
@@ -143,6 +144,10 @@ def _one_run(cfg: FinetuneConfig, out: Path, quiet: bool, as_json: bool) -> None
         summary = finetune(cfg, progress=not quiet, log=stderr_log())
     except KeyboardInterrupt:
         raise GeomscopeError(_interrupted(out), exit_code=130) from None
+    except OSError as e:
+        if e.errno not in SPACE_ERRNOS:
+            raise
+        raise GeomscopeError(_out_of_space(out, e)) from None
     if os.environ.get("RANK", "0") != "0":  # non-main rank of a torchrun / accelerate run: rank 0 reports
         return
     if not quiet:
@@ -187,13 +192,35 @@ def _interrupted(out: Path) -> str:
     """The line for Ctrl-C (or SIGTERM) during one run: the command that continues it. The generic
     "rerun the same command" would be wrong here: a finished epoch is continued by --resume, and the
     same command with --overwrite would throw it away."""
+    from geomscope.train.checkpoint import CKPT
+
+    cmd = _resume_command(out)
+    if cmd is None:
+        return (
+            f"interrupted before the first epoch of {out} finished; rerun the same command to start it again"
+        )
+    return f"interrupted; the finished epochs are kept in {out / CKPT}; to continue, run: {cmd}"
+
+
+def _out_of_space(out: Path, e: OSError) -> str:
+    """The line for a full disk (or quota, or file-size limit) during one run: the checkpoint being
+    written was removed whole, the previous one is kept, and --resume continues from it."""
+    from geomscope.train.checkpoint import CKPT
+
+    head = f"{os.strerror(e.errno).lower()}{f' writing {e.filename}' if e.filename else ''}; free some space"
+    cmd = _resume_command(out)
+    if cmd is None:
+        return f"{head}, then rerun the same command (no epoch of {out} had finished)"
+    return f"{head}; the finished epochs are kept in {out / CKPT}; to continue, run: {cmd}"
+
+
+def _resume_command(out: Path) -> str | None:
+    """The command line that continues the run in ``out`` (this one's, with --resume in place of
+    --overwrite), or None when it has no finished epoch checkpoint to continue from."""
     from geomscope.cli._app import state
     from geomscope.train.checkpoint import CKPT
 
     if not (out / CKPT / "state.json").is_file():
-        return (
-            f"interrupted before the first epoch of {out} finished; rerun the same command to start it again"
-        )
+        return None
     argv = [a for a in (state.get("argv") or []) if a not in ("--overwrite", "--resume")]
-    cmd = shlex.join([*argv, "--resume"]) if argv else "the same command with --resume"
-    return f"interrupted; the finished epochs are kept in {out / CKPT}; to continue, run: {cmd}"
+    return shlex.join([*argv, "--resume"]) if argv else "the same command with --resume"

@@ -25,11 +25,22 @@ import os
 import random
 import re
 import shutil
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from geomscope.errors import InputError, first_line
-from geomscope.fileio import fresh_dir, make_dirs, replace_dir, write_json_atomic, write_text_atomic
+from geomscope.fileio import (
+    fresh_dir,
+    make_dirs,
+    remove_tree,
+    replace_dir,
+    write_json_atomic,
+    write_text_atomic,
+)
 from geomscope.schema import FINETUNE_FORMAT, FINETUNE_MARKER, FINETUNE_MARKER_VERSION
+from geomscope.train.resume_checks import StateMismatch, check_counters, check_trainer_state
 
 CKPT = "checkpoint"
 #: --lora: the final adapter (``DIR/adapter/``), written first to its working directory
@@ -322,6 +333,32 @@ def _join_optimizer(js: dict, tensors: dict) -> dict:
     return {"state": state, "param_groups": groups}
 
 
+@contextmanager
+def written_into(tmp: Path) -> Iterator[Path]:
+    """The writes of a checkpoint, snapshot, adapter or export into geomscope's working directory
+    ``tmp`` (renamed into place afterwards): on any failure ``tmp`` is removed, so what stood in place
+    before (the previous epoch's checkpoint) stays as it was and nothing half-written is left; the
+    error of safetensors' writer for a failed write (a full disk) is raised as the OSError it wraps,
+    which the CLI says in one line."""
+    try:
+        yield tmp
+    except BaseException as e:
+        remove_tree(tmp)
+        os_error = _os_error_in(e, tmp)
+        if os_error is None:
+            raise
+        raise os_error from None
+
+
+def _os_error_in(e: BaseException, where: Path) -> OSError | None:
+    """The OSError a SafetensorError reports (its text carries the errno: ``Os { code: 28, ...``)."""
+    found = re.search(r"\bcode: (\d+)", str(e)) if type(e).__name__ == "SafetensorError" else None
+    if found is None:
+        return None
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code), str(where))
+
+
 def save_checkpoint(
     out: Path,
     model,
@@ -340,23 +377,22 @@ def save_checkpoint(
     alone is, and ``state.json`` says ``"resumable": false``."""
     from safetensors.torch import save_file
 
-    tmp = fresh_dir(out / ".checkpoint.tmp")
-    _save_model(model, tmp, weights)
-    tokenizer.save_pretrained(tmp)
-    if optimizer is None:
-        (tmp / "state.json").write_text(json.dumps({**state, "resumable": False}, indent=2))
-        replace_dir(tmp, out / CKPT, aside=out / (CKPT + ".old"))  # put back by a resume after a crash
-        return out / CKPT
-    tensors: dict = {}
-    trainer = {
-        "optimizer": _split_optimizer(optimizer.state_dict(), tensors),
-        "scaler": scaler.state_dict() if scaler is not None else None,
-        **({"scheduler": scheduler_state(scheduler)} if scheduler is not None else {}),
-        "rng": [_split_rng(r, st, tensors) for r, st in enumerate(rng_states)],
-    }
-    save_file(tensors, str(tmp / _TENSORS))
-    (tmp / _STATE).write_text(json.dumps(trainer))
-    (tmp / "state.json").write_text(json.dumps(state, indent=2))
+    with written_into(fresh_dir(out / ".checkpoint.tmp")) as tmp:
+        _save_model(model, tmp, weights)
+        tokenizer.save_pretrained(tmp)
+        if optimizer is None:
+            state = {**state, "resumable": False}
+        else:
+            tensors: dict = {}
+            trainer = {
+                "optimizer": _split_optimizer(optimizer.state_dict(), tensors),
+                "scaler": scaler.state_dict() if scaler is not None else None,
+                **({"scheduler": scheduler_state(scheduler)} if scheduler is not None else {}),
+                "rng": [_split_rng(r, st, tensors) for r, st in enumerate(rng_states)],
+            }
+            save_file(tensors, str(tmp / _TENSORS))
+            (tmp / _STATE).write_text(json.dumps(trainer))
+        (tmp / "state.json").write_text(json.dumps(state, indent=2))
     replace_dir(tmp, out / CKPT, aside=out / (CKPT + ".old"))  # put back by a resume after a crash
     return out / CKPT
 
@@ -366,8 +402,31 @@ def _save_model(model, where: Path, weights: dict | None) -> None:
     model.save_pretrained(where, **({"state_dict": weights} if weights is not None else {}))
 
 
+def check_checkpoint_dir(out: Path) -> None:
+    """InputError (one line) unless ``out/checkpoint`` (when there) is a real directory of regular
+    files, as :func:`save_checkpoint` writes it: a checkpoint that is a link would be read from
+    elsewhere (and the renames that replace it would move the link), and a file that is a link, a
+    FIFO or a device would be read from elsewhere, block, or never end."""
+    ckpt = out / CKPT
+    if ckpt.is_symlink():
+        raise InputError(
+            f"{ckpt} is a link (to {os.readlink(ckpt)}); a resume reads only the checkpoint directory "
+            "geomscope wrote: put that directory in its place, or start again without --resume into a "
+            "new --out (or --overwrite)"
+        )
+    for p in sorted(ckpt.iterdir()) if ckpt.is_dir() else ():
+        if not stat.S_ISREG(os.lstat(p).st_mode):
+            raise InputError(
+                f"{p} is not a regular file (a link, a pipe, a device or a folder), which a checkpoint "
+                "geomscope wrote never holds; start again without --resume into a new --out (or --overwrite)"
+            )
+
+
 def read_state(out: Path) -> dict | None:
-    """The checkpoint's state.json, or None when there is no finished checkpoint."""
+    """The checkpoint's state.json, or None when there is no finished checkpoint; InputError (one
+    line) for one that is not a regular file, not JSON, or whose fields are mistyped or whose counters
+    are out of order (:func:`geomscope.train.resume_checks.check_counters`)."""
+    check_checkpoint_dir(out)
     p = out / CKPT / "state.json"
     if not p.exists():
         return None
@@ -383,6 +442,12 @@ def read_state(out: Path) -> dict | None:
             f"{p} is damaged (missing or mistyped fields); rerun without --resume into a new --out "
             "(or --overwrite)"
         )
+    try:
+        check_counters(st)
+    except StateMismatch as e:
+        raise InputError(
+            f"{p} is damaged ({e}); rerun without --resume into a new --out (or --overwrite)"
+        ) from None
     return st
 
 
@@ -395,8 +460,8 @@ def scheduler_state(scheduler) -> dict:
 def load_trainer_state(out: Path, optimizer, scaler, rank: int, scheduler=None) -> None:
     """Restore optimizer, LR scheduler, grad scaler and this rank's RNG states from the checkpoint (no
     unpickling)."""
-    ck = out / CKPT
-    if read_state(out).get("resumable", True) is False:
+    ck, state = out / CKPT, read_state(out)
+    if state.get("resumable", True) is False:
         raise InputError(
             f"{ck} was written by a sharded run (FSDP or DeepSpeed) and holds the model only, not the "
             f"optimizer state; start a new --out with --model {ck} instead of --resume"
@@ -406,29 +471,41 @@ def load_trainer_state(out: Path, optimizer, scaler, rank: int, scheduler=None) 
             f"{ck} holds trainer.pt, a pickle, which geomscope never loads (it could run code); "
             "start again without --resume into a new --out (or --overwrite)"
         )
-    tensors, trainer = _read_trainer_files(ck)
+    tensors, trainer = _read_trainer_files(out)  # (read_state checked that they are regular files)
+    try:
+        check_trainer_state(
+            trainer,
+            tensors,
+            optimizer=optimizer,
+            scaler=scaler,
+            scheduler=scheduler,
+            schedule_now=scheduler_state(scheduler) if scheduler is not None else None,
+            rank=rank,
+            step=state["global_step"],
+        )
+    except StateMismatch as e:
+        raise InputError(
+            f"the trainer state in {ck} is damaged or of another run ({e}); start again without "
+            "--resume into a new --out (or --overwrite)"
+        ) from None
     try:
         optimizer.load_state_dict(_join_optimizer(trainer["optimizer"], tensors))
         if scaler is not None and trainer.get("scaler") is not None:
             scaler.load_state_dict(trainer["scaler"])
         if scheduler is not None:
             scheduler.load_state_dict({**scheduler.state_dict(), **trainer["scheduler"]})
-        rngs = trainer["rng"]
-        if rank >= len(rngs):
-            raise InputError(f"{ck} was written by {len(rngs)} processes; resume with the same number")
-        set_rng_state(_join_rng(rank, rngs[rank], tensors))
+        set_rng_state(_join_rng(rank, trainer["rng"][rank], tensors))
     except (KeyError, TypeError, ValueError, IndexError) as e:
-        if isinstance(e, InputError):
-            raise
         raise InputError(
             f"the trainer state in {ck} is damaged ({type(e).__name__}: {e}); start again without "
             "--resume into a new --out (or --overwrite)"
         ) from None
 
 
-def _read_trainer_files(ck: Path) -> tuple[dict, dict]:
+def _read_trainer_files(out: Path) -> tuple[dict, dict]:
     from safetensors.torch import load_file
 
+    ck = out / CKPT
     try:
         tensors = load_file(str(ck / _TENSORS))
         trainer = json.loads((ck / _STATE).read_text(encoding="utf-8"))
@@ -451,11 +528,11 @@ def export_model(out: Path, model, tokenizer, extra: dict[str, dict], weights: d
     already taken by an entry the marker does not record is refused, never replaced.
     ``weights``: the gathered state dict of a sharded model (see :func:`save_checkpoint`).
     """
-    tmp = fresh_dir(out / ".export.tmp")
-    _save_model(model, tmp, weights)
-    tokenizer.save_pretrained(tmp)
-    for name, obj in extra.items():
-        (tmp / name).write_text(json.dumps(obj, indent=2))
+    with written_into(fresh_dir(out / ".export.tmp")) as tmp:
+        _save_model(model, tmp, weights)
+        tokenizer.save_pretrained(tmp)
+        for name, obj in extra.items():
+            (tmp / name).write_text(json.dumps(obj, indent=2))
     files = [f for f in sorted(tmp.rglob("*")) if f.is_file()]
     names = sorted({f.relative_to(tmp).parts[0] for f in files})
     recorded, _ = _recorded(read_marker(out) or {"version": FINETUNE_MARKER_VERSION})
@@ -482,9 +559,9 @@ def save_snapshot(out: Path, model, tokenizer, step: int, weights: dict | None =
     if dest.is_dir():
         return dest
     record_outputs(out, [f"{SNAPSHOTS}/step{step}", f"{SNAPSHOTS}/.step{step}.tmp"])
-    tmp = fresh_dir(out / SNAPSHOTS / f".step{step}.tmp")
-    _save_model(model, tmp, weights)
-    tokenizer.save_pretrained(tmp)
+    with written_into(fresh_dir(out / SNAPSHOTS / f".step{step}.tmp")) as tmp:
+        _save_model(model, tmp, weights)
+        tokenizer.save_pretrained(tmp)
     replace_dir(tmp, dest)
     return dest
 

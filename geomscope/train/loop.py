@@ -58,6 +58,7 @@ from geomscope.train.data import (
     rank_slice,
 )
 from geomscope.train.engine import configure_deepspeed
+from geomscope.train.resume_checks import check_progress
 from geomscope.train.step import make_scheduler, optimizer_groups, split_micro, train_step
 
 __all__ = ["FinetuneConfig", "finetune"]
@@ -95,6 +96,8 @@ def _prepare_out(cfg: FinetuneConfig, out: Path, note, *, recover: bool = True) 
         ck.recover_checkpoint(out)
     has_checkpoint = ours and (out / ck.CKPT / "state.json").exists()
     state = ck.read_state(out) if cfg.resume and has_checkpoint else None
+    if state is not None:
+        check_progress(out / ck.CKPT / "state.json", state, cfg.epochs)
     # stopped (Ctrl-C, a crash) before its first epoch checkpoint and never finished: nothing of it is
     # worth keeping, so the plain command and --resume both start it again (what the interrupt says)
     restart = ours and not has_checkpoint and not cfg.overwrite and not (out / "summary.json").exists()
@@ -408,6 +411,7 @@ class _Trainer:
         self.scheduler = make_scheduler(cfg, optimizer, self.per_epoch * cfg.epochs)
         self.scaler = self.eng.scaler
         if self.state is not None:
+            check_progress(self.out / ck.CKPT / "state.json", self.state, cfg.epochs, self.per_epoch)
             ck.load_trainer_state(self.out, optimizer, self.scaler, d.rank, self.scheduler)
             self.start_epoch, self.step = self.state["epochs_done"], self.state["global_step"]
         else:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from geomscope.errors import InputError, first_line
 from geomscope.fileio import fresh_dir, replace_dir
-from geomscope.train.checkpoint import ADAPTER, ADAPTER_TEMP, export_model, record_outputs
+from geomscope.train.checkpoint import ADAPTER, ADAPTER_TEMP, export_model, record_outputs, written_into
 
 ALIASES = {
     "q": ("query", "q_proj", "q_lin", "q"),
@@ -113,8 +113,8 @@ def trainable_names(model) -> list[str]:
 
 def export(out: Path, model, tokenizer, extra: dict) -> None:
     """Save the adapter to ``out/adapter/``, then export the merged model into ``out``."""
-    tmp = fresh_dir(out / ADAPTER_TEMP)
-    model.save_pretrained(tmp)
+    with written_into(fresh_dir(out / ADAPTER_TEMP)) as tmp:
+        model.save_pretrained(tmp)
     record_outputs(out, [ADAPTER])
     replace_dir(tmp, out / ADAPTER)
     merged = model.merge_and_unload()
