@@ -19,6 +19,7 @@ numbers (to float64 rounding of the merge tree, which is the same tree either wa
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -193,8 +194,12 @@ def run_tasks(tasks: list[Task], spec: PassSpec, progress=None, into: dict | Non
                 yield t, block
             yield t, _TaskDone(finish)  # the task's last block is in: its checksum is due
 
-    with _checksum_first(started), _unflagged_rows_named(merging):  # (the list fills as tasks begin)
-        _merge_blocks(_read_ahead(stream()), spec, parts, progress, merging)
+    with (
+        _checksum_first(started),  # (the list fills as tasks begin)
+        _unflagged_rows_named(merging),
+        contextlib.closing(_read_ahead(stream())) as items,
+    ):
+        _merge_blocks(items, spec, parts, progress, merging)
     return parts
 
 
@@ -236,8 +241,9 @@ def _run(task: Task, spec: PassSpec, progress, parts: dict) -> dict[str, LayerPa
     blocks = iter_blocks(task, spec.layers, spec.n_groups, spec.block_rows)
     merging = _Merging()
     with _unflagged_rows_named(merging):
-        read = _read_ahead(blocks) if spec.threads > 1 else blocks
-        _merge_blocks(((task, block) for block in read), spec, parts, progress, merging)
+        read = contextlib.closing(_read_ahead(blocks)) if spec.threads > 1 else contextlib.nullcontext(blocks)
+        with read as blocks_read:
+            _merge_blocks(((task, block) for block in blocks_read), spec, parts, progress, merging)
     return parts
 
 
@@ -319,7 +325,9 @@ def _add_block(block, spec: PassSpec, parts: dict, work: OrderedWork, task: Task
 def _read_ahead(blocks):
     """Yield the items of the iterator ``blocks``, reading the next one in a thread meanwhile (the file
     reads overlap the block statistics: one more block of rows in memory). Errors come out in order;
-    leaving the loop early stops the reader and closes ``blocks``."""
+    leaving the loop early stops the reader and closes ``blocks``. Callers close the generator
+    themselves (``contextlib.closing``): its ``finally`` joins the reader thread, and a join run by
+    the garbage collector in a thread that holds h5py's lock would wait on a reader that needs it."""
     import queue
     import threading
 
