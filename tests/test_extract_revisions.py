@@ -8,6 +8,7 @@ import csv
 import json
 
 import pytest
+from conftest import assert_one_line_error
 from helpers_models import SAMPLE_TEXTS, hf_cache_with, make_tiny_model
 
 from geomscope.model.revisions import PRESETS, resolve_revisions
@@ -191,3 +192,17 @@ def test_score_several_runs_into_one_out(tmp_path, cli):
     rows = list(csv.DictReader(open(got["trajectory"])))
     assert [r["step"] for r in rows[:: len(rows) // 2]] == ["10", "20"]
     assert not (a / "report.json").exists()  # --out given: nothing written into the runs
+
+
+@pytest.mark.parametrize("spec", ["step1000\nstep2000", "step1000,step2\x1b[31m", "step1\tstep2"])
+def test_a_revision_with_a_control_character_is_refused_whole(cli, tiny_bert, twelve_docs, tmp_path, spec):
+    """A newline (or any control character) inside --revisions is named as such, never reported as
+    if the part before it had failed."""
+    from geomscope.errors import InputError
+
+    with pytest.raises(InputError, match="control character") as e:
+        resolve_revisions("EleutherAI/pythia-70m", spec)
+    assert "\n" not in str(e.value)
+    code, out, err = cli(["extract", tiny_bert, twelve_docs, "--out", tmp_path / "r", "--revisions", spec])
+    line = assert_one_line_error(code, out, err, "--revisions", "control character", exit_code=2)
+    assert "failed" not in line and not (tmp_path / "r").exists()

@@ -55,9 +55,22 @@ def _is_bare(item: str) -> bool:
     return "/" not in item and "\\" not in item and not item.startswith((".", "~"))
 
 
+def _refuse_control_characters(item: str) -> None:
+    """InputError (one line) for a revision holding a control character: a newline in a --revisions
+    value is no separator (a comma is; a file takes one per line), and such a name, cut at its
+    first line in a message, would read as the part before it."""
+    bad = next((c for c in item if ord(c) < 32 or ord(c) == 127), None)
+    if bad is not None:
+        raise InputError(
+            f"--revisions {item!r} holds the control character {bad!r}; give a comma list (step0,step1000) "
+            "or a file with one revision per line"
+        )
+
+
 def resolve_revisions(model: str, spec: str) -> list[Revision]:
     """The checkpoints ``spec`` names (see the module docstring); InputError (one line) for an empty
-    list, a glob that matches no directory, or two revisions that would share a run directory.
+    list, a glob that matches no directory, a revision holding a control character, or two revisions
+    that would share a run directory.
 
     Of a hub model, a bare name (no ``/``, not starting with ``.`` or ``~``) is a revision, never a
     folder of that name in the current directory; when such a folder exists, the ambiguity is
@@ -75,6 +88,8 @@ def resolve_revisions(model: str, spec: str) -> list[Revision]:
         items = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
     else:
         items = [s.strip() for s in spec.split(",") if s.strip()]
+    for item in items:
+        _refuse_control_characters(item)
     out: list[Revision] = []
     hub = _is_hub_id(model)
     for item in items:
