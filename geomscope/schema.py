@@ -3,7 +3,7 @@ and the format tags of every file geomscope writes beside a run directory.
 
 ``score`` builds entries with these keys, :mod:`geomscope.report` writes and reads them, ``plot``
 chooses what to draw from them, and the tests check reports against them. Scripts rely on the
-names and their order (README, "Report format"), so change them only with ``REPORT_FORMAT_VERSION``.
+names and their order (docs/reference/report-format.md), so change them only with ``REPORT_FORMAT_VERSION``.
 
 A format tag is how geomscope knows a file for its own: a JSON file's first key ``"format"``
 (outputs.json_format_is), a marker file's name, a figure's creator, a page's generator. A file at
