@@ -1,6 +1,6 @@
 """Run every benchmark and print one markdown table of ratios plus the machine it ran on.
 
-    python benchmarks/run_all.py            # full sizes (what the README quotes)
+    python benchmarks/run_all.py            # full sizes (what docs/explanation/performance.md quotes)
     python benchmarks/run_all.py --quick    # small sizes, about a minute each
     python benchmarks/run_all.py --only twonn,metrics --json results.json
 
