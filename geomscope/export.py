@@ -64,7 +64,12 @@ def export_run(
     run, shards = _open_run(run_dir)
     names = run.resolve_layers(opts.layers)
     out = Path(out_dir)
-    if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
+    if out.is_symlink():  # the export is renamed into place: over the link, never into its target
+        raise InputError(
+            f"--out {out} is a link (to {os.readlink(out)}); export writes a new directory in its place, "
+            "never through a link: give a new path, or the empty directory itself"
+        )
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputError(f"{out} exists and is not an empty directory; choose a new --out directory")
     tasks = run.shard_tasks(run.dim or 0)  # each shard's identity now: the reads come from it
     indices = run.layer_indices(names)

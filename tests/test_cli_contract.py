@@ -170,3 +170,24 @@ def test_what_no_check_foresaw_is_still_one_line(cli, tmp_path, monkeypatch, rai
     code, out, err = cli(["score", ok, "--quiet"])
     line = assert_one_line_error(code, out, err, *needles, exit_code=exit_code)
     assert "interrupted" not in line
+
+
+def test_a_linked_out_is_named_as_a_link(cli, tiny_bert, twelve_docs, tmp_path):
+    """finetune and export write into a directory itself, never through a link: a link given as --out,
+    even to an empty directory, is refused as the link it is, naming its target."""
+    from conftest import quiet_extract
+    from helpers_train import synthetic_rows, write_csv
+
+    target = tmp_path / "empty"
+    target.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(target, target_is_directory=True)
+    train = write_csv(tmp_path / "train.csv", synthetic_rows(8, 0))
+    finetune = ["finetune", tiny_bert, "--train", train, "--eval", train, "--out", link, "--device", "cpu"]
+    assert quiet_extract(cli, tiny_bert, twelve_docs, tmp_path / "run")[0] == 0
+    export = ["export", tmp_path / "run", "--out", link, "--to", "npy"]
+    for args in (finetune, export):
+        code, out, err = cli(args)
+        line = assert_one_line_error(code, out, err, f"--out {link} is a link (to {target})", exit_code=2)
+        assert "not a directory" not in line and "not an empty directory" not in line
+    assert link.is_symlink() and list(target.iterdir()) == []

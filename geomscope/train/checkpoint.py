@@ -138,7 +138,12 @@ def check_output(
     snapshots to, past ``from_step`` when resuming) that the marker does not record is refused too:
     it is a user's, and would be replaced or mixed with this run's.
     """
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
+    if out.is_symlink():
+        raise InputError(
+            f"--out {out} is a link (to {os.readlink(out)}); finetune writes into a directory itself, "
+            "never through a link: give the directory itself, or a new or empty one"
+        )
+    if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} exists and is not a directory; give a new or empty directory")
     entries = [p.name for p in out.iterdir()] if out.exists() else []
     marker = read_marker(out)
