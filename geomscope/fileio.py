@@ -9,6 +9,14 @@ temporary name and put in place by renames (:func:`replace_dir`). :func:`ensure_
 with a real file, whether an output's folder can be written before the work that produces it.
 What an output a user names may replace is outputs.py's. Files are hashed by one read loop
 (:func:`hash_into`); an input's content by :func:`input_digest`.
+
+Reading back is bounded the same way everywhere: :func:`open_regular` opens a regular file only (a
+FIFO would block the read until a writer comes, a device such as /dev/zero never ends, a folder or a
+link loop is an OSError), and every JSON document geomscope reads -- a manifest, a report, a trainer
+state, a finetune summary, a sweep's or a log's records -- comes through :func:`read_json` or
+:func:`loads_json`: at most :data:`MAX_JSON_BYTES` bytes, nested at most :data:`MAX_JSON_DEPTH`
+deep. What breaks a bound is an OSError (:class:`NotRegularFileError`) or a ValueError
+(:class:`JSONLimitError`), which each reader already turns into its own one line.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -247,3 +256,122 @@ def _read_into(f, buf: memoryview) -> int:
     chunk = f.read(len(buf))
     buf[: len(chunk)] = chunk
     return len(chunk)
+
+
+# ------------------------------------------------------------------------------ reading back
+#: the most bytes of a JSON document read whole: what geomscope writes is far smaller (a manifest
+#: entry is ~0.4 KB, so 100,000 shards take 40 MiB; a report, a trainer state, a summary take KB to
+#: a few MB), and a parsed document takes several times its text in memory, so a file at a
+#: manifest's or a report's name cannot make a reader hold more than a few GiB
+MAX_JSON_BYTES = 256 * 2**20
+
+#: the deepest nesting of arrays and objects in a JSON document read back: what geomscope writes
+#: nests a few levels deep (a report, a manifest: 4). Python's parser,
+#: ``json.dumps``, ``copy.deepcopy`` and the readers' own walks recurse once per level, within the
+#: interpreter's limit of 1,000 frames shared with the caller's stack: a document nested a few
+#: hundred deep is a RecursionError somewhere. 100 leaves every one of them far from that limit
+MAX_JSON_DEPTH = 100
+
+
+class NotRegularFileError(OSError):
+    """A path to be read is not a regular file (a named pipe, a device, a folder, a socket)."""
+
+
+class JSONLimitError(ValueError):
+    """A JSON document is larger or nested deeper than geomscope reads (:data:`MAX_JSON_BYTES`,
+    :data:`MAX_JSON_DEPTH`)."""
+
+
+def _kind_of_file(mode: int) -> str:
+    """What a file that is not a regular file is, in a few words."""
+    if stat.S_ISFIFO(mode):
+        return "a named pipe"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "something else"
+
+
+def open_regular(path: str | os.PathLike):
+    """``path`` opened for reading as an unbuffered binary file, if it is a regular file (a link to
+    one is followed). Opened without waiting (``O_NONBLOCK``: a FIFO would block ``open`` until a
+    writer comes) and checked on the open file (``fstat``), so nothing can take its place between
+    the check and the reads: :class:`NotRegularFileError` for a named pipe, a device, a folder or a
+    socket; the OSError of ``open`` for a missing file, a link loop (ELOOP), no permission."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotRegularFileError(f"{_kind_of_file(mode)}, not a regular file")
+    return open(fd, "rb", buffering=0)  # noqa: SIM115 -- the caller closes it
+
+
+def read_regular_bytes(path: str | os.PathLike, max_bytes: int | None = None) -> bytes:
+    """The bytes of the regular file ``path`` (:func:`open_regular`); JSONLimitError where it holds
+    more than ``max_bytes`` (None: no bound), found before they are read."""
+    with open_regular(path) as f:
+        if max_bytes is None:
+            return f.readall()
+        if os.fstat(f.fileno()).st_size > max_bytes:
+            raise _too_large(max_bytes)
+        data = f.read(max_bytes + 1)  # (the file may have grown since fstat)
+    if len(data) > max_bytes:
+        raise _too_large(max_bytes)
+    return data
+
+
+def read_regular_text(
+    path: str | os.PathLike, *, encoding: str = "utf-8", errors: str = "strict", max_bytes: int | None = None
+) -> str:
+    """The text of the regular file ``path`` (:func:`read_regular_bytes`), decoded."""
+    return read_regular_bytes(path, max_bytes).decode(encoding, errors)
+
+
+def _too_large(max_bytes: int) -> JSONLimitError:
+    size = f"{max_bytes // 2**20} MiB" if max_bytes >= 2**20 else f"{max_bytes} bytes"
+    return JSONLimitError(f"larger than {size}")
+
+
+def loads_json(text: str | bytes):
+    """``json.loads(text)``, nested at most :data:`MAX_JSON_DEPTH` deep (JSONLimitError otherwise);
+    every other defect is json's own ValueError. Nesting deeper than the interpreter's recursion
+    limit ends the parse itself (a RecursionError, said as the same JSONLimitError); what parses is
+    then measured without recursion (:func:`json_depth`)."""
+    try:
+        obj = json.loads(text)
+    except RecursionError:
+        raise JSONLimitError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+    if json_depth(obj, stop=MAX_JSON_DEPTH + 1) > MAX_JSON_DEPTH:
+        raise JSONLimitError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+    return obj
+
+
+_CONTAINERS = (dict, list)
+
+
+def json_depth(obj, *, stop: int | None = None) -> int:
+    """The nesting depth of a parsed JSON value (0 for a scalar, 1 for ``[]`` or ``{"a": 1}``),
+    measured level by level without recursion; the walk ends at depth ``stop`` when given. About a
+    quarter of the parse's time on a manifest of 100,000 shards."""
+    level = [obj] if type(obj) in _CONTAINERS else []
+    depth = 0
+    while level and (stop is None or depth < stop):
+        depth += 1
+        below = []
+        for value in level:
+            below += [c for c in (value.values() if type(value) is dict else value) if type(c) in _CONTAINERS]
+        level = below
+    return depth
+
+
+def read_json(path: str | os.PathLike, *, encoding: str = "utf-8", max_bytes: int | None = MAX_JSON_BYTES):
+    """The JSON document in the regular file ``path``: at most ``max_bytes`` (:data:`MAX_JSON_BYTES`;
+    None: a user's data file, held whole by its reader whatever its size) and :data:`MAX_JSON_DEPTH`
+    deep (:func:`loads_json`). The one reader of every JSON file geomscope
+    reads back. OSError where the file cannot be read or is not a regular file
+    (:class:`NotRegularFileError`); ValueError where it is no such JSON (json's JSONDecodeError,
+    UnicodeDecodeError, :class:`JSONLimitError`): the caller says what the file should have been."""
+    return loads_json(read_regular_text(path, encoding=encoding, max_bytes=max_bytes))

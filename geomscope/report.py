@@ -56,7 +56,7 @@ import re
 from pathlib import Path
 
 from geomscope.errors import InputError, first_line
-from geomscope.fileio import ensure_writable, write_text_atomic
+from geomscope.fileio import ensure_writable, read_json, write_text_atomic
 from geomscope.formatting import counted, value_and_se
 from geomscope.outputs import HEAD_BYTES, ensure_replaceable, json_format_is, starts_with
 from geomscope.schema import (
@@ -243,12 +243,10 @@ def load_report(path: str | os.PathLike) -> Report:
     if not p.exists():
         raise InputError(f"report not found: {p}")
     try:
-        with open(p, encoding="utf-8") as f:
-            rep = json.load(f)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: bad JSON, a huge integer
-        why = "nested too deeply" if isinstance(e, RecursionError) else first_line(e, 160)
+        rep = read_json(p)
+    except ValueError as e:  # bad JSON, a huge integer, not UTF-8, too large or too deeply nested
         raise InputError(
-            f"{p} is not valid JSON ({why}); give a report written by `geomscope score`"
+            f"{p} is not valid JSON ({first_line(e, 160)}); give a report written by `geomscope score`"
         ) from None
     except OSError as e:
         raise InputError(f"cannot read {p} ({e.strerror or e})") from None

@@ -5,9 +5,9 @@ no candidates."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from geomscope.fileio import read_json
 from geomscope.layers import LAYER_KEYWORDS
 
 
@@ -35,8 +35,7 @@ def _report_layers(path) -> list[str]:
     p = Path(str(path))
     p = p / "report.json" if p.is_dir() else p
     try:
-        with open(p, encoding="utf-8") as f:
-            return [str(e["layer"]) for e in json.load(f)["layers"]]
+        return [str(e["layer"]) for e in read_json(p)["layers"]]
     except (OSError, ValueError, KeyError, TypeError):
         return []
 

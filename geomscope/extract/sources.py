@@ -21,7 +21,6 @@ import csv
 import errno
 import gzip
 import io
-import json
 import os
 import stat
 import sys
@@ -31,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from geomscope.errors import InputError, first_line_of
-from geomscope.fileio import input_digest
+from geomscope.fileio import input_digest, loads_json
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 CSV_SUFFIXES = {".csv": ",", ".tsv": "\t", ".tab": "\t"}
@@ -243,14 +242,14 @@ def _jsonl_records(inp: InputFile, field: str) -> Iterator[str]:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
-        except (ValueError, RecursionError) as e:  # bad JSON, a huge integer, nesting too deep
+            obj = loads_json(line)
+        except ValueError as e:  # bad JSON, a huge integer, nesting too deep
             hint = (
                 " (a JSON array, not JSON lines: write one object per line)"
                 if line.lstrip().startswith("[")
                 else ""
             )
-            why = getattr(e, "msg", None) or ("nested too deeply" if isinstance(e, RecursionError) else e)
+            why = getattr(e, "msg", None) or e
             raise InputError(
                 f"input {inp.arg} line {lineno} is not valid JSON ({why}){hint}; "
                 "give one JSON object per line"
@@ -378,7 +377,7 @@ def _jsonl_labels(inp: InputFile, field: str) -> Iterator[object]:
     for lineno, line in _lines(inp):
         if not line.strip():
             continue
-        val = _field(json.loads(line), field)  # the text pass has already validated every line
+        val = _field(loads_json(line), field)  # the text pass has already validated every line
         if val is KeyError:
             raise InputError(
                 f"input {inp.arg} line {lineno} has no label field {field!r}; give every record a "

@@ -8,7 +8,6 @@ or a cached Hugging Face snapshot of the recorded name and revision (offline).
 
 from __future__ import annotations
 
-import json
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from geomscope.errors import DataError
+from geomscope.fileio import read_json
 from geomscope.model.files import pickled_weights_error
 
 
@@ -91,7 +91,7 @@ class _Weights:
         self.files: dict[str, Path] = {}
         idx = ckpt / "model.safetensors.index.json"
         if idx.exists():
-            wm = json.loads(idx.read_text())["weight_map"]
+            wm = read_json(idx)["weight_map"]
             self.files = {k: ckpt / f for k, f in wm.items()}
         elif (ckpt / "model.safetensors").exists():
             from safetensors import safe_open

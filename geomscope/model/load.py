@@ -274,10 +274,10 @@ def _config_and_tokenizer(load_from: str, kw: dict, info: dict, revision: str | 
 
 def _tokenizer_has_code(load_from: str) -> bool:
     """Whether a local model directory's tokenizer_config.json names a tokenizer class of its own code."""
-    import json
+    from geomscope.fileio import read_json
 
     try:
-        cfg = json.loads((Path(load_from) / "tokenizer_config.json").read_text(encoding="utf-8"))
+        cfg = read_json(Path(load_from) / "tokenizer_config.json")
     except (OSError, ValueError):
         return False
     return isinstance(cfg, dict) and isinstance(cfg.get("auto_map"), (dict, list)) and bool(cfg["auto_map"])

@@ -24,12 +24,12 @@ alone.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 
-from geomscope.errors import InputError
+from geomscope.errors import InputError, first_line
+from geomscope.fileio import loads_json, read_json
 from geomscope.plot._reports import is_number
 
 _STEP_KEYS = {"step", "task_loss"}
@@ -50,8 +50,8 @@ def is_training_log(path: str | os.PathLike) -> bool:
     try:
         with open(f, encoding="utf-8") as fh:
             first = next((ln for ln in fh if ln.strip()), "")
-        rec = json.loads(first) if first else {}
-    except (OSError, ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
+        rec = loads_json(first) if first else {}
+    except (OSError, ValueError):  # (UnicodeDecodeError is a ValueError)
         return False
     return isinstance(rec, dict) and _STEP_KEYS <= set(rec)
 
@@ -65,9 +65,11 @@ def _read_jsonl(path: Path) -> list[dict]:
                 if not ln.strip():
                     continue
                 try:
-                    rec = json.loads(ln)
-                except (ValueError, RecursionError):
-                    raise InputError(f"{path} line {i} is not valid JSON; is the file complete?") from None
+                    rec = loads_json(ln)
+                except ValueError as e:
+                    raise InputError(
+                        f"{path} line {i} is not valid JSON ({first_line(e)}); is the file complete?"
+                    ) from None
                 why = _record_defect(rec)
                 if why:
                     raise InputError(f"{path} line {i} is not a finetune record ({why})")
@@ -144,8 +146,8 @@ def read_training_log(path: str | os.PathLike) -> dict:
     run = {}
     if (f.parent / "run.json").is_file():
         try:
-            run = json.loads((f.parent / "run.json").read_text(encoding="utf-8")).get("config", {})
-        except (ValueError, RecursionError, AttributeError):  # (UnicodeDecodeError is a ValueError)
+            run = read_json(f.parent / "run.json").get("config", {})
+        except (OSError, ValueError, AttributeError):  # (UnicodeDecodeError is a ValueError)
             run = {}
         if (
             not isinstance(run, dict)

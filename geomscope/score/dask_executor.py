@@ -123,11 +123,11 @@ def _check_scheduler_file(path: str) -> None:
     """A scheduler file must hold what Dask writes there (a JSON object with the scheduler's
     ``address``, ``tcp://...``); Dask itself would poll a malformed one until its timeout and then
     say only that it timed out."""
-    import json
+    from geomscope.fileio import read_json
 
     try:
-        info = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as e:
+        info = read_json(path)
+    except (OSError, ValueError) as e:
         info, why = None, first_line(e)
     else:
         why = "no scheduler address in it"

@@ -37,7 +37,6 @@ data directory holds regular files only (a FIFO there blocked for ever).
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 import zipfile
@@ -49,6 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from geomscope.errors import DataError, InputError, first_line
+from geomscope.fileio import read_json
 from geomscope.layers import layer_name
 
 FORMATS = ("npz", "safetensors", "pt", "arrow", "parquet")
@@ -501,7 +501,7 @@ def _arrow_files(path: Path, fmt: str) -> list[Path]:
     if (path / "state.json").exists():
         _check_regular(path / "state.json")
         try:
-            state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+            state = read_json(path / "state.json")
             names = [d["filename"] for d in state["_data_files"]]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise InputError(f"{path}/state.json is not a datasets state file ({e})") from None

@@ -23,7 +23,17 @@ import time
 from pathlib import Path
 
 from geomscope.errors import DataError, InputError, first_line
-from geomscope.fileio import TEMP_PREFIX, fsync_dir, make_dirs, write_all, write_text_atomic
+from geomscope.fileio import (
+    MAX_JSON_BYTES,
+    TEMP_PREFIX,
+    fsync_dir,
+    loads_json,
+    make_dirs,
+    read_json,
+    read_regular_text,
+    write_all,
+    write_text_atomic,
+)
 from geomscope.store import checksum, remote
 from geomscope.store.integrity import verify_shard
 from geomscope.store.names import (
@@ -138,35 +148,24 @@ def check_manifest(m, path: Path) -> dict:
     return m
 
 
-def _read_file_text(path: Path) -> str:
-    """The text of a regular file (OSError otherwise): a FIFO or a device put at a manifest's name
-    would block a plain open() (waiting for a writer) or never end; opened without waiting and
-    checked on the open file, it is refused instead."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with open(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path.name} is not a regular file")
-        return f.read().decode("utf-8")
-
-
 def _names_itself_ours(path: Path) -> bool:
     """A JSON object that says it is a geomscope manifest (damaged or not): --overwrite may remove it."""
     try:
-        m = json.loads(_read_file_text(path))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        m = read_json(path)
+    except (OSError, ValueError):
         return False
     return isinstance(m, dict) and m.get("format") == RUN_FORMAT
 
 
 def read_manifest(path: Path | str) -> dict:
     """Read and check a manifest (InputError, one line, for anything unreadable or malformed): a
-    local file (a regular file, never waited on), or a URL's JSON text read through fsspec, which goes
-    through the same checks (a shard ``file`` must be a plain shard name). Every reader of a manifest
-    reads it here."""
+    local file (fileio.read_json: a regular file, never waited on, bounded in size and depth), or a
+    URL's JSON text read through fsspec, which goes through the same checks (a shard ``file`` must be
+    a plain shard name). Every reader of a manifest reads it here."""
     url = remote.is_url(path)
     try:
-        m = json.loads(remote.read_text(path) if url else _read_file_text(Path(path)))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        m = loads_json(remote.read_text(path)) if url else read_json(path)
+    except (OSError, ValueError) as e:
         why = first_line(e)
         hint = (
             "check the run at that URL, or extract it again"
@@ -219,7 +218,7 @@ def read_logs(run_dir: Path) -> list[tuple[Path, str | None, list[dict]]]:
         if not PART_RE.fullmatch(p.name) or p.is_symlink() or not p.is_file():
             continue
         try:
-            text = p.read_text(encoding="utf-8")
+            text = read_regular_text(p, max_bytes=MAX_JSON_BYTES)
             digest, entries = _log_entries(text, p) if p.suffix == ".jsonl" else _part_entries(text, p)
         except (OSError, ValueError, AttributeError, TypeError, InputError):
             digest, entries = None, []
@@ -246,11 +245,11 @@ def with_logged(shards: list[dict], logged: list[dict]) -> list[dict]:
 
 def _log_entries(text: str, path: Path) -> tuple[str, list[dict]]:
     lines = text.split("\n")
-    digest = json.loads(lines[0])["identity_sha256"]
+    digest = loads_json(lines[0])["identity_sha256"]
     out = []
     for i, line in enumerate(lines[1:], 1):
         try:
-            e = json.loads(line)
+            e = loads_json(line)
             _check_shard_entry(e, i, path)
         except (ValueError, InputError):
             continue
@@ -260,7 +259,7 @@ def _log_entries(text: str, path: Path) -> tuple[str, list[dict]]:
 
 def _part_entries(text: str, path: Path) -> tuple[str, list[dict]]:
     """A part file of geomscope before the logs: one JSON document, checked whole."""
-    part = json.loads(text)
+    part = loads_json(text)
     shards = part.get("shards")
     for i, e in enumerate(shards):
         _check_shard_entry(e, i, path)

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from geomscope.errors import InputError
+from geomscope.fileio import read_json
 from geomscope.schema import COMPARE_FORMAT
 from geomscope.study.options import CompareOptions
 
@@ -96,7 +96,7 @@ def _eval_sha256(d: Path) -> str | None:
     path = d / CKPT / "state.json"
     if not path.is_file():
         return None
-    state = _object(json.loads(path.read_text(encoding="utf-8")), f"{CKPT}/state.json")
+    state = _object(read_json(path), f"{CKPT}/state.json")
     identity = _object(state.get("fingerprint") or {}, "the checkpoint's fingerprint").get("eval_data")
     sha = identity.get("sha256") if isinstance(identity, dict) else None
     return sha if isinstance(sha, str) else None
@@ -104,8 +104,8 @@ def _eval_sha256(d: Path) -> str | None:
 
 def _read_run(d: Path) -> RunResult:
     try:
-        summary = _object(json.loads((d / "summary.json").read_text(encoding="utf-8")), "summary.json")
-        run = _object(json.loads((d / "run.json").read_text(encoding="utf-8")), "run.json")
+        summary = _object(read_json(d / "summary.json"), "summary.json")
+        run = _object(read_json(d / "run.json"), "run.json")
         final = _object(summary.get("final") or {}, "summary.json's final")
         cfg = _object(run["config"], "run.json's config")
         task = str(summary.get("task", "classification"))

@@ -21,13 +21,13 @@ same global batches as ``world_size`` processes with ``batch_size`` each.
 from __future__ import annotations
 
 import csv
-import json
 import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from geomscope.errors import DataError, InputError, first_line
+from geomscope.fileio import loads_json, read_json
 
 
 @dataclass
@@ -84,11 +84,9 @@ def _read_text_table(path: Path, suffix: str) -> tuple[list[str], list[dict]]:
                 if not line.strip():
                     continue
                 try:
-                    obj = json.loads(line)
-                except (ValueError, RecursionError) as e:  # bad JSON, a huge integer, nesting too deep
-                    why = getattr(e, "msg", None) or (
-                        "nested too deeply" if isinstance(e, RecursionError) else e
-                    )
+                    obj = loads_json(line)
+                except ValueError as e:  # bad JSON, a huge integer, nesting too deep
+                    why = getattr(e, "msg", None) or e
                     raise InputError(
                         f"{path} line {i} is not valid JSON ({why}); expected one object per line"
                     ) from None
@@ -105,7 +103,7 @@ def _read_text_table(path: Path, suffix: str) -> tuple[list[str], list[dict]]:
 def _read_saved_dataset(path: Path) -> tuple[list[str], list[dict]]:
     if (path / "dataset_dict.json").exists():
         try:
-            splits = json.loads((path / "dataset_dict.json").read_text(encoding="utf-8")).get("splits", [])
+            splits = read_json(path / "dataset_dict.json").get("splits", [])
             names = ", ".join(map(str, splits))
         except (OSError, ValueError, RecursionError, AttributeError, TypeError):
             names = "unreadable"

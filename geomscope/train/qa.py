@@ -35,7 +35,6 @@ needs on top of the classification loop, following the standard Hugging Face ``r
 from __future__ import annotations
 
 import collections
-import json
 import math
 import re
 import string
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from geomscope.errors import InputError, first_line
+from geomscope.fileio import read_json
 
 N_BEST = 20
 MAX_ANSWER_TOKENS = 30
@@ -111,7 +111,7 @@ def _read_records(path: Path) -> list[dict]:
         raise InputError(f"data file {path} is empty; it needs at least one question with an answer")
     if path.is_file() and path.suffix.lower() == ".json":
         try:
-            whole = json.loads(path.read_text(encoding="utf-8-sig"))
+            whole = read_json(path, encoding="utf-8-sig", max_bytes=None)  # (nesting bounded)
         except UnicodeDecodeError:
             raise InputError(f"data file {path} is not UTF-8 text; convert it to UTF-8") from None
         except (ValueError, RecursionError):
