@@ -216,6 +216,14 @@ def test_datasets_state_cannot_point_outside(tmp_path):
         score(d, _opts())
 
 
+def test_datasets_state_listing_no_data_files_is_one_line(tmp_path, cli):
+    d = tmp_path / "ds"
+    d.mkdir()
+    (d / "state.json").write_text(json.dumps({"_data_files": [], "_fingerprint": "x"}))
+    code, out, err = cli(["score", d, "--quiet"])
+    assert_one_line_error(code, out, err, "state.json lists no data files", exit_code=2)
+
+
 def test_truncated_files_are_one_line_errors(tmp_path, cli):
     for fmt, cut in (("npz", 0.6), ("arrow-stream", 0.6), ("safetensors", 0.6), ("parquet", 0.6)):
         d = tmp_path / fmt

@@ -417,6 +417,43 @@ def test_a_broken_npy_is_one_line_that_never_suggests_unpickling(cli, tmp_path, 
     assert "interrupted" not in line
 
 
+def _npy_declaring(path: Path, shape, dtype="<f4", data: bytes = b"\0" * 160) -> Path:
+    """A .npy file whose header declares ``shape`` (whatever data follows)."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": dtype, "fortran_order": False, "shape": shape})
+    path.write_bytes(buf.getvalue() + data)
+    return path
+
+
+@pytest.mark.parametrize("shape", [(-9, 4), (10, -4), (-5, -8)])
+def test_an_npy_header_with_a_negative_dimension_is_one_line(cli, tmp_path, shape):
+    """numpy maps (10, -4) as a length that overflows (OverflowError) and refuses (-5, -8) only as a
+    whole: every .npy reader checks the header's shape first, an .npz member's too."""
+    bad = _npy_declaring(tmp_path / "bad.npy", shape)
+    code, out, err = cli(["score", bad, "--quiet"])
+    assert_one_line_error(code, out, err, "bad.npy", "negative dimension", exit_code=2)
+    np.save(tmp_path / "ok.npy", _anisotropic(50, 4))
+    code, out, err = cli(
+        ["score", tmp_path / "ok.npy", "--metrics", "isoscore_star", "--shrinkage-target", bad, "--quiet"]
+    )
+    assert_one_line_error(code, out, err, "--shrinkage-target", "negative dimension", exit_code=2)
+    with zipfile.ZipFile(tmp_path / "bad.npz", "w") as z:
+        z.writestr("x.npy", bad.read_bytes())
+    code, out, err = cli(["score", tmp_path / "bad.npz", "--quiet"])
+    assert_one_line_error(code, out, err, "bad.npz", "negative dimension", exit_code=2)
+
+
+def test_a_shrinkage_target_is_refused_from_its_header(cli, tmp_path):
+    """A covariance is read whole: one whose header declares another size than D x D (here 720 GB)
+    is refused before any of it is read or allocated."""
+    np.save(tmp_path / "ok.npy", _anisotropic(50, 4))
+    big = _npy_declaring(tmp_path / "cov.npy", (300_000, 300_000), "<f8")
+    code, out, err = cli(
+        ["score", tmp_path / "ok.npy", "--metrics", "isoscore_star", "--shrinkage-target", big, "--quiet"]
+    )
+    assert_one_line_error(code, out, err, "is 300000 x 300000 but the data has D = 4", exit_code=2)
+
+
 def test_score_refuses_a_fifo_at_once(tmp_path):
     fifo = tmp_path / "rows.npy"
     os.mkfifo(fifo)

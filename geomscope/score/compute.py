@@ -134,18 +134,22 @@ def load_cov_file(path: str, dim: int) -> np.ndarray:
         raise InputError(
             f"--shrinkage-target {path} is not a file; give a (D, D) covariance saved with numpy.save"
         )
+    from geomscope.score.formats import npy_header
+    from geomscope.score.sources import npy_error
+
+    try:
+        with open(path, "rb") as f:  # the shape is checked before anything is read from it
+            shape = tuple(npy_header(f)[0])
+    except (OSError, ValueError, EOFError) as e:
+        raise InputError(npy_error(path, e, "--shrinkage-target ")) from e
+    if len(shape) != 2 or shape[0] != shape[1]:
+        raise InputError(f"--shrinkage-target {path} has shape {shape}; a (D, D) covariance is needed")
+    if shape[0] != dim:
+        raise InputError(f"--shrinkage-target {path} is {shape[0]} x {shape[0]} but the data has D = {dim}")
     try:
         c = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as e:
-        from geomscope.score.sources import npy_error
-
         raise InputError(npy_error(path, e, "--shrinkage-target ")) from e
-    if c.ndim != 2 or c.shape[0] != c.shape[1]:
-        raise InputError(f"--shrinkage-target {path} has shape {c.shape}; a (D, D) covariance is needed")
-    if c.shape[0] != dim:
-        raise InputError(
-            f"--shrinkage-target {path} is {c.shape[0]} x {c.shape[0]} but the data has D = {dim}"
-        )
     from geomscope.metrics.validate import as_covariance, check_psd
 
     name = f"--shrinkage-target {path}"

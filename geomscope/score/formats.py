@@ -184,12 +184,18 @@ def _row_parts(path: Path, n: int, block_rows: int, offset: int = 0) -> list[Fil
 
 
 # --------------------------------------------------------------------------------------- npz
-def _npy_header(f) -> tuple[tuple, bool, np.dtype]:
-    """(shape, fortran order, dtype) of the .npy stream ``f``, which is left at the data."""
+def npy_header(f) -> tuple[tuple, bool, np.dtype]:
+    """(shape, fortran order, dtype) of the .npy stream ``f``, which is left at the data; ValueError
+    for a header numpy cannot parse or whose shape is not of counts (a negative dimension, which
+    numpy maps as a length that overflows)."""
     version = np.lib.format.read_magic(f)
     if version == (1, 0):
-        return np.lib.format.read_array_header_1_0(f)
-    return np.lib.format.read_array_header_2_0(f)
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+    else:
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+    if any(n < 0 for n in shape):
+        raise ValueError(f"its header declares shape {tuple(shape)}, with a negative dimension")
+    return shape, fortran, dtype
 
 
 # what a damaged member raises when it is opened or its header read: a bad local header
@@ -245,7 +251,7 @@ def _npz_members(path: Path) -> dict[str, _Member]:
             try:
                 with zf.open(info) as f:
                     try:
-                        shape, fortran, dtype = _npy_header(f)
+                        shape, fortran, dtype = npy_header(f)
                     except ValueError as e:
                         raise InputError(f"{path}: member {info.filename} is not a .npy array ({e})") from e
                     header_len = f.tell()
@@ -345,7 +351,7 @@ def _npz_rows(part: FilePart, names: list[str], block_rows: int) -> Iterator[Row
                     mapped[n] = np.lib.format.read_array(f, allow_pickle=False)
             else:  # compressed, C order: stream the member from its start (parts of such files start at 0)
                 f = zf.open(m.info)
-                _npy_header(f)
+                npy_header(f)
                 streams[n] = (f, m.dtype, m.shape[1])
         for s in range(part.start, part.stop, block_rows):
             e = min(part.stop, s + block_rows)
@@ -505,6 +511,8 @@ def _arrow_files(path: Path, fmt: str) -> list[Path]:
             names = [d["filename"] for d in state["_data_files"]]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise InputError(f"{path}/state.json is not a datasets state file ({e})") from None
+        if not names:
+            raise InputError(f"{path}/state.json lists no data files; save the dataset again (save_to_disk)")
         for n in names:  # a file name, never a path out of the directory
             if not isinstance(n, str) or Path(n).name != n or not (path / n).is_file():
                 raise InputError(f"{path}/state.json names a data file {n!r} that is not in the directory")

@@ -40,7 +40,7 @@ def _array_groups(start: int, stop: int, n_total: int, n_groups: int) -> np.ndar
 def npy_error(path, e: Exception, what: str = "") -> str:
     """One line for a .npy numpy cannot load: what it is, never a hint to load it unsafely."""
     first = first_line(e)
-    if "allow_pickle" in first or "pickle" in first:
+    if "allow_pickle" in first or "pickle" in first or "magic string is not correct" in first:
         why = "it holds pickled objects, or is not a .npy file at all; geomscope never unpickles"
     elif isinstance(e, EOFError) or "No data left" in first or first.startswith("EOF"):
         why = "it is empty or cut short"
@@ -53,7 +53,11 @@ def open_array(path: str, dataset: str | None):
     """(array-like (N, D), closer) for a .npy (memory-mapped) or an .h5 dataset."""
     p = Path(path)
     if p.suffix.lower() == ".npy":  # as _is_array_path decides (X.NPY is a .npy file too)
+        from geomscope.score.formats import npy_header
+
         try:
+            with open(p, "rb") as f:
+                npy_header(f)  # a shape numpy would map wrongly is refused first
             a = np.load(p, mmap_mode="r", allow_pickle=False)
         except (ValueError, OSError, EOFError) as e:
             raise InputError(npy_error(p, e)) from e
