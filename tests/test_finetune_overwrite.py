@@ -4,6 +4,7 @@ an --out that holds files geomscope did not write is refused, with or without --
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -86,8 +87,9 @@ def test_an_unrecorded_entry_in_the_way_is_refused_before_anything_is_removed(cl
 
 def test_an_older_marker_removes_only_what_it_proves_and_nothing_outside(cli, data, tmp_path):
     """A marker written before the complete record lists the exported files only: the run's logs and
-    working directories (fixed names) go, folders a user could have made stay; a crafted name that
-    leaves the directory is never followed."""
+    working directories (fixed names) go, folders a user could have made stay, and the exported files,
+    which it cannot prove geomscope wrote, are refused in the way until moved out; a crafted name
+    that leaves the directory is never followed."""
     out = tmp_path / "old"
     assert _run(cli, data, out)[0] == 0
     outside = tmp_path / "outside.txt"
@@ -100,6 +102,13 @@ def test_an_older_marker_removes_only_what_it_proves_and_nothing_outside(cli, da
         (out / d).mkdir(parents=True)
         (out / d / "f.txt").write_text(d)
     (out / "notes.txt").write_text("n")
+    # the exported files it lists carry no digest: claims only, neither removed nor replaced
+    before = _tree(out)
+    code, o, err = _run(cli, data, out, "--overwrite")
+    assert_one_line_error(code, o, err, "no recorded sha256", exit_code=2)
+    assert _tree(out) == before
+    for name in exported:
+        (out / name).unlink()
     code, _, err = _run(cli, data, out, "--overwrite")
     assert code == 0, err
     for d in ("checkpoints/step0", "tensorboard", "adapter"):
@@ -158,3 +167,70 @@ def test_finetune_overwrite_replaces_only_its_own_output(cli, tmp_path):
     code, _, err = finetune_cosreg(cli, tmp_path, out, "--overwrite")
     assert code == 0, err
     assert (out / "my-notes.txt").read_text() == "keep" and (out / "model.safetensors").exists()
+
+
+# ------------------------------------------------------------------------------ a marker is a claim
+def _claim(out, *rels, digests=None):
+    """Add ``rels`` to ``out``'s marker as a crafted one would (and, optionally, digests)."""
+    p = out / ck.FINETUNE_MARKER
+    m = json.loads(p.read_text())
+    m["files"] = [*m["files"], *rels]
+    m["sha256"] = {**m.get("sha256", {}), **(digests or {})}
+    p.write_text(json.dumps(m))
+
+
+def test_a_crafted_marker_deletes_nothing_of_a_users(cli, data, tmp_path):
+    """A marker is a claim, not proof: --overwrite and --resume remove what geomscope can recognise as
+    its own (its fixed names, content whose recorded sha256 matches), never a user's file it lists."""
+    out = tmp_path / "claimed"
+    assert _run(cli, data, out)[0] == 0
+    mine = {"thesis.tex": "mine", ".draft.tmp": "draft", "notes/.x.tmp": "x", "checkpoints/step3/n.txt": "n"}
+    for rel, text in mine.items():
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_text(text)
+    _claim(out, *mine, "notes", "checkpoints/step3")
+    code, _, err = _run(cli, data, out, "--resume", "--epochs", "2")  # removes its stale temporaries
+    assert code == 0, err
+    code, _, err = _run(cli, data, out, "--overwrite")
+    assert code == 0, err
+    for rel, text in mine.items():
+        assert (out / rel).read_text() == text, rel
+    # a digest claimed for a user's file proves nothing: it does not match, and the run is refused
+    _claim(out, "thesis.tex", digests={"thesis.tex": "0" * 64})
+    before = _tree(out)
+    code, o, err = _run(cli, data, out, "--overwrite")
+    assert_one_line_error(code, o, err, str(out / "thesis.tex"), "not what geomscope wrote", exit_code=2)
+    assert _tree(out) == before
+    for rel, text in mine.items():
+        assert (out / rel).read_text() == text, rel
+    assert (out / "model.safetensors").is_file() and len((out / "eval.jsonl").read_text().splitlines()) == 1
+
+
+def test_overwrite_removes_its_export_by_digest_and_refuses_an_edited_one(cli, data, tmp_path):
+    out = tmp_path / "edited"
+    assert _run(cli, data, out, "--save-every", "1")[0] == 0
+    digests = ck.read_marker(out)["sha256"]
+    assert {"config.json", "model.safetensors", "checkpoints/step1/config.json"} <= set(digests)
+    (out / "config.json").write_text('{"edited": true}')  # the user changed the exported config
+    before = _tree(out)
+    code, o, err = _run(cli, data, out, "--overwrite")
+    assert_one_line_error(code, o, err, str(out / "config.json"), "not what geomscope wrote", exit_code=2)
+    assert _tree(out) == before
+    (out / "config.json").unlink()
+    code, _, err = _run(cli, data, out, "--overwrite")
+    assert code == 0, err
+    assert not (out / "checkpoints").exists()  # every snapshot file matched its digest: all removed
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="needs tensorboard")
+def test_overwrite_removes_the_tracker_and_adapter_files_it_wrote_and_no_other(cli, data, tmp_path):
+    out = tmp_path / "tb"
+    assert _run(cli, data, out, "--report-to", "tensorboard", "--lora", "2")[0] == 0
+    digests = ck.read_marker(out)["sha256"]
+    assert any(k.startswith("tensorboard/events.out.tfevents.") for k in digests)
+    assert "adapter/adapter_model.safetensors" in digests
+    (out / "tensorboard" / "mine.txt").write_text("m")
+    code, _, err = _run(cli, data, out, "--overwrite")
+    assert code == 0, err
+    assert sorted(p.name for p in (out / "tensorboard").iterdir()) == ["mine.txt"]
+    assert not (out / "adapter").exists()

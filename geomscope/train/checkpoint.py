@@ -10,12 +10,17 @@ made cannot run code; a ``trainer.pt`` (a pickle) is refused. A new checkpoint i
 ``DIR/.checkpoint.tmp`` and swapped in by renames, so a crash leaves the previous one intact.
 
 ``DIR/.geomscope-finetune.json`` marks a directory as a finetune output and records what geomscope
-wrote into it (``files``: paths removed whole by ``--overwrite``; ``dirs``: directories it made to
-hold its own entries, such as ``checkpoints/``, removed only once empty). A name is recorded before
-it is first written, and only when nothing is there yet, so the record never claims a user's file:
-``--overwrite`` removes exactly what is recorded and leaves anything else, even inside
-``checkpoints/``; an unrecorded entry where the new run would write is refused, with one line,
-before anything is removed.
+wrote into it (``files``: the paths it claimed; ``dirs``: directories it made to hold its own
+entries, such as ``checkpoints/``, removed only once empty; ``sha256``: the digest of every file it
+wrote whole and never appends to -- the exported model, the adapter, the snapshots, a tracker's
+files). A name is claimed before it is first written, and only when nothing is there yet. A marker
+is a file anyone can write, so a claim alone removes nothing: ``--overwrite`` (and a resume's clean-up
+of stale working directories) removes a claimed entry only when geomscope can recognise it as its
+own -- a fixed name of its working state and logs (:data:`RUN_FILES`, :data:`INTERNAL`, a snapshot's
+temporary ``checkpoints/.step<N>.tmp``) or content whose recorded digest matches
+(:mod:`geomscope.train.proofs`) -- and leaves anything else, even inside ``checkpoints/``. An
+unrecorded entry where the new run would write, and a recorded one that is not as geomscope wrote
+it, are refused, with one line, before anything is removed.
 """
 
 from __future__ import annotations
@@ -33,16 +38,14 @@ from pathlib import Path
 from geomscope.errors import InputError, first_line
 from geomscope.fileio import (
     fresh_dir,
-    loads_json,
     make_dirs,
-    read_json,
-    read_regular_text,
     remove_tree,
     replace_dir,
     write_json_atomic,
     write_text_atomic,
 )
 from geomscope.schema import FINETUNE_FORMAT, FINETUNE_MARKER, FINETUNE_MARKER_VERSION
+from geomscope.train.proofs import digests, inside, proven, recorded_digests, remove_proven
 from geomscope.train.resume_checks import StateMismatch, check_counters, check_trainer_state
 
 CKPT = "checkpoint"
@@ -55,6 +58,7 @@ INTERNAL = (CKPT, ".checkpoint.tmp", ".export.tmp", CKPT + ".old", ADAPTER_TEMP)
 _TEMPORARY = (".checkpoint.tmp", ".export.tmp", ADAPTER_TEMP)
 SNAPSHOTS = "checkpoints"  # --save-every: checkpoints/step<N>/, each a save_pretrained directory
 _SNAPSHOT_NAME = re.compile(r"^\.?step(\d+)(\.tmp)?$")
+_SNAPSHOT_TEMP = re.compile(rf"^{SNAPSHOTS}/\.step\d+\.tmp$")
 _TENSORS, _STATE = "trainer.safetensors", "trainer.json"
 
 
@@ -64,8 +68,8 @@ def read_marker(out: Path) -> dict | None:
     if not p.is_file() or p.is_symlink():
         return None
     try:
-        m = read_json(p)
-    except (OSError, ValueError):
+        m = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
     return m if isinstance(m, dict) and m.get("format") == FINETUNE_FORMAT else None
 
@@ -102,14 +106,22 @@ def _recorded(marker: dict) -> tuple[set[str], set[str]]:
     return files, dirs
 
 
-def _inside(out: Path, rel: str) -> Path | None:
-    """``out/rel`` when every folder on the way is a real directory (a link is never followed)."""
-    p = out
-    for part in rel.split("/")[:-1]:
-        p = p / part
-        if p.is_symlink() or not p.is_dir():
-            return None
-    return p / rel.split("/")[-1]
+def _digests(marker: dict) -> dict[str, str]:
+    """The digests ``marker`` records (:mod:`geomscope.train.proofs`); none in an older version's."""
+    if marker.get("version") != FINETUNE_MARKER_VERSION:
+        return {}
+    return recorded_digests(marker.get("sha256"), lambda rel: _names([rel]) == [rel])
+
+
+def _by_name(rel: str) -> bool:
+    """Whether ``rel`` is a name only geomscope uses for its own working state and logs, so that being
+    claimed is enough to remove it (everything else takes a matching digest)."""
+    return rel in RUN_FILES or rel in INTERNAL or _SNAPSHOT_TEMP.match(rel) is not None
+
+
+def _ours(out: Path, rel: str, marker: dict) -> bool:
+    """Whether the claimed entry ``rel`` may be removed or replaced: a fixed name, or proven."""
+    return _by_name(rel) or proven(out, rel, _digests(marker))
 
 
 def _present(p: Path) -> bool:
@@ -165,11 +177,11 @@ def check_output(
     files, dirs = _recorded(marker)
     legacy = marker.get("version") != FINETUNE_MARKER_VERSION
     for rel in writes:
-        p = _inside(out, rel)
+        p = inside(out, rel)
         if p is not None and _present(p) and rel not in files and not (legacy and resume):
             _refuse_unrecorded(out, rel)
     for rel in writes_into:
-        p = _inside(out, rel)
+        p = inside(out, rel)
         if p is None or not _present(p):
             continue
         if p.is_symlink() or not p.is_dir():
@@ -177,15 +189,49 @@ def check_output(
         if legacy and resume:  # an older run's snapshots: kept as they are, never removed later
             continue
         for e in sorted(p.iterdir()):
-            m = _SNAPSHOT_NAME.match(e.name)
-            if m and f"{rel}/{e.name}" not in files and (not resume or int(m.group(1)) > from_step):
-                _refuse_unrecorded(out, f"{rel}/{e.name}")
+            m, snap = _SNAPSHOT_NAME.match(e.name), f"{rel}/{e.name}"
+            if m and (not resume or int(m.group(1)) > from_step):
+                if snap not in files:
+                    _refuse_unrecorded(out, snap)
+                if not _ours(out, snap, marker):
+                    _refuse_unproven(out, snap, marker)
+    _check_claims(out, marker, files)
+
+
+def _check_claims(out: Path, marker: dict, files: set[str]) -> None:
+    """Refuse a claimed entry that --overwrite would leave and the new run's export would meet: one
+    whose recorded digests no longer match (a user edited it), or any unproven one when the marker
+    records no digests at all (an older geomscope's: its exported files cannot be told from claims).
+    A claim with no digest in a marker that records them is a claim only: left alone. Snapshots are
+    checked where the run writes them, and a tracker's folder is written into, never replaced."""
+    from geomscope.train.tracking import DIRS
+
+    recorded = _digests(marker)
+    for rel in sorted(files):
+        p = inside(out, rel)
+        if _by_name(rel) or rel.split("/")[0] in (SNAPSHOTS, *DIRS) or p is None or not _present(p):
+            continue
+        digested = not recorded or any(k == rel or k.startswith(rel + "/") for k in recorded)
+        if digested and not proven(out, rel, recorded):
+            _refuse_unproven(out, rel, marker)
 
 
 def _refuse_unrecorded(out: Path, rel: str) -> None:
     raise InputError(
         f"{out / rel} is not recorded in {out / FINETUNE_MARKER} as written by geomscope, and this run would "
         f"write there; move it out of {out} (or choose another --out)"
+    )
+
+
+def _refuse_unproven(out: Path, rel: str, marker: dict) -> None:
+    why = (
+        "is not what geomscope wrote there (its recorded sha256 does not match)"
+        if _digests(marker)
+        else "has no recorded sha256 to prove geomscope wrote it"
+    )
+    raise InputError(
+        f"{out / rel} is claimed in {out / FINETUNE_MARKER} but {why}, so geomscope neither removes nor "
+        f"replaces it; move it out of {out} (or choose another --out)"
     )
 
 
@@ -204,10 +250,10 @@ def take_output(out: Path, *, resume: bool, writes=(), writes_into=()) -> None:
     # a name is claimed only while nothing is there (or it is ours already): never a user's entry
     files |= {r for r in writes if r in files or not _present(out / r)}
     dirs |= {r for r in writes_into if r in dirs or not _present(out / r)}
-    _write_marker(out, files, dirs)
+    _write_marker(out, files, dirs, _digests(marker) if marker is not None else {})
 
 
-def _write_marker(out: Path, files, dirs) -> None:
+def _write_marker(out: Path, files, dirs, sha256: dict[str, str]) -> None:
     write_json_atomic(
         out / FINETUNE_MARKER,
         {
@@ -215,18 +261,18 @@ def _write_marker(out: Path, files, dirs) -> None:
             "version": FINETUNE_MARKER_VERSION,
             "files": sorted(files),
             "dirs": sorted(dirs),
+            "sha256": dict(sorted(sha256.items())),
         },
     )
 
 
 def _remove_stale(out: Path, files: set[str]) -> None:
     """A resumed run's leftovers of an interrupted one: its working directories (``.checkpoint.tmp``
-    ..., a half-written snapshot), removed when they are recorded as ours (a link is removed, never
-    followed)."""
+    ..., a half-written snapshot), removed when they are claimed and have those fixed names (a link is
+    removed, never followed)."""
     for rel in sorted(files):
-        p = _inside(out, rel)
-        name = rel.rsplit("/", 1)[-1]
-        stale = rel in _TEMPORARY or rel == CKPT + ".old" or (name.startswith(".") and name.endswith(".tmp"))
+        p = inside(out, rel)
+        stale = rel in _TEMPORARY or rel == CKPT + ".old" or _SNAPSHOT_TEMP.match(rel) is not None
         if p is not None and stale and _present(p):
             _remove(p)
 
@@ -242,25 +288,29 @@ def recover_checkpoint(out: Path) -> None:
 
 
 def _remove_previous_output(out: Path, marker: dict) -> None:
-    """Remove what a previous finetune recorded (deepest first), then the directories it made for its
-    own entries if they are empty now; nothing else in ``out`` is touched."""
+    """Remove what a previous finetune claimed and geomscope recognises as its own (deepest first): a
+    fixed name whole, anything else as far as its recorded digests prove it (:func:`_ours`); then the
+    directories it made for its own entries if they are empty now. Nothing else is touched."""
     files, dirs = _recorded(marker)
+    recorded = _digests(marker)
     for rel in sorted(files, key=lambda r: -r.count("/")):
-        p = _inside(out, rel)
-        if p is not None:
+        p = inside(out, rel)
+        if p is not None and _by_name(rel):
             _remove(p)
+        elif p is not None:
+            remove_proven(out, rel, recorded)
     for rel in sorted(dirs, key=lambda r: -r.count("/")):
-        p = _inside(out, rel)
+        p = inside(out, rel)
         if p is not None and p.is_dir() and not p.is_symlink() and not any(p.iterdir()):
             p.rmdir()
 
 
-def record_outputs(out: Path, names: list[str]) -> None:
-    """Add paths this run is about to write to the marker, so that --overwrite removes them and
-    nothing else."""
+def record_outputs(out: Path, names: list[str], sha256: dict[str, str] | None = None) -> None:
+    """Add paths this run is about to write to the marker, with the digests of the files among them
+    (``sha256``: path -> hex digest), so that --overwrite removes them and nothing else."""
     marker = read_marker(out) or {"format": FINETUNE_FORMAT, "version": FINETUNE_MARKER_VERSION}
     files, dirs = _recorded(marker)
-    _write_marker(out, files | set(names), dirs)
+    _write_marker(out, files | set(names), dirs, {**_digests(marker), **(sha256 or {})})
 
 
 # ---------------------------------------------------------------------------------- RNG state
@@ -439,8 +489,8 @@ def read_state(out: Path) -> dict | None:
     if not p.exists():
         return None
     try:
-        st = read_json(p)
-    except (OSError, ValueError) as e:
+        st = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InputError(
             f"{p} is damaged ({first_line(e)}); rerun without --resume into a new --out (or --overwrite)"
         ) from None
@@ -516,7 +566,7 @@ def _read_trainer_files(out: Path) -> tuple[dict, dict]:
     ck = out / CKPT
     try:
         tensors = load_file(str(ck / _TENSORS))
-        trainer = read_json(ck / _STATE)
+        trainer = json.loads((ck / _STATE).read_text(encoding="utf-8"))
     except Exception as e:  # missing or truncated files: SafetensorError, OSError, JSONDecodeError
         raise InputError(
             f"the trainer state in {ck} is missing or damaged ({first_line(e)}); start again without "
@@ -543,15 +593,17 @@ def export_model(out: Path, model, tokenizer, extra: dict[str, dict], weights: d
             (tmp / name).write_text(json.dumps(obj, indent=2))
     files = [f for f in sorted(tmp.rglob("*")) if f.is_file()]
     names = sorted({f.relative_to(tmp).parts[0] for f in files})
-    recorded, _ = _recorded(read_marker(out) or {"version": FINETUNE_MARKER_VERSION})
-    for name in names:  # a user's file of that name, put there during the run: never replaced
-        if name not in recorded and _present(out / name):
+    marker = read_marker(out) or {"version": FINETUNE_MARKER_VERSION}
+    recorded, _ = _recorded(marker)
+    for name in names:  # a user's file of that name (put there during the run, or claimed): kept
+        if _present(out / name) and not (name in recorded and _ours(out, name, marker)):
             shutil.rmtree(tmp)
             raise InputError(
-                f"{out / name} is not recorded in {out / FINETUNE_MARKER} as written by geomscope, and the "
-                f"export would replace it; move it out of {out} and rerun with --resume"
+                f"{out / name} is not recorded in {out / FINETUNE_MARKER} as written by geomscope (or is "
+                f"not as geomscope wrote it), and the export would replace it; move it out of {out} and "
+                "rerun with --resume"
             )
-    record_outputs(out, names)
+    record_outputs(out, names, digests(tmp))
     for f in files:
         dest = out / f.relative_to(tmp)
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -570,6 +622,7 @@ def save_snapshot(out: Path, model, tokenizer, step: int, weights: dict | None =
     with written_into(fresh_dir(out / SNAPSHOTS / f".step{step}.tmp")) as tmp:
         _save_model(model, tmp, weights)
         tokenizer.save_pretrained(tmp)
+    record_outputs(out, [], digests(tmp, f"{SNAPSHOTS}/step{step}"))
     replace_dir(tmp, dest)
     return dest
 
@@ -579,22 +632,15 @@ def truncate_jsonl(path: Path, keep) -> None:
     if not path.exists():
         return
     kept = []
-    try:
-        text = read_regular_text(path, errors="replace")
-    except OSError as e:
-        raise InputError(
-            f"{path} cannot be read ({e.strerror or e}); start again without --resume into a new --out "
-            "(or --overwrite)"
-        ) from None
-    for i, ln in enumerate(text.splitlines(), 1):
+    for i, ln in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         if not ln.strip():
             continue
         try:
-            record = loads_json(ln)
-        except ValueError as e:
+            record = json.loads(ln)
+        except json.JSONDecodeError:
             raise InputError(
-                f"{path} line {i} is not JSON geomscope reads ({e}; the log is damaged); start again "
-                "without --resume into a new --out (or --overwrite)"
+                f"{path} line {i} is not JSON (the log is damaged); start again without --resume "
+                "into a new --out (or --overwrite)"
             ) from None
         if isinstance(record, dict) and keep(record):
             kept.append(ln)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from geomscope import distributed as dd
 from geomscope.errors import DataError, InputError
-from geomscope.fileio import loads_json, read_regular_text, write_json_atomic
+from geomscope.fileio import write_json_atomic
 from geomscope.progress import Log, Progress, log_to, silent
 from geomscope.provenance import package_versions
 from geomscope.train import checkpoint as ck
@@ -58,6 +58,7 @@ from geomscope.train.data import (
     rank_slice,
 )
 from geomscope.train.engine import configure_deepspeed
+from geomscope.train.proofs import file_states, new_file_digests
 from geomscope.train.resume_checks import check_progress
 from geomscope.train.step import make_scheduler, optimizer_groups, split_micro, train_step
 
@@ -122,14 +123,18 @@ def _prepare_out(cfg: FinetuneConfig, out: Path, note, *, recover: bool = True) 
 
 def _planned_outputs(cfg: FinetuneConfig) -> tuple[list[str], list[str]]:
     """What this run writes into --out (checkpoint.planned_outputs for its options)."""
-    tracker_dir = None
-    if cfg.report_to != "none":
-        from geomscope.train.tracking import DIRS, PACKAGES
-
-        tracker_dir = DIRS[list(PACKAGES).index(cfg.report_to)]
     return ck.planned_outputs(
-        lora=cfg.lora is not None, tracker_dir=tracker_dir, snapshots=cfg.save_every is not None
+        lora=cfg.lora is not None, tracker_dir=_tracker_dir(cfg), snapshots=cfg.save_every is not None
     )
+
+
+def _tracker_dir(cfg: FinetuneConfig) -> str | None:
+    """The folder of --out that --report-to's tracker writes into (None without one)."""
+    if cfg.report_to == "none":
+        return None
+    from geomscope.train.tracking import DIRS, PACKAGES
+
+    return DIRS[list(PACKAGES).index(cfg.report_to)]
 
 
 #: what a sharded run (FSDP, DeepSpeed ZeRO) does not offer, and why
@@ -480,6 +485,8 @@ class _Trainer:
         if d.is_main and cfg.report_to != "none":
             from geomscope.train.tracking import make_tracker
 
+            # what is in its folder before: only the files the tracker writes get recorded digests
+            self.tracker_files = file_states(self.out / _tracker_dir(cfg))
             self.tracker = make_tracker(cfg.report_to, self.out, config_record(cfg), self.step)
         dd.barrier(d)
 
@@ -526,6 +533,8 @@ class _Trainer:
                 self.logf.close()
             if self.tracker is not None:
                 self.tracker.close()
+                folder = _tracker_dir(cfg)
+                ck.record_outputs(self.out, [], new_file_digests(self.out, folder, self.tracker_files))
         return self
 
     def _epoch(self, epoch: int, progress) -> None:
@@ -685,7 +694,7 @@ class _Trainer:
 
     def _summary(self) -> dict:
         cfg, d = self.cfg, self.d
-        evals = [loads_json(ln) for ln in read_regular_text(self.eval_path).splitlines() if ln.strip()]
+        evals = [json.loads(ln) for ln in self.eval_path.read_text().splitlines() if ln.strip()]
         qa = cfg.task == "qa"
         if qa:
             from geomscope.train.qa import MAX_ANSWER_TOKENS, N_BEST

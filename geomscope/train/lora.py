@@ -20,6 +20,7 @@ from pathlib import Path
 from geomscope.errors import InputError, first_line
 from geomscope.fileio import fresh_dir, replace_dir
 from geomscope.train.checkpoint import ADAPTER, ADAPTER_TEMP, export_model, record_outputs, written_into
+from geomscope.train.proofs import digests
 
 ALIASES = {
     "q": ("query", "q_proj", "q_lin", "q"),
@@ -115,7 +116,7 @@ def export(out: Path, model, tokenizer, extra: dict) -> None:
     """Save the adapter to ``out/adapter/``, then export the merged model into ``out``."""
     with written_into(fresh_dir(out / ADAPTER_TEMP)) as tmp:
         model.save_pretrained(tmp)
-    record_outputs(out, [ADAPTER])
+    record_outputs(out, [ADAPTER], digests(tmp, ADAPTER))
     replace_dir(tmp, out / ADAPTER)
     merged = model.merge_and_unload()
     export_model(out, merged, tokenizer, extra)
