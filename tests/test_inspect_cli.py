@@ -61,6 +61,24 @@ def test_verify_damaged_exits_nonzero(cli, run_dir, tmp_path):
     assert last.startswith("error: 1 of 3 shards") and "shard-00000.h5" in last and "Traceback" not in err
 
 
+@pytest.mark.parametrize("verify", [False, True], ids=["describe", "verify"])
+def test_a_shard_that_is_a_link_loop_is_named_not_a_traceback(cli, run_dir, tmp_path, verify):
+    """A shard replaced by a link to itself: its size was read through the link (ELOOP, a
+    traceback); it is the run's own entry that counts, and --verify names the shard."""
+    bad = tmp_path / "run"
+    shutil.copytree(run_dir, bad)
+    (bad / "shard-00001.h5").unlink()
+    (bad / "shard-00001.h5").symlink_to("shard-00001.h5")
+    code, out, err = cli(["inspect", bad, "--json", *(["--verify"] if verify else [])])
+    assert "Traceback" not in err
+    if not verify:
+        assert code == 0 and json.loads(out)["shards"] == 3, err
+        return
+    (bad_shard,) = json.loads(out)["verify"]["bad"]
+    assert code == 3 and bad_shard["file"] == "shard-00001.h5" and "symbolic link" in bad_shard["error"]
+    assert err.strip().splitlines()[-1].startswith("error: 1 of 3 shards")
+
+
 def test_incomplete_and_not_a_run(cli, run_dir, tmp_path):
     part = tmp_path / "part"
     shutil.copytree(run_dir, part)

@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 import pytest
+from conftest import one_line_message
 
 from geomscope.errors import DataError, InputError
 from geomscope.store import Run, RunWriter, iter_shard, read_shard_index, verify_shard
@@ -295,6 +296,29 @@ def test_a_link_at_a_log_name_is_replaced_and_a_directory_there_refused(tmp_path
     with pytest.raises(InputError, match="not a file geomscope wrote"):
         RunWriter(run, IDENT, overwrite=True)
     assert (run / "shard-00000.h5").exists() and (run / "shard-00001.h5").exists()  # nothing removed
+
+
+@pytest.mark.parametrize("listed", [True, False], ids=["listed", "to-be-written"])
+def test_a_directory_at_a_shard_name_is_refused_before_any_work(tmp_path, listed):
+    """A folder where a shard goes (a listed shard's, or one still to be written): a resume redid
+    the shard and failed as it put it in place (IsADirectoryError, a traceback, the shard's work
+    lost). It is refused when the run is opened, and left as it was."""
+    run = tmp_path / "run"
+    with RunWriter(run, IDENT) as w:
+        w.add_shard(_shard(w, 0))
+        w.add_shard(_shard(w, 1))
+    folder = run / ("shard-00001.h5" if listed else "shard-00002.h5")
+    if listed:
+        folder.unlink()
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    for overwrite in (False, True):
+        with pytest.raises(InputError, match="is a directory, not a file geomscope wrote") as e:
+            RunWriter(run, IDENT, overwrite=overwrite)
+        assert str(folder) in one_line_message(e)
+    assert (folder / "notes.txt").read_text() == "mine" and (run / "shard-00000.h5").is_file()
+    folder.rename(tmp_path / "moved")
+    RunWriter(run, IDENT).release()  # the refusal released the lock: moved away, the run resumes
 
 
 def test_a_log_removed_under_a_writer_stops_it(tmp_path):

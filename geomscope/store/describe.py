@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -117,10 +118,24 @@ def _nonfinite_by_layer(manifest: dict) -> dict[str, int]:
 def _bytes_on_disk(run_dir, names: list[str], shard_files: list[str]) -> int:
     """The bytes of the run's files among ``names`` (its directory's listing): the shard files
     ``shard_files``, the manifest and the shard logs."""
-    size = sum(remote.size(remote.join(run_dir, f)) for f in shard_files)
-    size += remote.size(remote.join(run_dir, MANIFEST_NAME))
-    size += sum(remote.size(remote.join(run_dir, n)) for n in names if PART_RE.fullmatch(n))  # shard logs
+    size = sum(_entry_bytes(remote.join(run_dir, f)) for f in shard_files)
+    size += _entry_bytes(remote.join(run_dir, MANIFEST_NAME))
+    size += sum(_entry_bytes(remote.join(run_dir, n)) for n in names if PART_RE.fullmatch(n))  # shard logs
     return size
+
+
+def _entry_bytes(loc) -> int:
+    """The bytes of one entry of the run directory: a local one as it is (``lstat``: a link counts
+    as the link, never followed -- one that loops or leads out of the run is a shard that --verify
+    refuses, not a size to read; 0 where the entry went away since the listing), a URL's as its
+    filesystem says."""
+    local = remote.local_path(loc)
+    if local is None:
+        return remote.size(loc)
+    try:
+        return os.lstat(local).st_size
+    except FileNotFoundError:
+        return 0
 
 
 #: identity.model's fields that the description shows as text (None: not recorded)

@@ -40,6 +40,13 @@ def missing(path) -> DataError:
     return DataError(f"shard {path} is missing; rerun the same `geomscope extract` command to redo it")
 
 
+def absent(path) -> bool:
+    """Whether nothing is at a shard's location: a local path that holds nothing -- a link is there,
+    even one that loops or leads nowhere, and :func:`check_regular_file` refuses it as a link, not
+    as a missing shard --, or a URL its filesystem does not find."""
+    return not remote.exists(path) if remote.is_url(path) else not os.path.lexists(path)
+
+
 def check_regular_file(path) -> None:
     """A local shard must be a regular file in its run: not a symbolic link (its bytes would come
     from elsewhere, unchecked by where the run lies), a FIFO or a device (a read that blocks or never
@@ -126,7 +133,7 @@ def verify_shard(path: Path, info: ShardInfo) -> None:
     """Check size and checksum of a shard (a path, or a URL whose bytes are streamed through fsspec)
     against its manifest entry (DataError if they differ)."""
     path = remote.location(path)
-    if not remote.exists(path):
+    if absent(path):
         raise missing(path)
     check_regular_file(path)
     try:
@@ -168,7 +175,7 @@ def check_shard_file(task: Task, *, checksum: bool) -> tuple[Callable[[], None],
     local shard is opened once for the size and the hash, and must still be the file of
     ``task.identity`` (the file as planned)."""
     p = remote.location(task.path)
-    if not remote.exists(p):
+    if absent(p):
         raise missing(p)
     opened = _open_as_planned(p, task)  # None for a URL
     st = None if opened is None else os.fstat(opened.fileno())

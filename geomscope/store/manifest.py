@@ -475,6 +475,7 @@ class RunWriter:
         of these steps releases the lock first."""
         try:
             self._clear_log_names()
+            self._refuse_folders_at_shard_names()
         except BaseException:
             self.release()
             raise
@@ -533,6 +534,16 @@ class RunWriter:
         for p in logs:
             if p.is_symlink():
                 p.unlink()
+
+    def _refuse_folders_at_shard_names(self) -> None:
+        """A folder at a shard's name, listed or still to be written, is refused before any work: a
+        shard is put in place by a rename, which cannot replace a folder, and geomscope removes only
+        what it wrote."""
+        for p in self.dir.iterdir():
+            if SHARD_FILE_RE.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
+                raise InputError(
+                    f"{p} is a directory, not a file geomscope wrote; move it out of {self.dir} and rerun"
+                )
 
     # -- reading -------------------------------------------------------------------------------------
     def _read_existing(self, overwrite: bool) -> dict | None:
