@@ -12,8 +12,9 @@ one wrote) and stop at that file's first failure; the other files still run. A f
 file and the line of the block's opening fence and shows the end of its output; the exit status is
 then 1. Blocks write under ``docs_out/`` (ignored by git), which is emptied before a run.
 
-Usage: ``python docs/run_blocks.py [FILE ...] [--list]`` (no FILE: README.md, docs/tutorials/*.md,
-docs/how-to/*.md). ``make docs`` runs it after the site builds.
+Usage: ``python docs/run_blocks.py [FILE ...] [--list] [--verbose]`` (no FILE: README.md,
+docs/tutorials/*.md, docs/how-to/*.md). ``make docs`` runs it after the site builds; ``--verbose``
+shows each block's output, which the pages' "expected output" quotes.
 """
 
 from __future__ import annotations
@@ -140,8 +141,11 @@ def run_block(block: Block, env: dict[str, str]) -> tuple[int, str, float]:
     return proc.returncode, proc.stdout, time.perf_counter() - start
 
 
-def run_files(paths: list[Path], *, say=print) -> tuple[int, list[str]]:
-    """Run the blocks of every file: how many passed, and the failures, one ``FILE:LINE: why`` each."""
+def run_files(paths: list[Path], *, say=print, verbose: bool = False) -> tuple[int, list[str]]:
+    """Run the blocks of every file: how many passed, and the failures, one ``FILE:LINE: why`` each.
+
+    ``verbose`` also shows each passing block's output (what a page's "expected output" quotes).
+    """
     env = block_env()
     passed, failures = 0, []
     for path in paths:
@@ -152,7 +156,7 @@ def run_files(paths: list[Path], *, say=print) -> tuple[int, list[str]]:
             status, output, seconds = run_block(block, env)
             if status == 0:
                 passed += 1
-                say(f"ok    {block.where}  {seconds:.1f} s")
+                say(f"ok    {block.where}  {seconds:.1f} s" + (f"\n{output.rstrip()}" if verbose else ""))
                 continue
             tail = "\n".join(output.rstrip().splitlines()[-TAIL_LINES:])
             failures.append(f"{block.where}: the bash block exited with status {status}")
@@ -167,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         "files", nargs="*", type=Path, help="Markdown files (default: README, tutorials, how-to)"
     )
     parser.add_argument("--list", action="store_true", help="list the blocks and their markers; run nothing")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show every block's output")
     args = parser.parse_args(argv)
     paths = [p.resolve() for p in args.files] or default_files()
     try:
@@ -180,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     shutil.rmtree(SCRATCH, ignore_errors=True)
     start = time.perf_counter()
-    passed, failures = run_files(paths)
+    passed, failures = run_files(paths, verbose=args.verbose)
     for line in failures:
         print(f"error: {line}", file=sys.stderr)
     skipped = sum(b.skip is not None for b in blocks)
