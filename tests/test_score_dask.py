@@ -190,6 +190,33 @@ def test_a_malformed_scheduler_file_is_refused_at_once(tmp_path, content):
         ScoreOptions(scheduler=str(f)).validate()
 
 
+@pytest.mark.parametrize("kind", ["fifo", "large", "long address", "address with a newline"])
+def test_a_scheduler_file_read_within_bounds(tmp_path, kind):
+    """The scheduler file is read once, as fileio reads JSON: a named pipe is refused without waiting
+    for a writer, a file over SCHEDULER_FILE_MAX_BYTES without reading it, an address that could not
+    be quoted on one line as it is."""
+    from geomscope.score import dask_executor as de
+
+    f = tmp_path / "scheduler.json"
+    if kind == "fifo":
+        os.mkfifo(f)
+        needle = "a named pipe"
+    elif kind == "large":
+        f.write_text(
+            json.dumps({"address": "tcp://127.0.0.1:8786", "pad": "x" * de.SCHEDULER_FILE_MAX_BYTES})
+        )
+        needle = "larger than"
+    elif kind == "long address":
+        f.write_text(json.dumps({"address": "tcp://" + "h" * de.SCHEDULER_ADDRESS_MAX_CHARS + ":8786"}))
+        needle = "longer than"
+    else:
+        f.write_text(json.dumps({"address": "tcp://127.0.0.1:8786\nerror: forged"}))
+        needle = "is not a Dask scheduler file"
+    with pytest.raises(InputError, match=needle) as err:
+        ScoreOptions(scheduler=str(f)).validate()
+    assert "\n" not in str(err.value)
+
+
 def test_cli_errors(cli, run6, tmp_path, monkeypatch):
     import geomscope.score.dask_executor as dx
 
@@ -350,3 +377,178 @@ def test_a_worker_that_cannot_start_is_one_error_at_once(tmp_path, monkeypatch, 
     assert "\n" not in msg and "failed to start" in msg and "--workers N" in msg
     assert {k: dask.config.get(k) for k in de.LOCAL_CLUSTER_CONFIG} == before
     assert "Traceback" not in capfd.readouterr().err
+
+
+# ---------------------------------------------------------------- joining a cluster: every wait bounded
+JOIN_CASES = """
+import json, os, sys, time
+import geomscope.score.dask_executor as dx
+from geomscope.cli import main
+
+dx.CONNECT_TIMEOUT_S = 1
+run, out, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+for name, value in cases.items():
+    saved = os.dup(2)
+    with open(os.path.join(out, name + ".err"), "w") as f:
+        os.dup2(f.fileno(), 2)  # Dask's loggers write to the file descriptor, not to a captured stream
+        t0 = time.monotonic()
+        try:
+            report = os.path.join(out, "report-" + name)
+            main(["score", run, "--out", report, "--quiet", "--scheduler", value])
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        except BaseException as e:  # not the CLI's contract: recorded, and the next case runs
+            code = "raised " + type(e).__name__
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+    with open(os.path.join(out, name + ".result"), "w") as f:
+        json.dump({"code": code, "seconds": time.monotonic() - t0}, f)
+"""
+
+
+def _silent_listener():
+    """A port that accepts connections (the kernel's backlog) and never says a word."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(8)
+    return s, f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _junk_peer():
+    """A port whose every connection gets bytes that are no Dask message."""
+    import socket
+    import threading
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(8)
+
+    def serve():
+        while True:
+            try:
+                conn, _ = s.accept()
+                conn.sendall(b"\xff" * 64 + b"not dask\r\n" * 50)
+                conn.close()
+            except OSError:  # the socket closed at the end of the test
+                return
+
+    threading.Thread(target=serve, daemon=True).start()
+    return s, f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _http_server():
+    """An HTTP server, as on the port of a stale scheduler file."""
+    import http.server
+    import threading
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"tcp://127.0.0.1:{srv.server_address[1]}"
+
+
+def _closed_port() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture(scope="module")
+def join_failures(run6, cluster, tmp_path_factory):
+    """``score --scheduler`` against addresses where no usable Dask scheduler answers, one after the
+    other in a fresh process (CONNECT_TIMEOUT_S = 1 s) killed after 60 s: {case: (exit code, seconds,
+    stderr, the address)}, exit code None for a case that had not ended by then."""
+    import subprocess
+
+    from distributed import LocalCluster
+
+    d = tmp_path_factory.mktemp("join")
+    silent, silent_addr = _silent_listener()
+    junk, junk_addr = _junk_peer()
+    http, http_addr = _http_server()
+    empty = LocalCluster(
+        n_workers=0,
+        processes=False,
+        protocol="tcp",
+        host="127.0.0.1",
+        dashboard_address=None,
+        silence_logs=50,
+    )
+    addresses = {
+        "silent": silent_addr,
+        "http": http_addr,
+        "junk": junk_addr,
+        "refused": _closed_port(),
+        "worker": next(iter(cluster.scheduler.workers)),
+        "no_workers": empty.scheduler_address,
+        "http_file": http_addr,
+        "inproc_file": "inproc://10.0.0.1/123/1",
+        "tls_file": "tls://127.0.0.1:9",
+        "ucx_file": "ucx://127.0.0.1:9",
+        "file_file": "file:///tmp/scheduler",
+    }
+    cases = {}
+    for name, address in addresses.items():
+        if name.endswith("_file"):
+            f = d / f"scheduler-{name}.json"
+            f.write_text(json.dumps({"type": "Scheduler", "id": "x", "address": address}))
+            cases[name] = str(f)
+        else:
+            cases[name] = address
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        subprocess.run(
+            [sys.executable, "-c", JOIN_CASES, str(run6), str(d), json.dumps(cases)],
+            capture_output=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": root},
+        )
+    except subprocess.TimeoutExpired:
+        pass  # the cases without a result hung
+    finally:
+        silent.close()
+        junk.close()
+        http.shutdown()
+        http.server_close()
+        empty.close()
+    results = {}
+    for k, address in addresses.items():
+        done = d / f"{k}.result"
+        r = json.loads(done.read_text()) if done.exists() else {"code": None, "seconds": None}
+        err = d / f"{k}.err"
+        results[k] = (r["code"], r["seconds"], err.read_text() if err.exists() else "", address)
+    return results
+
+
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("silent", "no Dask scheduler answered within 1 s"),
+        ("http", "not another service's"),
+        ("junk", "no Dask scheduler answered"),
+        ("refused", "no Dask scheduler accepted a connection within 1 s"),
+        ("worker", "is a Dask Worker, not a scheduler"),
+        ("no_workers", "has no worker after 1 s"),
+        ("http_file", "not another service's"),
+        ("inproc_file", "cannot connect there"),
+        ("tls_file", "TLS settings"),
+        ("ucx_file", "cannot connect there"),
+        ("file_file", "unknown address scheme 'file'"),
+    ],
+)
+def test_joining_a_cluster_ends_in_one_line_within_the_timeout(join_failures, case, needle):
+    """A silent listener or an HTTP server kept Dask's client waiting for minutes (its handshake has
+    no timeout), a peer sending junk, another scheme or a worker's address gave tracebacks: each is
+    one error line naming the address, well within the timeout (1 s here) plus the process's start."""
+    code, seconds, err, address = join_failures[case]
+    assert code is not None, f"{case}: not over when the process was killed after 60 s"
+    assert_one_line_error(code, None, err, address, needle, exit_code=2)
+    assert seconds < 20, (case, seconds)

@@ -50,24 +50,49 @@ time it runs there, so forked workers and those of an external cluster are limit
 A worker that dies mid-task (killed, out of memory) loses its tasks; the scheduler runs them again
 on another worker (Dask's ``distributed.scheduler.allowed-failures``, 3 by default), and the report
 is the same. An exception raised by a task (a damaged shard) is raised here, with its own type.
+
+Joining a running cluster (``tcp://`` or a scheduler file) waits at most CONNECT_TIMEOUT_S for the
+scheduler, then at most CONNECT_TIMEOUT_S for its first worker. Dask's own connect does not bound
+its handshake (it waits for the peer's first message without a timeout, so a port where another
+service listens, an HTTP server or a silent listener, keeps a client waiting for good), so the address is
+probed first (:func:`probe_scheduler`: connect, Dask's handshake and one ``identity`` call, all
+within the timeout, on a connection the probe opens and closes); only a peer that answers as a Dask
+scheduler is handed to ``distributed.Client``. Every way it can fail (nothing listening, a service
+that is not Dask, a Dask worker's address, an address scheme this machine cannot use, TLS without
+its settings) is one ``InputError`` line naming the address.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 
 from geomscope.errors import InputError, first_line
+from geomscope.fileio import read_json
 from geomscope.score.accumulate import PassSpec, merge_parts, run_task
 from geomscope.score.resources import check_workers, init_worker, worker_start_method
 from geomscope.store.blocks import Task
 
 INSTALL_HINT = "pip install 'geomscope[dask]'"
+#: seconds a running Dask scheduler (``tcp://``, a scheduler file) has to accept a connection and
+#: answer (:func:`probe_scheduler`), and then again to have a worker; ``local:N``'s time for its
+#: first worker. A scheduler on the network answers in milliseconds; 10 s leaves room for one being
+#: started beside the score call, and a wrong address is said within it.
 CONNECT_TIMEOUT_S = 10
+#: the most bytes of a scheduler file read: Dask writes its scheduler's identity there (address, id,
+#: services, no workers yet), a few hundred bytes
+SCHEDULER_FILE_MAX_BYTES = 2**20
+#: the longest scheduler address taken from a scheduler file: a host name has at most 253 characters,
+#: and the address is quoted in one-line messages
+SCHEDULER_ADDRESS_MAX_CHARS = 1000
+#: seconds, beside CONNECT_TIMEOUT_S, the probe's thread has to end after its deadline (its event
+#: loop closes its connection and waits for a name lookup still under way) before it is left behind
+PROBE_GRACE_S = 2
 SCHEDULER_FORMS = "local:N, tcp://HOST:PORT or a Dask scheduler file FILE.json"
 CHUNKS_PER_THREAD = 2
 # Dask settings for the local:N cluster geomscope starts (an external scheduler keeps its own). What they
@@ -105,38 +130,153 @@ def parse_scheduler(value) -> str:
         return f"local:{int(n)}"
     if low.startswith("tcp://"):
         host, sep, port = s[len("tcp://") :].rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not sep or not host.isprintable() or not port.isdigit() or not 0 < int(port) < 65536:
             raise InputError(f"--scheduler {s!r} is not tcp://HOST:PORT (a Dask scheduler's address)")
         return "tcp://" + s[len("tcp://") :]
     if low.endswith(".json"):
-        if not Path(s).is_file():
+        if not os.path.lexists(s):
             raise InputError(
                 f"--scheduler file {s} does not exist; give the file a Dask scheduler wrote "
                 "(dask scheduler --scheduler-file FILE.json)"
             )
-        _check_scheduler_file(s)
+        scheduler_file_address(s)
         return s
     raise InputError(f"--scheduler must be {SCHEDULER_FORMS}; got {s!r}")
 
 
-def _check_scheduler_file(path: str) -> None:
-    """A scheduler file must hold what Dask writes there (a JSON object with the scheduler's
-    ``address``, ``tcp://...``); Dask itself would poll a malformed one until its timeout and then
-    say only that it timed out."""
-    from geomscope.fileio import read_json
-
+def scheduler_file_address(path: str) -> str:
+    """The scheduler's address in a Dask scheduler file (a JSON object whose ``address`` is
+    ``scheme://...``, as Dask writes it), read once, through fileio's JSON reader (a regular file,
+    at most SCHEDULER_FILE_MAX_BYTES). Dask itself would poll a malformed file until its timeout and
+    then say only that it timed out; here it is one InputError at once."""
     try:
-        info = read_json(path)
+        info = read_json(path, max_bytes=SCHEDULER_FILE_MAX_BYTES)
     except (OSError, ValueError) as e:
         info, why = None, first_line(e)
     else:
         why = "no scheduler address in it"
     address = info.get("address") if isinstance(info, dict) else None
-    if not isinstance(address, str) or "://" not in address:
+    if isinstance(address, str) and len(address) > SCHEDULER_ADDRESS_MAX_CHARS:
+        address, why = None, f"an address longer than {SCHEDULER_ADDRESS_MAX_CHARS} characters"
+    if not isinstance(address, str) or "://" not in address or not address.isprintable():
         raise InputError(
             f"--scheduler file {path} is not a Dask scheduler file ({why}); give the file "
             "`dask scheduler --scheduler-file FILE.json` wrote"
         )
+    return address
+
+
+class SchedulerProbeError(InputError):
+    """No usable Dask scheduler at the address given (one line that names the address)."""
+
+
+async def _connect_and_identify(address: str, deadline: float, progress: dict) -> dict:
+    """What the server at ``address`` says it is: a connection through Dask's comm layer (retried
+    until ``deadline`` while it is refused or unreachable, as Dask retries), Dask's handshake, one
+    ``identity`` call; the connection is closed after it, and in every case. ``progress["connected"]``
+    is set once a connection is open. The caller bounds the time (the handshake and the call do not
+    end by themselves where the peer never answers)."""
+    from distributed.comm.addressing import parse_address
+    from distributed.comm.core import FatalCommClosedError
+    from distributed.comm.registry import get_backend
+    from distributed.security import Security
+
+    scheme, loc = parse_address(address)
+    connector = get_backend(scheme).get_connector()
+    args = Security().get_connection_args("client")  # TLS as Dask's config sets it for a Client
+    pause = 0.05
+    while True:
+        try:
+            comm = await connector.connect(loc, deserialize=True, **args)
+            break
+        except FatalCommClosedError:
+            raise
+        except OSError:
+            if time.monotonic() + pause >= deadline:
+                raise
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 1.0)
+    progress["connected"] = True
+    try:  # Dask's handshake, as distributed.comm.core.connect makes it, then one call
+        local_info = comm.handshake_info()
+        await comm.write(local_info)
+        remote_info = await comm.read()
+        comm.remote_info = {**remote_info, "address": comm.peer_address}
+        comm.local_info = {**local_info, "address": comm.local_address}
+        comm.handshake_options = comm.handshake_configuration(comm.local_info, comm.remote_info)
+        await comm.write({"op": "identity", "reply": True})
+        return await comm.read()
+    finally:
+        comm.abort()
+
+
+def _identify_in_time(address: str, timeout: float, progress: dict) -> dict:
+    """:func:`_connect_and_identify` on an event loop of its own, in a thread of its own (the caller
+    may run an event loop: a notebook, a Dask client), over by ``timeout`` s: TimeoutError after it.
+    The thread is left behind (a daemon) if its loop has not closed PROBE_GRACE_S later."""
+    outcome: dict = {}
+
+    async def bounded():
+        deadline = time.monotonic() + timeout
+        return await asyncio.wait_for(_connect_and_identify(address, deadline, progress), timeout)
+
+    def target():
+        try:
+            outcome["identity"] = asyncio.run(bounded())
+        except BaseException as e:  # handed to the caller's thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=target, name="geomscope-scheduler-probe", daemon=True)
+    thread.start()
+    thread.join(timeout + PROBE_GRACE_S)
+    if "identity" in outcome:
+        return outcome["identity"]
+    raise outcome.get("error") or TimeoutError(f"no answer within {timeout} s")
+
+
+def probe_scheduler(address: str, where: str, timeout: float | None = None) -> dict:
+    """The identity of the Dask scheduler at ``address`` (``where``: how the user gave it, the address
+    included, for the message), asked within ``timeout`` s (CONNECT_TIMEOUT_S): SchedulerProbeError,
+    one line naming the address and what to do, where nothing accepts a connection, a service that
+    is not Dask answers (or never does), a Dask worker answers, or the address cannot be used from
+    here (a scheme Dask does not know or lacks the package of, ``inproc://`` of another process,
+    ``tls://`` without Dask's TLS settings)."""
+    timeout = CONNECT_TIMEOUT_S if timeout is None else timeout
+    progress: dict = {}
+    try:
+        identity = _identify_in_time(address, timeout, progress)
+    except Exception as e:
+        raise SchedulerProbeError(_probe_failure(where, timeout, e, progress)) from None
+    kind = identity.get("type") if isinstance(identity, dict) else None
+    if kind != "Scheduler":
+        what = f"a Dask {kind}" if isinstance(kind, str) and kind.isidentifier() else "a Dask server"
+        raise SchedulerProbeError(
+            f"--scheduler {where}: that address is {what}, not a scheduler; give the scheduler's address"
+        )
+    return identity
+
+
+def _probe_failure(where: str, timeout: float, e: Exception, progress: dict) -> str:
+    """The one-line message for a probe that raised ``e``: what Dask's comm layer wraps (a
+    CommClosedError around the socket's error) is quoted by its cause."""
+    why = first_line(e.__cause__ if isinstance(e.__cause__, OSError) else e, 200)
+    timed_out = isinstance(e, (TimeoutError, asyncio.TimeoutError))
+    if not progress.get("connected"):
+        if timed_out or isinstance(e, OSError):  # refused, no such host, no route
+            return (
+                f"--scheduler {where}: no Dask scheduler accepted a connection within {timeout} s "
+                f"({why}); start one (dask scheduler) or give the address of a running one"
+            )
+        # ValueError, TypeError, ImportError: a scheme Dask does not know, cannot use, or lacks settings for
+        return (
+            f"--scheduler {where}: cannot connect there ({why}); give a scheduler address this "
+            "machine can use: tcp://HOST:PORT, or tls://HOST:PORT with Dask's TLS settings"
+        )
+    said = f"within {timeout} s" if timed_out else f"({why})"
+    return (
+        f"--scheduler {where}: a connection was accepted but no Dask scheduler answered {said}; "
+        "check that the address is a running Dask scheduler's, not another service's"
+    )
 
 
 def require_distributed():
@@ -172,9 +312,10 @@ class DaskExecutor:
         self.start_method: str | None = None  # local:N: how its worker processes start
         self.client = None
         try:
-            self.client = self._connect(distributed)
-            if self._cluster is None:  # local:N has waited for its own workers
-                self.client.wait_for_workers(1, timeout=CONNECT_TIMEOUT_S)
+            if self.scheduler.startswith("local:"):
+                self.client = self._start_local(distributed, int(self.scheduler[len("local:") :]))
+            else:
+                self.client = self._join(distributed)
         except InputError:
             self.close()
             raise
@@ -194,13 +335,27 @@ class DaskExecutor:
         self.window = 2 * self.threads
         self.in_flight = self.window  # task results held besides the accumulator (engine's memory plan)
 
-    def _connect(self, distributed):
+    def _join(self, distributed):
+        """A client of the running scheduler that ``tcp://`` or the scheduler file names, made once
+        the address has answered as a Dask scheduler (:func:`probe_scheduler`), returned once the
+        scheduler has a worker: each within CONNECT_TIMEOUT_S."""
         s = self.scheduler
-        if s.startswith("local:"):
-            return self._start_local(distributed, int(s[len("local:") :]))
-        if s.startswith("tcp://"):
-            return distributed.Client(s, timeout=CONNECT_TIMEOUT_S, set_as_default=False)
-        return distributed.Client(scheduler_file=s, timeout=CONNECT_TIMEOUT_S, set_as_default=False)
+        address = s if s.startswith("tcp://") else scheduler_file_address(s)
+        where = s if address == s else f"{s} (address {address})"
+        probe_scheduler(address, where)
+        client = distributed.Client(address, timeout=CONNECT_TIMEOUT_S, set_as_default=False)
+        try:
+            client.wait_for_workers(1, timeout=CONNECT_TIMEOUT_S)
+        except (OSError, TimeoutError):
+            client.close()
+            raise InputError(
+                f"--scheduler {where}: the Dask scheduler has no worker after {CONNECT_TIMEOUT_S} s; "
+                f"start workers for it (dask worker {address})"
+            ) from None
+        except BaseException:
+            client.close()
+            raise
+        return client
 
     def _start_local(self, distributed, n: int):
         """``local:N``: the scheduler and a client first, then the N workers. Waits for all N when
