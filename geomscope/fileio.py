@@ -237,16 +237,40 @@ def input_digest(path: Path, name: str, directory: bool = False) -> tuple[str, i
 
     h = hasher("sha256")
     total = 0
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if directory else [path]
+    files = regular_files_below(path, name) if directory else [path]
     for p in files:
         if directory:
             h.update(str(p.relative_to(path)).encode() + b"\0")
         try:
-            with open(p, "rb") as f:
+            with open_regular(p) as f:
                 total += hash_into(f, [h])
         except OSError as e:
             raise InputError(f"input {name} cannot be read ({e.strerror or e}); check the file") from e
     return h.hexdigest(), total
+
+
+def regular_files_below(folder: Path, name: str) -> list[Path]:
+    """Every regular file below ``folder`` (an input folder: a ``datasets.save_to_disk`` directory),
+    in sorted order: links to files followed, links to folders not walked, links to nothing left
+    out. InputError naming the input ``name`` for a named pipe, a device or a socket below it: the
+    readers of such a folder (datasets, pyarrow) open every data file it lists, and would block on a
+    pipe or never finish a device."""
+    from geomscope.errors import InputError
+
+    files = []
+    for p in sorted(folder.rglob("*")):
+        try:
+            mode = p.stat().st_mode
+        except OSError:  # a link to nothing, or a loop: no reader can open it either
+            continue
+        if stat.S_ISREG(mode):
+            files.append(p)
+        elif not stat.S_ISDIR(mode):
+            raise InputError(
+                f"input {name} holds {p.relative_to(folder)}, {_kind_of_file(mode)}, not a regular file; "
+                f"move it out of {folder}"
+            )
+    return files
 
 
 def _read_into(f, buf: memoryview) -> int:

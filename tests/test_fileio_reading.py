@@ -296,6 +296,51 @@ def test_every_reader_refuses_a_link_to_a_device(tmp_path, reader, name, expecte
     _outcome(reader, p, expected)
 
 
+# ------------------------------------------------------------------------------ input folders
+@pytest.fixture
+def saved_dataset(tmp_path) -> Path:
+    """A datasets.save_to_disk folder of four labelled rows."""
+    datasets = pytest.importorskip("datasets")
+    d = tmp_path / "ds"
+    data = {"sentence": ["a b", "c d", "e f", "g h"], "label": [0, 1, 0, 1]}
+    datasets.Dataset.from_dict(data).save_to_disk(str(d))
+    return d
+
+
+def test_a_pipe_among_a_saved_datasets_files_is_refused_by_its_readers(saved_dataset):
+    """A named pipe in place of a data file of a save_to_disk folder: extract's and finetune's loader
+    (datasets) waited on it for ever, and the input's digest (extract's identity, finetune's
+    fingerprint) left it out. Each refuses it in one line naming the file; nothing is read from it."""
+    from geomscope.extract.sources import open_inputs
+    from geomscope.fileio import input_digest
+    from geomscope.train.data import read_rows
+
+    before = input_digest(saved_dataset, "ds", directory=True)
+    data_file = next(saved_dataset.glob("*.arrow"))
+    data_file.unlink()
+    readers = (
+        lambda: read_rows(saved_dataset),
+        lambda: open_inputs([str(saved_dataset)]),
+        lambda: input_digest(saved_dataset, "ds", True),
+    )
+    with fifo(data_file):
+        for read in readers:
+            with pytest.raises(InputError, match=f"{data_file.name}, a named pipe, not a regular file") as e:
+                read()
+            one_line_message(e)
+    (saved_dataset / "gone.arrow").symlink_to(saved_dataset / "nowhere")  # a link to nothing: left out
+    data_file.unlink()
+    assert input_digest(saved_dataset, "ds", directory=True) != before  # (the data file is missing)
+
+
+def test_a_data_file_that_is_a_pipe_is_not_called_empty(tmp_path):
+    from geomscope.train.data import read_rows
+
+    with fifo(tmp_path / "train.csv"), pytest.raises(InputError, match="is not a regular file") as e:
+        read_rows(tmp_path / "train.csv")
+    assert "empty" not in one_line_message(e)
+
+
 #: the json.load(s) calls left outside geomscope/fileio.py, each on what geomscope itself made in
 #: this process (a JSON round trip of a dict it built, bytes one of its processes broadcast)
 NOT_READ_BACK = {

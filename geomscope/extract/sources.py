@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from geomscope.errors import InputError, first_line_of
-from geomscope.fileio import input_digest, loads_json
+from geomscope.fileio import input_digest, loads_json, regular_files_below
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 CSV_SUFFIXES = {".csv": ",", ".tsv": "\t", ".tab": "\t"}
@@ -119,6 +119,7 @@ def _open_input(a: str) -> InputFile:
                 f"input {a} is a directory but not a dataset saved by datasets.save_to_disk; "
                 "give text files or a saved dataset directory"
             )
+        regular_files_below(p, a)  # (a pipe among its data files: datasets would wait on it)
         return InputFile(arg=a, path=p.resolve(), kind="dataset")
     if not os.access(p, os.R_OK):
         raise InputError(f"input {a} is not readable (permission denied); fix its permissions")

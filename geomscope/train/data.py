@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from geomscope.errors import DataError, InputError, first_line
-from geomscope.fileio import loads_json, read_json
+from geomscope.fileio import loads_json, read_json, regular_files_below
 
 
 @dataclass
@@ -49,6 +49,10 @@ def read_rows(path: Path) -> tuple[list[str], list[dict]]:
         raise InputError(f"data file {path} does not exist")
     if path.is_dir():
         return _read_saved_dataset(path)
+    if not path.is_file():  # a pipe or a device: not "empty" (its size is 0), read once or never ended
+        raise InputError(
+            f"data file {path} is not a regular file (a pipe or a device); save the data to a file"
+        )
     suffix = path.suffix.lower()
     if path.stat().st_size == 0:
         raise InputError(f"data file {path} is empty; it needs a header and at least one labelled row")
@@ -110,6 +114,7 @@ def _read_saved_dataset(path: Path) -> tuple[list[str], list[dict]]:
         raise InputError(f"{path} is a DatasetDict with splits {names}; pass {path}/<split>")
     if not (path / "dataset_info.json").exists() and not (path / "state.json").exists():
         raise InputError(f"{path} is a directory but not a datasets save_to_disk directory")
+    regular_files_below(path, str(path))  # (a pipe among its data files: datasets would wait on it)
     try:
         import datasets
     except ImportError:
