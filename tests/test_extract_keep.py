@@ -309,7 +309,7 @@ def test_bad_input_one_line(minilm_pair, cli, tmp_path):
             "keep them all",
         ),
         (["score", kept, "--max-rows", "100"], "--max-rows"),
-        (["score", kept], "--id-sample 5000 is larger than the sample of 60"),
+        (["score", kept, "--id-sample", "5000"], "--id-sample 5000 is larger than the sample of 60"),
         (["score", kept, "--id-sample", "60", "--seed", "4"], "--seed 0"),
         (["score", kept, "--id-sample", "60", "--layers", "layer_07"], "layer_07"),
         (

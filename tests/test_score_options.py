@@ -137,6 +137,19 @@ def test_more_repeats_than_the_sample_can_fill_are_refused(id_sample, repeats, m
     assert ScoreOptions(id_sample=id_sample, id_repeats=most).validate().id_repeats == most
 
 
+@pytest.mark.parametrize(
+    "kept, id_sample, repeats", [(None, 5000, 4), (60, 60, 4), (9000, 5000, 4), (8, 8, 2), (11, 11, 3)]
+)
+def test_a_left_out_id_sample_is_what_a_kept_sample_can_serve(kept, id_sample, repeats):
+    """--id-sample left out: 5000, or a --keep sample:N run's N where fewer (5000 refused such a run
+    unless --id-sample N was given), with the --id-repeats that sample fills; a given one stays."""
+    o = ScoreOptions().validate().for_kept_sample(kept)
+    assert (o.id_sample, o.id_repeats) == (id_sample, repeats)
+    assert ScoreOptions(id_sample=7000).validate().for_kept_sample(kept).id_sample == 7000
+    with pytest.raises(InputError, match="give at most 2, or a larger --id-sample"):
+        ScoreOptions(id_repeats=3).validate().for_kept_sample(8)
+
+
 # ------------------------------------------------------------------------------ ID value apart from its SE
 def _sample_order(n: int, seed: int) -> np.ndarray:
     """The rows of an n-row array in the order of the ID sample (the smallest seeded hashes first)."""

@@ -38,7 +38,7 @@ from geomscope.score import compute, idest, outliers, resources
 from geomscope.score.accumulate import PassSpec
 from geomscope.score.executor import Executor, make_executor
 from geomscope.score.layer import LayerResult
-from geomscope.score.options import MAX_MEMORY_MB, ScoreOptions
+from geomscope.score.options import ID_SAMPLE_LEAST, MAX_MEMORY_MB, ScoreOptions
 from geomscope.score.sources import SourceInfo, open_source
 from geomscope.store.accumulators import ABS_THRESHOLD as KEPT_ABS_THRESHOLD
 
@@ -95,6 +95,7 @@ def score(
         partial=opts.partial,
         block_rows=opts.block_rows,
     )
+    opts = opts.for_kept_sample(src.sample)
     for w in src.warnings:
         log(w)
     # processes beyond one per task would only wait, holding memory the plan counts (2 task results
@@ -266,6 +267,12 @@ class _Scorer:
                 f"a sample of {n}, not the rows; drop --max-rows, or {redo}"
             )
         needs_sample = bool(o.id_names) or (o.wants("outliers") and o.outlier_rule == "quantile")
+        if needs_sample and n < ID_SAMPLE_LEAST:
+            raise InputError(
+                f"{self.src.path} kept a sample of {n} rows per shard (--keep sample:{n}); the intrinsic "
+                f"dimension and the quantile outliers need {ID_SAMPLE_LEAST} at least: leave them out of "
+                f"--metrics, or extract again with --keep sample:{ID_SAMPLE_LEAST} or more"
+            )
         if needs_sample and o.id_sample > n:
             raise InputError(
                 f"--id-sample {o.id_sample} is larger than the sample of {n} rows per shard that "

@@ -41,6 +41,11 @@ AVGCOS_VARIANTS = ("plain", "centred", "standardised")
 _VARIANT_ALIASES = {"centered": "centred", "standardized": "standardised", "raw": "plain"}
 DEFAULT_OUTLIER_THRESHOLD = {"variance": 5.0, "zscore": 3.0, "quantile": 0.99, "magnitude": 6.0}
 DEFAULT_ID_REPEATS = 4
+#: rows per layer of the intrinsic-dimension sample where --id-sample is left out: a --keep
+#: sample:N run that kept fewer is scored from its N (ScoreOptions.for_kept_sample)
+DEFAULT_ID_SAMPLE = 5000
+#: the fewest rows an intrinsic-dimension sample may have (TwoNN needs a point and two neighbours)
+ID_SAMPLE_LEAST = 3
 #: rows each decimation part needs (geomscope.metrics.twonn.decimation_se: fewer give no SE)
 ROWS_PER_PART = 3
 #: the largest --memory-mb (2^40 MiB = 1 EiB, far beyond any machine's memory): a budget must be a
@@ -130,8 +135,13 @@ class ScoreOptions:
         "TwoNN: fraction of the largest ratios dropped, in [0, 1).",
         metavar="FLOAT",
     )
-    id_sample: int = option(
-        5000, Interval(whole=True, low=3), "Rows per layer sampled for intrinsic dimension.", metavar="N"
+    id_sample: int | None = option(
+        None,
+        Interval(whole=True, low=ID_SAMPLE_LEAST),
+        f"Rows per layer sampled for intrinsic dimension (default: {DEFAULT_ID_SAMPLE}, or the N of a "
+        "--keep sample:N run if fewer).",
+        metavar="N",
+        optional=True,
     )
     id_estimator: tuple[str, ...] | str = option(
         (), CommaList("estimator names"), "More intrinsic-dimension estimators (comma list).", metavar="LIST"
@@ -257,7 +267,8 @@ class ScoreOptions:
         columns = _selection("--column", self.columns, "array names")
         check(self)
         metrics, est, extra = _checked_metrics(_listed(self.metrics), _listed(self.id_estimator))
-        id_sample = int(self.id_sample)
+        id_sample = None if self.id_sample is None else int(self.id_sample)
+        repeats = None if self.id_repeats is None else int(self.id_repeats)
         return replace(
             self,
             metrics=metrics,
@@ -272,7 +283,10 @@ class ScoreOptions:
             workers=int(self.workers),
             jackknife_groups=_checked_groups(int(self.jackknife_groups)),
             memory_mb=float(self.memory_mb),
-            id_repeats=_checked_repeats(None if self.id_repeats is None else int(self.id_repeats), id_sample),
+            # left out, --id-sample and the default --id-repeats wait for the source (for_kept_sample)
+            id_repeats=_checked_repeats(repeats, id_sample or DEFAULT_ID_SAMPLE)
+            if id_sample is not None or repeats is not None
+            else None,
             seed=int(self.seed),
             layers=layers,
             columns=columns,
@@ -281,6 +295,16 @@ class ScoreOptions:
             controls=int(self.controls),
             scheduler=_checked_scheduler(self.scheduler, self.workers),
         )
+
+    def for_kept_sample(self, kept: int | None) -> ScoreOptions:
+        """These validated options for a source that kept a sample of ``kept`` rows per shard (None:
+        every row): --id-sample left out is DEFAULT_ID_SAMPLE, or ``kept`` where fewer (what such a
+        run can serve), and --id-repeats left out what that sample fills; a given --id-repeats is
+        held to it."""
+        if self.id_sample is not None:
+            return self
+        id_sample = DEFAULT_ID_SAMPLE if kept is None else min(DEFAULT_ID_SAMPLE, kept)
+        return replace(self, id_sample=id_sample, id_repeats=_checked_repeats(self.id_repeats, id_sample))
 
     # -- convenience -------------------------------------------------------------------------
     def wants(self, metric: str) -> bool:
