@@ -365,14 +365,15 @@ def test_bundled_minilm_on_device(tmp_path):
 def _accumulators(run_dir) -> list[dict]:
     """Per shard: tokens and {layer: (regular Moments, special Moments or None)}."""
     from geomscope.store import Run
-    from geomscope.store.reader import open_shard, read_accumulated
+    from geomscope.store.integrity import check_shard
+    from geomscope.store.reader import open_shard
 
     run = Run(run_dir)
     out = []
-    for info in run.shards:
-        with open_shard(run.shard_path(info)) as f:
-            got = {n: read_accumulated(f, n, extras=True) for n in run.layer_names}
-        out.append({n: (t, reg, sp) for n, (t, reg, sp) in got.items()})
+    for task in run.shard_tasks(run.dim):
+        with open_shard(task.path) as f:
+            got = check_shard(f, task.path, task, run.layer_names)
+        out.append({n: (task.tokens, reg, sp) for n, (reg, sp) in got.items()})
     return out
 
 

@@ -174,17 +174,19 @@ def test_a_read_step_counts_the_rows_fields_as_well_as_their_values(tmp_path, mo
 def test_under_another_hdf5_driver_h5py_reads_and_the_path_is_checked(tmp_path, monkeypatch):
     """Where h5py does not read through a plain descriptor (another HDF5 driver), the rows come from
     h5py and the identity is checked on the path opened again."""
+    from geomscope.store import integrity
     from geomscope.store import reader as store_reader
     from geomscope.store.integrity import identity
 
     path = tmp_path / "f.h5"
     x = _datasets(path)
-    with h5py.File(path, "r+") as f:  # what _open asks of a shard
+    with h5py.File(path, "r+") as f:  # what open_checked asks of a shard
         f.attrs["format"] = "geomscope-shard"
         f.create_group("layers")
-    monkeypatch.setattr(store_reader, "_descriptor", lambda f: None)
+    monkeypatch.setattr(store_reader, "h5_descriptor", lambda f: None)
+    monkeypatch.setattr(integrity, "h5_descriptor", lambda f: None)
     planned = identity(path)
-    with store_reader._open(path, planned) as f:
+    with integrity.open_checked(path, planned) as f:
         reader = _RowReader(path, f)
         try:
             assert reader._fd is None
@@ -195,4 +197,4 @@ def test_under_another_hdf5_driver_h5py_reads_and_the_path_is_checked(tmp_path, 
     spare.write_bytes(path.read_bytes())
     os.replace(spare, path)
     with pytest.raises(DataError, match="replaced or changed"):
-        store_reader._open(path, planned)
+        integrity.open_checked(path, planned)

@@ -31,7 +31,7 @@ from geomscope.metrics.moments import OrderedWork, update_groups
 from geomscope.metrics.validate import NonfiniteRows
 from geomscope.score.sources import iter_blocks, iter_meta
 from geomscope.store.blocks import Task
-from geomscope.store.integrity import check_shard_file
+from geomscope.store.integrity import check_flags, check_shard, check_shard_file
 from geomscope.store.sample import STREAM_ID_SAMPLE, STREAM_MAX_ROWS, BottomK, Reservoir, row_hash
 
 COUNT_KEYS = ("seen", "nonfinite", "special", "not_sampled", "used")
@@ -404,28 +404,28 @@ def _run_accumulated(task: Task, spec: PassSpec, progress, parts: dict) -> dict[
     rows of a full run would be. Only the "moments" pass can be served (the engine asks no other)."""
     if spec.kind != "moments":
         raise AssertionError(f"a {spec.kind!r} pass cannot read a --keep sample shard")
-    from geomscope.store.reader import open_shard, read_accumulated
+    from geomscope.store.reader import open_shard
 
     with open_shard(task.path, task.identity) as f:
-        for name in spec.layers:
-            tokens, m, special = read_accumulated(
-                f, name, extras=spec.extras, dim=task.dim, tokens=task.tokens
-            )
-            n_special = special.n if special is not None else 0
-            c = parts[name].counts
-            c["seen"] += tokens
-            c["nonfinite"] += tokens - m.n - n_special
-            if spec.exclude_special:
-                c["special"] += n_special
-            elif special is not None:
-                m.merge(special)
-            c["used"] += m.n
-            parts[name].groups[task.index % spec.n_groups].merge(m)
+        checked = check_shard(f, getattr(f, "location", f.filename), task, spec.layers, extras=spec.extras)
+    for name in spec.layers:
+        m, special = checked[name]
+        n_special = special.n if special is not None else 0
+        c = parts[name].counts
+        c["seen"] += task.tokens
+        c["nonfinite"] += task.tokens - m.n - n_special  # (check_shard: the rows its entry records)
+        if spec.exclude_special:
+            c["special"] += n_special
+        elif special is not None:
+            m.merge(special)
+        c["used"] += m.n
+        parts[name].groups[task.index % spec.n_groups].merge(m)
     for block in iter_blocks(task, spec.layers, spec.n_groups, spec.block_rows):
         for name in spec.layers:
             lp = parts[name]
             if lp.reservoir is None:
                 continue
+            check_flags(task.path, name, block.layers[name], block.nonfinite[name])
             keep = _filter(block, name, spec, None)
             lp.reservoir.add(
                 row_hash(block.keys[keep], spec.seed, STREAM_ID_SAMPLE), block.layers[name][keep]

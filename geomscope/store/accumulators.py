@@ -33,13 +33,21 @@ def write_moments(parent, name: str, m) -> None:
     g.create_dataset("m2_upper", data=m.M2[np.triu_indices(m.dim)])
 
 
+#: the relative difference allowed between an accumulator's two sides of an identity that holds
+#: exactly for the rows it summarises (sum of the unit vectors' squared entries = rows of non-zero
+#: norm; sum of squared norms = trace of the scatter + n |mean|^2): float64 sums of float16/32 rows
+#: meet them to ~1e-13, a count off by one row in 10^8 does not
+IDENTITY_RTOL = 1e-8
+
+
 def read_moments(g, *, dim: int, most: int, extras: bool = True):
     """The Moments stored in h5py group ``g`` (``extras=False`` drops the cosine and |x| parts).
 
     A shard may come from anyone, so what it holds is checked before it is trusted or read: every
     array stored in the shard itself with the shape that the run's width ``dim`` gives it (a crafted
     shape cannot make the read allocate more), a count n between 0 and ``most`` (the rows the shard
-    measured), finite values, variances >= 0. DataError (one line, naming the group) otherwise."""
+    measured), finite values, variances >= 0, |x| counts within n, and n the count of the rows the
+    sums hold (:func:`_check_count`). DataError (one line, naming the group) otherwise."""
     from geomscope.metrics import Moments
 
     try:
@@ -47,10 +55,10 @@ def read_moments(g, *, dim: int, most: int, extras: bool = True):
             raise _bad(
                 g, f"counted |x| >= {g.attrs['abs_threshold']}, not the {ABS_THRESHOLD:g} extract counts"
             )
-        m = Moments(dim, ABS_THRESHOLD, extras=extras)
+        m = Moments(dim, ABS_THRESHOLD, extras=True)
         m.n = _number(g, "n", int, most)
         if m.n == 0:
-            return m
+            return m if extras else Moments(dim, ABS_THRESHOLD, extras=False)
         m.mean = _vector(g, "mean", (dim,))
         packed = _vector(g, "m2_upper", (dim * (dim + 1) // 2,))
         full = np.zeros((dim, dim))
@@ -58,17 +66,44 @@ def read_moments(g, *, dim: int, most: int, extras: bool = True):
         if (np.diagonal(full) < 0).any():
             raise _bad(g, "holds a negative variance")
         m._m2 = full + np.triu(full, 1).T
-        if extras:
-            for key in _VECTORS[1:]:
-                setattr(m, key, _vector(g, key, (dim,)))
-            m.count_abs_ge = _vector(g, "count_abs_ge", (dim,), np.int64)
-            if m.count_abs_ge.min() < 0 or m.count_abs_ge.max() > m.n:
-                raise _bad(g, f"counts |x| beyond its {m.n} rows")
-            m.n_zero_norm = _number(g, "n_zero_norm", int, m.n)
-            m.sum_sq_norm = _number(g, "sum_sq_norm", float)
-        return m
+        for key in _VECTORS[1:]:
+            setattr(m, key, _vector(g, key, (dim,)))
+        m.count_abs_ge = _vector(g, "count_abs_ge", (dim,), np.int64)
+        if m.count_abs_ge.min() < 0 or m.count_abs_ge.max() > m.n:
+            raise _bad(g, f"counts |x| beyond its {m.n} rows")
+        m.n_zero_norm = _number(g, "n_zero_norm", int, m.n)
+        m.sum_sq_norm = _number(g, "sum_sq_norm", float)
+        _check_count(g, m)
     except KeyError as e:
         raise _bad(g, f"is incomplete ({e})") from e
+    if extras:
+        return m
+    plain = Moments(dim, ABS_THRESHOLD, extras=False)
+    plain.n, plain.mean, plain._m2 = m.n, m.mean, m._m2
+    return plain
+
+
+def _check_count(g, m) -> None:
+    """The count n against what the sums say of it (:data:`IDENTITY_RTOL`): each row of non-zero norm
+    adds 1 to the sum of ``sum_unit_sq``, and the squared norms add up to the scatter's trace plus
+    n |mean|^2. A count edited on its own (rows said to be NaN that the run does not have, a mean
+    and scatter divided by the wrong n) breaks them."""
+    unit_rows = float(m.sum_unit_sq.sum())
+    if not _close(unit_rows, m.n - m.n_zero_norm):
+        raise _bad(
+            g, f"has n = {m.n} with {m.n_zero_norm} zero rows, but its unit sums hold {unit_rows:.6g} rows"
+        )
+    squares = float(np.trace(m._m2)) + m.n * float(m.mean @ m.mean)
+    if not _close(squares, m.sum_sq_norm):
+        raise _bad(
+            g,
+            f"has n = {m.n}, but its mean and scatter give sum |x|^2 = {squares:.6g}, "
+            f"not {m.sum_sq_norm:.6g}",
+        )
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= IDENTITY_RTOL * max(abs(a), abs(b))
 
 
 def _bad(g, why: str) -> DataError:

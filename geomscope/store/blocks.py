@@ -20,6 +20,27 @@ READ_BYTES = 32 * 1024 * 1024  # bytes of activations read per block (all layers
 
 
 @dataclass(frozen=True)
+class KeptSample:
+    """What a ``--keep sample:N`` run says one of its shards kept: N (``size``) rows of each layer's
+    sample under ``seed``, the run's number of layers, and the rows of each layer holding NaN or Inf
+    (``nonfinite``: its entry's ``stats.nonfinite_by_layer``, as (layer, rows) pairs)."""
+
+    size: int
+    seed: int
+    layers: int
+    nonfinite: tuple[tuple[str, int], ...] = ()
+
+    def nonfinite_rows(self, layer: str) -> int:
+        return dict(self.nonfinite).get(layer, 0)
+
+    @property
+    def most_rows(self) -> int:
+        """The rows such a shard can store: the union of each layer's two samples (with and without
+        special tokens) of ``size`` rows each."""
+        return 2 * self.layers * self.size
+
+
+@dataclass(frozen=True)
 class Task:
     """One independent unit of reading: a shard of a run (``kind == "shard"``: run.Run.shard_tasks),
     or a row range of another input (score/sources.py)."""
@@ -38,9 +59,14 @@ class Task:
     offset: int = 0  # formats: the source's global row number of row ``start``
     meta: tuple[str, ...] = ()  # formats: the optional per-row columns present (doc_id, special)
     dim: int = 0  # formats: the layers' width (sizes the read blocks); shard: the run's, checked
-    accumulated: bool = False  # shard of a --keep sample run: accumulators and a sample, not every row
+    kept: KeptSample | None = None  # shard of a --keep sample run: accumulators and a sample, not every row
     docs: tuple[int, int] | None = None  # shard: the documents [start, stop) its entry assigns it, checked
     tokens: int = 0  # shard: the token rows its entry says it measured (a --keep sample shard's accumulators)
+
+    @property
+    def accumulated(self) -> bool:
+        """A shard of a ``--keep sample`` run: its accumulators and sample are read, not every row."""
+        return self.kept is not None
 
 
 @dataclass

@@ -9,11 +9,11 @@ from pathlib import Path
 
 from geomscope.errors import DataError
 from geomscope.store import remote
-from geomscope.store.integrity import coverage, manifest_problems, verify_shard
+from geomscope.store.integrity import coverage, manifest_problems, verify_shard_task
 from geomscope.store.manifest import being_written, damaged, short
 from geomscope.store.names import MANIFEST_NAME, PART_RE
 from geomscope.store.options import InspectOptions
-from geomscope.store.reader import Run, check_documents, read_shard_index, shard_counts, verify_layout
+from geomscope.store.reader import Run
 
 OPTION_KEYS = (
     "store_dtype",
@@ -185,20 +185,19 @@ def _field_problem(ident: dict, model: dict) -> str | None:
 
 
 def _verify(run: Run, shards) -> dict:
-    """Every shard's size and checksum, its stored rows and documents against its manifest entry, and
-    the manifest's totals against the entries (an edited total is caught, not trusted)."""
+    """Every shard held to what a read holds it to (integrity.verify_shard_task: size, checksum,
+    structure, documents, flags, a sample's accumulators, size and seed), its documents against its
+    entry, and the manifest's totals against the entries (an edited total is caught, not trusted)."""
     bad = []
-    for s in shards:
+    in_order = sorted(shards, key=lambda s: s.index)  # as run.shard_tasks orders them
+    for s, task in zip(in_order, run.shard_tasks(run.dim or 0), strict=True):
         try:
-            verify_shard(run.shard_path(s), s)
-            verify_layout(run.shard_path(s), run.layer_names, rows=s.rows, dim=run.dim)
-            rows, docs = shard_counts(run.shard_path(s), s.rows)
-            _check_documents_in_range(run.shard_path(s), s)
+            docs = verify_shard_task(task, run.layer_names)
             if s.n_tokens != s.rows:  # a --keep sample shard stores a sample of the documents' rows
                 docs = s.docs
-            if (rows, docs) != (s.rows, s.docs):
+            if docs != s.docs:
                 raise DataError(
-                    f"shard {s.file} stores {rows} rows of {docs} documents; the manifest says "
+                    f"shard {s.file} stores {s.rows} rows of {docs} documents; the manifest says "
                     f"{s.rows} rows of {s.docs}"
                 )
         except DataError as e:
@@ -211,9 +210,3 @@ def _verify(run: Run, shards) -> dict:
         "ok": not bad and not problems,
         "documents": coverage(shards, run.complete),
     }
-
-
-def _check_documents_in_range(path, s) -> None:
-    """Every document id a shard stores lies in the range its entry assigns it."""
-    if s.documents is not None:
-        check_documents(path, read_shard_index(path, s.rows)["doc_id"], s.documents)

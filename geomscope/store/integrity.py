@@ -5,6 +5,12 @@
   time) taken when a read is planned and held on every open, so that the bytes checked and the rows
   read come from one file; its size and checksum against its manifest entry (:func:`verify_shard`,
   and :func:`check_shard_file`, which hashes in a background thread while the shard is streamed).
+- A shard's content (:func:`check_shard`, the one notion of a valid shard): its HDF5 structure
+  against its task (:func:`check_layout`: shapes fixed before anything is allocated, data stored in
+  the shard itself), its rows' documents and non-finite flags as they stream
+  (:func:`check_documents`, :func:`check_flags`), and a ``--keep sample`` shard's accumulators and
+  sample against the run (counts, seed, size). ``score``, ``export``, ``inspect --verify`` and
+  resume (:func:`verify_shard_task`) hold a shard to the same checks.
 - The manifest against itself (:func:`manifest_problems`): every shard listed once, every document
   in one shard, totals that are the sums of the entries. ``score``, ``export`` and
   ``inspect --verify`` all ask these questions here.
@@ -12,6 +18,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import stat
@@ -20,12 +27,16 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import h5py
+import numpy as np
+
 from geomscope.errors import DataError, first_line
 from geomscope.store import checksum as shard_checksum
 from geomscope.store import remote
-from geomscope.store.blocks import Task
-from geomscope.store.names import shard_name
-from geomscope.store.shard import ShardInfo
+from geomscope.store.blocks import KeptSample, Task
+from geomscope.store.names import SHARD_FORMAT, shard_name
+from geomscope.store.sample import STREAM_ID_SAMPLE, row_hash, run_keys
+from geomscope.store.shard import META_FIELDS, ShardInfo, nonfinite_rows
 
 
 def corrupt(path, why: str) -> DataError:
@@ -295,3 +306,364 @@ def coverage(shards, complete: bool) -> dict:
         "each_document_once": problem is None,
         "problem": problem,
     }
+
+
+# ------------------------------------------------------------------ a shard's HDF5 file, opened
+class _StreamedFile(h5py.File):
+    """A shard read through a Python file object (a URL opened with fsspec), closed with the file."""
+
+    def __init__(self, fobj, where: str):
+        try:
+            super().__init__(fobj, "r")
+        except BaseException:
+            fobj.close()
+            raise
+        self._fobj = fobj
+        self.location = where
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._fobj.close()
+
+
+def h5_descriptor(f: h5py.File) -> int | None:
+    """The file descriptor through which h5py reads a local shard (HDF5's default "sec2" driver);
+    None for a URL's file object or another driver (set by ``HDF5_DRIVER``, say)."""
+    if f.driver != "sec2":
+        return None
+    return f.id.get_vfd_handle()
+
+
+def open_checked(path, expected: tuple | None = None) -> h5py.File:
+    """A shard at a location (a Path, or a URL read through fsspec) opened for reading: a regular
+    file, a geomscope shard, and a local one, when ``expected`` is given, still that file
+    (:func:`check_same_file`). DataError (one line) otherwise."""
+    if absent(path):
+        raise missing(path)
+    check_regular_file(path)
+    try:
+        if remote.is_url(path):
+            f = _StreamedFile(remote.open_binary(path), path)
+        else:
+            f = h5py.File(path, "r")
+    except FileNotFoundError as e:
+        raise missing(path) from e
+    except OSError as e:
+        raise corrupt(path, str(e).split("(")[0].strip() or "cannot open") from e
+    try:
+        fd = h5_descriptor(f)
+        if fd is not None:
+            check_same_file(path, fd, expected)
+        elif expected is not None and not remote.is_url(path):  # another HDF5 driver: by path
+            with open_regular(path) as again:
+                check_same_file(path, again.fileno(), expected)
+        if f.attrs.get("format") != SHARD_FORMAT or "layers" not in f:
+            raise corrupt(path, "not a geomscope shard")
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def h5_reason(e: BaseException) -> str:
+    """The first words of what h5py or numpy said, without HDF5's parenthesised detail and quotes."""
+    return str(e).split("(")[0].strip().strip("\"'").strip() or type(e).__name__
+
+
+#: what a damaged or crafted shard's structure makes h5py or numpy raise while it is read
+READ_ERRORS = (
+    OSError,
+    KeyError,
+    ValueError,
+    TypeError,
+    IndexError,
+    AttributeError,
+    OverflowError,
+    RuntimeError,  # h5py, for a name it cannot look up (a NUL in it)
+    UnicodeError,  # a name that is no text (a lone surrogate)
+)
+
+
+def _own_dataset(f: h5py.File, key: str, path) -> h5py.Dataset:
+    """``f[key]``, a dataset whose data lie in the shard itself: not a link to another file or place,
+    not external raw storage, not a virtual dataset (each would read files outside the run, which the
+    shard's checksum does not cover)."""
+    link = f.get(key, getlink=True)
+    if link is None:
+        raise corrupt(path, f"no {key}")
+    if not isinstance(link, h5py.HardLink):
+        raise corrupt(path, f"{key} is a link to another file or place")
+    ds = f[key]
+    if not isinstance(ds, h5py.Dataset):
+        raise corrupt(path, f"{key} is not a dataset")
+    if ds.external or ds.is_virtual:
+        raise corrupt(path, f"{key} keeps its data outside the shard")
+    return ds
+
+
+def check_layout(f: h5py.File, path, layers=(), *, rows: int | None = None, dim: int | None = None) -> int:
+    """A shard's structure before anything is read or allocated from it: the row index (token_id,
+    doc_id, position, is_special) one-dimensional integer columns of one length n (``rows``: the
+    manifest's count, when known), each of ``layers`` an (n, D) float dataset (``dim``: the run's D,
+    when known), its non-finite flags (n,) booleans, every one stored in the shard itself. Returns n;
+    DataError (one line, naming the shard) for anything else: a crafted shape cannot make a read
+    allocate beyond what the manifest announced, nor loop over rows that are not there."""
+    n = None
+    for key in (*META_FIELDS, "is_special"):
+        ds = _own_dataset(f, key, path)
+        if ds.ndim != 1 or ds.dtype.kind not in "iub":
+            raise corrupt(path, f"{key} is not a column of integers")
+        if n is None:
+            n = int(ds.shape[0])
+        elif ds.shape[0] != n:
+            raise corrupt(path, f"{key} has {ds.shape[0]} rows, token_id has {n}")
+    if rows is not None and n != rows:
+        raise corrupt(path, f"it stores {n} rows, its manifest entry says {rows}")
+    for name in layers:
+        ds = _own_dataset(f, f"layers/{name}", path)
+        if ds.ndim != 2 or ds.dtype.kind != "f":
+            raise corrupt(path, f"layer {name} is not a (rows, D) float array")
+        if ds.shape[0] != n:
+            raise corrupt(path, f"layer {name} has {ds.shape[0]} rows, the index has {n}")
+        if dim is not None and ds.shape[1] != dim:
+            raise corrupt(path, f"layer {name} is {ds.shape[1]} wide, the run's layers {dim}")
+        if f.get(f"nonfinite/{name}", getlink=True) is not None:
+            flags = _own_dataset(f, f"nonfinite/{name}", path)
+            if flags.shape != (n,) or flags.dtype.kind not in "bui":
+                raise corrupt(path, f"the non-finite flags of layer {name} are not {n} booleans")
+    return n
+
+
+def check_documents(path, doc_id: np.ndarray, docs: tuple[int, int]) -> None:
+    """Every document id of a shard's rows lies in [start, stop), the range its entry assigns it."""
+    if doc_id.size and (int(doc_id.min()) < docs[0] or int(doc_id.max()) >= docs[1]):
+        raise corrupt(
+            path,
+            f"it stores rows of documents {int(doc_id.min())}..{int(doc_id.max())}, outside its range "
+            f"{docs[0]}..{docs[1] - 1}",
+        )
+
+
+def check_flags(path, layer: str, values: np.ndarray, flagged: np.ndarray) -> None:
+    """Rows of ``layer`` that hold NaN or Inf are rows its non-finite flags mark (the store flags every
+    one it writes, and readers drop the flagged rows): an unflagged one means the file changed."""
+    bad = nonfinite_rows(values) & ~np.asarray(flagged, bool)
+    if bad.any():
+        raise corrupt(
+            path,
+            f"{int(bad.sum())} of {len(bad)} rows of layer {layer} hold NaN or Inf that its "
+            "non-finite flags do not mark",
+        )
+
+
+# ------------------------------------------------------------------ one notion of a valid shard
+#: the seed check of a kept sample refuses a k-th smallest hash above (k + SEED_SLACK_SD * sqrt(k)
+#: + SEED_SLACK_ROWS) / m of the hash range (m: the eligible rows the shard measured). For the run's
+#: seed the hashes are uniform, the k-th smallest exceeds that only if fewer than k of m uniform
+#: values fall below it, a binomial of mean mu = k + 8 sqrt(k) + 64; Chernoff's lower tail bounds the
+#: chance by exp(-(mu - k)^2 / (2 mu)) < e^-32 for every k. A sample drawn under another seed holds
+#: rows whose hashes under this one are uniform over the whole range: refused once m is a few times k.
+SEED_SLACK_SD = 8
+SEED_SLACK_ROWS = 64
+
+
+def kept_size(keep) -> int | None:
+    """N of a run's ``identity.keep`` (``"sample:N"``), None for a run of every row (no ``keep``);
+    ValueError for a ``keep`` geomscope never writes."""
+    if keep is None:
+        return None
+    head, _, n = str(keep).partition(":")
+    if head != "sample" or not n.isdigit() or int(n) < 1:
+        raise ValueError(f"the manifest's keep {str(keep)[:40]!r} is not one geomscope writes")
+    return int(n)
+
+
+def shard_task(path, entry: ShardInfo, ident: dict, dim: int, stats: dict | None = None) -> Task:
+    """A shard of a run as the task every reader checks it by (:func:`check_shard`): its path, rows,
+    recorded size and checksum, documents, the rows it measured, the identity of its file now, the
+    run's width ``dim`` (0: not checked) and, in a ``--keep sample`` run (``ident``: the run's
+    identity), the sample it kept (``stats``: its entry's, for the rows of each layer holding NaN or
+    Inf)."""
+    size = kept_size(ident.get("keep"))
+    kept = None
+    if size is not None:
+        counts = (stats or {}).get("nonfinite_by_layer") or {}
+        kept = KeptSample(
+            size=size,
+            seed=int(ident.get("sample_seed", 0) or 0),
+            layers=len(ident.get("layers") or []),
+            nonfinite=tuple(sorted(counts.items())),
+        )
+    return Task(
+        kind="shard",
+        path=str(path),
+        index=entry.index,
+        rows=entry.rows,
+        nbytes=entry.bytes,
+        digest=entry.digest,
+        identity=identity(path),
+        dim=dim,
+        kept=kept,
+        docs=entry.documents,
+        tokens=entry.n_tokens,
+    )
+
+
+def check_shard(f: h5py.File, path, task: Task, layers, *, extras: bool = True) -> dict:
+    """The one notion of a valid shard, held on the open shard ``f`` by ``score``, ``export``,
+    ``inspect --verify`` and resume alike (its checksum is :func:`check_shard_file`'s; its rows'
+    documents and flags are checked as they stream: :func:`check_documents`, :func:`check_flags`).
+
+    Every shard: :func:`check_layout` against its task (rows, the run's width, ``layers``). A
+    ``--keep sample`` shard also: the sample the run records (size, seed, rows it measured) in its
+    attributes; at most ``KeptSample.most_rows`` rows; each layer's accumulators checked
+    (accumulators.read_moments) and counting, with the rows its entry records as NaN or Inf, every row
+    it measured; each layer's stored sample as large as its accumulators' counts require, and drawn
+    under the run's seed (:func:`_check_sample`). Returns ``{layer: (regular, special | None)}`` of
+    the checked accumulators (``extras``: with their cosine and |x| parts) of a sample shard, ``{}``
+    for a shard of every row. DataError (one line, naming the shard) otherwise."""
+    try:
+        check_layout(f, path, layers, rows=task.rows, dim=task.dim or None)
+        return {} if task.kept is None else _check_kept(f, path, task, layers, extras)
+    except DataError as e:
+        if str(path) in str(e):
+            raise
+        raise corrupt(path, str(e).split(";")[0]) from e
+    except READ_ERRORS as e:  # a structure no writer made
+        raise corrupt(path, h5_reason(e)) from e
+
+
+def _check_kept(f: h5py.File, path, task: Task, layers, extras: bool) -> dict:
+    """:func:`check_shard`'s checks of a ``--keep sample`` shard beyond its layout."""
+    from geomscope.store.accumulators import GROUP, read_moments
+
+    kept = task.kept
+    _check_kept_attrs(f, path, task)
+    if task.rows > min(task.tokens, kept.most_rows):
+        raise corrupt(
+            path,
+            f"it stores {task.rows} rows, more than samples of {kept.size} rows of {kept.layers} layers hold",
+        )
+    meta = {key: f[key][()] for key in ("doc_id", "position", "is_special")}
+    hashes = row_hash(run_keys(meta["doc_id"], meta["position"]), kept.seed, STREAM_ID_SAMPLE)
+    special = np.asarray(meta["is_special"], bool)
+    out = {}
+    for name in layers:
+        if name not in f[GROUP]:
+            raise corrupt(path, f"it has no accumulators of layer {name}")
+        lg = f[GROUP][name]
+        width = task.dim or int(f["layers"][name].shape[1])  # (0: a run that records no width)
+        regular = read_moments(lg["regular"], dim=width, most=task.tokens, extras=extras)
+        n_special = 0
+        other = None
+        if "special" in lg:
+            other = read_moments(lg["special"], dim=width, most=task.tokens - regular.n, extras=extras)
+            n_special = other.n
+        bad = kept.nonfinite_rows(name)
+        if regular.n + n_special + bad != task.tokens:
+            raise corrupt(
+                path,
+                f"its accumulators of layer {name} count {regular.n + n_special} rows and its entry "
+                f"{bad} with NaN or Inf, not the {task.tokens} rows it measured",
+            )
+        finite = ~_flags(f, name)
+        # the rows each --exclude-special setting samples from: stored (a mask), and measured
+        eligible = ((finite, regular.n + n_special), (finite & ~special, regular.n))
+        _check_sample(path, name, kept, hashes, eligible)
+        out[name] = (regular, other)
+    return out
+
+
+def _check_kept_attrs(f: h5py.File, path, task: Task) -> None:
+    """A sample shard's attributes say it kept the run's sample: ``keep``, the rows it measured, the
+    sample's size and seed."""
+    kept = task.kept
+    if f.attrs.get("keep") != "sample":
+        raise corrupt(path, "it keeps every row, but the run records a --keep sample")
+    for key, want, what in (
+        ("tokens", task.tokens, "it says it measured {got} rows, its entry {want}"),
+        ("sample_size", kept.size, "it kept samples of {got} rows, the run's --keep is sample:{want}"),
+        ("sample_seed", kept.seed, "it kept the sample of seed {got}, the run's is seed {want}"),
+    ):
+        got = f.attrs.get(key)
+        whole = isinstance(got, (int, np.integer)) and not isinstance(got, (bool, np.bool_))
+        if not whole or int(got) != want:
+            raise corrupt(path, what.format(got=str(got)[:40], want=want))
+
+
+def _flags(f: h5py.File, name: str) -> np.ndarray:
+    """A sample shard's non-finite flags of layer ``name`` (found from its stored rows without them)."""
+    if f.get(f"nonfinite/{name}", getlink=True) is not None:
+        return np.asarray(f["nonfinite"][name][()], bool)
+    return nonfinite_rows(f["layers"][name][()])
+
+
+def _check_sample(path, name: str, kept: KeptSample, hashes: np.ndarray, eligible) -> None:
+    """Layer ``name``'s stored sample for each ``--exclude-special`` setting (``eligible``: pairs of
+    the stored rows it samples from, a mask, and the rows its accumulators count as such): as many
+    rows as a sample of ``kept.size`` of them takes, no more than exist, and, where the sample is a
+    fraction of them, the rows of smallest ``hashes`` under the run's seed (:data:`SEED_SLACK_SD`)."""
+    for mask, m in eligible:
+        have, need = int(mask.sum()), min(kept.size, m)
+        if not need <= have <= m:
+            raise corrupt(
+                path,
+                f"its sample of layer {name} holds {have} rows where a sample of {kept.size} of its "
+                f"{m} measured rows holds {need}",
+            )
+        if need == 0 or need == m:
+            continue
+        kth = int(np.partition(hashes[mask], need - 1)[need - 1])
+        bound = (need + SEED_SLACK_SD * math.sqrt(need) + SEED_SLACK_ROWS) / m
+        if kth / 2.0**64 > bound:
+            raise corrupt(
+                path,
+                f"its sample of layer {name} is not the rows of smallest hash under seed {kept.seed}: "
+                "it was drawn under another seed",
+            )
+
+
+def verify_shard_task(task: Task, layers) -> int:
+    """A shard held now to everything a read holds it to, read whole (``inspect --verify``, resume):
+    its size and checksum (:func:`check_shard_file`), :func:`check_shard`, and its rows streamed --
+    each of the documents its entry assigns it, NaN or Inf only where flagged. Returns the distinct
+    documents it stores; DataError (one line, naming the shard) otherwise, its checksum's first."""
+    finish, task = check_shard_file(task, checksum=True)
+    path = remote.location(task.path)
+    try:
+        with open_checked(path, task.identity) as f:
+            check_shard(f, path, task, layers)
+            docs = _check_rows(f, path, task, layers)
+    except Exception:
+        finish()  # a changed file is said as such, not as what reading it found
+        raise
+    finish()
+    return docs
+
+
+#: bytes of one layer's rows :func:`verify_shard_task` reads at a time
+VERIFY_CHUNK_BYTES = 64 * 1024 * 1024
+
+
+def _check_rows(f: h5py.File, path, task: Task, layers) -> int:
+    """Every row of the shard, a bounded chunk at a time: :func:`check_documents` and
+    :func:`check_flags`; the distinct documents it stores."""
+    n = int(f["doc_id"].shape[0])
+    width = max([f["layers"][name].shape[1] * f["layers"][name].dtype.itemsize for name in layers] or [1])
+    step = max(1024, VERIFY_CHUNK_BYTES // max(1, width))
+    docs = []
+    try:
+        for start in range(0, n, step):
+            doc_id = f["doc_id"][start : start + step]
+            if task.docs is not None:
+                check_documents(path, doc_id, task.docs)
+            docs.append(np.unique(doc_id))
+            for name in layers:
+                if f.get(f"nonfinite/{name}", getlink=True) is not None:  # (none: found as read)
+                    flagged = f["nonfinite"][name][start : start + step]
+                    check_flags(path, name, f["layers"][name][start : start + step], flagged)
+    except READ_ERRORS as e:
+        raise corrupt(path, h5_reason(e)) from e
+    return int(np.unique(np.concatenate(docs)).size) if docs else 0

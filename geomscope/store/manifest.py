@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+from geomscope.choices import MAX_SEED, MAX_SEED_TEXT
 from geomscope.errors import DataError, InputError, first_line
 from geomscope.fileio import (
     MAX_JSON_BYTES,
@@ -35,7 +36,7 @@ from geomscope.fileio import (
     write_text_atomic,
 )
 from geomscope.store import checksum, remote
-from geomscope.store.integrity import verify_shard
+from geomscope.store.integrity import shard_task, verify_shard_task
 from geomscope.store.names import (
     FORMAT_VERSION,
     LOCK_NAME,
@@ -97,8 +98,19 @@ def _check_shard_entry(s, i: int, path: Path) -> None:
     tokens = s.get("tokens")
     if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0):
         raise damaged(path, f"shards[{i}].tokens is {short(tokens)}, not a non-negative integer")
+    stats = s.get("stats", {})
+    counts = stats.get("nonfinite_by_layer", {}) if isinstance(stats, dict) else None
+    if not isinstance(counts, dict) or not all(
+        isinstance(k, str) and _count(v) for k, v in counts.items()
+    ):  # what a --keep sample shard's accumulators are held to (integrity.check_shard)
+        raise damaged(path, f"shards[{i}].stats.nonfinite_by_layer is {short(counts)}, not rows per layer")
     if not SHARD_FILE_RE.fullmatch(s["file"]):  # never a path: nothing outside the run is read or deleted
         raise damaged(path, f"shards[{i}].file {s['file']!r} is not a shard name geomscope writes")
+
+
+def _count(v) -> bool:
+    """A whole number >= 0 (not a bool)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def check_manifest(m, path: Path) -> dict:
@@ -138,6 +150,11 @@ def check_manifest(m, path: Path) -> dict:
     width = model.get("hidden_size")
     if width is not None and (not isinstance(width, int) or isinstance(width, bool) or width < 1):
         raise damaged(path, f"identity.model.hidden_size is {short(width)}, not a positive integer")
+    seed = ident.get("sample_seed")
+    if seed is not None and not (_count(seed) and seed <= MAX_SEED):  # said back as --seed advice
+        raise damaged(
+            path, f"identity.sample_seed is {short(seed)}, not a whole number from 0 to {MAX_SEED_TEXT}"
+        )
     shards = m.get("shards")
     if not isinstance(shards, list):
         raise damaged(path, "shards is not a list")
@@ -559,13 +576,17 @@ class RunWriter:
             raise
 
     def _intact(self, entry: dict) -> bool:
-        """A finished shard is kept on resume only if it is a plain file of the recorded size and
-        checksum (xxh3_128, or the sha256 of a run written before it: store/checksum.py)."""
+        """A finished shard is kept on resume only if it is a plain file that passes what every read
+        holds it to (integrity.verify_shard_task: the recorded size and checksum -- xxh3_128, or the
+        sha256 of a run written before it: store/checksum.py --, its structure, documents and flags,
+        a sample's accumulators, size and seed); any other is redone."""
         p = self.dir / entry["file"]
         if p.is_symlink() or not p.is_file():
             return False
+        width = (self.identity.get("model") or {}).get("hidden_size") or 0
+        task = shard_task(p, ShardInfo.from_dict(entry), self.identity, width, entry.get("stats"))
         try:
-            verify_shard(p, ShardInfo.from_dict(entry))
+            verify_shard_task(task, [layer["name"] for layer in self.identity.get("layers", [])])
         except DataError:
             return False
         return True

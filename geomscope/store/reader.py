@@ -1,7 +1,7 @@
 """Reading a run: :class:`Run` (its manifest, layers, shards as tasks, the checks before a read),
 a shard streamed in bounded chunks (:func:`iter_shard`) or as the blocks ``score`` and ``export``
-read (:func:`iter_shard_blocks`, :func:`iter_shard_meta`), and a ``--keep sample`` shard's stored
-accumulators (:func:`read_accumulated`). The file checks each read goes through are integrity.py's."""
+read (:func:`iter_shard_blocks`, :func:`iter_shard_meta`). The file checks each read goes through
+are integrity.py's, a ``--keep sample`` shard's accumulators among them (:func:`check_shard`)."""
 
 from __future__ import annotations
 
@@ -14,26 +14,29 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from geomscope.errors import DataError, InputError
+from geomscope.errors import InputError
 from geomscope.store import remote
 from geomscope.store.blocks import Block, Task, groups_of_docs, row_bytes
 from geomscope.store.chunks import row_spans
 from geomscope.store.integrity import (
-    check_regular_file,
-    check_same_file,
+    READ_ERRORS,
+    check_documents,
+    check_layout,
     corrupt,
+    h5_descriptor,
+    h5_reason,
+    kept_size,
     manifest_problems,
-    missing,
-    open_regular,
+    open_checked,
+    shard_task,
 )
-from geomscope.store.integrity import identity as shard_identity
 from geomscope.store.manifest import (
     identity_digest,
     read_logs,
     read_manifest,
     with_logged,
 )
-from geomscope.store.names import MANIFEST_NAME, SHARD_FORMAT
+from geomscope.store.names import MANIFEST_NAME
 from geomscope.store.sample import run_keys
 from geomscope.store.shard import META_FIELDS, ShardInfo
 
@@ -58,177 +61,17 @@ class ShardChunk:
         return self.stop - self.start
 
 
-class _StreamedFile(h5py.File):
-    """A shard read through a Python file object (a URL opened with fsspec), closed with the file."""
-
-    def __init__(self, fobj, where: str):
-        try:
-            super().__init__(fobj, "r")
-        except BaseException:
-            fobj.close()
-            raise
-        self._fobj = fobj
-        self.location = where
-
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            self._fobj.close()
-
-
-def _descriptor(f: h5py.File) -> int | None:
-    """The file descriptor through which h5py reads a local shard (HDF5's default "sec2" driver);
-    None for a URL's file object or another driver (set by ``HDF5_DRIVER``, say)."""
-    if f.driver != "sec2":
-        return None
-    return f.id.get_vfd_handle()
-
-
-def _open(path, expected: tuple | None = None) -> h5py.File:
-    """A shard at a location (a Path, or a URL read through fsspec) opened for reading; a local one,
-    when ``expected`` is given, must still be that file (:func:`check_same_file`)."""
-    if not remote.exists(path):
-        raise missing(path)
-    check_regular_file(path)
-    try:
-        if remote.is_url(path):
-            f = _StreamedFile(remote.open_binary(path), path)
-        else:
-            f = h5py.File(path, "r")
-    except FileNotFoundError as e:
-        raise missing(path) from e
-    except OSError as e:
-        raise corrupt(path, str(e).split("(")[0].strip() or "cannot open") from e
-    try:
-        fd = _descriptor(f)
-        if fd is not None:
-            check_same_file(path, fd, expected)
-        elif expected is not None and not remote.is_url(path):  # another HDF5 driver: by path
-            with open_regular(path) as again:
-                check_same_file(path, again.fileno(), expected)
-        if f.attrs.get("format") != SHARD_FORMAT or "layers" not in f:
-            raise corrupt(path, "not a geomscope shard")
-    except BaseException:
-        f.close()
-        raise
-    return f
-
-
 def open_shard(path, expected: tuple | None = None) -> h5py.File:
     """A finished shard (a path or a URL) opened for reading; DataError (one line) when it is missing
     or not a shard, or (``expected``: integrity.identity) no longer the file it was."""
-    return _open(remote.location(path), expected)
-
-
-def read_accumulated(f: h5py.File, layer: str, *, extras: bool, dim: int, tokens: int):
-    """``(tokens, regular, special | None)`` of a ``--keep sample`` shard: the rows it measured and
-    the layer's stored Moments (store/accumulators.py), checked against its manifest entry (``tokens``
-    measured, the run's width ``dim``); DataError naming the shard otherwise."""
-    from geomscope.store.accumulators import GROUP, read_moments
-
-    path = getattr(f, "location", f.filename)
-    try:
-        if f.attrs.get("keep") != "sample":
-            raise corrupt(path, "it keeps every row, but the run records a --keep sample")
-        if f.attrs.get("tokens") != tokens:
-            raise corrupt(path, f"it says it measured {f.attrs.get('tokens')} rows, its entry {tokens}")
-        if layer not in f[GROUP]:
-            raise corrupt(path, f"it has no accumulators of layer {layer}")
-        lg = f[GROUP][layer]
-        regular = read_moments(lg["regular"], dim=dim, most=tokens, extras=extras)
-        special = None
-        if "special" in lg:
-            special = read_moments(lg["special"], dim=dim, most=tokens - regular.n, extras=extras)
-        return tokens, regular, special
-    except DataError as e:
-        if str(path) in str(e):
-            raise
-        raise corrupt(path, str(e).split(";")[0]) from e
-    except READ_ERRORS as e:
-        raise corrupt(path, _h5_reason(e)) from e
-
-
-#: what a damaged or crafted shard's structure makes h5py or numpy raise while it is read
-READ_ERRORS = (
-    OSError,
-    KeyError,
-    ValueError,
-    TypeError,
-    IndexError,
-    AttributeError,
-    OverflowError,
-    RuntimeError,  # h5py, for a name it cannot look up (a NUL in it)
-    UnicodeError,  # a name that is no text (a lone surrogate)
-)
-
-
-def _own_dataset(f: h5py.File, key: str, path) -> h5py.Dataset:
-    """``f[key]``, a dataset whose data lie in the shard itself: not a link to another file or place,
-    not external raw storage, not a virtual dataset (each would read files outside the run, which the
-    shard's checksum does not cover)."""
-    link = f.get(key, getlink=True)
-    if link is None:
-        raise corrupt(path, f"no {key}")
-    if not isinstance(link, h5py.HardLink):
-        raise corrupt(path, f"{key} is a link to another file or place")
-    ds = f[key]
-    if not isinstance(ds, h5py.Dataset):
-        raise corrupt(path, f"{key} is not a dataset")
-    if ds.external or ds.is_virtual:
-        raise corrupt(path, f"{key} keeps its data outside the shard")
-    return ds
-
-
-def check_layout(f: h5py.File, path, layers=(), *, rows: int | None = None, dim: int | None = None) -> int:
-    """A shard's structure before anything is read or allocated from it: the row index (token_id,
-    doc_id, position, is_special) one-dimensional integer columns of one length n (``rows``: the
-    manifest's count, when known), each of ``layers`` an (n, D) float dataset (``dim``: the run's D,
-    when known), its non-finite flags (n,) booleans, every one stored in the shard itself. Returns n;
-    DataError (one line, naming the shard) for anything else: a crafted shape cannot make a read
-    allocate beyond what the manifest announced, nor loop over rows that are not there."""
-    n = None
-    for key in (*META_FIELDS, "is_special"):
-        ds = _own_dataset(f, key, path)
-        if ds.ndim != 1 or ds.dtype.kind not in "iub":
-            raise corrupt(path, f"{key} is not a column of integers")
-        if n is None:
-            n = int(ds.shape[0])
-        elif ds.shape[0] != n:
-            raise corrupt(path, f"{key} has {ds.shape[0]} rows, token_id has {n}")
-    if rows is not None and n != rows:
-        raise corrupt(path, f"it stores {n} rows, its manifest entry says {rows}")
-    for name in layers:
-        ds = _own_dataset(f, f"layers/{name}", path)
-        if ds.ndim != 2 or ds.dtype.kind != "f":
-            raise corrupt(path, f"layer {name} is not a (rows, D) float array")
-        if ds.shape[0] != n:
-            raise corrupt(path, f"layer {name} has {ds.shape[0]} rows, the index has {n}")
-        if dim is not None and ds.shape[1] != dim:
-            raise corrupt(path, f"layer {name} is {ds.shape[1]} wide, the run's layers {dim}")
-        if f.get(f"nonfinite/{name}", getlink=True) is not None:
-            flags = _own_dataset(f, f"nonfinite/{name}", path)
-            if flags.shape != (n,) or flags.dtype.kind not in "bui":
-                raise corrupt(path, f"the non-finite flags of layer {name} are not {n} booleans")
-    return n
-
-
-def verify_layout(path, layers, *, rows: int | None = None, dim: int | None = None) -> None:
-    """:func:`check_layout` of a shard (``inspect --verify``: a shard that would stop ``score`` is
-    reported as damaged there too)."""
-    path = remote.location(path)
-    with _open(path) as f:
-        try:
-            check_layout(f, path, layers, rows=rows, dim=dim)
-        except READ_ERRORS as e:
-            raise corrupt(path, str(e)) from e
+    return open_checked(remote.location(path), expected)
 
 
 def read_shard_index(path: Path, rows: int | None = None) -> dict[str, np.ndarray]:
     """The per-row metadata of a shard (token_id, doc_id, position, is_special), no activations;
     ``rows``: the manifest's count, checked before anything is read."""
     path = remote.location(path)
-    with _open(path) as f:
+    with open_checked(path) as f:
         try:
             check_layout(f, path, rows=rows)
             return {k: f[k][:] for k in (*META_FIELDS, "is_special")}
@@ -249,7 +92,7 @@ def shard_dtype(path: Path, layer: str) -> str:
 def _layer_form(path: Path, layer: str) -> tuple[int, np.dtype]:
     """(width, dtype) of ``layer``'s dataset in one shard."""
     path = remote.location(path)
-    with _open(path) as f:
+    with open_checked(path) as f:
         try:
             ds = f["layers"][layer]
             return int(ds.shape[1]), ds.dtype
@@ -272,7 +115,7 @@ class _RowReader:
 
     def __init__(self, path, f: h5py.File):
         self.path = path
-        fd = _descriptor(f) if hasattr(os, "preadv") else None
+        fd = h5_descriptor(f) if hasattr(os, "preadv") else None
         self._fd = None if fd is None else os.dup(fd)
 
     def close(self) -> None:
@@ -321,7 +164,7 @@ def iter_shard(
     another document is refused (it would be counted twice, or in the wrong jackknife group).
     """
     path = remote.location(path)
-    with _open(path, expected) as f, contextlib.closing(_RowReader(path, f)) as reader:
+    with open_checked(path, expected) as f, contextlib.closing(_RowReader(path, f)) as reader:
         try:
             stored = f["layers"]
             if not isinstance(stored, h5py.Group):
@@ -359,7 +202,7 @@ def iter_shard(
                     is_special=meta["is_special"],
                 )
         except READ_ERRORS as e:  # truncated file, broken chunk, a structure no writer made
-            raise corrupt(path, _h5_reason(e)) from e
+            raise corrupt(path, h5_reason(e)) from e
 
 
 def iter_shard_meta(task: Task, layers: list[str], n_groups: int) -> Iterator[Block]:
@@ -416,27 +259,6 @@ def iter_shard_blocks(
         )
 
 
-def _h5_reason(e: BaseException) -> str:
-    """The first words of what h5py or numpy said, without HDF5's parenthesised detail and quotes."""
-    return str(e).split("(")[0].strip().strip("\"'").strip() or type(e).__name__
-
-
-def check_documents(path, doc_id: np.ndarray, docs: tuple[int, int]) -> None:
-    """Every document id of a shard's rows lies in [start, stop), the range its entry assigns it."""
-    if doc_id.size and (int(doc_id.min()) < docs[0] or int(doc_id.max()) >= docs[1]):
-        raise corrupt(
-            path,
-            f"it stores rows of documents {int(doc_id.min())}..{int(doc_id.max())}, outside its range "
-            f"{docs[0]}..{docs[1] - 1}",
-        )
-
-
-def shard_counts(path: Path, rows: int | None = None) -> tuple[int, int]:
-    """(rows, distinct documents) actually stored in a shard (``rows``: see read_shard_index)."""
-    idx = read_shard_index(path, rows)
-    return int(idx["doc_id"].shape[0]), int(np.unique(idx["doc_id"]).size)
-
-
 class Run:
     """A run directory opened for reading: a path, or an fsspec URL (``self.dir`` is then the URL
     string, and :meth:`shard_path` gives URLs).
@@ -446,7 +268,7 @@ class Run:
     the kept sample's size (:attr:`kept_sample`), the manifest's agreement with itself
     (:meth:`check_consistent`), and its shards as tasks (:meth:`shard_tasks`) whose rows
     :func:`iter_shard_blocks` and :func:`iter_shard_meta` stream, and whose stored accumulators
-    :func:`read_accumulated` reads."""
+    integrity.check_shard checks and returns."""
 
     def __init__(self, run_dir: Path | str):
         self.dir = remote.location(run_dir)
@@ -511,15 +333,13 @@ class Run:
     def kept_sample(self) -> int | None:
         """N of a ``--keep sample:N`` run, whose shards keep accumulators and N sampled rows each
         (None: a run of every row). InputError for a ``keep`` geomscope never writes."""
-        keep = self.identity.get("keep")
-        if keep is None:
-            return None
-        head, _, n = str(keep).partition(":")
-        if head != "sample" or not n.isdigit():
-            raise InputError(
-                f"{self.dir}: the manifest's keep {keep!r} is not one geomscope writes; the run is damaged"
-            )
-        return int(n)
+        try:
+            return kept_size(self.identity.get("keep"))
+        except ValueError as e:
+            raise self._damaged(e) from None
+
+    def _damaged(self, e: ValueError) -> InputError:
+        return InputError(f"{self.dir}: {e}; the run is damaged")
 
     def check_consistent(self, where) -> None:
         """InputError unless the manifest agrees with itself (integrity.manifest_problems: a shard
@@ -541,27 +361,19 @@ class Run:
             out[n] = v if isinstance(v, int) and not isinstance(v, bool) else None
         return out
 
-    def shard_tasks(self, dim: int, *, accumulated: bool = False) -> list[Task]:
-        """The run's shards as tasks, in index order: path, rows, recorded size and checksum, their
-        documents, and the identity of each file now (the reads must come from the file planned).
-        ``dim``: the width every layer is held to (0: not checked); ``accumulated``: the shards of a
-        ``--keep sample`` run (:attr:`kept_sample`)."""
-        return [
-            Task(
-                kind="shard",
-                path=str(self.shard_path(s)),
-                index=s.index,
-                rows=s.rows,
-                nbytes=s.bytes,
-                digest=s.digest,
-                identity=shard_identity(self.shard_path(s)),
-                dim=dim,
-                accumulated=accumulated,
-                docs=s.documents,
-                tokens=s.n_tokens,
-            )
-            for s in sorted(self.shards, key=lambda s: s.index)
-        ]
+    def shard_tasks(self, dim: int) -> list[Task]:
+        """The run's shards as tasks, in index order (integrity.shard_task: path, rows, recorded size
+        and checksum, documents, the identity of each file now -- the reads must come from the file
+        planned -- and a ``--keep sample`` run's sample). ``dim``: the width every layer is held to
+        (0: not checked)."""
+        entries = sorted(self.manifest.get("shards", []), key=lambda s: s["index"])
+        try:
+            return [
+                shard_task(self.shard_path(info), info, self.identity, dim, e.get("stats"))
+                for e, info in ((e, ShardInfo.from_dict(e)) for e in entries)
+            ]
+        except ValueError as e:  # a keep geomscope never writes
+            raise self._damaged(e) from None
 
     def resolve_layers(self, wanted) -> list[str]:
         """The stored layer names a ``--layers`` selection picks (``"3"``, ``"-1"``, ``"layer_03"``,
