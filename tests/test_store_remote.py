@@ -225,3 +225,110 @@ def test_file_url_on_a_dask_cluster(local_run, reference):
     url = local_run.as_uri()
     got = score(url, ScoreOptions(scheduler="local:2", **OPTS))
     _compare(reference, got, url)
+
+
+def _ftp_peer(reply: bytes):
+    """A port whose every connection gets ``reply`` and is closed: an FTP server's first words."""
+    import socket
+    import threading
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(8)
+
+    def serve():
+        while True:
+            try:
+                conn, _ = s.accept()
+            except OSError:  # closed at the end of the test
+                return
+            with conn:
+                conn.sendall(reply)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return s, s.getsockname()[1]
+
+
+def test_a_server_that_cannot_be_reached_is_one_line(cli, tmp_path):
+    """ftp:// connects as its filesystem is made: a refused connection or a peer that answers junk
+    were tracebacks."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    code, out, err = cli(["score", f"ftp://127.0.0.1:{closed}/run", "--quiet"])
+    assert_one_line_error(
+        code, out, err, f"ftp://127.0.0.1:{closed}/run", "server can be reached", exit_code=2
+    )
+    junk, port = _ftp_peer(b"\xffnot an ftp server\r\n")
+    try:
+        for args in (
+            ["score", f"ftp://127.0.0.1:{port}/run", "--quiet"],
+            ["inspect", f"ftp://127.0.0.1:{port}/run"],
+        ):
+            code, out, err = cli(args)
+            assert_one_line_error(code, out, err, f"ftp://127.0.0.1:{port}/run", exit_code=2)
+    finally:
+        junk.close()
+
+
+@pytest.mark.parametrize("url", ["zip://run", "reference://run", "github://run"])
+def test_a_url_without_what_its_filesystem_needs_is_one_line(cli, tmp_path, monkeypatch, url):
+    """zip:// without its archive (fsspec opens the working directory as one), reference:// without
+    its references, github:// without org and repo: tracebacks from the filesystem's constructor."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli(["score", url, "--quiet"])
+    assert_one_line_error(code, out, err, url, exit_code=2)
+
+
+@pytest.mark.parametrize(
+    "scheme, module, needle",
+    [
+        ("http", "aiohttp", "needs aiohttp, which is not installed: pip install aiohttp"),
+        ("sftp", "paramiko", "needs paramiko, which is not installed: pip install paramiko"),
+        ("smb", "smbclient", 'SMB requires "smbprotocol"'),
+    ],
+)
+def test_a_protocol_whose_package_is_missing_names_that_package(cli, monkeypatch, scheme, module, needle):
+    """The three live in fsspec itself: "pip install fsspec" (installed) was the advice. Here their
+    package cannot be imported, whether or not it is installed on this machine."""
+    import importlib
+    import sys
+
+    registry = importlib.import_module("fsspec.registry")
+    impl = registry.known_implementations[scheme]["class"].rsplit(".", 1)[0]
+    monkeypatch.delitem(registry._registry, scheme, raising=False)  # fsspec keeps classes it imported
+    monkeypatch.delitem(sys.modules, impl, raising=False)
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` fails
+    code, out, err = cli(["score", f"{scheme}://127.0.0.1/share/run", "--quiet"])
+    line = assert_one_line_error(code, out, err, needle, exit_code=2)
+    assert "pip install fsspec" not in line
+
+
+def test_url_text_read_back_is_bounded(mem):
+    mem.pipe("/runs/big/manifest.json", b"[" * 64)
+    assert remote.read_text("memory://runs/big/manifest.json", max_bytes=64) == "[" * 64
+    with pytest.raises(ValueError, match="larger than 63 bytes"):
+        remote.read_text("memory://runs/big/manifest.json", max_bytes=63)
+
+
+def test_a_named_pipe_at_a_file_url_is_refused_not_waited_on(tmp_path):
+    """file:// names a file on this machine: its manifest is read as a local one is, so a FIFO there
+    is refused at once (fsspec's open waited for a writer without end)."""
+    import os
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / "manifest.json")
+    proc = subprocess.run(
+        [sys.executable, "-m", "geomscope", "score", run.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))},
+    )
+    assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, "a named pipe", exit_code=2)

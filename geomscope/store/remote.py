@@ -6,6 +6,14 @@ never imported) or a URL string (``scheme://...``: read through ``fsspec.core.ur
 helpers here take either, so the readers have one code path. Shard tasks carry the location as a
 string and every process (a ``--workers`` pool, a Dask worker) re-opens it here: no open file or
 filesystem object is ever pickled. ``memory://`` filesystems live in one process only.
+
+Whatever keeps fsspec from making a URL's filesystem (an unknown scheme, a package not installed, a
+malformed URL, a server that cannot be reached: ``ftp://`` connects as its filesystem is made) and
+whatever a filesystem raises while it is used is one InputError line naming the URL. A missing
+package is named from fsspec's registry, which keeps for each protocol the text that says what it
+needs (``http://``: aiohttp; ``sftp://``: paramiko; ``smb://``: smbprotocol), not the module the
+implementation lives in (fsspec itself, for those three). How long a server may keep a read waiting
+is the filesystem's own setting (fsspec's ``ftp://``: 30 s per socket operation).
 """
 
 from __future__ import annotations
@@ -15,7 +23,8 @@ import posixpath
 import re
 from pathlib import Path, PurePath
 
-from geomscope.errors import InputError, first_line
+from geomscope.errors import InputError, first_line, first_line_of
+from geomscope.fileio import MAX_JSON_BYTES, JSONLimitError, read_regular_bytes
 
 URL_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*)://")
 #: the first part of a Path made from a URL (``Path("s3://b/k")`` is ``s3:/b/k``): two letters or
@@ -47,16 +56,32 @@ def location(loc) -> str | Path:
     return Path(loc)
 
 
-def _package(protocol: str) -> str | None:
-    """The module that implements ``protocol`` in fsspec's registry (``s3`` -> ``s3fs``), if known."""
+def _missing_package(scheme: str, e: ImportError) -> str:
+    """What to install for ``scheme`` (fsspec's ImportError ``e`` on making its filesystem), in one
+    line. fsspec raises the registry's ``err`` text for the protocol from the ImportError of the
+    module that was missing: that module is named, with ``pip install``, where the text names it
+    (aiohttp for http://, s3fs for s3://); else the text is quoted (smb:// needs smbprotocol, whose
+    module is smbclient). Without a missing module, the package the implementation lives in, where
+    that is not fsspec itself."""
     from fsspec.registry import known_implementations
 
-    impl = known_implementations.get(protocol)
-    return impl["class"].split(".")[0] if impl else None
+    impl = known_implementations.get(scheme.lower()) or {}
+    needs = first_line_of(impl.get("err") or "", first_line(e), 200)
+    missing = next((c.name for c in (e, e.__cause__) if isinstance(c, ImportError) and c.name), None)
+    module = missing.split(".")[0] if missing else None
+    if module and re.search(rf"\b{re.escape(module)}\b", needs):
+        return f"reading {scheme}:// URLs needs {module}, which is not installed: pip install {module}"
+    home = impl.get("class", "").split(".")[0]
+    if not module and home and home != "fsspec":
+        return f"reading {scheme}:// URLs needs {home}: pip install {home}"
+    return f"reading {scheme}:// URLs needs a package that is not installed ({needs})"
 
 
 def filesystem(url: str):
-    """``(fs, path)`` of a URL; InputError (one line) for an unknown scheme or a missing package."""
+    """``(fs, path)`` of a URL; InputError (one line, the URL named) for whatever keeps fsspec from
+    making its filesystem: an unknown scheme, a package not installed, a malformed URL (or one
+    without what its filesystem needs: ``zip://`` without its archive), a server that cannot be
+    reached."""
     scheme = URL_RE.match(url).group(1)
     try:
         import fsspec.core
@@ -65,11 +90,7 @@ def filesystem(url: str):
     try:
         return fsspec.core.url_to_fs(url)
     except ImportError as e:
-        pkg = _package(scheme)
-        if pkg is None:
-            why = first_line(e, 200)
-            raise InputError(f"reading {scheme}:// URLs needs a package not installed ({why})") from None
-        raise InputError(f"reading {scheme}:// URLs needs {pkg}: pip install {pkg}") from None
+        raise InputError(_missing_package(scheme, e)) from None
     except ValueError as e:
         if "Protocol not known" in str(e):
             raise InputError(
@@ -77,6 +98,12 @@ def filesystem(url: str):
                 "file://, s3://, gcs:// or hf:// (its package installed)"
             ) from None
         raise InputError(f"{url} is not a usable URL ({first_line(e, 200)})") from None
+    except OSError as e:  # refused, no such host, timed out (ftp:// connects here), a local path that is none
+        raise InputError(
+            f"cannot open {url} ({first_line(e, 200)}); check the URL, and that its server can be reached"
+        ) from None
+    except Exception as e:  # a filesystem's own check of its arguments (TypeError), a server's junk reply
+        raise InputError(f"cannot use {url} ({first_line(e, 200)}); check the URL") from None
 
 
 def _fs_call(url: str, what: str, fn, *args):
@@ -170,6 +197,21 @@ def open_binary(loc):
     return _fs_call(loc, "open", _open)
 
 
-def read_text(loc) -> str:
-    with open_binary(loc) as f:
-        return f.read().decode("utf-8")
+def read_text(loc, max_bytes: int | None = MAX_JSON_BYTES) -> str:
+    """The UTF-8 text of a file (UnicodeDecodeError where it is not UTF-8) of at most ``max_bytes``
+    (fileio.MAX_JSON_BYTES: what is read whole is JSON; None: no bound), else JSONLimitError, after
+    at most ``max_bytes + 1`` bytes are read. A file on this machine (a path, a ``file://`` URL) must
+    be a regular file (fileio.read_regular_bytes: a named pipe is refused, not waited on); another
+    URL's read that fails is one InputError line, FileNotFoundError where nothing is there."""
+    local = local_path(loc)
+    if local is not None:
+        return read_regular_bytes(local, max_bytes).decode("utf-8")
+
+    def read(fs, path):
+        with _open(fs, path) as f:
+            return f.read() if max_bytes is None else f.read(max_bytes + 1)
+
+    data = _fs_call(location(loc), "read", read)
+    if max_bytes is not None and len(data) > max_bytes:
+        raise JSONLimitError(f"larger than {max_bytes} bytes")
+    return data.decode("utf-8")
