@@ -361,6 +361,52 @@ def test_an_h5_array_partly_compressed_and_whole_scores(cli, tmp_path):
     assert cli(["score", path, "--metrics", "avgcos", "--out", tmp_path / "r", "--quiet"])[0] == 0
 
 
+def test_an_h5_chunk_band_over_the_memory_budget_is_refused_with_how_to_rechunk(cli, tmp_path):
+    """One gzip chunk of 20,000 x 64 zeros (5 MiB, decompressed whole for any read of it) against
+    --memory-mb 4: refused before any read, naming a chunk shape that fits."""
+    import h5py
+
+    path = tmp_path / "a.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset(
+            "x", data=np.zeros((20_000, 64), np.float32), chunks=(20_000, 64), compression="gzip"
+        )
+    code, out, err = cli(["score", path, "--metrics", "avgcos", "--memory-mb", "4", "--quiet"])
+    assert_one_line_error(code, out, err, "a.h5", "chunks of 20000 x 64", "h5repack -l x:CHUNK=", exit_code=2)
+    assert (
+        cli(["score", path, "--metrics", "avgcos", "--memory-mb", "16", "--out", tmp_path / "r", "-q"])[0]
+        == 0
+    )
+
+
+def test_a_compressed_h5_chunk_taller_than_a_block_is_decompressed_once(tmp_path, monkeypatch):
+    """Chunks of 1,000 rows, read blocks of 256 rows (the smallest) and --block-rows 16: each task is
+    one band of chunks, read once (HDF5 decompressed a band again for each of its 63 blocks), and
+    the numbers are the .npy's."""
+    import h5py
+
+    from geomscope.score.sources import iter_blocks, open_source
+    from geomscope.store import blocks
+
+    x = _anisotropic(3000, 8)
+    path = tmp_path / "a.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=x, chunks=(1000, 8), compression="gzip")
+    monkeypatch.setattr(blocks, "READ_BYTES", 1)  # a read block of 256 rows
+    reads = []
+    getitem = h5py.Dataset.__getitem__
+    monkeypatch.setattr(h5py.Dataset, "__getitem__", lambda ds, key: reads.append(key) or getitem(ds, key))
+    src = open_source(path, block_rows=16)
+    assert [(t.start, t.stop) for t in src.tasks] == [(0, 1000), (1000, 2000), (2000, 3000)]
+    rows = [b.layers["array"] for t in src.tasks for b in iter_blocks(t, ["array"], 4, 16)]
+    assert len(reads) == 3 and {len(r) for r in rows} == {16, 1000 % 16}
+    np.testing.assert_array_equal(np.concatenate(rows), x)
+    monkeypatch.setattr(h5py.Dataset, "__getitem__", getitem)
+    np.testing.assert_allclose(
+        _numbers(score(path, _opts(block_rows=16))), _reference(tmp_path, x), rtol=1e-10
+    )
+
+
 # ------------------------------------------------------------------------------------------ .npy
 def test_npy_suffix_is_case_insensitive(tmp_path):
     x = _anisotropic()

@@ -94,6 +94,7 @@ def score(
         columns=opts.columns,
         partial=opts.partial,
         block_rows=opts.block_rows,
+        memory_mb=opts.memory_mb,
     )
     opts = opts.for_kept_sample(src.sample)
     for w in src.warnings:

@@ -26,7 +26,7 @@ import numpy as np
 
 from geomscope.errors import DataError, InputError, first_line
 from geomscope.formatting import counted
-from geomscope.store.blocks import Block, Task, groups_of_docs, rows_per_block
+from geomscope.store.blocks import READ_BYTES, Block, Task, groups_of_docs, rows_per_block
 
 ARRAY_LAYER = "array"
 
@@ -148,14 +148,48 @@ def _not_stored_in_file(ds) -> str | None:
     return None
 
 
+def compressed_band_rows(a) -> int | None:
+    """The rows of one band of an .h5 dataset's compressed chunks (its chunks' first dimension);
+    None for a .npy or a dataset stored uncompressed. HDF5 decompresses a chunk whole for any read
+    of it, so each read of fewer rows than a band decompresses the band again (a 1M-row chunk read
+    in blocks of 16,384 rows: 62 times)."""
+    chunks = getattr(a, "chunks", None)
+    if not chunks or a.id.get_create_plist().get_nfilters() == 0:
+        return None
+    return int(chunks[0])
+
+
+def _check_band_fits(p: Path, a, name: str, memory_mb: float) -> None:
+    """InputError (one line) when reading one band of ``a``'s compressed chunks holds more than
+    ``memory_mb`` MiB: the band decompressed across the whole width, twice (HDF5's decompressed
+    chunks and the rows copied out of them; measured: 4.1 GB of peak for a 2 GiB band)."""
+    band = compressed_band_rows(a)
+    if band is None:
+        return
+    d = a.shape[1]
+    held = 2 * band * (-(-d // a.chunks[1]) * a.chunks[1]) * a.dtype.itemsize
+    if held > memory_mb * 2**20:
+        rows = max(1, READ_BYTES // (d * a.dtype.itemsize))
+        raise InputError(
+            f"{p}: dataset {name!r} is compressed in chunks of {band} x {a.chunks[1]} (rows x columns); "
+            f"reading them holds {held / 2**20:.0f} MiB at once, more than --memory-mb {memory_mb:g}; "
+            f"rechunk it (e.g. h5repack -l {name}:CHUNK={rows}x{d} {p.name} rechunked.h5) or raise "
+            "--memory-mb"
+        )
+
+
 def _array_blocks(task: Task, n_groups: int, block_rows: int | None, with_data: bool) -> Iterator[Block]:
     a, close = open_array(task.path, task.dataset)
     try:
         d = a.shape[1]
         step = block_rows or rows_per_block(d, a.dtype.itemsize, 1)
+        band = compressed_band_rows(a)
+        first, rows = 0, a
+        if band is not None and band > step:  # the task is one band: its chunks decompressed once
+            first, rows = task.start, np.asarray(a[task.start : task.stop])
         for s in range(task.start, task.stop, step):
             e = min(task.stop, s + step)
-            x = np.asarray(a[s:e])
+            x = np.asarray(rows[s - first : e - first])
             if x.dtype.kind != "f":
                 x = x.astype(np.float64)
             bad = ~np.isfinite(x).all(axis=1)
@@ -296,11 +330,14 @@ def open_source(
     columns: list[str] | None = None,
     partial: bool = False,
     block_rows: int | None = None,
+    memory_mb: float | None = None,
 ) -> SourceInfo:
     """Validate ``path`` and describe it as tasks. Raises InputError/DataError with one line.
 
     ``path``: a local path, or an fsspec URL (``scheme://...``) of a run directory, read through
-    fsspec (arrays and other formats are read from local paths only).
+    fsspec (arrays and other formats are read from local paths only). ``memory_mb`` (default:
+    ScoreOptions') bounds what one read may hold: an .h5 dataset whose compressed chunks must be
+    decompressed in larger bands is refused.
     """
     from geomscope.score.formats import format_of
     from geomscope.store import MANIFEST_NAME, remote
@@ -330,7 +367,11 @@ def open_source(
         return _open_run(p, layers, partial)
     if not _is_array_path(p):
         raise InputError(f"{p} is not a format score reads; give {ACCEPTED}")
-    return _open_array(p, dataset, block_rows)
+    if memory_mb is None:
+        from geomscope.score.options import ScoreOptions
+
+        memory_mb = ScoreOptions.memory_mb
+    return _open_array(p, dataset, block_rows, memory_mb)
 
 
 def _open_url(url: str, *, dataset, layers, columns, partial: bool) -> SourceInfo:
@@ -439,7 +480,7 @@ def _open_run(p: Path | str, layers: list[str] | None, partial: bool) -> SourceI
     ident = run.identity
     sample = run.kept_sample
     # every shard's layers are checked to be dim wide before they are read
-    tasks = run.shard_tasks(dim)
+    tasks = run.shard_tasks(dim, accumulated=sample is not None)
     warnings = []
     if not run.complete:
         warnings.append(
@@ -500,7 +541,7 @@ def _run_dataset(ident: dict) -> str | None:
     return None
 
 
-def _open_array(p: Path, dataset: str | None, block_rows: int | None) -> SourceInfo:
+def _open_array(p: Path, dataset: str | None, block_rows: int | None, memory_mb: float) -> SourceInfo:
     if p.suffix.lower() == ".npy" and dataset is not None:
         raise InputError("--dataset names a dataset inside an .h5 file; a .npy file holds one array")
     a, close = open_array(str(p), dataset)
@@ -508,6 +549,9 @@ def _open_array(p: Path, dataset: str | None, block_rows: int | None) -> SourceI
         shape, dtype = tuple(a.shape), a.dtype
         if dataset is None and p.suffix.lower() != ".npy":
             dataset = a.name.lstrip("/")
+        band = compressed_band_rows(a) if len(shape) == 2 else None
+        if band is not None:
+            _check_band_fits(p, a, dataset, memory_mb)
     finally:
         close()
     if len(shape) != 2:  # the wrong kind of input (exit 2), not data that cannot give a number
@@ -522,8 +566,11 @@ def _open_array(p: Path, dataset: str | None, block_rows: int | None) -> SourceI
         raise DataError(f"{p} is {n} x {d}; at least 2 rows (points) and 2 columns (dimensions) are needed")
     warnings, flags = _shape_warnings(p, n, d, "it is")
     # one task = one read block (~32 MiB): each task maps the file afresh, so the pages of a
-    # memory-mapped .npy that count as resident stay bounded by a block, not the whole array
+    # memory-mapped .npy that count as resident stay bounded by a block, not the whole array; or
+    # one band of compressed chunks taller than that, each decompressed once (_array_blocks)
     step = max(block_rows or 0, rows_per_block(d, dtype.itemsize, 1))
+    if band is not None and band > step:
+        step = band
     tasks = [
         Task(
             kind="npy" if p.suffix.lower() == ".npy" else "h5",
