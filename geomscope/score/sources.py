@@ -480,7 +480,7 @@ def _open_run(p: Path | str, layers: list[str] | None, partial: bool) -> SourceI
     ident = run.identity
     sample = run.kept_sample
     # every shard's layers are checked to be dim wide before they are read
-    tasks = run.shard_tasks(dim, accumulated=sample is not None)
+    tasks = run.shard_tasks(dim)
     warnings = []
     if not run.complete:
         warnings.append(
