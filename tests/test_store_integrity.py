@@ -23,7 +23,7 @@ from conftest import assert_one_line_error, edit_manifest
 
 from geomscope.errors import DataError
 from geomscope.score import ScoreOptions, score
-from geomscope.store import RunWriter
+from geomscope.store import RunWriter, describe_run
 from geomscope.store.checksum import digests
 
 D, ROWS = 16, 300
@@ -265,6 +265,23 @@ def test_unflagged_nan_rows_name_the_shard_and_the_layer(cli, run, workers):
     )
     line = assert_one_line_error(code, o, e, "shard-00001", "layer_00", "2 of 300 rows", "rerun")
     assert "rows of X" not in line and not out.with_suffix(".json").exists()
+
+
+def test_verify_refuses_the_unflagged_nan_rows_that_score_refuses(cli, run):
+    """inspect --verify holds a shard to what score does (integrity.check_shard, the rows streamed):
+    it passed a shard whose unflagged NaN rows stop score."""
+
+    def nan_unflagged(f, data):
+        data["layers/layer_00"][[7, 250]] = np.nan
+        data["nonfinite/layer_00"] = np.zeros(ROWS, bool)
+        _plain(f, data)
+
+    _rewrite(run, nan_unflagged)
+    code, out, err = cli(["inspect", run, "--verify"])
+    assert_one_line_error(code, None, err, "shard-00001.h5")
+    bad = describe_run(run, verify=True)["verify"]["bad"]
+    assert [b["file"] for b in bad] == ["shard-00001.h5"]
+    assert "2 of 300 rows of layer layer_00 hold NaN or Inf" in bad[0]["error"]
 
 
 def test_unflagged_nan_rows_named_whichever_block_of_a_stream_holds_them():
