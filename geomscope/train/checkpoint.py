@@ -38,7 +38,10 @@ from pathlib import Path
 from geomscope.errors import InputError, first_line
 from geomscope.fileio import (
     fresh_dir,
+    loads_json,
     make_dirs,
+    read_json,
+    read_regular_text,
     remove_tree,
     replace_dir,
     write_json_atomic,
@@ -68,8 +71,8 @@ def read_marker(out: Path) -> dict | None:
     if not p.is_file() or p.is_symlink():
         return None
     try:
-        m = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        m = read_json(p)
+    except (OSError, ValueError):
         return None
     return m if isinstance(m, dict) and m.get("format") == FINETUNE_FORMAT else None
 
@@ -489,8 +492,8 @@ def read_state(out: Path) -> dict | None:
     if not p.exists():
         return None
     try:
-        st = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        st = read_json(p)
+    except (OSError, ValueError) as e:
         raise InputError(
             f"{p} is damaged ({first_line(e)}); rerun without --resume into a new --out (or --overwrite)"
         ) from None
@@ -566,7 +569,7 @@ def _read_trainer_files(out: Path) -> tuple[dict, dict]:
     ck = out / CKPT
     try:
         tensors = load_file(str(ck / _TENSORS))
-        trainer = json.loads((ck / _STATE).read_text(encoding="utf-8"))
+        trainer = read_json(ck / _STATE)
     except Exception as e:  # missing or truncated files: SafetensorError, OSError, JSONDecodeError
         raise InputError(
             f"the trainer state in {ck} is missing or damaged ({first_line(e)}); start again without "
@@ -632,15 +635,22 @@ def truncate_jsonl(path: Path, keep) -> None:
     if not path.exists():
         return
     kept = []
-    for i, ln in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+    try:
+        text = read_regular_text(path, errors="replace")
+    except OSError as e:
+        raise InputError(
+            f"{path} cannot be read ({e.strerror or e}); start again without --resume into a new --out "
+            "(or --overwrite)"
+        ) from None
+    for i, ln in enumerate(text.splitlines(), 1):
         if not ln.strip():
             continue
         try:
-            record = json.loads(ln)
-        except json.JSONDecodeError:
+            record = loads_json(ln)
+        except ValueError as e:
             raise InputError(
-                f"{path} line {i} is not JSON (the log is damaged); start again without --resume "
-                "into a new --out (or --overwrite)"
+                f"{path} line {i} is not JSON geomscope reads ({e}; the log is damaged); start again "
+                "without --resume into a new --out (or --overwrite)"
             ) from None
         if isinstance(record, dict) and keep(record):
             kept.append(ln)

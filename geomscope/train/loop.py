@@ -36,7 +36,7 @@ from pathlib import Path
 
 from geomscope import distributed as dd
 from geomscope.errors import DataError, InputError
-from geomscope.fileio import write_json_atomic
+from geomscope.fileio import loads_json, read_regular_text, write_json_atomic
 from geomscope.progress import Log, Progress, log_to, silent
 from geomscope.provenance import package_versions
 from geomscope.train import checkpoint as ck
@@ -694,7 +694,7 @@ class _Trainer:
 
     def _summary(self) -> dict:
         cfg, d = self.cfg, self.d
-        evals = [json.loads(ln) for ln in self.eval_path.read_text().splitlines() if ln.strip()]
+        evals = [loads_json(ln) for ln in read_regular_text(self.eval_path).splitlines() if ln.strip()]
         qa = cfg.task == "qa"
         if qa:
             from geomscope.train.qa import MAX_ANSWER_TOKENS, N_BEST
