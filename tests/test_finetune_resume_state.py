@@ -105,6 +105,22 @@ def test_state_counters_are_checked_before_training(cli, data, finished, tmp_pat
     _refused(cli, data, out, needle, str(out / "checkpoint"))
 
 
+LABEL_EDITS = {
+    "negative class id": lambda s: s["label2id"].update(negative=-1),
+    "class id past the classes": lambda s: s["label2id"].update(positive=2),
+    "one class id twice": lambda s: s["label2id"].update(positive=0),
+    "class id as a flag": lambda s: s["label2id"].update(positive=True),
+    "class id as text": lambda s: s["label2id"].update(positive="1"),
+}
+
+
+@pytest.mark.parametrize("edit", LABEL_EDITS.values(), ids=list(LABEL_EDITS))
+def test_the_label_map_is_checked_before_training(cli, data, finished, tmp_path, edit):
+    out = _copy(finished, tmp_path)
+    _edit_json(out / "checkpoint" / "state.json", edit)
+    _refused(cli, data, out, "label2id", str(out / "checkpoint"))
+
+
 # ------------------------------------------------------------------------------ trainer state
 def _shape(t):
     t["opt.0.exp_avg"] = torch.zeros(3)

@@ -49,7 +49,7 @@ from geomscope.fileio import (
 )
 from geomscope.schema import FINETUNE_FORMAT, FINETUNE_MARKER, FINETUNE_MARKER_VERSION
 from geomscope.train.proofs import digests, inside, proven, recorded_digests, remove_proven
-from geomscope.train.resume_checks import StateMismatch, check_counters, check_trainer_state
+from geomscope.train.resume_checks import StateMismatch, check_counters, check_label_map, check_trainer_state
 
 CKPT = "checkpoint"
 #: --lora: the final adapter (``DIR/adapter/``), written first to its working directory
@@ -485,8 +485,9 @@ def check_checkpoint_dir(out: Path) -> None:
 
 def read_state(out: Path) -> dict | None:
     """The checkpoint's state.json, or None when there is no finished checkpoint; InputError (one
-    line) for one that is not a regular file, not JSON, or whose fields are mistyped or whose counters
-    are out of order (:func:`geomscope.train.resume_checks.check_counters`)."""
+    line) for one that is not a regular file, not JSON, or whose fields are mistyped, whose counters
+    are out of order or whose label map is not one class id per label
+    (:func:`geomscope.train.resume_checks.check_counters`, :func:`~.resume_checks.check_label_map`)."""
     check_checkpoint_dir(out)
     p = out / CKPT / "state.json"
     if not p.exists():
@@ -505,6 +506,7 @@ def read_state(out: Path) -> dict | None:
         )
     try:
         check_counters(st)
+        check_label_map(st)
     except StateMismatch as e:
         raise InputError(
             f"{p} is damaged ({e}); rerun without --resume into a new --out (or --overwrite)"

@@ -6,7 +6,8 @@ A checkpoint is read back from files anyone can edit (``state.json``, ``trainer.
 - ``state.json``'s counters are whole numbers (a JSON ``true`` is not one), at least one epoch done
   and at least one optimiser step per epoch done (:func:`check_counters`); the epochs done are no
   more than ``--epochs`` and the steps are exactly the epochs done times the steps of one epoch of
-  this data at these batch sizes (:func:`check_progress`).
+  this data at these batch sizes (:func:`check_progress`). Its label map gives the K labels the
+  class ids 0 .. K-1, one each (:func:`check_label_map`): the ids index the classifier's K outputs.
 - The trainer state is what this model, these options and this launch would have written
   (:func:`check_trainer_state`): every optimizer slot belongs to a parameter of this model, with its
   shape, finite, the second moments non-negative, and a step count from 0 to the run's; each
@@ -81,6 +82,18 @@ def check_counters(state: dict) -> None:
         raise StateMismatch(
             f"global_step is {_shown(step)}, not a whole number from epochs_done ({done}): every epoch "
             "takes a step"
+        )
+
+
+def check_label_map(state: dict) -> None:
+    """``state.json``'s ``label2id`` in form: its K labels map to the class ids 0 .. K-1, one each,
+    whole numbers (a JSON ``true`` is not one). An id outside them would index past the classifier's
+    outputs in the loss, and two labels sharing an id would train one class for both."""
+    label2id = state.get("label2id")
+    ids = sorted(v for v in label2id.values() if _whole(v)) if isinstance(label2id, dict) else None
+    if ids != list(range(len(label2id or ()))):
+        raise StateMismatch(
+            f"label2id is {_shown(label2id)}, not the class ids 0 .. K-1 of its K labels, one each"
         )
 
 
