@@ -284,6 +284,17 @@ def test_verify_refuses_the_unflagged_nan_rows_that_score_refuses(cli, run):
     assert "2 of 300 rows of layer layer_00 hold NaN or Inf" in bad[0]["error"]
 
 
+def test_a_shard_without_its_non_finite_flags_scores_as_verify_passes_it(cli, run):
+    """A shard with no ``nonfinite`` group is read as one whose layers have no flags (the rows found
+    from the values): score read it as corrupt while inspect --verify passed it."""
+    clean = score(run, OPTS)["layers"]
+    with h5py.File(_shard(run), "r+") as f:
+        del f["nonfinite"]
+    match_manifest_to_shard(run)
+    assert cli(["inspect", run, "--verify"])[0] == 0
+    assert score(run, OPTS)["layers"] == clean
+
+
 def test_unflagged_nan_rows_named_whichever_block_of_a_stream_holds_them():
     """The scorer's threads merge blocks after later ones were queued: the error names the shard and
     layer of the block that holds the rows, not of the last one queued."""

@@ -184,6 +184,8 @@ def iter_shard(
             for ds in [f["layers"][n] for n in names]:
                 if ds.shape[0] != n_rows:
                     raise corrupt(path, f"layer {ds.name} has {ds.shape[0]} rows, index has {n_rows}")
+            # a layer without flags (or a shard without the group): its rows are found from the values
+            flagged = [n for n in names if f.get(f"nonfinite/{n}", getlink=True) is not None]
             for start in range(0, n_rows, step):
                 stop = min(n_rows, start + step)
                 meta = {k: f[k][start:stop] for k in (*META_FIELDS, "is_special")}
@@ -195,7 +197,7 @@ def iter_shard(
                     layers={n: reader.rows(f["layers"][n], start, stop) for n in names}
                     if activations
                     else {},
-                    nonfinite={n: f["nonfinite"][n][start:stop] for n in names if n in f["nonfinite"]},
+                    nonfinite={n: f["nonfinite"][n][start:stop] for n in flagged},
                     token_id=meta["token_id"],
                     doc_id=meta["doc_id"],
                     position=meta["position"],
