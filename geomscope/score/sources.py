@@ -335,9 +335,9 @@ def open_source(
     """Validate ``path`` and describe it as tasks. Raises InputError/DataError with one line.
 
     ``path``: a local path, or an fsspec URL (``scheme://...``) of a run directory, read through
-    fsspec (arrays and other formats are read from local paths only). ``memory_mb`` (default:
-    ScoreOptions') bounds what one read may hold: an .h5 dataset whose compressed chunks must be
-    decompressed in larger bands is refused.
+    fsspec (arrays and other formats are read from local paths only). ``memory_mb`` (score passes
+    --memory-mb) bounds what one read may hold: an .h5 dataset whose compressed chunks must be
+    decompressed in larger bands is refused; None sets no bound (callers that take runs only).
     """
     from geomscope.score.formats import format_of
     from geomscope.store import MANIFEST_NAME, remote
@@ -367,10 +367,6 @@ def open_source(
         return _open_run(p, layers, partial)
     if not _is_array_path(p):
         raise InputError(f"{p} is not a format score reads; give {ACCEPTED}")
-    if memory_mb is None:
-        from geomscope.score.options import ScoreOptions
-
-        memory_mb = ScoreOptions.memory_mb
     return _open_array(p, dataset, block_rows, memory_mb)
 
 
@@ -541,7 +537,7 @@ def _run_dataset(ident: dict) -> str | None:
     return None
 
 
-def _open_array(p: Path, dataset: str | None, block_rows: int | None, memory_mb: float) -> SourceInfo:
+def _open_array(p: Path, dataset: str | None, block_rows: int | None, memory_mb: float | None) -> SourceInfo:
     if p.suffix.lower() == ".npy" and dataset is not None:
         raise InputError("--dataset names a dataset inside an .h5 file; a .npy file holds one array")
     a, close = open_array(str(p), dataset)
@@ -550,7 +546,7 @@ def _open_array(p: Path, dataset: str | None, block_rows: int | None, memory_mb:
         if dataset is None and p.suffix.lower() != ".npy":
             dataset = a.name.lstrip("/")
         band = compressed_band_rows(a) if len(shape) == 2 else None
-        if band is not None:
+        if band is not None and memory_mb is not None:
             _check_band_fits(p, a, dataset, memory_mb)
     finally:
         close()
