@@ -19,6 +19,23 @@ FINEST_FIXED_PLACE = -6
 FIXED_BELOW = 1e6
 
 
+#: the most characters of a name from data (a model, revision, layer, dataset or file name) that a
+#: table, page or figure shows: a longer one is cut in the middle (:func:`shown_name`), so that a
+#: crafted 1 MB model name costs what a real one does (matplotlib took 80 s to lay out a legend of
+#: 1 MB, report --html as long) while every hub name (at most 96 characters) is shown whole
+SHOWN_NAME_CHARS = 120
+
+
+def shown_name(name, limit: int = SHOWN_NAME_CHARS) -> str:
+    """``name`` as text of at most ``limit`` characters: a longer one keeps its head and its tail (a
+    path's last parts) around an ellipsis."""
+    text = str(name)
+    if len(text) <= limit:
+        return text
+    head = (limit - 1) // 2
+    return text[:head] + "…" + text[len(text) - (limit - 1 - head) :]
+
+
 def counted(n: int, noun: str, plural: str | None = None) -> str:
     """``n`` (with thousands separators) and ``noun`` in the number that agrees with it: the
     singular for exactly one, ``plural`` (default: ``noun + "s"``) otherwise."""

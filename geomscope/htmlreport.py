@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from geomscope.choices import PLOT_KINDS
+from geomscope.formatting import shown_name
 from geomscope.htmltable import escape_html as _e  # short: it wraps every value of the page
 from geomscope.htmltable import number_html as _num
 from geomscope.htmltable import report_table_html
@@ -76,8 +77,13 @@ figcaption{font-size:.85rem;color:#555}
 def _title(report: dict) -> str:
     model = report.get("model") or {}
     src = report.get("source") or {}
-    name = model.get("name") or Path(str(src.get("path") or "report")).name
-    return name + (f"@{model['revision']}" if model.get("revision") else "")
+    name = shown_name(model.get("name") or Path(str(src.get("path") or "report")).name)
+    return name + (f"@{shown_name(model['revision'])}" if model.get("revision") else "")
+
+
+def _name(v):
+    """A name of the page's provenance as shown (:func:`geomscope.formatting.shown_name`); None as is."""
+    return None if v is None else shown_name(v)
 
 
 def _provenance(report: dict) -> str:
@@ -85,16 +91,16 @@ def _provenance(report: dict) -> str:
     src = report.get("source") or {}
     run = report.get("run") or {}
     rows = [
-        ("model", model.get("name")),
-        ("revision", model.get("revision")),
-        ("commit", model.get("commit")),
+        ("model", _name(model.get("name"))),
+        ("revision", _name(model.get("revision"))),
+        ("commit", _name(model.get("commit"))),
         (
             "source",
             f"{src.get('kind')}"
             + (f" ({src['format']})" if src.get("format") else "")
-            + f": {src.get('path')}",
+            + f": {shown_name(src.get('path'))}",
         ),
-        ("data", src.get("dataset")),
+        ("data", _name(src.get("dataset"))),
         (
             "rows / documents",
             f"{run.get('rows')} / {run.get('docs')}" if run.get("rows") is not None else None,
@@ -103,7 +109,7 @@ def _provenance(report: dict) -> str:
         ("geomscope", report.get("geomscope_version")),
         ("created", report.get("created")),
         ("command", report.get("command")),
-        ("report file", report.get("_path")),
+        ("report file", _name(report.get("_path"))),
     ]
     code = ("command", "commit")
     body = "".join(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import html
 
-from geomscope.formatting import value_and_se
+from geomscope.formatting import shown_name, value_and_se
 from geomscope.schema import METRIC_LABELS, SCALAR_METRIC_NAMES, extra_id_keys
 
 
@@ -59,7 +59,7 @@ def report_table_html(report: dict) -> str:
                 )
         dims = " ".join(str(d) for d in e.get("outliers") or [])
         out.append(
-            f"<tr><td>{escape_html(e.get('layer'))}</td><td>{number_html(e.get('n_rows'))}</td>{''.join(cells)}"
+            f"<tr><td>{escape_html(shown_name(e.get('layer')))}</td><td>{number_html(e.get('n_rows'))}</td>{''.join(cells)}"
             + (f"<td>{escape_html(dims)}</td>" if with_out else "")
             + "</tr>"
         )

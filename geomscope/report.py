@@ -57,7 +57,7 @@ from pathlib import Path
 
 from geomscope.errors import InputError, first_line
 from geomscope.fileio import ensure_writable, read_json, write_text_atomic
-from geomscope.formatting import counted, value_and_se
+from geomscope.formatting import counted, shown_name, value_and_se
 from geomscope.outputs import HEAD_BYTES, ensure_replaceable, json_format_is, starts_with
 from geomscope.schema import (
     LAYER_KEYS,
@@ -335,9 +335,9 @@ def report_table(report: dict, columns=None):
     hidden = [m for m in present if m not in metrics]
     src = report.get("source", {})
     model = report.get("model") or {}
-    title = model.get("name") or Path(str(src.get("path", ""))).name
+    title = shown_name(model.get("name") or Path(str(src.get("path", ""))).name)
     if model.get("revision"):
-        title += f"@{model['revision']}"
+        title += f"@{shown_name(model['revision'])}"
     lines = _caption(report)
     if hidden:
         lines.append(
@@ -359,7 +359,7 @@ def report_table(report: dict, columns=None):
         t.add_column("outliers")
     for e in layers:
         se = e.get("se") or {}
-        row = [shown(e.get("layer")), f"{e.get('n_rows', 0):,}"]
+        row = [shown(shown_name(e.get("layer"))), f"{e.get('n_rows', 0):,}"]
         row += [_fmt(e.get(m), se.get(m)) for m in metrics]
         if show_out:
             dims = e.get("outliers") or []
@@ -411,7 +411,7 @@ def gradient_energy_lines(report: dict) -> list[str]:
         for r in ranks or []:
             mean, ratio, p = r.get("control_energy_mean"), r.get("energy_ratio"), r.get("p_value")
             ctrl = f"control {_fmt(mean)}, x{_fmt(ratio)}, p {_fmt(p)}" if mean is not None else "no controls"
-            name = shown(layer, markup=False)
+            name = shown(shown_name(layer), markup=False)
             lines.append(
                 f"  {name} r={r['rank']}: E {_with_se(r['energy'], r.get('energy_se'))} "
                 f"(r/D {_fmt(r['baseline'])}, max {_fmt(r['energy_max'])}, kappa {_fmt(r['kappa'])}); {ctrl}"

@@ -54,3 +54,16 @@ def test_value_and_se_read_numpy_scalars():
 
     assert value_and_se(np.float32(0.4123), np.float32(0.0157)) == ("0.412", "0.016")
     assert value_and_se(np.float64(2.0), np.float64("nan")) == ("2", None)
+
+
+def test_shown_name_keeps_short_names_and_cuts_long_ones_in_the_middle():
+    from geomscope.formatting import SHOWN_NAME_CHARS, shown_name
+
+    hub = "sentence-transformers/all-MiniLM-L6-v2"
+    assert shown_name(hub) == hub and shown_name(None) == "None"
+    exact = "x" * SHOWN_NAME_CHARS
+    assert shown_name(exact) == exact
+    path = "/runs/" + "a" * 500 + "/checkpoints/step-1000"
+    cut = shown_name(path)
+    assert len(cut) == SHOWN_NAME_CHARS and cut.startswith("/runs/aaa") and cut.endswith("/step-1000")
+    assert "…" in cut and shown_name(path, limit=11) == "/runs…-1000"

@@ -323,3 +323,40 @@ def test_a_damaged_report_is_one_line_for_report_and_plot(cli, tmp_path, case):
         code, out, err = cli(args)
         assert_one_line_error(code, out, err, "r.json", exit_code=2)
     assert not (tmp_path / "figs").exists() or not list((tmp_path / "figs").iterdir())
+
+
+def test_a_megabyte_name_is_shown_cut_in_tables_pages_and_figures(tmp_path):
+    """A report whose model name, revision, dataset and first layer name are 1 MB each: the page and
+    every figure are made at the speed of a real report's (matplotlib laid the 1 MB legend out for
+    80 s; the page was 109 MB), each name shown cut to SHOWN_NAME_CHARS around an ellipsis."""
+    import subprocess
+    import sys
+
+    from test_plot_factory import make_report
+
+    from geomscope.formatting import SHOWN_NAME_CHARS, shown_name
+    from geomscope.report import report_table
+
+    huge = {k: k[0].upper() * 1_000_000 for k in ("model", "revision", "dataset", "layer")}
+    rep = make_report(name=huge["model"], revision=huge["revision"], n_layers=3, hidden=16)
+    rep["source"]["dataset"] = huge["dataset"]
+    rep["layers"][0]["layer"] = huge["layer"]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(rep))
+    for args in (
+        ["report", path, "--html", tmp_path / "p.html"],
+        ["plot", path, "--out", f"{tmp_path}/figs/"],
+    ):
+        try:  # (a subprocess: the uncut names took minutes)
+            r = subprocess.run(
+                [sys.executable, "-m", "geomscope", *map(str, args), "-q"], capture_output=True, timeout=60
+            )
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"geomscope {args[0]} of a report with 1 MB names ran over 60 s")
+        assert r.returncode == 0, r.stderr[-2000:]
+    page = (tmp_path / "p.html").read_text()
+    assert len(page) < 2_000_000
+    for name in huge.values():
+        assert shown_name(name) in page and name[: SHOWN_NAME_CHARS + 1] not in page
+    title = report_table(rep).title
+    assert shown_name(huge["model"]) in title and len(title) < 3 * SHOWN_NAME_CHARS

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from geomscope import layers as grammar
 from geomscope.errors import InputError
+from geomscope.formatting import shown_name
 from geomscope.layers import activation_name, is_gradient, listed_layers
 from geomscope.report import load_report
 from geomscope.schema import NON_METRIC_LAYER_KEYS, STEP_RE, is_metric_key, is_number
@@ -50,12 +51,12 @@ def base_label(rep: dict) -> str:
     name = model.get("name")
     if name:
         rev = model.get("revision")
-        return f"{name}@{rev}" if rev else str(name)
+        return f"{shown_name(name)}@{shown_name(rev)}" if rev else shown_name(name)
     src = (rep.get("source") or {}).get("path")
     if src:
-        return os.path.splitext(os.path.basename(os.path.normpath(src)))[0] or src
+        return shown_name(os.path.splitext(os.path.basename(os.path.normpath(src)))[0] or src)
     if rep.get("_path"):
-        return os.path.splitext(os.path.basename(rep["_path"]))[0]
+        return shown_name(os.path.splitext(os.path.basename(rep["_path"]))[0])
     return "report"
 
 
@@ -65,7 +66,7 @@ def report_labels(reports: Sequence[dict]) -> list[str]:
     labels = [base_label(r) for r in reports]
     if len(set(labels)) < len(labels):
         labels = [
-            f"{lab} [{(r.get('source') or {}).get('dataset')}]"
+            f"{lab} [{shown_name((r.get('source') or {}).get('dataset'))}]"
             if (r.get("source") or {}).get("dataset")
             else lab
             for lab, r in zip(labels, reports, strict=True)

@@ -18,6 +18,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import NullLocator
 
 from geomscope.errors import InputError
+from geomscope.formatting import shown_name
 from geomscope.layers import activation_name, listed_layers, select_names
 from geomscope.plot._reports import is_number, layer_key, report_labels, report_name
 from geomscope.plot._style import (
@@ -345,7 +346,7 @@ def _draw_kappa(ax, ge: dict, sel) -> None:
         drawn = True
     ticks = _short_labels(names)
     step = max(1, int(np.ceil(len(names) / 16)))
-    ax.set_xticks(x[::step], [plain_text(t) for t in ticks[::step]])
+    ax.set_xticks(x[::step], [plain_text(shown_name(t)) for t in ticks[::step]])
     ax.set_xlim(-0.5, len(names) - 0.5)
     ax.set_xlabel("layer")
     ax.set_ylabel("κ = (E − r/D) / (E_max − r/D)")

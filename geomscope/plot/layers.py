@@ -8,6 +8,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from geomscope.formatting import shown_name
 from geomscope.layers import activation_name, is_gradient
 from geomscope.plot._reports import (
     check_common_layers,
@@ -174,7 +175,7 @@ def _name_ticks(ax, x_of: dict[str, int]) -> None:
     """A categorical layer axis: ticks at the positions, labelled with the (activation) names."""
     names: dict[int, str] = {}
     for name, x in x_of.items():
-        names.setdefault(x, activation_name(name))
+        names.setdefault(x, shown_name(activation_name(name)))
     at = sorted(names)
     step = max(1, int(np.ceil(len(at) / MAX_NAME_TICKS)))
     ax.set_xticks(at[::step], [plain_text(names[x]) for x in at[::step]], rotation=90 if len(at) > 8 else 0)
@@ -225,4 +226,4 @@ def missing_values(reports: Sequence[dict], metrics: Sequence[str], labels: Sequ
 
 
 def _few(names: Sequence[str], k: int = 3) -> str:
-    return ", ".join(names[:k]) + (f" +{len(names) - k} more" if len(names) > k else "")
+    return ", ".join(map(shown_name, names[:k])) + (f" +{len(names) - k} more" if len(names) > k else "")

@@ -11,6 +11,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from geomscope.errors import InputError
+from geomscope.formatting import shown_name
 from geomscope.plot._reports import layer_key, report_labels, report_name, select_layers
 from geomscope.plot._style import panels, plain_text, styled
 
@@ -177,7 +178,7 @@ def _draw_heatmap(fig: Figure, ax, rep: dict, label: str, matrix, norm: Normaliz
     im = ax.imshow(stat, aspect="auto", interpolation="nearest", cmap=HEAT_CMAP, norm=norm)
     rr, cc = np.nonzero(flagged)
     ax.scatter(cc, rr, s=18, marker="o", facecolors="white", edgecolors="black", linewidths=0.8, zorder=3)
-    ax.set_yticks(range(len(names)), [plain_text(n) for n in names])
+    ax.set_yticks(range(len(names)), [plain_text(shown_name(n)) for n in names])
     step = max(1, int(np.ceil(dims.size / 60)))
     ax.set_xticks(
         range(0, dims.size, step), [str(d) for d in dims[::step]], rotation=90 if dims.size > 12 else 0

@@ -10,6 +10,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
 
 from geomscope.errors import InputError
+from geomscope.formatting import shown_name
 from geomscope.layers import is_gradient
 from geomscope.plot._reports import (
     check_common_layers,
@@ -52,7 +53,7 @@ def trajectory_steps(reports: Sequence[dict]) -> list[int]:
                 'or a "step" key); a trajectory needs reports of checkpoints'
             )
         steps.append(s)
-    names = sorted({str((r.get("model") or {}).get("name")) for r in reports})
+    names = sorted({shown_name((r.get("model") or {}).get("name")) for r in reports})
     if len(names) > 1:
         raise InputError(
             f"a trajectory follows one model, these reports mix {', '.join(names)}; "
@@ -122,7 +123,7 @@ def plot_trajectory(
     depth_colorbar(fig, axes, norm, cmap)
     if not own:
         return fig
-    model = _short_name((reports[0].get("model") or {}).get("name") or "model")
+    model = shown_name(_short_name((reports[0].get("model") or {}).get("name") or "model"))
     span = f"step {step_formatter(x[0])}–{step_formatter(x[-1])}"
     fig.suptitle(plain_text(f"{model} over training ({len(reports)} checkpoints, {span})"), fontsize=11)
     add_caption(fig, uncertainty_caption(reports, metrics).replace("Error bars", "Bands"))
