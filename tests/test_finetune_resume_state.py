@@ -121,6 +121,14 @@ def test_the_label_map_is_checked_before_training(cli, data, finished, tmp_path,
     _refused(cli, data, out, "label2id", str(out / "checkpoint"))
 
 
+@pytest.mark.parametrize("value", [1.5, "x", [1], None], ids=["number", "text", "list", "null"])
+@pytest.mark.parametrize("key", ["train_data", "eval_data"])
+def test_a_data_identity_of_another_form_is_refused_as_other_data(cli, data, finished, tmp_path, key, value):
+    out = _copy(finished, tmp_path)
+    _edit_json(out / "checkpoint" / "state.json", lambda s: s["fingerprint"].update({key: value}))
+    _refused(cli, data, out, "was trained on other contents of")
+
+
 # ------------------------------------------------------------------------------ trainer state
 def _shape(t):
     t["opt.0.exp_avg"] = torch.zeros(3)

@@ -383,7 +383,7 @@ def check_same_run(out, stored: dict, asked: dict, epochs: int, advice: str | No
         if json_value(old.get(k)) == json_value(new[k]):
             continue
         if k in _DATA_KEYS:
-            was, now = old[k] or {}, new[k]
+            was, now = old[k] if isinstance(old[k], dict) else {}, new[k]  # (a damaged record: no sha)
             raise InputError(
                 f"{out} was trained on other contents of {new[_DATA_KEYS[k]]} (sha256 "
                 f"{str(was.get('sha256'))[:12]}, {was.get('bytes')} bytes; now {now['sha256'][:12]}, "
