@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("distributed")
 
-from conftest import assert_one_line_error  # noqa: E402
+from conftest import assert_one_line_error, one_line_message  # noqa: E402
 from distributed.diagnostics.plugin import SchedulerPlugin  # noqa: E402
 from helpers_models import make_tiny_run  # noqa: E402
 
@@ -377,6 +377,36 @@ def test_a_worker_that_cannot_start_is_one_error_at_once(tmp_path, monkeypatch, 
     assert "\n" not in msg and "failed to start" in msg and "--workers N" in msg
     assert {k: dask.config.get(k) for k in de.LOCAL_CLUSTER_CONFIG} == before
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_scheduler_lost_during_a_pass_is_one_line(run6, monkeypatch):
+    """A scheduler that goes away while a pass runs: Dask cancels the pass's futures once its client
+    has tried to reconnect for its timeout, and as_completed hands each cancelled future's error as
+    its result; merged as a partial result it was an AttributeError."""
+    from distributed import LocalCluster
+
+    import geomscope.score.dask_executor as de
+
+    monkeypatch.setattr(de, "CONNECT_TIMEOUT_S", 1)  # the client's reconnect time, too
+    c = LocalCluster(
+        n_workers=1,
+        processes=False,
+        protocol="tcp",
+        host="127.0.0.1",
+        dashboard_address=None,
+        silence_logs=50,
+    )
+    address = c.scheduler_address
+    real_run = de.DaskExecutor.run
+
+    def lose_the_scheduler_first(self, tasks, spec, advance=None):
+        c.close()
+        return real_run(self, tasks, spec, advance)
+
+    monkeypatch.setattr(de.DaskExecutor, "run", lose_the_scheduler_first)
+    with pytest.raises(InputError, match="cancelled before it ended") as err:
+        score(run6, ScoreOptions(scheduler=address, **OPTS))
+    assert address in one_line_message(err)
 
 
 # ---------------------------------------------------------------- joining a cluster: every wait bounded

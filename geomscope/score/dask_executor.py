@@ -474,6 +474,12 @@ class DaskExecutor:
             submit_more()
             while nxt_merge < len(chunks):
                 fut, part = next(ac)
+                if isinstance(part, BaseException):  # as_completed hands a cancelled future's error
+                    raise InputError(
+                        f"--scheduler {self.scheduler}: a task was cancelled before it ended "
+                        f"({first_line(part, 300)}); the pass cannot finish without it: rerun when "
+                        "the cluster is up again"
+                    )
                 i = index.pop(fut)
                 fut.release()
                 done[i] = part
@@ -487,7 +493,8 @@ class DaskExecutor:
                 submit_more()
         except BaseException:
             ac.clear()
-            for fut in list(index):
-                fut.cancel()
+            if client.status not in ("closing", "closed"):  # (a lost scheduler closes the client)
+                for fut in list(index):
+                    fut.cancel()
             raise
         return acc
