@@ -103,3 +103,22 @@ def test_start_method_falls_back_to_spawn_where_fork_is_unsafe(monkeypatch, tmp_
     monkeypatch.delitem(sys.modules, "torch")
     monkeypatch.setattr(sys, "platform", "darwin")
     assert worker_start_method() == "spawn"
+
+
+def test_a_worker_process_killed_mid_score_is_one_line(run6, tmp_path, monkeypatch):
+    """A worker that the kernel's out-of-memory killer (here: SIGKILL from within the task) ends
+    breaks the pool: the pool's BrokenProcessPool traceback was all the user saw."""
+    import importlib
+
+    import geomscope.score.executor as executor
+    from geomscope.errors import GeomscopeError
+
+    (tmp_path / "killed_task.py").write_text(
+        "import os, signal\n\ndef run_task(*args, **kwargs):\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))  # (a spawned worker gets this process's sys.path)
+    monkeypatch.setattr(executor, "run_task", importlib.import_module("killed_task").run_task)
+    with pytest.raises(GeomscopeError, match="ended abruptly") as err:
+        score(run6, ScoreOptions(workers=2, **OPTS))
+    msg = str(err.value)
+    assert "\n" not in msg and "--workers" in msg

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 
+from geomscope.errors import GeomscopeError
 from geomscope.score.accumulate import PassSpec, merge_parts, run_task, run_tasks
 from geomscope.score.resources import check_workers, init_worker, worker_start_method
 from geomscope.store.blocks import Task
@@ -94,7 +96,7 @@ class Executor:
                 finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
                 for fut in finished:
                     i = pending.pop(fut)
-                    done_out_of_order[i] = fut.result()
+                    done_out_of_order[i] = _result(fut, self.processes)
                     if advance:
                         advance(tasks[i].rows)
                 while nxt_merge in done_out_of_order:
@@ -105,6 +107,20 @@ class Executor:
                 fut.cancel()
             raise
         return acc
+
+
+def _result(fut, processes: int):
+    """A pool task's partial accumulators; a worker process that ended abruptly (the kernel's
+    out-of-memory killer, a signal) breaks the pool, and that is one line, not the pool's
+    traceback."""
+    try:
+        return fut.result()
+    except BrokenProcessPool:
+        raise GeomscopeError(
+            f"a worker process of the {processes} scoring the shards ended abruptly (killed: out of "
+            "memory, or by a signal); nothing was written: score again with fewer --workers or a "
+            "lower --memory-mb"
+        ) from None
 
 
 def make_executor(workers: int = 1, scheduler: str | None = None):
