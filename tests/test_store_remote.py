@@ -276,7 +276,8 @@ def test_a_server_that_cannot_be_reached_is_one_line(cli, tmp_path):
 @pytest.mark.parametrize("url", ["zip://run", "reference://run", "github://run"])
 def test_a_url_without_what_its_filesystem_needs_is_one_line(cli, tmp_path, monkeypatch, url):
     """zip:// without its archive (fsspec opens the working directory as one), reference:// without
-    its references, github:// without org and repo: tracebacks from the filesystem's constructor."""
+    its references, github:// without org and repo: tracebacks from the filesystem's constructor.
+    The URL is named whether or not github://'s package (requests) is installed here."""
     monkeypatch.chdir(tmp_path)
     code, out, err = cli(["score", url, "--quiet"])
     assert_one_line_error(code, out, err, url, exit_code=2)
@@ -288,10 +289,11 @@ def test_a_url_without_what_its_filesystem_needs_is_one_line(cli, tmp_path, monk
         ("http", "aiohttp", "needs aiohttp, which is not installed: pip install aiohttp"),
         ("sftp", "paramiko", "needs paramiko, which is not installed: pip install paramiko"),
         ("smb", "smbclient", 'SMB requires "smbprotocol"'),
+        ("github", "requests", "needs requests, which is not installed: pip install requests"),
     ],
 )
 def test_a_protocol_whose_package_is_missing_names_that_package(cli, monkeypatch, scheme, module, needle):
-    """The three live in fsspec itself: "pip install fsspec" (installed) was the advice. Here their
+    """These live in fsspec itself: "pip install fsspec" (installed) was the advice. Here their
     package cannot be imported, whether or not it is installed on this machine."""
     import importlib
     import sys
@@ -302,7 +304,8 @@ def test_a_protocol_whose_package_is_missing_names_that_package(cli, monkeypatch
     monkeypatch.delitem(sys.modules, impl, raising=False)
     monkeypatch.setitem(sys.modules, module, None)  # `import module` fails
     code, out, err = cli(["score", f"{scheme}://127.0.0.1/share/run", "--quiet"])
-    line = assert_one_line_error(code, out, err, needle, exit_code=2)
+    url = f"{scheme}://127.0.0.1/share/run"
+    line = assert_one_line_error(code, out, err, needle, url, exit_code=2)
     assert "pip install fsspec" not in line
 
 

@@ -90,7 +90,7 @@ def filesystem(url: str):
     try:
         return fsspec.core.url_to_fs(url)
     except ImportError as e:
-        raise InputError(_missing_package(scheme, e)) from None
+        raise InputError(f"cannot open {url}: {_missing_package(scheme, e)}") from None
     except ValueError as e:
         if "Protocol not known" in str(e):
             raise InputError(
