@@ -43,7 +43,8 @@ MAX_SEED_TEXT = f"2^{SEED_BITS} - 1"  # how the errors write it
 REGULARISERS = ("istar", "cosreg", "none")
 PRECISIONS = ("fp32", "fp16", "bf16")
 PENALTY_PRECISIONS = ("fp64", "fp32")
-TASKS = ("classification", "qa")
+TASKS = ("classification", "qa", "causal-lm")
+LM_BATCHING = ("pack", "pad")  # finetune --task causal-lm: rows of packed blocks or one document each
 SCHEDULERS = ("constant", "linear", "cosine")  # transformers' get_scheduler names
 TRACKERS = ("none", "tensorboard", "wandb", "mlflow")
 #: plot

@@ -1,5 +1,6 @@
 """``geomscope finetune``: fine-tune a sequence classifier (or, with ``--task qa``, an extractive
-question-answering model on SQuAD-format data) with I-STAR / CosReg.
+question-answering model on SQuAD-format data; with ``--task causal-lm``, a decoder on its
+next-token loss) with I-STAR / CosReg.
 
 Thin wrapper over :func:`geomscope.train.finetune`; torch and transformers are imported only
 inside the command.  The loop runs on Hugging Face Accelerate (:mod:`geomscope.train.engine`):
@@ -32,7 +33,8 @@ _TRAIN = typer.Option(
     "--train",
     metavar="FILE",
     help="Training data: .csv, .tsv, .jsonl or a save_to_disk dir; with --task qa SQuAD v1.1 .json or "
-    ".jsonl records (id, context, question, answers).",
+    ".jsonl records (id, context, question, answers); with --task causal-lm also a text file, one "
+    "document per line.",
 )
 _EVAL = typer.Option(
     ..., "--eval", metavar="FILE", help="Evaluation data, same format and columns as --train."
@@ -69,8 +71,8 @@ def finetune_cmd(
     quiet: bool = quiet_option("No progress bar."),
     **chosen,
 ) -> None:
-    """Fine-tune a sequence classifier (or a QA model: --task qa) while shaping its activation geometry
-    (I-STAR or CosReg).
+    """Fine-tune a sequence classifier (or a QA model: --task qa; a decoder on next-token loss: --task
+    causal-lm) while shaping its activation geometry (I-STAR or CosReg).
 
     Writes the fine-tuned model and tokenizer (readable by `geomscope extract OUT`), steps.jsonl,
     eval.jsonl, summary.json and an epoch checkpoint into --out. Comma lists in --reg, --lambda and
@@ -162,6 +164,9 @@ def _wrote(out: Path, summary: dict) -> str:
     iso, acc = fin.get("isoscore_star"), fin.get("accuracy")
     if "exact_match" in fin:  # --task qa
         score = f"eval exact match {fin['exact_match']:.2f}, F1 {fin['f1']:.2f}"
+    elif "perplexity" in fin:  # --task causal-lm
+        ppl = fin["perplexity"]
+        score = f"eval perplexity {'n/a' if ppl is None else f'{ppl:.4g}'}"
     else:
         score = f"eval accuracy {'n/a' if acc is None else f'{acc:.4f}'}"
     isoscore = "n/a" if iso is None else f"{iso:.4f}"

@@ -1,9 +1,12 @@
-"""Loading a sequence classifier (or, for ``--task qa``, a span-extraction model) and its tokenizer.
+"""Loading a sequence classifier (or, for ``--task qa``, a span-extraction model; for ``--task
+causal-lm``, a causal language model) and its tokenizer.
 
 A checkpoint without a sequence-classification head (a plain encoder such as all-MiniLM-L6-v2)
 gets a freshly initialised head; a head with a different number of labels is replaced.  Both are
 reported through ``note`` (stderr in the CLI), never silently.  :func:`load_qa_model` does the same
-for ``AutoModelForQuestionAnswering`` (a base checkpoint gets a new start/end span head).
+for ``AutoModelForQuestionAnswering`` (a base checkpoint gets a new start/end span head), and
+:func:`load_causal_lm` for ``AutoModelForCausalLM`` (a base decoder gets a new LM head), refusing a
+model whose attention is not causal.
 """
 
 from __future__ import annotations
@@ -168,3 +171,46 @@ def load_qa_model(source: str | Path, note: Callable[[str], None]):
         )
     pad_added = _ensure_pad(model, tokenizer, src, note)
     return model, tokenizer, {"head_added": head_added, "pad_token_added": pad_added}
+
+
+def load_causal_lm(source: str | Path, note: Callable[[str], None]):
+    """(model, tokenizer, info) for next-token training (``AutoModelForCausalLM``).
+
+    ``info`` as for :func:`load_classifier`: ``head_added`` is True when the checkpoint had no LM
+    head and a new one was randomly initialised (reported through ``note``). A model whose position
+    t sees later positions (an encoder loaded with an LM head, e.g. BERT's) is refused: its
+    next-token loss would read the answer."""
+    from transformers import AutoModelForCausalLM
+
+    src, config = _checked_config(source)
+    model, info = _with_head(AutoModelForCausalLM, src, config, "causal-LM")
+    tokenizer = _tokenizer(src)
+    _check_causal(model, src)
+    head_added = _head_added(info)
+    if head_added:
+        note(
+            f"note: {src} has no causal-LM head ({', '.join(config.architectures or ['?'])}); "
+            "added a new randomly initialised one"
+        )
+    pad_added = _ensure_pad(model, tokenizer, src, note)
+    return model, tokenizer, {"head_added": head_added, "pad_token_added": pad_added}
+
+
+def _check_causal(model, src: str) -> None:
+    """InputError unless changing a sequence's last token leaves the logits of every earlier
+    position unchanged (causal attention)."""
+    import torch
+
+    vocab = int(model.config.vocab_size)
+    ids = torch.arange(1, 5).remainder(vocab).repeat(2, 1)
+    ids[1, -1] = (ids[0, -1] + 1) % vocab
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()
+    model.train(was_training)
+    if not torch.allclose(logits[0, :-1], logits[1, :-1], rtol=1e-4, atol=1e-5):
+        raise InputError(
+            f"{src} ({model.config.model_type}) attends to later tokens (bidirectional), so a next-token "
+            "loss would read the answer; --task causal-lm needs a decoder (GPT-, Pythia-, Llama-like)"
+        )

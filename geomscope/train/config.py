@@ -27,13 +27,22 @@ older checkpoints still resume):
   replays the same masks): the same gradients for less memory, so it is not in the fingerprint.
 * ``lora`` R (``lora_alpha``, ``lora_target``): low-rank adapters, :mod:`geomscope.train.lora`.
 * ``report_to``: an experiment tracker for the step and eval records, :mod:`geomscope.train.tracking`.
+* ``lm_batching`` (pack | pad): the rows of ``--task causal-lm``, :mod:`geomscope.train.causal_lm`.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from geomscope.choices import PENALTY_PRECISIONS, PRECISIONS, REGULARISERS, SCHEDULERS, TASKS, TRACKERS
+from geomscope.choices import (
+    LM_BATCHING,
+    PENALTY_PRECISIONS,
+    PRECISIONS,
+    REGULARISERS,
+    SCHEDULERS,
+    TASKS,
+    TRACKERS,
+)
 from geomscope.errors import InputError
 from geomscope.fileio import input_digest
 from geomscope.options import (
@@ -65,6 +74,7 @@ NEW_DEFAULTS = {
     "lora_alpha": None,
     "lora_target": "q,v",
     "report_to": "none",
+    "lm_batching": "pack",
 }
 _NOT_FINGERPRINTED = ("report_to", "gradient_checkpointing")  # neither changes what is learnt
 # options that must match to resume a run (epochs may grow; device and verbosity may change)
@@ -121,9 +131,19 @@ class FinetuneConfig:
     task: str = option(
         "classification",
         Choice(TASKS),
-        "classification (single sentences or pairs, --text-field[-2], --label-field) or qa: "
-        "extractive question answering (SQuAD; span head, eval exact_match and f1 in percent).",
+        "classification (single sentences or pairs, --text-field[-2], --label-field), qa: "
+        "extractive question answering (SQuAD; span head, eval exact_match and f1 in percent) or "
+        "causal-lm: next-token loss on text (a .txt file one document per line, or --text-field of "
+        "a CSV/JSONL; --lm-batching), eval perplexity.",
         metavar="|".join(TASKS),
+    )
+    lm_batching: str = option(
+        "pack",
+        Choice(LM_BATCHING),
+        "--task causal-lm rows: pack = the documents joined with EOS and cut into blocks of "
+        "--max-length tokens; pad = one document per row (truncated to --max-length), padding left "
+        "out of the loss and the penalties.",
+        metavar=choice_metavar(LM_BATCHING),
     )
     reg: str = option(
         "istar",
@@ -306,6 +326,8 @@ class FinetuneConfig:
         self.geometry_rank = tuple(_RANKS.items(self.geometry_rank))
         if self.eval is None:
             raise InputError("an evaluation file is needed: pass --eval FILE")
+        if self.lm_batching != NEW_DEFAULTS["lm_batching"] and self.task != "causal-lm":
+            raise InputError("--lm-batching sets the rows of --task causal-lm; pass --task causal-lm")
         if self.grad_accum > 1 and self.log_geometry is not None:
             raise InputError("--log-geometry does not support --grad-accum > 1 yet; pass one of them")
         self._check_lora()

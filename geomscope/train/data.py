@@ -1,4 +1,5 @@
-"""Labelled text data for fine-tuning: loading, label maps, tokenisation and batching.
+"""Text data for fine-tuning: loading labelled tables and causal-LM documents, label maps,
+tokenisation and batching.
 
 Accepted sources (``load_table``):
 
@@ -6,6 +7,9 @@ Accepted sources (``load_table``):
 * ``.jsonl`` / ``.json`` files with one JSON object per line;
 * a directory written by ``datasets.Dataset.save_to_disk`` (a ``DatasetDict`` directory must be
   narrowed to one split: pass ``DIR/<split>``).
+
+A causal-LM run reads documents (:func:`read_documents`): every line of a text file, or one text
+field of the sources above.
 
 Labels are read as strings and mapped to ids by :func:`build_label_map`: if every label is an
 integer literal they are ordered numerically (GLUE's 0/1 keep their ids), otherwise by string
@@ -43,19 +47,25 @@ class Table:
         return len(self.labels)
 
 
-def read_rows(path: Path) -> tuple[list[str], list[dict]]:
-    """Return (column names, rows as dicts) of a csv/tsv/jsonl file or a save_to_disk directory."""
+def _check_data_file(path: Path, needs: str) -> None:
+    """One line for a data file that is missing, not a regular file, or empty (``needs``: what it
+    should hold)."""
     if not path.exists():
         raise InputError(f"data file {path} does not exist")
-    if path.is_dir():
-        return _read_saved_dataset(path)
     if not path.is_file():  # a pipe or a device: not "empty" (its size is 0), read once or never ended
         raise InputError(
             f"data file {path} is not a regular file (a pipe or a device); save the data to a file"
         )
-    suffix = path.suffix.lower()
     if path.stat().st_size == 0:
-        raise InputError(f"data file {path} is empty; it needs a header and at least one labelled row")
+        raise InputError(f"data file {path} is empty; it needs {needs}")
+
+
+def read_rows(path: Path) -> tuple[list[str], list[dict]]:
+    """Return (column names, rows as dicts) of a csv/tsv/jsonl file or a save_to_disk directory."""
+    if path.is_dir():
+        return _read_saved_dataset(path)
+    _check_data_file(path, "a header and at least one labelled row")
+    suffix = path.suffix.lower()
     try:
         return _read_text_table(path, suffix)
     except UnicodeDecodeError:
@@ -178,6 +188,60 @@ def load_table(
     )
 
 
+#: data files read as tables (a header row, or one JSON object per line); a causal-LM run reads any
+#: other file as one document per line
+TABLE_SUFFIXES = (".csv", ".tsv", ".jsonl", ".json")
+
+
+@dataclass
+class Documents:
+    """The texts of a causal-LM data set, one document each; ``blank``: documents left out because
+    their text is empty, only whitespace or null."""
+
+    source: str
+    texts: list[str]
+    blank: int
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+
+def read_documents(path: str | Path, text_field: str = "sentence") -> Documents:
+    """The documents of a causal-LM data file: every line of a text file (any suffix but a table's;
+    the line break is not part of it), or the ``text_field`` of every row of a csv/tsv/jsonl file or
+    a save_to_disk directory. Blank documents are left out and counted; a file with none left is a
+    one-line :class:`InputError`."""
+    path = Path(path)
+    if path.is_dir() or path.suffix.lower() in TABLE_SUFFIXES:
+        cols, rows = read_rows(path)
+        raw = _field(rows, cols, text_field, "text", path) if rows else []
+    else:
+        _check_data_file(path, "one document per line")
+        raw = _read_lines(path)
+    texts, blank = [], 0
+    for i, t in enumerate(raw):
+        if t is not None:
+            _check_text(t, path, i, text_field)
+        if t is None or not t.strip():
+            blank += 1
+            continue
+        texts.append(t)
+    if not texts:
+        raise InputError(f"data file {path} has no document with text; it needs at least one")
+    return Documents(str(path), texts, blank)
+
+
+def _read_lines(path: Path) -> list[str]:
+    """The lines of a UTF-8 text file, without their line breaks (a byte-order mark dropped)."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            return [line.rstrip("\r\n") for line in f]
+    except UnicodeDecodeError:
+        raise InputError(
+            f"data file {path} is not UTF-8 text; convert it to UTF-8 (e.g. iconv -t utf-8)"
+        ) from None
+
+
 def _check_text(t, path: Path, i: int, field: str) -> None:
     """A row's text is a string of text: else a JSON list or number would be turned into its printed
     form, and a lone surrogate (JSON's "\\ud800") makes the tokenizer raise a TypeError."""
@@ -277,7 +341,8 @@ class Encoded:
 def pad_batch(input_ids, token_type_ids, pad_id: int, idx, labels) -> dict:
     """The batch dict of the sequences ``idx``: ids padded on the right with ``pad_id``, the
     attention mask, token type ids where the tokenizer gives them, and ``labels[i]`` per sequence
-    (a class id, or a (start, end) pair for QA) as a long tensor. Shared by every task's dataset."""
+    (a class id, or a (start, end) pair for QA) as a long tensor (no ``labels`` when None: a causal LM
+    makes its own from the ids). Shared by every task's dataset."""
     import torch
 
     idx = list(idx)
@@ -291,11 +356,9 @@ def pad_batch(input_ids, token_type_ids, pad_id: int, idx, labels) -> dict:
         mask[row, : len(seq)] = 1
         if tt is not None:
             tt[row, : len(seq)] = torch.tensor(token_type_ids[i])
-    batch = {
-        "input_ids": ids,
-        "attention_mask": mask,
-        "labels": torch.tensor([labels[i] for i in idx], dtype=torch.long),
-    }
+    batch = {"input_ids": ids, "attention_mask": mask}
+    if labels is not None:
+        batch["labels"] = torch.tensor([labels[i] for i in idx], dtype=torch.long)
     if tt is not None:
         batch["token_type_ids"] = tt
     return batch

@@ -6,7 +6,10 @@ loss of a global batch of ``n`` examples is the mean cross-entropy over all ``n`
 contributes ``sum_CE_local * world / n``, which DDP's gradient averaging turns into the global
 mean).  ``task="qa"`` (extractive question answering, :mod:`geomscope.train.qa`) batches tokenised
 context windows (features) instead of examples, with the span loss (CE(start) + CE(end)) / 2 per
-feature scaled the same way, and evaluates exact match / F1.  The loop is geomscope's; the engine
+feature scaled the same way, and evaluates exact match / F1.  ``task="causal-lm"`` (next-token
+training of a decoder, :mod:`geomscope.train.causal_lm`) batches token rows (packed blocks or one
+document each) and divides the global batch's summed token cross-entropy by its number of predicted
+tokens, and evaluates perplexity.  The loop is geomscope's; the engine
 under it (process group, model wrapping by the launch -- DDP or FSDP --, mixed precision,
 backward, ``no_sync``) is Hugging Face Accelerate, :mod:`geomscope.train.engine`, which says why.
 By default AdamW (torch defaults besides ``lr``, so weight decay 0.01 on every parameter) at a
@@ -22,7 +25,8 @@ isoscore_star, lr, examples, seconds; with ``--log-geometry EVERY`` every EVERY-
 ``geometry_seconds``: :mod:`geomscope.train.geometry`), ``eval.jsonl`` (one line per epoch, see
 :func:`geomscope.train.evaluate.evaluate`), ``checkpoint/`` (last finished epoch), and at the end
 the model and tokenizer (``save_pretrained``), ``label_map.json`` (classification only) and
-``summary.json``.
+``summary.json``.  A causal-LM step record also carries ``predicted_tokens``, the global batch's
+number of predicted tokens (its ``examples`` are rows).
 """
 
 from __future__ import annotations
@@ -213,6 +217,10 @@ def read_data(cfg: FinetuneConfig, label2id: dict | None = None):
         from geomscope.train.qa import load_qa
 
         return load_qa(cfg.train), load_qa(cfg.eval), {}
+    if cfg.task == "causal-lm":
+        from geomscope.train.data import read_documents
+
+        return read_documents(cfg.train, cfg.text_field), read_documents(cfg.eval, cfg.text_field), {}
     train_t = load_table(cfg.train, cfg.text_field, cfg.label_field, cfg.text_field_2)
     eval_t = load_table(cfg.eval, cfg.text_field, cfg.label_field, cfg.text_field_2)
     if label2id is None:
@@ -321,6 +329,10 @@ class _Trainer:
             from geomscope.model.classifier import load_qa_model
 
             self.model, self.tokenizer, self.minfo = load_qa_model(src, self.note)
+        elif cfg.task == "causal-lm":
+            from geomscope.model.classifier import load_causal_lm
+
+            self.model, self.tokenizer, self.minfo = load_causal_lm(src, self.note)
         else:
             self.model, self.tokenizer, self.minfo = load_classifier(src, self.label2id, self.note)
         self.n_hidden = n_blocks(self.model) + 1
@@ -337,20 +349,30 @@ class _Trainer:
             self._checkpoint_activations()
         if cfg.lora is not None:
             self._wrap_lora()
-        max_length = self._max_length()
-        if cfg.task == "qa":
-            from geomscope.train.qa import QAEncoded
-
-            self.train_enc = QAEncoded(self.tokenizer, self.train_t, max_length)
-            self.eval_enc = QAEncoded(self.tokenizer, self.eval_t, max_length)
-        else:
-            self.train_enc = Encoded(self.tokenizer, self.train_t, self.label2id, max_length)
-            self.eval_enc = Encoded(self.tokenizer, self.eval_t, self.label2id, max_length)
+        self._encode(self._max_length())
         if len(self.train_enc) < d.world_size:
             raise DataError(
                 f"{cfg.train} has {len(self.train_enc)} "
                 f"{'features' if cfg.task == 'qa' else 'rows'}, fewer than the {d.world_size} processes"
             )
+
+    def _encode(self, max_length: int) -> None:
+        """The training and eval sets as the task batches them (examples, QA features or LM rows)."""
+        cfg = self.cfg
+        if cfg.task == "qa":
+            from geomscope.train.qa import QAEncoded
+
+            self.train_enc = QAEncoded(self.tokenizer, self.train_t, max_length)
+            self.eval_enc = QAEncoded(self.tokenizer, self.eval_t, max_length)
+        elif cfg.task == "causal-lm":
+            from geomscope.train.causal_lm import LMEncoded, eos_token_id
+
+            eos = eos_token_id(self.tokenizer, self.model.config)
+            self.train_enc = LMEncoded(self.tokenizer, self.train_t, max_length, cfg.lm_batching, eos)
+            self.eval_enc = LMEncoded(self.tokenizer, self.eval_t, max_length, cfg.lm_batching, eos)
+        else:
+            self.train_enc = Encoded(self.tokenizer, self.train_t, self.label2id, max_length)
+            self.eval_enc = Encoded(self.tokenizer, self.eval_t, self.label2id, max_length)
 
     def _checkpoint_activations(self) -> None:
         """--gradient-checkpointing: transformers' own, non-reentrant (dropout masks are replayed, so
@@ -567,10 +589,11 @@ class _Trainer:
                 self.train_enc.collate(rank_slice(mb, d.rank, d.world_size))
                 for mb in split_micro(gb, cfg.grad_accum, d.world_size)
             ]
+            lm = cfg.task == "causal-lm"  # the loss is a mean over the global batch's predicted tokens
             rec = train_step(
                 self.ddp_model,
                 micro[0] if len(micro) == 1 else micro,
-                len(gb),
+                self.train_enc.predicted(gb) if lm else len(gb),
                 self.reg,
                 cfg.lam,
                 self.optimizer,
@@ -579,6 +602,7 @@ class _Trainer:
                 self.geometry if self._log_geometry_now() else None,
                 self.scheduler,
                 cfg.max_grad_norm,
+                n_examples=len(gb) if lm else None,
             )
             dt = time.perf_counter() - t0
             self.step += 1
@@ -641,6 +665,10 @@ class _Trainer:
             from geomscope.train.qa import evaluate_qa
 
             ev = evaluate_qa(*common, C0=self.c0)
+        elif cfg.task == "causal-lm":
+            from geomscope.train.causal_lm import evaluate_lm
+
+            ev = evaluate_lm(*common, C0=self.c0)
         else:
             ev = evaluate(*common, len(self.label2id), self.c0)
         ev = {"epoch": epoch + 1, "step": self.step, **ev, "c0_points_used": self.c0_used}
@@ -672,6 +700,38 @@ class _Trainer:
         return ev
 
     # -- the end -----------------------------------------------------------------------------
+    def _task_info(self, final: dict) -> dict:
+        """summary.json's fields of the task: the label map; QA's features and scores; or the LM's
+        rows, predicted tokens and perplexity (``final``: the last eval record)."""
+        cfg = self.cfg
+        if cfg.task == "qa":
+            from geomscope.train.qa import MAX_ANSWER_TOKENS, N_BEST
+
+            return {
+                "train_features": len(self.train_enc),
+                "eval_features": len(self.eval_enc),
+                "doc_stride": self.train_enc.stride,
+                "n_best": N_BEST,
+                "max_answer_tokens": MAX_ANSWER_TOKENS,
+                "exact_match": final.get("exact_match"),
+                "f1": final.get("f1"),
+                "qa_score_scale": "percent (0-100), official SQuAD v1.1 normalisation",
+            }
+        if cfg.task == "causal-lm":
+            train, ev = self.train_enc, self.eval_enc
+            return {
+                "lm_batching": cfg.lm_batching,
+                "train_rows": len(train),
+                "train_predicted_tokens": train.n_predicted,
+                "eval_rows": len(ev),
+                "eval_predicted_tokens": ev.n_predicted,
+                "blank_documents": {"train": train.blank, "eval": ev.blank},
+                "short_documents": {"train": train.short, "eval": ev.short},
+                "eval_loss": final.get("eval_loss"),
+                "perplexity": final.get("perplexity"),
+            }
+        return {"labels": self.label2id}
+
     def finish(self) -> dict:
         summary = None
         weights = self._sharded_weights()
@@ -695,25 +755,12 @@ class _Trainer:
     def _summary(self) -> dict:
         cfg, d = self.cfg, self.d
         evals = [loads_json(ln) for ln in read_regular_text(self.eval_path).splitlines() if ln.strip()]
-        qa = cfg.task == "qa"
-        if qa:
-            from geomscope.train.qa import MAX_ANSWER_TOKENS, N_BEST
-
-            task_info = {
-                "train_features": len(self.train_enc),
-                "eval_features": len(self.eval_enc),
-                "doc_stride": self.train_enc.stride,
-                "n_best": N_BEST,
-                "max_answer_tokens": MAX_ANSWER_TOKENS,
-                "exact_match": evals[-1]["exact_match"] if evals else None,
-                "f1": evals[-1]["f1"] if evals else None,
-                "qa_score_scale": "percent (0-100), official SQuAD v1.1 normalisation",
-            }
+        by_example = cfg.task != "classification"  # QA features and LM rows are not the examples
         return _json_safe(
             {
                 "out": str(self.out),
                 "model": cfg.model,
-                **({"task": cfg.task} if qa else {}),
+                **({"task": cfg.task} if by_example else {}),
                 "reg": cfg.reg,
                 "lambda": cfg.lam,
                 "zeta": cfg.zeta,
@@ -735,10 +782,10 @@ class _Trainer:
                 "device": str(d.device),
                 "seed": cfg.seed,
                 "max_length": cfg.max_length,
-                "train_examples": self.train_enc.n_examples if qa else len(self.train_enc),
+                "train_examples": self.train_enc.n_examples if by_example else len(self.train_enc),
                 "train_tokens": self.train_enc.n_tokens,
-                "eval_examples": self.eval_enc.n_examples if qa else len(self.eval_enc),
-                **(task_info if qa else {"labels": self.label2id}),
+                "eval_examples": self.eval_enc.n_examples if by_example else len(self.eval_enc),
+                **self._task_info(evals[-1] if evals else {}),
                 "head_added": self.minfo["head_added"],
                 "resumed": self.state is not None,
                 "mean_step_seconds": (self.t_train / self.n_steps_timed) if self.n_steps_timed else None,
@@ -776,6 +823,9 @@ def eval_line(ev: dict) -> str:
     iso, iso_c0, cos = ev.get("isoscore_star"), ev.get("isoscore_star_c0_pooled"), ev.get("avgcos")
     if "exact_match" in ev:  # --task qa
         head = f"epoch {ev['epoch']}: exact match {ev['exact_match']:.2f}  F1 {ev['f1']:.2f}  "
+    elif "perplexity" in ev:  # --task causal-lm
+        ppl = ev["perplexity"]
+        head = f"epoch {ev['epoch']}: perplexity {'n/a' if ppl is None else f'{ppl:.4g}'}  "
     else:
         head = f"epoch {ev['epoch']}: accuracy {ev['accuracy']:.4f}  macro-F1 {ev['macro_f1']:.4f}  "
     return (

@@ -4,8 +4,9 @@ the optimiser's parameter groups and the learning-rate schedule it steps.
 
 The task loss of a global batch of ``n`` examples is the mean cross-entropy over all ``n``: each
 process contributes ``sum_CE_local * world / n``, which DDP's gradient averaging turns into the
-global mean.  With ``--grad-accum`` the penalty is taken per micro-batch and averaged
-(:mod:`geomscope.train.config` says why).
+global mean.  For a causal LM ``n`` is the global batch's number of predicted tokens and the sum is
+over token cross-entropies (:mod:`geomscope.train.causal_lm`).  With ``--grad-accum`` the penalty
+is taken per micro-batch and averaged (:mod:`geomscope.train.config` says why).
 """
 
 from __future__ import annotations
@@ -77,8 +78,10 @@ def train_step(
     geometry=None,
     scheduler=None,
     max_grad_norm: float | None = None,
+    n_examples: int | None = None,
 ) -> dict:
-    """One optimizer step on this rank's share of a global batch of ``n_global`` examples.
+    """One optimizer step on this rank's share of a global batch of ``n_global`` examples (causal
+    LM: predicted tokens, with ``n_examples`` the batch's rows; the record then says both).
 
     ``batch`` is one collated batch, or (``--grad-accum``) a list of micro-batches whose gradients
     are summed before the single update: the task loss of each is its cross-entropy sum scaled by
@@ -132,7 +135,8 @@ def train_step(
         "weighted_penalty": None if pen_v is None else lam * pen_v,
         "isoscore_star": sum(isos) / len(isos) if isos else None,
         "lr": lr,
-        "examples": n_global,
+        "examples": n_global if n_examples is None else n_examples,
+        **({"predicted_tokens": n_global} if n_examples is not None else {}),
         **({"grad_norm": grad_norm} if max_grad_norm is not None else {}),
         "finite": finite,
         **(geo or {}),
@@ -169,6 +173,10 @@ def _micro_step(model, batch, n_global, reg, w_pen, engine, monitor, geometry):
         from geomscope.train.qa import qa_loss_sum
 
         ce_sum = qa_loss_sum(out, labels, inputs["attention_mask"])
+    elif out.logits.dim() == 3:  # --task causal-lm: next-token CE summed over the predicted tokens
+        from geomscope.train.causal_lm import lm_loss_sum
+
+        ce_sum, _ = lm_loss_sum(out.logits, labels)
     else:
         ce_sum = F.cross_entropy(out.logits.float(), labels, reduction="sum")
     loss = task_loss = ce_sum * (d.world_size / n_global)
