@@ -145,18 +145,18 @@ def _open_run(run_dir):
 
 
 def _chunks(task, names, verify: bool):
-    """The chunks of one shard, read as score reads a shard (store.integrity.check_shard_file, iter_shard):
-    its size against the manifest now, its checksum (``verify``) while it is read, its rows from the
-    file checked and of the documents its entry assigns it. A shard that fails to read is first held
-    to its checksum, so that its damage is what is said, not what reading the damage found."""
-    from geomscope.store import iter_shard
+    """The chunks of one shard, read as score reads a shard (store.integrity.check_shard_file,
+    store.reader.iter_task): its size against the manifest now, its checksum (``verify``) while it
+    is read, the shard held to integrity.check_shard and its rows, from the file checked, to
+    integrity.check_chunk (documents, positions, token ids, non-finite flags). A shard that fails to
+    read is first held to its checksum, so that its damage is what is said, not what reading the
+    damage found."""
     from geomscope.store.integrity import check_shard_file
+    from geomscope.store.reader import iter_task
 
     finish, task = check_shard_file(task, checksum=verify)
     try:
-        yield from iter_shard(
-            task.path, names, rows=task.rows, dim=task.dim or None, expected=task.identity, docs=task.docs
-        )
+        yield from iter_task(task, names)
     except Exception:
         finish()
         raise

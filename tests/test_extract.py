@@ -168,6 +168,18 @@ def test_rows_and_values_match_plain_forward(tmp_path, tiny, kind, stack):
     if norm is not None:
         params = json.loads((tmp_path / "run" / "manifest.json").read_text())["final_norm"]
         assert params["module"] == norm and len(params["gain"]) == ref["hs"].shape[-1]
+    # the vocabulary the shards' token ids are held below when the run is read back
+    from transformers import AutoConfig, AutoTokenizer
+
+    from geomscope.store import describe_run
+
+    vocab = json.loads((tmp_path / "run" / "manifest.json").read_text())["vocab_size"]
+    known = (
+        len(AutoTokenizer.from_pretrained(tiny[kind])),
+        AutoConfig.from_pretrained(tiny[kind]).vocab_size,
+    )
+    assert vocab == max(known) and 0 <= got["token_id"].min() and got["token_id"].max() < vocab
+    assert describe_run(tmp_path / "run", verify=True)["verify"]["ok"]
     # stored order within the shard: descending length, ties by doc id
     lengths = np.bincount(got["doc_id"])
     seen = list(dict.fromkeys(got["stored_doc_order"].tolist()))

@@ -451,3 +451,91 @@ def test_a_file_url_to_a_run_holding_a_link_is_refused(run, tmp_path):
     shard.symlink_to(outside)
     with pytest.raises(DataError, match="symbolic link"):
         score(f"file://{run}", OPTS)
+
+
+def _index_edited(field: str, row: int, value: int):
+    """A _rewrite edit that sets ``field`` of shard 1's row ``row`` to ``value``."""
+
+    def edit(f, data):
+        data[field][row] = value
+        _plain(f, data)
+
+    return edit
+
+
+def _refused_everywhere(cli, run, tmp_path, *needles):
+    """score, export and inspect --verify each refuse the run in one line naming shard 1 and
+    ``needles``; nothing is written."""
+    _fails(cli, run, "shard-00001.h5", *needles, out_dir=tmp_path)
+    code, o, e = cli(["export", run, "--to", "npy", "--out", tmp_path / "exported", "--quiet"])
+    assert_one_line_error(code, o, e, "shard-00001.h5", *needles)
+    assert not (tmp_path / "exported").exists()
+    bad = describe_run(run, verify=True)["verify"]["bad"]
+    assert [b["file"] for b in bad] == ["shard-00001.h5"] and all(n in bad[0]["error"] for n in needles)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("position", -1, "position -1"),
+        ("position", 1 << 24, f"position {1 << 24}"),
+        ("token_id", -5, "token id -5"),
+    ],
+)
+def test_positions_and_token_ids_no_writer_makes_are_refused(cli, run, tmp_path, field, value, needle):
+    """A row's position keys its sample hash (doc_id << 24 | position): a negative one, or one of 2^24
+    or more, is another document's key; a token id is never negative. A crafted shard whose manifest
+    matches it scored such rows without a word."""
+    _rewrite(run, _index_edited(field, 40, value))
+    _refused_everywhere(cli, run, tmp_path, needle)
+
+
+def test_positions_beyond_the_runs_max_length_are_refused(cli, run, tmp_path):
+    """A run truncated to max_length tokens stores positions below it."""
+    edit_manifest(run, lambda m: m["identity"].update(max_length=30, truncation=True))
+    assert score(run, OPTS)["layers"][0]["n_rows"] == 2 * ROWS  # positions 0..29: every one kept
+    _rewrite(run, _index_edited("position", 3, 30))
+    _refused_everywhere(cli, run, tmp_path, "position 30", "max_length 30")
+
+
+def test_token_ids_outside_the_models_vocabulary_are_refused(cli, run, tmp_path):
+    """The manifest records the tokenizer's vocabulary size: a token id at or beyond it is no token
+    of the model."""
+    edit_manifest(run, lambda m: m.update(vocab_size=ROWS))  # the shards hold ids 0..ROWS - 1
+    assert score(run, OPTS)["layers"][0]["n_rows"] == 2 * ROWS
+    _rewrite(run, _index_edited("token_id", 3, ROWS))
+    _refused_everywhere(cli, run, tmp_path, f"token id {ROWS}", f"vocabulary of {ROWS}")
+
+
+def test_a_vocabulary_size_no_writer_makes_is_refused(run):
+    for bad in (0, -3, "many", 2.5, True):
+        edit_manifest(run, lambda m, bad=bad: m.update(vocab_size=bad))
+        with pytest.raises(Exception, match="vocab_size"):
+            score(run, OPTS)
+
+
+def test_flags_on_finite_rows_are_refused_not_dropped(cli, run, tmp_path):
+    """The store flags exactly the rows that hold NaN or Inf; readers drop the flagged rows. A flag
+    on a finite row dropped it from every score without a word."""
+
+    def flag_finite(f, data):
+        data["nonfinite/layer_00"][[3, 200]] = True
+        _plain(f, data)
+
+    _rewrite(run, flag_finite)
+    _refused_everywhere(cli, run, tmp_path, "layer_00", "mark 2 of 300 rows", "no NaN or Inf")
+
+
+def test_export_refuses_unflagged_nan_rows_as_score_does(cli, run, tmp_path):
+    """export copied rows holding NaN that the flags do not mark; score refuses them."""
+
+    def nan_unflagged(f, data):
+        data["layers/layer_00"][[7, 250]] = np.nan
+        data["nonfinite/layer_00"] = np.zeros(ROWS, bool)
+        _plain(f, data)
+
+    _rewrite(run, nan_unflagged)
+    for to in ("npy", "arrow"):
+        code, o, e = cli(["export", run, "--to", to, "--out", tmp_path / to, "--quiet"])
+        assert_one_line_error(code, o, e, "shard-00001.h5", "2 of 300 rows of layer layer_00", "NaN")
+        assert not (tmp_path / to).exists()

@@ -76,6 +76,7 @@ def _manifest_extra(lm, opts: ExtractOptions) -> dict:
     return {
         "final_norm": _final_norm_params(lm),
         "model_source": lm.source,
+        "vocab_size": _vocab_size(lm),
         "versions": package_versions(),
         "layer_note": LAYER_NOTE,
         "row_order": ROW_ORDER,
@@ -83,6 +84,25 @@ def _manifest_extra(lm, opts: ExtractOptions) -> dict:
             "option" if opts.max_length is not None else ("model" if lm.max_length else None)
         ),
     }
+
+
+def _vocab_size(lm) -> int | None:
+    """The token ids the model reads lie below this: the most of its input embedding's rows, its
+    tokenizer's ids and its config's ``vocab_size`` (a run's token ids are held below it when it is
+    read back); None when none of them is known."""
+    try:
+        emb = lm.model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        emb = None
+    weight = getattr(emb, "weight", None)
+    sizes = [
+        getattr(emb, "num_embeddings", None),
+        weight.shape[0] if getattr(weight, "ndim", 0) == 2 else None,
+        len(lm.tokenizer) if lm.tokenizer is not None else None,
+        getattr(lm.model.config, "vocab_size", None),
+    ]
+    known = [int(n) for n in sizes if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+    return max(known) if known else None
 
 
 def _final_norm_params(lm) -> dict | None:

@@ -31,7 +31,7 @@ from geomscope.metrics.moments import OrderedWork, update_groups
 from geomscope.metrics.validate import NonfiniteRows
 from geomscope.score.sources import iter_blocks, iter_meta
 from geomscope.store.blocks import Task
-from geomscope.store.integrity import check_flags, check_shard, check_shard_file
+from geomscope.store.integrity import check_shard_file
 from geomscope.store.sample import STREAM_ID_SAMPLE, STREAM_MAX_ROWS, BottomK, Reservoir, row_hash
 
 COUNT_KEYS = ("seen", "nonfinite", "special", "not_sampled", "used")
@@ -398,16 +398,9 @@ def _update_units(unit: dict, xs: np.ndarray, gs: np.ndarray, work: OrderedWork)
         work.submit(compute, merge, (("unit sums", d), lambda: new_work(BLOCK_ROWS, d), lambda w: True))
 
 
-def _run_accumulated(task: Task, spec: PassSpec, progress, parts: dict) -> dict[str, LayerPart]:
-    """A ``--keep sample`` shard: its stored accumulators go whole into jackknife group
-    ``shard index % G``, and its sampled rows feed the intrinsic-dimension reservoir, filtered as the
-    rows of a full run would be. Only the "moments" pass can be served (the engine asks no other)."""
-    if spec.kind != "moments":
-        raise AssertionError(f"a {spec.kind!r} pass cannot read a --keep sample shard")
-    from geomscope.store.reader import open_shard
-
-    with open_shard(task.path, task.identity) as f:
-        checked = check_shard(f, getattr(f, "location", f.filename), task, spec.layers, extras=spec.extras)
+def _merge_kept(task: Task, spec: PassSpec, parts: dict, checked: dict) -> None:
+    """A ``--keep sample`` shard's checked accumulators (``checked``: integrity.check_shard's) into
+    jackknife group ``shard index % G``, its rows counted."""
     for name in spec.layers:
         m, special = checked[name]
         n_special = special.n if special is not None else 0
@@ -420,16 +413,27 @@ def _run_accumulated(task: Task, spec: PassSpec, progress, parts: dict) -> dict[
             m.merge(special)
         c["used"] += m.n
         parts[name].groups[task.index % spec.n_groups].merge(m)
-    for block in iter_blocks(task, spec.layers, spec.n_groups, spec.block_rows):
-        for name in spec.layers:
-            lp = parts[name]
-            if lp.reservoir is None:
-                continue
-            check_flags(task.path, name, block.layers[name], block.nonfinite[name])
-            keep = _filter(block, name, spec, None)
-            lp.reservoir.add(
-                row_hash(block.keys[keep], spec.seed, STREAM_ID_SAMPLE), block.layers[name][keep]
-            )
+
+
+def _run_accumulated(task: Task, spec: PassSpec, progress, parts: dict) -> dict[str, LayerPart]:
+    """A ``--keep sample`` shard: its stored accumulators go whole into jackknife group
+    ``shard index % G``, and its sampled rows feed the intrinsic-dimension reservoir, filtered as the
+    rows of a full run would be. Only the "moments" pass can be served (the engine asks no other)."""
+    if spec.kind != "moments":
+        raise AssertionError(f"a {spec.kind!r} pass cannot read a --keep sample shard")
+    from geomscope.store.reader import iter_shard_blocks, opened_task
+
+    with opened_task(task, spec.layers, extras=spec.extras) as (f, checked):
+        _merge_kept(task, spec, parts, checked)
+        for block in iter_shard_blocks(task, spec.layers, spec.n_groups, spec.block_rows, opened=f):
+            for name in spec.layers:
+                lp = parts[name]
+                if lp.reservoir is None:
+                    continue
+                keep = _filter(block, name, spec, None)
+                lp.reservoir.add(
+                    row_hash(block.keys[keep], spec.seed, STREAM_ID_SAMPLE), block.layers[name][keep]
+                )
     if progress:
         progress(task.rows)
     return parts

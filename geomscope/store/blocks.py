@@ -62,6 +62,8 @@ class Task:
     kept: KeptSample | None = None  # shard of a --keep sample run: accumulators and a sample, not every row
     docs: tuple[int, int] | None = None  # shard: the documents [start, stop) its entry assigns it, checked
     tokens: int = 0  # shard: the token rows its entry says it measured (a --keep sample shard's accumulators)
+    positions: int = 0  # shard: its rows' positions lie in [0, positions) (0: what a row key holds)
+    vocab: int = 0  # shard: its token ids lie in [0, vocab), the model's vocabulary (0: not recorded)
 
     @property
     def accumulated(self) -> bool:

@@ -35,7 +35,7 @@ from geomscope.store import checksum as shard_checksum
 from geomscope.store import remote
 from geomscope.store.blocks import KeptSample, Task
 from geomscope.store.names import SHARD_FORMAT, shard_name
-from geomscope.store.sample import STREAM_ID_SAMPLE, row_hash, run_keys
+from geomscope.store.sample import POSITION_BITS, STREAM_ID_SAMPLE, row_hash, run_keys
 from geomscope.store.shard import META_FIELDS, ShardInfo, nonfinite_rows
 
 
@@ -421,6 +421,8 @@ def check_layout(f: h5py.File, path, layers=(), *, rows: int | None = None, dim:
             raise corrupt(path, f"{key} has {ds.shape[0]} rows, token_id has {n}")
     if rows is not None and n != rows:
         raise corrupt(path, f"it stores {n} rows, its manifest entry says {rows}")
+    if not isinstance(f.get("layers"), h5py.Group):
+        raise corrupt(path, "its layers are not a group of datasets")
     for name in layers:
         ds = _own_dataset(f, f"layers/{name}", path)
         if ds.ndim != 2 or ds.dtype.kind != "f":
@@ -446,15 +448,71 @@ def check_documents(path, doc_id: np.ndarray, docs: tuple[int, int]) -> None:
         )
 
 
+def check_rows(path, task: Task | None, meta: dict) -> None:
+    """A chunk of a shard's row index (``meta``: its token_id, doc_id and position columns) within
+    what its run allows (``task``: :func:`shard_task`'s; None, a shard read on its own, holds it to
+    what any run allows): documents in its entry's range (:func:`check_documents`), positions in
+    [0, ``task.positions``) -- a position keys the row's sample hash as ``doc_id << POSITION_BITS |
+    position``, so one outside is another row's key --, token ids in [0, ``task.vocab``), the
+    model's vocabulary (0: the run records none; ids are never negative)."""
+    if task is not None and task.docs is not None:
+        check_documents(path, meta["doc_id"], task.docs)
+    positions = (task.positions if task is not None else 0) or 1 << POSITION_BITS
+    _check_range(path, meta["position"], positions, "position", _positions_are(positions))
+    vocab = task.vocab if task is not None else 0
+    ids = f"the model's vocabulary of {vocab} ids" if vocab else "the ids a token has (0 and more)"
+    _check_range(path, meta["token_id"], vocab or None, "token id", ids)
+
+
+def _positions_are(limit: int) -> str:
+    """What bounds a run's positions, said (``limit``: :func:`check_rows`'s)."""
+    if limit == 1 << POSITION_BITS:
+        return f"the {limit} a row key holds"
+    return f"0..{limit - 1} (the run's max_length {limit})"
+
+
+def _check_range(path, values: np.ndarray, stop: int | None, what: str, allowed: str) -> None:
+    """Every one of ``values`` in [0, ``stop``) (None: at least 0); else DataError naming the first
+    value outside and what ``allowed`` them."""
+    values = np.asarray(values)
+    if not values.size:
+        return
+    outside = (values < 0) if stop is None else ((values < 0) | (values >= stop))
+    if outside.any():
+        first = int(values[np.argmax(outside)])
+        raise corrupt(path, f"it stores a row at {what} {first}, outside {allowed}")
+
+
+def check_chunk(path, task: Task | None, meta: dict, values: dict, flags: dict) -> None:
+    """A chunk of a shard's rows as it streams, after :func:`check_shard`: its row index
+    (:func:`check_rows`) and, for each layer read (``values``: name -> rows) whose non-finite flags
+    the shard stores (``flags``: name -> flags), :func:`check_flags`. ``score``, ``export``,
+    ``inspect --verify`` and resume hold every row they read to it."""
+    check_rows(path, task, meta)
+    for name, rows in values.items():
+        if name in flags:
+            check_flags(path, name, rows, flags[name])
+
+
 def check_flags(path, layer: str, values: np.ndarray, flagged: np.ndarray) -> None:
-    """Rows of ``layer`` that hold NaN or Inf are rows its non-finite flags mark (the store flags every
-    one it writes, and readers drop the flagged rows): an unflagged one means the file changed."""
-    bad = nonfinite_rows(values) & ~np.asarray(flagged, bool)
+    """The rows of ``layer`` its non-finite flags mark are exactly those holding NaN or Inf: the store
+    flags every one it writes, in the stored dtype, and nothing else; readers drop the flagged rows.
+    An unflagged one means the file changed; a flagged finite one, rows dropped without a cause."""
+    found = nonfinite_rows(values)
+    flagged = np.asarray(flagged, bool)
+    bad = found & ~flagged
     if bad.any():
         raise corrupt(
             path,
             f"{int(bad.sum())} of {len(bad)} rows of layer {layer} hold NaN or Inf that its "
             "non-finite flags do not mark",
+        )
+    idle = flagged & ~found
+    if idle.any():
+        raise corrupt(
+            path,
+            f"its non-finite flags mark {int(idle.sum())} of {len(idle)} rows of layer {layer} that "
+            "hold no NaN or Inf",
         )
 
 
@@ -480,12 +538,15 @@ def kept_size(keep) -> int | None:
     return int(n)
 
 
-def shard_task(path, entry: ShardInfo, ident: dict, dim: int, stats: dict | None = None) -> Task:
+def shard_task(
+    path, entry: ShardInfo, ident: dict, dim: int, stats: dict | None = None, *, vocab: int | None = None
+) -> Task:
     """A shard of a run as the task every reader checks it by (:func:`check_shard`): its path, rows,
     recorded size and checksum, documents, the rows it measured, the identity of its file now, the
-    run's width ``dim`` (0: not checked) and, in a ``--keep sample`` run (``ident``: the run's
-    identity), the sample it kept (``stats``: its entry's, for the rows of each layer holding NaN or
-    Inf)."""
+    run's width ``dim`` (0: not checked), the positions its rows may hold (``ident``: the run's
+    identity, whose ``max_length`` truncates every document), the model's vocabulary (``vocab``: the
+    manifest's ``vocab_size``; None: not recorded) and, in a ``--keep sample`` run, the sample it
+    kept (``stats``: its entry's, for the rows of each layer holding NaN or Inf)."""
     size = kept_size(ident.get("keep"))
     kept = None
     if size is not None:
@@ -508,13 +569,25 @@ def shard_task(path, entry: ShardInfo, ident: dict, dim: int, stats: dict | None
         kept=kept,
         docs=entry.documents,
         tokens=entry.n_tokens,
+        positions=_positions(ident),
+        vocab=vocab or 0,
     )
+
+
+def _positions(ident: dict) -> int:
+    """The positions a run's rows lie below: its ``max_length`` when it truncates every document to
+    one (``truncation``), never more than a row key holds (2^POSITION_BITS)."""
+    limit = ident.get("max_length")
+    whole = isinstance(limit, int) and not isinstance(limit, bool) and limit > 0
+    if whole and ident.get("truncation", True) is not False:
+        return min(limit, 1 << POSITION_BITS)
+    return 1 << POSITION_BITS
 
 
 def check_shard(f: h5py.File, path, task: Task, layers, *, extras: bool = True) -> dict:
     """The one notion of a valid shard, held on the open shard ``f`` by ``score``, ``export``,
     ``inspect --verify`` and resume alike (its checksum is :func:`check_shard_file`'s; its rows'
-    documents and flags are checked as they stream: :func:`check_documents`, :func:`check_flags`).
+    documents, positions, token ids and flags are checked as they stream: :func:`check_chunk`).
 
     Every shard: :func:`check_layout` against its task (rows, the run's width, ``layers``). A
     ``--keep sample`` shard also: the sample the run records (size, seed, rows it measured) in its
@@ -546,7 +619,8 @@ def _check_kept(f: h5py.File, path, task: Task, layers, extras: bool) -> dict:
             path,
             f"it stores {task.rows} rows, more than samples of {kept.size} rows of {kept.layers} layers hold",
         )
-    meta = {key: f[key][()] for key in ("doc_id", "position", "is_special")}
+    meta = {key: f[key][()] for key in (*META_FIELDS, "is_special")}
+    check_rows(path, task, meta)  # (the sample's keys are made of them)
     hashes = row_hash(run_keys(meta["doc_id"], meta["position"]), kept.seed, STREAM_ID_SAMPLE)
     special = np.asarray(meta["is_special"], bool)
     out = {}
@@ -591,6 +665,12 @@ def _check_kept_attrs(f: h5py.File, path, task: Task) -> None:
         whole = isinstance(got, (int, np.integer)) and not isinstance(got, (bool, np.bool_))
         if not whole or int(got) != want:
             raise corrupt(path, what.format(got=str(got)[:40], want=want))
+
+
+def stored_flags(f: h5py.File, layers) -> list[str]:
+    """Those of ``layers`` whose non-finite flags the shard stores (a layer without: its rows are
+    found from its values as they are read)."""
+    return [name for name in layers if f.get(f"nonfinite/{name}", getlink=True) is not None]
 
 
 def _flags(f: h5py.File, name: str) -> np.ndarray:
@@ -648,22 +728,21 @@ VERIFY_CHUNK_BYTES = 64 * 1024 * 1024
 
 
 def _check_rows(f: h5py.File, path, task: Task, layers) -> int:
-    """Every row of the shard, a bounded chunk at a time: :func:`check_documents` and
-    :func:`check_flags`; the distinct documents it stores."""
+    """Every row of the shard, a bounded chunk of one layer at a time: what :func:`check_chunk`
+    checks (:func:`check_rows`, :func:`check_flags`); the distinct documents it stores."""
     n = int(f["doc_id"].shape[0])
     width = max([f["layers"][name].shape[1] * f["layers"][name].dtype.itemsize for name in layers] or [1])
     step = max(1024, VERIFY_CHUNK_BYTES // max(1, width))
+    flagged = stored_flags(f, layers)
     docs = []
     try:
         for start in range(0, n, step):
-            doc_id = f["doc_id"][start : start + step]
-            if task.docs is not None:
-                check_documents(path, doc_id, task.docs)
-            docs.append(np.unique(doc_id))
-            for name in layers:
-                if f.get(f"nonfinite/{name}", getlink=True) is not None:  # (none: found as read)
-                    flagged = f["nonfinite"][name][start : start + step]
-                    check_flags(path, name, f["layers"][name][start : start + step], flagged)
+            meta = {key: f[key][start : start + step] for key in META_FIELDS}
+            check_rows(path, task, meta)
+            docs.append(np.unique(meta["doc_id"]))
+            for name in flagged:
+                rows = f["layers"][name][start : start + step]
+                check_flags(path, name, rows, f["nonfinite"][name][start : start + step])
     except READ_ERRORS as e:
         raise corrupt(path, h5_reason(e)) from e
     return int(np.unique(np.concatenate(docs)).size) if docs else 0

@@ -150,6 +150,9 @@ def check_manifest(m, path: Path) -> dict:
     width = model.get("hidden_size")
     if width is not None and (not isinstance(width, int) or isinstance(width, bool) or width < 1):
         raise damaged(path, f"identity.model.hidden_size is {short(width)}, not a positive integer")
+    vocab = m.get("vocab_size")
+    if vocab is not None and not (_count(vocab) and vocab > 0):  # token ids are held below it
+        raise damaged(path, f"vocab_size is {short(vocab)}, not a positive integer")
     seed = ident.get("sample_seed")
     if seed is not None and not (_count(seed) and seed <= MAX_SEED):  # said back as --seed advice
         raise damaged(
@@ -584,7 +587,10 @@ class RunWriter:
         if p.is_symlink() or not p.is_file():
             return False
         width = (self.identity.get("model") or {}).get("hidden_size") or 0
-        task = shard_task(p, ShardInfo.from_dict(entry), self.identity, width, entry.get("stats"))
+        vocab = self.manifest.get("vocab_size")
+        task = shard_task(
+            p, ShardInfo.from_dict(entry), self.identity, width, entry.get("stats"), vocab=vocab
+        )
         try:
             verify_shard_task(task, [layer["name"] for layer in self.identity.get("layers", [])])
         except DataError:

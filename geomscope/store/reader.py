@@ -1,7 +1,9 @@
 """Reading a run: :class:`Run` (its manifest, layers, shards as tasks, the checks before a read),
-a shard streamed in bounded chunks (:func:`iter_shard`) or as the blocks ``score`` and ``export``
-read (:func:`iter_shard_blocks`, :func:`iter_shard_meta`). The file checks each read goes through
-are integrity.py's, a ``--keep sample`` shard's accumulators among them (:func:`check_shard`)."""
+a shard streamed in bounded chunks (:func:`iter_task`: a run's shard; :func:`iter_shard`: a shard
+file on its own) or as the blocks ``score`` reads (:func:`iter_shard_blocks`,
+:func:`iter_shard_meta`). The checks each read goes through are integrity.py's: the file's, the one
+notion of a valid shard (:func:`check_shard`, a ``--keep sample`` shard's accumulators among them)
+and each chunk's rows as they stream (:func:`check_chunk`)."""
 
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ from geomscope.store.blocks import Block, Task, groups_of_docs, row_bytes
 from geomscope.store.chunks import row_spans
 from geomscope.store.integrity import (
     READ_ERRORS,
-    check_documents,
+    check_chunk,
     check_layout,
+    check_rows,
+    check_shard,
     corrupt,
     h5_descriptor,
     h5_reason,
@@ -29,6 +33,7 @@ from geomscope.store.integrity import (
     manifest_problems,
     open_checked,
     shard_task,
+    stored_flags,
 )
 from geomscope.store.manifest import (
     identity_digest,
@@ -74,7 +79,9 @@ def read_shard_index(path: Path, rows: int | None = None) -> dict[str, np.ndarra
     with open_checked(path) as f:
         try:
             check_layout(f, path, rows=rows)
-            return {k: f[k][:] for k in (*META_FIELDS, "is_special")}
+            index = {k: f[k][:] for k in (*META_FIELDS, "is_special")}
+            check_rows(path, None, index)
+            return index
         except READ_ERRORS as e:
             raise corrupt(path, str(e)) from e
 
@@ -149,31 +156,77 @@ def iter_shard(
     *,
     chunk_rows: int | None = None,
     activations: bool = True,
-    rows: int | None = None,
-    dim: int | None = None,
-    expected: tuple | None = None,
-    docs: tuple[int, int] | None = None,
 ) -> Iterator[ShardChunk]:
-    """Stream a shard in chunks of rows; memory is bounded by ``chunk_rows`` x D x len(layers).
+    """Stream a shard file on its own in chunks of rows; memory is bounded by ``chunk_rows`` x D x
+    len(layers). Its structure is checked (integrity.check_layout) before anything is read, and each
+    chunk as it streams (integrity.check_chunk, against what any run allows). A run's shard is read
+    as its task plans it: :func:`iter_task`.
 
     ``activations=False`` reads only the row index and the non-finite flags of ``layers`` (a chunk's
-    ``layers`` is then empty): the metadata pass of ``score --max-rows``. ``path``: a path or a URL.
-    ``rows``, ``dim``: the manifest's row count and the run's width, checked (:func:`check_layout`)
-    before anything is read. ``expected``: the shard's integrity.identity when it was planned (checked
-    on the open file). ``docs``: the documents [start, stop) its manifest entry assigns it; a row of
-    another document is refused (it would be counted twice, or in the wrong jackknife group).
+    ``layers`` is then empty). ``path``: a path or a URL.
     """
     path = remote.location(path)
-    with open_checked(path, expected) as f, contextlib.closing(_RowReader(path, f)) as reader:
+    with open_checked(path) as f:
         try:
-            stored = f["layers"]
-            if not isinstance(stored, h5py.Group):
-                raise corrupt(path, "its layers are not a group of datasets")
-            names = list(stored.keys()) if layers is None else list(layers)
-            for n in names:
-                if n not in stored:
-                    raise corrupt(path, f"it has no layer {n!r}, which the run lists")
-            n_rows = check_layout(f, path, names, rows=rows, dim=dim)
+            names = _layer_names(f, path, layers)
+            check_layout(f, path, names)
+        except READ_ERRORS as e:
+            raise corrupt(path, h5_reason(e)) from e
+        yield from _chunks(f, path, names, None, chunk_rows, activations)
+
+
+@contextlib.contextmanager
+def opened_task(task: Task, layers: list[str], *, extras: bool = True):
+    """A run's shard opened as its task plans it (the file planned: integrity.open_checked) and held
+    to integrity.check_shard: ``(f, checked)``, ``checked`` being a ``--keep sample`` shard's
+    accumulators (``extras``: with their cosine and |x| parts), ``{}`` for a shard of every row."""
+    path = remote.location(task.path)
+    with open_checked(path, task.identity) as f:
+        yield f, check_shard(f, path, task, layers, extras=extras)
+
+
+def iter_task(
+    task: Task,
+    layers: list[str],
+    *,
+    chunk_rows: int | None = None,
+    activations: bool = True,
+    opened: h5py.File | None = None,
+) -> Iterator[ShardChunk]:
+    """A run's shard task streamed as :func:`iter_shard` streams a file, held to everything
+    ``score``, ``export``, ``inspect --verify`` and resume hold a shard to: integrity.check_shard
+    before anything is read (its rows, the run's width, a sample's accumulators), then each chunk to
+    integrity.check_chunk (documents in its entry's range, positions and token ids the run allows,
+    NaN or Inf exactly where flagged). ``opened``: the shard opened already by :func:`opened_task`
+    (checked there)."""
+    path = remote.location(task.path)
+    if opened is not None:
+        yield from _chunks(opened, path, list(layers), task, chunk_rows, activations)
+        return
+    with opened_task(task, layers) as (f, _):
+        yield from _chunks(f, path, list(layers), task, chunk_rows, activations)
+
+
+def _layer_names(f: h5py.File, path, layers: list[str] | None) -> list[str]:
+    """The layers to read: ``layers``, or every one the shard stores; each must be there."""
+    stored = f["layers"]
+    if not isinstance(stored, h5py.Group):
+        raise corrupt(path, "its layers are not a group of datasets")
+    names = list(stored.keys()) if layers is None else list(layers)
+    for n in names:
+        if n not in stored:
+            raise corrupt(path, f"it has no layer {n!r}, which the run lists")
+    return names
+
+
+def _chunks(
+    f: h5py.File, path, names: list[str], task: Task | None, chunk_rows: int | None, activations: bool
+) -> Iterator[ShardChunk]:
+    """The rows of the open, checked shard ``f``, ``chunk_rows`` at a time (None: about
+    READ_CHUNK_BYTES), each held to integrity.check_chunk."""
+    with contextlib.closing(_RowReader(path, f)) as reader:
+        try:
+            n_rows = int(f["token_id"].shape[0])
             if names and activations:
                 d = f["layers"][names[0]].shape[1]
                 item = f["layers"][names[0]].dtype.itemsize
@@ -181,23 +234,18 @@ def iter_shard(
             else:
                 default = max(1024, READ_CHUNK_BYTES // row_bytes(0, 0, len(names)))
             step = chunk_rows or default
-            for ds in [f["layers"][n] for n in names]:
-                if ds.shape[0] != n_rows:
-                    raise corrupt(path, f"layer {ds.name} has {ds.shape[0]} rows, index has {n_rows}")
-            # a layer without flags (or a shard without the group): its rows are found from the values
-            flagged = [n for n in names if f.get(f"nonfinite/{n}", getlink=True) is not None]
+            flagged = stored_flags(f, names)
             for start in range(0, n_rows, step):
                 stop = min(n_rows, start + step)
                 meta = {k: f[k][start:stop] for k in (*META_FIELDS, "is_special")}
-                if docs is not None:
-                    check_documents(path, meta["doc_id"], docs)
+                values = {n: reader.rows(f["layers"][n], start, stop) for n in names} if activations else {}
+                flags = {n: f["nonfinite"][n][start:stop] for n in flagged}
+                check_chunk(path, task, meta, values, flags)
                 yield ShardChunk(
                     start=start,
                     stop=stop,
-                    layers={n: reader.rows(f["layers"][n], start, stop) for n in names}
-                    if activations
-                    else {},
-                    nonfinite={n: f["nonfinite"][n][start:stop] for n in flagged},
+                    layers=values,
+                    nonfinite=flags,
                     token_id=meta["token_id"],
                     doc_id=meta["doc_id"],
                     position=meta["position"],
@@ -210,15 +258,7 @@ def iter_shard(
 def iter_shard_meta(task: Task, layers: list[str], n_groups: int) -> Iterator[Block]:
     """Metadata (keys, groups, special, non-finite flags) of a shard task, without activations: the
     row index and the stored non-finite flags alone are read."""
-    for ch in iter_shard(
-        task.path,
-        layers,
-        chunk_rows=1 << 20,
-        activations=False,
-        rows=task.rows,
-        expected=task.identity,
-        docs=task.docs,
-    ):
+    for ch in iter_task(task, layers, chunk_rows=1 << 20, activations=False):
         n = ch.stop - ch.start
         nf = {
             name: np.asarray(ch.nonfinite[name], bool) if name in ch.nonfinite else np.zeros(n, bool)
@@ -233,19 +273,17 @@ def iter_shard_meta(task: Task, layers: list[str], n_groups: int) -> Iterator[Bl
 
 
 def iter_shard_blocks(
-    task: Task, layers: list[str], n_groups: int, block_rows: int | None
+    task: Task,
+    layers: list[str],
+    n_groups: int,
+    block_rows: int | None,
+    *,
+    opened: h5py.File | None = None,
 ) -> Iterator[Block]:
     """A shard task's rows with the activations of ``layers``, in blocks of ``block_rows`` (None: the
-    default read step), held to what the task records (rows, width, identity, documents)."""
-    for ch in iter_shard(
-        task.path,
-        layers,
-        chunk_rows=block_rows,
-        rows=task.rows,
-        dim=task.dim or None,
-        expected=task.identity,
-        docs=task.docs,
-    ):
+    default read step), held to what the task records (:func:`iter_task`; ``opened``: the shard
+    opened and checked by :func:`opened_task`)."""
+    for ch in iter_task(task, layers, chunk_rows=block_rows, opened=opened):
         nf = {}
         for n in layers:
             if n in ch.nonfinite:  # the store flags every row whose stored values hold NaN/Inf
@@ -369,9 +407,10 @@ class Run:
         planned -- and a ``--keep sample`` run's sample). ``dim``: the width every layer is held to
         (0: not checked)."""
         entries = sorted(self.manifest.get("shards", []), key=lambda s: s["index"])
+        vocab = self.manifest.get("vocab_size")
         try:
             return [
-                shard_task(self.shard_path(info), info, self.identity, dim, e.get("stats"))
+                shard_task(self.shard_path(info), info, self.identity, dim, e.get("stats"), vocab=vocab)
                 for e, info in ((e, ShardInfo.from_dict(e)) for e in entries)
             ]
         except ValueError as e:  # a keep geomscope never writes
