@@ -582,3 +582,16 @@ def test_joining_a_cluster_ends_in_one_line_within_the_timeout(join_failures, ca
     assert code is not None, f"{case}: not over when the process was killed after 60 s"
     assert_one_line_error(code, None, err, address, needle, exit_code=2)
     assert seconds < 20, (case, seconds)
+
+
+def test_the_scheduler_option_states_its_connection_timeout(cli):
+    """--scheduler's declared help (and so `score --help` and the CLI reference) says how long joining
+    a running cluster waits: the README's 10 s was nowhere in the option's own words."""
+    import dataclasses
+
+    from geomscope.score.dask_executor import CONNECT_TIMEOUT_S
+
+    declared = {f.name: f.metadata["option"].help for f in dataclasses.fields(ScoreOptions) if f.metadata}
+    assert f"at most {CONNECT_TIMEOUT_S} s for the scheduler" in declared["scheduler"]
+    code, out, _ = cli(["score", "--help"])
+    assert code == 0 and f"at most {CONNECT_TIMEOUT_S} s for the scheduler" in " ".join(out.split())

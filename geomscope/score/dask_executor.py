@@ -75,15 +75,15 @@ from collections.abc import Callable
 from geomscope.errors import InputError, first_line
 from geomscope.fileio import read_json
 from geomscope.score.accumulate import PassSpec, merge_parts, run_task
-from geomscope.score.resources import check_workers, init_worker, worker_start_method
+from geomscope.score.resources import (
+    CONNECT_TIMEOUT_S,
+    check_workers,
+    init_worker,
+    worker_start_method,
+)
 from geomscope.store.blocks import Task
 
 INSTALL_HINT = "pip install 'geomscope[dask]'"
-#: seconds a running Dask scheduler (``tcp://``, a scheduler file) has to accept a connection and
-#: answer (:func:`probe_scheduler`), and then again to have a worker; ``local:N``'s time for its
-#: first worker. A scheduler on the network answers in milliseconds; 10 s leaves room for one being
-#: started beside the score call, and a wrong address is said within it.
-CONNECT_TIMEOUT_S = 10
 #: the most bytes of a scheduler file read: Dask writes its scheduler's identity there (address, id,
 #: services, no workers yet), a few hundred bytes
 SCHEDULER_FILE_MAX_BYTES = 2**20

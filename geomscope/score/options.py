@@ -33,6 +33,7 @@ from geomscope.options import (
     choice_metavar,
     option,
 )
+from geomscope.score.resources import CONNECT_TIMEOUT_S
 
 MOMENT_METRICS = ("isoscore", "isoscore_star", "avgcos", "spectrum", "outliers")
 CORE_METRICS = (*MOMENT_METRICS, "twonn", "partition")
@@ -249,8 +250,9 @@ class ScoreOptions:
         Parsed(_scheduler, bad=("local:0", "tcp://nohost", "cluster")),
         "Run the shard reading as Dask tasks: local:N starts N single-threaded worker processes "
         "here for the call; tcp://HOST:PORT or a scheduler FILE.json uses a running Dask cluster (its "
-        "workers must read the run at the same path). Same report as --workers (merged in shard "
-        "order); not combined with --workers. Needs pip install 'geomscope[dask]'.",
+        f"workers must read the run at the same path), waiting at most {CONNECT_TIMEOUT_S} s for the "
+        f"scheduler and {CONNECT_TIMEOUT_S} s for its first worker. Same report as --workers (merged "
+        "in shard order); not combined with --workers. Needs pip install 'geomscope[dask]'.",
         metavar="local:N|tcp://HOST:PORT|FILE.json",
         optional=True,
     )

@@ -3,9 +3,10 @@
 ``usable_cores`` are shared among the worker processes, as threads over blocks. ``physical_memory``
 bounds what a pass may hold (engine.py refuses accumulators larger than the machine; formats.py
 reads compressed members whole only up to a quarter of it). ``--workers`` is at most
-:data:`MAX_WORKERS`. Worker processes are forked where that is safe (:func:`worker_start_method`),
-else spawned, and every worker -- a pool's process or a Dask worker's thread -- runs BLAS on one
-thread (:func:`init_worker`): the products are small, and multi-threaded BLAS on them only spins.
+:data:`MAX_WORKERS`; joining a Dask cluster waits at most :data:`CONNECT_TIMEOUT_S`. Worker
+processes are forked where that is safe (:func:`worker_start_method`), else spawned, and every
+worker -- a pool's process or a Dask worker's thread -- runs BLAS on one thread
+(:func:`init_worker`): the products are small, and multi-threaded BLAS on them only spins.
 """
 
 from __future__ import annotations
@@ -23,6 +24,13 @@ def physical_memory() -> int | None:
     except (AttributeError, ValueError, OSError):
         return None
 
+
+#: seconds a running Dask scheduler (``tcp://``, a scheduler file) has to accept a connection and
+#: answer (dask_executor.probe_scheduler), and then again to have a worker; ``local:N``'s time for
+#: its first worker. A scheduler on the network answers in milliseconds; 10 s leaves room for one
+#: being started beside the score call, and a wrong address is said within it. ``--scheduler``'s
+#: help states it.
+CONNECT_TIMEOUT_S = 10
 
 #: the most --workers: a typo's 100000 would fork until the machine gives out; beyond the cores,
 #: more processes only share them (see :func:`check_workers`)
