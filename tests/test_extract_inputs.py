@@ -165,6 +165,50 @@ def test_a_closed_stdin_is_one_line(cli, tmp_path, monkeypatch, stdin):
     assert not list(tmp_path.glob("geomscope-stdin-*"))
 
 
+class _CountedStream:
+    """A binary standard input of ``data``, counting the bytes read from it."""
+
+    def __init__(self, data: bytes):
+        self.data, self.read_bytes = data, 0
+
+    def read(self, n=-1):
+        n = len(self.data) - self.read_bytes if n < 0 else n
+        chunk = self.data[self.read_bytes : self.read_bytes + n]
+        self.read_bytes += len(chunk)
+        return chunk
+
+
+@pytest.mark.parametrize("data", [b"\0" * (1 << 20), b"one line " * 120_000, b"ok\n" + b"x" * (1 << 20)])
+def test_a_stream_line_beyond_any_documents_bound_is_refused_as_it_comes(cli, tmp_path, monkeypatch, data):
+    """`extract M - < /dev/zero` copied the stream until the temporary folder was full: a stream is
+    read line by line into its copy, and a line longer than any document's bounded prefix is
+    refused once it passes MAX_STREAM_LINE_BYTES, its copy removed, the rest left unread."""
+    from geomscope.extract import sources
+
+    monkeypatch.setattr(sources, "MAX_STREAM_LINE_BYTES", 64 << 10)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    stdin = _CountedStream(data)
+    monkeypatch.setattr(sys, "stdin", stdin)
+    code, out, err = cli(["extract", "bundled:minilm", "-", "--out", tmp_path / "r"])
+    assert_one_line_error(code, out, err, "standard input", "longer than 65536 bytes", exit_code=2)
+    assert stdin.read_bytes <= 2 * (64 << 10) and not (tmp_path / "r").exists()
+    assert not list(tmp_path.glob("geomscope-stdin-*"))
+
+
+def test_stream_lines_within_the_bound_are_spooled_whole(tmp_path, monkeypatch):
+    """Many lines, each within the bound, make a stream of any length: nothing is refused."""
+    from geomscope.extract import sources
+
+    monkeypatch.setattr(sources, "MAX_STREAM_LINE_BYTES", 64 << 10)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    data = b"".join(b"y" * (64 << 10) + b"\n" for _ in range(20)) + b"z" * (64 << 10)  # no final newline
+    (inp,) = sources.open_inputs(["-"], stdin=_CountedStream(data))
+    try:
+        assert inp.path.read_bytes() == data
+    finally:
+        sources.close_inputs([inp])
+
+
 def test_csv_byte_order_mark(cli, tiny_bert, tmp_path):
     csv_in = tmp_path / "bom.csv"
     csv_in.write_bytes(b"\xef\xbb\xbftext,other\nhello there,1\nsecond row,2\n")

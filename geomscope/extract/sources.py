@@ -156,13 +156,21 @@ def _spool_stdin(stdin) -> InputFile:
         raise InputError(f"input - (standard input) cannot be read ({e.strerror or e}); give a file") from e
 
 
+#: the most bytes one line of a spooled stream (stdin, a pipe) may hold. A document is read from its
+#: first max_length x batching.MAX_CHARS_PER_TOKEN characters at most: 64M characters for a model of
+#: 65,536 tokens, at most 256 MiB of UTF-8; a longer line is no text geomscope can read more of,
+#: and a stream that never ends its line (``- < /dev/zero``) is refused once it passes this, not
+#: copied until the temporary folder is full.
+MAX_STREAM_LINE_BYTES = 4 * 1024 * 65536
+
+
 def _spool(src, arg: str, kind: str, gz: bool) -> InputFile:
-    """A stream (binary, or text encoded as UTF-8) copied to a temporary file to its end."""
+    """A stream (binary, or text encoded as UTF-8) copied to a temporary file to its end, every line
+    within :data:`MAX_STREAM_LINE_BYTES` (InputError, the copy removed, once one is not)."""
     fd, name = tempfile.mkstemp(prefix="geomscope-stdin-" if arg == "-" else "geomscope-pipe-", suffix=".txt")
     try:
         with os.fdopen(fd, "wb") as f:
-            while chunk := src.read(1 << 20):
-                f.write(chunk.encode("utf-8") if isinstance(chunk, str) else chunk)
+            _copy_lines(src, f, arg)
     except BaseException as e:
         Path(name).unlink(missing_ok=True)
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
@@ -172,6 +180,30 @@ def _spool(src, arg: str, kind: str, gz: bool) -> InputFile:
             ) from None
         raise
     return InputFile(arg=arg, path=Path(name), kind=kind, gzip=gz, spooled=True)
+
+
+def _copy_lines(src, dest, arg: str) -> None:
+    """``src`` copied into ``dest`` to its end, reads of at most :data:`MAX_STREAM_LINE_BYTES` (so a
+    line a read holds whole is within it); InputError once the line being read passes it."""
+    bound = MAX_STREAM_LINE_BYTES
+    open_line = 0  # bytes of the line not yet ended
+    while chunk := src.read(min(1 << 20, bound)):
+        chunk = chunk.encode("utf-8") if isinstance(chunk, str) else chunk
+        last = chunk.rfind(b"\n")
+        first = chunk.find(b"\n")
+        inner = chunk[first + 1 : last] if len(chunk) > bound and last > first else b""  # (text reads)
+        if open_line + (len(chunk) if first < 0 else first) > bound or _longest_line(inner) > bound:
+            where = "input - (standard input)" if arg == "-" else f"input {arg}"
+            raise InputError(
+                f"{where} holds a line longer than {bound} bytes, more than any document is read of "
+                "(a stream of NUL bytes, or text without line breaks?); give one document per line"
+            )
+        open_line = open_line + len(chunk) if last < 0 else len(chunk) - last - 1
+        dest.write(chunk)
+
+
+def _longest_line(data: bytes) -> int:
+    return max((len(line) for line in data.split(b"\n")), default=0)
 
 
 def check_out_outside_inputs(inputs: list[InputFile], out) -> None:
