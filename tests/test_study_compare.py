@@ -557,3 +557,22 @@ def test_the_scatter_is_labelled_with_the_outcome_where_a_band_is_drawn(tmp_path
     scatter = fig.axes[0]
     assert scatter.get_ylabel() == "eval accuracy"
     assert any("95% band" in t.get_text() for t in scatter.get_legend().get_texts())
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_perplexity_is_an_outcome_where_lower_is_better(tmp_path, sign):
+    """Causal-LM runs: perplexity is the outcome, and the sentence names the better (lower) side."""
+    from geomscope.study.compare import compare
+
+    for i, (lam, seed) in enumerate((x, s) for x in (-1.0, 0.0, 1.0) for s in (0, 1, 2)):
+        iso = 0.1 + 0.1 * i
+        final = {"perplexity": 50.0 + sign * 3.0 * i, "eval_loss": 4.0, "isoscore_star": iso}
+        final.update(isoscore=0.1, avgcos=0.2)
+        d = make_run(tmp_path / f"r{i}", lam=lam, seed=seed, final=final)
+        summary = json.loads((d / "summary.json").read_text())
+        (d / "summary.json").write_text(json.dumps({**summary, "task": "causal-lm"}))
+    res = compare([tmp_path], n_boot=200)
+    assert res["outcome"] == "perplexity" and res["outcome_direction"] == "lower is better"
+    assert res["association"]["spearman"]["estimate"] == pytest.approx(sign)
+    side = "lower" if sign > 0 else "higher"
+    assert f"{side} isotropy went with lower perplexity (better)" in res["sentence"]

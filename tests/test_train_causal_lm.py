@@ -265,3 +265,44 @@ def test_cli_run_says_perplexity_and_bad_options_are_one_line(lm, tmp_path, cli)
     bert = make_tiny_model("bert", lm["dir"])
     code, out, err = cli([*args[:1], bert, *args[2:], "--task", "causal-lm", *small, "--out", tmp_path / "b"])
     assert_one_line_error(code, out, err, "attends to later tokens (bidirectional)", exit_code=2)
+
+
+# -- a lambda grid and compare --------------------------------------------------------------------
+
+
+def test_lambda_grid_then_compare_on_perplexity(lm, tmp_path, cli):
+    """finetune --task causal-lm --lambda=-1,0,1 runs as a grid (a rerun skips it); compare reads
+    perplexity as the outcome, lower is better, and its Spearman rho is scipy's on the runs."""
+    from scipy import stats as sps
+
+    from geomscope.plot.training import plot_training_log
+
+    grid = tmp_path / "grid"
+    args = ["finetune", lm["gpt_neox"], "--task", "causal-lm", "--train", lm["train"], "--eval", lm["eval"]]
+    args += ["--reg", "istar", "--lambda=-1,0,1", "--seed", "0", "--epochs", "1", "--batch-size", "8"]
+    args += ["--max-length", "8", "--lr", "3e-3", "--device", "cpu", "--out", grid, "--quiet", "--json"]
+    code, out, err = cli(args)
+    assert code == 0, err
+    assert [r["status"] for r in json.loads(out)["runs"]] == ["done"] * 3
+    code, out, err = cli(args)
+    assert code == 0 and [r["status"] for r in json.loads(out)["runs"]] == ["skipped"] * 3, err
+    code, out, err = cli(["compare", grid, "--json", "--bootstrap", "200"])
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["task"] == "causal-lm" and res["outcome"] == "perplexity"
+    assert res["outcome_direction"] == "lower is better" and res["metrics"][:2] == ["perplexity", "eval_loss"]
+    iso, ppl = [], []
+    for r in res["runs"]:
+        s = json.loads((tmp_path / r["dir"] / "summary.json").read_text())
+        assert r["perplexity"] == s["perplexity"] == s["final"]["perplexity"]
+        iso.append(s["final"]["isoscore_star"])
+        ppl.append(s["perplexity"])
+    rho = float(sps.spearmanr(iso, ppl).statistic)
+    assert res["association"]["spearman"]["estimate"] == pytest.approx(rho)
+    better = "higher isotropy went with lower perplexity (better)"
+    assert (better if rho < 0 else "lower isotropy went with lower perplexity (better)") in res["sentence"]
+    assert [p["lambda"] for p in res["paired_vs_lambda_0"]] == [-1.0, 1.0]
+    header = (grid / "compare.csv").read_text().splitlines()[0].split(",")
+    assert header[3:5] == ["perplexity_mean", "perplexity_sd"] and (grid / "compare.png").stat().st_size
+    fig = plot_training_log([grid / "istar_lambda-1_seed0"])
+    assert fig.axes[3].get_title() == "eval perplexity (per epoch)"

@@ -1,5 +1,5 @@
-"""``geomscope compare DIR...``: isotropy against accuracy across finetune runs. A thin wrapper over
-:func:`geomscope.study.compare`."""
+"""``geomscope compare DIR...``: isotropy against accuracy (F1, perplexity) across finetune runs. A
+thin wrapper over :func:`geomscope.study.compare`."""
 
 from __future__ import annotations
 
@@ -29,9 +29,10 @@ def compare_cmd(
     **chosen,
 ) -> None:
     """Does isotropy go with accuracy? Per-configuration means ± SD over seeds, the Spearman and Pearson
-    correlation of eval IsoScore* with accuracy (F1 for --task qa runs; intervals that resample whole
-    configurations, given from 3 configurations of 3 seeds), paired differences against lambda = 0
-    with n (t intervals from 3 pairs), a figure and one plain sentence."""
+    correlation of eval IsoScore* with accuracy (F1 for --task qa runs, perplexity for --task causal-lm
+    runs, where lower is better; intervals that resample whole configurations, given from 3
+    configurations of 3 seeds), paired differences against lambda = 0 with n (t intervals from 3
+    pairs), a figure and one plain sentence."""
     import json
 
     from geomscope.errors import InputError

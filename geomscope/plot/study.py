@@ -1,4 +1,5 @@
-"""The figure of ``geomscope compare``: accuracy against eval IsoScore* (one point per run, colour by
+"""The figure of ``geomscope compare``: the outcome (accuracy; F1 for QA; perplexity, lower is better,
+for a causal LM) against eval IsoScore* (one point per run, colour by
 lambda, marker by regulariser, the fitted line with a bootstrap band that resamples configurations
 where the design supports an interval), and accuracy and IsoScore* against lambda (mean ± SD over
 seeds per regulariser)."""
@@ -14,6 +15,8 @@ from matplotlib.figure import Figure
 from geomscope.study import stats
 
 MARKERS = {"istar": "o", "cosreg": "s", "none": "^"}
+#: the largest value of a bounded outcome (QA scores are percentages); perplexity has none
+_SCALE_TOP = {"accuracy": 1.0, "macro_f1": 1.0, "f1": 100.0, "exact_match": 100.0}
 
 
 def study_png(result: dict, *, dpi: int = 150) -> bytes:
@@ -70,11 +73,12 @@ def study_figure(result: dict, ax=None) -> Figure:
 
 
 def _outcome(result: dict) -> tuple[str, str]:
-    """The outcome key (accuracy; F1 for question answering) and its axis label."""
-    from geomscope.study.compare import LABELS
+    """The outcome key (accuracy; F1 for question answering; perplexity for a causal LM) and its axis
+    label (which says "lower is better" where it is)."""
+    from geomscope.study.compare import LABELS, LOWER_IS_BETTER
 
     key = result.get("outcome", "accuracy")
-    return key, LABELS[key]
+    return key, LABELS[key] + (", lower is better" if key in LOWER_IS_BETTER else "")
 
 
 def _scatter(ax, result: dict) -> None:
@@ -118,8 +122,8 @@ def _scatter(ax, result: dict) -> None:
         else:  # as the correlation's interval: no band the design cannot support
             ax.plot(grid, fit, color="0.3", lw=1, label="least-squares fit (too few runs for a band)")
     if y.size:  # the band may run far past the data where x has few distinct values: show the data's range
-        top = 100.0 if key in ("f1", "exact_match") else 1.0  # QA scores are percentages
-        pad = max(0.02 * top, 0.1 * float(np.ptp(y)))
+        top = _SCALE_TOP.get(key, math.inf)
+        pad = max(0.02 * (top if math.isfinite(top) else float(np.abs(y).max())), 0.1 * float(np.ptp(y)))
         ax.set_ylim(max(0.0, y.min() - pad), min(top, y.max() + pad))
     if norm is not None:
         sm = matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap)

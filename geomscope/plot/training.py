@@ -5,7 +5,7 @@ A training log is a finetune output directory (holding ``steps.jsonl``, and ``ev
 figure has four panels against the optimizer step: task loss (cross-entropy), the regulariser's raw
 penalty R (I-STAR: 1 - IsoScore*; CosReg: Gao et al.'s R), the batch IsoScore* (with the eval-set
 IsoScore* per epoch as markers), and eval accuracy / macro-F1 per epoch (F1 / exact match for
-``--task qa`` runs).  Several runs overlay,
+``--task qa`` runs, perplexity for ``--task causal-lm`` runs).  Several runs overlay,
 each labelled with its directory name, regulariser and lambda.
 
 The IsoScore* panel's labels name each series' shrinkage target: an I-STAR run's batch IsoScore* is
@@ -100,6 +100,7 @@ _PLOTTED = (
     "exact_match",
     "accuracy",
     "macro_f1",
+    "perplexity",
 )
 
 
@@ -261,6 +262,16 @@ def _plot_geometry(ax_e, ax_i, logs: list[dict]) -> None:
 
 
 _CLASSIFY = (("accuracy", "accuracy"), ("macro_f1", "macro-F1"))
+_QA = (("f1", "F1 %"), ("exact_match", "exact match %"))
+_LM = (("perplexity", "perplexity"),)
+
+
+def _eval_kind(log: dict) -> str:
+    """The task of a log's eval records: ``qa`` (SQuAD scores), ``causal-lm`` (perplexity) or
+    ``classification``."""
+    if any("exact_match" in e for e in log["evals"]):
+        return "qa"
+    return "causal-lm" if any("perplexity" in e for e in log["evals"]) else "classification"
 
 
 def _isoscore_targets(log: dict) -> tuple[str, str, str]:
@@ -321,11 +332,13 @@ def _draw_log(main_axes, log: dict, i: int) -> None:
     xs, ys = _series(log["evals"], eval_key)
     if xs:
         ax_iso.plot(xs, ys, linestyle="none", label=f"{label}: eval{eval_target}", **mark)
-    qa = any("exact_match" in e for e in log["evals"])  # --task qa: SQuAD scores, in percent
-    first, second = (("f1", "F1 %"), ("exact_match", "exact match %")) if qa else _CLASSIFY
+    scores = {"qa": _QA, "causal-lm": _LM}.get(_eval_kind(log), _CLASSIFY)
+    first = scores[0]
     xs, ys = _series(log["evals"], first[0])
-    if xs:
-        ax_acc.plot(xs, ys, label=f"{label}: {first[1]}", linestyle=st["linestyle"], **mark)
+    if not xs:
+        return
+    ax_acc.plot(xs, ys, label=f"{label}: {first[1]}", linestyle=st["linestyle"], **mark)
+    for second in scores[1:]:
         ax_acc.plot(
             *_series(log["evals"], second[0]),
             label=f"{label}: {second[1]}",
@@ -353,12 +366,14 @@ def _label_panels(fig, main_axes, logs: list[dict]) -> None:
         "(the I-STAR penalty's), trace = the trace-matched identity",
         fontsize=7,
     )
-    kinds = {any("exact_match" in e for e in log["evals"]) for log in logs}
+    kinds = {_eval_kind(log) for log in logs}
     ax_acc.set_title(
         {
-            frozenset({False}): "eval accuracy / macro-F1 (per epoch)",
-            frozenset({True}): "eval F1 / exact match, % (per epoch)",
-        }.get(frozenset(kinds), "eval accuracy, macro-F1 (0-1) / QA F1, exact match (%)")
+            frozenset({"classification"}): "eval accuracy / macro-F1 (per epoch)",
+            frozenset({"qa"}): "eval F1 / exact match, % (per epoch)",
+            frozenset({"classification", "qa"}): "eval accuracy, macro-F1 (0-1) / QA F1, exact match (%)",
+            frozenset({"causal-lm"}): "eval perplexity (per epoch)",
+        }.get(frozenset(kinds), "eval scores per task (accuracy 0-1, QA %, perplexity)")
     )
     for ax in (ax_iso, ax_acc):
         ax.set_xlabel("optimizer step")

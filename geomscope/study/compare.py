@@ -17,7 +17,10 @@ for a run from before those were recorded, by the path its run.json names, as it
 
 Question-answering runs (``finetune --task qa``) are compared on their own metrics: exact match and
 F1 (percent, SQuAD v1.1 normalisation) in place of accuracy and macro-F1, with F1 -- SQuAD's primary
-score -- as the outcome IsoScore* is correlated with. Runs of the two tasks are not compared together.
+score -- as the outcome IsoScore* is correlated with. Causal-LM runs (``finetune --task causal-lm``)
+are compared on eval perplexity and the eval token loss, perplexity the outcome; lower is better
+there (:data:`LOWER_IS_BETTER`, the result's ``outcome_direction``), and the sentence says which
+way "better" lies. Runs of different tasks are not compared together.
 """
 
 from __future__ import annotations
@@ -34,7 +37,13 @@ from geomscope.schema import COMPARE_FORMAT
 from geomscope.study.options import CompareOptions
 
 #: the eval metrics of each task (the first is the outcome), then the geometry every run has
-TASK_METRICS = {"classification": ("accuracy", "macro_f1"), "qa": ("f1", "exact_match")}
+TASK_METRICS = {
+    "classification": ("accuracy", "macro_f1"),
+    "qa": ("f1", "exact_match"),
+    "causal-lm": ("perplexity", "eval_loss"),
+}
+#: the outcomes a smaller value of which is the better result
+LOWER_IS_BETTER = ("perplexity", "eval_loss")
 GEOMETRY = ("isoscore_star", "isoscore", "avgcos")
 METRICS = TASK_METRICS["classification"] + GEOMETRY  # a classification comparison's columns
 #: how a metric is named in sentences, tables and figures
@@ -43,6 +52,8 @@ LABELS = {
     "macro_f1": "macro-F1",
     "f1": "F1 (%)",
     "exact_match": "exact match (%)",
+    "perplexity": "perplexity",
+    "eval_loss": "token loss",
     "isoscore_star": "IsoScore*",
     "isoscore": "IsoScore",
     "avgcos": "avg cos",
@@ -214,7 +225,8 @@ def _table(runs: list[RunResult], metrics: tuple[str, ...]) -> list[dict]:
 
 
 def _paired(runs: list[RunResult], outcome: str) -> list[dict]:
-    """Per seed, each lambda's outcome (accuracy, or F1 for QA) and IsoScore* minus those of lambda = 0
+    """Per seed, each lambda's outcome (accuracy; F1 for QA; perplexity for a causal LM) and
+    IsoScore* minus those of lambda = 0
     (same regulariser): the mean difference over the seeds both have, with n and a t interval
     (:func:`stats.mean_interval`; none below 3 pairs)."""
     from geomscope.study import stats
@@ -235,7 +247,16 @@ def _paired(runs: list[RunResult], outcome: str) -> list[dict]:
     return out
 
 
-def _sentence(assoc: dict, n: int, outcome: str = "accuracy") -> str:
+def _direction(rho: float, outcome: str, lower_is_better: bool) -> str:
+    """Which isotropy went with the better ``outcome``: higher accuracy, or lower perplexity."""
+    if rho == 0:
+        return "no association"
+    if not lower_is_better:
+        return f"{'higher' if rho > 0 else 'lower'} isotropy went with higher {outcome}"
+    return f"{'lower' if rho > 0 else 'higher'} isotropy went with lower {outcome} (better)"
+
+
+def _sentence(assoc: dict, n: int, outcome: str = "accuracy", lower_is_better: bool = False) -> str:
     from geomscope.study import stats
 
     rho = assoc["spearman"]
@@ -252,13 +273,7 @@ def _sentence(assoc: dict, n: int, outcome: str = "accuracy") -> str:
             f"Across {n} runs, the association between eval IsoScore* and {outcome} is undefined "
             "(one of them is constant)." + caveat
         )
-    direction = (
-        f"higher isotropy went with higher {outcome}"
-        if rho["estimate"] > 0
-        else f"lower isotropy went with higher {outcome}"
-        if rho["estimate"] < 0
-        else "no association"
-    )
+    direction = _direction(rho["estimate"], outcome, lower_is_better)
     k, lams = assoc["configurations"], assoc["distinct_lambdas"]
     text = (
         f"Across {n} runs in {k} configuration{'s' * (k != 1)} ({lams} distinct lambda "
@@ -319,6 +334,7 @@ def compare(dirs, options: CompareOptions | None = None, **overrides) -> dict:
         "task": task,
         "metrics": list(metrics),
         "outcome": outcome,
+        **({"outcome_direction": "lower is better"} if outcome in LOWER_IS_BETTER else {}),
         "runs": [{"dir": r.dir, "reg": r.reg, "lambda": r.lam, "seed": r.seed, **r.values} for r in runs],
         "table": _table(runs, metrics),
         "association": {
@@ -332,7 +348,12 @@ def compare(dirs, options: CompareOptions | None = None, **overrides) -> dict:
             **assoc,
         },
         "paired_vs_lambda_0": _paired(runs, outcome),
-        "sentence": _sentence({**assoc, **design}, len(usable), LABELS[outcome].replace(" (%)", "")),
+        "sentence": _sentence(
+            {**assoc, **design},
+            len(usable),
+            LABELS[outcome].replace(" (%)", ""),
+            outcome in LOWER_IS_BETTER,
+        ),
     }
 
 
