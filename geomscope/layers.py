@@ -5,12 +5,16 @@ states at extract and finetune (:func:`model_layers`), a run's stored layers at 
 (:func:`stored_layers`), a report's layers at plot (:func:`listed_layers`). Index ``i`` counts the
 residual stream: 0 is the embedding output, ``i >= 1`` the output of block ``i``; ``final_norm``, the
 output of the model's final norm, has index N + 1 after the last block N, and a gradient layer
-``<name>.grad`` shares its layer's index. A selection is ``all`` (or nothing given), or a comma list
-whose items are, each tried in this order:
+``<name>.grad`` shares its layer's index. A module's layer (``extract --modules``: its path,
+:func:`module_layer_name`) has the index of its block's output: block k's modules (``layers.3.mlp``
+is in block 3 of 0, 1, 2, ...) sit at index k + 1 beside ``layer_{k+1}``; a module before the blocks
+at 0, one after them at N + 1 (outside the residual stream, as ``final_norm`` is). A selection is
+``all`` (or nothing given), or a comma list whose items are, each tried in this order:
 
 - a name the thing has (``layer_06``, ``final_norm``, ``layer_06.grad``): that layer;
-- ``all``: every layer; ``blocks``: every layer at index 1 or more except ``final_norm`` and its
-  gradient (the embedding output and the final norm left out: finetune's I-STAR default). Where a
+- ``all``: every layer; ``blocks``: every layer at index 1 or more except ``final_norm``, the
+  modules after the last block and their gradients (the embedding output and the final norm left
+  out: finetune's I-STAR default). Where a
   thing has no embedding layer (a run extracted without layer 0, a report of array files whose
   indices are the arrays' positions) ``blocks`` still leaves out whatever sits at index 0;
 - an index ``i``: every layer at index ``i`` (an activation and its gradient in a gradient run);
@@ -38,6 +42,8 @@ from geomscope.errors import InputError
 GRAD_SUFFIX = ".grad"
 #: the layer that holds the output of the model's final norm (index N + 1)
 FINAL_NORM_LAYER = "final_norm"
+#: the suffix of a layer that holds a module's input (``extract --modules PATTERN:in``)
+MODULE_INPUT = ":in"
 #: the words a selection may use besides names, indices and ranges
 LAYER_KEYWORDS = ("all", "blocks")
 
@@ -71,6 +77,13 @@ def layer_name(index: int, n_hidden_states: int) -> str:
     return f"layer_{index:0{width}d}"
 
 
+def module_layer_name(path: str, side: str = "out", part: str | None = None) -> str:
+    """The stored name of a module's layer: its path (``layers.3.mlp``), ``:in`` after it for its
+    input (``layers.3.input_layernorm:in``), ``:q``/``:k``/``:v`` for a part of a fused projection
+    (``h.3.attn.c_attn:q``)."""
+    return str(path) + (MODULE_INPUT if side == "in" else "") + (f":{part}" if part else "")
+
+
 def is_final_norm(name: str) -> bool:
     """The final norm's output or its gradient: outside the residual stream's index arithmetic."""
     return activation_name(name) == FINAL_NORM_LAYER
@@ -83,6 +96,9 @@ class Layer:
     name: str
     index: int
     position: int
+    #: counted in the residual stream's index arithmetic (negative indices, ``blocks``): not a
+    #: module after the last block (``final_norm`` is left out by its name)
+    stream: bool = True
 
 
 @dataclass(frozen=True)
@@ -121,7 +137,8 @@ def stored_layers(entries: Iterable[dict], where: str = "this run", option: str 
     for pos, entry in enumerate(entries):
         index = entry.get("index")
         whole = isinstance(index, int) and not isinstance(index, bool)
-        layers.append(Layer(str(entry["name"]), index if whole else pos, pos))
+        after_blocks = entry.get("kind") == "module" and entry.get("block") is None and whole and index > 0
+        layers.append(Layer(str(entry["name"]), index if whole else pos, pos, stream=not after_blocks))
     return Layers(tuple(layers), where, option=option)
 
 
@@ -192,7 +209,7 @@ def _item_layers(item: str, things: Layers) -> list[Layer]:
     if word == "all":
         return list(things.layers)
     if word == "blocks":
-        return [la for la in things.layers if la.index >= 1 and not is_final_norm(la.name)]
+        return [la for la in things.layers if la.index >= 1 and _in_stream(la)]
     if _INDEX.fullmatch(item):
         return _at_index(_index(item, things), item, things)
     m = _RANGE.fullmatch(item)
@@ -218,7 +235,7 @@ def _index(item: str, things: Layers) -> int:
     i = int(item)
     if i >= 0:
         return i
-    stream = sorted({la.index for la in things.layers if not is_final_norm(la.name)})
+    stream = sorted({la.index for la in things.layers if _in_stream(la)})
     if -i > len(stream):
         raise _refused(things, _absent(f"layer {i}", things, index=True))
     return stream[i]
@@ -273,8 +290,13 @@ def _summary(things: Layers) -> str:
     return f"{things.where} has {shown}"
 
 
+def _in_stream(layer: Layer) -> bool:
+    """Whether a layer counts in the residual stream's index arithmetic."""
+    return layer.stream and not is_final_norm(layer.name)
+
+
 def _example(things: Layers) -> str:
-    stream = sorted({la.index for la in things.layers if not is_final_norm(la.name)})
+    stream = sorted({la.index for la in things.layers if _in_stream(la)})
     if not stream:
         return "all"
     lo, hi = stream[0], stream[-1]

@@ -19,6 +19,7 @@ from geomscope.layers import (
     layer_name,
     listed_layers,
     model_layers,
+    module_layer_name,
     names_layer,
     parse_layers,
     select_names,
@@ -125,6 +126,37 @@ def test_a_run_with_gaps_and_a_run_without_indices():
     # a layer without an integer index takes its position (as a report's layer_key does)
     odd = stored_layers([{"name": "a"}, {"name": "b", "index": True}, {"name": "c", "index": "2"}])
     assert select_names("1-2", odd) == ["b", "c"] and select_names("-1", odd) == ["c"]
+
+
+#: a run of 2 blocks with module layers (extract --modules): before, inside and after the blocks
+MODULE_RUN = stored_layers(
+    [
+        {"name": "embeddings.LayerNorm", "index": 0, "kind": "module", "block": None},
+        {"name": "layer_00", "index": 0},
+        {"name": "h.0.ln_1:in", "index": 1, "kind": "module", "block": 0},
+        {"name": "h.0.attn.c_attn:q", "index": 1, "kind": "module", "block": 0},
+        {"name": "layer_01", "index": 1},
+        {"name": "h.1.mlp", "index": 2, "kind": "module", "block": 1},
+        {"name": "layer_02", "index": 2},
+        {"name": "ln_f:in", "index": 3, "kind": "module", "block": None},
+        {"name": "final_norm", "index": 3, "kind": "final_norm"},
+        {"name": "h.1.mlp.grad", "index": 2, "kind": "module", "block": 1},
+        {"name": "ln_f:in.grad", "index": 3, "kind": "module", "block": None},
+    ]
+)
+
+
+def test_module_layers_have_their_block_s_index_and_names():
+    assert module_layer_name("h.0.ln_1", "in") == "h.0.ln_1:in"
+    assert module_layer_name("h.0.attn.c_attn", "out", "q") == "h.0.attn.c_attn:q"
+    assert module_layer_name("h.0.mlp") == "h.0.mlp"
+    assert select_names("h.0.ln_1:in,h.1.mlp.grad", MODULE_RUN) == ["h.0.ln_1:in", "h.1.mlp.grad"]
+    assert select_names("1", MODULE_RUN) == ["h.0.ln_1:in", "h.0.attn.c_attn:q", "layer_01"]
+    # -1 and blocks count the residual stream: a module after the blocks is not in it, as final_norm
+    assert select_names("-1", MODULE_RUN) == ["h.1.mlp", "layer_02", "h.1.mlp.grad"]
+    assert "ln_f:in" not in select_names("blocks", MODULE_RUN)
+    assert "embeddings.LayerNorm" not in select_names("blocks", MODULE_RUN)
+    assert select_names("3", MODULE_RUN) == ["ln_f:in", "final_norm", "ln_f:in.grad"]
 
 
 def test_a_report_is_read_by_its_layers_and_their_indices():

@@ -40,6 +40,7 @@ import sys
 import numpy as np
 
 from geomscope.extract.batching import Doc, pad_right, row_meta
+from geomscope.extract.modules import ModuleTaps
 
 _libc: ctypes.CDLL | None | bool = False  # False: not looked up yet; None: not glibc
 
@@ -199,13 +200,16 @@ class Capture:
         self.sources = []
         for la in layers:
             i = int(la["index"])
-            if la.get("kind") == "final_norm":
+            if la.get("kind") == "module":  # a module's output or input (extract/modules.py)
+                self.sources.append(("module", i))
+            elif la.get("kind") == "final_norm":
                 self.sources.append(("post", i))
             elif split and i == n - 1 and i != 0:
                 self.sources.append(("pre", i))
             else:
                 self.sources.append(("hs", i))
-        self.hook_norm = any(src != "hs" for src, _ in self.sources)
+        self.hook_norm = any(src in ("pre", "post") for src, _ in self.sources)
+        self.taps = ModuleTaps(lm, layers)
         self.indices = sorted({i for src, i in self.sources if src == "hs"})
         self.names = [la["name"] for la in layers]
         self.np_dtype = np.dtype(store_dtype)
@@ -242,6 +246,10 @@ class Capture:
         layers = dict(zip(names, host[: len(names)], strict=True))
         return copies.carrying((layers, {**meta, "nonfinite": flags}))
 
+    def _module_rows(self, key, tensor, gather) -> dict:
+        """The rows of every module layer tapped at ``key`` (a module and side) from its tensor."""
+        return {name: gather(self.taps.part(name, tensor)) for name in self.taps.taps[key]}
+
     def device_rows(self, docs: list[Doc]) -> tuple[dict, dict[str, np.ndarray]]:
         """Like calling the capture, but each layer's rows stay a tensor on the model's device."""
         import torch
@@ -251,6 +259,15 @@ class Capture:
         dev = self.lm.device
         with torch.inference_mode():
             t_ids, t_mask = (_to_device(a, dev) for a in (ids, mask))
+            idx = {dev: _to_device(flat, dev)}  # per device: --device-map spreads the layers
+
+            def gather(h):
+                if h.device not in idx:
+                    idx[h.device] = idx[dev].to(h.device)
+                # cast first (padding is a few %, and the gather then moves 2-byte values), then gather
+                rows = h.reshape(-1, h.shape[-1]).to(self.torch_dtype).index_select(0, idx[h.device])
+                return rows if rows.device == dev else rows.to(dev)
+
             grabbed: dict = {}
             handle = None
             if self.hook_norm:
@@ -260,21 +277,20 @@ class Capture:
                     grabbed["post"] = output[0] if isinstance(output, (tuple, list)) else output
 
                 handle = self.lm.final_norm_module().register_forward_hook(grab)
+            tapped: dict = {}  # a module layer's rows, gathered as soon as its module has run
+            detach = self.taps.attach(lambda key, t: tapped.update(self._module_rows(key, t, gather)))
             try:
                 hs = self.lm.hidden_states(t_ids, t_mask, self.wanted)
             finally:
                 if handle is not None:
                     handle.remove()
+                detach()
             by_index = dict(enumerate(hs)) if self.wanted is None else dict(zip(self.wanted, hs, strict=True))
-            idx = {dev: _to_device(flat, dev)}  # per device: --device-map spreads the layers
             out = {}
             for name, (src, i) in zip(self.names, self.sources, strict=True):
-                h = by_index[i] if src == "hs" else grabbed[src]
-                if h.device not in idx:
-                    idx[h.device] = idx[dev].to(h.device)
-                # cast first (padding is a few %, and the gather then moves 2-byte values), then gather
-                rows = h.reshape(-1, h.shape[-1]).to(self.torch_dtype).index_select(0, idx[h.device])
-                out[name] = rows if rows.device == dev else rows.to(dev)
+                out[name] = (
+                    tapped[name] if src == "module" else gather(by_index[i] if src == "hs" else grabbed[src])
+                )
         self.batches += 1
         start = self.lm.decoder_start_token_id if self.lm.stack == "decoder" else None
         return out, row_meta(docs, decoder_start=start)

@@ -175,6 +175,8 @@ class GradientCapture(Capture):
                 grabbed["post"] = output[0] if isinstance(output, (tuple, list)) else output
 
             handles.append(self.lm.final_norm_module().register_forward_hook(grab))
+        tapped: dict = {}  # (module, side) -> its tensor, a node of the graph
+        detach = self.taps.attach(lambda key, t: tapped.__setitem__(key, _in_graph(t)))
         try:
             with torch.enable_grad():
                 out = self.lm.model(
@@ -185,21 +187,32 @@ class GradientCapture(Capture):
                     **self.lm.forward_kwargs,
                 )
                 loss = self._loss(out.logits, docs, targets)
-                tensors = [out.hidden_states[i] if src == "hs" else grabbed[src] for src, i in self.sources]
-                grads = torch.autograd.grad(loss, tensors, allow_unused=True)
+                # a fused projection's q, k and v share its tensor: its gradient is taken once
+                keys = [
+                    ("module", self.taps.key(n)) if src == "module" else (src, i)
+                    for n, (src, i) in zip(self.names, self.sources, strict=True)
+                ]
+                unique = list(dict.fromkeys(keys))
+                tensors = [_source_tensor(k, out.hidden_states, grabbed, tapped) for k in unique]
+                grads = dict(zip(unique, torch.autograd.grad(loss, tensors, allow_unused=True), strict=True))
+                tensors = dict(zip(unique, tensors, strict=True))
         finally:
             for h in handles:
                 h.remove()
+            detach()
         idx = torch.from_numpy(flat).to(dev)
 
-        def rows(h):
+        def rows(name, src, h):
+            if src == "module":
+                h = self.taps.part(name, h)
             return h.detach().reshape(-1, h.shape[-1]).to(self.torch_dtype).index_select(0, idx)
 
         result = {}
-        for name, h, g in zip(self.names, tensors, grads, strict=True):
+        for name, (src, _), key in zip(self.names, self.sources, keys, strict=True):
+            h, g = tensors[key], grads[key]
             if self.activations:
-                result[name] = rows(h)
-            result[gradient_name(name)] = rows(g if g is not None else torch.zeros_like(h))
+                result[name] = rows(name, src, h)
+            result[gradient_name(name)] = rows(name, src, g if g is not None else torch.zeros_like(h))
         self.batches += 1
         meta = row_meta(docs)
         meta["loss_target"] = (targets.reshape(-1) != -100)[flat]
@@ -232,6 +245,24 @@ class GradientCapture(Capture):
         self.loss_sum += float(per_doc.detach().double().sum())
         self.loss_docs += docs_with_targets
         self.docs_without_targets += without
+
+
+def _source_tensor(key, hidden_states, grabbed: dict, tapped: dict):
+    """The tensor a gradient is taken with respect to: a hidden state (``("hs", i)``), the final
+    norm's input or output (``("pre" | "post", i)``), or a module's tensor (``("module", (path,
+    side))``)."""
+    src, i = key
+    if src == "hs":
+        return hidden_states[i]
+    return tapped[i] if src == "module" else grabbed[src]
+
+
+def _in_graph(tensor):
+    """A module's tensor as a node of the graph: one computed from nothing that takes a gradient
+    (the position embeddings, say) is made a leaf that does, so the loss's gradient reaches it."""
+    if not tensor.requires_grad and tensor.is_floating_point():
+        tensor.requires_grad_(True)
+    return tensor
 
 
 def _require_grad(_module, _args, output):

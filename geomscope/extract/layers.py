@@ -14,7 +14,7 @@ tuple's last entry, flagged ``final_norm: true``.
 
 from __future__ import annotations
 
-from geomscope.layers import FINAL_NORM_LAYER, layer_name
+from geomscope.layers import FINAL_NORM_LAYER, layer_name, module_layer_name
 
 LAYER_NOTE = (
     "index = position in the residual stream (0 = embedding output, i = output of block i, before "
@@ -64,3 +64,57 @@ def describe_layers(
             }
         )
     return out
+
+
+def describe_modules(captures) -> list[dict]:
+    """The identity's entries of the modules ``extract --modules`` stores (model/modules.py's
+    ModuleCapture each): ``name`` (:func:`~geomscope.layers.module_layer_name`), ``index`` (its
+    block's output's), ``kind`` = ``module``, ``module`` (its path in the base model), ``side``
+    (``out`` or ``in``), ``block`` (its block's position, None outside the blocks), ``type`` (its
+    class), ``tensor``; a part of a fused projection adds ``part``, ``fused`` and ``heads``, a norm
+    ``norm``, an alias ``alias``."""
+    out = []
+    for c in captures:
+        entry = {
+            "name": module_layer_name(c.path, c.side, c.part),
+            "index": int(c.index),
+            "kind": "module",
+            "final_norm": False,
+            "tensor": _module_tensor(c),
+            "module": c.path,
+            "side": c.side,
+            "block": c.block,
+            "type": c.type,
+        }
+        if c.part:
+            entry.update(part=c.part, fused=c.fused, heads=c.heads)
+        if c.norm:
+            entry["norm"] = True
+        if c.alias:
+            entry["alias"] = c.alias
+        out.append(entry)
+    return out
+
+
+def _module_tensor(c) -> str:
+    """What a module's layer holds, in words."""
+    if c.side == "in":
+        return f"input of module {c.path} ({c.type})"
+    if c.part:
+        cut = "its [q | k | v] thirds" if c.fused == "thirds" else "each head's [q | k | v] slice"
+        return (
+            f"{c.part} of the fused projection {c.path} ({c.type}): {cut}, concatenated over heads "
+            "(D = n_heads x d_head), before any rotary embedding"
+        )
+    tail = "; the first element of the tuple it returns" if c.tuple_output else ""
+    heads = " (concatenated over heads, before any rotary embedding)" if c.alias in ("q", "k", "v") else ""
+    return f"output of module {c.path} ({c.type}){heads}{tail}"
+
+
+def in_forward_order(hidden: list[dict], modules: list[dict]) -> list[dict]:
+    """Hidden-state and module layers in one list by index, each module before the hidden state of
+    its index (block k's modules run before block k's output, ``layer_{k+1}``, is complete); the
+    modules keep their forward order, the hidden states theirs."""
+    tagged = [(la["index"], 1, i, la) for i, la in enumerate(hidden)]
+    tagged += [(la["index"], 0, i, la) for i, la in enumerate(modules)]
+    return [la for *_, la in sorted(tagged, key=lambda t: t[:3])]

@@ -36,6 +36,12 @@ def _capture(spec: str):
     return parse_capture(spec)
 
 
+def _modules(spec: str):
+    from geomscope.model.modules import parse_modules
+
+    return parse_modules(spec)
+
+
 def max_memory_map(spec: str | None) -> dict | None:
     """``--max-memory 0=20GiB,cpu=64GiB`` -> {0: "20GiB", "cpu": "64GiB"} (accelerate's form)."""
     if not spec:
@@ -69,6 +75,15 @@ class ExtractOptions:
         "i = block i, -1 = the last block, final_norm = the final norm's output).",
         metavar="LIST",
         short="-l",
+    )
+    modules: str | None = option(
+        None,
+        Parsed(_modules, bad=("", "*.mlp,", "*.mlp:sideways", "q:in")),
+        "Also store these modules' outputs as layers: paths in model.named_modules() with globs "
+        "(*.mlp, gpt_neox.layers.*.attention), PATTERN:in for a module's input, or aliases attn_out, "
+        "mlp_out, ln1_in, ln1_out, ln2_in, ln2_out, q, k, v, norms (every norm, in and out).",
+        metavar="PATTERN[,...]",
+        optional=True,
     )
     revision: str | None = option(
         None, Text(), "Hub revision: tag, branch or commit.", metavar="REV", optional=True

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from geomscope.errors import InputError
-from geomscope.extract.layers import describe_layers
+from geomscope.extract.layers import describe_layers, describe_modules, in_forward_order
 from geomscope.extract.options import ExtractOptions
 from geomscope.extract.sources import InputFile, hash_input, iter_all, uses_column, uses_field
 from geomscope.formatting import counted
@@ -215,6 +215,8 @@ class Plan:
     shards: int
     free_bytes: int
     signatures: list  # the inputs when they were hashed (input_signatures): the rows must come from that
+    modules: list = field(default_factory=list)  # the modules stored (model/modules.py's ModuleCapture)
+    notes: list = field(default_factory=list)  # lines extract logs after the plan's own
 
     def describe(self, lm, out: Path, docs: int) -> str:
         return (
@@ -229,6 +231,9 @@ class Plan:
 def plan_run(lm, ins, scan, opts: ExtractOptions, out: Path) -> Plan:
     indices, with_final = _chosen_layers(lm, opts.layers)
     read_layers = describe_layers(indices, lm.n_hidden_states, lm.final_norm, lm.final_norm_name, with_final)
+    modules, notes = _module_layers(lm, opts)
+    if modules:
+        read_layers = in_forward_order(read_layers, describe_modules(modules))
     layer_desc = _stored_layers(read_layers, opts)
     if opts.gradients and lm.info.get("loss") == "classification":
         _check_labels(lm, ins, opts)
@@ -260,7 +265,26 @@ def plan_run(lm, ins, scan, opts: ExtractOptions, out: Path) -> Plan:
         shards,
         free,
         scan.signatures,
+        modules,
+        notes,
     )
+
+
+def _module_layers(lm, opts: ExtractOptions) -> tuple[list, list[str]]:
+    """(the modules ``--modules`` stores, the lines that say which modules its globs leave out)."""
+    if opts.modules is None:
+        return [], []
+    from geomscope.model.modules import resolve_modules
+
+    captures, skipped = resolve_modules(lm, opts.modules)
+    notes = []
+    if skipped:
+        shown = ", ".join(skipped[:4]) + (f" and {len(skipped) - 4} more" if len(skipped) > 4 else "")
+        notes.append(
+            f"extract: --modules leaves out {counted(len(skipped), 'module')} that give no "
+            f"D = {lm.hidden_size} wide vector per token: {shown}"
+        )
+    return captures, notes
 
 
 def _chosen_layers(lm, spec) -> tuple[list[int], bool]:

@@ -102,6 +102,8 @@ def extract_ranks(model, inputs, out: Path, opts, *, progress: bool, log: Log | 
             scan, lm, p = _together(d, plan)
             _together(d, lambda: _check_same_request(d, p.identity))
             say(p.describe(lm, out, scan.docs) + f"; {counted(d.world_size, 'process', 'processes')}")
+            for note in p.notes:
+                say(note)
             # process 0 opens (or resumes) the run; then the others join it
             opened = _together(d, lambda: _open_main(out, p, lm, local, scan, d) if is_main else None)
             writer = _together(d, lambda: opened if is_main else RankWriter(out, d.rank))

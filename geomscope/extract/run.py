@@ -87,6 +87,8 @@ def extract(
         # a change while the model loaded (often the longest wait) is found before the run is made
         check_unchanged(ins, scan.signatures, NOTHING_WRITTEN)
         say(plan.describe(lm, out, scan.docs))
+        for note in plan.notes:
+            say(note)
         # the manifest is saved with the first shard (one fsync pair less per call; nothing depends on
         # it earlier). The request is this call's: the run's identity is the same as before
         # (RunWriter refuses another), so any request that reached it asked for the same rows.
@@ -127,6 +129,8 @@ def run_request(model, ins, opts: ExtractOptions) -> dict | None:
     if rec is None:
         return None
     asked = {k: v for k, v in opts.to_dict().items() if k not in _NOT_REQUESTED}
+    if asked.get("modules") is None:  # a run that stores no module records no modules key
+        asked.pop("modules", None)
     # as JSON holds it (tuples are lists), so that a stored request compares equal
     return json.loads(json.dumps({"model": rec, **input_identity(ins, opts), "options": asked}))
 

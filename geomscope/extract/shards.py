@@ -41,7 +41,7 @@ def open_run(out: Path, plan: Plan, lm, opts: ExtractOptions, docs: int, process
     manifest is saved with the first shard, or by the caller."""
     from geomscope.store import RunWriter
 
-    writer = RunWriter(out, plan.identity, overwrite=opts.overwrite, extra=_manifest_extra(lm, opts))
+    writer = RunWriter(out, plan.identity, overwrite=opts.overwrite, extra=_manifest_extra(lm, opts, plan))
     try:
         writer.manifest.update(
             planned_shards=plan.shards,
@@ -72,9 +72,11 @@ def _invocation(lm, opts: ExtractOptions, processes: int = 1) -> dict:
     }
 
 
-def _manifest_extra(lm, opts: ExtractOptions) -> dict:
+def _manifest_extra(lm, opts: ExtractOptions, plan: Plan) -> dict:
+    norms = _module_norm_params(lm, plan.modules)
     return {
         "final_norm": _final_norm_params(lm),
+        **({"module_norms": norms} if norms else {}),
         "model_source": lm.source,
         "vocab_size": _vocab_size(lm),
         "versions": package_versions(),
@@ -108,64 +110,24 @@ def _vocab_size(lm) -> int | None:
 def _final_norm_params(lm) -> dict | None:
     """The final norm's module, gain and bias (per dimension), recorded with the run so that score
     can relate them to the per-dimension variance before the norm without the checkpoint."""
+    from geomscope.model.norms import norm_params
+
     mod = lm.final_norm_module() if lm.final_norm_name else None
     if mod is None:
         return None
+    return norm_params(mod, lm.final_norm_name, lm.hidden_size)
 
-    def values(name):
-        t = getattr(mod, name, None)
-        return None if t is None else [float(v) for v in t.detach().float().cpu().reshape(-1)]
 
-    weight = values("weight")
-    gain, applied = None, None
-    if weight is not None and len(weight) == lm.hidden_size:
-        gain, applied = _applied_gain(mod, weight)
+def _module_norm_params(lm, modules) -> dict:
+    """``{path: parameters}`` (model/norms.py's norm_params) of every norm module ``extract
+    --modules`` stores, so that score relates each norm's gain to the variance of its input."""
+    from geomscope.model.modules import base_module
+    from geomscope.model.norms import norm_params
+
+    base = base_module(lm)
     return {
-        "module": lm.final_norm_name,
-        "type": type(mod).__name__,
-        "gain": gain,
-        "gain_is": applied,  # "weight", "1 + weight" (Gemma's RMSNorm), or None: not recorded
-        "bias": values("bias"),
+        c.path: norm_params(base.get_submodule(c.path), c.path, lm.hidden_size) for c in modules if c.norm
     }
-
-
-def _probe_input(dim: int):
-    """A vector of mean 0 and root mean square 1 with no zero entry: a LayerNorm and an RMSNorm
-    both normalise it to itself (up to their eps)."""
-    import numpy as np
-
-    x = np.where(np.arange(dim) % 2 == 0, 1.0, -1.0)
-    if dim % 2:  # odd: the last three as (2, -1, -1) keep the mean 0
-        x[-3:] = (2.0, -1.0, -1.0)
-    return x / np.sqrt(np.mean(x * x))
-
-
-def _applied_gain(mod, weight: list[float]) -> tuple[list[float] | None, str | None]:
-    """The per-dimension factor the norm applies, and what it is made of. Most norms multiply by
-    their weight; Gemma's RMSNorm multiplies by 1 + weight (its weight stores the offset from 1),
-    and recording the weight as the gain made a damped outlier dimension read as amplified. So the
-    factor is measured, not assumed from the class: for a probe x that the norm normalises to x
-    itself, y(x) - y(-x) = 2 g x (a bias cancels). The weight, or 1 + weight, is recorded where the
-    measure agrees with it; otherwise no gain (None)."""
-    import numpy as np
-    import torch
-
-    try:
-        param = next(mod.parameters())
-        x = _probe_input(len(weight))
-        t = torch.tensor(x, dtype=param.dtype, device=param.device).reshape(1, 1, -1)
-        with torch.no_grad():
-            measured = ((mod(t) - mod(-t)).float().cpu().reshape(-1).numpy()) / (2.0 * x)
-    except Exception:  # a norm that cannot be called alone: nothing measured, nothing claimed
-        return None, None
-    w = np.asarray(weight, dtype=np.float64)
-    tol = (1e-4 if param.dtype in (torch.float32, torch.float64) else 2e-2) * max(
-        1.0, float(np.abs(w).max()) + 1
-    )
-    for applied, g in (("weight", w), ("1 + weight", w + 1.0)):
-        if np.all(np.abs(measured - g) <= tol):
-            return [float(v) for v in g], applied
-    return None, None
 
 
 def _lookahead(items, depth: int = 1):

@@ -59,7 +59,7 @@ def probe(lm: LoadedModel) -> None:
     """Fill n_hidden_states, hidden_size, final_norm, attention and selective from two tiny forwards."""
     import torch
 
-    x = _probe_batch(lm)
+    x = probe_batch(lm)
     mask = torch.ones_like(x)
     with torch.inference_mode():
         hs = lm.run_stack(x, mask, True)
@@ -76,7 +76,7 @@ def probe(lm: LoadedModel) -> None:
         lm.selective = _keeps_selected_states(lm, x, mask, hs)
 
 
-def _probe_batch(lm: LoadedModel):
+def probe_batch(lm: LoadedModel):
     """A (2, T) batch on the model's device, T >= 2: the probe text's token ids (cut to the model's
     length) and a copy whose last token is the next id of the vocabulary."""
     import torch
