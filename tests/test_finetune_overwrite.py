@@ -121,14 +121,21 @@ def test_an_older_marker_removes_only_what_it_proves_and_nothing_outside(cli, da
 
 
 class _Saves:
-    """A stand-in for a model or tokenizer: ``save_pretrained`` writes the named files."""
+    """A stand-in for a model or tokenizer: ``save_pretrained`` writes the named files (a
+    ``.safetensors`` one whole: every one written is held to the size its header declares)."""
 
     def __init__(self, *names):
         self.names = names
 
     def save_pretrained(self, where, **kw):
+        import numpy as np
+        from safetensors.numpy import save_file
+
         for n in self.names:
-            (where / n).write_text("new " + n)
+            if n.endswith(".safetensors"):
+                save_file({"w": np.zeros((2, 3), np.float32)}, str(where / n))
+            else:
+                (where / n).write_text("new " + n)
 
 
 def test_export_never_replaces_a_file_the_marker_does_not_record(tmp_path):

@@ -231,6 +231,48 @@ def _safetensors_disk_full():
     )
 
 
+def _short_write_at_second_call(monkeypatch, module, name: str) -> None:
+    """``module.name`` (a safetensors writer) cuts its second file short and returns without an error,
+    as a write to a full device can."""
+    real, calls = getattr(module, name), {"n": 0}
+
+    def save_file(tensors, filename, *a, **kw):
+        real(tensors, filename, *a, **kw)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            with open(filename, "r+b") as f:
+                f.truncate(f.seek(0, 2) - 100)
+
+    monkeypatch.setattr(module, name, save_file)
+
+
+@pytest.mark.parametrize("writer", ["trainer state", "model weights"])
+def test_weights_written_short_without_an_error_keep_the_last_checkpoint(
+    cli, data, tmp_path, monkeypatch, writer
+):
+    """safetensors' writer to a full device may return without an error and leave a file cut short:
+    the checkpoint would be renamed into place with weights that cannot be loaded. Every
+    .safetensors file written is held to the size its header declares before it takes the place of
+    the previous checkpoint."""
+    import safetensors.torch
+    import transformers.modeling_utils
+
+    out = tmp_path / "short"
+    module, name = (
+        (safetensors.torch, "save_file")
+        if writer == "trainer state"
+        else (transformers.modeling_utils, "safe_save_file")
+    )
+    with monkeypatch.context() as mp:
+        _short_write_at_second_call(mp, module, name)
+        code, o, err = cli(_args(data, out, "--epochs", "2"))
+    assert_one_line_error(code, o, err, ".safetensors", "cut short", "--resume", exit_code=1)
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["epochs_done"] == 1
+    assert not (out / ".checkpoint.tmp").exists() and not (out / "checkpoint.old").exists()
+    code, _, err = cli(_args(data, out, "--epochs", "2", "--resume"))  # what it says to run
+    assert code == 0, err
+
+
 @pytest.mark.parametrize(
     "make_error", [_safetensors_disk_full, lambda: OSError(28, "No space left on device")]
 )

@@ -212,7 +212,8 @@ def _out_of_space(out: Path, e: OSError) -> str:
     written was removed whole, the previous one is kept, and --resume continues from it."""
     from geomscope.train.checkpoint import CKPT
 
-    head = f"{os.strerror(e.errno).lower()}{f' writing {e.filename}' if e.filename else ''}; free some space"
+    why = (e.strerror or os.strerror(e.errno)).lower()
+    head = f"{why}{f' writing {e.filename}' if e.filename else ''}; free some space"
     cmd = _resume_command(out)
     if cmd is None:
         return f"{head}, then rerun the same command (no epoch of {out} had finished)"

@@ -25,6 +25,7 @@ it, are refused, with one line, before anything is removed.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -403,12 +404,44 @@ def written_into(tmp: Path) -> Iterator[Path]:
     which the CLI says in one line."""
     try:
         yield tmp
+        for f in sorted(tmp.rglob("*.safetensors")):
+            check_written_safetensors(f)
     except BaseException as e:
         remove_tree(tmp)
         os_error = _os_error_in(e, tmp)
         if os_error is None:
             raise
         raise os_error from None
+
+
+#: the most bytes of a safetensors header read back (safetensors' own limit on what it parses)
+SAFETENSORS_HEADER_MAX_BYTES = 100_000_000
+
+
+def check_written_safetensors(path: Path) -> None:
+    """A .safetensors file just written holds every byte its header declares: its size is 8 + the
+    header's length + the end of its last tensor's data. safetensors' writer may return without an
+    error from a write a full device cut short; such a file would take the previous checkpoint's
+    place with weights no one can load. OSError (ENOSPC, naming the file and the bytes found)
+    otherwise, which the caller turns into one line."""
+    size = path.stat().st_size
+    declared = None
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if 0 < n <= min(SAFETENSORS_HEADER_MAX_BYTES, size - 8):
+                header = loads_json(f.read(n))
+                ends = [
+                    v["data_offsets"][1]
+                    for k, v in header.items()
+                    if k != "__metadata__" and isinstance(v, dict)
+                ]
+                declared = 8 + n + max(ends, default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):  # a header cut short or garbled
+        declared = None
+    if declared != size:
+        wanted = "" if declared is None else f" of the {declared} its header declares"
+        raise OSError(errno.ENOSPC, f"cut short, {size} bytes on disk{wanted} (a full disk?)", str(path))
 
 
 def _os_error_in(e: BaseException, where: Path) -> OSError | None:
