@@ -306,3 +306,73 @@ def test_lambda_grid_then_compare_on_perplexity(lm, tmp_path, cli):
     assert header[3:5] == ["perplexity_mean", "perplexity_sd"] and (grid / "compare.png").stat().st_size
     fig = plot_training_log([grid / "istar_lambda-1_seed0"])
     assert fig.axes[3].get_title() == "eval perplexity (per epoch)"
+
+
+# -- Accelerate and resume ------------------------------------------------------------------------
+
+
+def test_two_accelerate_processes_equal_one(lm, tmp_path):
+    """accelerate launch with 2 CPU processes (gloo) and batch 2 x 2 micro-batches trains as one
+    process with batch 4 x 2: every process counts the global batch's predicted tokens, so the
+    token mean and the I-STAR covariance are the global batch's, whatever the padding of each
+    process's rows."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    accelerate = Path(sys.executable).parent / "accelerate"
+    if not accelerate.exists():
+        pytest.skip("accelerate is not installed next to python")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+
+    def args(out, batch):
+        return [
+            *("-m", "geomscope", "finetune", lm["gpt_neox"], "--task", "causal-lm", "--lm-batching", "pad"),
+            *("--train", lm["train"], "--eval", lm["eval"], "--out", str(out), "--epochs", "1"),
+            *("--batch-size", str(batch), "--grad-accum", "2", "--max-length", str(MAX_LEN), "--lr", "2e-3"),
+            *("--lambda=-1", "--device", "cpu", "-q"),
+        ]
+
+    one = subprocess.run(
+        [sys.executable, *args(tmp_path / "one", 4)], env=env, capture_output=True, text=True
+    )
+    assert one.returncode == 0, one.stderr
+    launch = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
+    launch += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port]
+    two = subprocess.run([*launch, *args(tmp_path / "two", 2)], env=env, capture_output=True, text=True)
+    assert two.returncode == 0, two.stderr
+    s1, s2 = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "two"))
+    assert s2["world_size"] == 2 and s1["global_batch"] == s2["global_batch"] == 8
+    a, b = _steps(tmp_path / "one"), _steps(tmp_path / "two")
+    assert len(a) == len(b) == 3
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["predicted_tokens"] == rb["predicted_tokens"]
+        for k in ("task_loss", "penalty", "isoscore_star"):
+            assert abs(ra[k] - rb[k]) < 1e-5, (k, ra, rb)
+    for k in ("eval_loss", "perplexity", "isoscore_star"):
+        assert s1["final"][k] == pytest.approx(s2["final"][k], rel=1e-5), k
+    assert s1["final"]["eval_predicted_tokens"] == s2["final"]["eval_predicted_tokens"]
+
+
+def test_resume_reproduces_an_uninterrupted_run(lm, tmp_path):
+    full = finetune(_cfg(lm, "llama", tmp_path / "full", epochs=2, lm_batching="pad", save_every=None))
+    finetune(_cfg(lm, "llama", tmp_path / "part", epochs=1, lm_batching="pad", save_every=None))
+    (tmp_path / "part" / "summary.json").unlink()
+    with pytest.raises(InputError, match="trained with lm_batching='pad', not 'pack'"):
+        finetune(_cfg(lm, "llama", tmp_path / "part", epochs=2, resume=True, save_every=None))
+    res = finetune(
+        _cfg(lm, "llama", tmp_path / "part", epochs=2, lm_batching="pad", resume=True, save_every=None)
+    )
+    assert res["resumed"] and res["steps"] == full["steps"]
+    a, b = _steps(tmp_path / "full"), _steps(tmp_path / "part")
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["loss"] == pytest.approx(rb["loss"], abs=1e-6)
+    for k in ("perplexity", "eval_loss", "isoscore_star"):
+        assert res["final"][k] == pytest.approx(full["final"][k], rel=1e-6)
