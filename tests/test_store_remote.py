@@ -273,6 +273,55 @@ def test_a_server_that_cannot_be_reached_is_one_line(cli, tmp_path):
         junk.close()
 
 
+def test_a_silent_server_is_one_line_within_the_network_timeout(monkeypatch):
+    """An ftp:// server that accepts and never answers kept the score waiting fsspec's default 30 s;
+    geomscope sets the filesystem's timeout (NETWORK_TIMEOUT_S) and says it in one line. The wait is
+    bounded generously here (20 s against the 1 s set): it is a hang check, not a timing."""
+    import socket
+    import threading
+
+    monkeypatch.setattr(remote, "NETWORK_TIMEOUT_S", 1)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)  # the connection waits in its backlog: no banner ever comes
+    url = f"ftp://127.0.0.1:{silent.getsockname()[1]}/run"
+    said = {}
+
+    def open_it():
+        try:
+            remote.filesystem(url)
+        except InputError as e:
+            said["line"] = str(e)
+
+    th = threading.Thread(target=open_it, daemon=True)
+    try:
+        th.start()
+        th.join(20)
+        assert not th.is_alive(), "still waiting for the silent server"
+    finally:
+        silent.close()
+    assert url in said["line"] and "timed out" in said["line"] and "\n" not in said["line"]
+
+
+def test_the_network_filesystems_get_the_timeout():
+    """Each network filesystem that takes a timeout gets NETWORK_TIMEOUT_S under its own option name;
+    the others (local, memory, hf://) get none."""
+    t = remote.NETWORK_TIMEOUT_S
+    assert remote.timeout_options("FTP") == {"timeout": t}
+    assert remote.timeout_options("smb") == {"timeout": t}
+    assert remote.timeout_options("sftp") == {"timeout": t, "banner_timeout": t, "auth_timeout": t}
+    assert remote.timeout_options("s3") == {"config_kwargs": {"connect_timeout": t, "read_timeout": t}}
+    for scheme in ("file", "memory", "hf", "zip"):
+        assert remote.timeout_options(scheme) == {}
+
+
+def test_a_timeout_the_fsspec_configuration_sets_is_kept(monkeypatch):
+    from fsspec.config import conf
+
+    monkeypatch.setitem(conf, "ftp", {"timeout": 120})
+    assert remote.timeout_options("ftp") == {}
+
+
 @pytest.mark.parametrize("url", ["zip://run", "reference://run", "github://run"])
 def test_a_url_without_what_its_filesystem_needs_is_one_line(cli, tmp_path, monkeypatch, url):
     """zip:// without its archive (fsspec opens the working directory as one), reference:// without

@@ -12,8 +12,10 @@ malformed URL, a server that cannot be reached: ``ftp://`` connects as its files
 whatever a filesystem raises while it is used is one InputError line naming the URL. A missing
 package is named from fsspec's registry, which keeps for each protocol the text that says what it
 needs (``http://``: aiohttp; ``sftp://``: paramiko; ``smb://``: smbprotocol), not the module the
-implementation lives in (fsspec itself, for those three). How long a server may keep a read waiting
-is the filesystem's own setting (fsspec's ``ftp://``: 30 s per socket operation).
+implementation lives in (fsspec itself, for those three). A server may keep a connection or a read
+waiting at most :data:`NETWORK_TIMEOUT_S` per socket operation where the filesystem takes a timeout
+(:func:`timeout_options`: ``ftp://``, ``sftp://``, ``smb://``, ``http(s)://``, ``s3://``); the
+others wait as their own settings say (``hf://``: huggingface_hub's 10 s, ``HF_HUB_DOWNLOAD_TIMEOUT``).
 """
 
 from __future__ import annotations
@@ -56,6 +58,42 @@ def location(loc) -> str | Path:
     return Path(loc)
 
 
+#: seconds a network filesystem may keep one connection, handshake or read waiting (per socket
+#: operation, not per file: a large shard read in many blocks is not cut short). A server that
+#: answers at all answers within it; one that does not is said in one line instead of a hang.
+NETWORK_TIMEOUT_S = 30
+
+
+def timeout_options(scheme: str) -> dict:
+    """The storage options that bound ``scheme``'s waits by :data:`NETWORK_TIMEOUT_S`, for the
+    filesystems that take one (fsspec's ``ftp://``, ``smb://``, ``sftp://`` through paramiko,
+    ``http(s)://`` through aiohttp, s3fs's ``s3://`` through botocore); what the user's fsspec
+    configuration sets for the protocol is left to it."""
+    t = NETWORK_TIMEOUT_S
+    scheme = scheme.lower()
+    if scheme in ("ftp", "smb"):
+        options = {"timeout": t}
+    elif scheme in ("sftp", "ssh"):
+        options = {"timeout": t, "banner_timeout": t, "auth_timeout": t}
+    elif scheme in ("s3", "s3a"):
+        options = {"config_kwargs": {"connect_timeout": t, "read_timeout": t}}
+    elif scheme in ("http", "https"):
+        try:
+            import aiohttp
+        except ImportError:  # (the filesystem then says what to install)
+            return {}
+        options = {"client_kwargs": {"timeout": aiohttp.ClientTimeout(sock_connect=t, sock_read=t)}}
+    else:
+        return {}
+    try:
+        from fsspec.config import conf
+
+        configured = conf.get(scheme) or {}
+    except ImportError:
+        configured = {}
+    return {k: v for k, v in options.items() if k not in configured}
+
+
 def _missing_package(scheme: str, e: ImportError) -> str:
     """What to install for ``scheme`` (fsspec's ImportError ``e`` on making its filesystem), in one
     line. fsspec raises the registry's ``err`` text for the protocol from the ImportError of the
@@ -88,7 +126,7 @@ def filesystem(url: str):
     except ImportError:
         raise InputError(f"{url} is a URL; reading runs from URLs needs fsspec: pip install fsspec") from None
     try:
-        return fsspec.core.url_to_fs(url)
+        return fsspec.core.url_to_fs(url, **timeout_options(scheme))
     except ImportError as e:
         raise InputError(f"cannot open {url}: {_missing_package(scheme, e)}") from None
     except ValueError as e:
