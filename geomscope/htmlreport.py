@@ -155,6 +155,17 @@ def _final_norm(report: dict) -> str:
     return f"<p class='final-norm'>{_e(final_norm_line(fn))}</p>" if fn else ""
 
 
+def _norms(report: dict) -> str:
+    from geomscope.report import norm_line, norms_line
+    from geomscope.schema import NORMS_KEY
+
+    norms = report.get(NORMS_KEY)
+    if not norms:
+        return ""
+    items = "".join(f"<li>{_e(norm_line(n))}</li>" for n in norms)
+    return f"<details class='norms'><summary>{_e(norms_line(norms))}</summary><ul>{items}</ul></details>"
+
+
 def _notes(report: dict) -> str:
     items = []
     for k, why in (report.get("notes") or {}).items():
@@ -205,7 +216,7 @@ def html_page(reports: Sequence[dict], *, kinds: Sequence[str] = ("auto",), titl
     for r in reports:
         sections.append(
             f"{_SECTION}{_e(_title(r))}</h2>{_provenance(r)}{_params(r)}"
-            f"{report_table_html(r)}{_final_norm(r)}{_notes(r)}</section>"
+            f"{report_table_html(r)}{_final_norm(r)}{_norms(r)}{_notes(r)}</section>"
         )
     return (
         f"{_OPENING}{HTML_GENERATOR}{_VIEWPORT}"

@@ -26,6 +26,10 @@ JSON (``format: "geomscope-report"``, ``format_version: 1``), top-level keys :da
   {module, type, spearman_abs_gain_variance, median_abs_gain}, bias {spearman_abs_bias_variance},
   outliers [{dim, variance_ratio, gain_ratio, effect}]}``; null with the reason in
   ``notes.final_norm`` otherwise.
+- ``norms`` (only for a run that stores norm modules, ``extract --modules norms``): one entry per
+  norm scored at its input and its output, ``final_norm``'s keys plus ``module``, ``type``,
+  ``block``, ``measured_gain {spearman_gain_variance, median_gain}`` and per outlier row
+  ``measured_gain_ratio`` and ``measured_effect``; null with the reason in ``notes.norms``.
 - ``gradient_energy``: with ``score --basis ACTRUN`` (a gradient run), per gradient layer and rank
   the captured energy of the gradients in the activation subspace, its baseline, maximum, kappa,
   the normal controls and the removal test (geomscope.score.gradenergy, docs/metrics.md):
@@ -62,6 +66,7 @@ from geomscope.outputs import HEAD_BYTES, ensure_replaceable, json_format_is, st
 from geomscope.schema import (
     LAYER_KEYS,
     METRIC_LABELS,
+    NORMS_KEY,
     REPORT_FORMAT,
     REPORT_FORMAT_VERSION,
     REPORT_KEYS,
@@ -394,6 +399,8 @@ def _caption(report: dict) -> list[str]:
     fn = report.get("final_norm")
     if fn:
         bits.append(final_norm_line(fn))
+    if report.get(NORMS_KEY):
+        bits.append(norms_line(report[NORMS_KEY]))
     return bits
 
 
@@ -425,14 +432,55 @@ def _with_se(v, se) -> str:
     return value_text if se_text is None else f"{value_text} ±{se_text}"
 
 
+def norms_line(norms: list[dict]) -> str:
+    """One line on every norm module's effect (the table caption): how many, the spread of the
+    Spearman correlation of the measured gain with the input variance, and the outlier dimensions
+    the measured gain damps."""
+    rhos = sorted(
+        n["measured_gain"]["spearman_gain_variance"]
+        for n in norms
+        if (n.get("measured_gain") or {}).get("spearman_gain_variance") is not None
+    )
+    line = f"norms: {counted(len(norms), 'norm')} scored at input and output"
+    if rhos:
+        mid = rhos[len(rhos) // 2] if len(rhos) % 2 else (rhos[len(rhos) // 2 - 1] + rhos[len(rhos) // 2]) / 2
+        line += (
+            f"; Spearman(measured gain, variance in) median {mid:.2f}, from {rhos[0]:.2f} to {rhos[-1]:.2f}"
+        )
+    judged = [o for n in norms for o in n.get("outliers") or [] if o.get("measured_effect") is not None]
+    if judged:
+        damped = sum(o["measured_effect"] == "damped" for o in judged)
+        line += f"; outlier dims damped {damped}/{len(judged)} (measured gain)"
+    return line
+
+
+def norm_line(norm: dict) -> str:
+    """One line on one norm module's effect (the HTML page): :func:`final_norm_line`'s, named by
+    the module, with the measured gain's Spearman correlation and damped outlier dimensions."""
+    line = _norm_effect_line(norm["module"], norm)
+    measured = norm.get("measured_gain") or {}
+    if measured.get("spearman_gain_variance") is not None:
+        line += f"; Spearman(measured gain, variance in) {measured['spearman_gain_variance']:.2f}"
+    judged = [o for o in norm.get("outliers") or [] if o.get("measured_effect") is not None]
+    if judged:
+        line += f"; measured: damped {sum(o['measured_effect'] == 'damped' for o in judged)}/{len(judged)}"
+    return line
+
+
 def final_norm_line(fn: dict) -> str:
     """One line on the final norm's effect (the table caption and the HTML page)."""
+    return _norm_effect_line("final norm", fn)
+
+
+def _norm_effect_line(label: str, fn: dict) -> str:
+    """A norm's effect in one line: the metrics before and after it, the Spearman correlation of
+    its gain with the input variance, and the outlier dimensions its gain damps."""
     parts = []
     for m in ("isoscore_star", "isoscore", "avgcos"):
         v = (fn.get("metrics") or {}).get(m)
         if v and v.get("before") is not None and v.get("after") is not None:
             parts.append(f"{METRIC_LABELS.get(m, m)} {v['before']:.3g} -> {v['after']:.3g}")
-    line = f"final norm ({fn['before']} -> {fn['after']}): " + (", ".join(parts) or "no metric on both sides")
+    line = f"{label} ({fn['before']} -> {fn['after']}): " + (", ".join(parts) or "no metric on both sides")
     gain = fn.get("gain") or {}
     if gain.get("spearman_abs_gain_variance") is not None:
         line += f"; Spearman(|gain|, variance before) {gain['spearman_abs_gain_variance']:.2f}"

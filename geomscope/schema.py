@@ -58,6 +58,10 @@ REPORT_KEYS = (
     "command",
 )
 
+#: the report key of every norm module's effect (score/finalnorm.py), written after ``final_norm``
+#: only in a report of a run that stores norm modules (``extract --modules norms``)
+NORMS_KEY = "norms"
+
 
 @dataclass(frozen=True)
 class MetricSpec:
@@ -206,7 +210,11 @@ def report_defect(rep: dict) -> str | None:
         why = _layer_defect(entry)
         if why:
             return f"layers[{i}]{why}"
-    return _final_norm_defect(rep.get("final_norm")) or _gradient_energy_defect(rep.get("gradient_energy"))
+    return (
+        _final_norm_defect(rep.get("final_norm"))
+        or _norms_defect(rep.get(NORMS_KEY))
+        or _gradient_energy_defect(rep.get("gradient_energy"))
+    )
 
 
 def _layer_defect(e) -> str | None:
@@ -264,6 +272,25 @@ def _final_norm_defect(fn) -> str | None:
         and all(isinstance(o, dict) and isinstance(o.get("effect"), (str, type(None))) for o in outs)
     ):
         return "final_norm.outliers is not what score writes"
+    return None
+
+
+def _norms_defect(norms) -> str | None:
+    """Where a report's ``norms`` is not what score writes: a list of ``final_norm``-shaped entries
+    that name their module and hold a ``measured_gain`` of numbers."""
+    if norms is None:
+        return None
+    if not isinstance(norms, list):
+        return f"{NORMS_KEY} is not a list"
+    for i, n in enumerate(norms):
+        if not isinstance(n, dict) or not isinstance(n.get("module"), str):
+            return f"{NORMS_KEY}[{i}] is not what score writes"
+        why = _final_norm_defect(n)
+        if why:
+            return f"{NORMS_KEY}[{i}]" + why[len("final_norm") :]
+        measured = n.get("measured_gain")
+        if measured is not None and not _dict_of(measured, _optional_number):
+            return f"{NORMS_KEY}[{i}].measured_gain is not what score writes"
     return None
 
 

@@ -179,3 +179,96 @@ def test_gain_ratio_is_null_when_the_median_gain_is_zero():
     med = np.median(np.abs(gain))
     assert [o["gain_ratio"] for o in out["outliers"]] == pytest.approx([0.5 / med, 4 / med])
     assert [o["effect"] for o in out["outliers"]] == ["damped", "amplified"] and "note" not in out
+
+
+# ----------------------------------------------------------------- every norm (extract --modules norms)
+@pytest.fixture(scope="module")
+def minilm_norms(tmp_path_factory):
+    """The bundled MiniLM with every LayerNorm stored at its input and output, and its report."""
+    from geomscope.extract import extract
+
+    root = tmp_path_factory.mktemp("norms")
+    src = root / "s.txt"
+    src.write_text("\n".join(SAMPLE_TEXTS * 3) + "\n")
+    extract("bundled:minilm", [src], root / "run", modules="norms", layers="0")
+    rep = score(root / "run", ScoreOptions(metrics=("isoscore", "avgcos", "outliers")))
+    return root / "run", rep
+
+
+def test_every_norm_s_gain_against_rows_and_checkpoint(minilm_norms):
+    """Each norm's entry against numpy and scipy on the stored rows and the checkpoint's weights:
+    the measured gain sd(out_d) / sd(in_d), the weight, their Spearman correlations with the input
+    variance, and the outlier rows."""
+    from transformers import AutoModel
+
+    from geomscope.model.names import bundled_minilm_dir
+
+    run, rep = minilm_norms
+    weights = AutoModel.from_pretrained(bundled_minilm_dir()).state_dict()
+    by = {e["layer"]: e for e in rep["layers"]}
+    norms = rep["norms"]
+    assert len(norms) == 13 and norms[0]["module"] == "embeddings.LayerNorm"
+    assert [n["block"] for n in norms] == [None] + [b for b in range(6) for _ in range(2)]
+    for n in norms:
+        x = _rows(run, n["before"]).astype(np.float64)
+        y = _rows(run, n["after"]).astype(np.float64)
+        var_in, var_out = x.var(axis=0, ddof=1), y.var(axis=0, ddof=1)
+        g = np.sqrt(var_out / var_in)
+        measured = n["measured_gain"]
+        assert measured["spearman_gain_variance"] == pytest.approx(spearmanr(g, var_in).statistic, abs=1e-9)
+        assert measured["median_gain"] == pytest.approx(np.median(g), rel=1e-9)
+        w = np.abs(weights[n["module"] + ".weight"].double().numpy())
+        assert n["gain"]["spearman_abs_gain_variance"] == pytest.approx(
+            spearmanr(w, var_in).statistic, abs=1e-9
+        )
+        b = np.abs(weights[n["module"] + ".bias"].double().numpy())
+        assert n["bias"]["spearman_abs_bias_variance"] == pytest.approx(
+            spearmanr(b, var_in).statistic, abs=1e-9
+        )
+        assert [o["dim"] for o in n["outliers"]] == by[n["before"]]["outliers"]
+        for o in n["outliers"]:
+            d = o["dim"]
+            assert o["variance_ratio"] == pytest.approx(var_in[d] / var_in.mean(), rel=1e-9)
+            assert o["gain_ratio"] == pytest.approx(w[d] / np.median(w), rel=1e-9)
+            assert o["measured_gain_ratio"] == pytest.approx(g[d] / np.median(g), rel=1e-9)
+            assert o["measured_effect"] == ("damped" if g[d] < np.median(g) else "amplified")
+        for m in ("isoscore", "avgcos"):
+            assert (
+                n["metrics"][m]["before"] == by[n["before"]][m]
+                and n["metrics"][m]["after"] == by[n["after"]][m]
+            )
+    assert sum(len(n["outliers"]) for n in norms) > 0  # the real model has outlier dimensions to judge
+
+
+def test_the_norms_section_is_in_the_caption_and_the_page(minilm_norms, tmp_path):
+    from geomscope.htmlreport import html_page
+    from geomscope.report import norms_line
+    from geomscope.schema import report_defect
+
+    _, rep = minilm_norms
+    line = norms_line(rep["norms"])
+    assert line.startswith("norms: 13 norms scored at input and output; Spearman(measured gain")
+    page = html_page([rep], kinds=())
+    assert "encoder.layer.5.output.LayerNorm (encoder.layer.5.output.LayerNorm:in -&gt;" in page
+    assert report_defect(rep) is None
+    assert report_defect({**rep, "norms": "x"}) == "norms is not a list"
+    broken = [{**rep["norms"][0], "measured_gain": {"median_gain": "big"}}]
+    assert report_defect({**rep, "norms": broken}) == "norms[0].measured_gain is not what score writes"
+
+
+def test_norms_null_or_absent_with_reasons(minilm_norms, llama_run):
+    run, _ = minilm_norms
+    rep = score(run, ScoreOptions(metrics=("isoscore",), layers=("encoder.layer.0.output.LayerNorm",)))
+    assert rep["norms"] is None and "input and its output" in rep["notes"]["norms"]
+    rep = score(llama_run, ScoreOptions(metrics=("isoscore",)))
+    assert "norms" not in rep and "norms" not in rep["notes"]  # a run without norm modules
+    rep = score(
+        run,
+        ScoreOptions(
+            metrics=("twonn",),
+            id_sample=100,
+            layers=("encoder.layer.0.output.LayerNorm", "encoder.layer.0.output.LayerNorm:in"),
+        ),
+    )
+    (n,) = rep["norms"]
+    assert n["measured_gain"] is None and "variance unavailable" in n["note"]

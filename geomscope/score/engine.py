@@ -176,7 +176,7 @@ class _Scorer:
         if o.wants("outliers") and o.outlier_rule == "magnitude":
             outliers.apply_magnitude(layers, extras, o)
         embeddings, final_norm, top_notes = self._model_sections(layers, extras)
-        return self._report(layers, embeddings, top_notes, final_norm)
+        return self._report(layers, embeddings, top_notes, final_norm, self._norms(layers, extras, top_notes))
 
     def _prepare(self) -> None:
         """What every batch of layers shares, before any is scored: a ``--keep sample`` run's limits
@@ -257,6 +257,23 @@ class _Scorer:
         else:
             top_notes["final_norm"] = "an array source has no final norm"
         return embeddings, final_norm, top_notes
+
+    def _norms(self, layers: list[dict], extras: dict, top_notes: dict) -> dict:
+        """``{"norms": [...]}`` (each norm module's effect, score/finalnorm.py) for a run that stores
+        a norm module, ``{"norms": None}`` with a note when none is scored on both sides, and ``{}``
+        (no key) for any other source."""
+        from geomscope.schema import NORMS_KEY
+        from geomscope.score.finalnorm import norm_effects, stores_norms
+
+        src = self.src
+        if src.kind != "run" or not stores_norms(src.run_obj.layers):
+            return {}
+        norms, why = norm_effects(
+            layers, extras, src.run_obj.layers, src.run_obj.manifest.get("module_norms")
+        )
+        if why:
+            top_notes[NORMS_KEY] = why
+        return {NORMS_KEY: norms}
 
     def _check_sample_run(self) -> None:
         """What a ``--keep sample:N`` run cannot serve is refused up front, in one line."""
@@ -475,7 +492,7 @@ class _Scorer:
         by_layer = {n: self.energy.get(n) for n in self.src.layers if n in self.basis.pairs}
         return section(self.basis, self.opts.basis, self.opts, by_layer, self.energy_notes)
 
-    def _report(self, layers: list[dict], embeddings, top_notes, final_norm=None) -> dict:
+    def _report(self, layers: list[dict], embeddings, top_notes, final_norm=None, norms=None) -> dict:
         from geomscope import __version__
 
         o, src = self.opts, self.src
@@ -526,6 +543,7 @@ class _Scorer:
             "layers": layers,
             "embeddings": embeddings,
             "final_norm": final_norm,
+            **(norms or {}),  # only a run that stores norm modules has the key
             "gradient_energy": self._energy_section(),
             "notes": top_notes,
             "command": None,  # the CLI records its command line here

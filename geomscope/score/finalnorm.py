@@ -15,6 +15,15 @@ isotropy. The report's ``final_norm`` entry gives what that claim needs:
   (the report's rule), its variance over the mean variance and ``gain_ratio`` = |γ_d| / median |γ|,
   with ``damped`` (< 1) or ``amplified`` (> 1); both null, with a ``note``, when the median |γ| is
   0 or not a number (the ratio is then undefined).
+
+Every norm a run stores on both sides (``extract --modules norms``, or ``PATH:in`` and ``PATH``)
+gets the same entry in the report's ``norms`` list (:func:`norm_effects`), with the gain read from
+the norm's parameters where extract recorded them (``gain``, as above) and the gain measured from
+the rows: ``measured_gain`` relates g_d = sd(y_d) / sd(x_d), the output's standard deviation over
+the input's in dimension d, to the input variance (``spearman_gain_variance``, ``median_gain``),
+and each outlier row adds ``measured_gain_ratio`` = g_d / median g and ``measured_effect``. The
+measured gain includes what the weight does not: the per-token division and, for a LayerNorm, the
+centring.
 """
 
 from __future__ import annotations
@@ -32,6 +41,11 @@ def _spearman(a: np.ndarray, b: np.ndarray) -> float | None:
     if ok.sum() < 3 or np.ptp(a[ok]) == 0 or np.ptp(b[ok]) == 0:
         return None
     return float(spearmanr(a[ok], b[ok]).statistic)
+
+
+#: why a norm's entry has no parameter statistics (gain and bias null) when its gain is not recorded
+NO_RECORDED_GAIN = "the run does not record the norm's gain (re-extract it with this version)"
+NO_VARIANCE = "per-dimension variance unavailable (score with a moment metric, e.g. isoscore)"
 
 
 def final_norm_effect(
@@ -52,6 +66,15 @@ def final_norm_effect(
             None,
             f"the layer before the final norm (index {before_idx}) was not scored; add it to --layers",
         )
+    var = (extras.get(before["layer"]) or {}).get("variance")
+    return norm_effect(before, after, var, params), None
+
+
+def norm_effect(before: dict, after: dict, var, params: dict | None, no_gain: str = NO_RECORDED_GAIN) -> dict:
+    """The effect of a norm whose input's report entry is ``before`` and output's ``after``:
+    ``{before, after, metrics, gain, bias, outliers}`` (module docstring), ``var`` the input's
+    per-dimension variance (None: not computed), ``params`` the norm's recorded parameters
+    (``{module, type, gain, bias}``); a ``note`` says why the parameter statistics are null."""
     out = {
         "before": before["layer"],
         "after": after["layer"],
@@ -59,17 +82,16 @@ def final_norm_effect(
         "gain": None,
         "bias": None,
     }
-    var = (extras.get(before["layer"]) or {}).get("variance")
-    gain = (params or {}).get("gain")
     if var is None:
-        out["note"] = "per-dimension variance unavailable (score with a moment metric, e.g. isoscore)"
-        return out, None
+        out["note"] = NO_VARIANCE
+        return out
     var = np.asarray(var, float)
+    gain = (params or {}).get("gain")
     if gain is None or len(gain) != var.size:
-        out["note"] = "the run does not record the norm's gain (re-extract it with this version)"
-        return out, None
+        out["note"] = no_gain
+        return out
     _add_parameter_effect(out, np.abs(np.asarray(gain, float)), var, params, before.get("outliers") or [])
-    return out, None
+    return out
 
 
 def _layer_before(layers: list[dict], after: dict, before_idx: int) -> dict | None:
@@ -137,9 +159,8 @@ def _outlier_rows(outlier_dims, g: np.ndarray, var: np.ndarray, med: float | Non
     for d in outlier_dims:
         ratio = float(g[d] / med) if med is not None else None
         if ratio is None or not np.isfinite(ratio):
-            ratio, effect = None, None
-        else:
-            effect = "damped" if ratio < 1 else ("amplified" if ratio > 1 else "unchanged")
+            ratio = None
+        effect = _effect(ratio)
         rows.append(
             {
                 "dim": int(d),
@@ -149,3 +170,88 @@ def _outlier_rows(outlier_dims, g: np.ndarray, var: np.ndarray, med: float | Non
             }
         )
     return rows
+
+
+#: why a module norm's entry has no parameter statistics
+NO_MODULE_GAIN = (
+    "no gain recorded for this norm (it applies neither its weight nor 1 + weight, or has no weight); "
+    "measured_gain is read from the rows"
+)
+NO_NORM_PAIR = (
+    "no norm module scored at both its input and its output: store both sides (extract --modules norms, "
+    "or PATH:in,PATH) and keep both in --layers"
+)
+
+
+def norm_effects(
+    layers: list[dict], extras: dict, entries: list[dict], params_by_module: dict | None
+) -> tuple[list[dict] | None, str | None]:
+    """(the report's ``norms``: one entry per norm module scored at its input and its output, in the
+    run's order, None) or (None, why there is none). ``entries``: the run's layer entries (a norm
+    module's carry ``module``, ``side`` and ``norm``); ``params_by_module``: the manifest's
+    ``module_norms``."""
+    by_name = {e["layer"]: e for e in layers}
+    out = []
+    for stored_in, stored_out in _norm_pairs(entries):
+        before, after = by_name.get(stored_in["name"]), by_name.get(stored_out["name"])
+        if before is None or after is None:
+            continue
+        var_in = (extras.get(before["layer"]) or {}).get("variance")
+        var_out = (extras.get(after["layer"]) or {}).get("variance")
+        params = (params_by_module or {}).get(stored_out["module"])
+        entry = {
+            "module": stored_out["module"],
+            "type": stored_out.get("type"),
+            "block": stored_out.get("block"),
+            **norm_effect(before, after, var_in, params, no_gain=NO_MODULE_GAIN),
+        }
+        _add_measured_gain(entry, var_in, var_out, before.get("outliers") or [])
+        out.append(entry)
+    return (out, None) if out else (None, NO_NORM_PAIR)
+
+
+def stores_norms(entries: list[dict]) -> bool:
+    """Whether a run's layer entries hold a norm module (its report then has a ``norms`` key)."""
+    return any(e.get("kind") == "module" and e.get("norm") for e in entries)
+
+
+def _norm_pairs(entries: list[dict]) -> list[tuple[dict, dict]]:
+    """(input entry, output entry) of every norm module a run stores on both sides (activations)."""
+    sides: dict[str, dict] = {}
+    for e in entries:
+        if e.get("kind") == "module" and e.get("norm") and not e.get("part") and not is_gradient(e["name"]):
+            sides.setdefault(e["module"], {})[e.get("side")] = e
+    return [(s["in"], s["out"]) for s in sides.values() if "in" in s and "out" in s]
+
+
+def _add_measured_gain(entry: dict, var_in, var_out, outlier_dims) -> None:
+    """``measured_gain`` of a norm from its input's and output's per-dimension variances: g_d =
+    sqrt(var_out_d / var_in_d) against var_in (Spearman, median g), and each outlier row's
+    ``measured_gain_ratio`` = g_d / median g with its ``measured_effect``; None without both
+    variances."""
+    if var_in is None or var_out is None:
+        entry["measured_gain"] = None
+        return
+    var_in, var_out = np.asarray(var_in, float), np.asarray(var_out, float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        g = np.where(var_in > 0, np.sqrt(var_out / var_in), np.nan)
+    finite = g[np.isfinite(g)]
+    med = float(np.median(finite)) if finite.size else None
+    entry["measured_gain"] = {"spearman_gain_variance": _spearman(g, var_in), "median_gain": med}
+    usable = med if med is not None and med > 0 else None
+    rows = entry.get("outliers")
+    if rows is None:
+        rows = entry["outliers"] = _outlier_rows(outlier_dims, g, var_in, None)  # no parameter ratio
+    for row in rows:
+        ratio = float(g[row["dim"]] / usable) if usable is not None else None
+        if ratio is None or not np.isfinite(ratio):
+            ratio = None
+        row["measured_gain_ratio"] = ratio
+        row["measured_effect"] = _effect(ratio)
+
+
+def _effect(ratio: float | None) -> str | None:
+    """``damped`` below 1, ``amplified`` above, ``unchanged`` at 1; None without a ratio."""
+    if ratio is None:
+        return None
+    return "damped" if ratio < 1 else ("amplified" if ratio > 1 else "unchanged")
