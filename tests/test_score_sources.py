@@ -304,6 +304,147 @@ def test_parquet_blocks_are_cut_at_the_same_rows_whatever_the_row_groups(tmp_pat
     np.testing.assert_array_equal(np.concatenate([b.layers["h"] for b in blocks]), x)
 
 
+def _zero_cells(n: int, d: int):
+    x = np.zeros((n, d), np.float32)
+    x[:, 0] = np.arange(n)  # (rows that differ: a score of them is defined)
+    x[:, 1] = np.arange(n) % 7
+    return pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), d)
+
+
+def _ipc(path: Path, table, compression: str | None, *, stream: bool, batch_rows: int) -> Path:
+    opts = pa.ipc.IpcWriteOptions(compression=compression)
+    with pa.OSFile(str(path), "wb") as sink:
+        new = pa.ipc.new_stream if stream else pa.ipc.new_file
+        with new(sink, table.schema, options=opts) as w:
+            w.write_table(table, max_chunksize=batch_rows)
+    return path
+
+
+@pytest.mark.parametrize("compression", ["zstd", "lz4"])
+@pytest.mark.parametrize("stream", [False, True], ids=["file", "stream"])
+def test_a_compressed_ipc_file_is_decompressed_a_batch_at_a_time(tmp_path, compression, stream):
+    """Opening a compressed Arrow IPC file decompressed every batch (20 batches of 2,000 x 256 zeros,
+    a 0.1 MB file, held 41 MB from the open on); it reads their headers only, and a batch is
+    decompressed when its rows are read. The sizes the headers declare are what pyarrow decodes."""
+    from geomscope.score.decoded_sizes import ipc_messages
+
+    n, d = 40_000, 256
+    path = _ipc(
+        tmp_path / "z.arrow", pa.table({"h": _zero_cells(n, d)}), compression, stream=stream, batch_rows=2000
+    )
+    assert path.stat().st_size < n * d * 4 / 100
+    base = pa.total_allocated_bytes()
+    lay = F.describe(path, "arrow", None, 1000, memory_mb=64)
+    assert lay.layers["h"][:2] == (n, d) and pa.total_allocated_bytes() - base < 2000 * d * 4 * 1.5
+    peak, firsts = 0, []
+    for part in lay.parts:
+        for r in F.read_rows("arrow", part, ["h"], 1000):
+            peak = max(peak, pa.total_allocated_bytes() - base)
+            firsts.append(r.layers["h"][:, 0].copy())
+    np.testing.assert_array_equal(np.concatenate(firsts), np.arange(n))
+    assert peak < n * d * 4 / 5, peak
+    with pa.memory_map(str(path)) as src:  # the declared sizes against what pyarrow decodes
+        src.seek(0 if stream else 8)
+        declared = [b.decoded_bytes for b in ipc_messages(src) if not b.dictionary]
+        src.seek(0 if stream else 8)
+        decoded = [b.get_total_buffer_size() for b in pa.ipc.open_stream(src)]
+    assert declared == decoded and len(declared) == 20
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["file", "stream"])
+def test_a_compressed_ipc_batch_over_the_memory_budget_is_refused_before_decompressing(cli, tmp_path, stream):
+    """One zstd batch of 4,000 x 512 zeros: a few KB on disk, 8 MiB once decompressed, refused at
+    --memory-mb 4 from its header (nothing decompressed); read at --memory-mb 16."""
+    path = _ipc(
+        tmp_path / "z.arrow", pa.table({"h": _zero_cells(4000, 512)}), "zstd", stream=stream, batch_rows=4000
+    )
+    base = pa.total_allocated_bytes()
+    with pytest.raises(InputError, match="record batch 0 decompresses to 8 MiB, more than --memory-mb 4"):
+        F.describe(path, "arrow", None, 1000, memory_mb=4)
+    assert pa.total_allocated_bytes() - base < 1 << 20
+    code, out, err = cli(["score", path, "--metrics", "avgcos", "--memory-mb", "4", "--quiet"])
+    assert_one_line_error(
+        code, out, err, "z.arrow", "more than --memory-mb 4", "smaller batches", exit_code=2
+    )
+    code, _, err = cli(
+        ["score", path, "--metrics", "avgcos", "--memory-mb", "16", "--out", tmp_path / "r", "-q"]
+    )
+    assert code == 0, err
+
+
+def test_a_parquet_page_over_the_memory_budget_is_refused_before_decompressing(cli, tmp_path):
+    """One zstd page of 4,000 x 512 numbers, nearly all zero: 8 MiB decompressed from a few KB, refused
+    at --memory-mb 4 from its page header; the same rows in pages of 1 MiB are read at that budget."""
+    table = pa.table({"h": _zero_cells(4000, 512)})
+    one = tmp_path / "one_page.parquet"
+    pq.write_table(table, one, compression="zstd", use_dictionary=False, data_page_size=1 << 30)
+    code, out, err = cli(["score", one, "--metrics", "avgcos", "--memory-mb", "4", "--quiet"])
+    assert_one_line_error(
+        code,
+        out,
+        err,
+        "one_page.parquet",
+        "a page of column",
+        "decompresses to 8 MiB",
+        "data_page_size",
+        exit_code=2,
+    )
+    paged = tmp_path / "paged.parquet"
+    pq.write_table(table, paged, compression="zstd", use_dictionary=False)
+    code, _, err = cli(
+        ["score", paged, "--metrics", "avgcos", "--memory-mb", "4", "--out", tmp_path / "r", "-q"]
+    )
+    assert code == 0, err
+
+
+def test_parquet_page_headers_declare_what_the_metadata_sums(tmp_path):
+    """decoded_sizes walks a column chunk's pages as Parquet's reader does: the pages' header and
+    uncompressed bytes add up to the chunk's total_uncompressed_size, whatever the page version,
+    codec or dictionary."""
+    from geomscope.score.decoded_sizes import parquet_pages
+
+    x = _anisotropic(3000, 16)
+    table = pa.table(
+        {"h": pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), 16), "doc_id": np.arange(3000) // 7}
+    )
+    for i, kw in enumerate(
+        [
+            {"compression": "zstd"},
+            {"compression": "snappy", "data_page_version": "2.0"},
+            {"compression": "none", "use_dictionary": False, "data_page_size": 4096},
+        ]
+    ):
+        path = tmp_path / f"p{i}.parquet"
+        pq.write_table(table, path, row_group_size=1000, **kw)
+        md = pq.ParquetFile(path).metadata
+        with open(path, "rb") as f:
+            for g in range(md.num_row_groups):
+                for c in range(md.num_columns):
+                    chunk = md.row_group(g).column(c)
+                    start = (
+                        chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+                    )
+                    pages = list(parquet_pages(f, start, chunk.total_compressed_size))
+                    assert sum(p.header + p.uncompressed for p in pages) == chunk.total_uncompressed_size
+
+
+@pytest.mark.parametrize("where", ["header", "data"])
+def test_a_garbled_parquet_page_is_one_line(cli, tmp_path, where):
+    """A page header of no Thrift type, or compressed bytes that do not decompress: pyarrow's
+    OSError was a traceback."""
+    path = tmp_path / "g.parquet"
+    x = _anisotropic(100, 8)
+    cells = pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), 8)
+    pq.write_table(pa.table({"h": cells}), path, compression="zstd", use_dictionary=False)
+    start = pq.ParquetFile(path).metadata.row_group(0).column(0).data_page_offset
+    data = bytearray(path.read_bytes())
+    at = start if where == "header" else start + 60
+    data[at : at + 100] = b"\xff" * 100
+    path.write_bytes(bytes(data))
+    code, out, err = cli(["score", path, "--metrics", "avgcos", "--quiet"])
+    assert_one_line_error(code, out, err, "g.parquet", exit_code=2)
+
+
 def test_vector_width_that_changes_between_row_groups(tmp_path):
     rng = np.random.default_rng(0)
     rows = [list(rng.standard_normal(8)) for _ in range(100)] + [

@@ -204,7 +204,7 @@ class _Scorer:
         if o.basis is not None:
             from geomscope.score.gradenergy import open_basis
 
-            self.basis = open_basis(src, o.basis, o.ranks, o.partial)
+            self.basis = open_basis(src, o.basis, o.ranks, o.partial, o.memory_mb)
 
     def _score_layers(self) -> tuple[list[dict], dict]:
         """(every layer's report entry in the source's order, each layer's extras), batch by batch;
@@ -350,7 +350,7 @@ class _Scorer:
         return out
 
     def _open_other_run(self, path: str) -> SourceInfo:
-        other = open_source(path, partial=self.opts.partial)
+        other = open_source(path, partial=self.opts.partial, memory_mb=self.opts.memory_mb)
         if other.kind != "run":
             raise InputError(f"--shrinkage-target {path} is not a run directory")
         missing = [n for n in self.src.layers if n not in other.layers]

@@ -21,12 +21,16 @@ Formats (``FORMATS``):
 - ``arrow`` -- Arrow IPC files (file or stream format), a ``datasets.save_to_disk`` directory, or a
   directory of such directories (SAELens' activation cache: one ``shard_i`` dataset per buffer);
   ``parquet`` -- a Parquet file or a directory of them, each row group decoded a block at a time
-  (memory follows the block, not the writer's row-group size). A column whose cells are vectors is a
-  layer with one row per cell; a column whose cells are matrices (datasets' ``Array2D``, SAELens:
-  ``context_size x d_in``) is a layer with one row per matrix row. Integer ``doc_id`` and boolean
-  ``special`` columns, when present (``geomscope export`` writes them), give the jackknife
-  document groups and ``--exclude-special`` their meaning; a layer column's field metadata
-  ``geomscope.layer_index`` (export writes it) is the layer's index in the model.
+  (memory follows the block, not the writer's row-group size). An IPC file is decoded a record
+  batch at a time as it is read (opening it reads headers only); a compressed batch, or a Parquet
+  page, is decompressed whole, so what its header declares it decompresses to is held against
+  ``--memory-mb`` before anything is (:meth:`_ArrowFile.check_decoded`, decoded_sizes.py). A
+  column whose cells are vectors is a layer with one row per cell; a column whose cells are
+  matrices (datasets' ``Array2D``, SAELens: ``context_size x d_in``) is a layer with one row per
+  matrix row. Integer ``doc_id`` and boolean ``special`` columns, when present (``geomscope
+  export`` writes them), give the jackknife document groups and ``--exclude-special`` their
+  meaning; a layer column's field metadata ``geomscope.layer_index`` (export writes it) is the
+  layer's index in the model.
 
 Layers read together must have the same number of rows (they describe the same tokens) and the same
 width; ``--column`` picks among them. Every cell of a layer holds numbers (a null cell, a null inside
@@ -50,6 +54,7 @@ import numpy as np
 from geomscope.errors import DataError, InputError, first_line
 from geomscope.fileio import read_json
 from geomscope.layers import layer_name
+from geomscope.score.decoded_sizes import HeaderError, ipc_messages, parquet_pages
 
 FORMATS = ("npz", "safetensors", "pt", "arrow", "parquet")
 SUFFIX_FORMATS = {
@@ -135,18 +140,18 @@ def _check_2d(path: Path, name: str, shape: tuple, kind: str) -> None:
         raise InputError(f"{path}: {name!r} holds {kind!r}-kind numbers; score expects real numbers")
 
 
-def describe(path: Path, fmt: str, columns: list[str] | None, block_rows: int) -> Layout:
+def describe(
+    path: Path, fmt: str, columns: list[str] | None, block_rows: int, memory_mb: float | None = None
+) -> Layout:
     """The layers of ``path`` (only ``columns`` when given) and its read units; InputError (one
     line) when the file cannot be read, a named column is missing or is not a 2-D float array, or
-    the layers do not line up."""
-    reader = {
-        "npz": _npz_describe,
-        "safetensors": _st_describe,
-        "pt": _pt_describe,
-        "arrow": _arrow_describe,
-        "parquet": _arrow_describe,
-    }[fmt]
-    lay = reader(path, fmt, columns, block_rows)
+    the layers do not line up, or (``memory_mb``: score's --memory-mb; None: no bound) where one
+    compressed Arrow batch or Parquet page decompresses to more than it."""
+    if fmt in ("arrow", "parquet"):
+        lay = _arrow_describe(path, fmt, columns, block_rows, memory_mb)
+    else:
+        reader = {"npz": _npz_describe, "safetensors": _st_describe, "pt": _pt_describe}[fmt]
+        lay = reader(path, fmt, columns, block_rows)
     if not lay.layers:
         raise InputError(
             f"{path} holds no 2-D numeric array to score"
@@ -540,7 +545,11 @@ def _check_regular(path: Path) -> None:
 
 
 class _ArrowFile:
-    """Record batches of one Arrow IPC (file or stream format) or Parquet file, memory-mapped."""
+    """Record batches of one Arrow IPC (file or stream format) or Parquet file, read lazily: opening
+    it reads headers only (every IPC batch's, walked in order without decoding: decoded_sizes.py;
+    the Parquet footer), and each batch is decoded as it is read (a compressed IPC file was
+    decompressed whole on open). :meth:`check_decoded` holds what one batch or page decompresses
+    to against a budget before anything is."""
 
     def __init__(self, path: Path, fmt: str):
         pa = _pa()
@@ -553,17 +562,85 @@ class _ArrowFile:
                 self.schema = self._pq.schema_arrow
                 self.num_rows = self._pq.metadata.num_rows
             else:
-                source = pa.memory_map(str(path), "r")
-                try:
-                    self._ipc = pa.ipc.open_file(source)
-                    self._batches = [self._ipc.get_batch(i) for i in range(self._ipc.num_record_batches)]
-                except pa.ArrowInvalid:
-                    source.seek(0)
-                    self._batches = list(pa.ipc.open_stream(source))  # zero-copy over the map
-                self.schema = (self._batches[0].schema if self._batches else None) or self._schema(source)
-                self.num_rows = sum(b.num_rows for b in self._batches)
-        except (pa.ArrowException, OSError) as e:
+                self._open_ipc(pa)
+        except (pa.ArrowException, OSError, HeaderError) as e:
             raise InputError(f"{path} is not a readable {fmt} file ({first_line(e, 160)})") from None
+
+    def _open_ipc(self, pa) -> None:
+        """The IPC file's batches from their headers, the schema from its first message. An IPC file
+        holds the stream format after its 8-byte magic: both are read as a stream, the file's up to
+        the record batches its footer counts."""
+        source = pa.memory_map(str(self.path), "r")
+        self._start = 8 if source.read(6) == b"ARROW1" else 0
+        counted = None
+        if self._start:
+            source.seek(0)
+            counted = pa.ipc.open_file(source).num_record_batches
+        source.seek(self._start)
+        self._batches = []
+        for batch in [] if counted == 0 else ipc_messages(source):
+            self._batches.append(batch)
+            if counted is not None and sum(not b.dictionary for b in self._batches) == counted:
+                break  # (what follows the file's batches is its footer)
+        self._source = source
+        self.schema = self._stream().schema
+        self.num_rows = sum(b.rows for b in self._batches if not b.dictionary)
+
+    def _stream(self):
+        self._source.seek(self._start)
+        return _pa().ipc.open_stream(self._source)
+
+    def check_decoded(self, columns: list[str], memory_mb: float | None) -> None:
+        """InputError (one line) where one compressed IPC batch, or one Parquet page of ``columns``,
+        decompresses to more than ``memory_mb`` MiB: it is decompressed whole before a row of it
+        is read (a 4 KB file could hold a 2 GiB zstd page). None: no bound."""
+        if memory_mb is None:
+            return
+        budget = memory_mb * 2**20
+        if self.fmt != "parquet":
+            for i, b in enumerate(self._batches):
+                if b.compressed and b.decoded_bytes > budget:
+                    what = "dictionary batch" if b.dictionary else "record batch"
+                    self._too_large(f"its {what} {i} decompresses to", b.decoded_bytes, memory_mb)
+            return
+        try:
+            self._check_pages(columns, budget, memory_mb)
+        except (HeaderError, OSError) as e:
+            raise InputError(f"{self.path} is not a readable parquet file ({first_line(e, 160)})") from None
+
+    def _check_pages(self, columns: list[str], budget: float, memory_mb: float) -> None:
+        """Every page of ``columns``' chunks (decoded_sizes.parquet_pages) within ``budget`` bytes."""
+        with open(self.path, "rb") as f:
+            for g, chunk, start in self._chunks_of(columns):
+                for page in parquet_pages(f, start, chunk.total_compressed_size):
+                    if page.uncompressed > budget:
+                        where = f"a page of column {chunk.path_in_schema!r} (row group {g})"
+                        self._too_large(f"{where} decompresses to", page.uncompressed, memory_mb)
+
+    def _chunks_of(self, columns: list[str]):
+        """(row group, column chunk metadata, its first byte) of every chunk of ``columns``: from its
+        dictionary page where it has one before its data, as Parquet's reader reads it."""
+        md = self._pq.metadata
+        for g in range(md.num_row_groups):
+            group = md.row_group(g)
+            for c in range(group.num_columns):
+                chunk = group.column(c)
+                if chunk.path_in_schema.split(".")[0] not in columns:
+                    continue
+                start = chunk.data_page_offset
+                dictionary = chunk.dictionary_page_offset if chunk.has_dictionary_page else None
+                yield g, chunk, dictionary if dictionary is not None and 0 < dictionary < start else start
+
+    def _too_large(self, what: str, nbytes: int, memory_mb: float) -> None:
+        fix = (
+            "write it with smaller pages (pyarrow.parquet.write_table(..., data_page_size=...))"
+            if self.fmt == "parquet"
+            else "write it in smaller batches, or uncompressed"
+        )
+        raise InputError(
+            f"{self.path}: {what} {nbytes / 2**20:.0f} MiB, more than --memory-mb {memory_mb:g} "
+            f"(it is decompressed whole before a row of it is read); {fix}, or raise --memory-mb"
+        )
 
     def _parquet_batches(self, columns: list[str], start: int, stop: int, cells: int):
         """Cells [start, stop) of a Parquet file, row group by row group, each decoded ``cells`` at a
@@ -577,15 +654,15 @@ class _ArrowFile:
             lo, hi = max(start, pos), min(stop, pos + n)
             if lo < hi:
                 decoded = self._pq.iter_batches(batch_size=cells, row_groups=[g], columns=columns)
-                yield from _batches_of(decoded, lo - pos, hi - lo, cells)
+                try:
+                    yield from _batches_of(decoded, lo - pos, hi - lo, cells)
+                except (_pa().ArrowException, OSError) as e:  # a page that does not decompress ...
+                    raise InputError(
+                        f"{self.path} is damaged ({first_line(e, 160)}); write it again"
+                    ) from None
             pos += n
             if pos >= stop:
                 return
-
-    @staticmethod
-    def _schema(source):
-        source.seek(0)
-        return _pa().ipc.open_stream(source).schema
 
     def batches(self, columns: list[str], start: int, stop: int, cells: int):
         """Record batches covering cells [start, stop), at most ``cells`` each."""
@@ -594,7 +671,19 @@ class _ArrowFile:
             return
         pa = _pa()
         pos = 0
-        for b in self._batches:
+        reader = self._stream()
+        for planned in (b for b in self._batches if not b.dictionary):
+            if pos >= stop:
+                return
+            try:
+                b = reader.read_next_batch()
+            except (pa.ArrowException, OSError, StopIteration) as e:
+                raise InputError(f"{self.path} is damaged ({first_line(e, 160)}); write it again") from None
+            if b.num_rows != planned.rows:
+                raise InputError(
+                    f"{self.path} is damaged (a batch of {b.num_rows} rows where its header says "
+                    f"{planned.rows}); write it again"
+                )
             lo, hi = max(start, pos), min(stop, pos + b.num_rows)
             if lo < hi:
                 picked = b.select(columns)
@@ -681,7 +770,7 @@ def _flatten_cells(pa, arr, depth: int, path: str, name: str) -> np.ndarray:
     return vals.reshape(-1, width or 0)
 
 
-def _arrow_describe(path: Path, fmt: str, columns, block_rows: int) -> Layout:
+def _arrow_describe(path: Path, fmt: str, columns, block_rows: int, memory_mb: float | None) -> Layout:
     pa = _pa()
     files = [_ArrowFile(f, fmt) for f in _arrow_files(path, fmt)]
     schema = files[0].schema
@@ -707,6 +796,8 @@ def _arrow_describe(path: Path, fmt: str, columns, block_rows: int) -> Layout:
             f"{path}: some columns hold one vector per row and others a matrix per row; "
             "pick columns of one kind with --column"
         )
+    for f in files:  # before the first cell is decoded below
+        f.check_decoded([*shapes, *(c for c in META_COLUMNS if c in found)], memory_mb)
     # widths (and the rows per matrix cell) come from the first cell where the type leaves them open
     layers, cell_rows = {}, {}
     first = next((f for f in files if f.num_rows), None)

@@ -36,15 +36,16 @@ def _model_identity(src: SourceInfo) -> dict:
     return {"name": m.get("name"), "weights": m.get(WEIGHTS_KEY), "hidden_size": m.get("hidden_size")}
 
 
-def open_basis(src: SourceInfo, path: str, ranks, partial: bool) -> Basis:
-    """Open and check ``--basis``; InputError (one line) when it cannot serve the gradient run."""
+def open_basis(src: SourceInfo, path: str, ranks, partial: bool, memory_mb: float | None = None) -> Basis:
+    """Open and check ``--basis`` (``memory_mb``: --memory-mb, what one decompressed read of it may
+    hold); InputError (one line) when it cannot serve the gradient run."""
     grads = [n for n in src.layers if is_gradient(n)]
     if src.kind != "run" or not grads:
         raise InputError(
             f"--basis measures gradients in an activation subspace, but {src.path} holds no gradient "
             "layers (<layer>.grad); give a run of extract --capture gradients"
         )
-    basis = open_source(path, partial=partial)
+    basis = open_source(path, partial=partial, memory_mb=memory_mb)
     if basis.kind != "run":
         raise InputError(
             f"--basis {path} is not a run directory; give a run of activations of the same model"

@@ -196,7 +196,8 @@ class ScoreOptions:
     memory_mb: float = option(
         2048,
         Interval(whole=False, low=0, high=MAX_MEMORY_MB, open_low=True, words="in (0, 2^40] MiB"),
-        "Memory budget of the per-layer accumulators.",
+        "Memory budget of the per-layer accumulators, and of what one read decompresses (a band of an "
+        ".h5 array's compressed chunks, a compressed Arrow batch, a Parquet page).",
         metavar="MIB",
     )
     verify: bool = True

@@ -337,7 +337,8 @@ def open_source(
     ``path``: a local path, or an fsspec URL (``scheme://...``) of a run directory, read through
     fsspec (arrays and other formats are read from local paths only). ``memory_mb`` (score passes
     --memory-mb) bounds what one read may hold: an .h5 dataset whose compressed chunks must be
-    decompressed in larger bands is refused; None sets no bound (callers that take runs only).
+    decompressed in larger bands, and a compressed Arrow batch or Parquet page that decompresses to
+    more, are refused; None sets no bound (callers that take runs only).
     """
     from geomscope.score.formats import format_of
     from geomscope.store import MANIFEST_NAME, remote
@@ -362,7 +363,7 @@ def open_source(
     if layers and (fmt is not None or not p.is_dir()):
         raise InputError("--layers applies to run directories; name the arrays of a file with --column")
     if fmt is not None:
-        return _open_format(p, fmt, columns, block_rows)
+        return _open_format(p, fmt, columns, block_rows, memory_mb)
     if p.is_dir():
         return _open_run(p, layers, partial)
     if not _is_array_path(p):
@@ -390,11 +391,13 @@ def _open_url(url: str, *, dataset, layers, columns, partial: bool) -> SourceInf
     return _open_run(url, layers, partial)
 
 
-def _open_format(p: Path, fmt: str, columns: list[str] | None, block_rows: int | None) -> SourceInfo:
+def _open_format(
+    p: Path, fmt: str, columns: list[str] | None, block_rows: int | None, memory_mb: float | None
+) -> SourceInfo:
     from geomscope.score.formats import describe
 
     # a bounded first guess of the width sizes the read units; describe() reads headers only
-    probe = describe(p, fmt, columns, block_rows or 1 << 62)
+    probe = describe(p, fmt, columns, block_rows or 1 << 62, memory_mb)
     n, d, dtype = next(iter(probe.layers.values()))
     itemsize = 2 if "16" in dtype else 8 if "64" in dtype else 4
     step = max(block_rows or 0, rows_per_block(d, itemsize, len(probe.layers)))
