@@ -1,4 +1,5 @@
-"""Running one batch and keeping the real-token rows of the requested hidden states.
+"""Running one batch and keeping the real-token rows of the requested hidden states, and of the
+modules ``extract --modules`` names (their hooks: extract/modules.py).
 
 Rows are the positions where the attention mask is 1, in row-major (document, position) order --
 never chosen by comparing token ids (GPT-2's pad token is its eos; a pad id may be 0; a document may

@@ -21,6 +21,10 @@ states, which are the same tensors ``extract`` stores as activations (``layer_N`
 norm's input, ``final_norm`` at its output), so ``score --basis`` can pair a gradient layer with the
 activation layer of the same name.
 
+A module layer (``extract --modules``) takes the gradient with respect to the module's own tensor
+(its output, or the input it reads), from the same backward pass; the q, k and v of a fused
+projection are cut from the gradient of its one output.
+
 Gradient layers are stored as ``<layer>.grad``: a run of ``--capture activations,gradients`` holds
 both, from one forward and backward pass (the activations of a masked-LM run are those of the
 masked input).  Gradients are small numbers (often 1e-6 .. 1e-3), below float16's normal range, so a

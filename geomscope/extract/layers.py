@@ -10,6 +10,10 @@ instead (``layer_N``, read at the norm's input) and the norm's output as a layer
 models have no final norm: their ``layer_N`` is the model's output and there is no ``final_norm``.
 When a model's final norm cannot be found by name, the old meaning stays: ``layer_N`` is the
 tuple's last entry, flagged ``final_norm: true``.
+
+A module's layer (``extract --modules``, :func:`describe_modules`) is named by its path and sits at
+its block's index (block k's modules at k + 1, beside ``layer_{k+1}``); :func:`in_forward_order`
+puts the hidden states and the modules in one list in the order the forward pass computes them.
 """
 
 from __future__ import annotations
