@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 
 from geomscope.formatting import shown_name, value_and_se
-from geomscope.schema import METRIC_LABELS, SCALAR_METRIC_NAMES, extra_id_keys
+from geomscope.schema import csv_metric_columns, metric_label
 
 
 def escape_html(v) -> str:
@@ -32,8 +32,7 @@ def number_html(v) -> str:
 
 def _table_metrics(report: dict) -> list[str]:
     layers = report.get("layers", [])
-    keys = (*SCALAR_METRIC_NAMES, *extra_id_keys(layers))
-    return [m for m in keys if any(isinstance(e.get(m), (int, float)) for e in layers)]
+    return [m for m in csv_metric_columns(report) if any(isinstance(e.get(m), (int, float)) for e in layers)]
 
 
 def report_table_html(report: dict) -> str:
@@ -41,7 +40,7 @@ def report_table_html(report: dict) -> str:
     outlier dimensions (the table a notebook shows for a report)."""
     metrics = _table_metrics(report)
     layers = report.get("layers", [])
-    head = "".join(f"<th>{escape_html(METRIC_LABELS.get(m, m))}</th>" for m in metrics)
+    head = "".join(f"<th>{escape_html(metric_label(m))}</th>" for m in metrics)
     with_out = any(e.get("outliers") for e in layers)
     out = ["<table class='layers'><thead><tr><th>layer</th><th>rows</th>", head]
     out.append("<th>outliers</th>" if with_out else "")

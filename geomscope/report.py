@@ -70,11 +70,10 @@ from geomscope.schema import (
     REPORT_FORMAT,
     REPORT_FORMAT_VERSION,
     REPORT_KEYS,
-    SCALAR_METRIC_NAMES,
     TABLE_METRICS,
     csv_columns,
     csv_metric_columns,
-    extra_id_keys,
+    metric_label,
     report_defect,
 )
 
@@ -300,9 +299,7 @@ def table_metrics(report: dict, columns=None) -> tuple[list[str], list[str]]:
     (:data:`geomscope.schema.TABLE_METRICS`, which fits 80 columns), ``["all"]`` = every metric with a
     value, else the named ones (InputError, one line, for a name without values)."""
     layers = report.get("layers", [])
-    present = [
-        m for m in (*SCALAR_METRIC_NAMES, *extra_id_keys(layers)) if any(e.get(m) is not None for e in layers)
-    ]
+    present = [m for m in csv_metric_columns(report) if any(e.get(m) is not None for e in layers)]
     if not columns:
         return [m for m in TABLE_METRICS if m in present] or present[:5], present
     if list(columns) == ["all"]:
@@ -358,7 +355,7 @@ def report_table(report: dict, columns=None):
     t.add_column("layer", no_wrap=True)
     t.add_column("rows", justify="right", no_wrap=True)
     for m in metrics:
-        t.add_column(shown(METRIC_LABELS.get(m, m)), justify="right", no_wrap=True)
+        t.add_column(shown(metric_label(m)), justify="right", no_wrap=True)
     show_out = any(e.get("outliers") for e in layers) and (bool(columns) or not hidden)
     if show_out:
         t.add_column("outliers")

@@ -92,7 +92,53 @@ SCALAR_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("twonn", "TwoNN", "twonn"),
 )
 SCALAR_METRIC_NAMES: tuple[str, ...] = tuple(m.name for m in SCALAR_METRICS)
-METRIC_LABELS: dict[str, str] = {m.name: m.label for m in SCALAR_METRICS}
+
+#: the scalar metrics of the diagnostic families (docs/metrics.md, "Diagnostics"): a layer entry
+#: carries them only where their family is requested, after every key above and its ``id_<name>``
+#: keys, each with its ``se`` entry (so a report without them keeps its keys, columns and bytes).
+#: All-but-the-top's keys depend on its k (:func:`abtt_key`) and are not listed here.
+DIAGNOSTIC_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("whitened_isoscore", "IsoScore(w)", "whitened"),
+    MetricSpec("whitened_isoscore_star", "IsoScore*(w)", "whitened"),
+    MetricSpec("whitened_avgcos", "cos(w)", "whitened"),
+)
+#: all-but-the-top's keys: ``abtt<k>_<metric>`` for each k of ``score --abtt-k``
+ABTT_METRICS = ("isoscore", "isoscore_star", "avgcos")
+_ABTT_KEY = re.compile(r"^abtt([1-9][0-9]*)_(isoscore|isoscore_star|avgcos)$")
+_ABTT_LABELS = {"isoscore": "IsoScore", "isoscore_star": "IsoScore*", "avgcos": "cos"}
+
+METRIC_LABELS: dict[str, str] = {m.name: m.label for m in (*SCALAR_METRICS, *DIAGNOSTIC_METRICS)}
+
+
+def abtt_key(k: int, metric: str) -> str:
+    """The key of ``metric`` after removing the top ``k`` principal directions (all-but-the-top)."""
+    return f"abtt{int(k)}_{metric}"
+
+
+def is_diagnostic_key(key: str) -> bool:
+    """A scalar metric of a diagnostic family (:data:`DIAGNOSTIC_METRICS`, :func:`abtt_key`)."""
+    return key in _DIAGNOSTIC_NAMES or _ABTT_KEY.match(key) is not None
+
+
+def metric_label(key: str) -> str:
+    """The short header of a metric in terminal and HTML tables (the key itself where it has none)."""
+    m = _ABTT_KEY.match(key)
+    if m:
+        return f"{_ABTT_LABELS[m.group(2)]}-{m.group(1)}"
+    return METRIC_LABELS.get(key, key)
+
+
+def diagnostic_keys(layers: list[dict]) -> list[str]:
+    """The diagnostic families' scalar keys present in any layer entry, in the order entries hold them."""
+    seen: dict[str, None] = {}
+    for e in layers:
+        for k in e:
+            if isinstance(k, str) and is_diagnostic_key(k):
+                seen.setdefault(k)
+    return list(seen)
+
+
+_DIAGNOSTIC_NAMES = frozenset(m.name for m in DIAGNOSTIC_METRICS)
 
 #: the metrics of the terminal table by default: a readable subset that fits 80 columns
 TABLE_METRICS: tuple[str, ...] = ("isoscore_star", "isoscore", "avgcos", "pr", "twonn")
@@ -123,8 +169,9 @@ NON_METRIC_LAYER_KEYS = frozenset(LAYER_KEYS) - frozenset(SCALAR_METRIC_NAMES)
 
 
 def is_metric_key(key: str) -> bool:
-    """A scalar metric of the schema, or an extra intrinsic-dimension estimator's ``id_<name>``."""
-    return key in METRIC_LABELS or key.startswith(EXTRA_ID_PREFIX)
+    """A scalar metric of the schema, an extra intrinsic-dimension estimator's ``id_<name>``, or a
+    diagnostic family's metric."""
+    return key in METRIC_LABELS or key.startswith(EXTRA_ID_PREFIX) or is_diagnostic_key(key)
 
 
 def extra_id_keys(layers: list[dict]) -> list[str]:
@@ -133,8 +180,10 @@ def extra_id_keys(layers: list[dict]) -> list[str]:
 
 
 def csv_metric_columns(report: dict) -> list[str]:
-    """The scalar metrics of the CSV: every schema metric, then the report's extra estimators."""
-    return [*SCALAR_METRIC_NAMES, *extra_id_keys(report.get("layers", []))]
+    """The scalar metrics of the CSV: every schema metric, then the report's extra estimators, then
+    the diagnostic metrics it holds."""
+    layers = report.get("layers", [])
+    return [*SCALAR_METRIC_NAMES, *extra_id_keys(layers), *diagnostic_keys(layers)]
 
 
 def csv_columns(report: dict) -> list[str]:

@@ -789,11 +789,13 @@ def test_score_options_reject_library_callers_bad_values(kw, match):
         ScoreOptions(**kw).validate()
 
 
-def test_score_options_all_means_the_core_metrics():
+def test_score_options_all_means_the_core_metrics_and_the_diagnostics():
     from geomscope.score import CORE_METRICS
+    from geomscope.score.options import DIAGNOSTIC_FAMILIES
 
     o = ScoreOptions(metrics=("all",)).validate()
-    assert o.metrics == CORE_METRICS and o.zeta == 0.2 and isinstance(o.zeta, float)
+    assert o.metrics == (*CORE_METRICS, *DIAGNOSTIC_FAMILIES) and o.zeta == 0.2 and isinstance(o.zeta, float)
+    assert ScoreOptions().validate().metrics == CORE_METRICS
     assert ScoreOptions(metrics=("all", "mle")).validate().extra_id == ("mle",)
 
 

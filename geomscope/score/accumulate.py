@@ -11,7 +11,8 @@ Pass kinds (picklable :class:`PassSpec`):
   intrinsic-dimension reservoir and the row counts.
 - ``"unit"``: per layer and cosine variant, the unit-vector sums of every jackknife replicate r (rows
   of every group but r, shifted/scaled by replicate r's mean/std) plus all rows
-  (:class:`~geomscope.score.multiunit.MultiUnitSum`).
+  (:class:`~geomscope.score.multiunit.MultiUnitSum`); and those of the rows after all-but-the-top
+  and whitening, with replicate r's mean and eigenvectors (score/postprocess.py).
 
 Results of tasks are merged by the parent in task order, so one worker and many give the same
 numbers (to float64 rounding of the merge tree, which is the same tree either way).
@@ -51,6 +52,8 @@ class PassSpec:
     product_dtype: str = "float64"  # "moments": the dtype of the covariance's block products
     id_k: int = 0
     unit: dict | None = None  # layer -> variant -> (shifts (R, D), scales (R, D) | None)
+    post: dict | None = None  # layer -> family -> its spec (score/postprocess.pass_spec)
+    abtt_k: tuple[int, ...] = ()  # "unit" with post: the all-but-the-top k
     checksum: bool = False
     block_rows: int | None = None
     threads: int = 1  # threads per task for the block statistics (engine.py picks: cores / workers)
@@ -63,6 +66,7 @@ class LayerPart:
     reservoir: Reservoir | None = None
     select: BottomK | None = None
     unit: dict | None = None  # variant -> MultiUnitSum (R replicates)
+    post: dict | None = None  # family -> RemovedTopUnitSums / WhitenedUnitSums (R replicates)
 
     def merge(self, other: LayerPart) -> LayerPart:
         for k in COUNT_KEYS:
@@ -79,12 +83,14 @@ class LayerPart:
             )
         if other.select is not None:
             self.select = other.select if self.select is None else self.select.merge(other.select)
-        if other.unit is not None:
-            if self.unit is None:
-                self.unit = other.unit
-            else:
-                for v, mus in other.unit.items():
-                    self.unit[v].merge(mus)
+        for attr in ("unit", "post"):
+            theirs = getattr(other, attr)
+            if theirs is not None:
+                if getattr(self, attr) is None:
+                    setattr(self, attr, theirs)
+                else:
+                    for v, sums in theirs.items():
+                        getattr(self, attr)[v].merge(sums)
         return self
 
 
@@ -138,7 +144,21 @@ def _new_part(spec: PassSpec, dim: int | None) -> LayerPart:
 def _unit_part(spec: PassSpec, name: str) -> dict:
     from geomscope.score.multiunit import MultiUnitSum
 
-    return {v: MultiUnitSum(shifts, scales) for v, (shifts, scales) in spec.unit[name].items()}
+    return {
+        v: MultiUnitSum(shifts, scales) for v, (shifts, scales) in (spec.unit or {}).get(name, {}).items()
+    }
+
+
+def _post_part(spec: PassSpec, name: str) -> dict | None:
+    """The all-but-the-top and whitened unit sums of a layer's spec (score/postprocess.pass_spec:
+    family -> (shifts, bases or maps))."""
+    from geomscope.metrics.postprocess import RemovedTopUnitSums, WhitenedUnitSums
+
+    wanted = (spec.post or {}).get(name)
+    if not wanted:
+        return None
+    make = {"abtt": lambda s, b: RemovedTopUnitSums(s, b, spec.abtt_k), "whitened": WhitenedUnitSums}
+    return {family: make[family](*pieces) for family, pieces in wanted.items()}
 
 
 def run_task(task: Task, spec: PassSpec, progress=None, into: dict | None = None) -> dict[str, LayerPart]:
@@ -222,6 +242,7 @@ def _new_parts(parts: dict, spec: PassSpec) -> None:
             parts[name] = _new_part(spec, None)
             if spec.kind == "unit":
                 parts[name].unit = _unit_part(spec, name)
+                parts[name].post = _post_part(spec, name)
 
 
 def _run(task: Task, spec: PassSpec, progress, parts: dict) -> dict[str, LayerPart]:
@@ -319,7 +340,10 @@ def _add_block(block, spec: PassSpec, parts: dict, work: OrderedWork, task: Task
                 keys = block.keys if whole else block.keys[keep]
                 lp.reservoir.add(row_hash(keys, spec.seed, STREAM_ID_SAMPLE), xs)
         else:
-            _update_units(lp.unit, xs, gs, work)
+            if lp.unit:
+                _update_units(lp.unit, xs, gs, work)
+            if lp.post:
+                _update_post(lp.post, xs, gs, work)
 
 
 def _read_ahead(blocks):
@@ -396,6 +420,30 @@ def _update_units(unit: dict, xs: np.ndarray, gs: np.ndarray, work: OrderedWork)
             return part
 
         work.submit(compute, merge, (("unit sums", d), lambda: new_work(BLOCK_ROWS, d), lambda w: True))
+
+
+def _update_post(post: dict, xs: np.ndarray, gs: np.ndarray, work: OrderedWork) -> None:
+    """The all-but-the-top and whitened unit sums of the rows ``xs`` (score/postprocess.py); with
+    ``work.threads`` > 1 each block of the sums' size goes into fresh sums in a thread, added in row
+    order (the same additions as one update, so the same numbers)."""
+    from geomscope.metrics.postprocess import BLOCK_ROWS
+
+    sums = list(post.values())
+    if work.threads <= 1:
+        for s in sums:
+            s.update(xs, gs)
+        return
+
+    def merge(part):
+        for s, p in zip(sums, part, strict=True):
+            s.merge(p)
+
+    for i in range(0, len(xs), BLOCK_ROWS):
+
+        def compute(_scratch, i=i):
+            return [s.fresh().update(xs[i : i + BLOCK_ROWS], gs[i : i + BLOCK_ROWS]) for s in sums]
+
+        work.submit(compute, merge, (("post sums", 0), lambda: None, lambda w: True))
 
 
 def _merge_kept(task: Task, spec: PassSpec, parts: dict, checked: dict) -> None:

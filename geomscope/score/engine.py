@@ -34,7 +34,7 @@ import numpy as np
 from geomscope.errors import DataError, InputError
 from geomscope.progress import Log, Progress, log_to
 from geomscope.schema import REPORT_FORMAT, REPORT_FORMAT_VERSION
-from geomscope.score import compute, idest, outliers, resources
+from geomscope.score import compute, idest, outliers, postprocess, resources
 from geomscope.score.accumulate import PassSpec
 from geomscope.score.executor import Executor, make_executor
 from geomscope.score.layer import LayerResult
@@ -191,6 +191,10 @@ class _Scorer:
                     f"{src.path} kept float64 accumulators made at extraction, not rows: "
                     "--product-dtype float32 changes nothing there (the report records float64)"
                 )
+        if o.wants("abtt"):
+            from geomscope.metrics.postprocess import check_ks
+
+            check_ks(o.abtt_k, src.dim)
         self.thresholds = self._select_rows() if o.max_rows else None
         self.c0_fixed = None
         if self.target.startswith("file:"):
@@ -382,7 +386,7 @@ class _Scorer:
         )
         label = batch[0] if len(batch) == 1 else f"{batch[0]}..{batch[-1]}"
         parts = self._pass(self.src.tasks, spec, f"moments {label}")
-        entries, pending_unit = {}, {}
+        entries = {}
         for name in batch:
             c0 = self.c0_fixed if self.c0_fixed is not None else c0_by_layer.get(name)
             entries[name] = state = LayerResult(
@@ -399,31 +403,52 @@ class _Scorer:
         self._each(entries.values(), LayerResult.moments)
         if self.basis is not None:
             self._gradient_energy(entries)
-        pending_unit = {n: s for n, s in entries.items() if o.needs_second_pass and s.unit_spec is not None}
-        if pending_unit and self.src.sample is not None:
-            for s in pending_unit.values():
-                s.cosine_variants_unavailable(
-                    "needs every row (each is shifted by the mean of all rows, and scaled by their std, "
-                    "before it is normalised); this run kept accumulators and a sample "
-                    f"(--keep sample:{self.src.sample}); extract with --keep all for it"
-                )
-            pending_unit = {}
-        if pending_unit:
-            spec2 = self._spec(
-                "unit",
-                list(pending_unit),
-                thresholds=self.thresholds,
-                unit={n: s.unit_spec for n, s in pending_unit.items()},
-            )
-            parts2 = self._pass(self.src.tasks, spec2, f"centred cosine {label}")
-            for n, s in pending_unit.items():
-                s.cosine_variants(parts2[n].unit)
+        self._second_pass(entries, label)
         self._each(entries.values(), LayerResult.finish)
         out = {}
         for name, state in entries.items():
             extras[name] = state.extra
             out[name] = state.entry()
         return out
+
+    def _second_pass(self, entries: dict, label: str) -> None:
+        """The average cosines of shifted, scaled or projected rows (centred, standardised,
+        all-but-the-top, whitened): one more pass over the rows of the layers that need it, or null
+        with why for a --keep sample run, which kept no rows to shift."""
+        o = self.opts
+        unit = {n: s for n, s in entries.items() if o.needs_second_pass and s.unit_spec is not None}
+        post = {n: s for n, s in entries.items() if s.post_spec is not None}
+        if (unit or post) and self.src.sample is not None:
+            kept = (
+                f"this run kept accumulators and a sample (--keep sample:{self.src.sample}); extract "
+                "with --keep all for it"
+            )
+            for s in unit.values():
+                s.cosine_variants_unavailable(
+                    "needs every row (each is shifted by the mean of all rows, and scaled by their std, "
+                    f"before it is normalised); {kept}"
+                )
+            for s in post.values():
+                s.post_cosines_unavailable(
+                    "needs every row (each is centred and projected or whitened with the covariance of "
+                    f"all rows before it is normalised); {kept}"
+                )
+            return
+        if not unit and not post:
+            return
+        spec = self._spec(
+            "unit",
+            list({**unit, **post}),
+            thresholds=self.thresholds,
+            unit={n: s.unit_spec for n, s in unit.items()},
+            post={n: s.post_spec for n, s in post.items()},
+            abtt_k=o.abtt_k,
+        )
+        parts = self._pass(self.src.tasks, spec, f"{'centred' if unit else 'processed'} cosine {label}")
+        for n, s in unit.items():
+            s.cosine_variants(parts[n].unit)
+        for n, s in post.items():
+            s.post_cosines(parts[n].post)
 
     def _gradient_energy(self, entries: dict) -> None:
         """Captured gradient energy of this batch's gradient layers (gradenergy.py) in the basis run's
@@ -539,6 +564,7 @@ class _Scorer:
                 "scheduler": o.scheduler,
                 "layer_batch_size": self.batch_size,
                 "rows_total": self.rows,
+                **postprocess.params(o),
             },
             "layers": layers,
             "embeddings": embeddings,

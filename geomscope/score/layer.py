@@ -6,7 +6,7 @@ import numpy as np
 
 from geomscope.metrics.moments import MAX_THREADED_M2_BYTES, map_in_order
 from geomscope.schema import EXTRA_ID_PREFIX, SCALAR_METRIC_NAMES
-from geomscope.score import compute, idest, outliers
+from geomscope.score import compute, idest, outliers, postprocess
 from geomscope.score.options import ScoreOptions
 from geomscope.score.sources import SourceInfo
 
@@ -29,6 +29,8 @@ class LayerResult:
         self.notes: dict[str, str] = {}
         self.flags: list[str] = list(src.flags)
         self.unit_spec = None
+        self.post_spec = None  # the second pass's all-but-the-top / whitening spec (postprocess.py)
+        self.post_have: set = set()  # the replicates whose covariance gave that spec its pieces
         self.full = None
         self.live: list[int] = []
         self.n_live = 0
@@ -50,12 +52,16 @@ class LayerResult:
             return
         if groups is None or self.n < 2:
             why = f"{self.n} usable row(s); at least 2 are needed"
-            for k in _moment_keys(o):
+            for k in (*_moment_keys(o), *postprocess.keys(o)):
                 self.values[k] = None
                 self.notes.setdefault(k, why)
             return
         self.full = full = compute.merged(groups)
         self.values = compute.moment_values(full, o, c0, self.notes, full=True)
+        post_full = {}
+        if o.postprocessed:
+            post_values, post_full = postprocess.covariance_values(full, o, c0, self.notes)
+            self.values.update(post_values)
         if full.n <= full.dim and (o.wants("isoscore") or o.wants("isoscore_star") or o.wants("spectrum")):
             self.flags.append("rank_limited")
         if o.wants("avgcos") and full.n_zero_norm:
@@ -70,16 +76,20 @@ class LayerResult:
         if len(live) < 2:  # leaving out the only group leaves nothing: no replicates
             live = []
         self.live = live
-        replicate_shifts = self._jackknife_replicates(groups)
+        replicate_shifts, post_pieces = self._jackknife_replicates(groups)
         if replicate_shifts:
             self.unit_spec = self._unit_spec(replicate_shifts)
+        if post_full:
+            self.post_have = {r for r, pieces in post_pieces.items() if pieces}
+            self.post_spec = postprocess.pass_spec(post_full, post_pieces, self.G if self.G >= 2 else 0)
         if not self.keep_groups:  # every number needing them is computed: free G x D x D floats now
             self.lp.groups = None
 
-    def _jackknife_replicates(self, groups) -> dict[str, list]:
+    def _jackknife_replicates(self, groups) -> tuple[dict[str, list], dict[int, dict]]:
         """The delete-one-group jackknife replicates of the moment metrics (``reps``) and of the outlier
         statistic (``rep_stats``), one per live group in order; return, per second-pass cosine variant,
-        each replicate's (shift, scale) of the rows (empty when no second pass is needed)."""
+        each replicate's (shift, scale) of the rows (empty when no second pass is needed), and each
+        replicate's all-but-the-top / whitening pieces (postprocess.covariance_values)."""
         o, c0 = self.opts, self.c0
         shifts = {v: [] for v in o.avgcos_variants if v != "plain"} if o.needs_second_pass else {}
         self.rep_stats = []
@@ -87,21 +97,26 @@ class LayerResult:
         def replicate(r, _scratch):  # replicate r's numbers (an eigensolve each: threads pay)
             m = compute.merged(groups, skip=r)
             shift_scale = {v: compute.unit_shift_scale(m, v) for v in shifts}
-            return (
-                compute.moment_values(m, o, c0, {}, full=False),
-                outliers.replicate_statistic(m, o),
-                shift_scale,
-            )
+            values = compute.moment_values(m, o, c0, {}, full=False)
+            pieces = {}
+            if o.postprocessed:
+                post_values, pieces = postprocess.covariance_values(m, o, c0, {})
+                values.update(post_values)
+            return values, outliers.replicate_statistic(m, o), shift_scale, pieces
 
         # each replicate in flight holds a merged D x D scatter: large ones one at a time, as in moments.py
         threads = self.threads if 8 * self.full.dim**2 <= MAX_THREADED_M2_BYTES else 1
-        for vals, stat, shift_scale in map_in_order(replicate, self.live, threads):
+        post_pieces = {}
+        for r, (vals, stat, shift_scale, pieces) in zip(
+            self.live, map_in_order(replicate, self.live, threads), strict=True
+        ):
             for k, v in vals.items():
                 self.reps.setdefault(k, []).append(v)
             self.rep_stats.append(stat)
             for v in shifts:
                 shifts[v].append(shift_scale[v])
-        return shifts
+            post_pieces[r] = pieces
+        return shifts, post_pieces
 
     def _unit_spec(self, replicate_shifts: dict[str, list]) -> dict[str, tuple]:
         """The second pass's spec per cosine variant: (shifts, scales) stacked over the G jackknife
@@ -141,6 +156,16 @@ class LayerResult:
                     )
                     for r in self.live
                 ]
+
+    def post_cosines(self, sums: dict) -> None:
+        """The second pass's all-but-the-top and whitened average cosines, and their replicates."""
+        values, reps = postprocess.cosine_values(sums, self.opts, self.live, self.post_have, self.notes)
+        self.values.update(values)
+        self.reps.update(reps)
+
+    def post_cosines_unavailable(self, why: str) -> None:
+        postprocess.unavailable(self.opts, why, self.values, self.notes)
+        self.post_spec = None
 
     def cosine_variants_unavailable(self, why: str) -> None:
         """The centred/standardised cosines cannot be served from what the source kept: null, with why."""
@@ -212,6 +237,8 @@ class LayerResult:
         }
         for name in o.extra_id:
             e[f"{EXTRA_ID_PREFIX}{name}"] = id_values.get(f"{EXTRA_ID_PREFIX}{name}")
+        for key in postprocess.keys(o):
+            e[key] = v.get(key)
         _fill_null_notes(e, o)
         return e
 
@@ -235,12 +262,12 @@ def scalar_keys(o: ScoreOptions) -> list[str]:
     if "twonn" in o.id_names:
         keys.append("twonn")
     keys += [f"{EXTRA_ID_PREFIX}{n}" for n in o.extra_id]
-    return keys
+    return keys + postprocess.keys(o)
 
 
 def _fill_null_notes(e: dict, o: ScoreOptions) -> None:
     wanted = set(scalar_keys(o))
-    for k in (*SCALAR_METRIC_NAMES, *[f"{EXTRA_ID_PREFIX}{n}" for n in o.extra_id]):
+    for k in (*SCALAR_METRIC_NAMES, *[f"{EXTRA_ID_PREFIX}{n}" for n in o.extra_id], *postprocess.keys(o)):
         if e.get(k) is None and k not in e["notes"]:
             e["notes"][k] = (
                 "not requested (--metrics / --avgcos-variants)"

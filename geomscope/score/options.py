@@ -38,6 +38,12 @@ from geomscope.score.resources import CONNECT_TIMEOUT_S
 MOMENT_METRICS = ("isoscore", "isoscore_star", "avgcos", "spectrum", "outliers")
 CORE_METRICS = (*MOMENT_METRICS, "twonn", "partition")
 DEFAULT_METRICS = CORE_METRICS
+#: the diagnostic families (docs/metrics.md, "Diagnostics"): named in --metrics, or by ``all``
+DIAGNOSTIC_FAMILIES = ("abtt", "whitened")
+#: the families computed from the moments' covariance and unit sums (their jackknife groups)
+MOMENT_FAMILIES = ("abtt", "whitened")
+#: what ``all`` names: the core metrics and every diagnostic family
+ALL_METRICS = (*CORE_METRICS, *DIAGNOSTIC_FAMILIES)
 AVGCOS_VARIANTS = ("plain", "centred", "standardised")
 _VARIANT_ALIASES = {"centered": "centred", "standardized": "standardised", "raw": "plain"}
 DEFAULT_OUTLIER_THRESHOLD = {"variance": 5.0, "zscore": 3.0, "quantile": 0.99, "magnitude": 6.0}
@@ -89,9 +95,10 @@ class ScoreOptions:
     metrics: tuple[str, ...] | str = option(
         DEFAULT_METRICS,
         CommaList("metric names"),
-        "Comma list of isoscore, isoscore_star, avgcos, spectrum, outliers, twonn, partition and "
-        "scikit-dimension estimators (e.g. mle, lpca); 'all' = those seven core metrics (the "
-        "estimators only when named).",
+        "Comma list of isoscore, isoscore_star, avgcos, spectrum, outliers, twonn, partition, the "
+        "diagnostics abtt (all-but-the-top) and whitened, and scikit-dimension estimators (e.g. mle, "
+        "lpca); 'all' = the seven core metrics and the diagnostics (the estimators only when named). "
+        "Default: the seven core metrics.",
         metavar="LIST",
         short="-m",
     )
@@ -257,6 +264,14 @@ class ScoreOptions:
         metavar="local:N|tcp://HOST:PORT|FILE.json",
         optional=True,
     )
+    abtt_k: tuple[int, ...] | str = option(
+        (1, 5, 10),
+        CommaList("directions (whole numbers >= 1)", POSITIVE_INT, int),
+        "--metrics abtt: the numbers k of top principal directions removed (each below D); reports "
+        "IsoScore, IsoScore* and the average cosine after each.",
+        metavar="LIST",
+        flag="--abtt-k",
+    )
     extra_id: tuple[str, ...] = field(default=(), repr=False)  # filled by validate()
 
     def to_dict(self) -> dict:
@@ -295,6 +310,7 @@ class ScoreOptions:
             columns=columns,
             shrinkage_target=normalise_target(self.shrinkage_target),
             ranks=_checked_ranks(self.ranks),
+            abtt_k=_checked_abtt(self.abtt_k),
             controls=int(self.controls),
             scheduler=_checked_scheduler(self.scheduler, self.workers),
         )
@@ -315,7 +331,12 @@ class ScoreOptions:
 
     @property
     def moment_metrics(self) -> bool:
-        return any(m in self.metrics for m in MOMENT_METRICS)
+        return any(m in self.metrics for m in (*MOMENT_METRICS, *MOMENT_FAMILIES))
+
+    @property
+    def postprocessed(self) -> bool:
+        """All-but-the-top or whitening: an eigendecomposition per replicate and a second pass."""
+        return self.wants("abtt") or self.wants("whitened")
 
     @property
     def id_names(self) -> tuple[str, ...]:
@@ -328,13 +349,14 @@ class ScoreOptions:
 
 
 def _checked_metrics(names, id_estimators) -> tuple[tuple, tuple, tuple]:
-    """(metrics, --id-estimator names, extra estimators run besides TwoNN); ``all`` = the core seven."""
+    """(metrics, --id-estimator names, extra estimators run besides TwoNN); ``all`` = the core seven
+    and the diagnostic families."""
     ids = id_estimator_names()
-    known = (*CORE_METRICS, *[n for n in ids if n != "twonn"])
+    known = (*ALL_METRICS, *[n for n in ids if n != "twonn"])
     metrics = []
     for m in (str(x).strip().lower() for x in names):
         if m == "all":
-            metrics.extend(CORE_METRICS)
+            metrics.extend(ALL_METRICS)
         elif m and m not in known:
             raise InputError(f"unknown metric {m!r}; choose among {', '.join(known)}")
         elif m:
@@ -383,6 +405,15 @@ def _checked_ranks(ranks) -> tuple[int, ...]:
     out = sorted({int(r) for r in _listed(ranks)})
     if not out:
         raise InputError("--rank is empty; give ranks such as 8,32,128")
+    return tuple(out)
+
+
+def _checked_abtt(ks) -> tuple[int, ...]:
+    """--abtt-k (whole numbers >= 1 by its declaration) as sorted distinct ints (each below D: checked
+    against the source's width when scored)."""
+    out = sorted({int(k) for k in _listed(ks)})
+    if not out:
+        raise InputError("--abtt-k is empty; give numbers of directions such as 1,5,10")
     return tuple(out)
 
 
