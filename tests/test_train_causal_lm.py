@@ -312,10 +312,10 @@ def test_lambda_grid_then_compare_on_perplexity(lm, tmp_path, cli):
 
 
 def test_two_accelerate_processes_equal_one(lm, tmp_path):
-    """accelerate launch with 2 CPU processes (gloo) and batch 2 x 2 micro-batches trains as one
-    process with batch 4 x 2: every process counts the global batch's predicted tokens, so the
-    token mean and the I-STAR covariance are the global batch's, whatever the padding of each
-    process's rows."""
+    """accelerate launch with 2 CPU processes (gloo) and batch 4 trains as one process with batch
+    8: every process counts the global batch's predicted tokens, so the token mean and the I-STAR
+    covariance are the global batch's, whatever the padding of each process's rows; the logged
+    gradient geometry (moments merged over the processes) is the global batch's too."""
     import os
     import socket
     import subprocess
@@ -335,17 +335,17 @@ def test_two_accelerate_processes_equal_one(lm, tmp_path):
         return [
             *("-m", "geomscope", "finetune", lm["gpt_neox"], "--task", "causal-lm", "--lm-batching", "pad"),
             *("--train", lm["train"], "--eval", lm["eval"], "--out", str(out), "--epochs", "1"),
-            *("--batch-size", str(batch), "--grad-accum", "2", "--max-length", str(MAX_LEN), "--lr", "2e-3"),
-            *("--lambda=-1", "--device", "cpu", "-q"),
+            *("--batch-size", str(batch), "--max-length", str(MAX_LEN), "--lr", "2e-3"),
+            *("--lambda=-1", "--log-geometry", "1", "--geometry-rank", "2,8", "--device", "cpu", "-q"),
         ]
 
     one = subprocess.run(
-        [sys.executable, *args(tmp_path / "one", 4)], env=env, capture_output=True, text=True
+        [sys.executable, *args(tmp_path / "one", 8)], env=env, capture_output=True, text=True
     )
     assert one.returncode == 0, one.stderr
     launch = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
     launch += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port]
-    two = subprocess.run([*launch, *args(tmp_path / "two", 2)], env=env, capture_output=True, text=True)
+    two = subprocess.run([*launch, *args(tmp_path / "two", 4)], env=env, capture_output=True, text=True)
     assert two.returncode == 0, two.stderr
     s1, s2 = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "two"))
     assert s2["world_size"] == 2 and s1["global_batch"] == s2["global_batch"] == 8
@@ -355,6 +355,12 @@ def test_two_accelerate_processes_equal_one(lm, tmp_path):
         assert ra["predicted_tokens"] == rb["predicted_tokens"]
         for k in ("task_loss", "penalty", "isoscore_star"):
             assert abs(ra[k] - rb[k]) < 1e-5, (k, ra, rb)
+        for name, ga in ra["geometry"].items():
+            gb = rb["geometry"][name]
+            assert ga["tokens"] == gb["tokens"] and ga["p_value"] == gb["p_value"]
+            for key in ("energy", "energy_max", "control_energy_mean", "control_energy_sd"):
+                for r, v in ga[key].items():
+                    assert v == pytest.approx(gb[key][r], rel=1e-4), (name, key, r)
     for k in ("eval_loss", "perplexity", "isoscore_star"):
         assert s1["final"][k] == pytest.approx(s2["final"][k], rel=1e-5), k
     assert s1["final"]["eval_predicted_tokens"] == s2["final"]["eval_predicted_tokens"]

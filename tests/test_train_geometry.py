@@ -1,5 +1,6 @@
-"""``geomscope finetune --log-geometry``: per-layer gradient energy in the top-r C0 subspace while
-training."""
+"""``geomscope finetune --log-geometry``: per-layer gradient energy in the layer's own top-r
+activation subspace, with matched-rank normal controls, while training; equal to ``score --basis`` on
+the same rows of a checkpoint saved mid-training."""
 
 from __future__ import annotations
 
@@ -65,30 +66,63 @@ def test_every_step_has_geometry_for_each_layer_and_rank(runs):
         assert meta["config"]["log_geometry"] == 1 and meta["config"]["geometry_rank"] == list(RANKS)
         geo_meta = meta["geometry"]
         assert geo_meta["layers"] == ["layer_01", "layer_02"] and geo_meta["dim"] == 32
-        assert "pooled" in geo_meta["subspace"]
+        assert "own activation covariance" in geo_meta["subspace"]
+        assert geo_meta["controls"] == 20 and geo_meta["control_seed"] == cfg.seed
         assert geo_meta["isoscore_target"] == ("C0" if key == "istar" else "trace-matched identity")
         for rec in steps:
             assert set(rec["geometry"]) == {"layer_01", "layer_02"} and rec["geometry_seconds"] >= 0
             for layer in rec["geometry"].values():
-                assert 0 <= layer["isoscore_star"] <= 1
+                assert 0 <= layer["isoscore_star"] <= 1 and layer["tokens"] > 32
                 for r in RANKS:
                     e, m = layer["energy"][str(r)], layer["energy_max"][str(r)]
                     assert 0 <= e <= m + 1e-12 <= 1 + 1e-12
                     assert layer["baseline"][str(r)] == r / 32
                     kappa = layer["kappa"][str(r)]
                     assert kappa is None or kappa == pytest.approx((e - r / 32) / (m - r / 32))
+                    mean, p = layer["control_energy_mean"][str(r)], layer["p_value"][str(r)]
+                    assert 0 < mean < 1 and layer["control_energy_sd"][str(r)] > 0
+                    assert p in {k / 21 for k in range(1, 22)}
+                    assert layer["energy_ratio"][str(r)] == pytest.approx(e / mean)
     assert all("geometry" not in r for r in _steps(runs["dir"] / "none"))
     assert "geometry" not in json.loads((runs["dir"] / "none" / "run.json").read_text())
 
 
+def _energy_by_definition(S, C, r: int, controls: int, seed: int) -> dict:
+    """E, E_max and the normal controls of rank r straight from their definitions in numpy: U_r the
+    top-r eigenvectors of C, control k from ``default_rng([seed, r])``'s k-th Gaussian (D, r) draw
+    with U_r projected out, orthonormalised (docs/metrics.md)."""
+    D = S.shape[0]
+    U = np.linalg.eigh(C)[1][:, ::-1][:, :r]
+    tr = np.trace(S)
+    e = np.trace(U.T @ S @ U) / tr
+    e_max = np.sort(np.linalg.eigvalsh(S))[::-1][:r].sum() / tr
+    rng = np.random.default_rng([seed, r])
+    ek = []
+    for _ in range(controls):
+        g = rng.standard_normal((D, r))
+        g -= U @ (U.T @ g)
+        g -= U @ (U.T @ g)
+        q = np.linalg.qr(g)[0]
+        ek.append(np.trace(q.T @ S @ q) / tr)
+    ek = np.array(ek)
+    return {
+        "energy": e,
+        "energy_max": e_max,
+        "kappa": (e - r / D) / (e_max - r / D),
+        "control_energy_mean": ek.mean(),
+        "control_energy_sd": ek.std(ddof=1),
+        "p_value": (1 + np.sum(ek >= e)) / (controls + 1),
+    }
+
+
 def test_step_one_energy_matches_an_independent_recomputation(runs):
     """Step 1 redone from the step-0 snapshot: autograd of the task loss w.r.t. each hidden state,
-    S from the real tokens, C0 from compute_c0, and metrics.subspace.gradient_energy."""
+    S from the real tokens' gradients, each layer's own covariance of the same tokens, and E, E_max,
+    kappa and the 20 controls from their definitions in numpy."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from geomscope import distributed as dd
     from geomscope.metrics.isotropy import isoscore_star_from_cov
-    from geomscope.metrics.subspace import gradient_energy
     from geomscope.train.data import Encoded, epoch_order, global_batches, load_table
     from geomscope.train.evaluate import compute_c0
 
@@ -100,9 +134,6 @@ def test_step_one_energy_matches_an_independent_recomputation(runs):
     label2id = json.loads((out / "label_map.json").read_text())["label2id"]
     enc = Encoded(tok, load_table(cfg.train), label2id, cfg.max_length)
     order = epoch_order(len(enc), cfg.seed, 0)
-    d = dd.Dist(0, 1, 0, torch.device("cpu"))
-    layers = [1, 2]
-    C0, _ = compute_c0(model, enc, order, layers, cfg.c0_points, cfg.batch_size, d, nullcontext)
     gb = global_batches(order, cfg.batch_size, 1)[0]
     batch = enc.collate(gb)
     torch.manual_seed(cfg.seed)  # the trainer's dropout stream (rank 0) at its first step
@@ -113,22 +144,25 @@ def test_step_one_energy_matches_an_independent_recomputation(runs):
     # the same forward as the trainer's first step
     assert step1["task_loss"] == pytest.approx(float(task.detach()), abs=1e-6)
     keep = batch["attention_mask"].bool()
-    C0n = C0.numpy()
-    for i, name in zip(layers, ("layer_01", "layer_02"), strict=True):
+    d = dd.Dist(0, 1, 0, torch.device("cpu"))
+    C0, _ = compute_c0(model, enc, order, [1, 2], cfg.c0_points, cfg.batch_size, d, nullcontext)
+    none_step1 = _steps(runs["dir"] / "none_geo")[0]["geometry"]
+    for i, name in zip([1, 2], ("layer_01", "layer_02"), strict=True):
         (g,) = torch.autograd.grad(task, o.hidden_states[i], retain_graph=True)
         G = g[keep].double().numpy()
-        ref = gradient_energy(G.T @ G, None, C0n, RANKS, controls=0)
-        logged = step1["geometry"][name]
-        for row in ref:
-            r = str(row["rank"])
-            assert logged["energy"][r] == pytest.approx(row["energy"], abs=1e-6)
-            assert logged["energy_max"][r] == pytest.approx(row["energy_max"], abs=1e-6)
-            assert logged["baseline"][r] == row["baseline"]
-            if row["kappa"] is not None:
-                assert logged["kappa"][r] == pytest.approx(row["kappa"], abs=1e-5)
         X = o.hidden_states[i][keep].detach().double().numpy()
-        iso = isoscore_star_from_cov(np.cov(X.T), cfg.zeta, C0n)
+        logged = step1["geometry"][name]
+        assert logged["tokens"] == len(X)
+        for r in RANKS:
+            ref = _energy_by_definition(G.T @ G, np.cov(X.T), r, 20, cfg.seed)
+            for key, want in ref.items():
+                assert logged[key][str(r)] == pytest.approx(want, rel=1e-6, abs=1e-9), (name, r, key)
+        # the batch IsoScore* of the layer's tokens against the penalty's C0 (I-STAR); the run
+        # without a regulariser took the same first step and shrinks towards the trace
+        iso = isoscore_star_from_cov(np.cov(X.T), cfg.zeta, C0.numpy())
         assert logged["isoscore_star"] == pytest.approx(iso, abs=1e-6)
+        trace = isoscore_star_from_cov(np.cov(X.T), cfg.zeta, "trace")
+        assert none_step1[name]["isoscore_star"] == pytest.approx(trace, abs=1e-6)
 
 
 def test_logging_geometry_leaves_training_bitwise_unchanged(runs):
@@ -163,6 +197,8 @@ def test_bad_geometry_options_are_one_line_errors(cli, runs, tmp_path):
         (["--log-geometry", "0"], "--log-geometry must be a positive whole number"),
         (["--log-geometry", "2", "--geometry-rank", "8,x"], "comma list of whole numbers"),
         (["--log-geometry", "2", "--geometry-rank", "0"], "--geometry-rank must be a comma list"),
+        (["--geometry-controls", "5"], "--geometry-controls sets the controls of --log-geometry"),
+        (["--log-geometry", "2", "--geometry-controls", "-1"], "--geometry-controls must be"),
     ):
         out = tmp_path / "o"
         assert_one_line_error(*cli([*base, "--out", out, *extra]), needle, exit_code=2)
@@ -182,6 +218,12 @@ def test_training_plot_draws_the_geometry_panels(runs, tmp_path, cli):
     assert {"layer_01, r=16", "layer_02, r=16"} <= set(labels)
     dashed = [ln for ln in ax_e.get_lines() if ln.get_linestyle() == "--"]
     assert [float(ln.get_ydata()[0]) for ln in dashed] == [16 / 32]
+    dotted = [ln for ln in ax_e.get_lines() if ln.get_linestyle() == ":"]
+    assert [ln.get_label() for ln in dotted][:1] == ["mean of the normal controls (dotted)"]
+    logged = [
+        r["geometry"]["layer_01"]["control_energy_mean"]["16"] for r in _steps(runs["dir"] / "none_geo")
+    ]
+    assert len(dotted) == 2 and list(dotted[0].get_ydata()) == logged
     assert {ln.get_label() for ln in ax_i.get_lines()} == {"layer_01", "layer_02"}
     # a log without geometry keeps the four panels; overlaying both works through the CLI
     assert len(plot_training_log(runs["dir"] / "none").get_axes()) == 4
@@ -337,9 +379,9 @@ def test_finetune_eval_records_both_targets_from_the_penalty_c0(tmp_path, monkey
 
 
 def test_eval_records_name_each_target_in_every_run(runs):
-    """Every eval record holds both variants; the C0 one wherever the run computed a C0 (I-STAR, or
-    --log-geometry), null otherwise; ``isoscore_star`` (what compare reads) is the trace one."""
-    for key, has_c0 in (("istar", True), ("none_geo", True), ("none", False)):
+    """Every eval record holds both variants; the C0 one where the run computed a C0 (I-STAR), null
+    otherwise (--log-geometry needs none); ``isoscore_star`` (what compare reads) is the trace one."""
+    for key, has_c0 in (("istar", True), ("none_geo", False), ("none", False)):
         for rec in (json.loads(ln) for ln in (runs["dir"] / key / "eval.jsonl").read_text().splitlines()):
             assert rec["isoscore_star"] == rec["isoscore_star_trace_pooled"]
             for k in STAR_KEYS:
@@ -366,3 +408,62 @@ def test_training_plot_names_each_isoscore_target(runs):
         ln for ln in fig.get_axes()[2].get_lines() if ln.get_label() == "istar (istar, λ=-1): eval, C0 target"
     ]
     assert list(marks.get_ydata()) == [ev["isoscore_star_c0_pooled"]]
+
+
+# -- the same numbers as score --basis ------------------------------------------------------------
+
+
+def test_logged_geometry_equals_score_basis_on_a_mid_training_checkpoint(tmp_path, cli):
+    """A causal LM logs its geometry every step and keeps its weights every 2 steps: step 3 ran on
+    the weights of checkpoints/step2. ``extract --capture activations,gradients`` of those weights on
+    step 3's documents, then ``score --basis`` of that run with the same ranks, controls and seed,
+    give every penalised layer's logged energy, E_max, kappa and controls to 1e-5 relative: float32
+    forwards of other batch shapes and a loss of another scale may round apart (here they agree to
+    1e-15). The documents have one
+    length, so extract's loss (the sum of each document's mean token loss) is the step's token mean
+    times a constant, which no energy sees. The last hidden state of this decoder is its final
+    norm's output: extract's ``final_norm``."""
+    import random
+
+    from helpers_models import WORDS, make_tiny_model
+
+    from geomscope.train.data import epoch_order, global_batches
+
+    rng = random.Random(0)
+    vocab = [w for w in WORDS if w.isalpha()]
+    docs = [" ".join(rng.choice(vocab) for _ in range(12)) for _ in range(12)]
+    train = tmp_path / "train.txt"
+    train.write_text("\n".join(docs) + "\n")
+    out = tmp_path / "ft"
+    cfg = FinetuneConfig(
+        model=str(make_tiny_model("gpt_neox", tmp_path)), train=str(train), eval=str(train), out=str(out),
+        task="causal-lm", lm_batching="pad", epochs=1, batch_size=4, lr=5e-3, device="cpu", lam=-1.0,
+        log_geometry=1, save_every=2, geometry_rank=(2, 8), geometry_controls=7, seed=3,
+    )  # fmt: skip
+    finetune(cfg)
+    step3 = _steps(out)[2]
+    assert step3["step"] == 3 and (out / "checkpoints" / "step2").is_dir()
+    third = global_batches(epoch_order(len(docs), cfg.seed, 0), cfg.batch_size, 1)[2]
+    rows = tmp_path / "rows.txt"
+    rows.write_text("\n".join(docs[i] for i in third) + "\n")
+    run, rep = tmp_path / "run", tmp_path / "rep"
+    code, _, err = cli(
+        ["extract", out / "checkpoints" / "step2", rows, "--capture", "activations,gradients"]
+        + ["--loss", "causal-lm", "--layers", "1,final_norm", "--out", run, "--quiet"]
+    )
+    assert code == 0, err
+    code, _, err = cli(
+        ["score", run, "--basis", run, "--rank", "2,8", "--controls", "7", "--seed", "3"]
+        + ["--metrics", "isoscore", "--out", rep, "--quiet"]
+    )
+    assert code == 0, err
+    scored = json.loads((tmp_path / "rep.json").read_text())["gradient_energy"]["layers"]
+    keys = ("energy", "energy_max", "kappa", "control_energy_mean", "control_energy_sd", "p_value")
+    for logged_name, scored_name in (("layer_01", "layer_01.grad"), ("layer_02", "final_norm.grad")):
+        logged = step3["geometry"][logged_name]
+        assert logged["tokens"] == 4 * 12 and [row["rank"] for row in scored[scored_name]] == [2, 8]
+        for row in scored[scored_name]:
+            r = str(row["rank"])
+            for key in (*keys, "energy_ratio", "baseline"):
+                assert logged[key][r] == pytest.approx(row[key], rel=1e-5, abs=1e-12), (logged_name, r, key)
+            assert row["controls"] == 7 and row["control_energy_mean"] is not None

@@ -16,9 +16,10 @@ An I-STAR log without ``isoscore_star_c0_pooled`` marks its trace-target eval va
 
 Logs written with ``finetune --log-geometry`` (step records with a ``geometry`` entry,
 :mod:`geomscope.train.geometry`) get a third row: the captured gradient energy
-E = tr(U_r^T S U_r) / tr(S) against the step, one line per layer (coloured by depth) at the log's
-largest rank -- or, when every log has a single chosen layer, one line per rank -- with the r/D
-baselines dashed; and the per-layer batch IsoScore*.  Logs without geometry draw the four panels
+E = tr(U_r^T S U_r) / tr(S) in each layer's own top-r activation subspace against the step, one line
+per layer (coloured by depth) at the log's largest rank -- or, when every log has a single chosen
+layer, one line per rank -- with the mean of its normal controls dotted (logs that record them) and
+the r/D baselines dashed; and the per-layer batch IsoScore*.  Logs without geometry draw the four panels
 alone.
 """
 
@@ -121,7 +122,7 @@ def _record_defect(rec) -> str | None:
     if not isinstance(geometry, dict) or not all(isinstance(g, dict) for g in geometry.values()):
         return "geometry is not an object of layers"
     for g in geometry.values():
-        for key in ("energy", "baseline"):
+        for key in ("energy", "baseline", "control_energy_mean"):
             by_rank = g.get(key)
             if by_rank is not None and not (
                 isinstance(by_rank, dict)
@@ -212,6 +213,7 @@ def _plot_geometry(ax_e, ax_i, logs: list[dict]) -> None:
     per_rank = all(len(_geometry_layers(log["steps"])) <= 1 for log in logs)
     baselines: dict[str, float] = {}
     shown_ranks: set[str] = set()
+    controls_named = False
     for i, log in enumerate(logs):
         recs = log["steps"]
         names = _geometry_layers(recs)
@@ -235,6 +237,11 @@ def _plot_geometry(ax_e, ax_i, logs: list[dict]) -> None:
                         label=f"{tag}{plain_text(name)}, r={rank}",
                     )
                     shown_ranks.add(rank)
+                xs, ys = _geometry_series(recs, name, "control_energy_mean", rank)
+                if xs:
+                    label = "_nolegend_" if controls_named else "mean of the normal controls (dotted)"
+                    ax_e.plot(xs, ys, color=c, linestyle=":", linewidth=0.8, label=label)
+                    controls_named = True
                 for r in recs:
                     b = (((r.get("geometry") or {}).get(name) or {}).get("baseline") or {}).get(rank)
                     if b is not None:
@@ -252,7 +259,7 @@ def _plot_geometry(ax_e, ax_i, logs: list[dict]) -> None:
                 linewidth=0.8,
                 label=f"r/D = {baselines[rank]:.3g} (r={rank})",
             )
-    ax_e.set_title("gradient energy in top-r C0 subspace" + ("" if per_rank else " (largest r)"))
+    ax_e.set_title("gradient energy in top-r subspace" + ("" if per_rank else " (largest r)"))
     ax_e.set_ylabel("tr(UᵀSU)/tr(S)")
     ax_i.set_title("batch IsoScore* per layer")
     for ax in (ax_e, ax_i):

@@ -75,8 +75,10 @@ NEW_DEFAULTS = {
     "lora_target": "q,v",
     "report_to": "none",
     "lm_batching": "pack",
+    "geometry_controls": 20,
 }
-_NOT_FINGERPRINTED = ("report_to", "gradient_checkpointing")  # neither changes what is learnt
+#: none of them changes what is learnt
+_NOT_FINGERPRINTED = ("report_to", "gradient_checkpointing", "geometry_controls")
 # options that must match to resume a run (epochs may grow; device and verbosity may change)
 _FINGERPRINT = (
     "model",
@@ -234,18 +236,26 @@ class FinetuneConfig:
     log_geometry: int | None = option(
         None,
         POSITIVE_INT,
-        "Every EVERY optimiser steps, log per chosen layer (--layers) in steps.jsonl the share of the "
-        "task-loss gradient's energy in the top-r principal subspace of C0 (the epoch's training "
-        "covariance of the chosen layers pooled; computed for cosreg/none too) against r/D, and the "
-        "batch IsoScore*. `geomscope plot DIR` draws it.",
+        "Every EVERY optimiser steps, log per chosen layer (--layers) and rank in steps.jsonl the "
+        "share of the task-loss gradient's energy in the layer's own top-r activation subspace over "
+        "the step's batch, against r/D, E_max and --geometry-controls random rank-r subspaces (mean, "
+        "SD, p), as score --basis computes them on the same rows; and the batch IsoScore*. "
+        "`geomscope plot DIR` draws it.",
         metavar="EVERY",
         optional=True,
     )
     geometry_rank: tuple[int, ...] = option(
         (8, 32),
         _RANKS,
-        "Ranks r of the C0 subspaces for --log-geometry (each below the hidden size D).",
+        "Ranks r of the activation subspaces for --log-geometry (each below the hidden size D).",
         metavar="LIST",
+    )
+    geometry_controls: int = option(
+        20,
+        Interval(whole=True, low=0),
+        "Random rank-r subspaces of U_r's complement per layer and rank for --log-geometry, seeded by "
+        "--seed (score --basis --controls K --seed S draws the same).",
+        metavar="K",
     )
     weight_decay: float | None = option(
         None,
@@ -328,6 +338,10 @@ class FinetuneConfig:
             raise InputError("an evaluation file is needed: pass --eval FILE")
         if self.lm_batching != NEW_DEFAULTS["lm_batching"] and self.task != "causal-lm":
             raise InputError("--lm-batching sets the rows of --task causal-lm; pass --task causal-lm")
+        if self.geometry_controls != NEW_DEFAULTS["geometry_controls"] and self.log_geometry is None:
+            raise InputError(
+                "--geometry-controls sets the controls of --log-geometry; pass --log-geometry EVERY"
+            )
         if self.grad_accum > 1 and self.log_geometry is not None:
             raise InputError("--log-geometry does not support --grad-accum > 1 yet; pass one of them")
         self._check_lora()

@@ -39,7 +39,7 @@ to ``--c0-points`` points, padding as ``--include-padding`` says); the penalty o
 ``isoscore_star_c0_pooled`` is the penalty's own quantity on the eval set, and the per-layer
 values shrink each layer towards the same pooled C0 (at its absolute scale: a layer whose variance is
 small beside the pool's reads close to IsoScore(C0s), whatever its own shape).  The ``_c0`` values
-are null in a run that computed no C0 (``--reg cosreg`` or ``none`` without ``--log-geometry``).
+are null in a run that computed no C0 (``--reg cosreg`` or ``none``).
 The ``_trace`` values shrink towards the identity scaled to the covariance's own trace, so
 tr(C_zeta) = tr(C): they depend on the shape of the eval covariance alone, not on its scale nor on
 the training data.  ``isoscore_star`` is the key ``compare`` reads.  Per-layer values are keyed
@@ -191,7 +191,7 @@ class EvalGeometry:
         else:
             u, counts = reduced
         u = u.reshape(L + 1, D)
-        per_layer = _merged_layers(self.per_layer, d)
+        per_layer = merged_layers(self.per_layer, d)
         union = Moments(D, extras=True)
         for moments in per_layer:
             union.merge(moments)
@@ -210,7 +210,7 @@ class EvalGeometry:
         }
 
 
-def _merged_layers(per_layer: list[Moments], d: dd.Dist) -> list[Moments]:
+def merged_layers(per_layer: list[Moments], d: dd.Dist) -> list[Moments]:
     """Each layer's accumulators merged over the ranks in rank order (one gather for all layers)."""
     if not d.active:
         return per_layer

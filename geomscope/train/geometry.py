@@ -2,60 +2,72 @@
 
 Bernas et al. 2026 ("Revisiting Anisotropy in Language Transformers: The Geometry of Learning
 Dynamics") find that the gradients of the loss with respect to the hidden states concentrate in the
-top principal directions of the hidden states themselves. :mod:`geomscope.metrics.subspace`
-measures this on stored runs; this module measures it on the training batches as the model trains.
+top principal directions of the hidden states themselves, far beyond random directions of the same
+rank. ``score GRADRUN --basis ACTRUN`` measures this on stored runs
+(:mod:`geomscope.score.gradenergy`); this module measures it on the training batches as the model
+trains, with the same functions, so that the two give the same numbers on the same rows.
 
 Every ``EVERY`` optimiser steps (steps ``EVERY, 2 EVERY, ...`` of the run's global step count), for
-each chosen layer ``l`` (``--layers``, the layers of the I-STAR penalty):
+each chosen layer ``l`` (``--layers``, the layers of the I-STAR penalty), over the real tokens t of
+the step's batch (attention mask 1; padding never counts here):
 
-* g_t = dL_task/dh_t for the real tokens t of the batch (attention mask 1; padding never counts
-  here), with L_task the step's task loss exactly as the optimiser sees it (the summed cross-entropy
-  times world_size / global batch size), taken with ``torch.autograd.grad(..., retain_graph=True)``
-  before ``backward()``: the parameter gradients and the update are untouched (bitwise). Under fp16
-  the loss is multiplied by the gradient scaler's scale before differentiation and the gradients
-  divided by it afterwards (no underflow), in float64.
-* S_l = sum_t g_t g_t^T (D x D, float64 on the training device). Under DDP each process's gradient
-  rows are its own tokens; S_l is summed over the processes (one all-reduce on every process), so
-  the logged numbers are those of the *global* batch, as in a single process.
-* U_r = the top-r eigenvectors of the current C0: the covariance that
-  :func:`geomscope.train.evaluate.compute_c0` computes at the start of every epoch from up to
-  ``--c0-points`` training token vectors of *all* chosen layers pooled (the union of the layers'
-  tokens, centred on the union's mean; padding excluded unless ``--include-padding``). I-STAR runs
-  use the C0 of the penalty itself; CosReg / none runs compute the same C0 when --log-geometry is
-  on (no gradient, eval mode: training is not changed; eval.jsonl's ``c0_points_used`` then counts
-  its points). So U_r is one subspace shared by all chosen
-  layers, not each layer's own principal subspace; with a single chosen layer it is that layer's.
-* per rank r (``--geometry-rank``, each below the hidden size D), the quantities of
-  :func:`geomscope.metrics.subspace.gradient_energy` (without its random controls):
+* g_t = dL_task/dh_t, with L_task the step's task loss exactly as the optimiser sees it, taken with
+  ``torch.autograd.grad(..., retain_graph=True)`` before ``backward()``: the parameter gradients and
+  the update are untouched (bitwise). Under fp16 the loss is multiplied by the gradient scaler's
+  scale before differentiation and the gradients divided by it afterwards (no underflow), in
+  float64.
+* the float64 :class:`~geomscope.metrics.moments.Moments` of the rows g_t and of the rows h_t (the
+  layer's hidden states of the same tokens); under DDP each process's are its own tokens, and they
+  are merged over the processes in rank order, so the numbers are those of the *global* batch.
+* S = sum_t g_t g_t^T and g-bar from the gradient moments
+  (:func:`geomscope.score.gradenergy.second_moment`), C_act = the covariance (divide by n - 1) of
+  the h_t, and per rank r (``--geometry-rank``) :func:`geomscope.metrics.subspace.gradient_energy`
+  (S, g-bar, C_act, r, K controls seeded by ``--seed``): the layer's own top-r activation subspace
+  U_r of this batch, and
 
-      energy      E     = tr(U_r^T S U_r) / tr(S)           in [0, 1]
-      baseline          = r / D                              (E of an isotropic S)
-      energy_max  E_max = (top-r eigenvalues of S) / tr(S)   (the best of any rank-r subspace)
-      kappa             = (E - r/D) / (E_max - r/D)          (null when E_max - r/D < 1e-12)
+      energy             E     = tr(U_r^T S U_r) / tr(S)           in [0, 1]
+      baseline                 = r / D                              (E of an isotropic S)
+      energy_max         E_max = (top-r eigenvalues of S) / tr(S)   (the best of any rank-r subspace)
+      kappa                    = (E - r/D) / (E_max - r/D)
+      control_energy_mean, control_energy_sd: of E_k over K random rank-r subspaces of U_r's
+                               complement (``--geometry-controls`` K)
+      p_value                  = (1 + #{E_k >= E}) / (K + 1)
+      energy_ratio             = E / control_energy_mean
 
+  These are the numbers ``score GRADRUN --basis GRADRUN --rank r --controls K --seed S`` reports for
+  a run of ``extract --capture activations,gradients`` of the same model on the same rows with a
+  loss proportional to the step's (a causal LM on documents of one length, for instance), to float
+  rounding: ``tests/test_train_geometry.py`` checks it on a checkpoint saved mid-training. A rank
+  beyond the batch covariance's numerical rank (a batch of n tokens has rank at most n - 1) has
+  null values, as in ``score``.
 * the batch IsoScore* of the layer's own token vectors (global batch, float64, zeta = --zeta,
   padding as --include-padding) with the same shrinkage target as the step's aggregated
   ``isoscore_star``: C0 for I-STAR runs, the trace-matched identity otherwise.
 
 The step record of ``steps.jsonl`` then carries (ranks as strings, layers named as
-``geomscope extract`` names them)::
+``geomscope extract`` names hidden states; the last hidden state of a model with a final norm is
+that norm's output, extract's ``final_norm``)::
 
-    "geometry": {"layer_01": {"isoscore_star": 0.41,
+    "geometry": {"layer_01": {"tokens": 412, "isoscore_star": 0.41,
                               "energy": {"8": 0.62, "32": 0.85},
                               "energy_max": {"8": 0.90, "32": 0.99},
                               "baseline": {"8": 0.0104, "32": 0.0417},
-                              "kappa": {"8": 0.68, "32": 0.86}}, ...},
+                              "kappa": {"8": 0.68, "32": 0.86},
+                              "control_energy_mean": {"8": 0.011, "32": 0.043},
+                              "control_energy_sd": {"8": 0.004, "32": 0.007},
+                              "p_value": {"8": 0.048, "32": 0.048},
+                              "energy_ratio": {"8": 56.4, "32": 19.8}}, ...},
     "geometry_seconds": 0.012
 
-(null marks an undefined value: zero gradients, a non-finite S, a layer without variance; E and
-E_max are clipped to [0, 1] against float64 rounding). Steps that are not logged, and a step whose
-loss is not finite, have no ``geometry`` key; a logged step's ``seconds`` includes
-``geometry_seconds``. ``run.json`` describes it under ``"geometry"``
-(:meth:`GeometryLog.metadata`).
+(null marks an undefined value: zero gradients, a layer without variance, a rank past the batch's
+numerical rank, controls where 2r > D). Steps that are not logged, and a step whose loss is not
+finite, have no ``geometry`` key; a logged step's ``seconds`` includes ``geometry_seconds``.
+``run.json`` describes it under ``"geometry"`` (:meth:`GeometryLog.metadata`).
 
-Cost of a logged step: one extra backward pass from the task loss to the earliest chosen layer
-(no parameter gradients), one (D, D) float64 product per layer, a batched eigvalsh of the L
-matrices S (for E_max), and per epoch one eigh of C0.
+Cost of a logged step: one extra backward pass from the task loss to the earliest chosen layer (no
+parameter gradients), the rows of each chosen layer copied to the host in float64, and per layer
+two partial eigendecompositions of (D, D) matrices and K products of S with D x r blocks per rank
+(``score --basis``'s arithmetic).
 """
 
 from __future__ import annotations
@@ -65,13 +77,24 @@ from collections.abc import Sequence
 import torch
 
 from geomscope import distributed as dd
-from geomscope.errors import InputError
+from geomscope.errors import DataError, InputError
 from geomscope.layers import layer_name
 from geomscope.metrics.isotropy import isoscore_star_from_cov_torch
+from geomscope.metrics.moments import Moments
+from geomscope.train.evaluate import merged_layers
 from geomscope.train.regularizers import batch_covariance, select_tokens
 
-# a difference of fractions in [0, 1] below this is float64 rounding (as metrics.subspace)
-_TINY = 1e-12
+#: the per-rank values of a layer's record, from gradient_energy's rows (baseline always defined)
+RANK_KEYS = (
+    "energy",
+    "energy_max",
+    "baseline",
+    "kappa",
+    "control_energy_mean",
+    "control_energy_sd",
+    "p_value",
+    "energy_ratio",
+)
 
 
 def check_ranks(ranks: Sequence, dim: int | None = None) -> tuple[int, ...]:
@@ -105,7 +128,8 @@ def check_ranks(ranks: Sequence, dim: int | None = None) -> tuple[int, ...]:
 
 
 class GeometryLog:
-    """Per-layer gradient energy in the top-r subspace of C0 and batch IsoScore* (module docstring)."""
+    """Per-layer gradient energy in the layer's own top-r activation subspace of the step's batch,
+    with matched-rank normal controls, and the batch IsoScore* (module docstring)."""
 
     def __init__(
         self,
@@ -117,6 +141,8 @@ class GeometryLog:
         include_padding: bool,
         d: dd.Dist,
         isoscore_target_c0: bool,
+        controls: int = 20,
+        seed: int = 0,
     ):
         self.layers = list(layers)
         self.names = [layer_name(i, n_hidden_states) for i in self.layers]
@@ -126,34 +152,33 @@ class GeometryLog:
         self.include_padding = include_padding
         self.d = d
         self.isoscore_target_c0 = isoscore_target_c0
-        self.C0 = self.U = None
+        self.controls, self.seed = int(controls), int(seed)
+        self.C0 = None
 
     def metadata(self, every: int) -> dict:
         """What the ``geometry`` records of steps.jsonl hold (written into run.json)."""
+        over = ", merged over the processes (global batch)" if self.d.active else ""
         return {
             "every": every,
             "ranks": list(self.ranks),
             "layers": self.names,
             "dim": self.dim,
+            "controls": self.controls,
+            "control_seed": self.seed,
             "gradient": "g_t = d(task loss)/d(hidden state) of the step, real tokens only (padding "
-            "excluded), S = sum_t g_t g_t^T in float64"
-            + (", summed over the processes (global batch)" if self.d.active else ""),
-            "subspace": "U_r = top-r eigenvectors of C0, the covariance of the training tokens of all "
-            f"chosen layers {self.names} pooled, recomputed at the start of every epoch; one U_r "
-            "shared by all chosen layers",
-            "energy": "tr(U_r^T S U_r) / tr(S); baseline r/D; energy_max = top-r eigenvalues of S / tr(S); "
-            "kappa = (energy - r/D) / (energy_max - r/D)",
+            f"excluded); S = sum_t g_t g_t^T in float64{over}",
+            "subspace": "U_r = top-r eigenvectors of the layer's own activation covariance (ddof 1) over "
+            f"the same real-token rows of the step's batch{over}",
+            "energy": "metrics.subspace.gradient_energy(S, g-bar, C_act, ranks, controls, seed), as "
+            "score --basis: energy tr(U_r^T S U_r) / tr(S); baseline r/D; energy_max = top-r "
+            "eigenvalues of S / tr(S); kappa = (energy - r/D) / (energy_max - r/D); controls: K random "
+            "rank-r subspaces of U_r's complement (mean, SD, p_value, energy_ratio)",
             "isoscore_target": "C0" if self.isoscore_target_c0 else "trace-matched identity",
         }
 
     def set_c0(self, C0: torch.Tensor) -> None:
-        """A new epoch's C0: its top max(ranks) eigenvectors, descending, as float64 (D, r_max)."""
-        C0 = C0.to(torch.float64)
-        self.C0 = C0
-        self.U = None
-        if bool(torch.isfinite(C0).all()):
-            _, v = torch.linalg.eigh((C0 + C0.T) / 2)
-            self.U = v[:, -max(self.ranks) :].flip(-1).contiguous()
+        """A new epoch's C0: the shrinkage target of the logged batch IsoScore* of an I-STAR run."""
+        self.C0 = C0.to(torch.float64)
 
     def hidden_grads(self, task_loss: torch.Tensor, hidden_states, scale: float | None = None) -> list:
         """d(task_loss)/d(hidden state) of each chosen layer, graph kept for the step's backward()."""
@@ -173,50 +198,71 @@ class GeometryLog:
 
     def record(self, hidden_states, grads: list, attention_mask) -> dict:
         """The step's ``geometry`` record (collectives on every process, in the same order)."""
+        L = len(self.layers)
         with torch.no_grad():
-            S = torch.stack(
-                [(G.T @ G) for G in (select_tokens((g,), [0], attention_mask, False) for g in grads)]
+            rows = [select_tokens(hidden_states, [i], attention_mask, False).detach() for i in self.layers]
+            rows += [select_tokens((g,), [0], attention_mask, False) for g in grads]
+            parts = [_moments(x, self.dim) for x in rows]
+            # a layer with a NaN or an Inf on some process has no energies (a partial merge would mislead)
+            bad = torch.tensor([float(m is None) for m in parts], dtype=torch.float64, device=self.d.device)
+            bad = dd.all_reduce_sum(bad, self.d).cpu().tolist()
+            merged = merged_layers(
+                [Moments(self.dim, extras=False) if m is None else m for m in parts], self.d
             )
-            S = dd.all_reduce_sum(S, self.d)
-            isos = []
-            for i in self.layers:
-                X = select_tokens(hidden_states, [i], attention_mask, self.include_padding).detach()
-                C = batch_covariance(X, self.d.reg_group)
-                C0 = self.C0 if self.isoscore_target_c0 else None
-                iso = isoscore_star_from_cov_torch(C, self.zeta, C0, check=False)
-                isos.append(iso)
-            iso_v = torch.stack(isos).cpu().tolist()
-            energies = self._energies(S)
+            iso_v = self._isoscores(hidden_states, attention_mask)
         out = {}
         for j, name in enumerate(self.names):
-            rec = {"isoscore_star": iso_v[j]}
-            rec.update(energies[j])
-            out[name] = rec
+            act, grad = merged[j], merged[L + j]
+            finite = bad[j] == 0 and bad[L + j] == 0
+            out[name] = {
+                "tokens": int(act.n),
+                "isoscore_star": iso_v[j],
+                **self.energies(act, grad, defined=finite),
+            }
         return out
 
-    def _energies(self, S: torch.Tensor) -> list[dict]:
-        base = {str(r): r / self.dim for r in self.ranks}
-        empty = {str(r): None for r in self.ranks}
-        tr = S.diagonal(dim1=-2, dim2=-1).sum(-1)
-        rmax = max(self.ranks)
-        ok = bool(torch.isfinite(S).all()) and self.U is not None
-        if ok:
-            U = self.U.to(S.device)
-            cum_e = ((U * (S @ U)).sum(-2).cumsum(-1) / tr[:, None]).cpu()
-            lam = torch.linalg.eigvalsh(S).flip(-1)[:, :rmax]
-            cum_m = (lam.cumsum(-1) / tr[:, None]).cpu()
-        tr = tr.cpu().tolist()
-        out = []
-        for j in range(S.shape[0]):
-            if not (ok and tr[j] > 0):
-                out.append({"energy": empty, "energy_max": empty, "baseline": base, "kappa": empty})
-                continue
-            e, m, k = {}, {}, {}
-            for r in self.ranks:
-                ev = min(1.0, max(0.0, float(cum_e[j, r - 1])))
-                mv = min(1.0, max(0.0, float(cum_m[j, r - 1])))
-                e[str(r)], m[str(r)] = ev, mv
-                b = r / self.dim
-                k[str(r)] = (ev - b) / (mv - b) if mv - b > _TINY else None
-            out.append({"energy": e, "energy_max": m, "baseline": base, "kappa": k})
+    def _isoscores(self, hidden_states, attention_mask) -> list:
+        isos = []
+        for i in self.layers:
+            X = select_tokens(hidden_states, [i], attention_mask, self.include_padding).detach()
+            C = batch_covariance(X, self.d.reg_group)
+            C0 = self.C0 if self.isoscore_target_c0 else None
+            isos.append(isoscore_star_from_cov_torch(C, self.zeta, C0, check=False))
+        return torch.stack(isos).cpu().tolist()
+
+    def energies(self, act: Moments, grad: Moments, defined: bool = True) -> dict:
+        """The per-rank values (:data:`RANK_KEYS`) of one layer from its merged activation and
+        gradient moments, by ``score --basis``'s functions; null where they are undefined (and all
+        null unless ``defined``)."""
+        from geomscope.metrics.subspace import gradient_energy
+        from geomscope.score.gradenergy import second_moment
+
+        rows = None
+        if defined and act.n >= 2 and grad.n >= 1:
+            S, gbar = second_moment(grad)
+            try:
+                rows = gradient_energy(
+                    S,
+                    gbar,
+                    act.covariance(),
+                    self.ranks,
+                    controls=self.controls,
+                    seed=self.seed,
+                    zeta=self.zeta,
+                )
+            except DataError:  # zero gradients, no activation variance, a non-finite value
+                rows = None
+        out: dict = {key: {} for key in RANK_KEYS}
+        for k, r in enumerate(self.ranks):
+            for key in RANK_KEYS:
+                out[key][str(r)] = rows[k][key] if rows is not None else None
+            out["baseline"][str(r)] = r / self.dim
         return out
+
+
+def _moments(rows: torch.Tensor, dim: int) -> Moments | None:
+    """The float64 moments of ``rows`` (N, D), on the host; None when a row holds a NaN or an Inf."""
+    try:
+        return Moments(dim, extras=False).update(rows.to(torch.float64).cpu())
+    except DataError:
+        return None

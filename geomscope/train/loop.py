@@ -21,7 +21,8 @@ The options and their checks: :mod:`geomscope.train.config`; one optimiser step:
 Outputs in ``out``: ``run.json`` (the options, written first), ``steps.jsonl`` (one line per
 optimizer step: step, epoch, loss, task_loss, penalty R, weighted_penalty = lambda * R, batch
 isoscore_star, lr, examples, seconds; with ``--log-geometry EVERY`` every EVERY-th step also carries
-``geometry``, the per-layer gradient energy in the top-r subspace of C0 and batch IsoScore*, and
+``geometry``, the per-layer gradient energy in the layer's own top-r activation subspace with its
+normal controls, and batch IsoScore*, and
 ``geometry_seconds``: :mod:`geomscope.train.geometry`), ``eval.jsonl`` (one line per epoch, see
 :func:`geomscope.train.evaluate.evaluate`), ``checkpoint/`` (last finished epoch), and at the end
 the model and tokenizer (``save_pretrained``), ``label_map.json`` (classification only) and
@@ -468,6 +469,8 @@ class _Trainer:
                 cfg.include_padding,
                 self.d,
                 isoscore_target_c0=cfg.reg == "istar",
+                controls=cfg.geometry_controls,
+                seed=cfg.seed,
             )
         # the logged batch IsoScore* of cosreg / none runs: no gradient, float32 scatter (a log value)
         self.monitor = (
@@ -564,7 +567,7 @@ class _Trainer:
 
         cfg, d = self.cfg, self.d
         order = epoch_order(len(self.train_enc), cfg.seed, epoch)
-        if cfg.reg == "istar" or self.geometry is not None:  # --log-geometry: C0 for cosreg / none too
+        if cfg.reg == "istar":
             progress.describe(f"epoch {epoch + 1}/{cfg.epochs}: C0")
             C0, self.c0_used = compute_c0(
                 self.fwd_model,
@@ -577,10 +580,8 @@ class _Trainer:
                 self.autocast,
                 cfg.include_padding,
             )
-            self.c0 = C0
-            if cfg.reg == "istar":
-                self.reg.C0 = C0
-            if self.geometry is not None:
+            self.c0 = self.reg.C0 = C0
+            if self.geometry is not None:  # the logged batch IsoScore*'s target
                 self.geometry.set_c0(C0)
         progress.describe(f"epoch {epoch + 1}/{cfg.epochs}")
         for gb in self._batches(order):
