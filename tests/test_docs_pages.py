@@ -27,6 +27,22 @@ H_PAGES = (
 #: [text](target) outside code spans; the target without its title
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+#: words of a diary, not of a description: lease logs, what an earlier build did
+HISTORY = re.compile(r"\b(leases?|previously|formerly|earlier build|used to be)\b", re.I)
+#: every page of the site but the generated reference and the root files it includes
+DOC_PAGES = tuple(
+    str(p.relative_to(ROOT))
+    for p in sorted((ROOT / "docs").rglob("*.md"))
+    if p.name not in ("cli.md", "changelog.md", "contributing.md")
+)
+TUTORIALS = tuple(p for p in DOC_PAGES if p.startswith("docs/tutorials/"))
+#: what the issue asks each tutorial's full-scale version to state, and the words that state it
+FULL_SCALE_NEEDS = {
+    "which checkpoints": ("checkpoint",),
+    "how many tokens": ("token",),
+    "what hardware": ("gpu", "h200", "cpu core"),
+    "how long": ("minute", "hour"),
+}
 WORKFLOWS = (
     "score-a-model",
     "fine-tune-with-i-star-and-compare",
@@ -116,9 +132,34 @@ def test_readme_names_the_commands_ci_and_the_makefile_run():
         assert target in targets, f"README's table times `make {target}`, which the Makefile lacks"
 
 
-@pytest.mark.parametrize("rel", FRONT_PAGES[:1] + H_PAGES)
-def test_no_dates_in_the_front_page_and_explanations(rel):
-    assert not DATE.search(_text(rel)), f"{rel} carries a date; history goes to commit messages"
+@pytest.mark.parametrize("rel", FRONT_PAGES[:1] + DOC_PAGES)
+def test_no_dates_or_history_in_the_readme_and_docs(rel):
+    text = _text(rel)
+    assert not DATE.search(text), f"{rel} carries a date; history goes to commit messages"
+    found = HISTORY.search(text)
+    assert not found, f"{rel} says '{found and found[0]}'; the docs say what is, history goes to commits"
+
+
+@pytest.mark.parametrize("rel", TUTORIALS)
+def test_each_tutorial_states_what_the_full_scale_version_needs(rel):
+    text = _text(rel)
+    assert "\n## The full-scale version\n" in text, f"{rel} has no '## The full-scale version' section"
+    section = text.split("\n## The full-scale version\n", 1)[1].split("\n## ", 1)[0].lower()
+    for need, words in FULL_SCALE_NEEDS.items():
+        assert any(w in section for w in words), f"{rel}'s full-scale version does not say {need}"
+
+
+def test_performance_page_has_a_table_with_the_fraction_of_the_limit_per_machine():
+    text = _text("docs/explanation/performance.md")
+    sections = re.split(r"^## ", text, flags=re.M)[1:]
+    machines = [s for s in sections if s.startswith(("CPU:", "GPU:"))]
+    assert any(s.startswith("CPU:") for s in machines) and any(s.startswith("GPU:") for s in machines)
+    for section in machines:
+        headers = re.findall(r"^\|(.*)\|\s*\n\|[-| :]+\|\s*$", section, flags=re.M)
+        assert any("of bound" in h for h in headers), (
+            f"performance.md's {section.splitlines()[0]!r} has no 'of bound' column"
+        )
+    assert any(s.startswith("Method\n") for s in sections), "performance.md has no '## Method' section"
 
 
 @pytest.mark.parametrize("rel", ("CONTRIBUTING.md", *H_PAGES))
