@@ -284,19 +284,30 @@ HEADS = {
 }
 
 
-def make_tiny_head_model(kind: str, head: str, dest: Path, *, seed: int = 0, labels=("neg", "pos")) -> Path:
-    """The tiny ``kind`` checkpoint with a head (``HEADS``) on top, under ``dest/tiny-<kind>-<head>``:
-    the base weights of :func:`make_tiny_model` and a random head (seeded); a classifier gets the
-    label names ``labels``. Its config's ``architectures`` names the head class, as a trained one would."""
+def make_tiny_head_model(
+    kind: str,
+    head: str,
+    dest: Path,
+    *,
+    seed: int = 0,
+    labels=("neg", "pos"),
+    name: str | None = None,
+    **config_overrides,
+) -> Path:
+    """The tiny ``kind`` checkpoint with a head (``HEADS``) on top, under ``dest/<name>`` (default
+    ``tiny-<kind>-<head>``): the base weights of :func:`make_tiny_model` (with ``config_overrides``)
+    and a random head (seeded); a classifier gets the label names ``labels``. Its config's
+    ``architectures`` names the head class, as a trained one would."""
     import shutil
 
     import torch
     import transformers
 
-    out = Path(dest) / f"tiny-{kind}-{head}"
+    out = Path(dest) / (name or f"tiny-{kind}-{head}")
     if (out / "config.json").exists():
         return out
-    base = make_tiny_model(kind, dest, seed=seed)
+    base_name = f"{out.name}-base" if name else None
+    base = make_tiny_model(kind, dest, seed=seed, name=base_name, **config_overrides)
     config = transformers.AutoConfig.from_pretrained(base)
     if head == "classification":
         config.num_labels = len(labels)

@@ -96,7 +96,7 @@ def _trajectory_csv(tmp_path, reps):
     return path
 
 
-def test_read_trajectory_refuses_two_models_and_a_repeated_checkpoint(tmp_path, cli):
+def test_read_trajectory_of_two_models_and_a_repeated_checkpoint(tmp_path, cli):
     from geomscope.score.trajectory import read_trajectory
 
     one = pythia_reports(steps=(0, 1000), **SMALL)
@@ -104,11 +104,17 @@ def test_read_trajectory_refuses_two_models_and_a_repeated_checkpoint(tmp_path, 
     assert [r["step"] for r in got] == [0, 1000]
     assert [lay["isoscore"] for lay in got[1]["layers"]] == [lay["isoscore"] for lay in one[1]["layers"]]
 
-    other = make_report(name="bert", revision="step0", seed=5, **SMALL)  # model B at the same revision
-    with pytest.raises(InputError, match=r"2 models \('EleutherAI/pythia-70m', 'bert'\)"):
-        read_trajectory(_trajectory_csv(tmp_path, [*one, other]))
-    code, out, err = cli(["plot", tmp_path / "trajectory.csv", "--out", tmp_path / "t.png"])
-    assert_one_line_error(code, out, err, "a trajectory follows one model", exit_code=2)
+    # model B at the same revisions: one report per (model, revision), drawn one colour per model
+    other = [make_report(name="bert", revision=f"step{s}", seed=5 + s, **SMALL) for s in (0, 1000)]
+    got = read_trajectory(_trajectory_csv(tmp_path, [*one, *other]))
+    assert sorted((r["model"]["name"], r["step"]) for r in got) == [
+        ("EleutherAI/pythia-70m", 0),
+        ("EleutherAI/pythia-70m", 1000),
+        ("bert", 0),
+        ("bert", 1000),
+    ]
+    code, out, err = cli(["plot", tmp_path / "trajectory.csv", "--out", tmp_path / "t.png", "-q"])
+    assert code == 0, err
 
     # one checkpoint scored on two datasets: the same (model, revision, layer) twice
     twice = make_report(name="EleutherAI/pythia-70m", revision="step0", dataset="news", seed=9, **SMALL)

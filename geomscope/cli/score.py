@@ -28,8 +28,9 @@ from geomscope.score.options import ScoreOptions
 SOURCES_HELP = (
     "A run directory written by `geomscope extract`; an (N, D) array (.npy, .h5); or one "
     "(N, D) array per layer: .npz, .safetensors, .pt (tensors only), .arrow, .parquet, or a "
-    "directory of them (datasets.save_to_disk, SAELens activation cache). Several runs, or a "
-    "directory of runs (extract --revisions), are scored one by one and tabled in trajectory.csv."
+    "directory of them (datasets.save_to_disk, SAELens activation cache). Several runs, a "
+    "directory of runs (extract --revisions), or a directory of such directories (one per model) "
+    "are scored one by one and tabled in trajectory.csv."
 )
 OUT_HELP = (
     "Directory (report.json + report.csv) or prefix (PREFIX.json + PREFIX.csv). Default: the run "
@@ -96,7 +97,7 @@ def _score_sources(sources: list[str], chosen: dict, out, table_columns, as_json
     from geomscope.report import check_out_given, check_report_out, save_report, to_json
     from geomscope.score import score
     from geomscope.score.resources import check_workers
-    from geomscope.score.trajectory import runs_in
+    from geomscope.score.trajectory import runs_under
 
     console = Console(stderr=True)
     log = stderr_log("warning:")  # warnings are shown with --quiet too
@@ -105,7 +106,7 @@ def _score_sources(sources: list[str], chosen: dict, out, table_columns, as_json
     opts = ScoreOptions(**chosen).validate()
     check_workers(opts.workers)  # (the library asks again; here before any source is opened)
     shown_columns = _table_columns(table_columns, opts)
-    expanded = [str(r) for src in sources for r in (runs_in(src) or [src])]
+    expanded = [str(r) for src in sources for r in (runs_under(src) or [src])]
     if len(expanded) > 1:
         _score_many(expanded, sources, opts, out, as_json, quiet, console, log)
         return

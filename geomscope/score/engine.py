@@ -515,7 +515,7 @@ class _Scorer:
         from geomscope.score.gradenergy import section
 
         by_layer = {n: self.energy.get(n) for n in self.src.layers if n in self.basis.pairs}
-        return section(self.basis, self.opts.basis, self.opts, by_layer, self.energy_notes)
+        return section(self.basis, self.opts, by_layer, self.energy_notes)
 
     def _report(self, layers: list[dict], embeddings, top_notes, final_norm=None, norms=None) -> dict:
         from geomscope import __version__

@@ -26,6 +26,7 @@ class Basis:
 
     src: SourceInfo
     pairs: dict[str, str]  # gradient layer -> activation layer of the basis run
+    path: str  # the basis run: --basis, or the run of a directory of runs that --basis names
 
 
 def _model_identity(src: SourceInfo) -> dict:
@@ -45,6 +46,7 @@ def open_basis(src: SourceInfo, path: str, ranks, partial: bool, memory_mb: floa
             f"--basis measures gradients in an activation subspace, but {src.path} holds no gradient "
             "layers (<layer>.grad); give a run of extract --capture gradients"
         )
+    path = basis_run_for(src, path)
     basis = open_source(path, partial=partial, memory_mb=memory_mb)
     if basis.kind != "run":
         raise InputError(
@@ -76,7 +78,55 @@ def open_basis(src: SourceInfo, path: str, ranks, partial: bool, memory_mb: floa
             f"--rank {too_big[0]} is not below the hidden size D = {src.dim}; "
             f"use ranks from 1 to {src.dim - 1}"
         )
-    return Basis(basis, pairs)
+    return Basis(basis, pairs, path)
+
+
+def basis_run_for(src: SourceInfo, path: str) -> str:
+    """``--basis`` as the run to read: ``path`` itself, unless it is a directory of runs
+    (``extract --revisions``, or one such directory per model), where it is the run there of the
+    gradient run's own checkpoint: the same weights by their fingerprint where both runs record
+    it, else the same model name and revision. Among several, the gradient run itself, else the one
+    of the same folder name; InputError (one line) when none is, or several are."""
+    import os
+
+    from geomscope.score.trajectory import runs_under
+    from geomscope.store.manifest import MANIFEST_NAME, read_manifest
+
+    runs = runs_under(path)
+    if not runs:
+        return path
+    ours = src.run_obj.identity.get("model") or {}
+    same = [
+        r
+        for r in runs
+        if _same_checkpoint(ours, read_manifest(r / MANIFEST_NAME)["identity"].get("model") or {})
+    ]
+    if len(same) > 1:
+        itself = [r for r in same if os.path.realpath(r) == os.path.realpath(src.path)]
+        namesake = [r for r in same if r.name == os.path.basename(os.path.normpath(src.path))]
+        same = itself or namesake or same
+    label = f"{ours.get('name')}" + (f"@{ours['revision']}" if ours.get("revision") else "")
+    if not same:
+        raise InputError(
+            f"--basis {path} holds no run of the checkpoint of {src.path} ({label}); extract that "
+            "revision's activations into it, or give --basis the run"
+        )
+    if len(same) > 1:
+        raise InputError(
+            f"--basis {path} holds {len(same)} runs of the checkpoint of {src.path} ({same[0]}, "
+            f"{same[1]}); give --basis the run to use"
+        )
+    return str(same[0])
+
+
+def _same_checkpoint(ours: dict, theirs: dict) -> bool:
+    """Two runs' model identities name one checkpoint: the same weights' fingerprint where both
+    record one, else the same model name and revision."""
+    from geomscope.model.fingerprint import WEIGHTS_KEY
+
+    if ours.get(WEIGHTS_KEY) and theirs.get(WEIGHTS_KEY):
+        return ours[WEIGHTS_KEY] == theirs[WEIGHTS_KEY]
+    return (ours.get("name"), ours.get("revision")) == (theirs.get("name"), theirs.get("revision"))
 
 
 def second_moment(full) -> tuple[np.ndarray, np.ndarray]:
@@ -108,10 +158,11 @@ def removal_target(target) -> str:
     return target if target in ("trace", "identity") else "trace"
 
 
-def section(basis: Basis, path: str, opts, by_layer: dict[str, list | None], notes: dict[str, str]) -> dict:
-    """The report's top-level ``gradient_energy``."""
+def section(basis: Basis, opts, by_layer: dict[str, list | None], notes: dict[str, str]) -> dict:
+    """The report's top-level ``gradient_energy``; ``basis`` the run read (of a directory of runs,
+    the one paired with the gradient run)."""
     return {
-        "basis": path,
+        "basis": basis.path,
         "basis_model": _model_identity(basis.src)["name"],
         "pairs": dict(basis.pairs),
         "ranks": list(opts.ranks),

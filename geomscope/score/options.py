@@ -236,7 +236,9 @@ class ScoreOptions:
         "With a gradient run (extract --capture gradients): the run of activations of the same "
         "model whose top-r covariance eigenvectors U_r are the subspace; reports, per gradient "
         "layer and rank, the captured energy tr(U'SU)/tr(S) against r/D, its maximum, kappa, "
-        "random normal controls and the removal test (report key gradient_energy).",
+        "random normal controls and the removal test (report key gradient_energy). A directory of "
+        "runs (extract --revisions, or one such directory per model) pairs each gradient run with "
+        "the run there of its own checkpoint (the same weights).",
         metavar="ACTRUN",
         optional=True,
     )

@@ -1,13 +1,30 @@
-"""Many runs of one model (checkpoints), scored together: ``score DIR`` on a directory of runs, or
-``score RUN...``, writes beside the per-run reports one tidy table, ``trajectory.csv``.
+"""Many runs of one model or several (checkpoints), scored together: ``score DIR`` on a directory of
+runs (or of such directories, one per model), or ``score RUN...``, writes beside the per-run reports
+one tidy table, ``trajectory.csv``: one row per (revision, layer), ordered by step, that pandas
+reads directly (``pd.read_csv``).
 
-Columns (:func:`trajectory_columns`): ``model, revision, step, layer, index, n_rows``, every scalar
-metric, its ``se_<metric>``, and the partition isotropy of the checkpoint's embedding matrices
-``iw_input_raw, iw_input_centred, iw_output_raw, iw_output_centred`` (the same on every layer row
-of a revision), then ``uncertainty_<key>``: how the standard errors were computed. One row per
-(revision, layer), ordered by step; pandas reads it directly (``pd.read_csv``). ``revision`` is the
-hub revision, or the run directory's name for a local checkpoint; ``step`` is parsed from it
-(``stepN``, ``checkpoint-N``), empty when it has none.
+Columns (:func:`trajectory_columns`), every one generated from the reports' structure:
+
+- ``model, revision, step, layer, index, n_rows``: ``revision`` is the hub revision, or the run
+  directory's name for a local checkpoint; ``step`` is parsed from it (``stepN``,
+  ``checkpoint-N``), empty when it has none;
+- every scalar metric of the layer entry, then its ``se_<metric>``;
+- ``iw_<side>_<kind>``: the partition isotropy of the checkpoint's embedding matrices (the report's
+  ``embeddings.<side>.<kind>``), the same on every row of a revision;
+- ``uncertainty_<key>``: how the standard errors were computed (``params.uncertainty.<key>``);
+- the sections of the report that describe one layer, on that layer's row, named by one rule
+  (:func:`section_columns`): ``<section>_<key>_<key>...``, the path of the number inside the
+  section joined by ``_``. A section entry with ``before`` and ``after`` layers (``final_norm``,
+  each of ``norms``) describes its ``after`` layer (``final_norm_gain_spearman_abs_gain_variance``
+  on the ``final_norm`` row); a section with ``layers`` keyed by layer (``gradient_energy``)
+  describes each of them. A list of rows that carry a ``rank`` gives each rank's numbers under
+  ``r<rank>`` (``gradient_energy_r8_energy_ratio`` on the ``layer_06.grad`` row); any other list of
+  rows (per-dimension outliers) gives its length ``<list>_n`` and, per one-word text field, the
+  count of rows with each value (``final_norm_outliers_effect_damped``). Texts and per-dimension
+  numbers stay in report.json, as do the parameters (``params``, the section's ranks and seed).
+
+A column appears when some report has a number there; a cell is empty where a report has none
+(a count is 0 where its list is present).
 """
 
 from __future__ import annotations
@@ -17,7 +34,7 @@ import io
 import math
 from pathlib import Path
 
-from geomscope.schema import STEP_RE, csv_metric_columns
+from geomscope.schema import STEP_RE, csv_metric_columns, is_number
 
 TRAJECTORY_NAME = "trajectory.csv"
 IW_COLUMNS = ("iw_input_raw", "iw_input_centred", "iw_output_raw", "iw_output_centred")
@@ -37,6 +54,19 @@ def runs_in(path) -> list[Path]:
         return (0, int(m.group(1)), d.name) if m else (1, 0, d.name)
 
     return sorted(runs, key=key)
+
+
+def runs_under(path) -> list[Path]:
+    """The runs of a directory of runs (:func:`runs_in`: one model's revisions), or else of a
+    directory of such directories (one per model: ``runs/70m/step0``, ``runs/160m/step0``), each
+    folder's runs by step, the folders by name; [] for a run or anything else."""
+    from geomscope.store.names import MANIFEST_NAME
+
+    runs = runs_in(path)
+    p = Path(path)
+    if runs or not p.is_dir() or (p / MANIFEST_NAME).exists():
+        return runs
+    return [r for d in sorted(x for x in p.iterdir() if x.is_dir()) for r in runs_in(d)]
 
 
 def revision_of(report: dict) -> str:
@@ -64,15 +94,24 @@ def _uncertainty_keys(reports: list[dict]) -> list[str]:
 
 
 def trajectory_columns(reports: list[dict]) -> list[str]:
+    """The columns of ``trajectory.csv`` for these reports, in order (module docstring)."""
+    return _columns(reports, trajectory_rows(reports))
+
+
+def _columns(reports: list[dict], rows: list[dict]) -> list[str]:
     metrics: list[str] = []
     for r in reports:
         metrics += [m for m in csv_metric_columns(r) if m not in metrics]
     head = ["model", "revision", "step", "layer", "index", "n_rows"]
     methods = [f"uncertainty_{k}" for k in _uncertainty_keys(reports)]
-    return [*head, *metrics, *[f"se_{m}" for m in metrics], *IW_COLUMNS, *methods]
+    cols = [*head, *metrics, *[f"se_{m}" for m in metrics], *IW_COLUMNS, *methods]
+    known = set(cols)
+    extra = {c: None for row in rows for c in row.get(SECTION_KEY, {}) if c not in known}
+    return [*cols, *extra]
 
 
-def _iw(report: dict) -> dict:
+def revision_columns(report: dict) -> dict:
+    """The ``iw_*`` columns of a report: one value per revision (None where the report has none)."""
     emb = report.get("embeddings") or {}
     out = {}
     for side in ("input", "output"):
@@ -82,6 +121,74 @@ def _iw(report: dict) -> dict:
     if isinstance(emb, dict) and emb.get("tied"):
         out["iw_output_raw"], out["iw_output_centred"] = out["iw_input_raw"], out["iw_input_centred"]
     return out
+
+
+def is_revision_wide(column: str) -> bool:
+    """Whether a trajectory column is one value per revision (repeated on its every row): I(W)."""
+    return column.startswith("iw_")
+
+
+#: the key under which :func:`trajectory_rows` keeps a row's section columns apart from the rest
+SECTION_KEY = "_sections"
+
+
+def section_columns(report: dict, counts: dict | None = None) -> dict[str, dict[str, float | int]]:
+    """``{layer: {column: number}}``: the numbers of every report section that describes a layer,
+    named by the module docstring's rule (``layers``, ``embeddings`` and ``params`` have columns of
+    their own). ``counts``, when given, receives ``{count column: its list's <list>_n column}``, so
+    that a count missing where its list is present reads 0."""
+    counts = {} if counts is None else counts
+    by_layer: dict[str, dict] = {}
+    for key, section in report.items():
+        if key in ("layers", "embeddings", "params"):
+            continue
+        for entry in section if isinstance(section, list) else [section]:
+            if _describes_a_layer(entry):
+                _flatten(entry, key, by_layer.setdefault(entry["after"], {}), counts)
+        per_layer = section.get("layers") if isinstance(section, dict) else None
+        if isinstance(per_layer, dict):
+            for layer, rows in per_layer.items():
+                if isinstance(rows, list):
+                    _flatten_rows(rows, key, by_layer.setdefault(layer, {}), counts)
+    return by_layer
+
+
+def _describes_a_layer(entry) -> bool:
+    """A section entry of a norm's effect: the layers before and after it, by name."""
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("before"), str)
+        and isinstance(entry.get("after"), str)
+    )
+
+
+def _flatten(obj: dict, prefix: str, out: dict, counts: dict) -> None:
+    """The numbers of ``obj`` into ``out`` as ``<prefix>_<key>[_<key>...]`` (module docstring)."""
+    for key, v in obj.items():
+        col = f"{prefix}_{key}"
+        if is_number(v):
+            out[col] = v
+        elif isinstance(v, dict):
+            _flatten(v, col, out, counts)
+        elif isinstance(v, list) and all(isinstance(row, dict) for row in v):
+            _flatten_rows(v, col, out, counts)
+
+
+def _flatten_rows(rows: list[dict], col: str, out: dict, counts: dict) -> None:
+    """A list of rows: each rank's numbers under ``<col>_r<rank>`` where every row has a rank, else
+    the list's length ``<col>_n`` and the count of rows per value of each one-word text field."""
+    ranks = [row.get("rank") for row in rows]
+    if rows and all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+        for rank, row in zip(ranks, rows, strict=True):
+            _flatten({k: v for k, v in row.items() if k != "rank"}, f"{col}_r{rank}", out, counts)
+        return
+    out[f"{col}_n"] = len(rows)
+    for row in rows:
+        for field, v in row.items():
+            if isinstance(v, str) and v.isidentifier():
+                name = f"{col}_{field}_{v}"
+                out[name] = out.get(name, 0) + 1
+                counts[name] = f"{col}_n"
 
 
 def model_of(report: dict) -> str | None:
@@ -97,19 +204,21 @@ def model_of(report: dict) -> str | None:
 
 
 def trajectory_rows(reports: list[dict]) -> list[dict]:
-    """One dict per (report, layer), reports ordered by step (those without one last)."""
+    """One dict per (report, layer), reports ordered by step (those without one last); the columns
+    of the report's sections (:func:`section_columns`) under :data:`SECTION_KEY`."""
     order = sorted(reports, key=lambda r: (step_of(r) is None, step_of(r) or 0, revision_of(r)))
-    rows = []
+    rows, counts = [], {}
     for rep in order:
         head = {
             "model": model_of(rep),
             "revision": revision_of(rep),
             "step": step_of(rep),
         }
-        iw = _iw(rep)
+        iw = revision_columns(rep)
         methods = {
             f"uncertainty_{k}": v for k, v in ((rep.get("params") or {}).get("uncertainty") or {}).items()
         }
+        sections = section_columns(rep, counts)
         for e in rep.get("layers", []):
             se = e.get("se") or {}
             row = {**head, "layer": e.get("layer"), "index": e.get("index"), "n_rows": e.get("n_rows")}
@@ -119,19 +228,25 @@ def trajectory_rows(reports: list[dict]) -> list[dict]:
             row.update({f"se_{k}": v for k, v in se.items()})
             row.update(iw)
             row.update(methods)
+            row[SECTION_KEY] = dict(sections.get(e.get("layer"), {}))
             rows.append(row)
+    for row in rows:  # a count of rows is 0 where its list is present but has no row of that value
+        own = row[SECTION_KEY]
+        own.update({c: 0 for c, n in counts.items() if c not in own and own.get(n) is not None})
     return rows
 
 
 def to_trajectory_csv(reports: list[dict]) -> str:
-    cols = trajectory_columns(reports)
+    rows = trajectory_rows(reports)
+    cols = _columns(reports, rows)
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(cols)
-    for row in trajectory_rows(reports):
+    for row in rows:
+        cells = {**row, **row[SECTION_KEY]}
         w.writerow(
             [
-                "" if row.get(c) is None else (repr(row[c]) if isinstance(row[c], float) else row[c])
+                "" if cells.get(c) is None else (repr(cells[c]) if isinstance(cells[c], float) else cells[c])
                 for c in cols
             ]
         )
@@ -192,7 +307,7 @@ def _add_trajectory_row(reports: dict[tuple, dict], r: dict) -> None:
         if k.startswith("uncertainty_") and v:
             rep["params"].setdefault("uncertainty", {})[k[len("uncertainty_") :]] = v
             continue
-        if k in ("model", "revision", "step", "layer") or k.startswith(("iw_", "uncertainty_")) or v is None:
+        if k in ("model", "revision", "step", "layer") or k.startswith("uncertainty_") or v is None:
             continue
         num = _cell_number(k, v)
         if k.startswith("se_"):
@@ -208,11 +323,11 @@ def _add_trajectory_row(reports: dict[tuple, dict], r: dict) -> None:
 
 def read_trajectory(path) -> list[dict]:
     """``trajectory.csv`` back as one report-like dict per checkpoint (``model``, ``step``, ``layers``
-    with metrics and ``se``), the form the trajectory figure takes.
+    with every number of the row, ``se``), the form the trajectory figure takes; a file may hold the
+    checkpoints of several models (its ``model`` column tells them apart).
 
-    A trajectory follows one model: a file holding the rows of several models, or one layer of a
-    checkpoint twice (two datasets or runs at one revision), is an InputError, not one report
-    named after the first.
+    One layer of a checkpoint twice (two datasets or runs at one revision) is an InputError, not
+    two sets of rows mixed into one report.
     """
     from geomscope.errors import InputError
 
@@ -241,11 +356,4 @@ def read_trajectory(path) -> list[dict]:
             raise InputError(
                 f"{path} line {line} is not what `geomscope score` writes ({e}); score the runs again"
             ) from None
-    models = list(dict.fromkeys(model for model, _, _ in reports))
-    if len(models) > 1:
-        raise InputError(
-            f"{path} holds the rows of {len(models)} models ({', '.join(repr(m) for m in models[:3])}"
-            f"{', …' if len(models) > 3 else ''}); a trajectory follows one model: plot each model's "
-            "report files separately"
-        )
     return list(reports.values())
