@@ -153,6 +153,18 @@ def test_a_gradient_layer_is_never_the_layer_before_the_norm():
     assert why is None and out["before"] == "layer_02" and out["metrics"]["isoscore"]["before"] == 0.571
 
 
+def test_the_last_block_s_modules_are_not_the_layer_before_the_norm():
+    """Block N's module layers (extract --modules) share layer_N's index; the norm's input is the
+    hidden state layer_N, wherever the modules sit in the report."""
+    from geomscope.score.finalnorm import final_norm_effect
+
+    module_in = {"layer": "layers.1.input_layernorm:in", "index": 2, "isoscore": 0.3}
+    act = {"layer": "layer_02", "index": 2, "isoscore": 0.571}
+    after = {"layer": "final_norm", "index": 3, "isoscore": 0.558}
+    out, why = final_norm_effect([module_in, act, after], {}, None)
+    assert why is None and out["before"] == "layer_02" and out["metrics"]["isoscore"]["before"] == 0.571
+
+
 def test_gain_ratio_is_null_when_the_median_gain_is_zero():
     """More than half the gains 0: the median |gain| is 0 and |gain_d| / median is undefined. It was
     read as 1, so an outlier dimension with gain 0.5 (infinitely above the median) read "damped"."""

@@ -135,6 +135,10 @@ def test_the_table_holds_every_number_of_each_report(dynamics):
     for model in MODELS:
         for step in STEPS:
             rep = _report(dynamics, model, step)
+            blocks = MODELS[model].get("num_hidden_layers", 2)
+            assert (
+                rep["final_norm"]["before"] == f"layer_{blocks:02d}" and len(rep["norms"]) == 2 * blocks + 1
+            )
             want = _expected_row_cells(json.loads(json.dumps(rep)))
             mine = {r["layer"]: r for r in rows if (r["model"], r["revision"]) == (model, step)}
             assert list(mine) == [lay["layer"] for lay in rep["layers"]]
@@ -157,7 +161,8 @@ def test_the_table_holds_every_number_of_each_report(dynamics):
                 assert not extra, (lay["layer"], sorted(extra)[:5])  # no cell the report does not hold
     mod = [r for r in rows if r["layer"] == "layers.0.attention"]  # a module's own metrics
     assert len(mod) == 6 and all(0 < float(r["isoscore_star"]) <= 1 for r in mod)
-    assert checked["gradient"] > 0 and checked["final"] > 0 and checked["iw"] > 0
+    assert checked["gradient"] > 0 and checked["final"] > 0 and checked["norms"] > 0 and checked["iw"] > 0
+    assert {"norms_measured_gain_spearman_gain_variance", "norms_gain_median_abs_gain"} <= set(cols)
 
 
 def test_each_revision_is_paired_with_its_own_activations(dynamics):

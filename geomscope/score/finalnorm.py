@@ -28,10 +28,15 @@ centring.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from geomscope.layers import FINAL_NORM_LAYER, is_gradient
 from geomscope.schema import SCALAR_METRIC_NAMES
+
+#: a hidden state's stored name (layers.layer_name)
+HIDDEN_STATE = re.compile(r"layer_\d+")
 
 
 def _spearman(a: np.ndarray, b: np.ndarray) -> float | None:
@@ -96,15 +101,13 @@ def norm_effect(before: dict, after: dict, var, params: dict | None, no_gain: st
 
 def _layer_before(layers: list[dict], after: dict, before_idx: int) -> dict | None:
     """The entry of the activations before the norm: the layer of index ``before_idx`` (a gradient
-    layer, ``layer_N.grad``, shares its layer's index and is not it); None when it was not scored."""
-    return next(
-        (
-            e
-            for e in layers
-            if e.get("index") == before_idx and e is not after and not is_gradient(e["layer"])
-        ),
-        None,
-    )
+    layer, ``layer_N.grad``, shares its layer's index and is not it); of several, the hidden state
+    ``layer_N`` (the last block's modules, ``extract --modules``, share its index too); None when
+    it was not scored."""
+    found = [
+        e for e in layers if e.get("index") == before_idx and e is not after and not is_gradient(e["layer"])
+    ]
+    return next((e for e in found if HIDDEN_STATE.fullmatch(e["layer"])), found[0] if found else None)
 
 
 def _metric_changes(before: dict, after: dict) -> dict:
