@@ -422,8 +422,10 @@ def test_trajectory_layers_subset_and_step_key():
             r"has no training step \(revision 'main'",
         ),
         (
-            lambda: pythia_reports(steps=(0, 5), **SMALL)
-            + [make_report(name="EleutherAI/pythia-70m", revision="step5", **SMALL)],
+            lambda: (
+                pythia_reports(steps=(0, 5), **SMALL)
+                + [make_report(name="EleutherAI/pythia-70m", revision="step5", **SMALL)]
+            ),
             r"two reports are at step 5 \(of EleutherAI/pythia-70m\)",
         ),
         (lambda: pythia_reports(steps=(0, 0), **SMALL), "two reports are at step 0"),

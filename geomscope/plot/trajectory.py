@@ -47,8 +47,7 @@ from geomscope.plot._style import (
     styled,
     uncertainty_caption,
 )
-from geomscope.score.trajectory import is_revision_wide, model_of, section_columns
-
+from geomscope.score.trajectory import is_revision_wide, model_of, revision_columns, section_columns
 
 #: the label of the line of a per-revision column (``iw_*``), one value per checkpoint
 REVISION_LINE = "per revision"
@@ -101,8 +100,6 @@ def with_trajectory_columns(rep: dict) -> dict:
     """A copy of a report whose layer entries also hold its trajectory columns (those of its sections
     on the layer they describe, ``iw_*`` on every layer), as read back from trajectory.csv; the
     values a layer entry holds already are kept."""
-    from geomscope.score.trajectory import revision_columns
-
     by_layer = section_columns(rep)
     wide = revision_columns(rep)
     layers = [
