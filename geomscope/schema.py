@@ -101,6 +101,8 @@ DIAGNOSTIC_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("whitened_isoscore", "IsoScore(w)", "whitened"),
     MetricSpec("whitened_isoscore_star", "IsoScore*(w)", "whitened"),
     MetricSpec("whitened_avgcos", "cos(w)", "whitened"),
+    MetricSpec("rogue_top1_share", "rogue1", "rogue"),
+    MetricSpec("rogue_top3_share", "rogue3", "rogue"),
 )
 #: all-but-the-top's keys: ``abtt<k>_<metric>`` for each k of ``score --abtt-k``
 ABTT_METRICS = ("isoscore", "isoscore_star", "avgcos")
@@ -285,6 +287,16 @@ def _layer_defect(e) -> str | None:
         "dropped": lambda v: _dict_of(v, _integer),
         "flags": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
         "notes": lambda v: _dict_of(v, lambda x: isinstance(x, str)),
+        "rogue_dims": lambda v: (
+            isinstance(v, list)
+            and all(
+                isinstance(x, dict)
+                and _integer(x.get("dim"))
+                and _optional_number(x.get("share"))
+                and _optional_number(x.get("share_se"))
+                for x in v
+            )
+        ),
     }
     for key, ok in checks.items():
         if e.get(key) is not None and not ok(e[key]):

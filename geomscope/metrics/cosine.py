@@ -114,6 +114,18 @@ def cosine_contributions(sum_unit, n: int, sum_unit_sq=None) -> np.ndarray:
     return (s * s - q) / (n * (n - 1.0))
 
 
+def rogue_shares(sum_unit, n: int, sum_unit_sq) -> tuple[np.ndarray, float]:
+    """(each dimension's share of the average cosine, the average cosine) (Timkey & van Schijndel
+    2021): share_d = CC_d / avgcos with CC_d the exact per-dimension contribution over distinct pairs
+    (:func:`cosine_contributions`), E[u_d v_d] / E[cos] for unit rows u, v; the shares sum to 1.
+    DataError where the average cosine is exactly 0 (no share is defined)."""
+    cc = cosine_contributions(sum_unit, n, sum_unit_sq)
+    total = float(cc.sum())
+    if total == 0.0 or not np.isfinite(total):
+        raise DataError("the average cosine is 0: no dimension has a share of it")
+    return cc / total, total
+
+
 def cosreg_penalty_torch(X):
     """CosReg penalty (Gao et al. 2019) R = (||sum_i x_hat_i||^2 - N) / N^2 of a batch X (N, D).
 

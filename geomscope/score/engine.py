@@ -380,7 +380,7 @@ class _Scorer:
             "moments",
             batch,
             thresholds=self.thresholds,
-            extras=o.wants("avgcos") or o.wants("outliers"),
+            extras=o.wants("avgcos") or o.wants("outliers") or o.wants("rogue"),
             abs_threshold=o.outlier_threshold if o.outlier_rule == "magnitude" else 6.0,
             id_k=id_k,
         )

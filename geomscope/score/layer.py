@@ -6,9 +6,28 @@ import numpy as np
 
 from geomscope.metrics.moments import MAX_THREADED_M2_BYTES, map_in_order
 from geomscope.schema import EXTRA_ID_PREFIX, SCALAR_METRIC_NAMES
-from geomscope.score import compute, idest, outliers, postprocess
+from geomscope.score import compute, idest, outliers, postprocess, rogue
 from geomscope.score.options import ScoreOptions
 from geomscope.score.sources import SourceInfo
+
+#: the diagnostic families measured on every Moments (the full data's and each jackknife replicate's):
+#: each module has ``wanted(o)``, ``keys(o)`` (its scalar keys) and ``measure(m, o, c0, notes)`` ->
+#: (values, what the layer keeps of that Moments for the family's later steps)
+MOMENT_FAMILIES = (postprocess, rogue)
+
+
+def _measured(m, o: ScoreOptions, c0, notes: dict) -> tuple[dict, dict]:
+    """(values, pieces by family module name) of the diagnostic families ``o`` requests."""
+    values, pieces = {}, {}
+    for family in MOMENT_FAMILIES:
+        if family.wanted(o):
+            v, pieces[family.__name__] = family.measure(m, o, c0, notes)
+            values.update(v)
+    return values, pieces
+
+
+def _family_keys(o: ScoreOptions) -> list[str]:
+    return [k for family in MOMENT_FAMILIES for k in family.keys(o)]
 
 
 class LayerResult:
@@ -36,6 +55,7 @@ class LayerResult:
         self.n_live = 0
         self.rep_stats: list = []
         self.extra: dict = {}
+        self.listed: dict = {}  # the families' per-layer lists (rogue_dims), in the entry after the scalars
         self.dim = src.dim
         self.keep_groups = False  # True: the groups outlive moments() (score --basis: energy SEs)
         self.threads = 1  # threads for the jackknife replicates (the scorer: its cores per layer at a time)
@@ -52,16 +72,14 @@ class LayerResult:
             return
         if groups is None or self.n < 2:
             why = f"{self.n} usable row(s); at least 2 are needed"
-            for k in (*_moment_keys(o), *postprocess.keys(o)):
+            for k in (*_moment_keys(o), *_family_keys(o)):
                 self.values[k] = None
                 self.notes.setdefault(k, why)
             return
         self.full = full = compute.merged(groups)
         self.values = compute.moment_values(full, o, c0, self.notes, full=True)
-        post_full = {}
-        if o.postprocessed:
-            post_values, post_full = postprocess.covariance_values(full, o, c0, self.notes)
-            self.values.update(post_values)
+        family_values, full_pieces = _measured(full, o, c0, self.notes)
+        self.values.update(family_values)
         if full.n <= full.dim and (o.wants("isoscore") or o.wants("isoscore_star") or o.wants("spectrum")):
             self.flags.append("rank_limited")
         if o.wants("avgcos") and full.n_zero_norm:
@@ -76,37 +94,45 @@ class LayerResult:
         if len(live) < 2:  # leaving out the only group leaves nothing: no replicates
             live = []
         self.live = live
-        replicate_shifts, post_pieces = self._jackknife_replicates(groups)
+        replicate_shifts, rep_pieces = self._jackknife_replicates(groups)
         if replicate_shifts:
             self.unit_spec = self._unit_spec(replicate_shifts)
-        if post_full:
-            self.post_have = {r for r, pieces in post_pieces.items() if pieces}
-            self.post_spec = postprocess.pass_spec(post_full, post_pieces, self.G if self.G >= 2 else 0)
+        self._family_pieces(full_pieces, rep_pieces)
         if not self.keep_groups:  # every number needing them is computed: free G x D x D floats now
             self.lp.groups = None
+
+    def _family_pieces(self, full: dict, replicates: dict[int, dict]) -> None:
+        """What the diagnostic families make of the full data's and the replicates' pieces: the second
+        pass's all-but-the-top / whitening spec, the rogue contributors' list."""
+        post = full.get(postprocess.__name__)
+        if post:
+            by_r = {r: p.get(postprocess.__name__) or {} for r, p in replicates.items()}
+            self.post_have = {r for r, pieces in by_r.items() if pieces}
+            self.post_spec = postprocess.pass_spec(post, by_r, self.G if self.G >= 2 else 0)
+        if rogue.wanted(self.opts):
+            reps = [replicates[r].get(rogue.__name__) for r in self.live]
+            self.listed["rogue_dims"] = rogue.listed(full.get(rogue.__name__), reps)
 
     def _jackknife_replicates(self, groups) -> tuple[dict[str, list], dict[int, dict]]:
         """The delete-one-group jackknife replicates of the moment metrics (``reps``) and of the outlier
         statistic (``rep_stats``), one per live group in order; return, per second-pass cosine variant,
         each replicate's (shift, scale) of the rows (empty when no second pass is needed), and each
-        replicate's all-but-the-top / whitening pieces (postprocess.covariance_values)."""
+        replicate's pieces of the diagnostic families (:func:`_measured`)."""
         o, c0 = self.opts, self.c0
-        shifts = {v: [] for v in o.avgcos_variants if v != "plain"} if o.needs_second_pass else {}
+        shifts = {v: [] for v in o.second_pass_variants}
         self.rep_stats = []
 
         def replicate(r, _scratch):  # replicate r's numbers (an eigensolve each: threads pay)
             m = compute.merged(groups, skip=r)
             shift_scale = {v: compute.unit_shift_scale(m, v) for v in shifts}
             values = compute.moment_values(m, o, c0, {}, full=False)
-            pieces = {}
-            if o.postprocessed:
-                post_values, pieces = postprocess.covariance_values(m, o, c0, {})
-                values.update(post_values)
+            family_values, pieces = _measured(m, o, c0, {})
+            values.update(family_values)
             return values, outliers.replicate_statistic(m, o), shift_scale, pieces
 
         # each replicate in flight holds a merged D x D scatter: large ones one at a time, as in moments.py
         threads = self.threads if 8 * self.full.dim**2 <= MAX_THREADED_M2_BYTES else 1
-        post_pieces = {}
+        rep_pieces = {}
         for r, (vals, stat, shift_scale, pieces) in zip(
             self.live, map_in_order(replicate, self.live, threads), strict=True
         ):
@@ -115,8 +141,8 @@ class LayerResult:
             self.rep_stats.append(stat)
             for v in shifts:
                 shifts[v].append(shift_scale[v])
-            post_pieces[r] = pieces
-        return shifts, post_pieces
+            rep_pieces[r] = pieces
+        return shifts, rep_pieces
 
     def _unit_spec(self, replicate_shifts: dict[str, list]) -> dict[str, tuple]:
         """The second pass's spec per cosine variant: (shifts, scales) stacked over the G jackknife
@@ -237,8 +263,9 @@ class LayerResult:
         }
         for name in o.extra_id:
             e[f"{EXTRA_ID_PREFIX}{name}"] = id_values.get(f"{EXTRA_ID_PREFIX}{name}")
-        for key in postprocess.keys(o):
+        for key in _family_keys(o):
             e[key] = v.get(key)
+        e.update(self.listed)
         _fill_null_notes(e, o)
         return e
 
@@ -251,6 +278,8 @@ def _moment_keys(o: ScoreOptions) -> list[str]:
         keys.append("isoscore_star")
     if o.wants("avgcos"):
         keys += [compute.AVGCOS_KEY[v] for v in o.avgcos_variants]
+    if "standardised" in o.second_pass_variants and compute.AVGCOS_KEY["standardised"] not in keys:
+        keys.append(compute.AVGCOS_KEY["standardised"])  # rogue: the cosine with them standardised away
     if o.wants("spectrum"):
         keys += list(compute.SPECTRUM_KEYS)
     return keys
@@ -262,12 +291,12 @@ def scalar_keys(o: ScoreOptions) -> list[str]:
     if "twonn" in o.id_names:
         keys.append("twonn")
     keys += [f"{EXTRA_ID_PREFIX}{n}" for n in o.extra_id]
-    return keys + postprocess.keys(o)
+    return keys + _family_keys(o)
 
 
 def _fill_null_notes(e: dict, o: ScoreOptions) -> None:
     wanted = set(scalar_keys(o))
-    for k in (*SCALAR_METRIC_NAMES, *[f"{EXTRA_ID_PREFIX}{n}" for n in o.extra_id], *postprocess.keys(o)):
+    for k in (*SCALAR_METRIC_NAMES, *[f"{EXTRA_ID_PREFIX}{n}" for n in o.extra_id], *_family_keys(o)):
         if e.get(k) is None and k not in e["notes"]:
             e["notes"][k] = (
                 "not requested (--metrics / --avgcos-variants)"

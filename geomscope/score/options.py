@@ -39,9 +39,9 @@ MOMENT_METRICS = ("isoscore", "isoscore_star", "avgcos", "spectrum", "outliers")
 CORE_METRICS = (*MOMENT_METRICS, "twonn", "partition")
 DEFAULT_METRICS = CORE_METRICS
 #: the diagnostic families (docs/metrics.md, "Diagnostics"): named in --metrics, or by ``all``
-DIAGNOSTIC_FAMILIES = ("abtt", "whitened")
+DIAGNOSTIC_FAMILIES = ("abtt", "whitened", "rogue")
 #: the families computed from the moments' covariance and unit sums (their jackknife groups)
-MOMENT_FAMILIES = ("abtt", "whitened")
+MOMENT_FAMILIES = ("abtt", "whitened", "rogue")
 #: what ``all`` names: the core metrics and every diagnostic family
 ALL_METRICS = (*CORE_METRICS, *DIAGNOSTIC_FAMILIES)
 AVGCOS_VARIANTS = ("plain", "centred", "standardised")
@@ -96,9 +96,9 @@ class ScoreOptions:
         DEFAULT_METRICS,
         CommaList("metric names"),
         "Comma list of isoscore, isoscore_star, avgcos, spectrum, outliers, twonn, partition, the "
-        "diagnostics abtt (all-but-the-top) and whitened, and scikit-dimension estimators (e.g. mle, "
-        "lpca); 'all' = the seven core metrics and the diagnostics (the estimators only when named). "
-        "Default: the seven core metrics.",
+        "diagnostics abtt (all-but-the-top), whitened and rogue (each dimension's share of the "
+        "average cosine), and scikit-dimension estimators (e.g. mle, lpca); 'all' = the seven core "
+        "metrics and the diagnostics (the estimators only when named). Default: the seven core metrics.",
         metavar="LIST",
         short="-m",
     )
@@ -346,8 +346,17 @@ class ScoreOptions:
         return (("twonn",) if "twonn" in self.metrics else ()) + self.extra_id
 
     @property
+    def second_pass_variants(self) -> tuple[str, ...]:
+        """The cosine variants the second pass computes: the average cosine's shifted ones, and the
+        standardised one for the rogue dimensions (the cosine with them standardised away)."""
+        out = [v for v in self.avgcos_variants if v != "plain"] if self.wants("avgcos") else []
+        if self.wants("rogue") and "standardised" not in out:
+            out.append("standardised")
+        return tuple(out)
+
+    @property
     def needs_second_pass(self) -> bool:
-        return "avgcos" in self.metrics and any(v != "plain" for v in self.avgcos_variants)
+        return bool(self.second_pass_variants)
 
 
 def _checked_metrics(names, id_estimators) -> tuple[tuple, tuple, tuple]:

@@ -35,7 +35,11 @@ def params(o: ScoreOptions) -> dict:
     return {"abtt_k": list(o.abtt_k)} if o.wants("abtt") else {}
 
 
-def covariance_values(m, o: ScoreOptions, c0, notes: dict) -> tuple[dict, dict]:
+def wanted(o: ScoreOptions) -> bool:
+    return o.postprocessed
+
+
+def measure(m, o: ScoreOptions, c0, notes: dict) -> tuple[dict, dict]:
     """(values, second-pass pieces) of one Moments ``m``: IsoScore and IsoScore* after removing each
     k and after whitening, and per family its (mean, basis) -- the top max(k) eigenvectors, or the
     whitening map -- for the average cosine. A null value's reason goes to ``notes``."""
