@@ -261,6 +261,10 @@ def test_the_figure_draws_two_models_one_colour_each(dynamics):
     assert all(ax.get_xscale() == "symlog" for ax in axes)
     assert axes[0].get_xlabel() == "training step (symlog)"
     assert fig.get_suptitle() == "2 models over training (6 checkpoints, step 0–143k)"
+    caption = " ".join(fig.get_supxlabel().split())
+    assert caption.startswith("Bands: ±1 standard error") and "shallower layers in lighter shades" in caption
+    fig = plot_trajectory(reports, ["iw_input_raw"])  # no band drawn: the caption says none
+    assert " ".join(fig.get_supxlabel().split()) == "One colour per model."
 
 
 def test_reports_draw_as_their_table_does(dynamics):

@@ -195,8 +195,9 @@ def _draw_trajectories(
 
 def _draw_line(
     ax, x: np.ndarray, y: np.ndarray, se: np.ndarray, color, name: str, label: str | None = None
-) -> None:
-    """One layer's line over the steps, dashed for a gradient layer, with its ±1 se band."""
+) -> bool:
+    """One layer's line over the steps, dashed for a gradient layer, with its ±1 se band; whether
+    it has a band."""
     ax.plot(
         x,
         y,
@@ -208,8 +209,10 @@ def _draw_line(
         linestyle=GRAD_LINESTYLE if is_gradient(name) else "-",
         label=plain_text(label or name),
     )
-    if np.isfinite(se).any():
-        ax.fill_between(x, y - se, y + se, color=color, alpha=0.18, linewidth=0)
+    if not np.isfinite(se).any():
+        return False
+    ax.fill_between(x, y - se, y + se, color=color, alpha=0.18, linewidth=0)
+    return True
 
 
 def _step_axis(ax, x: np.ndarray, log_x: bool) -> None:
@@ -263,7 +266,7 @@ def _plot_models(models: dict, metrics: Sequence[str], log_x: bool, ax) -> Figur
     nrows, ncols = grid_shape(len(metrics))
     fig, axes, own = panels(ax, len(metrics), 4.6 * ncols + 0.8, 3.0 * nrows + 1.2)
     ncols = axes.shape[1]
-    shaded = gradients = False
+    shaded = gradients = banded = False
     for k, metric in enumerate(metrics):
         panel = axes[k // ncols][k % ncols]
         for model, reps in ordered.items():
@@ -276,7 +279,7 @@ def _plot_models(models: dict, metrics: Sequence[str], log_x: bool, ax) -> Figur
             for name, colour in _shades(colours[model], names).items():
                 shown = REVISION_LINE if is_revision_wide(metric) else name
                 label = f"{_short_name(model or 'model')}: {shown}"
-                _draw_line(panel, x, *_layer_values(reps, name, metric), colour, shown, label)
+                banded |= _draw_line(panel, x, *_layer_values(reps, name, metric), colour, shown, label)
         _step_axis(panel, all_x, log_x)
         _label_panel(panel, metric, [r for reps in ordered.values() for r in reps])
     hide_spare_panels(axes, len(metrics))
@@ -293,9 +296,11 @@ def _plot_models(models: dict, metrics: Sequence[str], log_x: bool, ax) -> Figur
     fig.suptitle(
         plain_text(f"{len(models)} models over training ({len(every)} checkpoints, {span})"), fontsize=11
     )
-    caption = uncertainty_caption([r for reps in ordered.values() for r in reps], metrics)
-    caption = caption.replace("Error bars", "Bands") + " One colour per model"
-    add_caption(fig, caption + ("; shallower layers in lighter shades." if shaded else "."))
+    caption = "One colour per model" + ("; shallower layers in lighter shades." if shaded else ".")
+    if banded:
+        bands = uncertainty_caption([r for reps in ordered.values() for r in reps], metrics)
+        caption = bands.replace("Error bars", "Bands") + " " + caption
+    add_caption(fig, caption)
     return fig
 
 
