@@ -64,7 +64,7 @@ def _rows(d: dict) -> list[tuple[str, str]]:
         ),
         ("revision", rev),
         ("layers", f"{len(d['layers'])}: {', '.join(d['layers'])}" + _norm_note(d)),
-        ("dim", str(d["dim"])),
+        ("dim", str(d["dim"]) + _widths_note(d)),
         *([("capture", _capture_note(d))] if d.get("capture", "activations") != "activations" else []),
         ("dtype", f"model {m.get('dtype')}, stored {d['store_dtype']}"),
         ("rows", f"{d['rows']:,}" + _keep_note(d)),
@@ -80,6 +80,16 @@ def _rows(d: dict) -> list[tuple[str, str]]:
     if "verify" in d:
         rows.append(("verify", _verify_line(d["verify"])))
     return rows
+
+
+def _widths_note(d: dict) -> str:
+    """The layers of another width than ``dim``, after it (``extract --modules``), or nothing."""
+    other = d.get("layer_dims") or {}
+    if not other:
+        return ""
+    shown = ", ".join(f"{name}: {w}" for name, w in list(other.items())[:6])
+    more = f" and {len(other) - 6} more" if len(other) > 6 else ""
+    return f" ({counted(len(other), 'layer')} of another width: {shown}{more})"
 
 
 def _verify_line(v: dict) -> str:

@@ -60,13 +60,17 @@ def _finite_rows(x):
 class SampleKeeper:
     """One shard's accumulators and sample candidates; ``add`` each batch, then ``result``."""
 
-    def __init__(self, names: list[str], dim: int, device, sample: int, seed: int):
+    def __init__(
+        self, names: list[str], dim: int, device, sample: int, seed: int, dims: dict[str, int] | None = None
+    ):
         from geomscope.metrics.moments_torch import device_moments
 
         self.names, self.dim, self.device = list(names), int(dim), device
+        # each layer's width: ``dims``'s where it gives one (a module layer of another width), else D
+        self.dims = {n: int((dims or {}).get(n, self.dim)) for n in self.names}
         self.k, self.seed = int(sample), int(seed)
-        self.make = lambda: device_moments(self.dim, device, ABS_THRESHOLD)
-        self.acc: dict[str, dict] = {n: {"regular": self.make()} for n in self.names}
+        self.make = lambda name: device_moments(self.dims[name], device, ABS_THRESHOLD)
+        self.acc: dict[str, dict] = {n: {"regular": self.make(n)} for n in self.names}
         # (layer, excluding special tokens) -> the k smallest hashes of the rows that layer may use
         self.bottom = {(n, ex): BottomK(self.k) for n in self.names for ex in (False, True)}
         self.buf: list[dict] = []
@@ -99,7 +103,9 @@ class SampleKeeper:
             whole = bool(finite[name].all()) and not special.any()
             self.acc[name]["regular"].update(x if whole else x[ok & ~sp])
             if special.any():
-                self.acc[name].setdefault("special", self.make()).update(x[ok & sp])
+                if "special" not in self.acc[name]:
+                    self.acc[name]["special"] = self.make(name)
+                self.acc[name]["special"].update(x[ok & sp])
         self.nonfinite_rows += int(any_bad.sum())
         hashes = row_hash(run_keys(meta["doc_id"], meta["position"]), self.seed, STREAM_ID_SAMPLE)
         for (name, ex), bk in self.bottom.items():
@@ -142,8 +148,8 @@ class SampleKeeper:
         the sample in (doc_id, position) order."""
         acc = {n: {part: tm.to_moments() for part, tm in parts.items()} for n, parts in self.acc.items()}
         if not self.buf:
-            empty = np.zeros((0, self.dim), np.float16)
-            return acc, {n: empty for n in self.names}, {key: np.zeros(0, np.int64) for key in _META}
+            empty = {n: np.zeros((0, self.dims[n]), np.float16) for n in self.names}
+            return acc, empty, {key: np.zeros(0, np.int64) for key in _META}
         self._prune()
         b = self.buf[0]
         order = np.lexsort((b["position"], b["doc_id"]))

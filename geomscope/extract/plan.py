@@ -83,8 +83,10 @@ def estimate_tokens(scan: Scan, tokenizer, max_length: int | None, max_tokens: i
     return min(est, max_tokens) if max_tokens else est
 
 
-def bytes_per_row(n_layers: int, dim: int, store_dtype: str) -> int:
-    return n_layers * (dim * np.dtype(store_dtype).itemsize + 1) + META_BYTES_PER_ROW
+def bytes_per_row(widths: list[int], store_dtype: str) -> int:
+    """A row's bytes on disk: each layer's values (``widths``: each layer's) and non-finite flag,
+    and the row's index fields."""
+    return sum(d * np.dtype(store_dtype).itemsize + 1 for d in widths) + META_BYTES_PER_ROW
 
 
 def free_bytes(path: Path) -> int:
@@ -222,7 +224,7 @@ class Plan:
         return (
             f"extract: {lm.info['name']} ({lm.info['model_type']}, {lm.stack}, {lm.device}) -> {out}: "
             f"{counted(docs, 'document')} in {counted(self.shards, 'shard')}, "
-            f"{counted(len(self.layer_desc), 'layer')} x {lm.hidden_size} "
+            f"{counted(len(self.layer_desc), 'layer')} x {_widths_text(self.layer_desc, lm.hidden_size)} "
             f"({self.identity['store_dtype']}); about {self.est_tokens:,} tokens, "
             f"{human_bytes(self.est_bytes)} on disk ({human_bytes(self.free_bytes)} free)"
         )
@@ -251,7 +253,7 @@ def plan_run(lm, ins, scan, opts: ExtractOptions, out: Path) -> Plan:
             f"{opts.sample_size:,} would keep them all; use --keep all, or a smaller sample"
         )
     shards = -(-scan.docs // opts.shard_docs)
-    est_bytes = _estimate_bytes(est_tokens, shards, len(layer_desc), lm.hidden_size, opts)
+    est_bytes = _estimate_bytes(est_tokens, shards, layer_widths(layer_desc, lm.hidden_size), opts)
     already = 0 if opts.overwrite else _existing_finished_bytes(out, identity)
     free = check_disk(out, max(0, est_bytes - already))
     return Plan(
@@ -423,16 +425,31 @@ def _as_the_run_fingerprints(identity: dict, lm, out: Path) -> dict:
     return {**identity, "model": model}
 
 
-def _estimate_bytes(tokens: int, shards: int, n_layers: int, dim: int, opts: ExtractOptions) -> int:
+def layer_widths(layer_desc: list[dict], dim: int) -> list[int]:
+    """Each stored layer's width: its entry's ``dim`` (a module layer of another width), else D."""
+    return [int(la.get("dim", dim)) for la in layer_desc]
+
+
+def _widths_text(layer_desc: list[dict], dim: int) -> str:
+    """The layers' width as the plan's line says it: D, or the range of widths of a run that holds
+    several (``extract --modules``)."""
+    widths = layer_widths(layer_desc, dim)
+    lo, hi = min(widths, default=dim), max(widths, default=dim)
+    return str(dim) if lo == hi == dim else f"{lo}..{hi}"
+
+
+def _estimate_bytes(tokens: int, shards: int, widths: list[int], opts: ExtractOptions) -> int:
     """Bytes on disk: every row, or (``--keep sample:N``) per shard and layer two accumulators and
-    up to 2N sampled rows (the N smallest hashes with and without special tokens)."""
-    per_row = bytes_per_row(n_layers, dim, opts.store_dtype)
+    up to 2N sampled rows (the N smallest hashes with and without special tokens); ``widths``: each
+    layer's."""
+    per_row = bytes_per_row(widths, opts.store_dtype)
     if opts.sample_size is None:
         return int(tokens * per_row * 1.02) + 65536
     from geomscope.store.accumulators import bytes_per_part
 
     rows = min(tokens, shards * 2 * opts.sample_size)
-    return int(shards * n_layers * 2 * bytes_per_part(dim) + rows * per_row * 1.02) + 65536 * shards
+    parts = sum(2 * bytes_per_part(d) for d in widths)
+    return int(shards * parts + rows * per_row * 1.02) + 65536 * shards
 
 
 def _existing_finished_bytes(out: Path, identity: dict) -> int:

@@ -223,6 +223,8 @@ class ShardRun:
         else:
             self.capture = Capture(lm, plan.read_layers, opts.store_dtype)
         self.names = [la["name"] for la in plan.layer_desc]
+        # the layers not D wide (extract --modules: grouped-query keys, MLP intermediates) -> width
+        self.dims = {la["name"]: la["dim"] for la in plan.layer_desc if "dim" in la}
         self.heap = HeapTrim()  # trims the heap after spreading batches and at shard boundaries
         # what an earlier run finished, read once (rebuilt for every shard, it cost O(shards^2))
         self.resumable = writer.finished
@@ -388,6 +390,7 @@ class ShardRun:
             doc_stop=doc_stop,
             expected_rows=max(1, rows if sample is None else min(rows, 2 * sample)),
             row_flags=("loss_target",) if self.opts.gradients else (),
+            dims=self.dims,
         )
         keeper, measured = None, 0
         try:
@@ -398,7 +401,9 @@ class ShardRun:
                 # its shard and freed before this one is made: one keeper at a time, as without the
                 # store thread
                 self.store.wait_idle()
-                keeper = SampleKeeper(self.names, self.lm.hidden_size, self.lm.device, sample, self.opts.seed)
+                keeper = SampleKeeper(
+                    self.names, self.lm.hidden_size, self.lm.device, sample, self.opts.seed, dims=self.dims
+                )
             waiting = None  # (batch, its rows still on their way from a GPU)
             for batch in plan_batches(length_order(kept), self.opts.batch_tokens):
                 if keeper is None:

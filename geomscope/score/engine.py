@@ -194,12 +194,13 @@ class _Scorer:
         if o.wants("abtt"):
             from geomscope.metrics.postprocess import check_ks
 
-            check_ks(o.abtt_k, src.dim)
+            check_ks(o.abtt_k, min(src.widths))  # (the narrowest layer scored)
         self.thresholds = self._select_rows() if o.max_rows else None
         self.c0_fixed = None
         if self.target.startswith("file:"):
-            self.c0_fixed = compute.load_cov_file(self.target[5:], src.dim)
+            self.c0_fixed = compute.load_cov_file(self.target[5:], self._one_width())
         elif self.target_layer is not None and o.wants("isoscore_star"):
+            self._one_width()
             self.c0_fixed = self._reference_cov(src, [self.target_layer], self.thresholds)[self.target_layer]
         self.other = None
         if self.target.startswith("run:") and o.wants("isoscore_star"):
@@ -209,6 +210,23 @@ class _Scorer:
             from geomscope.score.gradenergy import open_basis
 
             self.basis = open_basis(src, o.basis, o.ranks, o.partial, o.memory_mb)
+
+    def _one_width(self) -> int:
+        """The width every scored layer has (and a ``--shrinkage-target`` file's or layer's one D x D
+        covariance must have); InputError (one line) when the scored layers, or the target layer,
+        are of several widths (a run of ``extract --modules``)."""
+        src, t = self.src, self.opts.shrinkage_target
+        widths = {src.width(n) for n in src.layers}
+        if self.target_layer is not None:
+            widths.add(src.width(self.target_layer))
+        if len(widths) == 1:
+            return widths.pop()
+        named = dict.fromkeys(n for n in [*src.layers, self.target_layer] if n)
+        shown = ", ".join(f"{n} ({src.width(n)})" for n in named)
+        raise InputError(
+            f"--shrinkage-target {t} is one D x D covariance, but the layers are of {len(widths)} widths "
+            f"({shown[:200]}); score the layers of one width with --layers"
+        )
 
     def _score_layers(self) -> tuple[list[dict], dict]:
         """(every layer's report entry in the source's order, each layer's extras), batch by batch;
@@ -316,23 +334,36 @@ class _Scorer:
             )
 
     def _batches(self) -> list[list[str]]:
-        o = self.opts
+        """The scored layers in batches, in order, each holding as many consecutive layers as fit in
+        ``--memory-mb`` (one at least): a layer of width D holds G x D^2 x 8 bytes in each task result
+        in flight and twice more meanwhile. ``batch_size`` (the report's ``layer_batch_size``) is how
+        many layers of the widest fit in one."""
+        o, src = self.opts, self.src
         in_flight = (
             self.ex.in_flight
         )  # task results held besides the accumulator (2 x workers or Dask threads)
-        per_layer = self.G * self.src.dim**2 * 8 * (in_flight + 2) if o.moment_metrics else 0
+        widest = max(src.widths)
+        scale = self.G * 8 * (in_flight + 2) if o.moment_metrics else 0
+        per_layer = {n: scale * src.width(n) ** 2 for n in src.layers}
         budget = int(o.memory_mb * 1024 * 1024)
-        size = len(self.src.layers) if per_layer == 0 else max(1, budget // per_layer)
-        _check_fits_in_memory(self.src.dim, self.G)  # (every moment pass holds G accumulators)
-        if per_layer > budget:
+        largest = scale * widest**2
+        size = len(src.layers) if largest == 0 else max(1, budget // largest)
+        _check_fits_in_memory(widest, self.G)  # (every moment pass holds G accumulators)
+        if largest > budget:
             self.log(
-                f"one layer's jackknife accumulators need ~{per_layer / 2**20:.0f} MiB "
+                f"one layer's jackknife accumulators need ~{largest / 2**20:.0f} MiB "
                 f"(> --memory-mb {o.memory_mb:g}); scoring one layer at a time "
                 "(lower --jackknife-groups or --workers to use less)"
             )
-        names = self.src.layers
         self.batch_size = int(size)
-        return [names[i : i + size] for i in range(0, len(names), size)]
+        batches, held = [], budget + 1
+        for n in src.layers:  # (layers of one width: consecutive runs of `size` layers)
+            if held + per_layer[n] > budget:
+                batches.append([])
+                held = 0
+            batches[-1].append(n)
+            held += per_layer[n]
+        return batches
 
     def _select_rows(self) -> dict[str, int]:
         layers = list(self.src.layers)
@@ -367,6 +398,12 @@ class _Scorer:
             raise InputError(
                 f"--shrinkage-target run {path} has D = {other.dim}, this data D = {self.src.dim}"
             )
+        for n in self.src.layers:
+            if other.width(n) != self.src.width(n):
+                raise InputError(
+                    f"--shrinkage-target run {path} has layer {n} {other.width(n)} wide, this run "
+                    f"{self.src.width(n)}; use a run of the same model and modules"
+                )
         return other
 
     # -- one batch of layers ---------------------------------------------------------------------

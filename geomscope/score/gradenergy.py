@@ -72,12 +72,13 @@ def open_basis(src: SourceInfo, path: str, ranks, partial: bool, memory_mb: floa
             f"--basis run {path} has no activation layer {missing[0]} (it has {', '.join(have) or 'none'}); "
             f"extract that layer into it"
         )
-    too_big = [r for r in ranks if r >= src.dim]
-    if too_big:
-        raise InputError(
-            f"--rank {too_big[0]} is not below the hidden size D = {src.dim}; "
-            f"use ranks from 1 to {src.dim - 1}"
-        )
+    for g, a in pairs.items():  # the subspace and the gradients live in one space: of one width
+        if basis.width(a) != src.width(g):
+            raise InputError(
+                f"--basis run {path} has layer {a} {basis.width(a)} wide, the gradients {g} "
+                f"{src.width(g)}; give activations of the same modules"
+            )
+    _check_ranks(src, grads, ranks)
     return Basis(basis, pairs, path)
 
 
@@ -127,6 +128,23 @@ def _same_checkpoint(ours: dict, theirs: dict) -> bool:
     if ours.get(WEIGHTS_KEY) and theirs.get(WEIGHTS_KEY):
         return ours[WEIGHTS_KEY] == theirs[WEIGHTS_KEY]
     return (ours.get("name"), ours.get("revision")) == (theirs.get("name"), theirs.get("revision"))
+
+
+def _check_ranks(src: SourceInfo, grads: list[str], ranks) -> None:
+    """Every rank below the width of every gradient layer scored (one line otherwise)."""
+    narrowest = min(grads, key=src.width)
+    d = src.width(narrowest)
+    too_big = [r for r in ranks if r >= d]
+    if not too_big:
+        return
+    if d == src.dim:
+        raise InputError(
+            f"--rank {too_big[0]} is not below the hidden size D = {d}; use ranks from 1 to {d - 1}"
+        )
+    raise InputError(
+        f"--rank {too_big[0]} is not below the width D = {d} of layer {narrowest}; use ranks from 1 "
+        f"to {d - 1}, or leave that layer out with --layers"
+    )
 
 
 def second_moment(full) -> tuple[np.ndarray, np.ndarray]:

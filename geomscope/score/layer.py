@@ -56,7 +56,7 @@ class LayerResult:
         self.rep_stats: list = []
         self.extra: dict = {}
         self.listed: dict = {}  # the families' per-layer lists (rogue_dims), in the entry after the scalars
-        self.dim = src.dim
+        self.dim = src.width(name)
         self.keep_groups = False  # True: the groups outlive moments() (score --basis: energy SEs)
         self.threads = 1  # threads for the jackknife replicates (the scorer: its cores per layer at a time)
         if self.counts.get("nonfinite"):

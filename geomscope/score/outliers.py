@@ -5,7 +5,8 @@
 - ``quantile``: on the layer's seeded row sample (the intrinsic-dimension sample, ``--id-sample``).
 - ``magnitude``: across the scored layers (|x_d| >= threshold in >= 6 % of a layer's tokens, in
   >= 25 % of the layers); every layer reports the same dimensions and its own per-dimension
-  fraction of tokens over the threshold as ``outlier_statistic``.
+  fraction of tokens over the threshold as ``outlier_statistic``. Layers of several widths (a run
+  of ``extract --modules``) are judged among the layers of their own width.
 
 Uncertainty ("outlier_support"): for each reported dimension, the fraction of the jackknife
 replicates (every document group but one) in which the rule flags it too (1.0 = stable); a
@@ -101,15 +102,37 @@ def layer_outliers(full, sample, rep_sets: list, o: ScoreOptions, notes: dict) -
 
 
 def apply_magnitude(entries: list[dict], extras: dict, o: ScoreOptions) -> None:
-    """Fill outliers/outlier_statistic/outlier_support of every entry under the magnitude rule."""
-    from geomscope.metrics import outliers_magnitude
-
+    """Fill outliers/outlier_statistic/outlier_support of every entry under the magnitude rule: over
+    the scored layers of each width (a dimension of one width is no dimension of another: a run of
+    ``extract --modules`` may hold several)."""
     names = [e["layer"] for e in entries]
     ok = [n for n in names if extras.get(n, {}).get("count_abs_ge") is not None]
     if not ok:
         for e in entries:
             e["notes"].setdefault("outliers", "no layer has enough rows for the magnitude rule")
         return
+    by_width: dict[int, list[str]] = {}
+    for n in ok:
+        by_width.setdefault(len(extras[n]["count_abs_ge"][0]), []).append(n)
+    found = {}
+    for width, group in by_width.items():
+        found.update(_magnitude_over(group, extras, o, width if len(by_width) > 1 else None))
+    for e, n in zip(entries, names, strict=True):
+        if n in found:
+            dims, statistic, support, why = found[n]
+            e["outliers"] = list(dims)
+            e["outlier_statistic"] = statistic
+            e["outlier_support"] = support
+            e["notes"].setdefault("outlier_rule", why)
+        else:
+            e["notes"].setdefault("outliers", "too few usable rows in this layer")
+
+
+def _magnitude_over(ok: list[str], extras: dict, o: ScoreOptions, width: int | None) -> dict:
+    """The magnitude rule over the layers ``ok`` (one width; ``width``: said in the note when the
+    run has several): ``{layer: (dims, statistic, support, note)}``."""
+    from geomscope.metrics import outliers_magnitude
+
     counts = {n: np.stack(extras[n]["count_abs_ge"]).astype(np.float64) for n in ok}  # (G, D)
     ns = {n: np.asarray(extras[n]["n_groups"], dtype=np.float64) for n in ok}  # (G,)
     frac = np.stack([counts[n].sum(0) / ns[n].sum() for n in ok])
@@ -137,16 +160,11 @@ def apply_magnitude(entries: list[dict], extras: dict, o: ScoreOptions) -> None:
                 )
             )
     support = _support(res.dims, rep_sets) if len(rep_sets) >= 2 else []
+    layers = counted(len(ok), "scored layer") + (f" {width} wide" if width is not None else "")
     why = (
-        f"magnitude rule over the {counted(len(ok), 'scored layer')}: |x_d| >= {o.outlier_threshold:g} in >= "
+        f"magnitude rule over the {layers}: |x_d| >= {o.outlier_threshold:g} in >= "
         f"{TOKEN_FRAC:.0%} of a layer's tokens in >= {LAYER_FRAC:.0%} of the layers; statistic = this "
         "layer's fraction of tokens over the threshold"
     )
-    for e, n in zip(entries, names, strict=True):
-        if n in ok:
-            e["outliers"] = [int(d) for d in res.dims]
-            e["outlier_statistic"] = [float(v) for v in frac[ok.index(n)]]
-            e["outlier_support"] = support
-            e["notes"].setdefault("outlier_rule", why)
-        else:
-            e["notes"].setdefault("outliers", "too few usable rows in this layer")
+    dims = [int(d) for d in res.dims]
+    return {n: (dims, [float(v) for v in frac[i]], support, why) for i, n in enumerate(ok)}

@@ -288,7 +288,7 @@ class SourceInfo:
     path: str
     layers: list[str]  # stored names, depth order
     indices: dict[str, int | None]
-    dim: int
+    dim: int  # the layers' width D (a run: the model's hidden size)
     tasks: list[Task]
     dataset: str | None = None
     model: dict | None = None
@@ -301,6 +301,16 @@ class SourceInfo:
     files: int = 1
     sample: int | None = None  # a --keep sample:N run: N, the rows each shard sampled
     sample_seed: int = 0
+    dims: dict[str, int] = field(default_factory=dict)  # the layers not ``dim`` wide -> their width
+
+    def width(self, layer: str) -> int:
+        """Layer ``layer``'s width: its own (a run's module layer of another width), else ``dim``."""
+        return self.dims.get(layer, self.dim)
+
+    @property
+    def widths(self) -> list[int]:
+        """The distinct widths of the layers, ascending."""
+        return sorted({self.width(n) for n in self.layers})
 
     def describe(self) -> dict:
         """The report's ``source``: what was read."""
@@ -478,8 +488,10 @@ def _open_run(p: Path | str, layers: list[str] | None, partial: bool) -> SourceI
         dim = shard_dim(run.shard_path(shards[0]), names[0])
     ident = run.identity
     sample = run.kept_sample
-    # every shard's layers are checked to be dim wide before they are read
+    # every shard's layers are checked to be dim wide (or as wide as the run records them) before
+    # they are read
     tasks = run.shard_tasks(dim)
+    own = run.layer_dims
     warnings = []
     if not run.complete:
         warnings.append(
@@ -500,6 +512,7 @@ def _open_run(p: Path | str, layers: list[str] | None, partial: bool) -> SourceI
         groups="documents" if sample is None else "shards",
         sample=sample,
         sample_seed=int(ident.get("sample_seed", 0) or 0),
+        dims={n: own[n] for n in names if own.get(n, dim) != dim},
     )
 
 

@@ -44,7 +44,7 @@ def read_moments(g, *, dim: int, most: int, extras: bool = True):
     """The Moments stored in h5py group ``g`` (``extras=False`` drops the cosine and |x| parts).
 
     A shard may come from anyone, so what it holds is checked before it is trusted or read: every
-    array stored in the shard itself with the shape that the run's width ``dim`` gives it (a crafted
+    array stored in the shard itself with the shape that the layer's width ``dim`` gives it (a crafted
     shape cannot make the read allocate more), a count n between 0 and ``most`` (the rows the shard
     measured), finite values, variances >= 0, |x| counts within n, and n the count of the rows the
     sums hold (:func:`_check_count`). DataError (one line, naming the group) otherwise."""
@@ -133,7 +133,7 @@ def _vector(g, key: str, shape: tuple, dtype=np.float64) -> np.ndarray:
     if not isinstance(ds, h5py.Dataset) or ds.external or ds.is_virtual:
         raise _bad(g, f"keeps {key} outside the shard")
     if ds.shape != shape or ds.dtype.kind not in "fiu":
-        raise _bad(g, f"holds {key} of shape {ds.shape} and type {ds.dtype}; the run's width needs {shape}")
+        raise _bad(g, f"holds {key} of shape {ds.shape} and type {ds.dtype}; the layer's width needs {shape}")
     a = ds[()].astype(dtype)
     if not np.isfinite(a).all():
         raise _bad(g, f"holds NaN or Inf in {key}")

@@ -59,11 +59,17 @@ class Task:
     offset: int = 0  # formats: the source's global row number of row ``start``
     meta: tuple[str, ...] = ()  # formats: the optional per-row columns present (doc_id, special)
     dim: int = 0  # formats: the layers' width (sizes the read blocks); shard: the run's, checked
+    dims: tuple[tuple[str, int], ...] = ()  # shard: (layer, width) of each layer not ``dim`` wide, checked
     kept: KeptSample | None = None  # shard of a --keep sample run: accumulators and a sample, not every row
     docs: tuple[int, int] | None = None  # shard: the documents [start, stop) its entry assigns it, checked
     tokens: int = 0  # shard: the token rows its entry says it measured (a --keep sample shard's accumulators)
     positions: int = 0  # shard: its rows' positions lie in [0, positions) (0: what a row key holds)
     vocab: int = 0  # shard: its token ids lie in [0, vocab), the model's vocabulary (0: not recorded)
+
+    def width(self, layer: str) -> int:
+        """The width ``layer``'s rows are held to: its own where the run records one, else ``dim``
+        (0: not checked)."""
+        return dict(self.dims).get(layer, self.dim)
 
     @property
     def accumulated(self) -> bool:

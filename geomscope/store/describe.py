@@ -82,6 +82,7 @@ def describe_run(run_dir: Path | str, options: InspectOptions | None = None, **o
         "layer_tensors": {la["name"]: la.get("tensor") for la in layers if la.get("tensor")},
         "store_dtype": ident.get("store_dtype"),
         "dim": run.dim,
+        **_other_widths(run),
         "rows": sum(s.n_tokens for s in shards),
         "keep": ident.get("keep", "all"),
         "capture": ident.get("capture", "activations"),
@@ -104,6 +105,14 @@ def describe_run(run_dir: Path | str, options: InspectOptions | None = None, **o
     if opts.verify:
         out["verify"] = _verify(run, shards)
     return out
+
+
+def _other_widths(run: Run) -> dict:
+    """``{"layer_dims": {layer: width}}`` of the layers not :attr:`Run.dim` wide (a run of
+    ``extract --modules`` that stores grouped-query keys or MLP intermediates), ``{}`` for a run
+    whose layers are all D wide."""
+    other = {n: d for n, d in run.layer_dims.items() if d != run.dim}
+    return {"layer_dims": other} if other else {}
 
 
 def _nonfinite_by_layer(manifest: dict) -> dict[str, int]:

@@ -403,11 +403,20 @@ def _own_dataset(f: h5py.File, key: str, path) -> h5py.Dataset:
     return ds
 
 
-def check_layout(f: h5py.File, path, layers=(), *, rows: int | None = None, dim: int | None = None) -> int:
+def check_layout(
+    f: h5py.File,
+    path,
+    layers=(),
+    *,
+    rows: int | None = None,
+    dim: int | None = None,
+    dims: dict[str, int] | None = None,
+) -> int:
     """A shard's structure before anything is read or allocated from it: the row index (token_id,
     doc_id, position, is_special) one-dimensional integer columns of one length n (``rows``: the
-    manifest's count, when known), each of ``layers`` an (n, D) float dataset (``dim``: the run's D,
-    when known), its non-finite flags (n,) booleans, every one stored in the shard itself. Returns n;
+    manifest's count, when known), each of ``layers`` an (n, D) float dataset (D: the width the run
+    records for the layer in ``dims``, else ``dim``, the run's, when known), its non-finite flags
+    (n,) booleans, every one stored in the shard itself. Returns n;
     DataError (one line, naming the shard) for anything else: a crafted shape cannot make a read
     allocate beyond what the manifest announced, nor loop over rows that are not there."""
     n = None
@@ -429,7 +438,10 @@ def check_layout(f: h5py.File, path, layers=(), *, rows: int | None = None, dim:
             raise corrupt(path, f"layer {name} is not a (rows, D) float array")
         if ds.shape[0] != n:
             raise corrupt(path, f"layer {name} has {ds.shape[0]} rows, the index has {n}")
-        if dim is not None and ds.shape[1] != dim:
+        own = (dims or {}).get(name)
+        if own is not None and ds.shape[1] != own:
+            raise corrupt(path, f"layer {name} is {ds.shape[1]} wide, the run records it {own} wide")
+        if own is None and dim is not None and ds.shape[1] != dim:
             raise corrupt(path, f"layer {name} is {ds.shape[1]} wide, the run's layers {dim}")
         if f.get(f"nonfinite/{name}", getlink=True) is not None:
             flags = _own_dataset(f, f"nonfinite/{name}", path)
@@ -538,12 +550,25 @@ def kept_size(keep) -> int | None:
     return int(n)
 
 
+def layer_dims(ident: dict) -> dict[str, int]:
+    """The widths a run's identity records layer by layer (``ident["layers"][i]["dim"]``): those of
+    its layers that are not the model's hidden size wide (``extract --modules``: grouped-query keys,
+    MLP intermediates). A layer without one is as wide as the run (``identity.model.hidden_size``)."""
+    out = {}
+    for entry in ident.get("layers") or []:
+        d = entry.get("dim") if isinstance(entry, dict) else None
+        if isinstance(d, int) and not isinstance(d, bool) and d > 0:
+            out[entry["name"]] = d
+    return out
+
+
 def shard_task(
     path, entry: ShardInfo, ident: dict, dim: int, stats: dict | None = None, *, vocab: int | None = None
 ) -> Task:
     """A shard of a run as the task every reader checks it by (:func:`check_shard`): its path, rows,
     recorded size and checksum, documents, the rows it measured, the identity of its file now, the
-    run's width ``dim`` (0: not checked), the positions its rows may hold (``ident``: the run's
+    run's width ``dim`` (0: not checked) and each layer's own where the identity records one
+    (:func:`layer_dims`), the positions its rows may hold (``ident``: the run's
     identity, whose ``max_length`` truncates every document), the model's vocabulary (``vocab``: the
     manifest's ``vocab_size``; None: not recorded) and, in a ``--keep sample`` run, the sample it
     kept (``stats``: its entry's, for the rows of each layer holding NaN or Inf)."""
@@ -566,6 +591,7 @@ def shard_task(
         digest=entry.digest,
         identity=identity(path),
         dim=dim,
+        dims=tuple((n, d) for n, d in layer_dims(ident).items() if d != dim),
         kept=kept,
         docs=entry.documents,
         tokens=entry.n_tokens,
@@ -589,7 +615,7 @@ def check_shard(f: h5py.File, path, task: Task, layers, *, extras: bool = True) 
     ``inspect --verify`` and resume alike (its checksum is :func:`check_shard_file`'s; its rows'
     documents, positions, token ids and flags are checked as they stream: :func:`check_chunk`).
 
-    Every shard: :func:`check_layout` against its task (rows, the run's width, ``layers``). A
+    Every shard: :func:`check_layout` against its task (rows, each layer's width, ``layers``). A
     ``--keep sample`` shard also: the sample the run records (size, seed, rows it measured) in its
     attributes; at most ``KeptSample.most_rows`` rows; each layer's accumulators checked
     (accumulators.read_moments) and counting, with the rows its entry records as NaN or Inf, every row
@@ -598,7 +624,7 @@ def check_shard(f: h5py.File, path, task: Task, layers, *, extras: bool = True) 
     the checked accumulators (``extras``: with their cosine and |x| parts) of a sample shard, ``{}``
     for a shard of every row. DataError (one line, naming the shard) otherwise."""
     try:
-        check_layout(f, path, layers, rows=task.rows, dim=task.dim or None)
+        check_layout(f, path, layers, rows=task.rows, dim=task.dim or None, dims=dict(task.dims))
         return {} if task.kept is None else _check_kept(f, path, task, layers, extras)
     except DataError as e:
         if str(path) in str(e):
@@ -628,7 +654,7 @@ def _check_kept(f: h5py.File, path, task: Task, layers, extras: bool) -> dict:
         if name not in f[GROUP]:
             raise corrupt(path, f"it has no accumulators of layer {name}")
         lg = f[GROUP][name]
-        width = task.dim or int(f["layers"][name].shape[1])  # (0: a run that records no width)
+        width = task.width(name) or int(f["layers"][name].shape[1])  # (0: a run that records no width)
         regular = read_moments(lg["regular"], dim=width, most=task.tokens, extras=extras)
         n_special = 0
         other = None

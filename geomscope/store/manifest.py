@@ -144,6 +144,10 @@ def check_manifest(m, path: Path) -> dict:
             raise damaged(path, f"identity.layers names a layer {name!r}, not a name geomscope writes")
     if len(set(names)) != len(names):
         raise damaged(path, "identity.layers names a layer twice")
+    for i, x in enumerate(layers):  # a layer's own width, where it is not the run's (its rows are held to it)
+        d = x.get("dim")
+        if d is not None and not (_count(d) and d > 0):
+            raise damaged(path, f"identity.layers[{i}].dim is {short(d)}, not a positive integer")
     model = ident.get("model", {})
     if not isinstance(model, dict):
         raise damaged(path, "identity.model is not an object")
@@ -614,6 +618,7 @@ class RunWriter:
         doc_stop: int = 0,
         expected_rows: int | None = None,
         row_flags: tuple[str, ...] = (),
+        dims: dict[str, int] | None = None,
     ) -> ShardWriter:
         return ShardWriter(
             self.dir / shard_name(index),
@@ -625,6 +630,7 @@ class RunWriter:
             doc_stop=doc_stop,
             expected_rows=expected_rows,
             row_flags=row_flags,
+            dims=dims,
         )
 
     def add_shard(self, info: ShardInfo, stats: dict | None = None) -> None:

@@ -30,6 +30,7 @@ from geomscope.store.integrity import (
     h5_descriptor,
     h5_reason,
     kept_size,
+    layer_dims,
     manifest_problems,
     open_checked,
     shard_task,
@@ -195,7 +196,7 @@ def iter_task(
 ) -> Iterator[ShardChunk]:
     """A run's shard task streamed as :func:`iter_shard` streams a file, held to everything
     ``score``, ``export``, ``inspect --verify`` and resume hold a shard to: integrity.check_shard
-    before anything is read (its rows, the run's width, a sample's accumulators), then each chunk to
+    before anything is read (its rows, each layer's width, a sample's accumulators), then each chunk to
     integrity.check_chunk (documents in its entry's range, positions and token ids the run allows,
     NaN or Inf exactly where flagged). ``opened``: the shard opened already by :func:`opened_task`
     (checked there)."""
@@ -228,7 +229,8 @@ def _chunks(
         try:
             n_rows = int(f["token_id"].shape[0])
             if names and activations:
-                d = f["layers"][names[0]].shape[1]
+                # the layers' mean width, rounded up (layers of several widths: extract --modules)
+                d = -(-sum(int(f["layers"][n].shape[1]) for n in names) // len(names))
                 item = f["layers"][names[0]].dtype.itemsize
                 default = max(1024, READ_CHUNK_BYTES // row_bytes(d, item, len(names)))
             else:
@@ -355,8 +357,17 @@ class Run:
 
     @property
     def dim(self) -> int | None:
+        """The run's width D: the model's hidden size (None: not recorded)."""
         model = self.identity.get("model", {})
         return model.get("hidden_size")
+
+    @property
+    def layer_dims(self) -> dict[str, int]:
+        """Each layer's width: the one its entry records (a module layer narrower or wider than the
+        hidden size: grouped-query keys, MLP intermediates), else the run's :attr:`dim`; a layer of
+        a run that records neither is absent."""
+        own = layer_dims(self.identity)
+        return {n: own.get(n, self.dim) for n in self.layer_names if own.get(n, self.dim) is not None}
 
     @property
     def shards(self) -> list[ShardInfo]:
@@ -405,7 +416,7 @@ class Run:
         """The run's shards as tasks, in index order (integrity.shard_task: path, rows, recorded size
         and checksum, documents, the identity of each file now -- the reads must come from the file
         planned -- and a ``--keep sample`` run's sample). ``dim``: the width every layer is held to
-        (0: not checked)."""
+        that records none of its own (0: not checked); one that does is held to its own."""
         entries = sorted(self.manifest.get("shards", []), key=lambda s: s["index"])
         vocab = self.manifest.get("vocab_size")
         try:

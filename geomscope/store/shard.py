@@ -189,6 +189,7 @@ class ShardWriter:
         doc_stop: int = 0,
         expected_rows: int | None = None,
         row_flags: tuple[str, ...] = (),
+        dims: dict[str, int] | None = None,
     ):
         self.path = Path(path)
         unknown = set(row_flags) - set(ROW_FLAGS)
@@ -200,13 +201,17 @@ class ShardWriter:
         self.index = index
         self.layer_names = list(layer_names)
         self.dim = int(dim)
+        # each layer's width: ``dims``'s where it gives one (a module layer of another width), else D
+        self.dims = {name: int((dims or {}).get(name, self.dim)) for name in self.layer_names}
         self.dtype = np.dtype(store_dtype)
         if self.dtype not in (np.dtype("float16"), np.dtype("float32")):
             raise InputError(f"store dtype must be float16 or float32, not {store_dtype}")
         # the documents [start, stop) assigned to this shard (extract's plan: score refuses a row
         # outside them); 0..0, the default, records none (a shard written through the library)
         self.doc_start, self.doc_stop = doc_start, doc_stop
-        self.chunk = chunk_rows_for(self.dim, self.dtype.itemsize)
+        # one number of rows per chunk for every layer (rows are buffered and written chunk-aligned
+        # for all layers together), sized by the widest
+        self.chunk = chunk_rows_for(max(self.dims.values(), default=self.dim), self.dtype.itemsize)
         if expected_rows is not None:  # HDF5 allocates whole chunks: do not make them larger than the shard
             self.chunk = max(1, min(self.chunk, int(expected_rows)))
         self.rows = 0
@@ -240,12 +245,13 @@ class ShardWriter:
         nf = self._f.create_group("nonfinite")
         datasets: dict[str, h5py.Dataset] = {}
         for name in self.layer_names:
+            d = self.dims[name]
             datasets["L:" + name] = g.create_dataset(
                 name,
-                shape=(0, self.dim),
-                maxshape=(None, self.dim),
+                shape=(0, d),
+                maxshape=(None, d),
                 dtype=self.dtype,
-                chunks=(self.chunk, self.dim),
+                chunks=(self.chunk, d),
                 dcpl=_rows_in_place(),
             )
             datasets["N:" + name] = nf.create_dataset(
@@ -262,7 +268,8 @@ class ShardWriter:
         return datasets
 
     def append(self, layers: dict, token_id, doc_id, position, is_special, nonfinite=None, **flags) -> None:
-        """Add rows: ``layers[name]`` is (rows, D) for every layer name; the rest are (rows,), and
+        """Add rows: ``layers[name]`` is (rows, D) for every layer name (D: the layer's width); the
+        rest are (rows,), and
         ``flags`` gives each of the writer's ``row_flags``. ``nonfinite``: optionally, per layer,
         the (rows,) bool NaN/Inf check the caller already made of those very values (extract does
         it on the GPU); used only for a layer given in the store dtype, else checked here."""
@@ -281,8 +288,8 @@ class ShardWriter:
         any_bad = np.zeros(n, bool)
         for name in self.layer_names:
             a = np.asarray(layers[name])
-            if a.shape != (n, self.dim):
-                raise ValueError(f"layer {name}: expected shape {(n, self.dim)}, got {a.shape}")
+            if a.shape != (n, self.dims[name]):
+                raise ValueError(f"layer {name}: expected shape {(n, self.dims[name])}, got {a.shape}")
             # cast first: NaN/Inf survive the cast, and values that overflow the store dtype become Inf,
             # so one check of the stored values flags both
             with np.errstate(over="ignore", invalid="ignore"):
