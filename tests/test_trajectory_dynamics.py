@@ -199,16 +199,20 @@ def test_a_basis_directory_pairs_by_checkpoint_not_by_name(dynamics, tmp_path, c
         assert Path(got["basis"]) == acts / name
         assert got["layers"] == _report(dynamics, "tiny-org/neox-s", src)["gradient_energy"]["layers"]
     shutil.copytree(acts / "aa", acts / "aa-again")
-    code, out, err = cli(["score", small, "--basis", acts] + _out_args(tmp_path))
+    code, out, err = cli(["score", small, "--basis", acts] + _out_args(tmp_path, "twice"))
     assert_one_line_error(code, out, err, "holds 2 runs of the checkpoint", exit_code=2)
+    assert not (tmp_path / "twice").exists()  # said before step0, which has its run, was scored
     shutil.rmtree(acts / "aa")
     shutil.rmtree(acts / "aa-again")
-    code, out, err = cli(["score", small / "step1000", "--basis", acts] + _out_args(tmp_path))
+    code, out, err = cli(["score", small, "--basis", acts] + _out_args(tmp_path, "none"))
+    assert_one_line_error(code, out, err, "holds no run of the checkpoint", "tiny-org/neox-s@step1000")
+    assert not (tmp_path / "none").exists()
+    code, out, err = cli(["score", small / "step1000", "--basis", acts] + _out_args(tmp_path, "one"))
     assert_one_line_error(code, out, err, "holds no run of the checkpoint", "tiny-org/neox-s@step1000")
 
 
-def _out_args(tmp_path) -> list:
-    return ["--metrics", "isoscore", "--rank", "2,8", "--controls", "5", "--out", tmp_path / "o", "-q"]
+def _out_args(tmp_path, out: str = "o") -> list:
+    return ["--metrics", "isoscore", "--rank", "2,8", "--controls", "5", "--out", tmp_path / out, "-q"]
 
 
 def _line_data(ax) -> dict[str, tuple]:
@@ -331,3 +335,27 @@ def test_lists_of_rows_give_counts_and_ranks_give_columns():
     assert got[("0", "layer_01")]["gradient_energy_r2_p_value"] == "0.5"
     assert got[("1", "layer_01")]["gradient_energy_r2_energy"] == ""
     assert not any("note" in c for c in got[("0", "layer_01")])  # texts stay in report.json
+
+
+def test_one_trajectory_file_per_model_draws_as_one_file_of_both(dynamics, tmp_path, cli):
+    """plot takes several trajectory.csv files (one per model, as `score` of each model's folder
+    writes them) and draws the figure of the one file holding both."""
+    from geomscope.plot import plot_trajectory
+
+    paths = []
+    for model in MODELS:
+        reports = [_report(dynamics, model, step) for step in STEPS]
+        paths.append(tmp_path / model.split("/")[1] / "trajectory.csv")
+        paths[-1].parent.mkdir()
+        paths[-1].write_text(to_trajectory_csv(reports))
+    metrics = "isoscore_star,norms_measured_gain_spearman_gain_variance"
+    code, _, err = cli(["plot", *paths, "-k", "trajectory", "-m", metrics, "-o", tmp_path / "two.png", "-q"])
+    assert code == 0, err
+    apart = [r for p in paths for r in read_trajectory(p)]
+    together = read_trajectory(dynamics / "runs" / "trajectory.csv")
+    a = plot_trajectory(apart, metrics.split(","), layers=["final_layer_norm"])
+    b = plot_trajectory(together, metrics.split(","), layers=["final_layer_norm"])
+    for ax_a, ax_b in zip(a.axes, b.axes, strict=True):
+        lines_a, lines_b = _line_data(ax_a), _line_data(ax_b)
+        assert sorted(lines_a) == sorted(lines_b) and len(lines_a) == 2
+        assert all(lines_a[k][:2] == lines_b[k][:2] for k in lines_a)

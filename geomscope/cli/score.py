@@ -213,6 +213,23 @@ def _check_distinct(runs: list[str], dests: list[str], trajectory, *, one_folder
                 )
 
 
+def _check_pairs(runs: list[str], basis: str | None) -> None:
+    """With --basis a directory of runs, every run's partner there, before any run is scored: one
+    that has none, or two, is said now (gradenergy.paired_run), not after the runs before it."""
+    from pathlib import Path
+
+    from geomscope.score.gradenergy import paired_run
+    from geomscope.score.trajectory import runs_under
+    from geomscope.store.manifest import MANIFEST_NAME, read_manifest
+
+    if basis is None or not runs_under(basis):
+        return
+    for run in runs:
+        manifest = Path(run) / MANIFEST_NAME
+        if manifest.exists():  # (a run that is not one is refused as score opens it)
+            paired_run(run, read_manifest(manifest)["identity"].get("model") or {}, basis)
+
+
 def _score_many(
     runs: list[str], sources: list[str], opts, out, as_json: bool, quiet: bool, console, log
 ) -> None:
@@ -241,6 +258,7 @@ def _score_many(
     for dest in dests:
         check_report_out(dest)
     check_trajectory_out(where / TRAJECTORY_NAME)
+    _check_pairs(runs, opts.basis)
     ensure_writable(where)
     reports, written = [], []
     for i, (run, dest) in enumerate(zip(runs, dests, strict=True), 1):

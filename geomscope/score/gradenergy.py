@@ -83,11 +83,17 @@ def open_basis(src: SourceInfo, path: str, ranks, partial: bool, memory_mb: floa
 
 
 def basis_run_for(src: SourceInfo, path: str) -> str:
-    """``--basis`` as the run to read: ``path`` itself, unless it is a directory of runs
-    (``extract --revisions``, or one such directory per model), where it is the run there of the
-    gradient run's own checkpoint: the same weights by their fingerprint where both runs record
-    it, else the same model name and revision. Among several, the gradient run itself, else the one
-    of the same folder name; InputError (one line) when none is, or several are."""
+    """``--basis`` as the run to read for the gradient run ``src`` (:func:`paired_run`)."""
+    return paired_run(src.path, src.run_obj.identity.get("model") or {}, path)
+
+
+def paired_run(run: str, model: dict, path: str) -> str:
+    """``--basis`` as the run to read for the gradient run ``run`` of model identity ``model`` (its
+    manifest's ``identity.model``): ``path`` itself, unless it is a directory of runs (``extract
+    --revisions``, or one such directory per model), where it is the run there of the gradient
+    run's own checkpoint: the same weights by their fingerprint where both runs record it, else the
+    same model name and revision. Among several, the gradient run itself, else the one of the same
+    folder name; InputError (one line) when none is, or several are."""
     import os
 
     from geomscope.score.trajectory import runs_under
@@ -96,25 +102,24 @@ def basis_run_for(src: SourceInfo, path: str) -> str:
     runs = runs_under(path)
     if not runs:
         return path
-    ours = src.run_obj.identity.get("model") or {}
     same = [
         r
         for r in runs
-        if _same_checkpoint(ours, read_manifest(r / MANIFEST_NAME)["identity"].get("model") or {})
+        if _same_checkpoint(model, read_manifest(r / MANIFEST_NAME)["identity"].get("model") or {})
     ]
     if len(same) > 1:
-        itself = [r for r in same if os.path.realpath(r) == os.path.realpath(src.path)]
-        namesake = [r for r in same if r.name == os.path.basename(os.path.normpath(src.path))]
+        itself = [r for r in same if os.path.realpath(r) == os.path.realpath(run)]
+        namesake = [r for r in same if r.name == os.path.basename(os.path.normpath(run))]
         same = itself or namesake or same
-    label = f"{ours.get('name')}" + (f"@{ours['revision']}" if ours.get("revision") else "")
+    label = f"{model.get('name')}" + (f"@{model['revision']}" if model.get("revision") else "")
     if not same:
         raise InputError(
-            f"--basis {path} holds no run of the checkpoint of {src.path} ({label}); extract that "
+            f"--basis {path} holds no run of the checkpoint of {run} ({label}); extract that "
             "revision's activations into it, or give --basis the run"
         )
     if len(same) > 1:
         raise InputError(
-            f"--basis {path} holds {len(same)} runs of the checkpoint of {src.path} ({same[0]}, "
+            f"--basis {path} holds {len(same)} runs of the checkpoint of {run} ({same[0]}, "
             f"{same[1]}); give --basis the run to use"
         )
     return str(same[0])
