@@ -4,7 +4,7 @@ Kinds: ``layers`` (metric against layer), ``spectrum`` (eigenspectra), ``outlier
 dimension heat map), ``trajectory`` (metric against training step), ``training`` (training logs,
 drawn by :mod:`geomscope.plot.training`), ``energy`` (gradient energy in the activation subspace,
 from ``score GRADRUN --basis ACTRUN``).  ``auto`` picks: for one output file the main kind
-(``trajectory`` for >= 2 checkpoints of one model, ``energy`` when every report has a
+(``trajectory`` for >= 2 checkpoints of each model, ``energy`` when every report has a
 ``gradient_energy`` section, else ``layers``; ``training`` for training logs); for an output
 directory every kind the inputs support (``energy`` for the reports that have the section).
 """

@@ -48,7 +48,8 @@ class PlotOptions:
     metrics: tuple[str, ...] | list | str | None = option(
         None,
         METRIC_LIST,
-        "Metrics to draw (comma list); default isoscore_star,isoscore,avgcos,twonn where present.",
+        "Metrics to draw (comma list); default isoscore_star,isoscore,avgcos,twonn where present. "
+        "A trajectory draws any trajectory.csv column (iw_*, final_norm_*, norms_*, gradient_energy_*).",
         metavar="LIST",
         short="-m",
         optional=True,
