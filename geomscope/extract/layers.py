@@ -70,13 +70,13 @@ def describe_layers(
     return out
 
 
-def describe_modules(captures) -> list[dict]:
+def describe_modules(captures, dim: int) -> list[dict]:
     """The identity's entries of the modules ``extract --modules`` stores (model/modules.py's
     ModuleCapture each): ``name`` (:func:`~geomscope.layers.module_layer_name`), ``index`` (its
     block's output's), ``kind`` = ``module``, ``module`` (its path in the base model), ``side``
     (``out`` or ``in``), ``block`` (its block's position, None outside the blocks), ``type`` (its
-    class), ``tensor``; a part of a fused projection adds ``part``, ``fused`` and ``heads``, a norm
-    ``norm``, an alias ``alias``."""
+    class), ``tensor``; a module not ``dim`` (the run's D) wide adds its width ``dim``, a part of a
+    fused projection ``part``, ``fused`` and ``heads``, a norm ``norm``, an alias ``alias``."""
     out = []
     for c in captures:
         entry = {
@@ -90,6 +90,8 @@ def describe_modules(captures) -> list[dict]:
             "block": c.block,
             "type": c.type,
         }
+        if c.width != dim:  # (a layer without ``dim`` is D wide)
+            entry["dim"] = int(c.width)
         if c.part:
             entry.update(part=c.part, fused=c.fused, heads=c.heads)
         if c.norm:

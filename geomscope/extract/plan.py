@@ -235,7 +235,7 @@ def plan_run(lm, ins, scan, opts: ExtractOptions, out: Path) -> Plan:
     read_layers = describe_layers(indices, lm.n_hidden_states, lm.final_norm, lm.final_norm_name, with_final)
     modules, notes = _module_layers(lm, opts)
     if modules:
-        read_layers = in_forward_order(read_layers, describe_modules(modules))
+        read_layers = in_forward_order(read_layers, describe_modules(modules, lm.hidden_size))
     layer_desc = _stored_layers(read_layers, opts)
     if opts.gradients and lm.info.get("loss") == "classification":
         _check_labels(lm, ins, opts)
@@ -284,7 +284,7 @@ def _module_layers(lm, opts: ExtractOptions) -> tuple[list, list[str]]:
         shown = ", ".join(skipped[:4]) + (f" and {len(skipped) - 4} more" if len(skipped) > 4 else "")
         notes.append(
             f"extract: --modules leaves out {counted(len(skipped), 'module')} that give no "
-            f"D = {lm.hidden_size} wide vector per token: {shown}"
+            f"vector per token: {shown}"
         )
     return captures, notes
 

@@ -125,9 +125,7 @@ def _module_norm_params(lm, modules) -> dict:
     from geomscope.model.norms import norm_params
 
     base = base_module(lm)
-    return {
-        c.path: norm_params(base.get_submodule(c.path), c.path, lm.hidden_size) for c in modules if c.norm
-    }
+    return {c.path: norm_params(base.get_submodule(c.path), c.path, c.width) for c in modules if c.norm}
 
 
 def _lookahead(items, depth: int = 1):

@@ -14,17 +14,19 @@ Sides. ``PATTERN`` (or ``PATTERN:out``) is the module's output; ``PATTERN:in`` i
 positional argument, else its ``hidden_states`` keyword. A module that returns a tuple (attention
 modules return their output, then weights or a cache) gives the first element. ``PATTERN:q``,
 ``:k``, ``:v`` split a fused query-key-value projection (:data:`FUSED_QKV`). What is kept must be one
-vector per token of the model's hidden width D (shape (batch, tokens, D)), computed once per
-forward pass: an exactly named module that is not is refused; a glob keeps the modules that are and
-the others are listed as left out.
+vector per token (shape (batch, tokens, width)), computed once per forward pass; its width is its
+own (the hidden size D, or the keys of grouped-query attention, n_kv_heads x d_head, or an MLP's
+intermediate 4D), recorded with the layer. An exactly named module that is not is refused; a glob
+keeps the modules that are and the others are listed as left out.
 
 Aliases (:data:`FAMILY_MODULES`) name the same place in every block of the families whose layout
 geomscope knows: ``attn_out`` and ``mlp_out`` (what the attention and MLP sub-layers add to the
 residual stream, after their output projection: BERT's before its post-LN), ``ln1_in``/``ln1_out``
 and ``ln2_in``/``ln2_out`` (the input and output of the block's first and second norm in forward
 order: BERT's post-attention and post-MLP LayerNorms), and ``q``, ``k``, ``v`` (the query, key and
-value projections, concatenated over heads -- D = n_heads x d_head, the projection's own head order
--- before rotary position embeddings and before the 1/sqrt(d_head) scaling). ``norms`` is every
+value projections, concatenated over heads -- n_heads x d_head wide, the projection's own head
+order; the keys and values of grouped-query attention n_kv_heads x d_head -- before rotary position
+embeddings and before the 1/sqrt(d_head) scaling). ``norms`` is every
 norm module of the stack (LayerNorm, RMSNorm, T5LayerNorm...: :func:`~geomscope.model.norms.is_norm`)
 at its input and its output, in every family.
 """
@@ -156,6 +158,7 @@ class ModuleCapture:
     type: str  # the module's class
     block: int | None  # its block's position in the stack's block list (None: outside the blocks)
     index: int  # the residual-stream index it belongs to: block k -> k + 1
+    width: int  # the numbers per token it gives (of a fused projection's part: the part's)
     alias: str | None = None
     fused: str | None = None  # how a fused projection splits: "thirds" | "heads"
     heads: int | None = None
@@ -258,7 +261,7 @@ def _tree(lm) -> _Tree:
 def resolve_modules(lm, spec) -> tuple[list[ModuleCapture], list[str]]:
     """(what ``--modules spec`` stores, in forward order; the modules globs matched but leave out,
     each with why). InputError (one line) for a pattern that matches nothing, an alias the model's
-    family lacks, or an exactly named module that is not one D-wide vector per token."""
+    family lacks, or an exactly named module that is not one vector per token."""
     requests = parse_modules(spec)
     tree = _tree(lm)
     wanted: dict[tuple, tuple[ModuleRequest, str | None]] = {}
@@ -275,13 +278,13 @@ def resolve_modules(lm, spec) -> tuple[list[ModuleCapture], list[str]]:
             skipped.append(f"{path} ({why})")
         else:
             raise InputError(
-                f"--modules {req.item}: {path} {why}; a run stores one vector of the hidden width "
-                f"D = {lm.hidden_size} per token and layer, so choose another module"
+                f"--modules {req.item}: {path} {why}; a run stores one vector per token and layer, "
+                "so choose another module"
             )
     if not captures:
         raise InputError(
-            f"--modules {spec}: no module it matches gives one D = {lm.hidden_size} wide vector per "
-            f"token ({'; '.join(skipped[:3])}); choose others"
+            f"--modules {spec}: no module it matches gives one vector per token "
+            f"({'; '.join(skipped[:3])}); choose others"
         )
     captures.sort(key=lambda c: c.order)
     return captures, skipped
@@ -407,15 +410,6 @@ def module_part(t, part: str | None, fused: str | None, heads: int | None):
     return t.reshape(b, n, int(heads), 3, -1)[..., j, :].reshape(b, n, -1)
 
 
-def _grouped(lm, width: int) -> str:
-    """Why a key or value projection may be narrower than D: grouped-query attention."""
-    config = lm.model.config
-    kv, heads = getattr(config, "num_key_value_heads", None), getattr(config, "num_attention_heads", None)
-    if isinstance(kv, int) and isinstance(heads, int) and kv < heads and width < lm.hidden_size:
-        return f" (grouped-query attention: {kv} key/value heads for {heads} query heads)"
-    return ""
-
-
 def _shape(t) -> tuple | None:
     """(shape, floating) of a tensor; None for anything else."""
     import torch
@@ -481,8 +475,8 @@ def _probe_modules(lm, paths: list[str]) -> dict[str, dict]:
 
 
 def _capture(lm, tree: _Tree, seen: dict, path: str, side: str, part, alias):
-    """(the ModuleCapture of ``path``'s ``side`` (and ``part``), None) when it is one D-wide vector
-    per token computed once per forward pass; else (None, why not)."""
+    """(the ModuleCapture of ``path``'s ``side`` (and ``part``), None) when it is one vector per
+    token (of any width) computed once per forward pass; else (None, why not)."""
     from geomscope.model.norms import is_norm
 
     what = "output" if side == "out" else "input"
@@ -498,11 +492,12 @@ def _capture(lm, tree: _Tree, seen: dict, path: str, side: str, part, alias):
     if len(shape) != 3 or shape[:2] != tuple(seen["batch"]):
         return None, f"gives its {what} as shape {list(shape)}, not one vector per token"
     fused = _fused(tree, path) if part else None
-    width = shape[-1] // 3 if part else shape[-1]
-    if width != lm.hidden_size or (part and shape[-1] % 3):
-        given = f"a {part} part" if part else f"an {what}"
-        return None, f"gives {given} {width} wide{_grouped(lm, width)}"
     heads = int(lm.model.config.num_attention_heads) if fused == "heads" else None
+    if part and shape[-1] % (3 * (heads or 1)):
+        return None, f"gives an output {shape[-1]} wide, which does not split into q, k and v"
+    width = shape[-1] // 3 if part else shape[-1]
+    if width < 1:
+        return None, f"gives an {what} of no numbers per token"
     block, index = tree.index_of(path, lm.n_hidden_states)
     module = tree.modules[path]
     return ModuleCapture(
@@ -512,6 +507,7 @@ def _capture(lm, tree: _Tree, seen: dict, path: str, side: str, part, alias):
         type=type(module).__name__,
         block=block,
         index=index,
+        width=int(width),
         alias=alias,
         fused=fused,
         heads=heads,
