@@ -103,6 +103,8 @@ DIAGNOSTIC_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("whitened_avgcos", "cos(w)", "whitened"),
     MetricSpec("rogue_top1_share", "rogue1", "rogue"),
     MetricSpec("rogue_top3_share", "rogue3", "rogue"),
+    MetricSpec("massive_max_abs", "max|x|", "massive"),
+    MetricSpec("massive_ratio", "max/med", "massive"),
 )
 #: all-but-the-top's keys: ``abtt<k>_<metric>`` for each k of ``score --abtt-k``
 ABTT_METRICS = ("isoscore", "isoscore_star", "avgcos")
@@ -287,6 +289,7 @@ def _layer_defect(e) -> str | None:
         "dropped": lambda v: _dict_of(v, _integer),
         "flags": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
         "notes": lambda v: _dict_of(v, lambda x: isinstance(x, str)),
+        "massive": lambda v: v is None or _massive_shaped(v),
         "rogue_dims": lambda v: (
             isinstance(v, list)
             and all(
@@ -309,6 +312,22 @@ def _layer_defect(e) -> str | None:
         if known and min(known) < -1e-9 * max(1e-300, max(abs(x) for x in known)):  # a covariance's: >= 0
             return ".eigenvalues has negative values (a covariance's are >= 0)"
     return None
+
+
+def _massive_shaped(v) -> bool:
+    """A layer's ``massive`` section as score writes it (the fields the table and page read)."""
+    if not isinstance(v, dict) or not isinstance(v.get("entries"), list):
+        return False
+    fields = ("value", "dim", "position", "doc_id")
+    entries_ok = all(
+        isinstance(e, dict)
+        and all(_optional_number(e.get(f)) for f in fields)
+        and (e.get("token_id") is None or _integer(e.get("token_id")))
+        for e in v["entries"]
+    )
+    bounds = [v.get("median_abs_bounds"), v.get("ratio_bounds")]
+    bounds_ok = all(b is None or (isinstance(b, list) and all(is_number(x) for x in b)) for b in bounds)
+    return entries_ok and bounds_ok and _optional_number(v.get("median_abs"))
 
 
 def _final_norm_defect(fn) -> str | None:

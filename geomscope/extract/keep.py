@@ -9,6 +9,9 @@ layer:
   special tokens (``special``), accumulated in float64 on the model's device during the forward
   pass (moments_torch.py) from the rows cast to the store dtype -- the values a full run stores, so
   ``score`` gives the full run's moment metrics to float64 rounding;
+- the largest |x| entries and the |x| histogram of the same rows (metrics/massive.py: the top
+  :data:`~geomscope.store.accumulators.MASSIVE_KEPT` entries, candidates found on the device, so
+  only they and the counts are copied off it), for ``score --metrics massive``;
 - the rows of the sample: for every layer and for both ``--exclude-special`` settings, the N rows
   with the smallest ``row_hash(run_keys(doc_id, position), seed, STREAM_ID_SAMPLE)`` among those
   the layer's metrics may use. That is exactly what ``score --id-sample k`` draws from a full run:
@@ -25,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from geomscope.errors import InputError
-from geomscope.store.accumulators import ABS_THRESHOLD
+from geomscope.store.accumulators import ABS_THRESHOLD, MASSIVE_KEPT
 from geomscope.store.sample import STREAM_ID_SAMPLE, BottomK, row_hash, run_keys
 
 DEFAULT_SAMPLE = 5000  # score --id-sample's default: `--keep sample` serves a default score
@@ -71,6 +74,7 @@ class SampleKeeper:
         self.k, self.seed = int(sample), int(seed)
         self.make = lambda name: device_moments(self.dims[name], device, ABS_THRESHOLD)
         self.acc: dict[str, dict] = {n: {"regular": self.make(n)} for n in self.names}
+        self.tops: dict[str, dict] = {n: {} for n in self.names}  # layer -> part -> TopAbs
         # (layer, excluding special tokens) -> the k smallest hashes of the rows that layer may use
         self.bottom = {(n, ex): BottomK(self.k) for n in self.names for ex in (False, True)}
         self.buf: list[dict] = []
@@ -102,10 +106,12 @@ class SampleKeeper:
                 self.nonfinite_by_layer[name] = self.nonfinite_by_layer.get(name, 0) + int(bad.sum())
             whole = bool(finite[name].all()) and not special.any()
             self.acc[name]["regular"].update(x if whole else x[ok & ~sp])
+            self._top(name, "regular", x, finite[name] & ~special, meta)
             if special.any():
                 if "special" not in self.acc[name]:
                     self.acc[name]["special"] = self.make(name)
                 self.acc[name]["special"].update(x[ok & sp])
+                self._top(name, "special", x, finite[name] & special, meta)
         self.nonfinite_rows += int(any_bad.sum())
         hashes = row_hash(run_keys(meta["doc_id"], meta["position"]), self.seed, STREAM_ID_SAMPLE)
         for (name, ex), bk in self.bottom.items():
@@ -125,6 +131,32 @@ class SampleKeeper:
         self.buf_rows += take.size
         if self.buf_rows > 4 * self.k:
             self._prune()
+
+    def _top(self, name: str, part: str, x, rows: np.ndarray, meta: dict) -> None:
+        """The largest |x| entries and the |x| histogram of ``x[rows]`` into layer ``name``'s ``part``."""
+        import torch
+
+        from geomscope.metrics.massive import TopAbs, device_piece
+
+        picked = np.flatnonzero(rows)
+        if picked.size == 0:
+            return
+        sel = x if picked.size == len(rows) else x.index_select(0, torch.from_numpy(picked).to(x.device))
+        cand, values, counts, zeros = device_piece(sel, MASSIVE_KEPT)
+        at, dims = np.divmod(cand, self.dims[name])
+        at = picked[at]
+        keys = run_keys(np.asarray(meta["doc_id"])[at], np.asarray(meta["position"])[at])
+        top = self.tops[name].setdefault(part, TopAbs(MASSIVE_KEPT))
+        top.add(
+            values,
+            dims,
+            keys,
+            np.asarray(meta["token_id"])[at],
+            np.asarray(meta["is_special"], bool)[at],
+            counts=counts,
+            zeros=zeros,
+            n=picked.size * self.dims[name],
+        )
 
     @staticmethod
     def _eligible(finite: np.ndarray, special: np.ndarray, exclude_special: bool) -> np.ndarray:

@@ -54,6 +54,7 @@ class PassSpec:
     unit: dict | None = None  # layer -> variant -> (shifts (R, D), scales (R, D) | None)
     post: dict | None = None  # layer -> family -> its spec (score/postprocess.pass_spec)
     abtt_k: tuple[int, ...] = ()  # "unit" with post: the all-but-the-top k
+    massive_k: int = 0  # "moments": the largest |x| entries kept per layer (0: none)
     checksum: bool = False
     block_rows: int | None = None
     threads: int = 1  # threads per task for the block statistics (engine.py picks: cores / workers)
@@ -67,6 +68,8 @@ class LayerPart:
     select: BottomK | None = None
     unit: dict | None = None  # variant -> MultiUnitSum (R replicates)
     post: dict | None = None  # family -> RemovedTopUnitSums / WhitenedUnitSums (R replicates)
+    massive: object | None = None  # metrics.massive.TopAbs: the largest |x| entries, the |x| histogram
+    massive_missing: bool = False  # a --keep sample shard kept none: the layer has no such entries
 
     def merge(self, other: LayerPart) -> LayerPart:
         for k in COUNT_KEYS:
@@ -81,6 +84,9 @@ class LayerPart:
             self.reservoir = (
                 other.reservoir if self.reservoir is None else self.reservoir.merge(other.reservoir)
             )
+        self.massive_missing |= other.massive_missing
+        if other.massive is not None:
+            self.massive = other.massive if self.massive is None else self.massive.merge(other.massive)
         if other.select is not None:
             self.select = other.select if self.select is None else self.select.merge(other.select)
         for attr in ("unit", "post"):
@@ -136,6 +142,10 @@ def _new_part(spec: PassSpec, dim: int | None) -> LayerPart:
         ]
         if spec.id_k > 0:
             lp.reservoir = Reservoir(spec.id_k)
+        if spec.massive_k > 0:
+            from geomscope.metrics.massive import TopAbs
+
+            lp.massive = TopAbs(spec.massive_k)
     elif spec.kind == "select":
         lp.select = BottomK(spec.max_rows)
     return lp
@@ -336,9 +346,11 @@ def _add_block(block, spec: PassSpec, parts: dict, work: OrderedWork, task: Task
         gs = block.group if whole else block.group[keep]
         if spec.kind == "moments":
             update_groups(lp.groups, xs, gs, work=work)
+            keys = block.keys if whole else block.keys[keep]
             if lp.reservoir is not None:
-                keys = block.keys if whole else block.keys[keep]
                 lp.reservoir.add(row_hash(keys, spec.seed, STREAM_ID_SAMPLE), xs)
+            if lp.massive is not None:
+                _update_massive(lp.massive, xs, keys, block, keep, whole, work)
         else:
             if lp.unit:
                 _update_units(lp.unit, xs, gs, work)
@@ -422,6 +434,21 @@ def _update_units(unit: dict, xs: np.ndarray, gs: np.ndarray, work: OrderedWork)
         work.submit(compute, merge, (("unit sums", d), lambda: new_work(BLOCK_ROWS, d), lambda w: True))
 
 
+def _update_massive(top, xs, keys, block, keep, whole: bool, work: OrderedWork) -> None:
+    """The block's largest |x| entries and |x| histogram (metrics/massive.py) into ``top``: computed
+    in a thread into a fresh TopAbs, merged in order (which entries are kept does not depend on the
+    order: ties go by key and dimension)."""
+    from geomscope.metrics.massive import TopAbs
+
+    tokens = block.token_id if block.token_id is None or whole else block.token_id[keep]
+    special = block.special if whole else block.special[keep]
+
+    def compute(_scratch):
+        return TopAbs(top.k).update(xs, keys, tokens, special)
+
+    work.submit(compute, top.merge, (("massive", 0), lambda: None, lambda w: True))
+
+
 def _update_post(post: dict, xs: np.ndarray, gs: np.ndarray, work: OrderedWork) -> None:
     """The all-but-the-top and whitened unit sums of the rows ``xs`` (score/postprocess.py); with
     ``work.threads`` > 1 each block of the sums' size goes into fresh sums in a thread, added in row
@@ -463,6 +490,24 @@ def _merge_kept(task: Task, spec: PassSpec, parts: dict, checked: dict) -> None:
         parts[name].groups[task.index % spec.n_groups].merge(m)
 
 
+def _merge_kept_top(f, task: Task, spec: PassSpec, parts: dict) -> None:
+    """A ``--keep sample`` shard's largest |x| entries and |x| histogram (store/accumulators.py) into
+    each layer's, its special tokens' too unless they are excluded; a shard that kept none (written
+    before they were kept) leaves the layer without them (``massive_missing``)."""
+    from geomscope.store.accumulators import MASSIVE_GROUP, read_top_abs
+
+    for name in spec.layers:
+        lp = parts[name]
+        g = f.get(f"{MASSIVE_GROUP}/{name}")
+        if g is None:
+            lp.massive_missing = True
+            continue
+        width = task.width(name) or int(f["layers"][name].shape[1])  # (0: a run that records no width)
+        for part in ("regular", "special"):
+            if part in g and not (part == "special" and spec.exclude_special):
+                lp.massive.merge(read_top_abs(g[part], dim=width, most=task.tokens * width))
+
+
 def _run_accumulated(task: Task, spec: PassSpec, progress, parts: dict) -> dict[str, LayerPart]:
     """A ``--keep sample`` shard: its stored accumulators go whole into jackknife group
     ``shard index % G``, and its sampled rows feed the intrinsic-dimension reservoir, filtered as the
@@ -473,6 +518,8 @@ def _run_accumulated(task: Task, spec: PassSpec, progress, parts: dict) -> dict[
 
     with opened_task(task, spec.layers, extras=spec.extras) as (f, checked):
         _merge_kept(task, spec, parts, checked)
+        if spec.massive_k:
+            _merge_kept_top(f, task, spec, parts)
         for block in iter_shard_blocks(task, spec.layers, spec.n_groups, spec.block_rows, opened=f):
             for name in spec.layers:
                 lp = parts[name]

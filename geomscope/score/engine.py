@@ -41,6 +41,7 @@ from geomscope.score.layer import LayerResult
 from geomscope.score.options import ID_SAMPLE_LEAST, MAX_MEMORY_MB, ScoreOptions
 from geomscope.score.sources import SourceInfo, open_source
 from geomscope.store.accumulators import ABS_THRESHOLD as KEPT_ABS_THRESHOLD
+from geomscope.store.accumulators import MASSIVE_KEPT
 
 GROUPS_TEXT = {
     "documents": "document groups (doc_id % G)",
@@ -323,6 +324,11 @@ class _Scorer:
                 f"{self.src.path} kept the sample of seed {self.src.sample_seed}; score it with "
                 f"--seed {self.src.sample_seed}, or extract again with --seed {o.seed}"
             )
+        if o.wants("massive") and o.massive_k > MASSIVE_KEPT:
+            raise InputError(
+                f"{self.src.path} kept the {MASSIVE_KEPT} largest |x| entries per layer and shard; "
+                f"use --massive-k {MASSIVE_KEPT} or less, or {redo}"
+            )
         if (
             o.wants("outliers")
             and o.outlier_rule == "magnitude"
@@ -420,6 +426,7 @@ class _Scorer:
             extras=o.wants("avgcos") or o.wants("outliers") or o.wants("rogue"),
             abs_threshold=o.outlier_threshold if o.outlier_rule == "magnitude" else 6.0,
             id_k=id_k,
+            massive_k=o.massive_k if o.wants("massive") else 0,
         )
         label = batch[0] if len(batch) == 1 else f"{batch[0]}..{batch[-1]}"
         parts = self._pass(self.src.tasks, spec, f"moments {label}")
@@ -436,6 +443,12 @@ class _Scorer:
                 c0 if c0 is not None else self.target,
             )
             state.keep_groups = self.basis is not None and name in self.basis.pairs
+            if o.wants("massive") and state.lp is not None and state.lp.massive_missing:
+                state.lp.massive = None
+                state.notes["massive"] = (
+                    f"this run kept accumulators and a sample (--keep sample:{self.src.sample}) but not "
+                    "the largest |x| entries (it was extracted before they were kept); extract it again"
+                )
             state.threads = self.threads  # layers are finished one per --workers thread at a time
         self._each(entries.values(), LayerResult.moments)
         if self.basis is not None:

@@ -6,7 +6,7 @@ import numpy as np
 
 from geomscope.metrics.moments import MAX_THREADED_M2_BYTES, map_in_order
 from geomscope.schema import EXTRA_ID_PREFIX, SCALAR_METRIC_NAMES
-from geomscope.score import compute, idest, outliers, postprocess, rogue
+from geomscope.score import compute, idest, massive, outliers, postprocess, rogue
 from geomscope.score.options import ScoreOptions
 from geomscope.score.sources import SourceInfo
 
@@ -26,8 +26,12 @@ def _measured(m, o: ScoreOptions, c0, notes: dict) -> tuple[dict, dict]:
     return values, pieces
 
 
+#: every diagnostic family with scalar keys in a layer entry, in the entry's order
+LAYER_FAMILIES = (*MOMENT_FAMILIES, massive)
+
+
 def _family_keys(o: ScoreOptions) -> list[str]:
-    return [k for family in MOMENT_FAMILIES for k in family.keys(o)]
+    return [k for family in LAYER_FAMILIES for k in family.keys(o)]
 
 
 class LayerResult:
@@ -204,6 +208,16 @@ class LayerResult:
     def finish(self) -> None:
         self.intrinsic()
         self.outliers_moment()
+        self.massive_activations()
+
+    def massive_activations(self) -> None:
+        """The largest |x| entries the pass kept, and their ratio to the median |x| (massive.py)."""
+        if not massive.wanted(self.opts):
+            return
+        top = self.lp.massive if self.lp is not None else None
+        values, section = massive.summary(top, self.notes)
+        self.values.update(values)
+        self.listed["massive"] = section
 
     def intrinsic(self) -> None:
         o = self.opts

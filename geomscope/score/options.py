@@ -39,7 +39,7 @@ MOMENT_METRICS = ("isoscore", "isoscore_star", "avgcos", "spectrum", "outliers")
 CORE_METRICS = (*MOMENT_METRICS, "twonn", "partition")
 DEFAULT_METRICS = CORE_METRICS
 #: the diagnostic families (docs/metrics.md, "Diagnostics"): named in --metrics, or by ``all``
-DIAGNOSTIC_FAMILIES = ("abtt", "whitened", "rogue")
+DIAGNOSTIC_FAMILIES = ("abtt", "whitened", "rogue", "massive")
 #: the families computed from the moments' covariance and unit sums (their jackknife groups)
 MOMENT_FAMILIES = ("abtt", "whitened", "rogue")
 #: what ``all`` names: the core metrics and every diagnostic family
@@ -96,9 +96,10 @@ class ScoreOptions:
         DEFAULT_METRICS,
         CommaList("metric names"),
         "Comma list of isoscore, isoscore_star, avgcos, spectrum, outliers, twonn, partition, the "
-        "diagnostics abtt (all-but-the-top), whitened and rogue (each dimension's share of the "
-        "average cosine), and scikit-dimension estimators (e.g. mle, lpca); 'all' = the seven core "
-        "metrics and the diagnostics (the estimators only when named). Default: the seven core metrics.",
+        "diagnostics abtt (all-but-the-top), whitened, rogue (each dimension's share of the average "
+        "cosine) and massive (the largest |x| entries), and scikit-dimension estimators (e.g. mle, "
+        "lpca); 'all' = the seven core metrics and the diagnostics (the estimators only when named). "
+        "Default: the seven core metrics.",
         metavar="LIST",
         short="-m",
     )
@@ -274,6 +275,12 @@ class ScoreOptions:
         metavar="LIST",
         flag="--abtt-k",
     )
+    massive_k: int = option(
+        20,
+        Interval(whole=True, low=1, high=100_000),
+        "--metrics massive: the largest |x| entries (token, dimension) listed per layer.",
+        metavar="K",
+    )
     extra_id: tuple[str, ...] = field(default=(), repr=False)  # filled by validate()
 
     def to_dict(self) -> dict:
@@ -313,6 +320,7 @@ class ScoreOptions:
             shrinkage_target=normalise_target(self.shrinkage_target),
             ranks=_checked_ranks(self.ranks),
             abtt_k=_checked_abtt(self.abtt_k),
+            massive_k=int(self.massive_k),
             controls=int(self.controls),
             scheduler=_checked_scheduler(self.scheduler, self.workers),
         )

@@ -6,6 +6,12 @@ its finite rows of special tokens, written only when there are some), under
 ``abs_threshold``; float64 datasets ``mean``, ``sum_unit``, ``sum_unit_sq``, ``abs_sum``,
 ``abs_max``; int64 ``count_abs_ge``; and ``m2_upper``, the centred scatter's upper triangle packed
 row by row (D(D+1)/2 values: half the bytes of the full matrix).
+
+The largest |x| entries and the |x| histogram of the same rows (metrics/massive.py's ``TopAbs``, of
+at most :data:`MASSIVE_KEPT` entries) lie under ``/massive/<layer>/<part>``: attributes ``k``,
+``n`` (entries seen: rows x D), ``zeros``; datasets ``value`` (float64), ``dim``, ``key``,
+``token_id`` (int64; key uint64), ``special`` (bool), and the histogram's non-empty ``bins`` with
+their ``counts`` (int64).
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ import numpy as np
 from geomscope.errors import DataError
 
 GROUP = "accumulators"
+MASSIVE_GROUP = "massive"
+#: the largest |x| entries a shard keeps per layer and part: score --massive-k at most this
+MASSIVE_KEPT = 100
 ABS_THRESHOLD = 6.0  # |x| >= this is counted per dimension: score's magnitude-outlier default
 PARTS = ("regular", "special")
 _VECTORS = ("mean", "sum_unit", "sum_unit_sq", "abs_sum", "abs_max")
@@ -138,6 +147,71 @@ def _vector(g, key: str, shape: tuple, dtype=np.float64) -> np.ndarray:
     if not np.isfinite(a).all():
         raise _bad(g, f"holds NaN or Inf in {key}")
     return a
+
+
+def write_top_abs(parent, name: str, top) -> None:
+    """Store TopAbs ``top`` as group ``name`` of the h5py group ``parent``."""
+    g = parent.create_group(name)
+    g.attrs["k"] = int(top.k)
+    g.attrs["n"] = int(top.n)
+    g.attrs["zeros"] = int(top.zeros)
+    for key in ("value", "dim", "key", "token_id"):
+        g.create_dataset(key, data=getattr(top, key))
+    g.create_dataset("special", data=top.special.astype(np.uint8))
+    bins = np.flatnonzero(top.counts)
+    g.create_dataset("bins", data=bins.astype(np.int64))
+    g.create_dataset("counts", data=top.counts[bins].astype(np.int64))
+
+
+def read_top_abs(g, *, dim: int, most: int):
+    """The TopAbs stored in h5py group ``g``, checked before it is trusted: its entries within k and
+    the run's width ``dim``, finite, largest |x| first; at most ``most`` entries seen (the rows the
+    shard measured times D), all of them in the histogram; bins in range and increasing. DataError
+    (one line, naming the group) otherwise."""
+    from geomscope.metrics.massive import BINS, TopAbs
+
+    try:
+        k = _number(g, "k", int, MASSIVE_KEPT)
+        if k < 1:
+            raise _bad(g, "keeps no entry")
+        top = TopAbs(k)
+        top.n = _number(g, "n", int, most)
+        top.zeros = _number(g, "zeros", int, top.n)
+        size = _length(g, "value", k)
+        top.value = _vector(g, "value", (size,))
+        for key, dtype in (("dim", np.int64), ("key", np.uint64), ("token_id", np.int64)):
+            setattr(top, key, _vector(g, key, (size,), dtype))
+        special = _vector(g, "special", (size,), np.int64)
+        if size and (special.min() < 0 or special.max() > 1):
+            raise _bad(g, "holds special flags other than 0 and 1")
+        top.special = special.astype(bool)
+        if size and (top.dim.min() < 0 or top.dim.max() >= dim):
+            raise _bad(g, f"lists a dimension outside the run's {dim}")
+        if (np.diff(np.abs(top.value)) > 0).any():
+            raise _bad(g, "lists its entries out of order")
+        n_bins = _length(g, "bins", BINS)
+        bins = _vector(g, "bins", (n_bins,), np.int64)
+        counts = _vector(g, "counts", (n_bins,), np.int64)
+        if n_bins and (
+            bins.min() < 0 or bins.max() >= BINS or (np.diff(bins) <= 0).any() or counts.min() < 1
+        ):
+            raise _bad(g, "holds a histogram no writer makes")
+        if int(counts.sum()) + top.zeros != top.n:
+            raise _bad(g, f"counts {int(counts.sum()) + top.zeros} entries in its histogram, not its {top.n}")
+        top.counts[bins] = counts
+    except KeyError as e:
+        raise _bad(g, f"is incomplete ({e})") from e
+    return top
+
+
+def _length(g, key: str, most: int) -> int:
+    """The length of ``g``'s one-dimensional dataset ``key``, at most ``most``."""
+    import h5py
+
+    ds = g.get(key)
+    if not isinstance(ds, h5py.Dataset) or len(ds.shape) != 1 or ds.shape[0] > most:
+        raise _bad(g, f"holds no {key} list of at most {most} entries")
+    return int(ds.shape[0])
 
 
 def bytes_per_part(dim: int) -> int:

@@ -79,13 +79,15 @@ class Task:
 
 @dataclass
 class Block:
-    """Rows of a task: their keys, jackknife groups, special flags and, per layer, values and flags."""
+    """Rows of a task: their keys, jackknife groups, special flags, token ids where known and, per
+    layer, values and flags."""
 
     keys: np.ndarray  # (m,) uint64
     group: np.ndarray  # (m,) int64 in [0, G)
     special: np.ndarray  # (m,) bool
     layers: dict[str, np.ndarray] = field(default_factory=dict)  # name -> (m, D)
     nonfinite: dict[str, np.ndarray] = field(default_factory=dict)  # name -> (m,) bool
+    token_id: np.ndarray | None = None  # (m,) int64 where the source records them (a run's shards)
 
 
 def row_bytes(dim: int, itemsize: int, n_layers: int) -> int:

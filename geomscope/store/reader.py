@@ -271,6 +271,7 @@ def iter_shard_meta(task: Task, layers: list[str], n_groups: int) -> Iterator[Bl
             group=groups_of_docs(ch.doc_id, n_groups),
             special=np.asarray(ch.is_special, bool),
             nonfinite=nf,
+            token_id=np.asarray(ch.token_id, np.int64),
         )
 
 
@@ -298,6 +299,7 @@ def iter_shard_blocks(
             special=np.asarray(ch.is_special, bool),
             layers=ch.layers,
             nonfinite=nf,
+            token_id=np.asarray(ch.token_id, np.int64),
         )
 
 

@@ -375,7 +375,7 @@ class ShardWriter:
     def keep_accumulators(self, keeper, sample: int, seed: int) -> None:
         """Make this a ``--keep sample:N`` shard: store the keeper's sample rows and accumulators
         (store/accumulators.py) and count every row it measured, not only the stored ones."""
-        from geomscope.store.accumulators import GROUP, write_moments
+        from geomscope.store.accumulators import GROUP, MASSIVE_GROUP, write_moments, write_top_abs
 
         acc, rows, meta = keeper.result()
         self.append(rows, **meta)
@@ -385,6 +385,11 @@ class ShardWriter:
             for part, m in parts.items():
                 if part == "regular" or m.n:
                     write_moments(lg, part, m)
+        g = self._f.create_group(MASSIVE_GROUP)
+        for name, parts in keeper.tops.items():
+            lg = g.create_group(name)
+            for part, top in parts.items():
+                write_top_abs(lg, part, top)
         self._f.attrs["keep"] = "sample"
         self._f.attrs["sample_size"] = int(sample)
         self._f.attrs["sample_seed"] = int(seed)
