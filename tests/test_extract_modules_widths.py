@@ -18,6 +18,7 @@ import torch
 from conftest import assert_one_line_error, edit_manifest
 from helpers_models import SAMPLE_TEXTS, make_tiny_head_model, make_tiny_model
 
+from geomscope.errors import InputError
 from geomscope.export import export_run
 from geomscope.extract.run import extract
 from geomscope.schema import SCALAR_METRIC_NAMES
@@ -388,8 +389,8 @@ def test_a_width_no_writer_records_is_refused(setup, tmp_path, cli):
 
 def test_export_round_trip(setup, tmp_path):
     """npy: one file per layer at its own width, each the run's rows (and the hooks' to 1e-6),
-    scored as the run scores that layer; arrow: one column per layer at its width, the columns of
-    one width scored together as the run scores them."""
+    scored as the run scores that layer; arrow: one column per layer at its width, scored together
+    as the run scores them."""
     pytest.importorskip("pyarrow")
     run = setup["run"]
     export_run(run, tmp_path / "npy", to="npy")
@@ -406,7 +407,26 @@ def test_export_round_trip(setup, tmp_path):
         if name in ref:
             np.testing.assert_allclose(exported[order], ref[name], rtol=1e-6, atol=1e-6, err_msg=name)
         _same_numbers(whole[name], _scores(score(tmp_path / "npy" / f"{name}.npy", opts))["array"], name)
-    narrow = [n for n, w in Run(run).layer_dims.items() if w == KV]
-    back = _scores(score(tmp_path / "arrow", ScoreOptions(metrics=opts.metrics, columns=narrow)))
-    for name in narrow:
+    back = _scores(score(tmp_path / "arrow", opts))
+    assert list(back) == list(whole)
+    for name in whole:
         _same_numbers(whole[name], back[name], name)
+
+
+def test_named_arrays_of_several_widths_score_as_each_alone(tmp_path):
+    """Another tool's file of arrays of one row count and several widths (.npz): each array scored
+    as the .npy of it alone; arrays of different row counts stay refused."""
+    rng = np.random.default_rng(0)
+    arrays = {
+        "narrow": rng.normal(size=(300, 8)),
+        "wide": rng.gamma(2.0, size=(300, 24)) @ rng.normal(size=(24, 24)),
+    }
+    np.savez(tmp_path / "x.npz", **arrays)
+    opts = ScoreOptions(metrics=METRICS, id_sample=300)
+    together = _scores(score(tmp_path / "x.npz", opts))
+    for name, x in arrays.items():
+        np.save(tmp_path / f"{name}.npy", x)
+        _same_numbers(together[name], _scores(score(tmp_path / f"{name}.npy", opts))["array"], name)
+    np.savez(tmp_path / "y.npz", a=np.zeros((5, 3)), b=np.zeros((6, 4)))
+    with pytest.raises(InputError, match="differ in shape"):
+        score(tmp_path / "y.npz", opts)

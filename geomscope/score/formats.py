@@ -158,14 +158,13 @@ def describe(
             + (f" among {', '.join(columns)}" if columns else "")
             + "; save one (N, D) array per layer"
         )
-    shapes = {(n, d) for n, d, _ in lay.layers.values()}
-    if len(shapes) > 1:
+    if len({n for n, _, _ in lay.layers.values()}) > 1:  # (each layer may have its own width)
         listing = ", ".join(f"{k} {n}x{d}" for k, (n, d, _) in lay.layers.items())
         raise InputError(
             f"{path}: the layers differ in shape ({listing}); layers scored together describe the same "
             "tokens -- pick those that match with --column"
         )
-    n, d = next(iter(shapes))
+    n, d = min((n, d) for n, d, _ in lay.layers.values())
     if n < 2 or d < 2:
         raise DataError(
             f"{path} is {n} x {d}; at least 2 rows (points) and 2 columns (dimensions) are needed"

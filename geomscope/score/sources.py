@@ -225,14 +225,15 @@ def _format_blocks(
     from geomscope.score.formats import FilePart, read_rows
 
     part = FilePart(task.path, task.start, task.stop, task.offset)
-    step = block_rows or rows_per_block(task.dim, 4, len(layers))
+    mean = -(-sum(task.width(n) for n in layers) // max(1, len(layers)))  # the layers' mean width
+    step = block_rows or rows_per_block(mean, 4, len(layers))
     for r in _guarded(read_rows(task.kind, part, layers, step, task.meta), task.path):
         x = {n: (a if a.dtype.kind == "f" else a.astype(np.float64)) for n, a in r.layers.items()}
         for n, a in x.items():  # a layer's width as planned (Parquet row groups may each differ)
-            if task.dim and a.shape[1] != task.dim:
+            if task.width(n) and a.shape[1] != task.width(n):
                 raise DataError(
-                    f"{task.path}: {n!r} has rows of {a.shape[1]} numbers here but {task.dim} in its "
-                    "first rows; every row of a layer must have the same width"
+                    f"{task.path}: {n!r} has rows of {a.shape[1]} numbers here but {task.width(n)} in "
+                    "its first rows; every row of a layer must have the same width"
                 )
         m = next(iter(x.values())).shape[0]
         groups = (
@@ -409,8 +410,11 @@ def _open_format(
     # a bounded first guess of the width sizes the read units; describe() reads headers only
     probe = describe(p, fmt, columns, block_rows or 1 << 62, memory_mb)
     n, d, dtype = next(iter(probe.layers.values()))
+    # the layers not as wide as the first (an export of a run of extract --modules) -> their width
+    dims = {k: w for k, (_, w, _) in probe.layers.items() if w != d}
+    mean = -(-sum(w for _, w, _ in probe.layers.values()) // len(probe.layers))
     itemsize = 2 if "16" in dtype else 8 if "64" in dtype else 4
-    step = max(block_rows or 0, rows_per_block(d, itemsize, len(probe.layers)))
+    step = max(block_rows or 0, rows_per_block(mean, itemsize, len(probe.layers)))
     lay = describe(p, fmt, columns, step) if fmt in ("npz", "safetensors", "pt") else probe
     names = list(lay.layers)
     tasks = [
@@ -425,6 +429,7 @@ def _open_format(
             offset=part.offset,
             meta=lay.meta,
             dim=d,
+            dims=tuple(dims.items()),
         )
         for i, part in enumerate(lay.parts)
     ]
@@ -446,6 +451,7 @@ def _open_format(
         format=fmt,
         groups="documents" if "doc_id" in lay.meta else "contiguous",
         files=lay.files,
+        dims=dims,
     )
 
 
