@@ -430,3 +430,17 @@ def test_named_arrays_of_several_widths_score_as_each_alone(tmp_path):
     np.savez(tmp_path / "y.npz", a=np.zeros((5, 3)), b=np.zeros((6, 4)))
     with pytest.raises(InputError, match="differ in shape"):
         score(tmp_path / "y.npz", opts)
+
+
+def test_outlier_heat_map_and_html_page_take_one_panel_per_width(setup, tmp_path, cli):
+    from geomscope.plot import plot_outliers
+
+    rep = score(setup["run"], ScoreOptions(metrics=("isoscore", "outliers", "spectrum")))
+    fig = plot_outliers([rep])
+    titles = [a.get_title() for a in fig.axes if a.get_title()]
+    assert [t.split(": ")[-2].rsplit(", ", 1)[-1] for t in titles] == ["16 wide", "32 wide", "64 wide"]
+    assert [a.images[0].get_array().shape for a in fig.axes if a.images] == [(4, 16), (1, 32), (2, 40)]
+    (tmp_path / "r.json").write_text(json.dumps(rep))
+    code, _, err = cli(["report", tmp_path / "r.json", "--html", tmp_path / "r.html", "--quiet"])
+    assert code == 0, err
+    assert "layers.1.mlp.up_proj" in (tmp_path / "r.html").read_text()

@@ -110,8 +110,9 @@ def plot_outliers(
     ``relative`` (default: every rule but ``magnitude``) each layer's statistic is divided by its
     mean over all dimensions, so layers of different scale share one colour scale (for the
     ``variance`` rule the threshold k is marked on the colorbar); raw values get a log colour scale
-    when positive and spanning more than two decades.  ``ax``: draw into these Axes (one per
-    report) of the caller's figure and return that figure.
+    when positive and spanning more than two decades.  A report whose layers have several widths (a
+    run of ``extract --modules``) takes one panel per width.  ``ax``: draw into these Axes (one per
+    panel) of the caller's figure and return that figure.
     """
     reports = select_layers(reports, layers)
     missing = [report_name(r) for r in reports if not has_outlier_statistic(r)]
@@ -122,6 +123,7 @@ def plot_outliers(
     if top_k is not None and top_k < 1:
         raise InputError(f"--top-k must be at least 1, got {top_k}")
     labels = list(labels) if labels is not None else report_labels(reports)
+    reports, labels = _by_width(reports, labels)
     relatives = [_relative_for(r, relative) for r in reports]
     matrices = [outlier_matrix(r, top_k, relative=q) for r, q in zip(reports, relatives, strict=True)]
     width = min(13.0, max(6.0, 0.2 * max(m[2].size for m in matrices) + 3.0))
@@ -149,6 +151,29 @@ def plot_outliers(
     fig.legend(handles=[marker], loc="outside lower right", frameon=False)
     fig.suptitle("Outlier dimensions by layer", fontsize=11)
     return fig
+
+
+def _by_width(reports: Sequence[dict], labels: list[str]) -> tuple[list[dict], list[str]]:
+    """The reports and their labels, each report whose layers' outlier statistics have several
+    widths (a dimension of one width is no dimension of another) cut into one report per width,
+    labelled with it; a report of one width as it is."""
+    out, named = [], []
+    for rep, label in zip(reports, labels, strict=True):
+        stats = [lay.get("outlier_statistic") for lay in rep["layers"]]
+        widths = sorted({len(v) for v in stats if isinstance(v, list) and v})
+        if len(widths) <= 1:
+            out.append(rep)
+            named.append(label)
+            continue
+        for w in widths:
+            kept = [
+                lay
+                for lay, v in zip(rep["layers"], stats, strict=True)
+                if isinstance(v, list) and len(v) == w
+            ]
+            out.append({**rep, "layers": kept})
+            named.append(f"{label}, {w} wide")
+    return out, named
 
 
 def _scale_values(reports: Sequence[dict], relatives: Sequence[bool], matrices) -> list[np.ndarray]:
