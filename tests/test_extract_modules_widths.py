@@ -444,3 +444,17 @@ def test_outlier_heat_map_and_html_page_take_one_panel_per_width(setup, tmp_path
     code, _, err = cli(["report", tmp_path / "r.json", "--html", tmp_path / "r.html", "--quiet"])
     assert code == 0, err
     assert "layers.1.mlp.up_proj" in (tmp_path / "r.html").read_text()
+
+
+def test_one_covariance_for_layers_of_several_widths_is_one_line(setup, tmp_path, cli):
+    """--shrinkage-target file: or layer: is one D x D matrix: refused over layers of several widths,
+    used over the layers of its width."""
+    np.save(tmp_path / "c.npy", np.eye(KV))
+    for target in (f"file:{tmp_path / 'c.npy'}", "layer:layer_02"):
+        code, o, e = cli(["score", setup["run"], "--metrics", "isoscore_star", "--shrinkage-target", target])
+        assert_one_line_error(code, o, e, "is one D x D covariance", "3 widths", "with --layers", exit_code=2)
+    narrow = [n for n, w in Run(setup["run"]).layer_dims.items() if w == KV]
+    opts = ScoreOptions(
+        metrics=("isoscore_star",), shrinkage_target=f"file:{tmp_path / 'c.npy'}", layers=narrow
+    )
+    assert [e["layer"] for e in score(setup["run"], opts)["layers"]] == narrow
