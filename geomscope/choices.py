@@ -50,7 +50,7 @@ TRACKERS = ("none", "tensorboard", "wandb", "mlflow")
 #: plot
 FIGURE_FORMATS = ("png", "svg", "pdf")
 DPI_RANGE = (10, 2400)  # the resolutions plot --dpi (plot_files) accepts, in dots per inch
-PLOT_KINDS = ("auto", "layers", "spectrum", "outliers", "trajectory", "training", "energy")
+PLOT_KINDS = ("auto", "layers", "spectrum", "outliers", "trajectory", "training", "energy", "similarity")
 #: export: the formats a run is written in (geomscope.export)
 EXPORT_FORMATS = ("arrow", "npy")
 

@@ -189,6 +189,10 @@ _FIGURE_CAPTIONS = {
     "spectrum": "Covariance eigenspectra by layer.",
     "outliers": "Outlier dimensions by layer (dots: flagged dimensions).",
     "trajectory": "Each metric against training step, one line per layer.",
+    "similarity": (
+        "Linear CKA and RSA (Spearman) between every pair of layers, on the seeded sample (the same rows "
+        "in every layer)."
+    ),
     "energy": (
         "Gradient energy captured by the top-r activation subspace against rank, per gradient layer "
         "(band: random normal controls; dashed: the isotropic r/D), and kappa by layer."

@@ -105,6 +105,8 @@ DIAGNOSTIC_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("rogue_top3_share", "rogue3", "rogue"),
     MetricSpec("massive_max_abs", "max|x|", "massive"),
     MetricSpec("massive_ratio", "max/med", "massive"),
+    MetricSpec("cka_prev", "CKA-1", "similarity"),
+    MetricSpec("rsa_prev", "RSA-1", "similarity"),
 )
 #: all-but-the-top's keys: ``abtt<k>_<metric>`` for each k of ``score --abtt-k``
 ABTT_METRICS = ("isoscore", "isoscore_star", "avgcos")
@@ -267,6 +269,7 @@ def report_defect(rep: dict) -> str | None:
         _final_norm_defect(rep.get("final_norm"))
         or _norms_defect(rep.get(NORMS_KEY))
         or _gradient_energy_defect(rep.get("gradient_energy"))
+        or _similarity_defect(rep.get("similarity"))
     )
 
 
@@ -372,6 +375,31 @@ def _norms_defect(norms) -> str | None:
         if measured is not None and not _dict_of(measured, _optional_number):
             return f"{NORMS_KEY}[{i}].measured_gain is not what score writes"
     return None
+
+
+def _similarity_defect(sec) -> str | None:
+    """Where a ``similarity`` section (score --metrics similarity) is not shaped as score writes it."""
+    if sec is None:
+        return None
+    if not isinstance(sec, dict):
+        return "similarity is not an object"
+    names = sec.get("layers")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return "similarity.layers is not a list of layer names"
+    for key in ("cka", "cka_se", "rsa", "rsa_se"):
+        m = sec.get(key)
+        if m is not None and not _square(m, len(names)):
+            return f"similarity.{key} is not a {len(names)} x {len(names)} matrix of numbers"
+    return None
+
+
+def _square(m, n: int) -> bool:
+    """An n x n list of lists of numbers (or nulls)."""
+    return (
+        isinstance(m, list)
+        and len(m) == n
+        and all(isinstance(r, list) and len(r) == n and all(map(_optional_number, r)) for r in m)
+    )
 
 
 def _gradient_energy_defect(ge) -> str | None:

@@ -6,7 +6,9 @@ drawn by :mod:`geomscope.plot.training`), ``energy`` (gradient energy in the act
 from ``score GRADRUN --basis ACTRUN``).  ``auto`` picks: for one output file the main kind
 (``trajectory`` for >= 2 checkpoints of each model, ``energy`` when every report has a
 ``gradient_energy`` section, else ``layers``; ``training`` for training logs); for an output
-directory every kind the inputs support (``energy`` for the reports that have the section).
+directory every kind the inputs support (``energy`` for the reports that have the section). The
+diagnostics' ``similarity`` (linear CKA and RSA between layers, from ``score --metrics similarity``)
+is drawn when named, and by ``auto`` for a directory when every report has the section.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from geomscope.plot.energy import has_energy, plot_energy
 from geomscope.plot.layers import plot_layers
 from geomscope.plot.options import PlotOptions
 from geomscope.plot.outliers import has_outlier_statistic, plot_outliers
+from geomscope.plot.similarity import has_similarity, plot_similarity
 from geomscope.plot.spectrum import has_spectrum, plot_spectrum
 from geomscope.plot.trajectory import is_trajectory, plot_trajectory
 from geomscope.schema import FIGURE_CREATOR
 
-KINDS = ("layers", "spectrum", "outliers", "trajectory", "training", "energy")
+KINDS = ("layers", "spectrum", "outliers", "trajectory", "training", "energy", "similarity")
 FORMATS = ("png", "svg", "pdf")
 
 
@@ -52,6 +55,8 @@ def auto_kinds(reports: Sequence[dict], single: bool) -> list[str]:
         kinds.append("trajectory")
     if any(has_energy(r) for r in reports):
         kinds.append("energy")
+    if reports and all(has_similarity(r) for r in reports):
+        kinds.append("similarity")
     return kinds
 
 
@@ -105,6 +110,8 @@ def make_figures(
                 figs[kind] = plot_energy(chosen, layers=layers)
         elif kind == "layers":
             figs[kind] = plot_layers(reports, metrics, layers=layers)
+        elif kind == "similarity":
+            figs[kind] = plot_similarity(reports, layers=layers)
         elif kind == "spectrum":
             figs[kind] = plot_spectrum(reports, layers=layers, normalise=normalise)
         elif kind == "outliers":

@@ -348,7 +348,7 @@ def _add_block(block, spec: PassSpec, parts: dict, work: OrderedWork, task: Task
             update_groups(lp.groups, xs, gs, work=work)
             keys = block.keys if whole else block.keys[keep]
             if lp.reservoir is not None:
-                lp.reservoir.add(row_hash(keys, spec.seed, STREAM_ID_SAMPLE), xs)
+                lp.reservoir.add(row_hash(keys, spec.seed, STREAM_ID_SAMPLE), xs, {"group": gs})
             if lp.massive is not None:
                 _update_massive(lp.massive, xs, keys, block, keep, whole, work)
         else:
@@ -527,7 +527,9 @@ def _run_accumulated(task: Task, spec: PassSpec, progress, parts: dict) -> dict[
                     continue
                 keep = _filter(block, name, spec, None)
                 lp.reservoir.add(
-                    row_hash(block.keys[keep], spec.seed, STREAM_ID_SAMPLE), block.layers[name][keep]
+                    row_hash(block.keys[keep], spec.seed, STREAM_ID_SAMPLE),
+                    block.layers[name][keep],
+                    {"group": block.group[keep]},
                 )
     if progress:
         progress(task.rows)

@@ -176,8 +176,26 @@ class _Scorer:
         layers, extras = self._score_layers()
         if o.wants("outliers") and o.outlier_rule == "magnitude":
             outliers.apply_magnitude(layers, extras, o)
+        similar = self._similarity(layers, extras) if o.wants("similarity") else None
         embeddings, final_norm, top_notes = self._model_sections(layers, extras)
-        return self._report(layers, embeddings, top_notes, final_norm, self._norms(layers, extras, top_notes))
+        norms = self._norms(layers, extras, top_notes)
+        report = self._report(layers, embeddings, top_notes, final_norm, norms)
+        if similar is not None:  # (a key of its own, before the notes, only when requested)
+            report = _with_key_before(report, "notes", "similarity", similar[0])
+            if similar[1]:
+                report["notes"]["similarity"] = similar[1]
+        return report
+
+    def _similarity(self, layers: list[dict], extras: dict) -> tuple[dict | None, str | None]:
+        """The similarity between every pair of layers (similarity.py) from each layer's sample, and
+        each layer's similarity with the one before it."""
+        from geomscope.score import similarity
+
+        names = [e["layer"] for e in layers]
+        samples = {n: extras[n].get("similarity_sample") for n in names}
+        sec, why = similarity.section(samples, names, self.opts)
+        similarity.fill_layers(layers, sec, why)
+        return sec, why
 
     def _prepare(self) -> None:
         """What every batch of layers shares, before any is scored: a ``--keep sample`` run's limits
@@ -307,7 +325,7 @@ class _Scorer:
                 f"--max-rows subsamples rows, but {self.src.path} kept accumulators of every row and "
                 f"a sample of {n}, not the rows; drop --max-rows, or {redo}"
             )
-        needs_sample = bool(o.id_names) or (o.wants("outliers") and o.outlier_rule == "quantile")
+        needs_sample = o.needs_sample
         if needs_sample and n < ID_SAMPLE_LEAST:
             raise InputError(
                 f"{self.src.path} kept a sample of {n} rows per shard (--keep sample:{n}); the intrinsic "
@@ -418,7 +436,7 @@ class _Scorer:
         c0_by_layer = {}
         if self.other is not None:
             c0_by_layer = self._reference_cov(self.other, batch, None)
-        id_k = o.id_sample if (o.id_names or (o.wants("outliers") and o.outlier_rule == "quantile")) else 0
+        id_k = o.id_sample if o.needs_sample else 0
         spec = self._spec(
             "moments",
             batch,
@@ -581,6 +599,10 @@ class _Scorer:
             )
         if o.id_names:
             unc.update(idest.uncertainty_methods(o))
+        if o.wants("similarity"):
+            from geomscope.score.similarity import uncertainty
+
+            unc.update(uncertainty(o))
         if o.wants("partition"):
             unc["partition"] = "none: I(W) is an exact function of the checkpoint's weights (no sampling)"
         return {
@@ -624,6 +646,16 @@ class _Scorer:
             "notes": top_notes,
             "command": None,  # the CLI records its command line here
         }
+
+
+def _with_key_before(d: dict, before: str, key: str, value) -> dict:
+    """``d`` with ``key: value`` inserted just before ``before`` (the order JSON writes)."""
+    out = {}
+    for k, v in d.items():
+        if k == before:
+            out[key] = value
+        out[k] = v
+    return out
 
 
 def _check_fits_in_memory(dim: int, groups: int) -> None:

@@ -6,7 +6,7 @@ import numpy as np
 
 from geomscope.metrics.moments import MAX_THREADED_M2_BYTES, map_in_order
 from geomscope.schema import EXTRA_ID_PREFIX, SCALAR_METRIC_NAMES
-from geomscope.score import compute, idest, massive, outliers, postprocess, rogue
+from geomscope.score import compute, idest, massive, outliers, postprocess, rogue, similarity
 from geomscope.score.options import ScoreOptions
 from geomscope.score.sources import SourceInfo
 
@@ -27,7 +27,7 @@ def _measured(m, o: ScoreOptions, c0, notes: dict) -> tuple[dict, dict]:
 
 
 #: every diagnostic family with scalar keys in a layer entry, in the entry's order
-LAYER_FAMILIES = (*MOMENT_FAMILIES, massive)
+LAYER_FAMILIES = (*MOMENT_FAMILIES, massive, similarity)
 
 
 def _family_keys(o: ScoreOptions) -> list[str]:
@@ -223,7 +223,11 @@ class LayerResult:
         o = self.opts
         self.sample = None
         if self.lp is not None and self.lp.reservoir is not None:
-            self.sample = self.lp.reservoir.sample()
+            kept = self.lp.reservoir.sample_with_meta()
+            if kept is not None:
+                self.sample = kept[1]
+                if similarity.wanted(o):  # (held until every layer is scored)
+                    self.extra["similarity_sample"] = (kept[0], kept[1], kept[2].get("group"))
         self.id_info = idest.estimate(self.sample, o, self.notes) if o.id_names else {}
 
     def outliers_moment(self) -> None:

@@ -39,7 +39,7 @@ MOMENT_METRICS = ("isoscore", "isoscore_star", "avgcos", "spectrum", "outliers")
 CORE_METRICS = (*MOMENT_METRICS, "twonn", "partition")
 DEFAULT_METRICS = CORE_METRICS
 #: the diagnostic families (docs/metrics.md, "Diagnostics"): named in --metrics, or by ``all``
-DIAGNOSTIC_FAMILIES = ("abtt", "whitened", "rogue", "massive")
+DIAGNOSTIC_FAMILIES = ("abtt", "whitened", "rogue", "massive", "similarity")
 #: the families computed from the moments' covariance and unit sums (their jackknife groups)
 MOMENT_FAMILIES = ("abtt", "whitened", "rogue")
 #: what ``all`` names: the core metrics and every diagnostic family
@@ -97,9 +97,9 @@ class ScoreOptions:
         CommaList("metric names"),
         "Comma list of isoscore, isoscore_star, avgcos, spectrum, outliers, twonn, partition, the "
         "diagnostics abtt (all-but-the-top), whitened, rogue (each dimension's share of the average "
-        "cosine) and massive (the largest |x| entries), and scikit-dimension estimators (e.g. mle, "
-        "lpca); 'all' = the seven core metrics and the diagnostics (the estimators only when named). "
-        "Default: the seven core metrics.",
+        "cosine), massive (the largest |x| entries) and similarity (linear CKA and RSA between "
+        "layers), and scikit-dimension estimators (e.g. mle, lpca); 'all' = the seven core metrics "
+        "and the diagnostics (the estimators only when named). Default: the seven core metrics.",
         metavar="LIST",
         short="-m",
     )
@@ -281,6 +281,13 @@ class ScoreOptions:
         "--metrics massive: the largest |x| entries (token, dimension) listed per layer.",
         metavar="K",
     )
+    similarity_rows: int = option(
+        1000,
+        Interval(whole=True, low=4),
+        "--metrics similarity: rows of the seeded sample (the same in every layer) that linear CKA "
+        "and RSA compare (at most --id-sample).",
+        metavar="N",
+    )
     extra_id: tuple[str, ...] = field(default=(), repr=False)  # filled by validate()
 
     def to_dict(self) -> dict:
@@ -321,6 +328,7 @@ class ScoreOptions:
             ranks=_checked_ranks(self.ranks),
             abtt_k=_checked_abtt(self.abtt_k),
             massive_k=int(self.massive_k),
+            similarity_rows=int(self.similarity_rows),
             controls=int(self.controls),
             scheduler=_checked_scheduler(self.scheduler, self.workers),
         )
@@ -342,6 +350,13 @@ class ScoreOptions:
     @property
     def moment_metrics(self) -> bool:
         return any(m in self.metrics for m in (*MOMENT_METRICS, *MOMENT_FAMILIES))
+
+    @property
+    def needs_sample(self) -> bool:
+        """Whether the passes keep the seeded row sample: intrinsic dimension, the quantile outlier
+        rule, the similarity between layers."""
+        quantile = self.wants("outliers") and self.outlier_rule == "quantile"
+        return bool(self.id_names) or quantile or self.wants("similarity")
 
     @property
     def postprocessed(self) -> bool:

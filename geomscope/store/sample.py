@@ -85,28 +85,35 @@ class BottomK:
 class Reservoir:
     """Rows with the k smallest hashes seen so far (bounded memory: at most 2k rows held).
 
-    ``add(hashes, rows)`` with rows (m, D) in any dtype (kept as given, e.g. float16 storage);
-    ``merge(other)``; ``sample()`` -> the selected rows sorted by hash (deterministic order).
+    ``add(hashes, rows, meta=None)`` with rows (m, D) in any dtype (kept as given, e.g. float16
+    storage) and ``meta`` a dict of per-row arrays (m,) kept beside them (the rows' keys, jackknife
+    groups, token ids: every add of one reservoir gives the same names); ``merge(other)``;
+    ``sample()`` -> the selected rows sorted by hash (deterministic order); :meth:`sample_with_meta`
+    -> (hashes, rows, meta) in that order.
     """
 
     def __init__(self, k: int):
         self.k = int(k)
         self._h: list[np.ndarray] = []
         self._x: list[np.ndarray] = []
+        self._m: list[dict] = []
         self._n = 0
         self._bound: int | None = None  # k-th smallest hash once k rows are held: larger ones never qualify
 
-    def add(self, hashes: np.ndarray, rows: np.ndarray) -> Reservoir:
+    def add(self, hashes: np.ndarray, rows: np.ndarray, meta: dict | None = None) -> Reservoir:
         if self.k <= 0 or len(hashes) == 0:
             return self
         hashes = np.asarray(hashes, dtype=np.uint64)
+        meta = meta or {}
         if self._bound is not None:
             m = hashes <= np.uint64(self._bound)
             if not m.any():
                 return self
             hashes, rows = hashes[m], rows[m]
+            meta = {key: v[m] for key, v in meta.items()}
         self._h.append(hashes)
         self._x.append(np.array(rows, copy=True))
+        self._m.append({key: np.array(v, copy=True) for key, v in meta.items()})
         self._n += len(hashes)
         if self._n > 2 * self.k:
             self._shrink()
@@ -115,22 +122,29 @@ class Reservoir:
     def _shrink(self) -> None:
         h = np.concatenate(self._h)
         x = np.concatenate(self._x)
+        meta = {key: np.concatenate([m[key] for m in self._m]) for key in self._m[0]}
         if h.size > self.k:
             keep = np.argpartition(h, self.k - 1)[: self.k]
             h, x = h[keep], x[keep]
-        self._h, self._x, self._n = [h], [x], h.size
+            meta = {key: v[keep] for key, v in meta.items()}
+        self._h, self._x, self._m, self._n = [h], [x], [meta], h.size
         if h.size >= self.k:
             self._bound = int(h.max())
 
     def merge(self, other: Reservoir) -> Reservoir:
-        for h, x in zip(other._h, other._x, strict=True):
-            self.add(h, x)
+        for h, x, m in zip(other._h, other._x, other._m, strict=True):
+            self.add(h, x, m)
         return self
 
     def sample(self) -> np.ndarray | None:
         """The selected rows (<= k, sorted by hash), or None when nothing was added."""
+        got = self.sample_with_meta()
+        return None if got is None else got[1]
+
+    def sample_with_meta(self) -> tuple[np.ndarray, np.ndarray, dict] | None:
+        """(hashes, rows, meta) of the selected rows, sorted by hash; None when nothing was added."""
         if not self._h:
             return None
         self._shrink()
         order = np.argsort(self._h[0], kind="stable")
-        return self._x[0][order]
+        return self._h[0][order], self._x[0][order], {key: v[order] for key, v in self._m[0].items()}
