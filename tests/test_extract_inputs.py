@@ -180,7 +180,7 @@ class _CountedStream:
 
 @pytest.mark.parametrize("data", [b"\0" * (1 << 20), b"one line " * 120_000, b"ok\n" + b"x" * (1 << 20)])
 def test_a_stream_line_beyond_any_documents_bound_is_refused_as_it_comes(cli, tmp_path, monkeypatch, data):
-    """`extract M - < /dev/zero` copied the stream until the temporary folder was full: a stream is
+    """`extract M - < /dev/zero` stops without filling the temporary folder: a stream is
     read line by line into its copy, and a line longer than any document's bounded prefix is
     refused once it passes MAX_STREAM_LINE_BYTES, its copy removed, the rest left unread."""
     from geomscope.extract import sources

@@ -586,7 +586,7 @@ def test_joining_a_cluster_ends_in_one_line_within_the_timeout(join_failures, ca
 
 def test_the_scheduler_option_states_its_connection_timeout(cli):
     """--scheduler's declared help (and so `score --help` and the CLI reference) says how long joining
-    a running cluster waits: the README's 10 s was nowhere in the option's own words."""
+    a running cluster waits, in the option's own words as the README says it."""
     import dataclasses
 
     from geomscope.score.dask_executor import CONNECT_TIMEOUT_S

@@ -431,7 +431,7 @@ def test_parquet_page_headers_declare_what_the_metadata_sums(tmp_path):
 @pytest.mark.parametrize("where", ["header", "data"])
 def test_a_garbled_parquet_page_is_one_line(cli, tmp_path, where):
     """A page header of no Thrift type, or compressed bytes that do not decompress: pyarrow's
-    OSError was a traceback."""
+    OSError becomes one line, not a traceback."""
     path = tmp_path / "g.parquet"
     x = _anisotropic(100, 8)
     cells = pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), 8)

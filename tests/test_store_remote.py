@@ -274,7 +274,7 @@ def test_a_server_that_cannot_be_reached_is_one_line(cli, tmp_path):
 
 
 def test_a_silent_server_is_one_line_within_the_network_timeout(monkeypatch):
-    """An ftp:// server that accepts and never answers kept the score waiting fsspec's default 30 s;
+    """An ftp:// server that accepts and never answers does not hold the score for fsspec's default;
     geomscope sets the filesystem's timeout (NETWORK_TIMEOUT_S) and says it in one line. The wait is
     bounded generously here (20 s against the 1 s set): it is a hang check, not a timing."""
     import socket

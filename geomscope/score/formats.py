@@ -546,8 +546,8 @@ def _check_regular(path: Path) -> None:
 class _ArrowFile:
     """Record batches of one Arrow IPC (file or stream format) or Parquet file, read lazily: opening
     it reads headers only (every IPC batch's, walked in order without decoding: decoded_sizes.py;
-    the Parquet footer), and each batch is decoded as it is read (a compressed IPC file was
-    decompressed whole on open). :meth:`check_decoded` holds what one batch or page decompresses
+    the Parquet footer), and each batch is decoded as it is read, so opening a compressed IPC file
+    decompresses nothing. :meth:`check_decoded` holds what one batch or page decompresses
     to against a budget before anything is."""
 
     def __init__(self, path: Path, fmt: str):
