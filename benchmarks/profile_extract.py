@@ -122,7 +122,7 @@ STAGES = [
     ("geomscope.extract.capture", "Capture.launch", "launch"),
     ("geomscope.extract.capture", "Capture.device_rows", "cast and gather"),
     ("geomscope.extract.capture", "pad_right", "pad"),
-    ("geomscope.extract.capture", "_to_device", "upload"),
+    ("geomscope.extract.capture", "to_device", "upload"),
     ("geomscope.model.loaded", "LoadedModel.hidden_states", "forward"),
     ("geomscope.extract.capture", "row_meta", "row metadata"),
     ("geomscope.extract.capture", "start_host_copies", "queue host copies"),

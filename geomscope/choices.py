@@ -11,6 +11,8 @@ STORE_DTYPES = ("auto", "float16", "float32")  # auto: float16, or float32 when 
 #: extract: what is stored, and the loss whose gradients are (geomscope.extract.gradients)
 CAPTURES = ("activations", "gradients", "activations,gradients")
 LOSSES = ("auto", "causal-lm", "masked-lm", "classification")
+#: extract --keep sample: how the accumulators' scatter is multiplied (geomscope.metrics.moments_torch)
+ACCUMULATOR_PRODUCTS = ("float64", "split")
 #: extract: which stack of an encoder-decoder model to read
 STACKS = ("encoder", "decoder")
 #: score: outlier rules (the functions live in geomscope.metrics.outliers.OUTLIER_RULES)

@@ -409,3 +409,25 @@ def make_tiny_run(
     src.write_text("\n".join(SAMPLE_TEXTS if texts is None else texts) + "\n")
     extract(str(model), [src], run, **extract_kwargs)
     return run
+
+
+def activation_rows(n: int, d: int, seed: int = 0):
+    """float16 rows shaped like a transformer's hidden states: a few strong shared directions
+    (strongly correlated dimensions), Student-t tails, per-dimension scales and means up to several
+    standard deviations from zero, four outlier dimensions with means 60-150 and |x| hundreds of
+    times the median, and every 97th row (a BOS-like token) far out in two of them."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+    factors = torch.randn(n, 6, generator=g, dtype=f64)
+    basis = torch.randn(6, d, generator=g, dtype=f64) * torch.linspace(1.5, 0.2, 6, dtype=f64)[:, None]
+    chi2 = torch.randn(3, n, d, generator=g, dtype=f64).square().sum(0)
+    tails = torch.randn(n, d, generator=g, dtype=f64) / (chi2 / 3).sqrt()  # Student t, 3 dof
+    scale = torch.exp(0.5 * torch.randn(d, generator=g, dtype=f64))
+    mean = 2.0 * torch.randn(d, generator=g, dtype=f64)
+    x = (factors @ basis + 0.5 * tails) * scale + mean
+    out = torch.randperm(d, generator=g)[:4]
+    x[:, out] = 8 * x[:, out] + torch.tensor([60.0, -80.0, 150.0, -100.0], dtype=f64)
+    x[torch.arange(0, n, 97)[:, None], out[None, :2]] = torch.tensor([900.0, -700.0], dtype=f64)
+    return x.half()

@@ -244,14 +244,14 @@ def test_a_batch_goes_to_the_device_without_waiting_for_the_stream():
     """A batch's token ids go to the GPU through page-locked memory: the copy is queued behind the
     work already on the stream (the previous batch's forward) instead of waiting for it, as a copy
     from pageable memory would; once the stream is done the device holds the values."""
-    from geomscope.extract.capture import _to_device
+    from geomscope.extract.capture import to_device
 
     g = torch.Generator(device=DEVICE).manual_seed(1)
     big = torch.randn(4096, 4096, device=DEVICE, generator=g)
     ids = np.arange(50_000, dtype=np.int64) * 7
     for _ in range(8):  # keep the stream busy for a while
         big = big @ big / 64.0
-    t = _to_device(ids, torch.device(DEVICE))
+    t = to_device(ids, torch.device(DEVICE))
     if ON_CUDA:
         assert not torch.cuda.current_stream().query(), "the upload waited for the queued products"
     _sync()
@@ -440,6 +440,35 @@ def test_torch_moments_on_device_equal_numpy(dtype):
     for lo, hi in ((0, 1), (1, 260), (260, 700)):
         tm.update(xt[lo:hi].to(dev))
     _close_moments(tm.to_moments(), Moments(300, 6.0).update(xt.numpy()), rtol=1e-10)
+
+
+def test_split_products_on_device_within_their_precision():
+    """``--products split`` on the device (float16 tensor cores with float32 results): the scatter
+    of activation-like rows within 1e-7 of numpy's float64 Moments of the same rows in Frobenius
+    norm and every entry within 1e-6 of sqrt(C_ii C_jj), the CPU's measured precision (4e-8 and
+    4.4e-7 with round-to-nearest float32 sums); the diagonal to float64's rounding; every other
+    statistic the device's float64 path's, bit for bit."""
+    from helpers_models import activation_rows
+
+    from geomscope.metrics import Moments
+    from geomscope.metrics.moments_torch import TorchMoments
+
+    x = activation_rows(8192, 256, 0)
+    dev = resolve_device(DEVICE)
+    split = TorchMoments(256, dev, 6.0, products="split")
+    exact = TorchMoments(256, dev, 6.0)
+    for lo, hi in ((0, 3000), (3000, 8192)):
+        split.update(x[lo:hi].to(dev))
+        exact.update(x[lo:hi].to(dev))
+    got, same = split.to_moments(), exact.to_moments()
+    ref = Moments(256, 6.0).update(x.numpy())
+    err = got.M2 - ref.M2
+    assert np.linalg.norm(err) <= 1e-7 * np.linalg.norm(ref.M2)
+    d = np.sqrt(np.diag(ref.M2))
+    assert (np.abs(err) <= 1e-6 * np.outer(d, d)).all()
+    np.testing.assert_allclose(np.diag(got.M2), np.diag(ref.M2), rtol=1e-10)
+    for key in ("mean", "sum_unit", "sum_unit_sq", "abs_sum", "abs_max", "count_abs_ge"):
+        np.testing.assert_array_equal(getattr(got, key), getattr(same, key))
 
 
 def test_extract_bfloat16_on_device(tiny, tmp_path):

@@ -172,7 +172,7 @@ def start_host_copies(tensors: list) -> HostCopies:
     return HostCopies([h.numpy() for h in out], events)
 
 
-def _to_device(a: np.ndarray, dev):
+def to_device(a: np.ndarray, dev):
     """``a`` as a tensor on ``dev``, the copy queued without waiting. To a GPU it goes through
     page-locked memory: a copy from ordinary (pageable) memory first waits for everything already
     queued on the stream, which is the previous batch's forward, so the next batch could not be
@@ -259,8 +259,8 @@ class Capture:
         flat = np.flatnonzero(mask.reshape(-1))
         dev = self.lm.device
         with torch.inference_mode():
-            t_ids, t_mask = (_to_device(a, dev) for a in (ids, mask))
-            idx = {dev: _to_device(flat, dev)}  # per device: --device-map spreads the layers
+            t_ids, t_mask = (to_device(a, dev) for a in (ids, mask))
+            idx = {dev: to_device(flat, dev)}  # per device: --device-map spreads the layers
 
             def gather(h):
                 if h.device not in idx:

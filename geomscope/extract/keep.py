@@ -61,10 +61,25 @@ def _finite_rows(x):
 
 
 class SampleKeeper:
-    """One shard's accumulators and sample candidates; ``add`` each batch, then ``result``."""
+    """One shard's accumulators and sample candidates; ``add`` each batch, then ``result``.
+
+    The rows' finiteness flags of every layer come to the host in one copy, queued with the batch;
+    on an accelerator a batch is folded in at the next ``add`` (or at ``result``), once the next
+    batch's forward is queued behind it. The accumulators and the selections wait for nothing (rows
+    are picked with indices the host knows); the sample candidates' rows are copied to the host
+    without waiting (capture.start_host_copies) and read when the buffer is pruned or the shard
+    ends. The largest-|x| candidates (``_top``, metrics/massive.py) are read back per layer and part.
+    """
 
     def __init__(
-        self, names: list[str], dim: int, device, sample: int, seed: int, dims: dict[str, int] | None = None
+        self,
+        names: list[str],
+        dim: int,
+        device,
+        sample: int,
+        seed: int,
+        dims: dict[str, int] | None = None,
+        products: str = "float64",
     ):
         from geomscope.metrics.moments_torch import device_moments
 
@@ -72,7 +87,7 @@ class SampleKeeper:
         # each layer's width: ``dims``'s where it gives one (a module layer of another width), else D
         self.dims = {n: int((dims or {}).get(n, self.dim)) for n in self.names}
         self.k, self.seed = int(sample), int(seed)
-        self.make = lambda name: device_moments(self.dims[name], device, ABS_THRESHOLD)
+        self.make = lambda name: device_moments(self.dims[name], device, ABS_THRESHOLD, products)
         self.acc: dict[str, dict] = {n: {"regular": self.make(n)} for n in self.names}
         self.tops: dict[str, dict] = {n: {} for n in self.names}  # layer -> part -> TopAbs
         # (layer, excluding special tokens) -> the k smallest hashes of the rows that layer may use
@@ -83,35 +98,56 @@ class SampleKeeper:
         self.docs: set[int] = set()
         self.nonfinite_rows = 0
         self.nonfinite_by_layer: dict[str, int] = {}
+        self.defer = getattr(device, "type", str(device)) != "cpu"
+        self.pending: tuple | None = None  # a batch whose flags are on their way (accelerators)
 
     def add(self, rows: dict, meta: dict[str, np.ndarray]) -> None:
         """Fold a batch (``rows[name]``: (m, D) tensors on the device, store dtype) in."""
         import torch
 
-        special = np.asarray(meta["is_special"], bool)
-        m = len(special)
-        if m == 0:
+        from geomscope.extract.capture import start_host_copies
+
+        if len(meta["is_special"]) == 0:
             return
-        self.tokens += m
+        flags = start_host_copies([torch.stack([_finite_rows(rows[n]) for n in self.names])])
+        batch = (rows, meta, flags)
+        if self.defer:
+            batch, self.pending = self.pending, batch
+        if batch is not None:
+            self._fold(*batch)
+
+    def _fold(self, rows: dict, meta: dict[str, np.ndarray], flags) -> None:
+        from geomscope.extract.capture import start_host_copies, to_device
+
+        special = np.asarray(meta["is_special"], bool)
+        self.tokens += len(special)
         self.docs.update(np.unique(meta["doc_id"]).tolist())
-        sp = torch.from_numpy(special).to(self.device)
-        finite, any_bad = {}, np.zeros(m, bool)
+        by_layer = flags.result()[0]
+        finite = dict(zip(self.names, by_layer, strict=True))
+        any_bad = ~by_layer.all(0)
         for name in self.names:
-            x = rows[name]
-            ok = _finite_rows(x)
-            finite[name] = ok.cpu().numpy()
-            bad = ~finite[name]
-            if bad.any():
-                any_bad |= bad
-                self.nonfinite_by_layer[name] = self.nonfinite_by_layer.get(name, 0) + int(bad.sum())
-            whole = bool(finite[name].all()) and not special.any()
-            self.acc[name]["regular"].update(x if whole else x[ok & ~sp])
-            self._top(name, "regular", x, finite[name] & ~special, meta)
+            bad = int((~finite[name]).sum())
+            if bad:
+                self.nonfinite_by_layer[name] = self.nonfinite_by_layer.get(name, 0) + bad
+        uploaded: dict[bytes, object] = {}  # one upload per distinct row selection
+
+        def select(x, keep: np.ndarray):
+            if keep.all():
+                return x
+            key = np.packbits(keep).tobytes()
+            if key not in uploaded:
+                uploaded[key] = to_device(np.flatnonzero(keep), self.device)
+            return x.index_select(0, uploaded[key])
+
+        for name in self.names:
+            x, ok = rows[name], finite[name]
+            self.acc[name]["regular"].update(select(x, ok & ~special))
+            self._top(name, "regular", x, ok & ~special, meta)
             if special.any():
                 if "special" not in self.acc[name]:
                     self.acc[name]["special"] = self.make(name)
-                self.acc[name]["special"].update(x[ok & sp])
-                self._top(name, "special", x, finite[name] & special, meta)
+                self.acc[name]["special"].update(select(x, ok & special))
+                self._top(name, "special", x, ok & special, meta)
         self.nonfinite_rows += int(any_bad.sum())
         hashes = row_hash(run_keys(meta["doc_id"], meta["position"]), self.seed, STREAM_ID_SAMPLE)
         for (name, ex), bk in self.bottom.items():
@@ -119,13 +155,13 @@ class SampleKeeper:
         take = np.flatnonzero(self._wanted(hashes, finite, special))
         if take.size == 0:
             return
-        idx = torch.from_numpy(take).to(self.device)
+        idx = to_device(take, self.device)
         self.buf.append(
             {
                 "hash": hashes[take],
                 **{key: np.asarray(meta[key])[take] for key in _META},
-                **{"L:" + n: rows[n].index_select(0, idx).cpu().numpy() for n in self.names},
                 **{"F:" + n: finite[n][take] for n in self.names},
+                "rows": start_host_copies([rows[n].index_select(0, idx) for n in self.names]),
             }
         )
         self.buf_rows += take.size
@@ -158,6 +194,12 @@ class SampleKeeper:
             n=picked.size * self.dims[name],
         )
 
+    def _rows_arrived(self) -> None:
+        """The buffered candidates' rows, waited for and named per layer."""
+        for part in self.buf:
+            if "rows" in part:
+                part.update(zip(("L:" + n for n in self.names), part.pop("rows").result(), strict=True))
+
     @staticmethod
     def _eligible(finite: np.ndarray, special: np.ndarray, exclude_special: bool) -> np.ndarray:
         return finite & ~special if exclude_special else finite
@@ -170,6 +212,7 @@ class SampleKeeper:
         return want
 
     def _prune(self) -> None:
+        self._rows_arrived()
         b = {key: np.concatenate([p[key] for p in self.buf]) for key in self.buf[0]}
         keep = self._wanted(b["hash"], {n: b["F:" + n] for n in self.names}, b["is_special"])
         self.buf = [{key: v[keep] for key, v in b.items()}]
@@ -178,6 +221,9 @@ class SampleKeeper:
     def result(self) -> tuple[dict, dict, dict]:
         """(accumulators {layer: {part: Moments}}, sample rows {layer: (s, D)}, sample meta),
         the sample in (doc_id, position) order."""
+        if self.pending is not None:
+            self._fold(*self.pending)
+            self.pending = None
         acc = {n: {part: tm.to_moments() for part, tm in parts.items()} for n, parts in self.acc.items()}
         if not self.buf:
             empty = {n: np.zeros((0, self.dims[n]), np.float16) for n in self.names}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from geomscope.choices import COMPUTE_DTYPES, DEVICE_MAPS, LOSSES, STACKS, STORE_DTYPES
+from geomscope.choices import ACCUMULATOR_PRODUCTS, COMPUTE_DTYPES, DEVICE_MAPS, LOSSES, STACKS, STORE_DTYPES
 from geomscope.devices import DEVICE_HELP
 from geomscope.errors import InputError
 from geomscope.options import (
@@ -166,6 +166,14 @@ class ExtractOptions:
         "seeded sample of N rows that score --id-sample draws; for corpora too large to store.",
         metavar="all|sample[:N]",
     )
+    products: str = option(
+        "float64",
+        Choice(ACCUMULATOR_PRODUCTS),
+        "--keep sample: how the accumulators' covariance is multiplied: float64, or split: exact "
+        "float16 parts on the GPU's tensor cores, float32 sums over 2,048 rows, float64 between "
+        "them (about 1e-7 relative; float16 rows).",
+        metavar=choice_metavar(ACCUMULATOR_PRODUCTS),
+    )
     seed: int = option(
         0,
         SEED,
@@ -224,9 +232,25 @@ class ExtractOptions:
         if self.device_map is not None and self.device not in ("auto", None):
             raise InputError("--device-map places the model itself; drop --device")
         self._check_gradients()
-        if self.store_dtype != "auto":
-            return self
-        return replace(self, store_dtype="float32" if self.gradients else "float16")
+        out = self
+        if self.store_dtype == "auto":
+            out = replace(self, store_dtype="float32" if self.gradients else "float16")
+        out._check_products()
+        return out
+
+    def _check_products(self) -> None:
+        if self.products == "float64":
+            return
+        if self.sample_size is None:
+            raise InputError(
+                f"--products {self.products} multiplies the accumulators of --keep sample; add --keep "
+                "sample, or drop --products"
+            )
+        if self.store_dtype != "float16":
+            raise InputError(
+                f"--products {self.products} splits float16 rows; use --store-dtype float16 (the "
+                "default), or --products float64"
+            )
 
     def _check_gradients(self) -> None:
         if self.gradients and self.store_dtype == "float16":

@@ -365,6 +365,8 @@ def _identity(lm, ins, opts: ExtractOptions, layer_desc: list[dict], eff_len: in
     keep = {}
     if opts.sample_size is not None:  # only then: runs of every row keep the identity they always had
         keep = {"keep": f"sample:{opts.sample_size}", "sample_seed": opts.seed}
+        if opts.products != "float64":  # likewise: the accumulators' covariance is multiplied otherwise
+            keep["products"] = opts.products
     if opts.gradients:  # likewise
         keep.update(capture=opts.capture, loss=_loss_settings(lm, opts))
     return {

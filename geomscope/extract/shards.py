@@ -400,7 +400,13 @@ class ShardRun:
                 # store thread
                 self.store.wait_idle()
                 keeper = SampleKeeper(
-                    self.names, self.lm.hidden_size, self.lm.device, sample, self.opts.seed, dims=self.dims
+                    self.names,
+                    self.lm.hidden_size,
+                    self.lm.device,
+                    sample,
+                    self.opts.seed,
+                    dims=self.dims,
+                    products=self.opts.products,
                 )
             waiting = None  # (batch, its rows still on their way from a GPU)
             for batch in plan_batches(length_order(kept), self.opts.batch_tokens):

@@ -14,13 +14,21 @@ D = 4096 in 256-wide blocks). Only the upper triangle is read.
 
 :func:`device_moments` picks the accumulator for a device: on the CPU the numpy ``Moments`` itself
 (zero-copy views of the tensors; its cache-sized sub-blocks make it 2.4x faster there than these
-torch ops), elsewhere :class:`TorchMoments`.
+torch ops), elsewhere :class:`TorchMoments`. ``products="split"`` (``extract --products split``)
+forms the scatter from exact float16 parts multiplied with float32 sums in short blocks and float64
+between them (split_scatter.py: the arithmetic and its error bound), on any device, the CPU
+included (where it emulates the GPU's arithmetic in float32).
+
+Nothing in an update reads a value back from the device: the |x| counts cover every column on an
+accelerator (a count of the columns that reach the threshold would wait for the GPU), so a batch's
+updates are queued behind its forward pass and the next batch's.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from geomscope.choices import ACCUMULATOR_PRODUCTS
 from geomscope.metrics.moments import Moments
 
 SYRK_BLOCK = 256  # column block of the accelerator's triangular product
@@ -51,11 +59,12 @@ def _syrk_upper(b, blocked: bool | None = None):
     return torch.from_numpy(a.T @ a)
 
 
-def device_moments(dim: int, device, abs_threshold: float):
-    """An accumulator with ``update(tensor)`` and ``to_moments()`` for rows living on ``device``."""
-    if getattr(device, "type", str(device)) == "cpu":
+def device_moments(dim: int, device, abs_threshold: float, products: str = "float64"):
+    """An accumulator with ``update(tensor)`` and ``to_moments()`` for rows living on ``device``,
+    its scatter from ``products`` (``float64``, or ``split``: float16 rows only)."""
+    if getattr(device, "type", str(device)) == "cpu" and products == "float64":
         return HostMoments(dim, abs_threshold)
-    return TorchMoments(dim, device, abs_threshold)
+    return TorchMoments(dim, device, abs_threshold, products=products)
 
 
 class HostMoments(Moments):
@@ -74,14 +83,27 @@ class TorchMoments:
     ``update(x)`` takes an (m, D) tensor of any float dtype on that device, whose rows are finite
     (the caller drops the others and counts them); ``to_moments()`` returns the numpy ``Moments``
     holding the same numbers. ``blocked`` forces (True) or forbids (False) the accelerator's blocked
-    triangular product; by default it is used off the CPU.
+    triangular product; by default it is used off the CPU. ``products="split"`` takes float16 rows
+    and forms the scatter from their float16 parts (split_scatter.py); the other statistics are the
+    same float64 sums either way.
     """
 
-    def __init__(self, dim: int, device, abs_threshold: float = 6.0, *, blocked: bool | None = None):
+    def __init__(
+        self,
+        dim: int,
+        device,
+        abs_threshold: float = 6.0,
+        *,
+        blocked: bool | None = None,
+        products: str = "float64",
+    ):
         import torch
 
+        if products not in ACCUMULATOR_PRODUCTS:
+            raise ValueError(f"products must be one of {', '.join(ACCUMULATOR_PRODUCTS)}; got {products!r}")
         self.dim, self.device, self.abs_threshold = int(dim), device, float(abs_threshold)
-        self.blocked = blocked
+        self.blocked, self.products = blocked, products
+        self.on_cpu = getattr(device, "type", str(device)) == "cpu"
         z = {"dtype": torch.float64, "device": device}
         self.n = 0
         self.mean = torch.zeros(self.dim, **z)
@@ -102,7 +124,7 @@ class TorchMoments:
             return self
         xb = x.to(torch.float64)
         mean_b = xb.sum(0) / m
-        m2_b = _syrk_upper(xb - mean_b, self.blocked)
+        m2_b = self._scatter(x, xb, mean_b)
         x2 = xb * xb
         sq = x2.sum(1)
         pos = sq > 0
@@ -115,9 +137,12 @@ class TorchMoments:
         self.abs_sum += ab.sum(0)
         col_max = ab.amax(0)
         torch.maximum(self.abs_max, col_max, out=self.abs_max)
-        cols = torch.nonzero(col_max >= self.abs_threshold).flatten()
-        if cols.numel():  # only the columns that reach the threshold are counted
-            self.count_abs_ge.index_add_(0, cols, (ab[:, cols] >= self.abs_threshold).sum(0))
+        if not self.on_cpu:  # every column: choosing some would read their number back
+            self.count_abs_ge += (ab >= self.abs_threshold).sum(0)
+        else:
+            cols = torch.nonzero(col_max >= self.abs_threshold).flatten()
+            if cols.numel():  # only the columns that reach the threshold are counted
+                self.count_abs_ge.index_add_(0, cols, (ab[:, cols] >= self.abs_threshold).sum(0))
         if self.n == 0:
             self.mean, self.m2 = mean_b, m2_b
         else:  # Chan et al.: merge (n, mean, M2) of the block into the running state
@@ -128,6 +153,19 @@ class TorchMoments:
             self.mean = self.mean + delta * (m / n)
         self.n += m
         return self
+
+    def _scatter(self, x, xb, mean_b):
+        """The block's centred scatter about ``mean_b``, upper triangle valid (float64)."""
+        import torch
+
+        if self.products == "float64":
+            return _syrk_upper(xb - mean_b, self.blocked)
+        if x.dtype != torch.float16:
+            raise ValueError(f"products='split' takes float16 rows; got {x.dtype}")
+        from geomscope.metrics.split_scatter import split_scatter
+
+        blocked = not self.on_cpu if self.blocked is None else self.blocked
+        return split_scatter(xb, mean_b, blocked=blocked)
 
     def to_moments(self):
         """The numpy :class:`Moments` of the rows seen (one host copy of the D x D scatter)."""
