@@ -259,7 +259,11 @@ class Capture:
         flat = np.flatnonzero(mask.reshape(-1))
         dev = self.lm.device
         with torch.inference_mode():
-            t_ids, t_mask = (to_device(a, dev) for a in (ids, mask))
+            # a batch without padding goes without a mask: given one, transformers' SDPA mask reads
+            # a value back from the GPU to find it all ones (a stall before every forward), then
+            # takes the path it takes without one
+            t_ids = to_device(ids, dev)
+            t_mask = None if len(flat) == mask.size else to_device(mask, dev)
             idx = {dev: to_device(flat, dev)}  # per device: --device-map spreads the layers
 
             def gather(h):
