@@ -59,10 +59,10 @@ def star_reference(z, zeta, c0=None):
     c = np.cov(z.T, ddof=1)
     d = c.shape[0]
     c0 = np.eye(d) * np.trace(c) / d if c0 is None else c0
-    return _iso_of_cov((1 - zeta) * c + zeta * c0)
+    return iso_of_cov((1 - zeta) * c + zeta * c0)
 
 
-def _iso_of_cov(c):
+def iso_of_cov(c):
     """Rudman et al.'s IsoScore of a covariance: normalise its eigenvalues to norm sqrt(D), defect,
     dimensions used k, (k - 1)/(D - 1) (the published steps, from the eigenvalues)."""
     lam = np.linalg.svd(c, compute_uv=False)

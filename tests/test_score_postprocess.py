@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import assert_one_line_error
 from helpers_runs import jackknife_se, minilm_run, run_rows
-from test_metrics_postprocess import _iso_of_cov, abtt_reference, pairs_avgcos, zca_reference
+from test_metrics_postprocess import abtt_reference, iso_of_cov, pairs_avgcos, zca_reference
 from test_score import make_run
 
 from geomscope.errors import InputError
@@ -28,15 +28,15 @@ def reference(x, zeta=0.2):
     for k in KS:
         z = abtt_reference(x, k)
         c = np.cov(z.T)
-        out[f"abtt{k}_isoscore"] = _iso_of_cov(c)
-        out[f"abtt{k}_isoscore_star"] = _iso_of_cov(
+        out[f"abtt{k}_isoscore"] = iso_of_cov(c)
+        out[f"abtt{k}_isoscore_star"] = iso_of_cov(
             (1 - zeta) * c + zeta * np.trace(c) / len(c) * np.eye(len(c))
         )
         out[f"abtt{k}_avgcos"] = pairs_avgcos(z)
     w = zca_reference(x)
     c = np.cov(w.T)
-    out["whitened_isoscore"] = _iso_of_cov(c)
-    out["whitened_isoscore_star"] = _iso_of_cov((1 - zeta) * c + zeta * np.trace(c) / len(c) * np.eye(len(c)))
+    out["whitened_isoscore"] = iso_of_cov(c)
+    out["whitened_isoscore_star"] = iso_of_cov((1 - zeta) * c + zeta * np.trace(c) / len(c) * np.eye(len(c)))
     out["whitened_avgcos"] = pairs_avgcos(w)
     return out
 
