@@ -418,10 +418,9 @@ def test_logged_geometry_equals_score_basis_on_a_mid_training_checkpoint(tmp_pat
     the weights of checkpoints/step2. ``extract --capture activations,gradients`` of those weights on
     step 3's documents, then ``score --basis`` of that run with the same ranks, controls and seed,
     give every penalised layer's logged energy, E_max, kappa and controls to 1e-5 relative: float32
-    forwards of other batch shapes and a loss of another scale may round apart (here they agree to
-    1e-15). The documents have one
-    length, so extract's loss (the sum of each document's mean token loss) is the step's token mean
-    times a constant, which no energy sees. The last hidden state of this decoder is its final
+    forwards of other batch shapes and a loss of another scale may round apart. The documents have
+    one length, so extract's loss (the sum of each document's mean token loss) is the step's token
+    mean times a constant, which no energy sees. The last hidden state of this decoder is its final
     norm's output: extract's ``final_norm``."""
     import random
 
