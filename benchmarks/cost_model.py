@@ -285,6 +285,7 @@ def fit_cpu(quick: bool = False) -> Device:
 
 def _stubbed_host(quick: bool) -> tuple[float, float]:
     """(h0, h1) from extract of MiniLM with the forward stubbed: one layer and all 7."""
+    import shutil
     import tempfile
     import time
 
@@ -297,11 +298,14 @@ def _stubbed_host(quick: bool) -> tuple[float, float]:
     work = Path(tempfile.mkdtemp(prefix="cost-model-"))
     corpus = make_corpus(400 if quick else 4000, work / "c.txt")
     per_token = {}
-    with forward_stubbed(lm):
-        for layers, k in (("6", 1), ("all", 7)):
-            t0 = time.perf_counter()
-            s = extract(lm, [corpus], work / f"run{k}", layers=layers, overwrite=True)
-            per_token[k] = (time.perf_counter() - t0) / s["rows"]
+    try:
+        with forward_stubbed(lm):
+            for layers, k in (("6", 1), ("all", 7)):
+                t0 = time.perf_counter()
+                s = extract(lm, [corpus], work / f"run{k}", layers=layers, overwrite=True)
+                per_token[k] = (time.perf_counter() - t0) / s["rows"]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     h1 = (per_token[7] - per_token[1]) / (6 * 2 * lm.hidden_size)
     return per_token[1] - h1 * 2 * lm.hidden_size, h1
 
