@@ -21,6 +21,8 @@ REPORT_FORMAT = "geomscope-report"
 REPORT_FORMAT_VERSION = 1
 #: ``compare``'s compare.json
 COMPARE_FORMAT = "geomscope-compare"
+#: ``score DIR --metrics similarity``'s similarity.json: each layer's similarity across the runs
+SIMILARITY_FORMAT = "geomscope-similarity"
 #: a sweep's sweep.json: the grid of finetune runs it holds
 SWEEP_FORMAT = "geomscope-sweep"
 #: the marker that makes a directory a finetune output (train/checkpoint.py), its format and the
@@ -400,6 +402,30 @@ def _square(m, n: int) -> bool:
         and len(m) == n
         and all(isinstance(r, list) and len(r) == n and all(map(_optional_number, r)) for r in m)
     )
+
+
+def similarity_file_defect(data) -> str | None:
+    """Where a ``similarity.json`` (score DIR --metrics similarity) is not shaped as score writes it."""
+    if not isinstance(data, dict) or data.get("format") != SIMILARITY_FORMAT:
+        return f'it has no "format": "{SIMILARITY_FORMAT}"'
+    runs = data.get("names")
+    if not isinstance(runs, list) or not all(isinstance(n, str) for n in runs):
+        return "names is not a list of run names"
+    revisions = data.get("revisions")
+    if revisions is not None and not (isinstance(revisions, list) and len(revisions) == len(runs)):
+        return "revisions is not a list of one name per run"
+    layers = data.get("layers")
+    if not isinstance(layers, dict):
+        return "layers is not an object"
+    for name, sec in layers.items():
+        if sec is None:
+            continue
+        if not isinstance(sec, dict):
+            return f"layers.{name} is not an object"
+        for key in ("cka", "cka_se", "rsa", "rsa_se"):
+            if sec.get(key) is not None and not _square(sec[key], len(runs)):
+                return f"layers.{name}.{key} is not a {len(runs)} x {len(runs)} matrix of numbers"
+    return None
 
 
 def _gradient_energy_defect(ge) -> str | None:

@@ -258,6 +258,11 @@ def _score_many(
     for dest in dests:
         check_report_out(dest)
     check_trajectory_out(where / TRAJECTORY_NAME)
+    across = opts.wants("similarity") and len(runs) > 1
+    if across:
+        from geomscope.score.crossrun import SIMILARITY_NAME, check_similarity_out
+
+        check_similarity_out(where / SIMILARITY_NAME)
     _check_pairs(runs, opts.basis)
     ensure_writable(where)
     reports, written = [], []
@@ -275,7 +280,15 @@ def _score_many(
             )
     make_dirs(where)
     traj = write_trajectory(reports, where / TRAJECTORY_NAME)
+    summary = {"reports": written, "trajectory": str(traj)}
     if not quiet:
         console.print(f"wrote {shown(traj, markup=False)}", highlight=False, markup=False)
+    if across:  # each layer across the runs (score/crossrun.py)
+        from geomscope.score.crossrun import revision_similarity, write_similarity
+
+        path = write_similarity(revision_similarity(runs, opts), where / SIMILARITY_NAME)
+        summary["similarity"] = str(path)
+        if not quiet:
+            console.print(f"wrote {shown(path, markup=False)}", highlight=False, markup=False)
     if as_json:
-        sys.stdout.write(json.dumps({"reports": written, "trajectory": str(traj)}) + "\n")
+        sys.stdout.write(json.dumps(summary) + "\n")

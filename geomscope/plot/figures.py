@@ -30,7 +30,13 @@ from geomscope.plot.energy import has_energy, plot_energy
 from geomscope.plot.layers import plot_layers
 from geomscope.plot.options import PlotOptions
 from geomscope.plot.outliers import has_outlier_statistic, plot_outliers
-from geomscope.plot.similarity import has_similarity, plot_similarity
+from geomscope.plot.similarity import (
+    has_similarity,
+    is_similarity_file,
+    plot_run_similarity,
+    plot_similarity,
+    read_similarity,
+)
 from geomscope.plot.spectrum import has_spectrum, plot_spectrum
 from geomscope.plot.trajectory import is_trajectory, plot_trajectory
 from geomscope.schema import FIGURE_CREATOR
@@ -206,8 +212,11 @@ def plot_files(
         if not os.path.exists(p):
             raise InputError(f"input not found: {p}")
     logs = [looks_like_training_log(p) for p in inputs]
+    similar = [is_similarity_file(p) for p in inputs]
     if any(logs):
         figs = _training_figures(inputs, logs, opts.kinds)
+    elif any(similar):
+        figs = _run_similarity_figures(inputs, similar, opts)
     else:
         reports = []
         for p in inputs:
@@ -241,6 +250,16 @@ def plot_files(
         for fig in figs.values():
             close_figure(fig)
     return written
+
+
+def _run_similarity_figures(inputs, similar, opts: PlotOptions) -> dict[str, Figure]:
+    """The ``similarity`` figure of ``similarity.json`` files (each layer across runs), drawn alone."""
+    if not all(similar):
+        first = next(p for p, s in zip(inputs, similar, strict=True) if not s)
+        raise InputError(f"{first} is not a similarity.json; plot similarity.json files on their own")
+    if any(k not in ("auto", "similarity") for k in opts.kinds):
+        raise InputError("a similarity.json draws --kind similarity only")
+    return {"similarity": plot_run_similarity([read_similarity(p) for p in inputs], layers=opts.layers)}
 
 
 def _training_figures(inputs, logs, kinds) -> dict[str, Figure]:

@@ -9,6 +9,7 @@ Pass kinds (picklable :class:`PassSpec`):
 - ``"select"``: metadata only; per layer the bottom-k hashes of the eligible rows (--max-rows).
 - ``"moments"``: per layer one :class:`~geomscope.metrics.Moments` per jackknife group, the
   intrinsic-dimension reservoir and the row counts.
+- ``"sample"``: per layer the seeded row sample alone (the similarity between runs).
 - ``"unit"``: per layer and cosine variant, the unit-vector sums of every jackknife replicate r (rows
   of every group but r, shifted/scaled by replicate r's mean/std) plus all rows
   (:class:`~geomscope.score.multiunit.MultiUnitSum`); and those of the rows after all-but-the-top
@@ -40,7 +41,7 @@ COUNT_KEYS = ("seen", "nonfinite", "special", "not_sampled", "used")
 
 @dataclass
 class PassSpec:
-    kind: str  # "select" | "moments" | "unit"
+    kind: str  # "select" | "moments" | "sample" | "unit"
     layers: list[str]
     n_groups: int = 1
     exclude_special: bool = False
@@ -148,6 +149,8 @@ def _new_part(spec: PassSpec, dim: int | None) -> LayerPart:
             lp.massive = TopAbs(spec.massive_k)
     elif spec.kind == "select":
         lp.select = BottomK(spec.max_rows)
+    elif spec.kind == "sample":
+        lp.reservoir = Reservoir(spec.id_k)
     return lp
 
 
@@ -338,20 +341,20 @@ def _add_block(block, spec: PassSpec, parts: dict, work: OrderedWork, task: Task
         merging.mark(work, task, name)
         x = block.layers[name]
         lp = parts[name]
-        keep = _filter(block, name, spec, lp.counts if spec.kind == "moments" else None)
+        keep = _filter(block, name, spec, lp.counts if spec.kind in ("moments", "sample") else None)
         if not keep.any():
             continue
         whole = bool(keep.all())  # the common case: no copy
         xs = x if whole else x[keep]
         gs = block.group if whole else block.group[keep]
+        keys = block.keys if whole else block.keys[keep]
+        if lp.reservoir is not None:
+            lp.reservoir.add(row_hash(keys, spec.seed, STREAM_ID_SAMPLE), xs, {"group": gs})
         if spec.kind == "moments":
             update_groups(lp.groups, xs, gs, work=work)
-            keys = block.keys if whole else block.keys[keep]
-            if lp.reservoir is not None:
-                lp.reservoir.add(row_hash(keys, spec.seed, STREAM_ID_SAMPLE), xs, {"group": gs})
             if lp.massive is not None:
                 _update_massive(lp.massive, xs, keys, block, keep, whole, work)
-        else:
+        elif spec.kind == "unit":
             if lp.unit:
                 _update_units(lp.unit, xs, gs, work)
             if lp.post:
@@ -511,13 +514,15 @@ def _merge_kept_top(f, task: Task, spec: PassSpec, parts: dict) -> None:
 def _run_accumulated(task: Task, spec: PassSpec, progress, parts: dict) -> dict[str, LayerPart]:
     """A ``--keep sample`` shard: its stored accumulators go whole into jackknife group
     ``shard index % G``, and its sampled rows feed the intrinsic-dimension reservoir, filtered as the
-    rows of a full run would be. Only the "moments" pass can be served (the engine asks no other)."""
-    if spec.kind != "moments":
+    rows of a full run would be. Only the "moments" pass, and the "sample" pass (the sample alone),
+    can be served (the engine asks no other)."""
+    if spec.kind not in ("moments", "sample"):
         raise AssertionError(f"a {spec.kind!r} pass cannot read a --keep sample shard")
     from geomscope.store.reader import iter_shard_blocks, opened_task
 
     with opened_task(task, spec.layers, extras=spec.extras) as (f, checked):
-        _merge_kept(task, spec, parts, checked)
+        if spec.kind == "moments":
+            _merge_kept(task, spec, parts, checked)
         if spec.massive_k:
             _merge_kept_top(f, task, spec, parts)
         for block in iter_shard_blocks(task, spec.layers, spec.n_groups, spec.block_rows, opened=f):

@@ -111,6 +111,51 @@ def score(
         return _Scorer(src, opts, ex, prog, log, processes).run()
 
 
+def layer_samples(path, options: ScoreOptions | None = None, *, rows: int, layers=None) -> dict:
+    """Each layer's seeded row sample of a source, from one pass that keeps nothing else: ``{layer:
+    (hashes sorted, rows, jackknife groups) or None}``, the ``rows`` rows with the smallest
+    ``hash(key; seed)`` the layer uses (the sample score's intrinsic dimension and similarity draw,
+    store/sample.py). ``layers``: the layers to sample (None: ``options.layers``). A ``--keep
+    sample`` run serves it from its kept sample (same seed, at most its N rows)."""
+    opts = (options or ScoreOptions()).validate()
+    src = open_source(
+        path,
+        dataset=opts.dataset,
+        layers=opts.layers if layers is None else list(layers),
+        columns=opts.columns,
+        partial=opts.partial,
+        block_rows=opts.block_rows,
+        memory_mb=opts.memory_mb,
+    )
+    if src.sample is not None and (rows > src.sample or opts.seed != src.sample_seed):
+        raise InputError(
+            f"{src.path} kept a sample of {src.sample} rows per shard under seed {src.sample_seed}; "
+            f"{rows} rows under seed {opts.seed} cannot be drawn from it"
+        )
+    groups = opts.jackknife_groups if opts.jackknife_groups >= 2 else 1
+    if src.sample is not None and len(src.tasks) >= 2:
+        groups = min(groups, len(src.tasks))
+    processes = max(1, min(opts.workers, len(src.tasks)))
+    spec = PassSpec(
+        kind="sample",
+        layers=list(src.layers),
+        n_groups=groups,
+        exclude_special=opts.exclude_special,
+        seed=opts.seed,
+        block_rows=opts.block_rows,
+        id_k=int(rows),
+        checksum=opts.verify,
+        extras=False,
+    )
+    with resources.one_blas_thread(), make_executor(processes, opts.scheduler) as ex:
+        parts = ex.run(src.tasks, spec)
+    out = {}
+    for n in src.layers:
+        kept = parts[n].reservoir.sample_with_meta() if n in parts else None
+        out[n] = None if kept is None else (kept[0], kept[1], kept[2].get("group"))
+    return out
+
+
 class _Scorer:
     def __init__(
         self, src: SourceInfo, opts: ScoreOptions, ex: Executor, prog: Progress, log, processes: int

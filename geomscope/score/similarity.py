@@ -61,32 +61,42 @@ def _rows_of(m) -> list | None:
     return None if m is None else [[float(v) for v in row] for row in m]
 
 
-def section(samples: dict, names: list[str], o: ScoreOptions) -> tuple[dict | None, str | None]:
-    """(the report's ``similarity`` section, or None with why) of the layers ``names`` whose samples
-    ``samples`` holds (layer -> (hashes sorted, rows, groups))."""
+def jackknife_matrices(rows: list[np.ndarray], groups, o: ScoreOptions) -> dict:
+    """``{rows, groups, cka, cka_se, rsa, rsa_se}`` of aligned row sets (the same inputs in each): the
+    matrices of the full data and their delete-one-group jackknife SEs over the rows' ``groups``
+    (null with fewer than 2 groups, or with the jackknife off)."""
     from geomscope.metrics.similarity import cka_matrices, rsa_matrices
 
-    missing = [n for n in names if samples.get(n) is None]
-    if missing:
-        return None, f"layer {missing[0]} has no sample rows"
-    if len(names) < 2:
-        return None, "one layer: nothing to compare it with"
-    rows, groups = aligned(samples, names, o.similarity_rows)
     live = sorted(int(g) for g in np.unique(groups)) if groups is not None else []
     replicates = live if len(live) >= 2 and o.jackknife_groups >= 2 else []
-    try:
-        cka = cka_matrices(rows, groups, replicates)
-        rsa = rsa_matrices(rows, groups, replicates)
-    except DataError as e:
-        return None, str(e)
+    cka = cka_matrices(rows, groups, replicates)
+    rsa = rsa_matrices(rows, groups, replicates)
     return {
-        "layers": list(names),
         "rows": int(rows[0].shape[0]),
         "groups": len(replicates),
         "cka": _rows_of(cka[0]),
         "cka_se": _rows_of(_se(cka[1:])),
         "rsa": _rows_of(rsa[0]),
         "rsa_se": _rows_of(_se(rsa[1:])),
+    }
+
+
+def section(samples: dict, names: list[str], o: ScoreOptions) -> tuple[dict | None, str | None]:
+    """(the report's ``similarity`` section, or None with why) of the layers ``names`` whose samples
+    ``samples`` holds (layer -> (hashes sorted, rows, groups))."""
+    missing = [n for n in names if samples.get(n) is None]
+    if missing:
+        return None, f"layer {missing[0]} has no sample rows"
+    if len(names) < 2:
+        return None, "one layer: nothing to compare it with"
+    rows, groups = aligned(samples, names, o.similarity_rows)
+    try:
+        matrices = jackknife_matrices(rows, groups, o)
+    except DataError as e:
+        return None, str(e)
+    return {
+        "layers": list(names),
+        **matrices,
         "rsa_distance": "1 - Pearson correlation of two rows; Spearman's rho between the matrices",
         "sample": (
             f"the first {o.similarity_rows} rows by hash(doc_id, position; seed {o.seed}) of the seeded "
