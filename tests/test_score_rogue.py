@@ -72,7 +72,8 @@ def test_synthetic_run_values_and_ses(tmp_path):
             assert e[key] == pytest.approx(ref[key], rel=1e-9), key
             assert e["se"][key] == pytest.approx(jackknife_se([r[key] for r in reps]), rel=1e-7), key
         dims = e["rogue_dims"]
-        assert [d["dim"] for d in dims] == list(np.argsort(-ref["shares"])[:10])
+        top = np.sort(ref["shares"])[::-1][:10]  # the order of dimensions whose shares tie is free
+        np.testing.assert_allclose([d["share"] for d in dims], top, rtol=1e-9)
         for d in dims:
             assert d["share"] == pytest.approx(ref["shares"][d["dim"]], rel=1e-9)
             assert d["share_se"] == pytest.approx(
