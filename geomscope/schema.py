@@ -114,6 +114,8 @@ DIAGNOSTIC_METRICS: tuple[MetricSpec, ...] = (
 ABTT_METRICS = ("isoscore", "isoscore_star", "avgcos")
 _ABTT_KEY = re.compile(r"^abtt([1-9][0-9]*)_(isoscore|isoscore_star|avgcos)$")
 _ABTT_LABELS = {"isoscore": "IsoScore", "isoscore_star": "IsoScore*", "avgcos": "cos"}
+#: the strata's keys: ``freq<b>_<metric>``, ``pos<b>_<metric>`` for each bin b (score --metrics stratified)
+_STRATUM_KEY = re.compile(r"^(freq|pos)([1-9][0-9]*)_(isoscore|isoscore_star|avgcos)$")
 
 METRIC_LABELS: dict[str, str] = {m.name: m.label for m in (*SCALAR_METRICS, *DIAGNOSTIC_METRICS)}
 
@@ -125,7 +127,7 @@ def abtt_key(k: int, metric: str) -> str:
 
 def is_diagnostic_key(key: str) -> bool:
     """A scalar metric of a diagnostic family (:data:`DIAGNOSTIC_METRICS`, :func:`abtt_key`)."""
-    return key in _DIAGNOSTIC_NAMES or _ABTT_KEY.match(key) is not None
+    return key in _DIAGNOSTIC_NAMES or _ABTT_KEY.match(key) is not None or _STRATUM_KEY.match(key) is not None
 
 
 def metric_label(key: str) -> str:
@@ -133,6 +135,9 @@ def metric_label(key: str) -> str:
     m = _ABTT_KEY.match(key)
     if m:
         return f"{_ABTT_LABELS[m.group(2)]}-{m.group(1)}"
+    m = _STRATUM_KEY.match(key)
+    if m:
+        return f"{_ABTT_LABELS[m.group(3)]}@{m.group(1)[0]}{m.group(2)}"
     return METRIC_LABELS.get(key, key)
 
 
@@ -295,6 +300,15 @@ def _layer_defect(e) -> str | None:
         "flags": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
         "notes": lambda v: _dict_of(v, lambda x: isinstance(x, str)),
         "massive": lambda v: v is None or _massive_shaped(v),
+        "strata": lambda v: _dict_of(
+            v,
+            lambda bins: (
+                isinstance(bins, list)
+                and all(
+                    isinstance(b, dict) and _integer(b.get("bin")) and _integer(b.get("rows")) for b in bins
+                )
+            ),
+        ),
         "rogue_dims": lambda v: (
             isinstance(v, list)
             and all(

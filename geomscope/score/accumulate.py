@@ -10,6 +10,7 @@ Pass kinds (picklable :class:`PassSpec`):
 - ``"moments"``: per layer one :class:`~geomscope.metrics.Moments` per jackknife group, the
   intrinsic-dimension reservoir and the row counts.
 - ``"sample"``: per layer the seeded row sample alone (the similarity between runs).
+- ``"count"``: metadata only; the occurrences of every token id (the frequency bins of strata.py).
 - ``"unit"``: per layer and cosine variant, the unit-vector sums of every jackknife replicate r (rows
   of every group but r, shifted/scaled by replicate r's mean/std) plus all rows
   (:class:`~geomscope.score.multiunit.MultiUnitSum`); and those of the rows after all-but-the-top
@@ -41,7 +42,7 @@ COUNT_KEYS = ("seen", "nonfinite", "special", "not_sampled", "used")
 
 @dataclass
 class PassSpec:
-    kind: str  # "select" | "moments" | "sample" | "unit"
+    kind: str  # "select" | "count" | "moments" | "sample" | "unit"
     layers: list[str]
     n_groups: int = 1
     exclude_special: bool = False
@@ -56,6 +57,7 @@ class PassSpec:
     post: dict | None = None  # layer -> family -> its spec (score/postprocess.pass_spec)
     abtt_k: tuple[int, ...] = ()  # "unit" with post: the all-but-the-top k
     massive_k: int = 0  # "moments": the largest |x| entries kept per layer (0: none)
+    strata: dict | None = None  # "moments": score/strata.py's bins (frequency, position), or None
     checksum: bool = False
     block_rows: int | None = None
     threads: int = 1  # threads per task for the block statistics (engine.py picks: cores / workers)
@@ -71,6 +73,8 @@ class LayerPart:
     post: dict | None = None  # family -> RemovedTopUnitSums / WhitenedUnitSums (R replicates)
     massive: object | None = None  # metrics.massive.TopAbs: the largest |x| entries, the |x| histogram
     massive_missing: bool = False  # a --keep sample shard kept none: the layer has no such entries
+    strata: dict | None = None  # kind -> B x G Moments (bin-major): the moments of each bin's rows
+    token_counts: np.ndarray | None = None  # "count": occurrences of each token id
 
     def merge(self, other: LayerPart) -> LayerPart:
         for k in COUNT_KEYS:
@@ -86,6 +90,15 @@ class LayerPart:
                 other.reservoir if self.reservoir is None else self.reservoir.merge(other.reservoir)
             )
         self.massive_missing |= other.massive_missing
+        if other.token_counts is not None:
+            self.token_counts = _added(self.token_counts, other.token_counts)
+        if other.strata is not None:
+            if self.strata is None:
+                self.strata = other.strata
+            else:
+                for kind, accs in other.strata.items():
+                    for a, b in zip(self.strata[kind], accs, strict=True):
+                        a.merge(b)
         if other.massive is not None:
             self.massive = other.massive if self.massive is None else self.massive.merge(other.massive)
         if other.select is not None:
@@ -99,6 +112,17 @@ class LayerPart:
                     for v, sums in theirs.items():
                         getattr(self, attr)[v].merge(sums)
         return self
+
+
+def _added(a: np.ndarray | None, b: np.ndarray) -> np.ndarray:
+    """Two count vectors added, the shorter padded with zeros."""
+    if a is None:
+        return b
+    if a.size < b.size:
+        a, b = b, a
+    a = a.copy()
+    a[: b.size] += b
+    return a
 
 
 def merge_parts(parts: list[dict[str, LayerPart]]) -> dict[str, LayerPart]:
@@ -147,11 +171,29 @@ def _new_part(spec: PassSpec, dim: int | None) -> LayerPart:
             from geomscope.metrics.massive import TopAbs
 
             lp.massive = TopAbs(spec.massive_k)
+        if spec.strata:
+            lp.strata = {
+                kind: [
+                    Moments(dim, spec.abs_threshold, extras=True, product_dtype=spec.product_dtype)
+                    for _ in range(bins * spec.n_groups)
+                ]
+                for kind, bins in _strata_bins(spec.strata).items()
+            }
     elif spec.kind == "select":
         lp.select = BottomK(spec.max_rows)
     elif spec.kind == "sample":
         lp.reservoir = Reservoir(spec.id_k)
     return lp
+
+
+def _strata_bins(strata: dict) -> dict[str, int]:
+    """The number of bins of each stratification a pass keeps (score/strata.py's spec)."""
+    out = {}
+    if strata.get("frequency") is not None:
+        out["frequency"] = int(strata["frequency_bins"])
+    if strata.get("position") is not None:
+        out["position"] = len(strata["position"]) + 1
+    return out
 
 
 def _unit_part(spec: PassSpec, name: str) -> dict:
@@ -209,7 +251,9 @@ def run_tasks(tasks: list[Task], spec: PassSpec, progress=None, into: dict | Non
     they are added and so the numbers are those of ``run_task`` one task after another; a bad
     shard's error comes after the blocks read before it, as there."""
     parts = {} if into is None else into
-    streamed = spec.threads > 1 and spec.kind != "select" and not any(t.accumulated for t in tasks)
+    streamed = (
+        spec.threads > 1 and spec.kind not in ("select", "count") and not any(t.accumulated for t in tasks)
+    )
     if not streamed or len(tasks) <= 1:
         for t in tasks:
             run_task(t, spec, progress, into=parts)
@@ -262,6 +306,14 @@ def _run(task: Task, spec: PassSpec, progress, parts: dict) -> dict[str, LayerPa
     _new_parts(parts, spec)
     if task.accumulated:
         return _run_accumulated(task, spec, progress, parts)
+    if spec.kind == "count":  # every row's token id, whatever the layers' filters
+        for block in iter_meta(task, spec.layers[:1], spec.n_groups):
+            if block.token_id is not None and block.token_id.size:
+                lp = parts[spec.layers[0]]
+                lp.token_counts = _added(lp.token_counts, np.bincount(np.asarray(block.token_id, np.int64)))
+            if progress:
+                progress(len(block.keys))
+        return parts
     if spec.kind == "select":
         flt = PassSpec("select", [], exclude_special=spec.exclude_special)
         for block in iter_meta(task, spec.layers, spec.n_groups):
@@ -354,6 +406,9 @@ def _add_block(block, spec: PassSpec, parts: dict, work: OrderedWork, task: Task
             update_groups(lp.groups, xs, gs, work=work)
             if lp.massive is not None:
                 _update_massive(lp.massive, xs, keys, block, keep, whole, work)
+            if lp.strata is not None:
+                tokens = block.token_id if block.token_id is None or whole else block.token_id[keep]
+                _update_strata(lp.strata, spec, xs, gs, keys, tokens, work)
         elif spec.kind == "unit":
             if lp.unit:
                 _update_units(lp.unit, xs, gs, work)
@@ -435,6 +490,32 @@ def _update_units(unit: dict, xs: np.ndarray, gs: np.ndarray, work: OrderedWork)
             return part
 
         work.submit(compute, merge, (("unit sums", d), lambda: new_work(BLOCK_ROWS, d), lambda w: True))
+
+
+def _update_strata(strata: dict, spec: PassSpec, xs, gs, keys, tokens, work: OrderedWork) -> None:
+    """The rows ``xs`` into the accumulators of their bins: row i of bin b and jackknife group g goes to
+    accumulator b x G + g of each stratification (score/strata.py)."""
+    for kind, bins in _strata_labels(spec.strata, keys, tokens).items():
+        update_groups(strata[kind], xs, bins.astype(np.int64) * spec.n_groups + gs, work=work)
+
+
+def _strata_labels(spec: dict, keys, tokens) -> dict[str, np.ndarray]:
+    """Each row's bin per stratification of ``spec`` (score/strata.py's: ``{"frequency":
+    bin_of_token, "frequency_bins": B, "position": edges}``), from its token id (one the bins do not
+    know: the rarest bin) and its key (the position: the key's low bits)."""
+    from geomscope.store.sample import POSITION_BITS
+
+    out = {}
+    if spec.get("frequency") is not None:
+        bin_of = spec["frequency"]
+        t = np.asarray(tokens, np.int64)
+        inside = (t >= 0) & (t < bin_of.size)
+        rarest = spec["frequency_bins"] - 1
+        out["frequency"] = np.where(inside, bin_of[np.clip(t, 0, max(0, bin_of.size - 1))], rarest)
+    if spec.get("position") is not None:
+        pos = np.asarray(keys, np.uint64) & np.uint64((1 << POSITION_BITS) - 1)
+        out["position"] = np.searchsorted(np.asarray(spec["position"], np.uint64), pos, side="right")
+    return out
 
 
 def _update_massive(top, xs, keys, block, keep, whole: bool, work: OrderedWork) -> None:

@@ -40,6 +40,7 @@ from geomscope.score.executor import Executor, make_executor
 from geomscope.score.layer import LayerResult
 from geomscope.score.options import ID_SAMPLE_LEAST, MAX_MEMORY_MB, ScoreOptions
 from geomscope.score.sources import SourceInfo, open_source
+from geomscope.score.strata import params as strata_params
 from geomscope.store.accumulators import ABS_THRESHOLD as KEPT_ABS_THRESHOLD
 from geomscope.store.accumulators import MASSIVE_KEPT
 
@@ -269,11 +270,46 @@ class _Scorer:
         self.other = None
         if self.target.startswith("run:") and o.wants("isoscore_star"):
             self.other = self._open_other_run(self.target[4:])
+        self.strata_why = None
+        self.strata, self.strata_described = self._strata() if o.wants("stratified") else (None, None)
         self.basis, self.energy, self.energy_notes = None, {}, {}
         if o.basis is not None:
             from geomscope.score.gradenergy import open_basis
 
             self.basis = open_basis(src, o.basis, o.ranks, o.partial, o.memory_mb)
+
+    def _strata(self) -> tuple[dict | None, dict]:
+        """The bins of ``--metrics stratified`` (strata.py): the frequency bins from ``--token-counts``
+        or a metadata pass counting the run's token ids, the position edges; and their description
+        (the report's ``params.strata``). A source without token ids and positions (an array) or
+        without rows (a --keep sample run) has none, said per bin."""
+        from geomscope.score import strata
+
+        o, src = self.opts, self.src
+        if src.kind != "run" or src.sample is not None:
+            why = (
+                "an array source has no token ids or positions"
+                if src.kind != "run"
+                else f"this run kept accumulators and a sample (--keep sample:{src.sample}), not the rows "
+                "each bin needs; extract with --keep all for it"
+            )
+            self.strata_why = why
+            return None, {"why": why}
+        if o.token_counts is not None:
+            counts, source = strata.read_counts(o.token_counts), f"file:{o.token_counts}"
+        else:
+            spec = self._spec("count", [src.layers[0]])
+            counts, source = self._pass(src.tasks, spec, "counting tokens")[src.layers[0]].token_counts, "run"
+        bin_of, freq = strata.frequency_bins(
+            counts if counts is not None else np.zeros(0, np.int64), o.frequency_bins
+        )
+        spec = {"frequency": bin_of, "frequency_bins": o.frequency_bins, "position": tuple(o.position_edges)}
+        described = {
+            "frequency_from": source,
+            "frequency": freq,
+            "position": strata.position_bins(o.position_edges),
+        }
+        return spec, described
 
     def _one_width(self) -> int:
         """The width every scored layer has (and a ``--shrinkage-target`` file's or layer's one D x D
@@ -412,7 +448,8 @@ class _Scorer:
             self.ex.in_flight
         )  # task results held besides the accumulator (2 x workers or Dask threads)
         widest = max(src.widths)
-        scale = self.G * 8 * (in_flight + 2) if o.moment_metrics else 0
+        bins = 1 + (o.frequency_bins + len(o.position_edges) + 1 if self.strata else 0)  # (strata.py)
+        scale = self.G * 8 * (in_flight + 2) * bins if o.moment_metrics else 0
         per_layer = {n: scale * src.width(n) ** 2 for n in src.layers}
         budget = int(o.memory_mb * 1024 * 1024)
         largest = scale * widest**2
@@ -490,6 +527,7 @@ class _Scorer:
             abs_threshold=o.outlier_threshold if o.outlier_rule == "magnitude" else 6.0,
             id_k=id_k,
             massive_k=o.massive_k if o.wants("massive") else 0,
+            strata=self.strata,
         )
         label = batch[0] if len(batch) == 1 else f"{batch[0]}..{batch[-1]}"
         parts = self._pass(self.src.tasks, spec, f"moments {label}")
@@ -506,6 +544,8 @@ class _Scorer:
                 c0 if c0 is not None else self.target,
             )
             state.keep_groups = self.basis is not None and name in self.basis.pairs
+            if self.strata_why:
+                state.notes["strata"] = self.strata_why
             if o.wants("massive") and state.lp is not None and state.lp.massive_missing:
                 state.lp.massive = None
                 state.notes["massive"] = (
@@ -682,6 +722,7 @@ class _Scorer:
                 "layer_batch_size": self.batch_size,
                 "rows_total": self.rows,
                 **postprocess.params(o),
+                **strata_params(o, self.strata_described),
             },
             "layers": layers,
             "embeddings": embeddings,

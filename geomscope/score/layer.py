@@ -6,7 +6,7 @@ import numpy as np
 
 from geomscope.metrics.moments import MAX_THREADED_M2_BYTES, map_in_order
 from geomscope.schema import EXTRA_ID_PREFIX, SCALAR_METRIC_NAMES
-from geomscope.score import compute, idest, massive, outliers, postprocess, rogue, similarity
+from geomscope.score import compute, idest, massive, outliers, postprocess, rogue, similarity, strata
 from geomscope.score.options import ScoreOptions
 from geomscope.score.sources import SourceInfo
 
@@ -27,7 +27,7 @@ def _measured(m, o: ScoreOptions, c0, notes: dict) -> tuple[dict, dict]:
 
 
 #: every diagnostic family with scalar keys in a layer entry, in the entry's order
-LAYER_FAMILIES = (*MOMENT_FAMILIES, massive, similarity)
+LAYER_FAMILIES = (*MOMENT_FAMILIES, massive, similarity, strata)
 
 
 def _family_keys(o: ScoreOptions) -> list[str]:
@@ -60,6 +60,7 @@ class LayerResult:
         self.rep_stats: list = []
         self.extra: dict = {}
         self.listed: dict = {}  # the families' per-layer lists (rogue_dims), in the entry after the scalars
+        self.family_se: dict = {}  # SEs a family computes itself (the strata's bins)
         self.dim = src.width(name)
         self.keep_groups = False  # True: the groups outlive moments() (score --basis: energy SEs)
         self.threads = 1  # threads for the jackknife replicates (the scorer: its cores per layer at a time)
@@ -102,8 +103,21 @@ class LayerResult:
         if replicate_shifts:
             self.unit_spec = self._unit_spec(replicate_shifts)
         self._family_pieces(full_pieces, rep_pieces)
+        if strata.wanted(o):
+            self._strata()
         if not self.keep_groups:  # every number needing them is computed: free G x D x D floats now
             self.lp.groups = None
+
+    def _strata(self) -> None:
+        """Each frequency and position bin's metrics and their SEs (strata.py), from the bins'
+        accumulators, which are freed."""
+        parts = self.lp.strata if self.lp is not None else None
+        got, listed = strata.summary(parts, self.opts, self.c0, self.G, self.notes)
+        self.values.update(got["values"])
+        self.family_se.update(got["se"])
+        self.listed["strata"] = listed
+        if self.lp is not None:
+            self.lp.strata = None
 
     def _family_pieces(self, full: dict, replicates: dict[int, dict]) -> None:
         """What the diagnostic families make of the full data's and the replicates' pieces: the second
@@ -244,6 +258,8 @@ class LayerResult:
         for k in scalar_keys(o):  # every requested scalar metric has an se entry (null: see notes)
             if k in self.reps:
                 se[k] = compute.jackknife_se(self.reps[k])
+            elif k in self.family_se:
+                se[k] = self.family_se[k]
             else:
                 se[k] = self.id_info.get("se", {}).get(k)
         if self.G < 2 and o.moment_metrics:

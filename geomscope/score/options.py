@@ -39,9 +39,9 @@ MOMENT_METRICS = ("isoscore", "isoscore_star", "avgcos", "spectrum", "outliers")
 CORE_METRICS = (*MOMENT_METRICS, "twonn", "partition")
 DEFAULT_METRICS = CORE_METRICS
 #: the diagnostic families (docs/metrics.md, "Diagnostics"): named in --metrics, or by ``all``
-DIAGNOSTIC_FAMILIES = ("abtt", "whitened", "rogue", "massive", "similarity")
+DIAGNOSTIC_FAMILIES = ("abtt", "whitened", "rogue", "massive", "similarity", "stratified")
 #: the families computed from the moments' covariance and unit sums (their jackknife groups)
-MOMENT_FAMILIES = ("abtt", "whitened", "rogue")
+MOMENT_FAMILIES = ("abtt", "whitened", "rogue", "stratified")
 #: what ``all`` names: the core metrics and every diagnostic family
 ALL_METRICS = (*CORE_METRICS, *DIAGNOSTIC_FAMILIES)
 AVGCOS_VARIANTS = ("plain", "centred", "standardised")
@@ -97,9 +97,10 @@ class ScoreOptions:
         CommaList("metric names"),
         "Comma list of isoscore, isoscore_star, avgcos, spectrum, outliers, twonn, partition, the "
         "diagnostics abtt (all-but-the-top), whitened, rogue (each dimension's share of the average "
-        "cosine), massive (the largest |x| entries) and similarity (linear CKA and RSA between "
-        "layers), and scikit-dimension estimators (e.g. mle, lpca); 'all' = the seven core metrics "
-        "and the diagnostics (the estimators only when named). Default: the seven core metrics.",
+        "cosine), massive (the largest |x| entries), similarity (linear CKA and RSA between layers) "
+        "and stratified (by token-frequency and position bin), and scikit-dimension estimators "
+        "(e.g. mle, lpca); 'all' = the seven core metrics and the diagnostics (the estimators only "
+        "when named). Default: the seven core metrics.",
         metavar="LIST",
         short="-m",
     )
@@ -288,6 +289,27 @@ class ScoreOptions:
         "and RSA compare (at most --id-sample).",
         metavar="N",
     )
+    frequency_bins: int = option(
+        4,
+        Interval(whole=True, low=2, high=64),
+        "--metrics stratified: token-frequency bins of about equal token mass, the most frequent types "
+        "first.",
+        metavar="B",
+    )
+    position_edges: tuple[int, ...] | str = option(
+        (1, 8, 32, 128),
+        CommaList("positions (whole numbers >= 1)", POSITIVE_INT, int),
+        "--metrics stratified: increasing positions that start the position bins after [0, first).",
+        metavar="LIST",
+    )
+    token_counts: str | None = option(
+        None,
+        Text(),
+        "--metrics stratified: token counts for the frequency bins (.json {token_id: count} or .npy "
+        "indexed by token id); default: the run's own.",
+        metavar="FILE",
+        optional=True,
+    )
     extra_id: tuple[str, ...] = field(default=(), repr=False)  # filled by validate()
 
     def to_dict(self) -> dict:
@@ -329,6 +351,8 @@ class ScoreOptions:
             abtt_k=_checked_abtt(self.abtt_k),
             massive_k=int(self.massive_k),
             similarity_rows=int(self.similarity_rows),
+            frequency_bins=int(self.frequency_bins),
+            position_edges=_checked_edges(self.position_edges),
             controls=int(self.controls),
             scheduler=_checked_scheduler(self.scheduler, self.workers),
         )
@@ -440,6 +464,16 @@ def _checked_ranks(ranks) -> tuple[int, ...]:
     if not out:
         raise InputError("--rank is empty; give ranks such as 8,32,128")
     return tuple(out)
+
+
+def _checked_edges(edges) -> tuple[int, ...]:
+    """--position-edges (whole numbers >= 1 by its declaration): strictly increasing."""
+    out = tuple(int(e) for e in _listed(edges))
+    if not out:
+        raise InputError("--position-edges is empty; give increasing positions such as 1,8,32,128")
+    if any(b <= a for a, b in zip(out, out[1:], strict=False)):
+        raise InputError(f"--position-edges must increase; got {','.join(map(str, out))}")
+    return out
 
 
 def _checked_abtt(ks) -> tuple[int, ...]:
