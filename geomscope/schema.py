@@ -109,6 +109,12 @@ DIAGNOSTIC_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("massive_ratio", "max/med", "massive"),
     MetricSpec("cka_prev", "CKA-1", "similarity"),
     MetricSpec("rsa_prev", "RSA-1", "similarity"),
+    MetricSpec("selfsim", "self", "contextuality"),
+    MetricSpec("selfsim_adj", "self-b", "contextuality"),
+    MetricSpec("intrasim", "intra", "contextuality"),
+    MetricSpec("intrasim_adj", "intra-b", "contextuality"),
+    MetricSpec("mev", "MEV", "contextuality"),
+    MetricSpec("mev_adj", "MEV-b", "contextuality"),
 )
 #: all-but-the-top's keys: ``abtt<k>_<metric>`` for each k of ``score --abtt-k``
 ABTT_METRICS = ("isoscore", "isoscore_star", "avgcos")
@@ -300,6 +306,20 @@ def _layer_defect(e) -> str | None:
         "flags": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
         "notes": lambda v: _dict_of(v, lambda x: isinstance(x, str)),
         "massive": lambda v: v is None or _massive_shaped(v),
+        "contextuality": lambda v: (
+            v is None
+            or (
+                isinstance(v, dict)
+                and all(
+                    _optional_number(v.get(k)) for k in ("types", "sentences", "baseline_cos", "baseline_mev")
+                )
+                and isinstance(v.get("by_frequency", []), list)
+                and all(
+                    isinstance(b, dict) and all(_optional_number(x) for x in b.values())
+                    for b in v.get("by_frequency", [])
+                )
+            )
+        ),
         "strata": lambda v: _dict_of(
             v,
             lambda bins: (

@@ -58,6 +58,7 @@ class PassSpec:
     abtt_k: tuple[int, ...] = ()  # "unit" with post: the all-but-the-top k
     massive_k: int = 0  # "moments": the largest |x| entries kept per layer (0: none)
     strata: dict | None = None  # "moments": score/strata.py's bins (frequency, position), or None
+    context: dict | None = None  # "moments": score/contextuality.py's {types, per_type, docs, pool}
     checksum: bool = False
     block_rows: int | None = None
     threads: int = 1  # threads per task for the block statistics (engine.py picks: cores / workers)
@@ -75,6 +76,8 @@ class LayerPart:
     massive_missing: bool = False  # a --keep sample shard kept none: the layer has no such entries
     strata: dict | None = None  # kind -> B x G Moments (bin-major): the moments of each bin's rows
     token_counts: np.ndarray | None = None  # "count": occurrences of each token id
+    special_counts: np.ndarray | None = None  # "count": occurrences of each token id as a special token
+    context: object | None = None  # metrics.contextuality.Contexts of the layer's ordinary rows
 
     def merge(self, other: LayerPart) -> LayerPart:
         for k in COUNT_KEYS:
@@ -92,6 +95,10 @@ class LayerPart:
         self.massive_missing |= other.massive_missing
         if other.token_counts is not None:
             self.token_counts = _added(self.token_counts, other.token_counts)
+        if other.special_counts is not None:
+            self.special_counts = _added(self.special_counts, other.special_counts)
+        if other.context is not None:
+            self.context = other.context if self.context is None else self.context.merge(other.context)
         if other.strata is not None:
             if self.strata is None:
                 self.strata = other.strata
@@ -171,6 +178,11 @@ def _new_part(spec: PassSpec, dim: int | None) -> LayerPart:
             from geomscope.metrics.massive import TopAbs
 
             lp.massive = TopAbs(spec.massive_k)
+        if spec.context:
+            from geomscope.metrics.contextuality import Contexts
+
+            c = spec.context
+            lp.context = Contexts(c["types"], c["per_type"], c["docs"], c["pool"], spec.n_groups)
         if spec.strata:
             lp.strata = {
                 kind: [
@@ -310,7 +322,10 @@ def _run(task: Task, spec: PassSpec, progress, parts: dict) -> dict[str, LayerPa
         for block in iter_meta(task, spec.layers[:1], spec.n_groups):
             if block.token_id is not None and block.token_id.size:
                 lp = parts[spec.layers[0]]
-                lp.token_counts = _added(lp.token_counts, np.bincount(np.asarray(block.token_id, np.int64)))
+                tokens = np.asarray(block.token_id, np.int64)
+                lp.token_counts = _added(lp.token_counts, np.bincount(tokens))
+                special = tokens[np.asarray(block.special, bool)]
+                lp.special_counts = _added(lp.special_counts, np.bincount(special, minlength=1))
             if progress:
                 progress(len(block.keys))
         return parts
@@ -406,9 +421,12 @@ def _add_block(block, spec: PassSpec, parts: dict, work: OrderedWork, task: Task
             update_groups(lp.groups, xs, gs, work=work)
             if lp.massive is not None:
                 _update_massive(lp.massive, xs, keys, block, keep, whole, work)
+            tokens = block.token_id if block.token_id is None or whole else block.token_id[keep]
             if lp.strata is not None:
-                tokens = block.token_id if block.token_id is None or whole else block.token_id[keep]
                 _update_strata(lp.strata, spec, xs, gs, keys, tokens, work)
+            if lp.context is not None:
+                special = block.special if whole else block.special[keep]
+                _update_context(lp.context, spec.seed, xs, keys, tokens, special, gs)
         elif spec.kind == "unit":
             if lp.unit:
                 _update_units(lp.unit, xs, gs, work)
@@ -497,6 +515,33 @@ def _update_strata(strata: dict, spec: PassSpec, xs, gs, keys, tokens, work: Ord
     accumulator b x G + g of each stratification (score/strata.py)."""
     for kind, bins in _strata_labels(spec.strata, keys, tokens).items():
         update_groups(strata[kind], xs, bins.astype(np.int64) * spec.n_groups + gs, work=work)
+
+
+def _update_context(context, seed: int, xs, keys, tokens, special, gs) -> None:
+    """The ordinary rows of a block into a layer's contextuality accumulators (score/contextuality.py),
+    with the hashes that decide what they keep: a type's occurrences by row, sentences by document,
+    the baseline's pool by row, each from its own stream."""
+    from geomscope.store.sample import (
+        POSITION_BITS,
+        STREAM_CONTEXT_DOCS,
+        STREAM_CONTEXT_POOL,
+        STREAM_CONTEXT_ROWS,
+    )
+
+    ordinary = ~np.asarray(special, bool)
+    if not ordinary.any():
+        return
+    k = np.asarray(keys, np.uint64)[ordinary]
+    docs = k >> np.uint64(POSITION_BITS)
+    context.update(
+        np.asarray(xs)[ordinary],
+        token_ids=None if tokens is None else np.asarray(tokens)[ordinary],
+        type_hashes=row_hash(k, seed, STREAM_CONTEXT_ROWS),
+        doc_ids=docs.astype(np.int64),
+        doc_hashes=row_hash(docs, seed, STREAM_CONTEXT_DOCS),
+        pool_hashes=row_hash(k, seed, STREAM_CONTEXT_POOL),
+        groups=np.asarray(gs)[ordinary],
+    )
 
 
 def _strata_labels(spec: dict, keys, tokens) -> dict[str, np.ndarray]:

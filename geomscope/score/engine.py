@@ -28,6 +28,7 @@ depend on the thread count.
 from __future__ import annotations
 
 import datetime as _dt
+from dataclasses import replace
 
 import numpy as np
 
@@ -36,6 +37,7 @@ from geomscope.progress import Log, Progress, log_to
 from geomscope.schema import REPORT_FORMAT, REPORT_FORMAT_VERSION
 from geomscope.score import compute, idest, outliers, postprocess, resources
 from geomscope.score.accumulate import PassSpec
+from geomscope.score.contextuality import params as context_params
 from geomscope.score.executor import Executor, make_executor
 from geomscope.score.layer import LayerResult
 from geomscope.score.options import ID_SAMPLE_LEAST, MAX_MEMORY_MB, ScoreOptions
@@ -270,8 +272,10 @@ class _Scorer:
         self.other = None
         if self.target.startswith("run:") and o.wants("isoscore_star"):
             self.other = self._open_other_run(self.target[4:])
-        self.strata_why = None
+        self._counts = None
+        self.strata_why = self.context_why = self.context_bins = None
         self.strata, self.strata_described = self._strata() if o.wants("stratified") else (None, None)
+        self.context, self.context_described = self._contexts() if o.wants("contextuality") else (None, None)
         self.basis, self.energy, self.energy_notes = None, {}, {}
         if o.basis is not None:
             from geomscope.score.gradenergy import open_basis
@@ -295,19 +299,75 @@ class _Scorer:
             )
             self.strata_why = why
             return None, {"why": why}
-        if o.token_counts is not None:
-            counts, source = strata.read_counts(o.token_counts), f"file:{o.token_counts}"
-        else:
-            spec = self._spec("count", [src.layers[0]])
-            counts, source = self._pass(src.tasks, spec, "counting tokens")[src.layers[0]].token_counts, "run"
-        bin_of, freq = strata.frequency_bins(
-            counts if counts is not None else np.zeros(0, np.int64), o.frequency_bins
-        )
+        bin_of, freq, source = self._frequency_bins()
         spec = {"frequency": bin_of, "frequency_bins": o.frequency_bins, "position": tuple(o.position_edges)}
         described = {
             "frequency_from": source,
             "frequency": freq,
             "position": strata.position_bins(o.position_edges),
+        }
+        return spec, described
+
+    def _token_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(occurrences of each token id in the run, and as a special token): one metadata pass over
+        the run's token ids, made once for every diagnostic that needs it."""
+        if self._counts is None:
+            src = self.src
+            part = self._pass(src.tasks, self._spec("count", [src.layers[0]]), "counting tokens")[
+                src.layers[0]
+            ]
+            empty = np.zeros(0, np.int64)
+            self._counts = (
+                part.token_counts if part.token_counts is not None else empty,
+                part.special_counts if part.special_counts is not None else empty,
+            )
+        return self._counts
+
+    def _frequency_bins(self) -> tuple[np.ndarray, list[dict], str]:
+        """(each token id's frequency bin, the bins' descriptions, where the counts come from): strata.py's
+        bins over ``--token-counts`` or the run's own counts."""
+        from geomscope.score import strata
+
+        o = self.opts
+        if o.token_counts is not None:
+            counts, source = strata.read_counts(o.token_counts), f"file:{o.token_counts}"
+        else:
+            counts, source = self._token_counts()[0], "run"
+        return (*strata.frequency_bins(counts, o.frequency_bins), source)
+
+    def _contexts(self) -> tuple[dict | None, dict]:
+        """What ``--metrics contextuality`` measures (contextuality.py): the token types chosen from the
+        run's counts, the sizes of the samples; and the report's ``params.contextuality``. A source
+        without token ids (an array) or rows (a --keep sample run) has none, said per layer."""
+        from geomscope.score import contextuality
+
+        o, src = self.opts, self.src
+        if src.kind != "run" or src.sample is not None:
+            why = (
+                "an array source has no token ids or sentences"
+                if src.kind != "run"
+                else f"this run kept accumulators and a sample (--keep sample:{src.sample}), not the "
+                "occurrences of each token; extract with --keep all for it"
+            )
+            self.context_why = why
+            return None, {"why": why}
+        counts, special = self._token_counts()
+        types = contextuality.chosen_types(counts, special, o)
+        self.context_bins = self._frequency_bins()[0]
+        spec = {
+            "types": types,
+            "per_type": o.context_occurrences,
+            "docs": o.context_docs,
+            "pool": contextuality.pool_rows(o),
+        }
+        eligible = contextuality.chosen_types(counts, special, replace(o, context_types=counts.size + 1))
+        described = {
+            "min_occurrences": o.context_min,
+            "eligible_types": int(eligible.size),
+            "types": int(types.size),
+            "occurrences_per_type": o.context_occurrences,
+            "sentences": o.context_docs,
+            "baseline_pool": contextuality.pool_rows(o),
         }
         return spec, described
 
@@ -450,7 +510,15 @@ class _Scorer:
         widest = max(src.widths)
         bins = 1 + (o.frequency_bins + len(o.position_edges) + 1 if self.strata else 0)  # (strata.py)
         scale = self.G * 8 * (in_flight + 2) * bins if o.moment_metrics else 0
-        per_layer = {n: scale * src.width(n) ** 2 for n in src.layers}
+        rows = (
+            0
+            if self.context is None
+            # the rows contextuality.py holds per layer (float64)
+            else (
+                len(self.context["types"]) * o.context_occurrences + 2 * o.context_docs + self.context["pool"]
+            )
+        )
+        per_layer = {n: scale * src.width(n) ** 2 + rows * 8 * src.width(n) for n in src.layers}
         budget = int(o.memory_mb * 1024 * 1024)
         largest = scale * widest**2
         size = len(src.layers) if largest == 0 else max(1, budget // largest)
@@ -528,6 +596,7 @@ class _Scorer:
             id_k=id_k,
             massive_k=o.massive_k if o.wants("massive") else 0,
             strata=self.strata,
+            context=self.context,
         )
         label = batch[0] if len(batch) == 1 else f"{batch[0]}..{batch[-1]}"
         parts = self._pass(self.src.tasks, spec, f"moments {label}")
@@ -546,6 +615,9 @@ class _Scorer:
             state.keep_groups = self.basis is not None and name in self.basis.pairs
             if self.strata_why:
                 state.notes["strata"] = self.strata_why
+            if self.context_why:
+                state.notes["contextuality"] = self.context_why
+            state.context_bins = self.context_bins
             if o.wants("massive") and state.lp is not None and state.lp.massive_missing:
                 state.lp.massive = None
                 state.notes["massive"] = (
@@ -723,6 +795,7 @@ class _Scorer:
                 "rows_total": self.rows,
                 **postprocess.params(o),
                 **strata_params(o, self.strata_described),
+                **context_params(o, self.context_described),
             },
             "layers": layers,
             "embeddings": embeddings,

@@ -6,7 +6,17 @@ import numpy as np
 
 from geomscope.metrics.moments import MAX_THREADED_M2_BYTES, map_in_order
 from geomscope.schema import EXTRA_ID_PREFIX, SCALAR_METRIC_NAMES
-from geomscope.score import compute, idest, massive, outliers, postprocess, rogue, similarity, strata
+from geomscope.score import (
+    compute,
+    contextuality,
+    idest,
+    massive,
+    outliers,
+    postprocess,
+    rogue,
+    similarity,
+    strata,
+)
 from geomscope.score.options import ScoreOptions
 from geomscope.score.sources import SourceInfo
 
@@ -27,7 +37,7 @@ def _measured(m, o: ScoreOptions, c0, notes: dict) -> tuple[dict, dict]:
 
 
 #: every diagnostic family with scalar keys in a layer entry, in the entry's order
-LAYER_FAMILIES = (*MOMENT_FAMILIES, massive, similarity, strata)
+LAYER_FAMILIES = (*MOMENT_FAMILIES, massive, similarity, strata, contextuality)
 
 
 def _family_keys(o: ScoreOptions) -> list[str]:
@@ -60,7 +70,8 @@ class LayerResult:
         self.rep_stats: list = []
         self.extra: dict = {}
         self.listed: dict = {}  # the families' per-layer lists (rogue_dims), in the entry after the scalars
-        self.family_se: dict = {}  # SEs a family computes itself (the strata's bins)
+        self.family_se: dict = {}  # SEs a family computes itself (the strata's bins, contextuality)
+        self.context_bins = None  # each token id's frequency bin (contextuality's by_frequency)
         self.dim = src.width(name)
         self.keep_groups = False  # True: the groups outlive moments() (score --basis: energy SEs)
         self.threads = 1  # threads for the jackknife replicates (the scorer: its cores per layer at a time)
@@ -223,6 +234,19 @@ class LayerResult:
         self.intrinsic()
         self.outliers_moment()
         self.massive_activations()
+        self.contexts()
+
+    def contexts(self) -> None:
+        """Self-similarity, intra-sentence similarity and MEV with their baselines (contextuality.py)."""
+        if not contextuality.wanted(self.opts):
+            return
+        part = self.lp.context if self.lp is not None else None
+        values, ses, entry = contextuality.summary(part, self.opts, self.G, self.context_bins, self.notes)
+        self.values.update(values)
+        self.family_se.update(ses)
+        self.listed["contextuality"] = entry
+        if self.lp is not None:
+            self.lp.context = None
 
     def massive_activations(self) -> None:
         """The largest |x| entries the pass kept, and their ratio to the median |x| (massive.py)."""

@@ -39,7 +39,7 @@ MOMENT_METRICS = ("isoscore", "isoscore_star", "avgcos", "spectrum", "outliers")
 CORE_METRICS = (*MOMENT_METRICS, "twonn", "partition")
 DEFAULT_METRICS = CORE_METRICS
 #: the diagnostic families (docs/metrics.md, "Diagnostics"): named in --metrics, or by ``all``
-DIAGNOSTIC_FAMILIES = ("abtt", "whitened", "rogue", "massive", "similarity", "stratified")
+DIAGNOSTIC_FAMILIES = ("abtt", "whitened", "rogue", "massive", "similarity", "stratified", "contextuality")
 #: the families computed from the moments' covariance and unit sums (their jackknife groups)
 MOMENT_FAMILIES = ("abtt", "whitened", "rogue", "stratified")
 #: what ``all`` names: the core metrics and every diagnostic family
@@ -97,10 +97,11 @@ class ScoreOptions:
         CommaList("metric names"),
         "Comma list of isoscore, isoscore_star, avgcos, spectrum, outliers, twonn, partition, the "
         "diagnostics abtt (all-but-the-top), whitened, rogue (each dimension's share of the average "
-        "cosine), massive (the largest |x| entries), similarity (linear CKA and RSA between layers) "
-        "and stratified (by token-frequency and position bin), and scikit-dimension estimators "
-        "(e.g. mle, lpca); 'all' = the seven core metrics and the diagnostics (the estimators only "
-        "when named). Default: the seven core metrics.",
+        "cosine), massive (the largest |x| entries), similarity (linear CKA and RSA between layers), "
+        "stratified (by token-frequency and position bin) and contextuality (self-similarity, "
+        "intra-sentence similarity, MEV), and scikit-dimension estimators (e.g. mle, lpca); 'all' = "
+        "the seven core metrics and the diagnostics (the estimators only when named). Default: the "
+        "seven core metrics.",
         metavar="LIST",
         short="-m",
     )
@@ -310,6 +311,30 @@ class ScoreOptions:
         metavar="FILE",
         optional=True,
     )
+    context_min: int = option(
+        5,
+        Interval(whole=True, low=2),
+        "--metrics contextuality: the fewest occurrences in the run of a token type measured.",
+        metavar="M",
+    )
+    context_types: int = option(
+        500,
+        POSITIVE_INT,
+        "--metrics contextuality: the most token types measured (a seeded draw of those with M occurrences).",
+        metavar="N",
+    )
+    context_occurrences: int = option(
+        32,
+        Interval(whole=True, low=2, high=4096),
+        "--metrics contextuality: occurrences kept per token type (a seeded draw).",
+        metavar="N",
+    )
+    context_docs: int = option(
+        1000,
+        POSITIVE_INT,
+        "--metrics contextuality: sentences (documents) of the intra-sentence similarity (a seeded draw).",
+        metavar="N",
+    )
     extra_id: tuple[str, ...] = field(default=(), repr=False)  # filled by validate()
 
     def to_dict(self) -> dict:
@@ -352,6 +377,10 @@ class ScoreOptions:
             massive_k=int(self.massive_k),
             similarity_rows=int(self.similarity_rows),
             frequency_bins=int(self.frequency_bins),
+            context_min=int(self.context_min),
+            context_types=int(self.context_types),
+            context_occurrences=int(self.context_occurrences),
+            context_docs=int(self.context_docs),
             position_edges=_checked_edges(self.position_edges),
             controls=int(self.controls),
             scheduler=_checked_scheduler(self.scheduler, self.workers),

@@ -23,6 +23,12 @@ import numpy as np
 
 STREAM_MAX_ROWS = 1
 STREAM_ID_SAMPLE = 2
+#: score --metrics contextuality: the token types measured, their occurrences, the sentences, the
+#: pool of the MEV baseline (each its own stream, so the draws are independent)
+STREAM_CONTEXT_TYPES = 3
+STREAM_CONTEXT_ROWS = 4
+STREAM_CONTEXT_DOCS = 5
+STREAM_CONTEXT_POOL = 6
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
