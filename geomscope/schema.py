@@ -115,6 +115,10 @@ DIAGNOSTIC_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("intrasim_adj", "intra-b", "contextuality"),
     MetricSpec("mev", "MEV", "contextuality"),
     MetricSpec("mev_adj", "MEV-b", "contextuality"),
+    MetricSpec("local_isoscore", "IsoScore(loc)", "local"),
+    MetricSpec("local_avgcos", "cos(loc)", "local"),
+    MetricSpec("local_avgcos_centred", "cos(loc,c)", "local"),
+    MetricSpec("local_twonn", "TwoNN(loc)", "local"),
 )
 #: all-but-the-top's keys: ``abtt<k>_<metric>`` for each k of ``score --abtt-k``
 ABTT_METRICS = ("isoscore", "isoscore_star", "avgcos")
@@ -306,6 +310,18 @@ def _layer_defect(e) -> str | None:
         "flags": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
         "notes": lambda v: _dict_of(v, lambda x: isinstance(x, str)),
         "massive": lambda v: v is None or _massive_shaped(v),
+        "local": lambda v: (
+            v is None
+            or (
+                isinstance(v, dict)
+                and _integer(v.get("k"))
+                and isinstance(v.get("clusters"), list)
+                and all(
+                    isinstance(c, dict) and all(_optional_number(x) for x in c.values())
+                    for c in v["clusters"]
+                )
+            )
+        ),
         "contextuality": lambda v: (
             v is None
             or (

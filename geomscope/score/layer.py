@@ -10,6 +10,7 @@ from geomscope.score import (
     compute,
     contextuality,
     idest,
+    local,
     massive,
     outliers,
     postprocess,
@@ -37,7 +38,7 @@ def _measured(m, o: ScoreOptions, c0, notes: dict) -> tuple[dict, dict]:
 
 
 #: every diagnostic family with scalar keys in a layer entry, in the entry's order
-LAYER_FAMILIES = (*MOMENT_FAMILIES, massive, similarity, strata, contextuality)
+LAYER_FAMILIES = (*MOMENT_FAMILIES, massive, similarity, strata, contextuality, local)
 
 
 def _family_keys(o: ScoreOptions) -> list[str]:
@@ -235,6 +236,16 @@ class LayerResult:
         self.outliers_moment()
         self.massive_activations()
         self.contexts()
+        self.local_isotropy()
+
+    def local_isotropy(self) -> None:
+        """IsoScore, average cosines and TwoNN within k-means clusters of the sample (local.py)."""
+        if not local.wanted(self.opts):
+            return
+        values, ses, entry = local.summary(self.sample, self.sample_groups, self.opts, self.notes)
+        self.values.update(values)
+        self.family_se.update(ses)
+        self.listed["local"] = entry
 
     def contexts(self) -> None:
         """Self-similarity, intra-sentence similarity and MEV with their baselines (contextuality.py)."""
@@ -259,11 +270,11 @@ class LayerResult:
 
     def intrinsic(self) -> None:
         o = self.opts
-        self.sample = None
+        self.sample = self.sample_groups = None
         if self.lp is not None and self.lp.reservoir is not None:
             kept = self.lp.reservoir.sample_with_meta()
             if kept is not None:
-                self.sample = kept[1]
+                self.sample, self.sample_groups = kept[1], kept[2].get("group")
                 if similarity.wanted(o):  # (held until every layer is scored)
                     self.extra["similarity_sample"] = (kept[0], kept[1], kept[2].get("group"))
         self.id_info = idest.estimate(self.sample, o, self.notes) if o.id_names else {}

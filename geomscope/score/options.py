@@ -39,7 +39,16 @@ MOMENT_METRICS = ("isoscore", "isoscore_star", "avgcos", "spectrum", "outliers")
 CORE_METRICS = (*MOMENT_METRICS, "twonn", "partition")
 DEFAULT_METRICS = CORE_METRICS
 #: the diagnostic families (docs/metrics.md, "Diagnostics"): named in --metrics, or by ``all``
-DIAGNOSTIC_FAMILIES = ("abtt", "whitened", "rogue", "massive", "similarity", "stratified", "contextuality")
+DIAGNOSTIC_FAMILIES = (
+    "abtt",
+    "whitened",
+    "rogue",
+    "massive",
+    "similarity",
+    "stratified",
+    "contextuality",
+    "local",
+)
 #: the families computed from the moments' covariance and unit sums (their jackknife groups)
 MOMENT_FAMILIES = ("abtt", "whitened", "rogue", "stratified")
 #: what ``all`` names: the core metrics and every diagnostic family
@@ -98,10 +107,10 @@ class ScoreOptions:
         "Comma list of isoscore, isoscore_star, avgcos, spectrum, outliers, twonn, partition, the "
         "diagnostics abtt (all-but-the-top), whitened, rogue (each dimension's share of the average "
         "cosine), massive (the largest |x| entries), similarity (linear CKA and RSA between layers), "
-        "stratified (by token-frequency and position bin) and contextuality (self-similarity, "
-        "intra-sentence similarity, MEV), and scikit-dimension estimators (e.g. mle, lpca); 'all' = "
-        "the seven core metrics and the diagnostics (the estimators only when named). Default: the "
-        "seven core metrics.",
+        "stratified (by token-frequency and position bin), contextuality (self-similarity, "
+        "intra-sentence similarity, MEV) and local (isotropy within k-means clusters), and "
+        "scikit-dimension estimators (e.g. mle, lpca); 'all' = the seven core metrics and the "
+        "diagnostics (the estimators only when named). Default: the seven core metrics.",
         metavar="LIST",
         short="-m",
     )
@@ -335,6 +344,12 @@ class ScoreOptions:
         "--metrics contextuality: sentences (documents) of the intra-sentence similarity (a seeded draw).",
         metavar="N",
     )
+    clusters: int = option(
+        0,
+        Interval(whole=True, low=0, high=64),
+        "--metrics local: k-means clusters of the sample (0: the k in 2..8 of largest silhouette).",
+        metavar="K",
+    )
     extra_id: tuple[str, ...] = field(default=(), repr=False)  # filled by validate()
 
     def to_dict(self) -> dict:
@@ -381,6 +396,7 @@ class ScoreOptions:
             context_types=int(self.context_types),
             context_occurrences=int(self.context_occurrences),
             context_docs=int(self.context_docs),
+            clusters=_checked_clusters(int(self.clusters)),
             position_edges=_checked_edges(self.position_edges),
             controls=int(self.controls),
             scheduler=_checked_scheduler(self.scheduler, self.workers),
@@ -409,7 +425,7 @@ class ScoreOptions:
         """Whether the passes keep the seeded row sample: intrinsic dimension, the quantile outlier
         rule, the similarity between layers."""
         quantile = self.wants("outliers") and self.outlier_rule == "quantile"
-        return bool(self.id_names) or quantile or self.wants("similarity")
+        return bool(self.id_names) or quantile or self.wants("similarity") or self.wants("local")
 
     @property
     def postprocessed(self) -> bool:
@@ -493,6 +509,12 @@ def _checked_ranks(ranks) -> tuple[int, ...]:
     if not out:
         raise InputError("--rank is empty; give ranks such as 8,32,128")
     return tuple(out)
+
+
+def _checked_clusters(k: int) -> int:
+    if k == 1:
+        raise InputError("--clusters must be 0 (chosen by silhouette) or >= 2; got 1")
+    return k
 
 
 def _checked_edges(edges) -> tuple[int, ...]:
