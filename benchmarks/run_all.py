@@ -24,7 +24,7 @@ sys.path.insert(0, str(HERE))
 
 from _common import STANDARD_HEADERS, limit_sources, machine_info, machine_limits, markdown_table  # noqa: E402
 
-AREAS = ["metrics", "twonn", "score", "extract", "processes", "finetune"]
+AREAS = ["metrics", "twonn", "score", "diagnostics", "extract", "processes", "finetune"]
 
 
 def main(argv=None) -> int:

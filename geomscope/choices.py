@@ -52,7 +52,17 @@ TRACKERS = ("none", "tensorboard", "wandb", "mlflow")
 #: plot
 FIGURE_FORMATS = ("png", "svg", "pdf")
 DPI_RANGE = (10, 2400)  # the resolutions plot --dpi (plot_files) accepts, in dots per inch
-PLOT_KINDS = ("auto", "layers", "spectrum", "outliers", "trajectory", "training", "energy", "similarity")
+PLOT_KINDS = (
+    "auto",
+    "layers",
+    "spectrum",
+    "outliers",
+    "trajectory",
+    "training",
+    "energy",
+    "similarity",
+    "diagnostics",
+)
 #: export: the formats a run is written in (geomscope.export)
 EXPORT_FORMATS = ("arrow", "npy")
 

@@ -166,6 +166,69 @@ def _norms(report: dict) -> str:
     return f"<details class='norms'><summary>{_e(norms_line(norms))}</summary><ul>{items}</ul></details>"
 
 
+def _fmt(v) -> str:
+    return "–" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))
+
+
+#: the diagnostics' per-layer lists, as the page shows them: (key, column heading, one cell's text)
+_DIAGNOSTIC_CELLS = (
+    (
+        "rogue_dims",
+        "rogue dimensions (share of the cosine)",
+        lambda v: ", ".join(f"{d['dim']}: {_fmt(d.get('share'))}" for d in v[:3]),
+    ),
+    (
+        "massive",
+        "largest |x| (dimension, token id, position); median |x|",
+        lambda v: (
+            "; ".join(
+                f"{_fmt(e.get('value'))} (d{e.get('dim')}, t{e.get('token_id')}, p{e.get('position')})"
+                for e in v["entries"][:2]
+            )
+            + f"; median {_fmt(v.get('median_abs'))}; {v.get('first_token')} of {len(v['entries'])} on "
+            f"a first token, {v.get('special')} special"
+        ),
+    ),
+    (
+        "contextuality",
+        "contextuality: types, sentences, baselines (cos, MEV)",
+        lambda v: (
+            f"{v.get('types')}, {v.get('sentences')}, {_fmt(v.get('baseline_cos'))}, "
+            f"{_fmt(v.get('baseline_mev'))}"
+        ),
+    ),
+    (
+        "local",
+        "local isotropy: k (cluster sizes)",
+        lambda v: f"{v.get('k')} ({', '.join(str(c.get('n')) for c in v.get('clusters') or [])})",
+    ),
+)
+
+
+def _diagnostics(report: dict) -> str:
+    """The diagnostics' per-layer lists (rogue dimensions, massive activations, contextuality's
+    samples, local clusters) in one table, where the report holds any."""
+    layers = report.get("layers", [])
+    cells = [c for c in _DIAGNOSTIC_CELLS if any(isinstance(e.get(c[0]), (dict, list)) for e in layers)]
+    if not cells:
+        return ""
+    head = "".join(f"<th>{_e(title)}</th>" for _, title, _ in cells)
+    rows = []
+    for e in layers:
+        tds = []
+        for key, _, text in cells:
+            v = e.get(key)
+            try:
+                tds.append(f"<td>{_e(text(v)) if v else '–'}</td>")
+            except (KeyError, TypeError, AttributeError, IndexError):  # a hand-edited entry
+                tds.append("<td>–</td>")
+        rows.append(f"<tr><td>{_e(shown_name(e.get('layer')))}</td>{''.join(tds)}</tr>")
+    return (
+        "<h3>Diagnostics by layer</h3><table class='kv'><thead><tr><th>layer</th>"
+        f"{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+    )
+
+
 def _notes(report: dict) -> str:
     items = []
     for k, why in (report.get("notes") or {}).items():
@@ -189,6 +252,10 @@ _FIGURE_CAPTIONS = {
     "spectrum": "Covariance eigenspectra by layer.",
     "outliers": "Outlier dimensions by layer (dots: flagged dimensions).",
     "trajectory": "Each metric against training step, one line per layer.",
+    "diagnostics": (
+        "The anisotropy diagnostics against layer, one panel per family the reports hold (error bars: "
+        "±1 standard error)."
+    ),
     "similarity": (
         "Linear CKA and RSA (Spearman) between every pair of layers, on the seeded sample (the same rows "
         "in every layer)."
@@ -220,7 +287,7 @@ def html_page(reports: Sequence[dict], *, kinds: Sequence[str] = ("auto",), titl
     for r in reports:
         sections.append(
             f"{_SECTION}{_e(_title(r))}</h2>{_provenance(r)}{_params(r)}"
-            f"{report_table_html(r)}{_final_norm(r)}{_norms(r)}{_notes(r)}</section>"
+            f"{report_table_html(r)}{_final_norm(r)}{_norms(r)}{_diagnostics(r)}{_notes(r)}</section>"
         )
     return (
         f"{_OPENING}{HTML_GENERATOR}{_VIEWPORT}"

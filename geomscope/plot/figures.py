@@ -8,7 +8,9 @@ from ``score GRADRUN --basis ACTRUN``).  ``auto`` picks: for one output file the
 ``gradient_energy`` section, else ``layers``; ``training`` for training logs); for an output
 directory every kind the inputs support (``energy`` for the reports that have the section). The
 diagnostics' ``similarity`` (linear CKA and RSA between layers, from ``score --metrics similarity``)
-is drawn when named, and by ``auto`` for a directory when every report has the section.
+is drawn when named, and by ``auto`` for a directory when every report has the section;
+``diagnostics`` (each diagnostic family's metrics against layer) when named, and by ``auto`` for a
+directory when a report holds some.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from geomscope.errors import InputError
 from geomscope.fileio import make_dirs, write_bytes_atomic
 from geomscope.outputs import ensure_replaceable
 from geomscope.plot._reports import check_common_layers, read_report, select_layers
+from geomscope.plot.diagnostics import has_diagnostics, plot_diagnostics
 from geomscope.plot.energy import has_energy, plot_energy
 from geomscope.plot.layers import plot_layers
 from geomscope.plot.options import PlotOptions
@@ -41,7 +44,7 @@ from geomscope.plot.spectrum import has_spectrum, plot_spectrum
 from geomscope.plot.trajectory import is_trajectory, plot_trajectory
 from geomscope.schema import FIGURE_CREATOR
 
-KINDS = ("layers", "spectrum", "outliers", "trajectory", "training", "energy", "similarity")
+KINDS = ("layers", "spectrum", "outliers", "trajectory", "training", "energy", "similarity", "diagnostics")
 FORMATS = ("png", "svg", "pdf")
 
 
@@ -63,6 +66,8 @@ def auto_kinds(reports: Sequence[dict], single: bool) -> list[str]:
         kinds.append("energy")
     if reports and all(has_similarity(r) for r in reports):
         kinds.append("similarity")
+    if any(has_diagnostics(r) for r in reports):
+        kinds.append("diagnostics")
     return kinds
 
 
@@ -118,6 +123,9 @@ def make_figures(
             figs[kind] = plot_layers(reports, metrics, layers=layers)
         elif kind == "similarity":
             figs[kind] = plot_similarity(reports, layers=layers)
+        elif kind == "diagnostics":
+            chosen = reports if "diagnostics" in kinds else [r for r in reports if has_diagnostics(r)]
+            figs[kind] = plot_diagnostics(chosen, layers=layers)
         elif kind == "spectrum":
             figs[kind] = plot_spectrum(reports, layers=layers, normalise=normalise)
         elif kind == "outliers":
