@@ -205,9 +205,10 @@ def _rows(run_dir: Path) -> np.ndarray:
     return np.concatenate([c.layers[name] for c in chunks for name in sorted(c.layers)])
 
 
-def test_profiled_extract_times_every_stage_where_it_runs(tiny_bert, tmp_path):
+def test_profiled_extract_times_every_stage_where_it_runs(tiny_bert, tmp_path, monkeypatch):
     from bench_extract import make_corpus
 
+    from geomscope.extract import capture
     from geomscope.extract.capture import Capture
     from geomscope.extract.run import extract
     from geomscope.model.load import load_model
@@ -216,14 +217,24 @@ def test_profiled_extract_times_every_stage_where_it_runs(tiny_bert, tmp_path):
     corpus = make_corpus(120, tmp_path / "corpus.txt")
     options = {"layers": "all", "shard_docs": 40, "batch_tokens": 256, "store_dtype": "float16"}
     launch = Capture.__dict__["launch"]
+    padded = []  # per batch: whether it has padding (then its mask is uploaded too)
+    pad_right = capture.pad_right
 
+    def noting_padding(*args, **kwargs):
+        ids, mask = pad_right(*args, **kwargs)
+        padded.append(not mask.all())
+        return ids, mask
+
+    monkeypatch.setattr(capture, "pad_right", noting_padding)
     report = pe.profile_call(lm, corpus, tmp_path / "run", options)
 
     assert Capture.__dict__["launch"] is launch  # the wrappers are gone
     threads, main = report["threads"], report["main_thread"]
     batches = report["batches"]
     assert batches > 3 and report["shards"] == 3
-    assert threads[main]["upload"]["calls"] == 3 * batches  # ids, mask and the rows kept
+    assert len(padded) == batches and any(padded)
+    # ids and the rows kept, and the mask of a batch with padding
+    assert threads[main]["upload"]["calls"] == 2 * batches + sum(padded)
     for stage in ("launch", "forward", "pad", "cast and gather", "row metadata", "hand over"):
         assert threads[main][stage]["calls"] == batches, stage
     store = [t for t in threads if "append" in threads[t]]
