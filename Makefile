@@ -107,11 +107,12 @@ bench: $(TEST_STAMP)
 
 # the docs site: the command reference regenerated from --help, `mkdocs build --strict` into site/
 # (a warning fails it), then every bash block of the README, the tutorials and the how-to guides run
-# here at tiny size (docs/run_blocks.py; the blocks need the test extras' optional stacks)
+# here at tiny size, two pages at a time (docs/run_blocks.py; the blocks need the test extras'
+# optional stacks)
 docs: $(DOCS_STAMP)
 	$(BIN)/python -m geomscope.cli.reference --write
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
-	$(BIN)/python docs/run_blocks.py
+	$(BIN)/python docs/run_blocks.py --jobs 2
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check geomscope tests benchmarks
