@@ -290,7 +290,70 @@ def report_defect(rep: dict) -> str | None:
     )
 
 
+def _local_shaped(v) -> bool:
+    """A layer's ``local`` section as score writes it: ``k`` and a list of clusters of numbers."""
+    return v is None or (
+        isinstance(v, dict)
+        and _integer(v.get("k"))
+        and isinstance(v.get("clusters"), list)
+        and all(isinstance(c, dict) and all(_optional_number(x) for x in c.values()) for c in v["clusters"])
+    )
+
+
+def _contextuality_shaped(v) -> bool:
+    """A layer's ``contextuality`` section as score writes it: its numbers and frequency bins."""
+    return v is None or (
+        isinstance(v, dict)
+        and all(_optional_number(v.get(k)) for k in ("types", "sentences", "baseline_cos", "baseline_mev"))
+        and isinstance(v.get("by_frequency", []), list)
+        and all(
+            isinstance(b, dict) and all(_optional_number(x) for x in b.values())
+            for b in v.get("by_frequency", [])
+        )
+    )
+
+
+def _strata_shaped(v) -> bool:
+    """A layer's ``strata`` section as score writes it: per stratum, a list of integer bins."""
+    return _dict_of(
+        v,
+        lambda bins: (
+            isinstance(bins, list)
+            and all(isinstance(b, dict) and _integer(b.get("bin")) and _integer(b.get("rows")) for b in bins)
+        ),
+    )
+
+
+def _rogue_dims_shaped(v) -> bool:
+    """A layer's ``rogue_dims`` section as score writes it: dimensions with their shares."""
+    return isinstance(v, list) and all(
+        isinstance(x, dict)
+        and _integer(x.get("dim"))
+        and _optional_number(x.get("share"))
+        and _optional_number(x.get("share_se"))
+        for x in v
+    )
+
+
+# A layer's optional sections, each with the test of its shape as score writes it.
+_LAYER_SECTION_CHECKS = {
+    "se": lambda v: _dict_of(v, _optional_number),
+    "outliers": lambda v: isinstance(v, list) and all(_integer(x) for x in v),
+    "outlier_statistic": lambda v: isinstance(v, list) and all(_optional_number(x) for x in v),
+    "outlier_support": lambda v: isinstance(v, list) and all(_optional_number(x) for x in v),
+    "dropped": lambda v: _dict_of(v, _integer),
+    "flags": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "notes": lambda v: _dict_of(v, lambda x: isinstance(x, str)),
+    "massive": lambda v: v is None or _massive_shaped(v),
+    "local": _local_shaped,
+    "contextuality": _contextuality_shaped,
+    "strata": _strata_shaped,
+    "rogue_dims": _rogue_dims_shaped,
+}
+
+
 def _layer_defect(e) -> str | None:
+    """Where one ``layers`` entry is not shaped as score writes it (``".se is not ..."``), or None."""
     if not isinstance(e, dict):
         return " is not an object"
     if not isinstance(e.get("layer"), str):
@@ -301,65 +364,14 @@ def _layer_defect(e) -> str | None:
     for key, v in e.items():
         if is_metric_key(key) and not _optional_number(v):
             return f".{key} is not a number"
-    checks = {
-        "se": lambda v: _dict_of(v, _optional_number),
-        "outliers": lambda v: isinstance(v, list) and all(_integer(x) for x in v),
-        "outlier_statistic": lambda v: isinstance(v, list) and all(_optional_number(x) for x in v),
-        "outlier_support": lambda v: isinstance(v, list) and all(_optional_number(x) for x in v),
-        "dropped": lambda v: _dict_of(v, _integer),
-        "flags": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-        "notes": lambda v: _dict_of(v, lambda x: isinstance(x, str)),
-        "massive": lambda v: v is None or _massive_shaped(v),
-        "local": lambda v: (
-            v is None
-            or (
-                isinstance(v, dict)
-                and _integer(v.get("k"))
-                and isinstance(v.get("clusters"), list)
-                and all(
-                    isinstance(c, dict) and all(_optional_number(x) for x in c.values())
-                    for c in v["clusters"]
-                )
-            )
-        ),
-        "contextuality": lambda v: (
-            v is None
-            or (
-                isinstance(v, dict)
-                and all(
-                    _optional_number(v.get(k)) for k in ("types", "sentences", "baseline_cos", "baseline_mev")
-                )
-                and isinstance(v.get("by_frequency", []), list)
-                and all(
-                    isinstance(b, dict) and all(_optional_number(x) for x in b.values())
-                    for b in v.get("by_frequency", [])
-                )
-            )
-        ),
-        "strata": lambda v: _dict_of(
-            v,
-            lambda bins: (
-                isinstance(bins, list)
-                and all(
-                    isinstance(b, dict) and _integer(b.get("bin")) and _integer(b.get("rows")) for b in bins
-                )
-            ),
-        ),
-        "rogue_dims": lambda v: (
-            isinstance(v, list)
-            and all(
-                isinstance(x, dict)
-                and _integer(x.get("dim"))
-                and _optional_number(x.get("share"))
-                and _optional_number(x.get("share_se"))
-                for x in v
-            )
-        ),
-    }
-    for key, ok in checks.items():
+    for key, ok in _LAYER_SECTION_CHECKS.items():
         if e.get(key) is not None and not ok(e[key]):
             return f".{key} is not what score writes"
-    eig = e.get("eigenvalues")
+    return _eigenvalues_defect(e.get("eigenvalues"))
+
+
+def _eigenvalues_defect(eig) -> str | None:
+    """Where a layer's ``eigenvalues`` are not a list of non-negative numbers, or None."""
     if eig is not None:
         if not isinstance(eig, list) or not all(_optional_number(x) for x in eig):  # (null: overflowed)
             return ".eigenvalues is not a list of numbers"
