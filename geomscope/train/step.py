@@ -105,27 +105,11 @@ def train_step(
     if geometry is not None and len(micro) > 1:
         raise ValueError("the geometry log takes one batch per step")
     model.train()
-    ce_total, pens, isos, geo, finite = 0.0, [], [], None, True
     w_pen = lam / len(micro)  # lam itself for one batch
-    for i, mb in enumerate(micro):
-        with engine.micro_batch(model, last=i == len(micro) - 1):
-            ce, pen_v, iso, finite, geo = _micro_step(
-                model, mb, n_global, reg, w_pen, engine, monitor, geometry
-            )
-        ce_total += ce
-        if pen_v is not None:
-            pens.append(pen_v)
-        if iso is not None:
-            isos.append(iso)
-        if not finite:  # global: every rank stops here
-            if i > 0 and engine.deepspeed:
-                raise _accumulated_inside_deepspeed(i)
-            break
-    lr = optimizer.param_groups[0]["lr"]
-    grad_norm = engine.step(model, optimizer, max_grad_norm) if finite else None
-    if finite and scheduler is not None:
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    ce_total, pens, isos, geo, finite = _micro_steps(
+        model, micro, n_global, reg, w_pen, engine, monitor, geometry
+    )
+    lr, grad_norm = _update(model, optimizer, engine, scheduler, max_grad_norm, finite)
     task = ce_total / n_global
     pen_v = sum(pens) / len(pens) if pens else None
     return {
@@ -141,6 +125,38 @@ def train_step(
         "finite": finite,
         **(geo or {}),
     }
+
+
+def _micro_steps(model, micro, n_global, reg, w_pen, engine, monitor, geometry):
+    """Forward and backward of each micro-batch in turn, stopping at the first whose loss is not
+    finite: (global CE sum, penalties, batch IsoScore*s, geometry record or None, finite)."""
+    ce_total, pens, isos, geo, finite = 0.0, [], [], None, True
+    for i, mb in enumerate(micro):
+        with engine.micro_batch(model, last=i == len(micro) - 1):
+            ce, pen_v, iso, finite, geo = _micro_step(
+                model, mb, n_global, reg, w_pen, engine, monitor, geometry
+            )
+        ce_total += ce
+        if pen_v is not None:
+            pens.append(pen_v)
+        if iso is not None:
+            isos.append(iso)
+        if not finite:  # global: every rank stops here
+            if i > 0 and engine.deepspeed:
+                raise _accumulated_inside_deepspeed(i)
+            break
+    return ce_total, pens, isos, geo, finite
+
+
+def _update(model, optimizer, engine, scheduler, max_grad_norm, finite: bool):
+    """The step's update when its loss is ``finite`` (clipped, then the scheduler stepped) and the
+    gradients cleared either way: (the learning rate the update used, the gradient norm or None)."""
+    lr = optimizer.param_groups[0]["lr"]
+    grad_norm = engine.step(model, optimizer, max_grad_norm) if finite else None
+    if finite and scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return lr, grad_norm
 
 
 def _accumulated_inside_deepspeed(i: int):
