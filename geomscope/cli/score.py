@@ -8,6 +8,7 @@ that only the command has (where the report goes, what the terminal shows) are d
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import List, Optional
 
 import typer
@@ -45,7 +46,6 @@ COLUMNS_HELP = (
 
 def _default_out(source: str) -> str:
     import os
-    from pathlib import Path
 
     from geomscope.fileio import write_denied
     from geomscope.store import MANIFEST_NAME
@@ -166,7 +166,6 @@ def _run_name(run: str) -> str:
     """The name a run goes by among several: its folder's (``.`` and ``..`` resolved). Its report
     in --out is ``<name>.json``, and trajectory.csv's ``revision`` is it where the run has no hub
     revision (trajectory.revision_of)."""
-    from pathlib import Path
 
     p = Path(run)
     return (p.resolve() if p.name in ("", ".", "..") else p).name
@@ -216,7 +215,6 @@ def _check_distinct(runs: list[str], dests: list[str], trajectory, *, one_folder
 def _check_pairs(runs: list[str], basis: str | None) -> None:
     """With --basis a directory of runs, every run's partner there, before any run is scored: one
     that has none, or two, is said now (gradenergy.paired_run), not after the runs before it."""
-    from pathlib import Path
 
     from geomscope.score.gradenergy import paired_run
     from geomscope.score.trajectory import runs_under
@@ -230,28 +228,33 @@ def _check_pairs(runs: list[str], basis: str | None) -> None:
             paired_run(run, read_manifest(manifest)["identity"].get("model") or {}, basis)
 
 
+def _many_destinations(runs: list[str], sources: list[str], out) -> tuple[list[str], Path]:
+    """(each run's report path, the folder of trajectory.csv): ``--out DIR/<run>`` or each run's own
+    folder; the trajectory in ``--out``, the one source folder given, or the runs' common parent."""
+    import os
+
+    dests = [str(Path(out) / _run_name(run)) if out is not None else _default_out(run) for run in runs]
+    if out is not None:
+        return dests, Path(out)
+    if len(sources) == 1:
+        return dests, Path(sources[0])
+    return dests, Path(os.path.commonpath([str(Path(r).resolve().parent) for r in runs]))
+
+
 def _score_many(
     runs: list[str], sources: list[str], opts, out, as_json: bool, quiet: bool, console, log
 ) -> None:
     """Score each run with the same options; reports in each run (or --out DIR/<run>.*), then
     trajectory.csv beside the runs (or in --out)."""
     import json
-    import os
     import sys
-    from pathlib import Path
 
     from geomscope.fileio import ensure_writable, make_dirs
     from geomscope.report import check_report_out, save_report, shown
     from geomscope.score import score
     from geomscope.score.trajectory import TRAJECTORY_NAME, check_trajectory_out, write_trajectory
 
-    dests = [str(Path(out) / _run_name(run)) if out is not None else _default_out(run) for run in runs]
-    if out is not None:
-        where = Path(out)
-    elif len(sources) == 1:
-        where = Path(sources[0])
-    else:
-        where = Path(os.path.commonpath([str(Path(r).resolve().parent) for r in runs]))
+    dests, where = _many_destinations(runs, sources, out)
     # before the work: clashing names, a user's file at any of these names (refused, never replaced)
     # and a folder that cannot be written are said now, not after every run was scored
     _check_distinct(runs, dests, where / TRAJECTORY_NAME, one_folder=out is not None)
