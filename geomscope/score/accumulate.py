@@ -484,30 +484,40 @@ def _read_ahead(blocks):
 
 def _update_units(unit: dict, xs: np.ndarray, gs: np.ndarray, work: OrderedWork) -> None:
     """Every cosine variant's unit-vector sums of the rows ``xs``, the variants together (they share
-    the shifted rows: multiunit.update_all), with one reused float64 scratch space per thread. With
-    ``work.threads`` > 1 each block of multiunit's size goes into fresh sums in a thread; those are
-    added in row order: the same additions as one update, so the same numbers."""
+    the shifted rows: multiunit.update_all), with one reused float64 scratch space per thread."""
     from geomscope.score.multiunit import BLOCK_ROWS, batches_of, new_work, update_all
 
     sums = list(unit.values())
     d = xs.shape[1]
     batches = batches_of(sums)  # the layout of their columns, which fresh copies share
+
+    def update(part, x, g, scratch):
+        update_all(part, x, g, scratch, batches)
+
+    _sums_in_blocks(sums, xs, gs, work, BLOCK_ROWS, update, ("unit sums", d), lambda n: new_work(n, d))
+
+
+def _sums_in_blocks(sums: list, xs, gs, work: OrderedWork, block_rows: int, update, key, new_scratch) -> None:
+    """``update(sums, xs, gs, scratch)`` for sums that merge (``fresh()``, ``merge()``). With
+    ``work.threads`` > 1 each block of ``block_rows`` rows goes into fresh sums in a thread (its
+    scratch ``new_scratch(block_rows)``, reused under ``key``); those are added in row order: the same
+    additions as one update, so the same numbers."""
     if work.threads <= 1:  # (one thread: nothing is ever left in flight)
-        update_all(sums, xs, gs, new_work(len(xs), d), batches)
+        update(sums, xs, gs, new_scratch(len(xs)))
         return
 
     def merge(part):
         for s, p in zip(sums, part, strict=True):
             s.merge(p)
 
-    for i in range(0, len(xs), BLOCK_ROWS):
+    for i in range(0, len(xs), block_rows):
 
         def compute(scratch, i=i):
             part = [s.fresh() for s in sums]
-            update_all(part, xs[i : i + BLOCK_ROWS], gs[i : i + BLOCK_ROWS], scratch, batches)
+            update(part, xs[i : i + block_rows], gs[i : i + block_rows], scratch)
             return part
 
-        work.submit(compute, merge, (("unit sums", d), lambda: new_work(BLOCK_ROWS, d), lambda w: True))
+        work.submit(compute, merge, (key, lambda: new_scratch(block_rows), lambda w: True))
 
 
 def _update_strata(strata: dict, spec: PassSpec, xs, gs, keys, tokens, work: OrderedWork) -> None:
@@ -579,27 +589,14 @@ def _update_massive(top, xs, keys, block, keep, whole: bool, work: OrderedWork) 
 
 
 def _update_post(post: dict, xs: np.ndarray, gs: np.ndarray, work: OrderedWork) -> None:
-    """The all-but-the-top and whitened unit sums of the rows ``xs`` (score/postprocess.py); with
-    ``work.threads`` > 1 each block of the sums' size goes into fresh sums in a thread, added in row
-    order (the same additions as one update, so the same numbers)."""
+    """The all-but-the-top and whitened unit sums of the rows ``xs`` (score/postprocess.py)."""
     from geomscope.metrics.postprocess import BLOCK_ROWS
 
-    sums = list(post.values())
-    if work.threads <= 1:
-        for s in sums:
-            s.update(xs, gs)
-        return
+    def update(part, x, g, _scratch):
+        for s in part:
+            s.update(x, g)
 
-    def merge(part):
-        for s, p in zip(sums, part, strict=True):
-            s.merge(p)
-
-    for i in range(0, len(xs), BLOCK_ROWS):
-
-        def compute(_scratch, i=i):
-            return [s.fresh().update(xs[i : i + BLOCK_ROWS], gs[i : i + BLOCK_ROWS]) for s in sums]
-
-        work.submit(compute, merge, (("post sums", 0), lambda: None, lambda w: True))
+    _sums_in_blocks(list(post.values()), xs, gs, work, BLOCK_ROWS, update, ("post sums", 0), lambda n: None)
 
 
 def _merge_kept(task: Task, spec: PassSpec, parts: dict, checked: dict) -> None:

@@ -55,6 +55,15 @@ def jackknife_se(reps) -> float | None:
     return float(math.sqrt((g - 1) / g * float(((a - a.mean()) ** 2).sum())))
 
 
+def replicate_ses(values: dict, reps: list[dict], keys, notes: dict, undefined: str) -> dict:
+    """Each key's jackknife SE over the replicate records ``reps`` (None without replicates), and
+    the note ``undefined`` on each key whose full-data value is None."""
+    for k in keys:
+        if values[k] is None:
+            notes.setdefault(k, undefined)
+    return {k: jackknife_se([rep[k] for rep in reps]) if reps else None for k in keys}
+
+
 def value_or_note(fn, notes: dict, key: str):
     """``fn()``, or None with the DataError's message noted under ``key`` (why that metric is null)."""
     try:

@@ -191,10 +191,8 @@ def summary(
         )
         for r in live
     ]
-    ses = {k: compute.jackknife_se([rep[k] for rep in reps]) if reps else None for k in KEYS}
-    for k in KEYS:
-        if values[k] is None:
-            notes.setdefault(k, "no type with 2 occurrences or no sentence: nothing to measure")
+    undefined = "no type with 2 occurrences or no sentence: nothing to measure"
+    ses = compute.replicate_ses(values, reps, KEYS, notes, undefined)
     entry = {
         "types": len(full_types),
         "occurrences": int(sum(len(r) for r, _ in occurrences.values())),

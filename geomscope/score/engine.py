@@ -289,14 +289,9 @@ class _Scorer:
         without rows (a --keep sample run) has none, said per bin."""
         from geomscope.score import strata
 
-        o, src = self.opts, self.src
-        if src.kind != "run" or src.sample is not None:
-            why = (
-                "an array source has no token ids or positions"
-                if src.kind != "run"
-                else f"this run kept accumulators and a sample (--keep sample:{src.sample}), not the rows "
-                "each bin needs; extract with --keep all for it"
-            )
+        o = self.opts
+        why = self._without_rows("token ids or positions", "the rows each bin needs")
+        if why is not None:
             self.strata_why = why
             return None, {"why": why}
         bin_of, freq, source = self._frequency_bins()
@@ -307,6 +302,20 @@ class _Scorer:
             "position": strata.position_bins(o.position_edges),
         }
         return spec, described
+
+    def _without_rows(self, array_lacks: str, sample_lacks: str) -> str | None:
+        """Why a diagnostic that reads every row with its token id and key has nothing to read (an
+        array source lacks ``array_lacks``; a --keep sample run kept accumulators, not
+        ``sample_lacks``), or None for a run that kept its rows."""
+        src = self.src
+        if src.kind != "run":
+            return f"an array source has no {array_lacks}"
+        if src.sample is not None:
+            return (
+                f"this run kept accumulators and a sample (--keep sample:{src.sample}), not {sample_lacks}; "
+                "extract with --keep all for it"
+            )
+        return None
 
     def _token_counts(self) -> tuple[np.ndarray, np.ndarray]:
         """(occurrences of each token id in the run, and as a special token): one metadata pass over
@@ -341,14 +350,9 @@ class _Scorer:
         without token ids (an array) or rows (a --keep sample run) has none, said per layer."""
         from geomscope.score import contextuality
 
-        o, src = self.opts, self.src
-        if src.kind != "run" or src.sample is not None:
-            why = (
-                "an array source has no token ids or sentences"
-                if src.kind != "run"
-                else f"this run kept accumulators and a sample (--keep sample:{src.sample}), not the "
-                "occurrences of each token; extract with --keep all for it"
-            )
+        o = self.opts
+        why = self._without_rows("token ids or sentences", "the occurrences of each token")
+        if why is not None:
             self.context_why = why
             return None, {"why": why}
         counts, special = self._token_counts()

@@ -95,10 +95,8 @@ def summary(sample, groups, o: ScoreOptions, notes: dict) -> tuple[dict, dict, d
         for r in live:
             keep = g != r
             reps.append(_weighted([cluster_values(x[keep & (labels == c)], o) for c in range(k)]))
-    ses = {key: compute.jackknife_se([rep[key] for rep in reps]) if reps else None for key in KEYS}
-    for key in KEYS:
-        if values[key] is None:
-            notes.setdefault(key, "undefined in every cluster (too few rows or no variance)")
+    undefined = "undefined in every cluster (too few rows or no variance)"
+    ses = compute.replicate_ses(values, reps, KEYS, notes, undefined)
     entry = {
         "k": int(k),
         "chosen_by": "given (--clusters)"
