@@ -160,15 +160,11 @@ def _one_run(cfg: FinetuneConfig, out: Path, quiet: bool, as_json: bool) -> None
 
 def _wrote(out: Path, summary: dict) -> str:
     """The line that says what one run wrote and how it scored on the eval set."""
+    from geomscope.train.loop import task_scores
+
     fin = summary.get("final") or {}
-    iso, acc = fin.get("isoscore_star"), fin.get("accuracy")
-    if "exact_match" in fin:  # --task qa
-        score = f"eval exact match {fin['exact_match']:.2f}, F1 {fin['f1']:.2f}"
-    elif "perplexity" in fin:  # --task causal-lm
-        ppl = fin["perplexity"]
-        score = f"eval perplexity {'n/a' if ppl is None else f'{ppl:.4g}'}"
-    else:
-        score = f"eval accuracy {'n/a' if acc is None else f'{acc:.4f}'}"
+    iso = fin.get("isoscore_star")
+    score = "eval " + ", ".join(task_scores(fin, brief=True))
     isoscore = "n/a" if iso is None else f"{iso:.4f}"
     return f"wrote {out}: {summary['steps']} steps, {score}, eval IsoScore* {isoscore}"
 

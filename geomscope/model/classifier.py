@@ -163,14 +163,8 @@ def load_qa_model(source: str | Path, note: Callable[[str], None]):
     src, config = _checked_config(source)
     model, info = _with_head(AutoModelForQuestionAnswering, src, config, "question-answering", num_labels=2)
     tokenizer = _tokenizer(src)
-    head_added = _head_added(info)
-    if head_added:
-        note(
-            f"note: {src} has no question-answering head ({', '.join(config.architectures or ['?'])}); "
-            "added a new randomly initialised start/end span head"
-        )
-    pad_added = _ensure_pad(model, tokenizer, src, note)
-    return model, tokenizer, {"head_added": head_added, "pad_token_added": pad_added}
+    added = "added a new randomly initialised start/end span head"
+    return _with_pad(model, tokenizer, info, src, config, "question-answering", added, note)
 
 
 def load_causal_lm(source: str | Path, note: Callable[[str], None]):
@@ -186,12 +180,17 @@ def load_causal_lm(source: str | Path, note: Callable[[str], None]):
     model, info = _with_head(AutoModelForCausalLM, src, config, "causal-LM")
     tokenizer = _tokenizer(src)
     _check_causal(model, src)
+    added = "added a new randomly initialised one"
+    return _with_pad(model, tokenizer, info, src, config, "causal-LM", added, note)
+
+
+def _with_pad(model, tokenizer, info: dict, src: str, config, head: str, added: str, note):
+    """(model, tokenizer, info) of a loader whose head may be new: a note says "``src`` has no
+    ``head`` head (its architectures); ``added``" when loading initialised one, and a tokenizer
+    without a pad token pads with its eos token (:func:`_ensure_pad`)."""
     head_added = _head_added(info)
     if head_added:
-        note(
-            f"note: {src} has no causal-LM head ({', '.join(config.architectures or ['?'])}); "
-            "added a new randomly initialised one"
-        )
+        note(f"note: {src} has no {head} head ({', '.join(config.architectures or ['?'])}); {added}")
     pad_added = _ensure_pad(model, tokenizer, src, note)
     return model, tokenizer, {"head_added": head_added, "pad_token_added": pad_added}
 

@@ -822,16 +822,26 @@ def step_line(rec: dict) -> str:
 def eval_line(ev: dict) -> str:
     """One line per epoch evaluation (IsoScore* against both targets, :mod:`geomscope.train.evaluate`)."""
     iso, iso_c0, cos = ev.get("isoscore_star"), ev.get("isoscore_star_c0_pooled"), ev.get("avgcos")
-    if "exact_match" in ev:  # --task qa
-        head = f"epoch {ev['epoch']}: exact match {ev['exact_match']:.2f}  F1 {ev['f1']:.2f}  "
-    elif "perplexity" in ev:  # --task causal-lm
-        ppl = ev["perplexity"]
-        head = f"epoch {ev['epoch']}: perplexity {'n/a' if ppl is None else f'{ppl:.4g}'}  "
-    else:
-        head = f"epoch {ev['epoch']}: accuracy {ev['accuracy']:.4f}  macro-F1 {ev['macro_f1']:.4f}  "
     return (
-        head
-        + f"eval IsoScore* trace {'n/a' if iso is None else f'{iso:.4f}'}  "
+        f"epoch {ev['epoch']}: "
+        + "  ".join(task_scores(ev))
+        + f"  eval IsoScore* trace {_value(iso, '.4f')}  "
         + ("" if iso_c0 is None else f"C0 {iso_c0:.4f}  ")
-        + f"avg cosine {'n/a' if cos is None else f'{cos:.4f}'}"
+        + f"avg cosine {_value(cos, '.4f')}"
     )
+
+
+def task_scores(ev: dict, brief: bool = False) -> list[str]:
+    """The task's own numbers of an evaluation record, each as "name value": QA's exact match and F1
+    (percent), a causal LM's perplexity, a classifier's accuracy and (unless ``brief``) macro-F1."""
+    if "exact_match" in ev:  # --task qa
+        return [f"exact match {ev['exact_match']:.2f}", f"F1 {ev['f1']:.2f}"]
+    if "perplexity" in ev:  # --task causal-lm
+        return [f"perplexity {_value(ev['perplexity'], '.4g')}"]
+    accuracy = [f"accuracy {_value(ev.get('accuracy'), '.4f')}"]
+    return accuracy if brief else [*accuracy, f"macro-F1 {_value(ev.get('macro_f1'), '.4f')}"]
+
+
+def _value(v: float | None, spec: str) -> str:
+    """``v`` formatted by ``spec``, or n/a where it is undefined."""
+    return "n/a" if v is None else format(v, spec)
