@@ -150,6 +150,25 @@ def series_style(i: int) -> dict:
     }
 
 
+def layer_errorbar(ax, x, y, se, label: str, style: dict, *, size: float, width: float, bar: float, **kw):
+    """One series over the layers with its SE bars (none where every SE is NaN), labelled as plain
+    text: markers of ``size``, a line ``width`` wide, bars without caps ``bar`` wide."""
+    import numpy as np
+
+    return ax.errorbar(
+        x,
+        y,
+        yerr=None if np.all(np.isnan(se)) else se,
+        label=plain_text(label),
+        markersize=size,
+        linewidth=width,
+        capsize=0,
+        elinewidth=bar,
+        **kw,
+        **style,
+    )
+
+
 def grid_shape(n: int, max_cols: int = 3) -> tuple[int, int]:
     """(rows, cols) of a panel grid for n panels: one row up to 3, then 2 x 2, then rows of 3."""
     cols = n if n <= max_cols else (2 if n == 4 else max_cols)

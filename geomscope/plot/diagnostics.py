@@ -14,7 +14,15 @@ from matplotlib.ticker import MaxNLocator
 
 from geomscope.errors import InputError
 from geomscope.plot._reports import check_common_layers, is_number, report_labels, report_name, select_layers
-from geomscope.plot._style import grid_shape, hide_spare_panels, panels, plain_text, series_style, styled
+from geomscope.plot._style import (
+    grid_shape,
+    hide_spare_panels,
+    layer_errorbar,
+    panels,
+    plain_text,
+    series_style,
+    styled,
+)
 from geomscope.plot.layers import layer_series
 from geomscope.schema import diagnostic_keys, metric_label
 
@@ -111,17 +119,7 @@ def plot_diagnostics(reports: Sequence[dict], *, layers: Sequence[str] | None = 
                 if np.all(np.isnan(y)):
                     continue
                 name = metric_label(m) + (f" ({lab})" if len(reports) > 1 else "")
-                ax.errorbar(
-                    x,
-                    y,
-                    yerr=None if np.all(np.isnan(se)) else se,
-                    label=plain_text(name),
-                    markersize=3.5,
-                    linewidth=1.3,
-                    capsize=0,
-                    elinewidth=0.9,
-                    **series_style(i),
-                )
+                layer_errorbar(ax, x, y, se, name, series_style(i), size=3.5, width=1.3, bar=0.9)
                 i += 1
         if log:
             ax.set_yscale("log")

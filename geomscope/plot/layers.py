@@ -24,6 +24,7 @@ from geomscope.plot._style import (
     add_caption,
     grid_shape,
     hide_spare_panels,
+    layer_errorbar,
     metric_name,
     metric_title,
     metric_variant,
@@ -145,19 +146,7 @@ def _draw_metric(ax, reports: Sequence[dict], metric: str, series, x_of: dict[st
         style = series_style(i)
         if grad:  # the report's colour and marker, dashed and hollow
             style.update(linestyle=GRAD_LINESTYLE, markerfacecolor="none")
-        cont = ax.errorbar(
-            x,
-            y,
-            yerr=None if np.all(np.isnan(se)) else se,
-            label=plain_text(lab),
-            markersize=4,
-            linewidth=1.4,
-            capsize=0,
-            elinewidth=1.0,
-            alpha=0.95,
-            **style,
-        )
-        drawn.append(cont)
+        drawn.append(layer_errorbar(ax, x, y, se, lab, style, size=4, width=1.4, bar=1.0, alpha=0.95))
     title = metric_title(metric, reports[0].get("params")) if same else metric_name(metric)
     ax.set_title(plain_text(title))
     ax.set_ylabel(plain_text(metric_name(metric).split(" (")[0]))
