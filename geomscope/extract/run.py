@@ -76,24 +76,7 @@ def extract(
     t_start = time.perf_counter()
     ins = open_inputs(args, stdin=stdin)
     try:
-        check_out_outside_inputs(ins, out)
-        scan = scan_and_hash(ins, opts)
-        # before the load: what extract --revisions computes, without loading, to skip a finished run
-        request = run_request(model, ins, opts)
-        lm = load_for_run(model, opts)
-        if request is not None and request["model"]["source"] == "hub":
-            request["model"]["commit"] = lm.info.get("commit")  # the commit the rows come from
-        plan = plan_run(lm, ins, scan, opts, out)
-        # a change while the model loaded (often the longest wait) is found before the run is made
-        check_unchanged(ins, scan.signatures, NOTHING_WRITTEN)
-        say(plan.describe(lm, out, scan.docs))
-        for note in plan.notes:
-            say(note)
-        # the manifest is saved with the first shard (one fsync pair less per call; nothing depends on
-        # it earlier). The request is this call's: the run's identity is the same as before
-        # (RunWriter refuses another), so any request that reached it asked for the same rows.
-        with open_run(out, plan, lm, opts, scan.docs, request=request) as writer:
-            summary = ShardRun(writer, lm, ins, plan, opts, progress).run()
+        summary, plan = _run_opened(model, ins, out, opts, progress, say)
     finally:
         close_inputs(ins)
     summary["seconds_total"] = round(time.perf_counter() - t_start, 3)
@@ -101,6 +84,30 @@ def extract(
     say(done_line(summary))
     refuse_nonfinite(summary, opts, out)
     return summary
+
+
+def _run_opened(model, ins, out: Path, opts: ExtractOptions, progress: bool, say):
+    """The run over opened inputs in this process: scan and hash them, load and plan, write the
+    shards; (the summary, the plan)."""
+    check_out_outside_inputs(ins, out)
+    scan = scan_and_hash(ins, opts)
+    # before the load: what extract --revisions computes, without loading, to skip a finished run
+    request = run_request(model, ins, opts)
+    lm = load_for_run(model, opts)
+    if request is not None and request["model"]["source"] == "hub":
+        request["model"]["commit"] = lm.info.get("commit")  # the commit the rows come from
+    plan = plan_run(lm, ins, scan, opts, out)
+    # a change while the model loaded (often the longest wait) is found before the run is made
+    check_unchanged(ins, scan.signatures, NOTHING_WRITTEN)
+    say(plan.describe(lm, out, scan.docs))
+    for note in plan.notes:
+        say(note)
+    # the manifest is saved with the first shard (one fsync pair less per call; nothing depends on
+    # it earlier). The request is this call's: the run's identity is the same as before
+    # (RunWriter refuses another), so any request that reached it asked for the same rows.
+    with open_run(out, plan, lm, opts, scan.docs, request=request) as writer:
+        summary = ShardRun(writer, lm, ins, plan, opts, progress).run()
+    return summary, plan
 
 
 #: ExtractOptions fields that change nothing a run holds, only how and where it ran (the identity

@@ -376,61 +376,11 @@ class ShardRun:
     def _write(self, k: int, group, prog, docs: list) -> bool:
         """Run and store shard ``k`` (``docs``: its tokenized documents); return whether
         --max-tokens was reached inside it."""
-        doc_start, doc_stop = group[0][0], group[-1][0] + 1
         kept, rows, budget_hit, stats = self._select(docs)
-        sample = self.opts.sample_size
-        sw = self.writer.shard_writer(
-            k,
-            layer_names=self.names,
-            dim=self.lm.hidden_size,
-            store_dtype=self.opts.store_dtype,
-            doc_start=doc_start,
-            doc_stop=doc_stop,
-            expected_rows=max(1, rows if sample is None else min(rows, 2 * sample)),
-            row_flags=("loss_target",) if self.opts.gradients else (),
-            dims=self.dims,
-        )
-        keeper, measured = None, 0
+        sw = self._shard_writer(k, group, rows)
         try:
-            if sample is not None:
-                from geomscope.extract.keep import SampleKeeper
-
-                # the previous shard's keeper (device accumulators of every layer) is written into
-                # its shard and freed before this one is made: one keeper at a time, as without the
-                # store thread
-                self.store.wait_idle()
-                keeper = SampleKeeper(
-                    self.names,
-                    self.lm.hidden_size,
-                    self.lm.device,
-                    sample,
-                    self.opts.seed,
-                    dims=self.dims,
-                    products=self.opts.products,
-                )
-            waiting = None  # (batch, its rows still on their way from a GPU)
-            for batch in plan_batches(length_order(kept), self.opts.batch_tokens):
-                if keeper is None:
-                    # on a GPU this batch's forward and copies are queued before the previous batch's
-                    # rows are waited for, so the GPU runs it while this thread hands those over and
-                    # prepares the next one; on the CPU the rows are complete at once and are handed
-                    # over at once, as before (holding them would only hold memory)
-                    captured = self.capture.launch(batch)
-                    if waiting is not None:
-                        measured += self._hand_over(sw, *waiting, prog)
-                    waiting = (batch, captured)
-                    if not captured.in_flight:
-                        measured += self._hand_over(sw, *waiting, prog)
-                        waiting = None
-                else:
-                    arrays, meta = self.capture.device_rows(batch)
-                    keeper.add(arrays, meta)
-                    del arrays  # measured: free the rows before measuring the heap
-                    self.heap.batch_done()
-                    measured += len(meta["token_id"])
-                    prog.advance(len(batch), work=len(meta["token_id"]))
-            if waiting is not None:
-                measured += self._hand_over(sw, *waiting, prog)
+            keeper = self._sample_keeper() if self.opts.sample_size is not None else None
+            measured = self._run_batches(sw, kept, keeper, prog)
             if self.opts.gradients:
                 loss_sum, loss_docs, without = self.capture.reset_totals()
                 stats.update(loss_sum=loss_sum, loss_docs=loss_docs, docs_without_targets=without)
@@ -444,6 +394,70 @@ class ShardRun:
         self.new_rows += measured
         self.written += 1
         return budget_hit
+
+    def _shard_writer(self, k: int, group, rows: int):
+        """The writer of shard ``k``, for the documents of ``group`` and ``rows`` kept rows."""
+        doc_start, doc_stop = group[0][0], group[-1][0] + 1
+        sample = self.opts.sample_size
+        return self.writer.shard_writer(
+            k,
+            layer_names=self.names,
+            dim=self.lm.hidden_size,
+            store_dtype=self.opts.store_dtype,
+            doc_start=doc_start,
+            doc_stop=doc_stop,
+            expected_rows=max(1, rows if sample is None else min(rows, 2 * sample)),
+            row_flags=("loss_target",) if self.opts.gradients else (),
+            dims=self.dims,
+        )
+
+    def _sample_keeper(self):
+        """A --keep shard's keeper of the sample and the accumulators, made once the previous
+        shard's is stored."""
+        from geomscope.extract.keep import SampleKeeper
+
+        # the previous shard's keeper (device accumulators of every layer) is written into
+        # its shard and freed before this one is made: one keeper at a time, as without the
+        # store thread
+        self.store.wait_idle()
+        return SampleKeeper(
+            self.names,
+            self.lm.hidden_size,
+            self.lm.device,
+            self.opts.sample_size,
+            self.opts.seed,
+            dims=self.dims,
+            products=self.opts.products,
+        )
+
+    def _run_batches(self, sw, kept: list, keeper, prog) -> int:
+        """Forward the kept documents batch by batch, their rows handed to the store thread (or, with
+        a ``keeper``, added to it); the number of rows measured."""
+        measured = 0
+        waiting = None  # (batch, its rows still on their way from a GPU)
+        for batch in plan_batches(length_order(kept), self.opts.batch_tokens):
+            if keeper is None:
+                # on a GPU this batch's forward and copies are queued before the previous batch's
+                # rows are waited for, so the GPU runs it while this thread hands those over and
+                # prepares the next one; on the CPU the rows are complete at once and are handed
+                # over at once, as before (holding them would only hold memory)
+                captured = self.capture.launch(batch)
+                if waiting is not None:
+                    measured += self._hand_over(sw, *waiting, prog)
+                waiting = (batch, captured)
+                if not captured.in_flight:
+                    measured += self._hand_over(sw, *waiting, prog)
+                    waiting = None
+            else:
+                arrays, meta = self.capture.device_rows(batch)
+                keeper.add(arrays, meta)
+                del arrays  # measured: free the rows before measuring the heap
+                self.heap.batch_done()
+                measured += len(meta["token_id"])
+                prog.advance(len(batch), work=len(meta["token_id"]))
+        if waiting is not None:
+            measured += self._hand_over(sw, *waiting, prog)
+        return measured
 
     def _hand_over(self, sw, batch, captured, prog) -> int:
         """Give a batch's rows to the store thread (waiting for them first, when a GPU still copies
