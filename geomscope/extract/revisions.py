@@ -155,16 +155,9 @@ def extract_revisions(
     ``{"runs": [{revision, dir, status: done|skipped|failed, error?, rows?}], "failed": n}``.
     Raises the first failure's kind of error (one line naming every failed revision) after trying
     them all, with ``.summary`` set."""
-    from geomscope.extract.sources import is_stream
-
     say = log_to(log)
     args = [str(i) for i in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
-    streams = [i for i in args if is_stream(i)]
-    if len(revisions) > 1 and streams:
-        raise InputError(
-            f"{streams[0]} can be read once (stdin or a pipe); save the text to a file to extract "
-            "several revisions"
-        )
+    streams = _streams(args, len(revisions))
     out = Path(out)
     make_dirs(out)
     runs, failures = [], []
@@ -202,6 +195,20 @@ def extract_revisions(
     if failures:
         raise _failed_revisions(failures, len(revisions), out, result)
     return result
+
+
+def _streams(args: list[str], n_revisions: int) -> list[str]:
+    """The inputs that can be read only once (stdin, a pipe); an InputError when there are several
+    revisions to read them for."""
+    from geomscope.extract.sources import is_stream
+
+    streams = [i for i in args if is_stream(i)]
+    if n_revisions > 1 and streams:
+        raise InputError(
+            f"{streams[0]} can be read once (stdin or a pipe); save the text to a file to extract "
+            "several revisions"
+        )
+    return streams
 
 
 def _extract_revision(
