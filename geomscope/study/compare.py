@@ -293,6 +293,19 @@ def _sentence(assoc: dict, n: int, outcome: str = "accuracy", lower_is_better: b
     return text + caveat
 
 
+def _usable_runs(runs: list, outcome: str) -> list:
+    """The runs that have both an eval IsoScore* and an eval ``outcome``; an InputError when fewer
+    than 2 do."""
+    usable = [r for r in runs if r.values[outcome] is not None and r.values["isoscore_star"] is not None]
+    if len(usable) < 2:  # finetune writes null for a metric it could not compute (e.g. a diverged run)
+        raise InputError(
+            f"{len(usable)} of the {len(runs)} runs have both an eval IsoScore* and an eval "
+            f"{LABELS[outcome]} (finetune writes null where it could not compute one); compare needs "
+            "at least 2: add runs that have both"
+        )
+    return usable
+
+
 def compare(dirs, options: CompareOptions | None = None, **overrides) -> dict:
     """The comparison of the finetune runs found in ``dirs`` (see the module docstring).
     ``options``: a :class:`~geomscope.study.options.CompareOptions`; keyword ``overrides`` replace
@@ -308,13 +321,7 @@ def compare(dirs, options: CompareOptions | None = None, **overrides) -> dict:
     _check_comparable(runs, opts.allow_mixed)
     task = runs[0].task
     metrics, outcome = metrics_of(task), TASK_METRICS[task][0]
-    usable = [r for r in runs if r.values[outcome] is not None and r.values["isoscore_star"] is not None]
-    if len(usable) < 2:  # finetune writes null for a metric it could not compute (e.g. a diverged run)
-        raise InputError(
-            f"{len(usable)} of the {len(runs)} runs have both an eval IsoScore* and an eval "
-            f"{LABELS[outcome]} (finetune writes null where it could not compute one); compare needs "
-            "at least 2: add runs that have both"
-        )
+    usable = _usable_runs(runs, outcome)
     x = [r.values["isoscore_star"] for r in usable]
     y = [r.values[outcome] for r in usable]
     configs = {c: i for i, c in enumerate(dict.fromkeys(r.config for r in usable))}

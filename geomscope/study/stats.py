@@ -275,6 +275,14 @@ def cluster_correlation(
             f"{TOO_FEW_RUNS}: {k} configuration(s), the fewest with {fewest} seed(s); it needs "
             f"{MIN_CONFIGURATIONS} configurations of {MIN_SEEDS} seeds"
         )
+    return _bootstrap_interval(base, x, y, groups, k, method, n_boot, level, seed)
+
+
+def _bootstrap_interval(
+    base: Interval, x, y, groups, k: int, method: str, n_boot: int, level: float, seed: int
+) -> Interval:
+    """``base`` (the correlation across ``k`` configurations) with the cluster bootstrap's
+    interval in Fisher's z (:func:`cluster_correlation`), or without one saying why."""
     weights = _cluster_weights(_codes(groups), n_boot, np.random.default_rng(seed))
     replicates = _resampled_correlations(x, y, weights, method)
     undefined = int(np.isnan(replicates).sum())
