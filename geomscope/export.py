@@ -64,13 +64,7 @@ def export_run(
     run, shards = _open_run(run_dir)
     names = run.resolve_layers(opts.layers)
     out = Path(out_dir)
-    if out.is_symlink():  # the export is renamed into place: over the link, never into its target
-        raise InputError(
-            f"--out {out} is a link (to {os.readlink(out)}); export writes a new directory in its place, "
-            "never through a link: give a new path, or the empty directory itself"
-        )
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise InputError(f"{out} exists and is not an empty directory; choose a new --out directory")
+    _check_out_free(out)
     tasks = run.shard_tasks(run.dim or 0)  # each shard's identity now: the reads come from it
     indices = run.layer_indices(names)
     tmp = _temp_dir_beside(out)
@@ -106,6 +100,17 @@ def export_run(
     rows, layers = counted(summary["rows"], "row"), counted(len(names), "layer")
     log_to(log)(f"exported {rows} x {layers} to {out} ({opts.to})")
     return summary
+
+
+def _check_out_free(out: Path) -> None:
+    """An InputError unless ``out`` is a new path or an empty directory (never a link)."""
+    if out.is_symlink():  # the export is renamed into place: over the link, never into its target
+        raise InputError(
+            f"--out {out} is a link (to {os.readlink(out)}); export writes a new directory in its place, "
+            "never through a link: give a new path, or the empty directory itself"
+        )
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InputError(f"{out} exists and is not an empty directory; choose a new --out directory")
 
 
 def _temp_dir_beside(out: Path) -> Path:
