@@ -67,8 +67,7 @@ def describe_run(run_dir: Path | str, options: InspectOptions | None = None, **o
     names = remote.listdir(run.dir)
     on_disk = [n for n in names if fnmatchcase(n, "shard-*.h5")]
     size = _bytes_on_disk(run.dir, names, on_disk)
-    layers = run.layers
-    final = [la["name"] for la in layers if la.get("final_norm")]
+    layer_fields = _layer_fields(run.layers)
     out = {
         "run_dir": str(run.dir),
         "complete": run.complete,
@@ -76,10 +75,7 @@ def describe_run(run_dir: Path | str, options: InspectOptions | None = None, **o
         "created": m.get("created"),
         "finished": m.get("finished"),
         "model": {k: model.get(k) for k in MODEL_KEYS},
-        "layers": [la["name"] for la in layers],
-        "layer_indices": [la.get("index") for la in layers],
-        "final_norm_layer": final[0] if final else None,
-        "layer_tensors": {la["name"]: la.get("tensor") for la in layers if la.get("tensor")},
+        **layer_fields,
         "store_dtype": ident.get("store_dtype"),
         "dim": run.dim,
         **_other_widths(run),
@@ -105,6 +101,18 @@ def describe_run(run_dir: Path | str, options: InspectOptions | None = None, **o
     if opts.verify:
         out["verify"] = _verify(run, shards)
     return out
+
+
+def _layer_fields(layers: list[dict]) -> dict:
+    """The description's fields of the run's stored layers: names, indices in the model, the one
+    after the final norm (None if none) and the tensors named per layer."""
+    final = [la["name"] for la in layers if la.get("final_norm")]
+    return {
+        "layers": [la["name"] for la in layers],
+        "layer_indices": [la.get("index") for la in layers],
+        "final_norm_layer": final[0] if final else None,
+        "layer_tensors": {la["name"]: la.get("tensor") for la in layers if la.get("tensor")},
+    }
 
 
 def _other_widths(run: Run) -> dict:
