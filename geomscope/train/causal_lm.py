@@ -158,24 +158,15 @@ def evaluate_lm(
     import torch
 
     from geomscope import distributed as dd
-    from geomscope.train.evaluate import EvalGeometry, forward_batch, rank_batches
+    from geomscope.train.evaluate import EvalGeometry, eval_batches
 
-    was_training = model.training
-    model.eval()
     dev = d.device
     geo = EvalGeometry(model.config.hidden_size, layers, dev)
     totals = torch.zeros(2, dtype=torch.float64, device=dev)  # loss sum, predicted tokens
-    with torch.no_grad():
-        for idx, real in rank_batches(list(range(len(encoded))), batch_size, d):
-            batch = encoded.collate(idx)
-            out, mask = forward_batch(model, batch, dev, autocast)
-            if not real:  # lockstep (FSDP): a forward the other processes need
-                continue
-            loss_sum, count = lm_loss_sum(out.logits, batch["labels"].to(dev))
-            totals[0] += loss_sum.double()
-            totals[1] += count
-            geo.update(out, mask)
-    model.train(was_training)
+    for _, batch, out, _ in eval_batches(model, encoded, geo, batch_size, d, autocast):
+        loss_sum, count = lm_loss_sum(out.logits, batch["labels"].to(dev))
+        totals[0] += loss_sum.double()
+        totals[1] += count
     totals = dd.all_reduce_sum(totals, d)
     loss_sum, count = float(totals[0]), int(totals[1])
     mean = loss_sum / count if count else math.nan

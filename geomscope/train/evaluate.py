@@ -84,6 +84,27 @@ def rank_batches(ids: list[int], batch_size: int, d: dd.Dist) -> list[tuple[list
     return out
 
 
+def eval_batches(model, encoded, geo: EvalGeometry, batch_size: int, d: dd.Dist, autocast):
+    """This rank's eval batches (:func:`rank_batches` over every row of ``encoded``), each real one
+    as ``(ids, batch, out, mask)``, its geometry added to ``geo`` once the caller has read it.
+
+    The model runs in eval mode without gradients while the batches last and is put back in its
+    mode after; lockstep filler forwards run and are dropped."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for ids, real in rank_batches(list(range(len(encoded))), batch_size, d):
+                batch = encoded.collate(ids)
+                out, mask = forward_batch(model, batch, d.device, autocast)
+                if not real:  # lockstep (FSDP): a forward the other processes need
+                    continue
+                yield ids, batch, out, mask
+                geo.update(out, mask)
+    finally:
+        model.train(was_training)
+
+
 def _merged(m: Moments, d: dd.Dist) -> Moments:
     """Merge every rank's accumulator in rank order (the same result on every rank)."""
     if not d.active:
@@ -260,19 +281,13 @@ def evaluate(
 ) -> dict:
     """Per-epoch evaluation record (see module docstring); identical on every rank.  ``C0``: the
     shrinkage target the penalty used this epoch (None: the ``isoscore_star_c0_*`` values are null)."""
-    was_training = model.training
-    model.eval()
     dev = d.device
     D = model.config.hidden_size
     L = len(layers)
     conf = torch.zeros(n_labels, n_labels, dtype=torch.float64, device=dev)
     loss_sum = torch.zeros(1, dtype=torch.float64, device=dev)
     geo = EvalGeometry(D, layers, dev)
-    for ids, real in rank_batches(list(range(len(encoded))), batch_size, d):
-        batch = encoded.collate(ids)
-        out, mask = forward_batch(model, batch, dev, autocast)
-        if not real:
-            continue
+    for _, batch, out, _ in eval_batches(model, encoded, geo, batch_size, d, autocast):
         labels = batch["labels"].to(dev)
         logits = out.logits.float()
         loss_sum += torch.nn.functional.cross_entropy(logits, labels, reduction="sum").double()
@@ -281,8 +296,6 @@ def evaluate(
             torch.ones(len(labels), dtype=torch.float64, device=dev),
             accumulate=True,
         )
-        geo.update(out, mask)
-    model.train(was_training)
     packed = dd.all_reduce_sum(torch.cat([conf.reshape(-1), loss_sum, geo.u.reshape(-1), geo.counts]), d)
     conf, loss_sum, u, counts = torch.split(packed, [n_labels * n_labels, 1, (L + 1) * D, 2])
     conf = conf.reshape(n_labels, n_labels)

@@ -373,27 +373,18 @@ def evaluate_qa(
     import torch
 
     from geomscope import distributed as dd
-    from geomscope.train.evaluate import EvalGeometry, forward_batch, rank_batches
+    from geomscope.train.evaluate import EvalGeometry, eval_batches
 
-    was_training = model.training
-    model.eval()
     dev = d.device
     geo = EvalGeometry(model.config.hidden_size, layers, dev)
     loss_sum = torch.zeros(1, dtype=torch.float64, device=dev)
     logits: dict = {}  # feature -> (start logits, end logits) as float32 arrays of its length
-    with torch.no_grad():
-        for idx, real in rank_batches(list(range(len(encoded))), batch_size, d):
-            batch = encoded.collate(idx)
-            out, mask = forward_batch(model, batch, dev, autocast)
-            if not real:  # lockstep (FSDP): a forward the other processes need
-                continue
-            loss_sum += qa_loss_sum(out, batch["labels"].to(dev), mask).double()
-            s_log, e_log = out.start_logits.float().cpu(), out.end_logits.float().cpu()
-            for row, f in enumerate(idx):
-                n = len(encoded.input_ids[f])
-                logits[f] = (s_log[row, :n].numpy().copy(), e_log[row, :n].numpy().copy())
-            geo.update(out, mask)
-    model.train(was_training)
+    for idx, batch, out, mask in eval_batches(model, encoded, geo, batch_size, d, autocast):
+        loss_sum += qa_loss_sum(out, batch["labels"].to(dev), mask).double()
+        s_log, e_log = out.start_logits.float().cpu(), out.end_logits.float().cpu()
+        for row, f in enumerate(idx):
+            n = len(encoded.input_ids[f])
+            logits[f] = (s_log[row, :n].numpy().copy(), e_log[row, :n].numpy().copy())
     loss_sum = dd.all_reduce_sum(loss_sum, d)
     merged: dict = {}
     for part in dd.gather_objects(logits, d):
