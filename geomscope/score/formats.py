@@ -770,16 +770,11 @@ def _flatten_cells(pa, arr, depth: int, path: str, name: str) -> np.ndarray:
 
 
 def _arrow_describe(path: Path, fmt: str, columns, block_rows: int, memory_mb: float | None) -> Layout:
+    """The layout of an Arrow/Parquet file or directory: its vector (or matrix) columns as layers,
+    their widths, its files as parts; one line for what cannot be read as rows."""
     pa = _pa()
     files = [_ArrowFile(f, fmt) for f in _arrow_files(path, fmt)]
-    schema = files[0].schema
-    if schema is None:
-        raise InputError(f"{path} holds no record batches")
-    for f in files[1:]:
-        if f.schema is not None and not f.schema.equals(schema, check_metadata=False):
-            raise InputError(
-                f"{f.path} has different columns from {files[0].path}; they cannot be read together"
-            )
+    schema = _common_schema(path, files)
     found = {fld.name: fld.type for fld in schema}
     shapes = {n: _list_shape(pa, t) for n, t in _pick(path, found, columns, "column").items()}
     for n, (depth, _, _leaf) in shapes.items():
@@ -798,17 +793,7 @@ def _arrow_describe(path: Path, fmt: str, columns, block_rows: int, memory_mb: f
     for f in files:  # before the first cell is decoded below
         f.check_decoded([*shapes, *(c for c in META_COLUMNS if c in found)], memory_mb)
     # widths (and the rows per matrix cell) come from the first cell where the type leaves them open
-    layers, cell_rows = {}, {}
-    first = next((f for f in files if f.num_rows), None)
-    for n, (depth, width, leaf) in shapes.items():
-        probe = None
-        if first is not None:
-            b = next(first.batches([n], 0, 1, 1))
-            probe = _flatten_cells(pa, b.column(0), depth, str(path), n)
-            if depth == 2:
-                cell_rows[n] = probe.shape[0]
-        d = probe.shape[1] if probe is not None else (width or 0)
-        layers[n] = (0, d, str(leaf))
+    layers, cell_rows = _probe_cells(pa, path, files, shapes)
     if len(set(cell_rows.values())) > 1:  # the rows of the layers would not be the same tokens
         listing = ", ".join(f"{k} {r}" for k, r in cell_rows.items())
         raise InputError(
@@ -831,6 +816,37 @@ def _arrow_describe(path: Path, fmt: str, columns, block_rows: int, memory_mb: f
         parts.append(FilePart(str(f.path), 0, f.num_rows * per_cell, offset))
         offset += f.num_rows * per_cell
     return Layout(fmt, layers, parts, meta=meta, files=len(files), indices=_layer_indices(schema, layers))
+
+
+def _common_schema(path: Path, files: list):
+    """The schema of the first file, which every other file must share (metadata aside); an
+    InputError for no record batches or different columns."""
+    schema = files[0].schema
+    if schema is None:
+        raise InputError(f"{path} holds no record batches")
+    for f in files[1:]:
+        if f.schema is not None and not f.schema.equals(schema, check_metadata=False):
+            raise InputError(
+                f"{f.path} has different columns from {files[0].path}; they cannot be read together"
+            )
+    return schema
+
+
+def _probe_cells(pa, path: Path, files: list, shapes: dict) -> tuple[dict, dict]:
+    """(layer -> (0, width, leaf type), matrix layer -> rows per cell), from the first cell of each
+    column where its type leaves them open."""
+    layers, cell_rows = {}, {}
+    first = next((f for f in files if f.num_rows), None)
+    for n, (depth, width, leaf) in shapes.items():
+        probe = None
+        if first is not None:
+            b = next(first.batches([n], 0, 1, 1))
+            probe = _flatten_cells(pa, b.column(0), depth, str(path), n)
+            if depth == 2:
+                cell_rows[n] = probe.shape[0]
+        d = probe.shape[1] if probe is not None else (width or 0)
+        layers[n] = (0, d, str(leaf))
+    return layers, cell_rows
 
 
 def _layer_indices(schema, layers) -> dict[str, int]:
