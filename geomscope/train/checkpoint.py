@@ -184,6 +184,16 @@ def check_output(
         p = inside(out, rel)
         if p is not None and _present(p) and rel not in files and not (legacy and resume):
             _refuse_unrecorded(out, rel)
+    _check_writes_into(out, writes_into, marker, files, legacy, resume, from_step)
+    _check_claims(out, marker, files)
+
+
+def _check_writes_into(
+    out: Path, writes_into, marker: dict, files: set[str], legacy: bool, resume: bool, from_step: int
+) -> None:
+    """Refuse, in a previous run's ``out``, a directory of ``writes_into`` that is a link or a file,
+    and a ``step<N>`` snapshot in it that this run writes (past ``from_step`` when resuming) which
+    the marker does not record or cannot prove the run's."""
     for rel in writes_into:
         p = inside(out, rel)
         if p is None or not _present(p):
@@ -199,7 +209,6 @@ def check_output(
                     _refuse_unrecorded(out, snap)
                 if not _ours(out, snap, marker):
                     _refuse_unproven(out, snap, marker)
-    _check_claims(out, marker, files)
 
 
 def _check_claims(out: Path, marker: dict, files: set[str]) -> None:
