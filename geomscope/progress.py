@@ -6,7 +6,7 @@ Every library entry point (``extract``, ``extract_revisions``, ``score``, ``expo
 - ``progress: bool = False``: a rich bar on stderr while it works;
 - ``log: Log | None = None``: where its messages go, one line each (what it plans, what it wrote,
   what it warns about); ``None`` is :func:`silent`. The command line passes a log that prints on
-  stderr (:func:`geomscope.cli._options.stderr_log`) unless ``--quiet``.
+  stderr (:func:`stderr_log`) unless ``--quiet``.
 
 ``with Progress(enabled) as bar: task = bar.add("extract", total, unit="docs", rate_unit="tok")``,
 then ``task.advance(n, work=tokens)`` (``work`` drives the rate; default ``n``), ``task.skip(n)``

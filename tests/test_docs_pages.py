@@ -186,8 +186,21 @@ def test_contributing_layout_names_every_module():
             continue
         if item.is_dir() and (item / "__init__.py").exists():
             assert f"geomscope/{item.name}/" in layout, f"the layout does not name geomscope/{item.name}/"
+            block = _room_block(layout, item.name)
+            for module in sorted(item.glob("*.py")):
+                if module.name != "__init__.py":
+                    assert re.search(rf"(?<![\w/]){re.escape(module.name)}", block), (
+                        f"the layout's geomscope/{item.name}/ entry does not name {module.name}"
+                    )
         elif item.suffix == ".py":
             assert item.name in layout, f"the layout does not name geomscope/{item.name}"
+
+
+def _room_block(layout: str, room: str) -> str:
+    """The layout's lines about ``geomscope/<room>/``: from its name to the next entry's."""
+    start = layout.index(f"geomscope/{room}/")
+    nxt = re.search(r"\n\S", layout[start:])
+    return layout[start : start + nxt.start() if nxt else None]
 
 
 def test_changelog_has_the_current_version_and_unreleased():
@@ -213,3 +226,62 @@ def test_run_format_page_names_the_format():
 
     for name in (*PARTS, *META_FIELDS, *ROW_FLAGS):
         assert f"`{name}`" in text or f"`/{name}`" in text, f"run-format.md does not describe {name}"
+
+
+def _readme_rooms() -> list[list[str]]:
+    """The README's layout table, top row first: each row's rooms (`cli/`, `report.py` ...)."""
+    section = _text("README.md").split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    return [re.findall(r"`([\w./]+)`", row.split("|")[1]) for row in rows]
+
+
+def _room_of(module: str) -> str:
+    """``geomscope.score.engine`` -> ``score/``; ``geomscope.report`` -> ``report.py``."""
+    parts = module.split(".")
+    if (ROOT / "geomscope" / parts[1]).is_dir():
+        return parts[1] + "/"
+    return parts[1] + ".py"
+
+
+def _geomscope_imports(path) -> list[str]:
+    """Every geomscope module ``path`` imports, at its top or inside a function."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "geomscope":
+            out += [f"geomscope.{a.name}" for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("geomscope."):
+            out.append(node.module)
+        elif isinstance(node, ast.Import):
+            out += [a.name for a in node.names if a.name.startswith("geomscope.")]
+    return out
+
+
+def test_readme_layout_lists_the_rooms_top_down():
+    """Each room of the README's table imports only rooms in its own row or below (the last row,
+    which ends in "…", also holds every top-level module not named above it)."""
+
+    rows = _readme_rooms()
+    assert len(rows) >= 8
+    row_of = {room: i for i, row in enumerate(rows) for room in row}
+    package = ROOT / "geomscope"
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        if rel.name == "__main__" or len(rel.parts) < 2:
+            continue
+        mod = ".".join(rel.parts if rel.name != "__init__" else rel.parts[:-1])
+        if mod == "geomscope":
+            continue
+        here = row_of.get(_room_of(mod), len(rows) - 1)
+        if path.parent == package and path.stem != "__init__":
+            assert _room_of(mod) in row_of or here == len(rows) - 1
+        for target in _geomscope_imports(path):
+            there = row_of.get(_room_of(target), len(rows) - 1)
+            assert there >= here, (
+                f"{rel} imports {target}, a room the README's layout lists above it; "
+                "fix the import or the table"
+            )
+    for item in sorted(package.iterdir()):
+        if item.is_dir() and (item / "__init__.py").exists():
+            assert f"{item.name}/" in row_of, f"the README's layout does not name {item.name}/"
