@@ -250,6 +250,13 @@ def _plot_geometry(ax_e, ax_i, logs: list[dict]) -> None:
             xs, ys = _geometry_series(recs, name, "isoscore_star")
             if xs:
                 ax_i.plot(xs, ys, color=colour, linestyle=ls, linewidth=1.0, label=f"{tag}{plain_text(name)}")
+    _finish_geometry_axes(ax_e, ax_i, baselines, shown_ranks, per_rank)
+
+
+def _finish_geometry_axes(ax_e, ax_i, baselines: dict, shown_ranks: set, per_rank: bool) -> None:
+    """The geometry row's r/D baselines (dashed, for the ranks drawn), titles, axis labels and legends."""
+    from geomscope.plot._style import PALETTE
+
     for k, rank in enumerate(sorted(shown_ranks, key=int)):
         if rank in baselines:
             ax_e.axhline(
