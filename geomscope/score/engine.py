@@ -746,15 +746,13 @@ class _Scorer:
         by_layer = {n: self.energy.get(n) for n in self.src.layers if n in self.basis.pairs}
         return section(self.basis, self.opts, by_layer, self.energy_notes)
 
-    def _report(self, layers: list[dict], embeddings, top_notes, final_norm=None, norms=None) -> dict:
-        from geomscope import __version__
-
-        o, src = self.opts, self.src
-        dup = {e["layer"]: e["twonn_duplicates_removed"] for e in layers}
+    def _uncertainty(self) -> dict:
+        """The report's ``params.uncertainty``: how each requested family's SE is estimated."""
+        o = self.opts
         unc = {}
         if o.moment_metrics:
             unc["moments"] = (
-                f"delete-one-group jackknife over {self.G} " + GROUPS_TEXT[src.groups]
+                f"delete-one-group jackknife over {self.G} " + GROUPS_TEXT[self.src.groups]
                 if self.G >= 2
                 else "none (--jackknife-groups 0)"
             )
@@ -766,6 +764,14 @@ class _Scorer:
             unc.update(uncertainty(o))
         if o.wants("partition"):
             unc["partition"] = "none: I(W) is an exact function of the checkpoint's weights (no sampling)"
+        return unc
+
+    def _report(self, layers: list[dict], embeddings, top_notes, final_norm=None, norms=None) -> dict:
+        from geomscope import __version__
+
+        o, src = self.opts, self.src
+        dup = {e["layer"]: e["twonn_duplicates_removed"] for e in layers}
+        unc = self._uncertainty()
         return {
             "format": REPORT_FORMAT,
             "format_version": REPORT_FORMAT_VERSION,
