@@ -3,7 +3,9 @@
 A refactoring is meant to change no output. This script checks it on what a user runs: each
 commit is checked out in a temporary worktree and runs, with this checkout's ``.venv``, the same
 commands over the same inputs (the Makefile's demo, gradients and trajectory targets, plus an
-HTML page, a ``--keep sample`` run and a small fine-tuning), in the same folder; the two output
+HTML page, a ``--keep sample`` run, a small fine-tuning, every diagnostic (``--metrics all``) and
+its figure, a ``--modules`` run, and a causal-LM fine-tuning of a tiny random GPT-NeoX), in the
+same folder; the two output
 trees are then compared file by file:
 
 - JSON and JSONL: equal once the keys that record when or how fast (``created``, ``finished``,
@@ -64,6 +66,16 @@ head -n 61 sample_data/sentiment/train.csv > extra_out/train.csv
 $G finetune bundled:minilm --train extra_out/train.csv --eval sample_data/sentiment/dev.csv \
   --text-field sentence --label-field label --reg istar --lambda=-1 --epochs 1 --out extra_out/ft --quiet
 $G plot extra_out/ft --out extra_out/ft_training.png
+$G score demo_out/run --metrics all --id-sample 400 --out extra_out/all_report -q
+$G plot extra_out/all_report.json --kind diagnostics --out extra_out/diagnostics.png
+$G extract bundled:minilm sample_data/sentences.txt --modules attn_out,mlp_out --layers blocks \
+  --out extra_out/modules -q
+$G score extra_out/modules --out extra_out/modules_report -q --id-sample 200
+$VENV/bin/python -c "import sys; sys.path.insert(0, 'tests'); from helpers_models import \
+make_tiny_head_model as m; m('gpt_neox', 'causal-lm', 'extra_out')"
+head -n 40 sample_data/sentences.txt > extra_out/lm.txt
+$G finetune extra_out/tiny-gpt_neox-causal-lm --task causal-lm --train extra_out/lm.txt \
+  --eval extra_out/lm.txt --reg istar --lambda=0.5 --epochs 1 --batch-size 8 --out extra_out/lm --quiet
 """
 
 
