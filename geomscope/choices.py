@@ -41,6 +41,8 @@ SKDIM_ESTIMATORS = {
 SEED_BITS = 64
 MAX_SEED = 2**SEED_BITS - 1
 MAX_SEED_TEXT = f"2^{SEED_BITS} - 1"  # how the errors write it
+#: score and finetune: IsoScore*'s shrinkage weight zeta where none is given (the I-STAR release's)
+DEFAULT_ZETA = 0.2
 #: finetune
 REGULARISERS = ("istar", "cosreg", "none")
 PRECISIONS = ("fp32", "fp16", "bf16")

@@ -72,6 +72,7 @@ from itertools import islice
 
 import numpy as np
 
+from geomscope.choices import DEFAULT_ZETA
 from geomscope.errors import DataError, InputError
 from geomscope.metrics.isotropy import SHRINKAGE_TARGETS, check_zeta, isoscore_star_from_cov
 from geomscope.metrics.validate import (
@@ -361,7 +362,7 @@ def gradient_energy(
     *,
     controls: int = 20,
     seed: int = 0,
-    zeta: float = 0.2,
+    zeta: float = DEFAULT_ZETA,
     target="trace",
     act_eig: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> list[dict]:

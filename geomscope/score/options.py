@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from geomscope.choices import (
+    DEFAULT_ZETA,
     MAX_SEED,  # noqa: F401 (the seed bound of geomscope.options.SEED)
     OUTLIER_RULES,
     OUTLIER_STATS,
@@ -115,7 +116,10 @@ class ScoreOptions:
         short="-m",
     )
     zeta: float = option(
-        0.2, UNIT_INTERVAL, "IsoScore* weight on the shrinkage target (0 = plain IsoScore).", metavar="FLOAT"
+        DEFAULT_ZETA,
+        UNIT_INTERVAL,
+        "IsoScore* weight on the shrinkage target (0 = plain IsoScore).",
+        metavar="FLOAT",
     )
     shrinkage_target: str = option(
         "trace",

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from geomscope.choices import (
+    DEFAULT_ZETA,
     LM_BATCHING,
     PENALTY_PRECISIONS,
     PRECISIONS,
@@ -162,7 +163,7 @@ class FinetuneConfig:
         flag="--lambda",
     )
     zeta: float = option(
-        0.2, UNIT_INTERVAL, "IsoScore* shrinkage weight on C0 (0 = plain IsoScore).", metavar="FLOAT"
+        DEFAULT_ZETA, UNIT_INTERVAL, "IsoScore* shrinkage weight on C0 (0 = plain IsoScore).", metavar="FLOAT"
     )
     c0_points: int = option(
         250_000,
