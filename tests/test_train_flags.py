@@ -111,6 +111,19 @@ def _interrupt_after_first_epoch(monkeypatch):
 # -- defaults -------------------------------------------------------------------------------------
 
 
+def test_the_defaults_an_older_run_implies_are_the_declared_defaults():
+    """NEW_DEFAULTS says what a run.json without the key means; it must be what the option
+    declares, or a run resumed without the option would silently train differently."""
+    from dataclasses import fields
+
+    declared = {f.name: f.default for f in fields(config_mod.FinetuneConfig)}
+    for name, implied in config_mod.NEW_DEFAULTS.items():
+        assert name in declared, f"NEW_DEFAULTS names {name!r}, which FinetuneConfig does not declare"
+        assert declared[name] == implied, (
+            f"--{name.replace('_', '-')}: declared {declared[name]!r}, implied {implied!r}"
+        )
+
+
 def test_defaults_passed_explicitly_change_nothing(cli, tiny, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     code, _, err = cli(_cli_args(tiny, a))

@@ -62,7 +62,8 @@ from geomscope.options import (
     option,
 )
 
-#: the training options added after the first release, with their defaults: recorded in run.json and the
+#: the training options added after the first release, with the value a run.json without them means
+#: (their declared defaults, which a test holds them to): recorded in run.json and the
 #: resume fingerprint only when set to something else (so checkpoints written before them still resume)
 NEW_DEFAULTS = {
     "weight_decay": None,
