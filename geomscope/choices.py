@@ -1,4 +1,5 @@
-"""The closed sets of option values, shared by the library's validation and the CLI's choices.
+"""The closed sets of option values, shared by the library's validation and the CLI's choices, and
+the defaults that both an option and a library function take.
 
 A light module (no torch, numpy or transformers) so that ``geomscope --help`` can show them.
 """
@@ -43,6 +44,10 @@ MAX_SEED = 2**SEED_BITS - 1
 MAX_SEED_TEXT = f"2^{SEED_BITS} - 1"  # how the errors write it
 #: score and finetune: IsoScore*'s shrinkage weight zeta where none is given (the I-STAR release's)
 DEFAULT_ZETA = 0.2
+#: score --basis and finetune --log-geometry: random rank-r control subspaces per layer and rank
+DEFAULT_CONTROLS = 20
+#: score: the fraction of the largest TwoNN ratios left out of the fit (Facco et al.'s 10%)
+DEFAULT_DISCARD_FRACTION = 0.1
 #: finetune
 REGULARISERS = ("istar", "cosreg", "none")
 PRECISIONS = ("fp32", "fp16", "bf16")

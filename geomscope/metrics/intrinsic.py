@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from sklearn.base import BaseEstimator
 
-from geomscope.choices import SKDIM_ESTIMATORS
+from geomscope.choices import DEFAULT_DISCARD_FRACTION, SKDIM_ESTIMATORS
 from geomscope.errors import DataError, InputError, first_line
 from geomscope.metrics.neighbors import two_nearest
 from geomscope.metrics.twonn import (
@@ -118,7 +118,7 @@ class TwoNN(_IDEstimator):
 
     def __init__(
         self,
-        discard_fraction: float = 0.1,
+        discard_fraction: float = DEFAULT_DISCARD_FRACTION,
         estimator: str = "linear",
         dedup: bool = True,
         max_points: int | None = None,

@@ -72,7 +72,7 @@ from itertools import islice
 
 import numpy as np
 
-from geomscope.choices import DEFAULT_ZETA
+from geomscope.choices import DEFAULT_CONTROLS, DEFAULT_ZETA
 from geomscope.errors import DataError, InputError
 from geomscope.metrics.isotropy import SHRINKAGE_TARGETS, check_zeta, isoscore_star_from_cov
 from geomscope.metrics.validate import (
@@ -360,7 +360,7 @@ def gradient_energy(
     C_act,
     ranks: Sequence[int],
     *,
-    controls: int = 20,
+    controls: int = DEFAULT_CONTROLS,
     seed: int = 0,
     zeta: float = DEFAULT_ZETA,
     target="trace",

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from geomscope.choices import TWONN_FITS
+from geomscope.choices import DEFAULT_DISCARD_FRACTION, TWONN_FITS
 from geomscope.errors import DataError, InputError
 from geomscope.metrics.neighbors import two_nearest_unchecked
 from geomscope.metrics.validate import NonfiniteRows, as_rows, count_nonfinite_rows, whole_number
@@ -143,7 +143,9 @@ def _n_keep(n: int, discard_fraction: float, estimator: str) -> int:
     return k
 
 
-def fit_mu(mu: np.ndarray, discard_fraction: float = 0.1, estimator: str = "linear") -> tuple[float, int]:
+def fit_mu(
+    mu: np.ndarray, discard_fraction: float = DEFAULT_DISCARD_FRACTION, estimator: str = "linear"
+) -> tuple[float, int]:
     """Dimension from the ratios mu of N distinct points (any order): ``(d, n_fit)``."""
     _check_params(discard_fraction, estimator)
     mu = np.sort(np.asarray(mu, dtype=np.float64))
@@ -237,7 +239,7 @@ def prepare_points(
 
 def twonn(
     X,
-    discard_fraction: float = 0.1,
+    discard_fraction: float = DEFAULT_DISCARD_FRACTION,
     estimator: str = "linear",
     dedup: bool = True,
     block_size: int | None = None,
@@ -304,7 +306,7 @@ def twonn_error(
     method: str = "bootstrap",
     n_repeats: int = 200,
     n_splits: int = 4,
-    discard_fraction: float = 0.1,
+    discard_fraction: float = DEFAULT_DISCARD_FRACTION,
     estimator: str = "linear",
     dedup: bool = True,
     seed: int | None = 0,

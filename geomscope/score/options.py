@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from geomscope.choices import (
+    DEFAULT_CONTROLS,
+    DEFAULT_DISCARD_FRACTION,
     DEFAULT_ZETA,
     MAX_SEED,  # noqa: F401 (the seed bound of geomscope.options.SEED)
     OUTLIER_RULES,
@@ -154,7 +156,7 @@ class ScoreOptions:
         metavar=choice_metavar(OUTLIER_STATS),
     )
     discard_fraction: float = option(
-        0.1,
+        DEFAULT_DISCARD_FRACTION,
         Interval(whole=False, low=0, high=1, open_high=True, words="a number in [0, 1)"),
         "TwoNN: fraction of the largest ratios dropped, in [0, 1).",
         metavar="FLOAT",
@@ -266,7 +268,7 @@ class ScoreOptions:
         flag="--rank",
     )
     controls: int = option(
-        20,
+        DEFAULT_CONTROLS,
         Interval(whole=True, low=0),
         "Random rank-r subspaces of U_r's complement per rank (seeded by --seed) for --basis.",
         metavar="K",

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from geomscope.choices import (
+    DEFAULT_CONTROLS,
     DEFAULT_ZETA,
     LM_BATCHING,
     PENALTY_PRECISIONS,
@@ -253,7 +254,7 @@ class FinetuneConfig:
         metavar="LIST",
     )
     geometry_controls: int = option(
-        20,
+        DEFAULT_CONTROLS,
         Interval(whole=True, low=0),
         "Random rank-r subspaces of U_r's complement per layer and rank for --log-geometry, seeded by "
         "--seed (score --basis --controls K --seed S draws the same).",

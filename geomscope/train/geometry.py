@@ -77,6 +77,7 @@ from collections.abc import Sequence
 import torch
 
 from geomscope import distributed as dd
+from geomscope.choices import DEFAULT_CONTROLS
 from geomscope.errors import DataError, InputError
 from geomscope.layers import layer_name
 from geomscope.metrics.isotropy import isoscore_star_from_cov_torch
@@ -141,7 +142,7 @@ class GeometryLog:
         include_padding: bool,
         d: dd.Dist,
         isoscore_target_c0: bool,
-        controls: int = 20,
+        controls: int = DEFAULT_CONTROLS,
         seed: int = 0,
     ):
         self.layers = list(layers)
