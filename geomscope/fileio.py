@@ -190,8 +190,8 @@ def replace_dir(
 
 
 #: bytes of one read of a file being hashed, into one reused buffer: a fresh bytes object per read
-#: (``f.read``) of a few MiB is mapped and page-faulted anew each time, which made a shard's check
-#: 3-4x as slow (8 shards of 20 MB: 90 ms against 25 ms), CPU time taken from the scorer's threads
+#: (``f.read``) of a few MiB is mapped and page-faulted anew each time, which costs a shard's check
+#: several times the hashing itself, CPU time taken from the scorer's threads
 HASH_READ_BYTES = 1024 * 1024
 
 

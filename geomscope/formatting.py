@@ -21,8 +21,8 @@ FIXED_BELOW = 1e6
 
 #: the most characters of a name from data (a model, revision, layer, dataset or file name) that a
 #: table, page or figure shows: a longer one is cut in the middle (:func:`shown_name`), so that a
-#: crafted 1 MB model name costs what a real one does (matplotlib took 80 s to lay out a legend of
-#: 1 MB, report --html as long) while every hub name (at most 96 characters) is shown whole
+#: crafted 1 MB model name costs what a real one does (matplotlib lays out a legend of 1 MB in over
+#: a minute, and report --html takes as long) while every hub name (at most 96 characters) is shown whole
 SHOWN_NAME_CHARS = 120
 
 

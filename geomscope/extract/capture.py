@@ -14,22 +14,18 @@ sample:N`` measures them where they are (keep.py).
 Host memory (:class:`HeapTrim`): on the CPU, torch takes every activation from glibc's malloc, whose
 mmap threshold rises to the largest block freed (up to 32 MiB), so activations come from the heap,
 and batches of varying shapes fragment it: a batch's blocks land on fresh pages, the more so the
-more batches ran before, so the peak within a shard grew with the number of shards (the resident set
-after a trim stays flat).  The heap's free pages are handed back (malloc_trim) at every shard
-boundary (on the store thread, once the shard's last rows are stored) and after any batch that
-left the resident set more than 1/4 above where the last trim left it (about one batch in three
-here): a trim costs the refaulting of the pages it hands back, so trimming only when the heap
-has spread keeps most of the flattening of a trim after every batch at a part of its cost.
-Measured (MiniLM, 500 vs 5,000 sentences, shards of 250, fresh processes, 5 alternating pairs):
-peak at 10x the text over 1x 1.25-1.29x with the shard trims alone, 1.06-1.10x (median 1.08x)
-with this, for 1-2 % more time (2-3 % in 2-thread fresh processes); with the shard's trim on the
-store thread, pairs of 0.99-1.05x for the same text ten times over and 1.05-1.09x for ten times
-as many sentences (three pairs each, two runs).  The alternatives do worse: a slack of 1/8 or 1/6
-(1.08-1.12x: no flatter, +2.4-2.8 % CPU); a trim after every batch (1.04-1.09x, +3.3 %); a fixed
-mmap threshold (1 MiB flat but 12 % slower, 8 MiB 1.03x +4.8 %, 16 MiB 1.15x); handing the shard
-writer whole chunks from a buffer outside the heap (no change: the spread comes from the forward's
-own blocks, the kept hidden states among them); padding to fixed widths (9-18 % more compute on
-short sentences).
+more batches ran before, so without trims the peak within a shard grows with the number of shards
+(the resident set after a trim stays flat). The heap's free pages are handed back (malloc_trim) at
+every shard boundary (on the store thread, once the shard's last rows are stored) and after any
+batch that left the resident set more than 1/4 above where the last trim left it (about one batch in
+three on MiniLM): a trim costs the refaulting of the pages it hands back, so trimming only when the
+heap has spread keeps most of the flattening of a trim after every batch at a part of its cost. With
+this, the peak over ten times the text stays within about 1.1x of the peak over the text once, for
+1-2 % more time. The alternatives cost more for no flatter peak: a smaller slack trims more often
+for the same peak; a trim after every batch refaults more pages; a fixed mmap threshold either slows
+every allocation (small thresholds) or leaves the spread (large ones); handing the shard writer
+whole chunks from a buffer outside the heap leaves the spread, which comes from the forward's own
+blocks (the kept hidden states among them); padding to fixed widths adds compute on short sentences.
 """
 
 from __future__ import annotations

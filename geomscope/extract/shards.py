@@ -284,9 +284,9 @@ class ShardRun:
 
     def _write_groups(self, groups, prog) -> None:
         # This process's next shard's documents (world places on: extract/ranks.py) are tokenized in
-        # a thread while this shard's batches run (the tokenizer releases the GIL): on an H100 the
-        # forward of 10,000 sentences through MiniLM took 0.45 s and their tokenization 0.3 s (16
-        # cores; 1.4 s on one). Only where the next shard is surely read: without --max-tokens,
+        # a thread while this shard's batches run (the tokenizer releases the GIL): on a GPU,
+        # tokenizing MiniLM's sentences costs about two thirds of their forward on 16 cores, and
+        # three times it on one. Only where the next shard is surely read: without --max-tokens,
         # which may stop the run inside this one.
         if self.opts.max_tokens is None:
             ahead = _lookahead(enumerate(groups), depth=self.world)

@@ -4,20 +4,17 @@ Storing a batch (the NaN/Inf check, chunk-aligned HDF5 appends: ~40 ms for 8,192
 and publishing a shard (final flush, fsync, rename, checksums of the file, the manifest's atomic
 update: ~0.15 s for 500 sentences) on the main thread between forwards would be time in which no
 forward runs -- and an fsync is a wait, not work.  One background thread does them while the main
-thread tokenizes and runs the next batch.  Measured in the benchmark's setting (MiniLM, one torch
-thread, four extract calls of 500 sentences alternating with a plain forward over the same
-batches, 3 repeats): 0.964x the plain forward's tokens/s, against 0.934x with the storing on the
-main thread; with two torch threads on 1,500 sentences 0.876x against 0.869x (the store thread
-then competes for the cores).
+thread tokenizes and runs the next batch, which brings extract's tokens/s a few percent closer to
+a plain forward's on one torch thread; with more torch threads than free cores the store thread
+competes for the cores and the gain shrinks.
 
 Publishing a shard has two parts. Its final flush and the closing of its HDF5 file run on the
 store thread, and its checksums (a read of the whole file) start then, in a pool shared by the
 process's shards (``store/shard.py``); its fsync, rename and manifest update run on a second,
 publisher thread, which waits for those checksums, so the store thread goes on appending the next
 shard's rows meanwhile, and consecutive shards are hashed side by side.
-On a GPU the forward is not what limits extraction: with every layer of MiniLM stored (2.2 GB
-for 387,000 tokens on an H100), appending takes 3.4 s and publishing 3.0 s of a 6.9 s run, which
-is why they overlap.
+On a GPU the forward is not what limits extraction: with every layer of MiniLM stored, appending
+and publishing each take close to half of the run, which is why they overlap.
 
 Nothing about the run changes: ONE thread does every append, in the order they were submitted,
 so a shard's rows are appended in the order they were captured; a shard's file is complete before
@@ -28,14 +25,13 @@ queued is redone).
 
 Memory: extract waits for the store thread to be idle before it hands over the next batch
 (storing a batch takes a small part of a forward, so it rarely waits), so at most one batch's rows
-are held besides the one being captured: peak RSS +30 MiB for MiniLM (~715 vs ~685 MiB).  It stays
-flat with the text: the same 500 sentences ten times over peak 1.006-1.068x the single pass (three
-fresh-process pairs in each of three benchmark runs, shards of 250).  Ten times as many *different*
-sentences peak 1.05-1.15x, as the forward alone does (1.05-1.44x): that text holds larger batches
-(the largest one's attention, batch x length^2, is 1.68x the 1x text's).  Tried and dropped:
-holding the waiting rows outside the heap (two anonymous maps taking turns, the rows gathered
-straight into them): no flatter (1.11-1.14x), and a higher peak.  The queue itself holds at most
-:data:`DEPTH` jobs.
+are held besides the one being captured: about 30 MiB more peak RSS for MiniLM (~715 vs ~685
+MiB).  It stays flat with the text: the same sentences ten times over peak within about 1.07x of
+the single pass.  Ten times as many *different* sentences peak higher, as the forward alone does:
+that text holds larger batches (the largest one's attention, batch x length^2, grows with the
+longest sentence).  Holding the waiting rows outside the heap (two anonymous maps taking turns,
+the rows gathered straight into them) gives no flatter a peak, and a higher one.  The queue itself
+holds at most :data:`DEPTH` jobs.
 
 Errors: the first failure of a store job or a publishing is raised in the main thread (its own
 exception) at the next submit or wait, or at :meth:`StoreThread.drain`. After it every later store

@@ -486,8 +486,8 @@ class Moments:
             blk._extras_from_block(b, work.sub, a)
         b -= blk.mean
         # numpy runs b.T @ b as a BLAS syrk (one triangle, mirrored) and releases the GIL meanwhile;
-        # scipy.linalg.blas.dsyrk holds the GIL, which serialised the blocks of all threads (measured:
-        # 2 threads took 2.1x the time of one for twice the blocks, numpy's product 1.0x)
+        # scipy.linalg.blas.dsyrk holds the GIL, which serialises the blocks of all threads (two
+        # threads would take twice one thread's time for twice the blocks; numpy's product the same)
         if self.product_dtype == "float32":  # centred first, in float64: an offset costs nothing
             blk._m2 = _float32_scatter(b, work.buf32[:m])
         else:

@@ -53,9 +53,8 @@ from geomscope.metrics.validate import NonfiniteRows, as_rows, count_nonfinite_r
 #: Bytes allowed for one strip of float32 candidate distances (and for each float64 chunk).
 DEFAULT_MEMORY_BUDGET = 256 * 2**20
 #: The budget on a GPU (a quarter of the memory the search leaves free, if that is less: see
-#: :func:`device_budget`): taller strips and larger chunks. With 256 MiB a 200,000-row search on
-#: an H100 ran strips of 335 rows and 128-row chunks, and its candidate search took 5.3 s instead
-#: of 4.3 s.
+#: :func:`device_budget`): taller strips and larger chunks, because a GPU runs a strip of a few
+#: hundred rows well below its throughput (256 MiB gives a 200,000-row search strips of 335 rows).
 GPU_MEMORY_BUDGET = 4 * 2**30
 #: Candidates kept per row by the float32 search (exactly recomputed, then certified).
 K_CANDIDATES = 4
@@ -631,7 +630,7 @@ PRUNE_MIN_ROWS = 4096
 _SURVIVAL_SAMPLE, _PCA_SAMPLE = 128, 2048
 #: Rough costs measured on a 2-core AVX2 CPU, in float32-GEMM flops: per strip entry of the brute
 #: search's top-k passes and of the pruned search's (a row min and a compare + nonzero, beyond its
-#: 2 (k + 1) product flops; 140 before the one-scan pass), and per element of an exact float64
+#: 2 (k + 1) product flops), and per element of an exact float64
 #: distance of a gathered pair. Calibrated at 20,000 x 768: brute force 3.6 s, the pruned pass
 #: 0.65 s, exact pairs ~1.8 us each.
 _COST_BRUTE_PASS, _COST_PRUNED_PASS, _COST_EXACT = 200.0, 90.0, 250.0

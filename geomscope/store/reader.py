@@ -111,15 +111,14 @@ def _layer_form(path: Path, layer: str) -> tuple[int, np.dtype]:
 class _RowReader:
     """Rows ``start:stop`` of a shard's (rows, D) datasets, as ``ds[start:stop]`` gives them.
 
-    h5py holds the GIL for the whole of a read (3.4-3.9 ms for a shard of 25,000 x 384 float16 rows on
-    the 2-core benchmark machine), and ``score`` reads the next shard in a thread while its own threads
-    multiply: they could not come back from a product meanwhile. A dataset stored as geomscope writes
-    it -- chunks of whole rows, no filter, numbers in this machine's byte order -- is read here chunk by
-    chunk, its bytes straight into the array with ``os.preadv``, which releases the GIL (and is faster:
-    the 8 shards of the 200k x 384 benchmark run in 34 ms against h5py's 54-56). It reads the file
-    h5py opened (a duplicate of its descriptor, read at explicit offsets), never the path again: what
-    h5py's checks and the identity check saw is what the rows come from. Any other layout, a filter,
-    a chunk never written, or a shard behind a URL is read by h5py."""
+    h5py holds the GIL for the whole of a read (a few ms for a shard of 25,000 x 384 float16 rows), and
+    ``score`` reads the next shard in a thread while its own threads multiply: they could not come back
+    from a product meanwhile. A dataset stored as geomscope writes it -- chunks of whole rows, no
+    filter, numbers in this machine's byte order -- is read here chunk by chunk, its bytes straight into
+    the array with ``os.preadv``, which releases the GIL (and takes about two thirds of h5py's time). It
+    reads the file h5py opened (a duplicate of its descriptor, read at explicit offsets), never the path
+    again: what h5py's checks and the identity check saw is what the rows come from. Any other layout, a
+    filter, a chunk never written, or a shard behind a URL is read by h5py."""
 
     def __init__(self, path, f: h5py.File):
         self.path = path
