@@ -179,9 +179,10 @@ def _meta(ch) -> dict[str, np.ndarray]:
 
 class _NpyFile:
     """One .npy written front to back by plain writes: its header (the shape is known in advance),
-    then the rows as they come. A memory map of the whole file (open_memmap) made it sparse, and a
-    full disk then came as SIGBUS on a page write: the process died with no error line and left its
-    temporary directory; a write says ENOSPC, which export_run turns into one line."""
+    then the rows as they come, not a memory map of the whole file (open_memmap): a map makes the
+    file sparse, and a full disk then comes as SIGBUS on a page write, which kills the process with
+    no error line and leaves its temporary directory; a write says ENOSPC, which export_run turns
+    into one line."""
 
     def __init__(self, path: Path, dtype, shape: tuple):
         self.path, self.dtype, self.shape, self.rows = path, np.dtype(dtype), tuple(shape), 0

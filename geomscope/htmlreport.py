@@ -52,7 +52,8 @@ class ReportOptions:
         return replace(self, kinds=KIND_LIST.items(self.kinds) or ["auto"])
 
 
-#: how every page begins, byte for byte, up to the generator mark (pages before the mark had none)
+#: how every page begins, byte for byte, up to the generator mark (a page without the mark, which
+#: :func:`_is_page` also accepts, goes straight on to the viewport)
 _OPENING = "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
 _VIEWPORT = "<meta name='viewport' content='width=device-width, initial-scale=1'>"
 #: the opening of each report's section
@@ -298,7 +299,7 @@ def html_page(reports: Sequence[dict], *, kinds: Sequence[str] = ("auto",), titl
 
 def _is_page(data: bytes) -> bool:
     """A page geomscope wrote: one that begins exactly as :func:`html_page` begins it, with the
-    generator mark; or, from before the mark, with that opening without it and holding the report
+    generator mark; or one that begins with that opening without the mark and holds the report
     sections. A mark or a section anywhere else (a user's notes quoting a page) is not enough."""
     if data.startswith((_OPENING + HTML_GENERATOR).encode()):
         return True

@@ -138,8 +138,8 @@ def _print_report(console, report: dict, columns, jpath, cpath) -> None:
 
 
 def _table_columns(columns: list[str], opts) -> list[str] | None:
-    """--columns checked before the work (it was checked against the report after the whole pass,
-    and never with -q): the names must be metrics these options compute. The check is the table's
+    """--columns checked before the work (so that a typo costs no pass, with or without -q): the
+    names must be metrics these options compute. The check is the table's
     own (report.table_metrics) on a report that holds every requested metric; a metric requested
     but null in every layer is still refused after the pass."""
     from geomscope.errors import InputError

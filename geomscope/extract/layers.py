@@ -8,8 +8,8 @@ norm's *output* in that tuple's last entry; geomscope stores the last block's ra
 instead (``layer_N``, read at the norm's input) and the norm's output as a layer of its own,
 ``final_norm`` (index N + 1), so the two can be compared (Machina & Mercer 2024). BERT-style post-LN
 models have no final norm: their ``layer_N`` is the model's output and there is no ``final_norm``.
-When a model's final norm cannot be found by name, the old meaning stays: ``layer_N`` is the
-tuple's last entry, flagged ``final_norm: true``.
+When a model's final norm cannot be found by name, ``layer_N`` is the tuple's last entry (the
+norm's output, if there is a norm), flagged ``final_norm: true``.
 
 A module's layer (``extract --modules``, :func:`describe_modules`) is named by its path and sits at
 its block's index (block k's modules at k + 1, beside ``layer_{k+1}``); :func:`in_forward_order`

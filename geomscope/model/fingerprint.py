@@ -2,9 +2,9 @@
 
 :func:`weights_fingerprint` (:data:`WEIGHTS_KEY`): xxh3_128 over the names, sizes and whole contents
 of config.json (and adapter_config.json), every weight file and any model code;
-:func:`legacy_weights_fingerprint`: what runs recorded before it (``weights_sha256``, of each file's
-first and last 64 KiB), only to resume such runs; :func:`tokenizer_fingerprint`: sha256 of the
-tokenizer files.
+:func:`legacy_weights_fingerprint`: what a run whose identity has no :data:`WEIGHTS_KEY` records
+(``weights_sha256``, of each file's first and last 64 KiB), only to resume such runs;
+:func:`tokenizer_fingerprint`: sha256 of the tokenizer files.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from geomscope.model.files import TOKENIZER_FILES, WEIGHT_SUFFIXES
 
 def _sha256_files(paths: list[Path], *, head_tail: int | None = None) -> str | None:
     """sha256 over names, sizes and contents (or the first and last ``head_tail`` bytes) of files:
-    the tokenizer's fingerprint, and the weights' of runs before :data:`WEIGHTS_KEY` (unchanged, so
-    that those runs still resume)."""
+    the tokenizer's fingerprint, and the weights' of runs whose identity has no :data:`WEIGHTS_KEY`
+    (computed as they record it, so that those runs resume)."""
     if not paths:
         return None
     h = hashlib.sha256()
@@ -38,9 +38,10 @@ def _sha256_files(paths: list[Path], *, head_tail: int | None = None) -> str | N
 
 
 def legacy_weights_fingerprint(model_dir: Path) -> str | None:
-    """What runs before :data:`WEIGHTS_KEY` recorded as ``weights_sha256``: sha256 of config.json and,
-    for every weight file, its name, size and first and last 64 KiB. Only to resume such a run (a
-    change mid-file escapes it: that is why new runs record the whole files)."""
+    """What a run whose identity has no :data:`WEIGHTS_KEY` records as ``weights_sha256``: sha256 of
+    config.json and, for every weight file, its name, size and first and last 64 KiB. Only to resume
+    such a run (a change mid-file escapes it: that is why a run records :func:`weights_fingerprint`
+    of the whole files)."""
     d = Path(model_dir)
     files = [
         p
@@ -66,8 +67,8 @@ def _digest_files(paths: list[Path], algorithm: str) -> str | None:
 #: size, rng_state.pth ...): they do not change the rows, so the fingerprint does not read them
 TRAINER_STATE_PREFIXES = ("optimizer", "scheduler", "rng_state", "scaler", "training_args")
 
-#: the identity's key for :func:`weights_fingerprint` (runs before it recorded ``weights_sha256``, of
-#: each file's first and last 64 KiB only)
+#: the identity's key for :func:`weights_fingerprint` (an identity without it has ``weights_sha256``,
+#: of each file's first and last 64 KiB only: :func:`legacy_weights_fingerprint`)
 WEIGHTS_KEY = "weights_xxh3_128"
 
 

@@ -23,8 +23,8 @@ SHARD_FORMAT = "geomscope-shard"
 MANIFEST_NAME = "manifest.json"
 LOCK_NAME = ".geomscope.lock"
 #: every process records its finished shards in its own shard log (manifest.ShardLog), which
-#: process 0 folds into the manifest (at the end, and when a run is resumed); ``.json`` is the part
-#: file of geomscope before the logs (one JSON document, rewritten per shard), still read
+#: process 0 folds into the manifest (at the end, and when a run is resumed); a ``.json`` part file
+#: (one JSON document, rewritten per shard, as a run without shard logs leaves it) is read too
 PART_RE = re.compile(r"\.geomscope-rank-\d{5}\.jsonl?")
 #: the only names geomscope gives shards, and their temporary names while being written
 SHARD_FILE_RE = re.compile(r"shard-\d{5,}\.h5")

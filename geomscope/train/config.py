@@ -2,7 +2,7 @@
 them a run records (``run.json``) and must match to resume (the fingerprint).
 
 Training options (each left out of ``run.json`` and the resume fingerprint while at its default, so
-older checkpoints still resume):
+that a checkpoint whose run.json lacks the key resumes as one at the default):
 
 * ``weight_decay``: AdamW weight decay W on the weights, none on biases and LayerNorm weights (as
   transformers' Trainer groups them).  Unset (the default) keeps torch's AdamW default, 0.01 on every
@@ -63,9 +63,9 @@ from geomscope.options import (
     option,
 )
 
-#: the training options added after the first release, with the value a run.json without them means
-#: (their declared defaults, which a test holds them to): recorded in run.json and the
-#: resume fingerprint only when set to something else (so checkpoints written before them still resume)
+#: the training options whose absence from run.json means their default (their declared defaults,
+#: which a test holds them to): recorded in run.json and the resume fingerprint only when set to
+#: something else, so that a run.json without one of them resumes as a run at its default
 NEW_DEFAULTS = {
     "weight_decay": None,
     "scheduler": "constant",
