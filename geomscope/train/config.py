@@ -60,6 +60,7 @@ from geomscope.options import (
     check,
     check_value,
     choice_metavar,
+    default_of,
     option,
 )
 
@@ -116,6 +117,8 @@ FINETUNE_SEED = Interval(
 _POSITIVE = Interval(whole=False, low=0, open_low=True, words="a positive number")
 #: --geometry-rank: whole numbers >= 1, however written (8,32 or a list of them)
 _RANKS = CommaList("whole numbers >= 1 (e.g. 8,32)", POSITIVE_INT, int, nonempty=True)
+#: the hidden states I-STAR penalises when --layers is unset (recorded as unset: null in run.json)
+DEFAULT_LAYERS = "blocks"
 
 
 @dataclass
@@ -176,8 +179,8 @@ class FinetuneConfig:
     layers: str | None = option(
         None,
         Layers(),
-        "Hidden states for I-STAR: blocks | all | 1-6 | 2,4,-1 | layer_03 (default: blocks, every "
-        "block; 0 = embedding output).",
+        "Hidden states for I-STAR: blocks | all | 1-6 | 2,4,-1 | layer_03 (default: "
+        f"{DEFAULT_LAYERS}, every block; 0 = embedding output).",
         metavar="LIST",
         short="-l",
         optional=True,
@@ -331,6 +334,11 @@ class FinetuneConfig:
     )
     extra: dict = field(default_factory=dict)  # recorded in run.json / summary.json (e.g. model alias)
 
+    def layer_selection(self) -> str | list:
+        """The ``--layers`` selection the run reads (:func:`geomscope.layers.parse_layers`):
+        :data:`DEFAULT_LAYERS` when unset."""
+        return DEFAULT_LAYERS if self.layers is None else self.layers
+
     def validate(self) -> FinetuneConfig:
         """``self``, its ``geometry_rank`` read as a tuple of whole numbers ("8,32" -> (8, 32)), when
         every option meets its declaration (:func:`geomscope.options.check`) and the rules between
@@ -393,7 +401,7 @@ def fingerprint(cfg: FinetuneConfig, layers: list[int], world: int) -> dict:
     fp = {k: getattr(cfg, k) for k in _FINGERPRINT}
     for key, field_name in _DATA_KEYS.items():
         fp[key] = data_identity(getattr(cfg, field_name))
-    if cfg.task == "classification":
+    if cfg.task == default_of(FinetuneConfig, "task"):
         del fp["task"]  # checkpoints written before --task existed stay resumable
     fp["layers"] = layers
     fp["world_size"] = world
@@ -411,7 +419,7 @@ def check_same_run(out, stored: dict, asked: dict, epochs: int, advice: str | No
     fingerprint has are ignored; a checkpoint from before the data files' contents were recorded is
     compared on their paths alone (it cannot say more)."""
     advice = advice or "resume with the same options or choose another --out"
-    dflt = {"task": "classification", **NEW_DEFAULTS}
+    dflt = {"task": default_of(FinetuneConfig, "task"), **NEW_DEFAULTS}
     old = {**dflt, **stored}
     new = {**dflt, **asked}
     old.setdefault("epochs", epochs)  # no schedule before: the run's length was free

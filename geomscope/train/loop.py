@@ -200,7 +200,7 @@ def _planned_layers(cfg: FinetuneConfig) -> tuple[object, list[int]]:
     from geomscope.model.probe import n_blocks
 
     config = check_model_source(cfg.model)
-    return config, parse_layers(cfg.layers or "blocks", n_blocks(SimpleNamespace(config=config)) + 1)
+    return config, parse_layers(cfg.layer_selection(), n_blocks(SimpleNamespace(config=config)) + 1)
 
 
 def planned_fingerprint(cfg: FinetuneConfig) -> dict:
@@ -337,7 +337,7 @@ class _Trainer:
         else:
             self.model, self.tokenizer, self.minfo = load_classifier(src, self.label2id, self.note)
         self.n_hidden = n_blocks(self.model) + 1
-        self.layers = parse_layers(cfg.layers or "blocks", self.n_hidden)
+        self.layers = parse_layers(cfg.layer_selection(), self.n_hidden)
         if cfg.log_geometry is not None:
             from geomscope.train.geometry import check_ranks
 
