@@ -312,7 +312,7 @@ def test_input_formats_give_identical_runs(tmp_path, loaded):
         ("a.txt", {}),
         ("a.jsonl", {"text_field": "meta.body"}),
         ("a.csv", {"text_column": "body"}),
-        ("a.tsv", {"text_column": "body"}),
+        ("a.tsv", {"text_field": "body"}),  # a .csv/.tsv column too, as the CLI's --text-field
         ("ds", {"text_field": "body"}),
         ("a.txt.gz", {}),
     ]:
@@ -326,6 +326,7 @@ def test_input_formats_give_identical_runs(tmp_path, loaded):
             np.testing.assert_array_equal(r[k], base[k], err_msg=name)
         np.testing.assert_array_equal(r["layers"]["layer_02"], base["layers"]["layer_02"], err_msg=name)
     assert Run(tmp_path / "run-a.jsonl").identity["text_field"] == "meta.body"
+    assert Run(tmp_path / "run-a.tsv").identity["text_column"] == "body"
 
 
 def test_several_inputs_and_stdin(tmp_path, loaded):

@@ -45,7 +45,6 @@ def extract_cmd(
         None, "--revisions", metavar="LIST|FILE|PRESET|GLOB", help=REVISIONS_HELP
     ),
     drop_weights: bool = typer.Option(False, "--drop-weights", help=DROP_WEIGHTS_HELP),
-    text_column: Optional[str] = typer.Option(None, "--text-column", hidden=True),
     json_out: bool = json_option("the summary"),
     quiet: bool = quiet_option(),
     **chosen,
@@ -57,7 +56,7 @@ def extract_cmd(
     from geomscope.errors import GeomscopeError
 
     try:
-        options = ExtractOptions(**{**chosen, "text_column": text_column or chosen["text_field"]})
+        options = ExtractOptions(**chosen)
         summary = _extract(model, inputs, out, options, revisions, drop_weights, quiet)
     except GeomscopeError as e:
         if json_out and getattr(e, "summary", None) is not None:

@@ -64,8 +64,8 @@ class ExtractOptions:
     once (:mod:`geomscope.options`): ``geomscope extract --help`` is built from these fields.
 
     ``layers`` is read by :mod:`geomscope.layers` against the model's hidden states. ``text_field``
-    names the text of .jsonl records and datasets, ``text_column`` that of .csv/.tsv files (the
-    CLI's ``--text-field`` sets both).
+    names the text of .jsonl records and datasets, and of .csv/.tsv files unless ``text_column``
+    names another column (None: ``text_field``, resolved by :meth:`validate`).
     """
 
     layers: str | list | tuple = option(
@@ -127,11 +127,12 @@ class ExtractOptions:
         "Text field of .jsonl records and datasets, or column of .csv/.tsv files.",
         metavar="NAME",
     )
-    text_column: str = option(
-        "text",
+    text_column: str | None = option(
+        None,
         Text(),
         "Deprecated spelling of --text-field for .csv/.tsv files.",
         metavar="NAME",
+        optional=True,
         hidden=True,
     )
     max_docs: int | None = option(
@@ -226,15 +227,16 @@ class ExtractOptions:
         return max_memory_map(self.max_memory)
 
     def validate(self) -> ExtractOptions:
-        """A checked copy with ``store_dtype`` resolved (``auto``); OptionError (one line) naming the
-        option otherwise: each option against its declaration, then the rules between options."""
+        """A checked copy with ``store_dtype`` (``auto``) and ``text_column`` (None) resolved;
+        OptionError (one line) naming the option otherwise: each option against its declaration,
+        then the rules between options."""
         check(self)
         if self.device_map is not None and self.device not in ("auto", None):
             raise InputError("--device-map places the model itself; drop --device")
         self._check_gradients()
-        out = self
+        out = self if self.text_column is not None else replace(self, text_column=self.text_field)
         if self.store_dtype == "auto":
-            out = replace(self, store_dtype="float32" if self.gradients else "float16")
+            out = replace(out, store_dtype="float32" if self.gradients else "float16")
         out._check_products()
         return out
 
