@@ -136,8 +136,8 @@ class HostCopies:
 def start_host_copies(tensors: list) -> HostCopies:
     """numpy copies of ``tensors``, wherever they live, queued without waiting (``HostCopies.value``:
     the list of arrays, complete once ``result()`` returns). From a GPU each goes into page-locked
-    host memory, which the GPU writes at the link's speed (54 GB/s measured on an H100 host, where
-    a copy into ordinary pageable memory ran at about 2 GB/s), every copy queued on the device's
+    host memory, which the GPU writes at the link's speed (tens of GB/s, against a few GB/s into
+    ordinary pageable memory: docs/explanation/performance.md), every copy queued on the device's
     current stream, after the work that computes it. Where no page-locked memory can be had, the
     ordinary copy (which waits). A page-locked block goes back to torch's cache of them when its
     array is freed and is reused for a later batch of its size class (torch rounds a block up to a

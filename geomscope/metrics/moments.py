@@ -9,25 +9,24 @@
   ``count_abs_ge`` (D,) = number of rows with |x_d| >= ``abs_threshold``
 
 Each ``update`` converts its rows block by block (``block_rows``) to float64, once, into a reused
-buffer; centres each block on its own mean and merges (n, mean, M2) with Chan et al.'s parallel
-formula, so a large common offset (mean 1e4, std 1) costs no precision. The block scatter is a
-symmetric rank-k update in float64 (BLAS syrk through numpy, which releases the GIL: scipy's dsyrk
-wrapper does not, and serialised the threads). The merge's rank-one corrections c delta delta^T are
-kept as rows sqrt(c) delta and added together, R^T R through numpy's syrk, once 64 are waiting or
-when M2 is read. They were a scipy BLAS dsyr each: scipy ships its own OpenBLAS, whose threads kept
-spinning after every call beside numpy's, and with multi-threaded BLAS (an in-memory ``update``) the
-blocks' products ran at half speed (``isoscore`` of 50k x 768 float32 0.79 -> 0.39 s on 2 cores; a
-scorer runs BLAS on one thread and did not suffer). syrk runs at ~80 % of this machine's float64
-GEMM rate: it is most of the time of a pass, and by default the results match a float64 reference
-to 1e-10. ``product_dtype="float32"`` rounds each block, once centred in float64, to float32 and
-multiplies it in float32 (the block products are still added together in float64): the product runs
-~2.3x as fast, and the covariance and IsoScore carry ~1e-8 relative error (measured against float64:
-1.3e-8 on a 200k x 384 float16 run, 2.1e-8 on 50k x 768 float32 rows; the isoscore package's own
-float32 computation is 6.3e-6 and 2.3e-6 away). The unit-vector and |x| statistics run over cache-sized
-sub-blocks of 256 rows of the same float64 copy, sweeping x^2 then |x|, with the sums over rows as
-matrix-vector products. Memory is O(block_rows * D + D^2) per thread, independent of N. ``merge`` is
-the same exact formula, so partial accumulators from shards/processes combine into the same numbers
-(up to float64 rounding) as one pass. Instances hold plain numpy attributes and pickle.
+buffer; centres each block on its own mean and merges (n, mean, M2) with Chan et al.'s parallel formula,
+so a large common offset (mean 1e4, std 1) costs no precision. The block scatter is a symmetric rank-k
+update in float64 (BLAS syrk through numpy, which releases the GIL: scipy's dsyrk wrapper does not, and
+would serialise the threads). The merge's rank-one corrections c delta delta^T are kept as rows sqrt(c)
+delta and added together, R^T R through numpy's syrk, once 64 are waiting or when M2 is read, rather
+than by a scipy BLAS dsyr each: scipy ships its own OpenBLAS, whose threads keep spinning after every
+call beside numpy's, so that with multi-threaded BLAS (an in-memory ``update``) the blocks' products
+would run at half speed (a scorer runs BLAS on one thread). syrk runs at ~80 % of the float64 GEMM rate:
+it is most of the time of a pass, and by default the results match a float64 reference to 1e-10.
+``product_dtype="float32"`` rounds each block, once centred in float64, to float32 and multiplies it in
+float32 (the block products are still added together in float64): the product runs ~2.3x as fast, and
+the covariance and IsoScore carry ~1e-8 relative error against float64 (1.3e-8 on a 200k x 384 float16
+run, 2.1e-8 on 50k x 768 float32 rows; the isoscore package's own float32 computation is 6.3e-6 and
+2.3e-6 away). The unit-vector and |x| statistics run over cache-sized sub-blocks of 256 rows of the same
+float64 copy, sweeping x^2 then |x|, with the sums over rows as matrix-vector products. Memory is
+O(block_rows * D + D^2) per thread, independent of N. ``merge`` is the same exact formula, so partial
+accumulators from shards/processes combine into the same numbers (up to float64 rounding) as one pass.
+Instances hold plain numpy attributes and pickle.
 
 Threads: ``update(x, threads=T)`` and :func:`update_groups` (rows split among several accumulators,
 the jackknife groups of a scorer) compute the blocks in T threads and merge them in row order, so

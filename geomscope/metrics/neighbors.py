@@ -62,7 +62,7 @@ _U32 = 2.0**-24
 _U64 = 2.0**-53
 #: Bytes per chunk of the bandwidth-bound passes over rows (shift and norms, projections, exact
 #: pair distances): a chunk that stays in the cache between the ops reading it makes these passes
-#: 2-3x faster than budget-sized chunks (measured at 20,000 x 768 on a 2-core EPYC).
+#: 2-3x faster than budget-sized chunks (at 20,000 x 768 on a 2-core CPU).
 _CACHE_BYTES = 4 * 2**20
 #: Bytes per strip of the pruned search's lower bounds (its product, then min and compare passes),
 #: and rows per band for which its candidates are computed exactly together.
@@ -650,7 +650,7 @@ def _principal_directions(x32, kmax: int):
     S = x32[torch.randperm(n, generator=g)[:_PCA_SAMPLE].to(x32.device)]
     Q = torch.randn(d, min(d, kmax + 8), generator=g).to(x32.device)
     # one thread: multi-threaded LAPACK on these small factorizations can be ~100x slower when
-    # the cores are shared (measured: a 768 x 72 QR, 0.13 s on 2 busy threads, 0.7 ms on one)
+    # the cores are shared (a 768 x 72 QR takes 0.13 s on 2 busy threads, 0.7 ms on one)
     with _threads(x32.device, fraction=0.0):
         for _ in range(2):
             Q = torch.linalg.qr(S.T @ (S @ Q))[0]
@@ -922,7 +922,7 @@ class _StripThreads:
     strip after 8 strips, then after 16, 32, 64 (at most) while it stays slower. The pass is
     hundreds of ~1 ms multi-threaded calls: on an idle machine all threads are ~1.4x faster, but
     when other processes hold the cores each call can wait a scheduler tick for them, and one
-    thread is 2-10x faster (measured at 20,000 x 768 on 2 shared cores).
+    thread is 2-10x faster (at 20,000 x 768 on 2 shared cores).
     """
 
     def __init__(self, dev):

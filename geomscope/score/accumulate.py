@@ -256,12 +256,11 @@ def _checksum_first(finishes: list):
 def run_tasks(tasks: list[Task], spec: PassSpec, progress=None, into: dict | None = None) -> dict:
     """``run_task`` for every task in order, into one set of accumulators (``into``, or new ones).
 
-    With ``spec.threads`` > 1 one reader thread reads the next block while this one is computed,
-    across task boundaries: a shard of a few tens of MB is a single block, so a read-ahead inside
-    each task overlapped nothing and every shard's read waited (measured on the 200k x 384 benchmark
-    run: 0.10 s of IsoScore's 0.72 s, 0.18 s of the suite's 1.35 s). The blocks, the order in which
-    they are added and so the numbers are those of ``run_task`` one task after another; a bad
-    shard's error comes after the blocks read before it, as there."""
+    With ``spec.threads`` > 1 one reader thread reads the next block while this one is computed, across
+    task boundaries: a shard of a few tens of MB is a single block, so a read-ahead inside each task
+    would overlap nothing, and every shard's read, about a seventh of a pass, would wait. The blocks,
+    the order in which they are added and so the numbers are those of ``run_task`` one task after
+    another; a bad shard's error comes after the blocks read before it, as there."""
     parts = {} if into is None else into
     streamed = (
         spec.threads > 1 and spec.kind not in ("select", "count") and not any(t.accumulated for t in tasks)

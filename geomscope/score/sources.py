@@ -162,7 +162,7 @@ def compressed_band_rows(a) -> int | None:
 def _check_band_fits(p: Path, a, name: str, memory_mb: float) -> None:
     """InputError (one line) when reading one band of ``a``'s compressed chunks holds more than
     ``memory_mb`` MiB: the band decompressed across the whole width, twice (HDF5's decompressed
-    chunks and the rows copied out of them; measured: 4.1 GB of peak for a 2 GiB band)."""
+    chunks and the rows copied out of them: a 2 GiB band peaks at about 4 GB)."""
     band = compressed_band_rows(a)
     if band is None:
         return

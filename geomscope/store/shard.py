@@ -40,8 +40,8 @@ class ShardInfo:
     nonfinite_rows: int
     bytes: int
     sha256: str
-    tokens: int | None = None  # token rows measured (= rows unless the run keeps a sample); None: older runs
-    xxh3_128: str | None = None  # the checksum that is checked (store/checksum.py); None: older runs
+    tokens: int | None = None  # token rows measured (= rows unless the run keeps a sample); None: absent
+    xxh3_128: str | None = None  # the checksum that is checked (store/checksum.py); None: absent
 
     def to_dict(self) -> dict:
         return asdict(self)
