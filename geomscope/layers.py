@@ -84,6 +84,18 @@ def module_layer_name(path: str, side: str = "out", part: str | None = None) -> 
     return str(path) + (MODULE_INPUT if side == "in" else "") + (f":{part}" if part else "")
 
 
+def layer_number(name: str) -> int | None:
+    """The index N of a hidden state's name ``layer_N`` (any zero padding, any case: ``layer_06``,
+    ``layer_6``), None for any other name (``final_norm``, a module's path, ``layer_06.grad``)."""
+    m = _NUMBERED.fullmatch(str(name))
+    return int(m.group(1)) if m else None
+
+
+def is_hidden_state(name: str) -> bool:
+    """A hidden state's activation layer ``layer_N`` (not its gradient, a module or ``final_norm``)."""
+    return layer_number(name) is not None
+
+
 def is_final_norm(name: str) -> bool:
     """The final norm's output or its gradient: outside the residual stream's index arithmetic."""
     return activation_name(name) == FINAL_NORM_LAYER
@@ -218,16 +230,18 @@ def _item_layers(item: str, things: Layers) -> list[Layer]:
         if lo > hi:
             raise _refused(things, f"range {item} runs backwards; write it low-high, e.g. {hi}-{lo}")
         return [la for la in things.layers if lo <= la.index <= hi]
-    m = _NUMBERED.fullmatch(activation_name(item))
-    if m:
+    number = layer_number(activation_name(item))
+    if number is not None:
         grad = is_gradient(item)
-        at = [la for la in things.layers if la.index == int(m.group(1)) and is_gradient(la.name) == grad]
+        at = [la for la in things.layers if la.index == number and is_gradient(la.name) == grad]
         if at:
             return at
     folded = [la for la in things.layers if la.name.lower() == word]
     if folded:
         return folded
-    raise _refused(things, _absent(f"layer {item!r}", things, index=bool(m), grad=is_gradient(item)))
+    raise _refused(
+        things, _absent(f"layer {item!r}", things, index=number is not None, grad=is_gradient(item))
+    )
 
 
 def _index(item: str, things: Layers) -> int:
@@ -250,8 +264,8 @@ def _at_index(i: int, item: str, things: Layers) -> list[Layer]:
 
 def _end(end: str, things: Layers) -> int:
     """A range's end as an index, within the thing's indices (a range may pass over absent ones)."""
-    m = _NUMBERED.fullmatch(end)
-    i = int(m.group(1)) if m else _index(end, things)
+    number = layer_number(end)
+    i = number if number is not None else _index(end, things)
     indices = [la.index for la in things.layers]
     if not indices or not min(indices) <= i <= max(indices):
         raise _refused(things, _absent(f"layer {end}", things, index=True))

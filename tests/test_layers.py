@@ -15,8 +15,10 @@ from geomscope.layers import (
     gradient_name,
     is_final_norm,
     is_gradient,
+    is_hidden_state,
     layer_items,
     layer_name,
+    layer_number,
     listed_layers,
     model_layers,
     module_layer_name,
@@ -351,3 +353,11 @@ def test_a_shrinkage_target_layer_is_one_layer_of_the_grammar(models):
     assert "layer:layer_04" in json.dumps(rep["params"])
     with pytest.raises(InputError, match=r"layer:1-2 picks 2 layers \(layer_01, layer_02\); name one"):
         score(models["run"], opts("layer:1-2"))
+
+
+def test_layer_number_reads_hidden_state_names_only():
+    assert [layer_number(n) for n in ("layer_06", "layer_6", "LAYER_012", "layer_00")] == [6, 6, 12, 0]
+    for other in ("final_norm", "layer_06.grad", "layers.3.mlp", "h.3", "layer_", "6"):
+        assert layer_number(other) is None
+        assert not is_hidden_state(other)
+    assert is_hidden_state("layer_11")

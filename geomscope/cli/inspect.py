@@ -7,6 +7,7 @@ import typer
 from geomscope.cli._app import app
 from geomscope.cli._options import json_option, options_from
 from geomscope.formatting import counted
+from geomscope.layers import FINAL_NORM_LAYER
 from geomscope.store.options import InspectOptions
 
 
@@ -151,7 +152,7 @@ def _norm_note(d: dict) -> str:
     if not name:
         return ""
     before = [n for n, t in (d.get("layer_tensors") or {}).items() if "input of the final norm" in (t or "")]
-    if name == "final_norm":
+    if name == FINAL_NORM_LAYER:
         return "  (final_norm: the final norm's output" + (f"; {before[0]}: its input)" if before else ")")
     return f"  ({name} is after the final norm)"
 

@@ -19,7 +19,7 @@ from matplotlib.ticker import NullLocator
 
 from geomscope.errors import InputError
 from geomscope.formatting import shown_name
-from geomscope.layers import activation_name, listed_layers, select_names
+from geomscope.layers import activation_name, layer_number, listed_layers, select_names
 from geomscope.plot._reports import is_number, layer_key, report_labels, report_name
 from geomscope.plot._style import (
     add_caption,
@@ -97,9 +97,9 @@ def energy_layers(rep: dict, layers: Sequence[str] | None = None) -> list[tuple[
 def short_layer(name: str) -> str:
     """Tick label of a layer: ``layer_01.grad`` -> ``1``, ``final_norm.grad`` -> ``fn``."""
     base = activation_name(name)
-    m = re.fullmatch(r"[A-Za-z]*[_.-]?0*(\d+)", base)
-    if m:
-        return m.group(1)
+    number = layer_number(base)
+    if number is not None:
+        return str(number)
     parts = [p for p in re.split(r"[_.\-]+", base) if p]
     if len(parts) > 1:
         return "".join(p[0] for p in parts)

@@ -28,15 +28,10 @@ centring.
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
-from geomscope.layers import FINAL_NORM_LAYER, is_gradient
+from geomscope.layers import FINAL_NORM_LAYER, is_gradient, is_hidden_state
 from geomscope.schema import SCALAR_METRIC_NAMES
-
-#: a hidden state's stored name (layers.layer_name)
-HIDDEN_STATE = re.compile(r"layer_\d+")
 
 
 def _spearman(a: np.ndarray, b: np.ndarray) -> float | None:
@@ -107,7 +102,7 @@ def _layer_before(layers: list[dict], after: dict, before_idx: int) -> dict | No
     found = [
         e for e in layers if e.get("index") == before_idx and e is not after and not is_gradient(e["layer"])
     ]
-    return next((e for e in found if HIDDEN_STATE.fullmatch(e["layer"])), found[0] if found else None)
+    return next((e for e in found if is_hidden_state(e["layer"])), found[0] if found else None)
 
 
 def _metric_changes(before: dict, after: dict) -> dict:
