@@ -233,10 +233,10 @@ def identity_digest(identity: dict) -> str:
 
 
 def read_logs(run_dir: Path) -> list[tuple[Path, str | None, list[dict]]]:
-    """Every shard log (and older part file) of ``run_dir``, links and other non-files left out:
+    """Every shard log (and ``.json`` part file) of ``run_dir``, links and other non-files left out:
     (path, the identity digest it was written for -- None when its header is damaged --, its
     well-formed shard entries). A damaged line of a log (the last one, torn by a crash) loses only
-    its own shard; a damaged older part file, all of its."""
+    its own shard; a damaged ``.json`` part file, all of its."""
     out = []
     for p in sorted(Path(run_dir).iterdir()):
         if not PART_RE.fullmatch(p.name) or p.is_symlink() or not p.is_file():

@@ -99,10 +99,10 @@ def _names(values) -> list[str]:
 def _recorded(marker: dict) -> tuple[set[str], set[str]]:
     """(paths removed whole, directories removed once empty) that ``marker`` proves geomscope wrote.
 
-    A marker of an older version lists only the exported files (``adapter`` among them, with --lora):
-    of the rest, only the run's own logs and working directories (fixed names no user picks) count as
-    ours; ``checkpoints/`` and the trackers' folders cannot be told apart from a user's and are left
-    alone."""
+    A marker of another version (not :data:`FINETUNE_MARKER_VERSION`) lists only the exported files
+    (``adapter`` among them, with --lora): of the rest, only the run's own logs and working directories
+    (fixed names no user picks) count as ours; ``checkpoints/`` and the trackers' folders cannot be told
+    apart from a user's and are left alone."""
     files, dirs = set(_names(marker.get("files"))), set(_names(marker.get("dirs")))
     if marker.get("version") != FINETUNE_MARKER_VERSION:
         files = {n for n in files if "/" not in n} | set(RUN_FILES) | set(INTERNAL)
@@ -111,7 +111,7 @@ def _recorded(marker: dict) -> tuple[set[str], set[str]]:
 
 
 def _digests(marker: dict) -> dict[str, str]:
-    """The digests ``marker`` records (:mod:`geomscope.train.proofs`); none in an older version's."""
+    """The digests ``marker`` records (:mod:`geomscope.train.proofs`); none in a marker of another version."""
     if marker.get("version") != FINETUNE_MARKER_VERSION:
         return {}
     return recorded_digests(marker.get("sha256"), lambda rel: _names([rel]) == [rel])
@@ -200,7 +200,7 @@ def _check_writes_into(
             continue
         if p.is_symlink() or not p.is_dir():
             _refuse_unrecorded(out, rel)
-        if legacy and resume:  # an older run's snapshots: kept as they are, never removed later
+        if legacy and resume:  # snapshots under a marker of another version: kept, never removed later
             continue
         for e in sorted(p.iterdir()):
             m, snap = _SNAPSHOT_NAME.match(e.name), f"{rel}/{e.name}"
@@ -214,7 +214,8 @@ def _check_writes_into(
 def _check_claims(out: Path, marker: dict, files: set[str]) -> None:
     """Refuse a claimed entry that --overwrite would leave and the new run's export would meet: one
     whose recorded digests no longer match (a user edited it), or any unproven one when the marker
-    records no digests at all (an older geomscope's: its exported files cannot be told from claims).
+    records no digests at all (a marker of another version: its exported files cannot be told from
+    claims).
     A claim with no digest in a marker that records them is a claim only: left alone. Snapshots are
     checked where the run writes them, and a tracker's folder is written into, never replaced."""
     from geomscope.train.tracking import DIRS
