@@ -195,8 +195,8 @@ class OrderedWork:
 
     Why across calls: with one pool per call (``map_in_order``) the scorer's threads would wait at
     every shard boundary for the slowest block of the shard before the next shard's blocks could
-    start (streaming IsoScore of the 200k x 384 benchmark run keeps each thread busy only 86 % of
-    the time that way).
+    start (a streaming IsoScore of 200k x 384 rows would keep each thread busy only about 86 % of
+    the time).
     With ``threads`` = 1 everything runs at once on the calling thread."""
 
     def __init__(self, threads: int = 1):

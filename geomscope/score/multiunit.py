@@ -22,14 +22,13 @@ rounding of ||y||^2 occurs; tests compare it with per-replicate UnitSums and wit
 the standardised variants (both expand around the full mean) share one converted, shifted block y,
 and their replicates are the columns of one problem: y is swept by three skinny products (y^2 @ w,
 y @ e, y^T @ inv) for both instead of for each. Blocks of 1024 rows keep y and y^2 in cache (4096:
-about 25 % slower). On the 200k x 384 benchmark run this halved the second pass (1.26 -> 0.6 s).
+about 25 % slower). Sharing the block halves the time of the pass over the rows that these sums take.
 The columns' layout (:func:`batches_of`) is built once per call, not per block, and serves the
 fresh copies a threaded pass fills; the full-data replicate of each sum (e = 0) has no linear
 column; rows left out of a replicate get an infinite squared norm (1/sqrt(inf) = 0), so the inverse
-norms are two plain ufuncs instead of two masked ones. Those three took update_all from 0.337 to
-0.297 CPU seconds on 100k x 384 float16 rows with 10 groups (medians of 15, interleaved with the
-code before them, on a 2-core Zen 3); what is left is the three products, at this core's float64
-rate, and the float16 -> float64 conversion.
+norms are two plain ufuncs instead of two masked ones. Those three spare update_all about an eighth
+of its time; what is left is the three products, at the core's float64 rate, and the
+float16 -> float64 conversion.
 """
 
 from __future__ import annotations

@@ -4,12 +4,11 @@ A finished shard's manifest entry records two digests of the file's bytes, compu
 when the shard is published:
 
 - ``sha256``: the well-known content identity (``sha256sum`` gives the same), kept for provenance
-  and for the runs written before ``xxh3_128`` existed;
+  and for runs whose entries record no ``xxh3_128``;
 - ``xxh3_128``: the 128-bit XXH3 hash, what ``score``, ``inspect --verify`` and a resumed
   ``extract`` check when it is recorded. It runs at ~10-25 GB/s on one core against sha256's ~1.7,
-  and checking it is CPU work beside the scorer's: on the 2-core benchmark machine sha256 took
-  0.11 of the 0.99 CPU seconds of a streaming IsoScore of 200k x 384 float16 rows (see
-  benchmarks/bench_score.py).
+  and checking it is CPU work beside the scorer's: sha256 would cost about a ninth of the CPU time
+  of a streaming IsoScore of 200k x 384 float16 rows on 2 cores (benchmarks/bench_score.py).
 
 Neither digest is a defence against a hostile run: whoever can rewrite a shard can rewrite the
 manifest beside it. They catch accidents (a truncated copy, a flipped bit, a shard of another run),
