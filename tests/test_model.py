@@ -452,3 +452,14 @@ def test_a_tokenizer_of_its_own_code_asks_for_trust_and_runs_nothing(cli, tmp_pa
     code, out, err = cli(["extract", model, src, "--out", tmp_path / "r", "-q"])
     assert_one_line_error(code, out, err, "needs its own code", "--trust-remote-code", exit_code=2)
     assert not marker.exists()
+
+
+def test_lora_adapter_missing_from_a_checkpoint_is_one_line(tmp_path):
+    pytest.importorskip("peft")
+    from geomscope.model.classifier import load_lora_adapter
+
+    with pytest.raises(InputError) as e:
+        load_lora_adapter(None, tmp_path)
+    msg = str(e.value)
+    assert msg.startswith(f"cannot read the LoRA adapter in {tmp_path} (") and "\n" not in msg
+    assert msg.endswith("start again without --resume into a new --out (or --overwrite)")

@@ -10,7 +10,8 @@
   tokenizer for extraction, with :mod:`~geomscope.model.heads` (the head a loss needs) and
   :mod:`~geomscope.model.load_errors` (a failed load in one line);
 - :mod:`~geomscope.model.probe`: layer discovery (hidden states, blocks, the final norm);
-- :mod:`~geomscope.model.classifier`: a classifier or span-extraction model for finetune;
+- :mod:`~geomscope.model.classifier`: a classifier or span-extraction model for finetune (and a
+  LoRA checkpoint's adapter weights on resume);
 - :mod:`~geomscope.model.embeddings`: a checkpoint's embedding matrices (the inputs of I(W));
 - :mod:`~geomscope.model.fingerprint`: fingerprints of the weights and tokenizer files, and
   :mod:`~geomscope.model.identity`: what a run records of its model, before and after loading it.

@@ -6,7 +6,8 @@ gets a freshly initialised head; a head with a different number of labels is rep
 reported through ``note`` (stderr in the CLI), never silently.  :func:`load_qa_model` does the same
 for ``AutoModelForQuestionAnswering`` (a base checkpoint gets a new start/end span head), and
 :func:`load_causal_lm` for ``AutoModelForCausalLM`` (a base decoder gets a new LM head), refusing a
-model whose attention is not causal.
+model whose attention is not causal. :func:`load_lora_adapter` loads a ``finetune --lora``
+checkpoint's adapter (and head) weights into the rebuilt peft model on resume.
 """
 
 from __future__ import annotations
@@ -213,3 +214,20 @@ def _check_causal(model, src: str) -> None:
             f"{src} ({model.config.model_type}) attends to later tokens (bidirectional), so a next-token "
             "loss would read the answer; --task causal-lm needs a decoder (GPT-, Pythia-, Llama-like)"
         )
+
+
+def load_lora_adapter(model, ckdir: Path) -> None:
+    """Load the adapter (and head) weights of the checkpoint ``ckdir`` into the rebuilt peft model."""
+    from peft import load_peft_weights, set_peft_model_state_dict
+
+    try:
+        weights = load_peft_weights(str(ckdir), device="cpu")
+    except Exception as e:  # a missing or damaged adapter file
+        raise InputError(
+            f"cannot read the LoRA adapter in {ckdir} ({first_line(e)}); "
+            "start again without --resume into a new --out (or --overwrite)"
+        ) from None
+    res = set_peft_model_state_dict(model, weights)
+    unexpected = getattr(res, "unexpected_keys", None) or []
+    if unexpected:
+        raise InputError(f"the LoRA adapter in {ckdir} does not fit this model ({unexpected[0]})")

@@ -408,7 +408,9 @@ class _Trainer:
             "parameters": sum(p.numel() for p in self.model.parameters()),
         }
         if self.state is not None:
-            lora.load_adapter(self.model, self.out / ck.CKPT)
+            from geomscope.model.classifier import load_lora_adapter
+
+            load_lora_adapter(self.model, self.out / ck.CKPT)
 
     def _max_length(self) -> int:
         """--max-length, clamped to the model's positions (with a note)."""

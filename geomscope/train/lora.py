@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from geomscope.errors import InputError, first_line
+from geomscope.errors import InputError
 from geomscope.fileio import fresh_dir, replace_dir
 from geomscope.train.checkpoint import ADAPTER, ADAPTER_TEMP, export_model, record_outputs, written_into
 from geomscope.train.proofs import digests
@@ -89,23 +89,6 @@ def wrap(model, r: int, alpha: float, targets: list[str]):
         modules_to_save=head_modules(model) or None,
     )
     return get_peft_model(model, config)
-
-
-def load_adapter(model, ckdir: Path) -> None:
-    """Load the checkpoint's adapter (and head) weights into the rebuilt peft model."""
-    from peft import load_peft_weights, set_peft_model_state_dict
-
-    try:
-        weights = load_peft_weights(str(ckdir), device="cpu")
-    except Exception as e:  # a missing or damaged adapter file
-        raise InputError(
-            f"cannot read the LoRA adapter in {ckdir} ({first_line(e)}); "
-            "start again without --resume into a new --out (or --overwrite)"
-        ) from None
-    res = set_peft_model_state_dict(model, weights)
-    unexpected = getattr(res, "unexpected_keys", None) or []
-    if unexpected:
-        raise InputError(f"the LoRA adapter in {ckdir} does not fit this model ({unexpected[0]})")
 
 
 def trainable_names(model) -> list[str]:
