@@ -96,7 +96,6 @@ def _score_sources(sources: list[str], chosen: dict, out, table_columns, as_json
     from geomscope.progress import stderr_log
     from geomscope.report import check_out_given, check_report_out, save_report, to_json
     from geomscope.score import score
-    from geomscope.score.resources import check_workers
     from geomscope.score.trajectory import runs_under
 
     console = Console(stderr=True)
@@ -104,7 +103,6 @@ def _score_sources(sources: list[str], chosen: dict, out, table_columns, as_json
     if out is not None:
         check_out_given(out)
     opts = ScoreOptions(**chosen).validate()
-    check_workers(opts.workers)  # (the library asks again; here before any source is opened)
     shown_columns = _table_columns(table_columns, opts)
     expanded = [str(r) for src in sources for r in (runs_under(src) or [src])]
     if len(expanded) > 1:

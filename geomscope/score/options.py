@@ -36,7 +36,7 @@ from geomscope.options import (
     choice_metavar,
     option,
 )
-from geomscope.score.resources import CONNECT_TIMEOUT_S
+from geomscope.score.resources import CONNECT_TIMEOUT_S, MAX_WORKERS
 
 MOMENT_METRICS = ("isoscore", "isoscore_star", "avgcos", "spectrum", "outliers")
 CORE_METRICS = (*MOMENT_METRICS, "twonn", "partition")
@@ -59,6 +59,8 @@ ALL_METRICS = (*CORE_METRICS, *DIAGNOSTIC_FAMILIES)
 AVGCOS_VARIANTS = ("plain", "centred", "standardised")
 _VARIANT_ALIASES = {"centered": "centred", "standardized": "standardised", "raw": "plain"}
 DEFAULT_OUTLIER_THRESHOLD = {"variance": 5.0, "zscore": 3.0, "quantile": 0.99, "magnitude": 6.0}
+#: what --outlier-threshold is under each rule (its --help, with the rule's default)
+_THRESHOLD_MEANS = {"variance": "k x mean variance", "zscore": "z", "quantile": "q", "magnitude": "|x|"}
 DEFAULT_ID_REPEATS = 4
 #: rows per layer of the intrinsic-dimension sample where --id-sample is left out: a --keep
 #: sample:N run that kept fewer is scored from its N (ScoreOptions.for_kept_sample)
@@ -145,7 +147,7 @@ class ScoreOptions:
     outlier_threshold: float | None = option(
         None,
         Interval(whole=False, low=0, open_low=True),
-        "variance: k x mean variance (5); zscore: z (3); quantile: q (0.99); magnitude: |x| (6).",
+        "; ".join(f"{r}: {m} ({DEFAULT_OUTLIER_THRESHOLD[r]:g})" for r, m in _THRESHOLD_MEANS.items()) + ".",
         metavar="FLOAT",
         optional=True,
     )
@@ -194,9 +196,9 @@ class ScoreOptions:
     )
     workers: int = option(
         1,
-        POSITIVE_INT,
+        Interval(whole=True, low=1, high=MAX_WORKERS, words=f"a whole number from 1 to {MAX_WORKERS}"),
         "Processes reading shards (and threads finishing layers) in parallel, at most one per "
-        "shard and 1024 in all; BLAS runs single-threaded in each. One process already computes on "
+        f"shard and {MAX_WORKERS} in all; BLAS runs single-threaded in each. One process already computes on "
         "every usable core (threads over blocks); more pay where reading or many layers are the "
         "limit. Above the core count the processes share the cores (each holds its own "
         "accumulators): that pays only where reading waits on storage.",
@@ -213,8 +215,9 @@ class ScoreOptions:
     id_repeats: int | None = option(
         None,
         Interval(whole=True, low=2),
-        "Parts of the ID sample for the decimation SE, each of >= 3 rows: at most --id-sample / 3 "
-        "(default: 4, fewer where --id-sample is under 12; below 6 the SE is null).",
+        f"Parts of the ID sample for the decimation SE, each of >= {ROWS_PER_PART} rows: at most "
+        f"--id-sample / {ROWS_PER_PART} (default: {DEFAULT_ID_REPEATS}, fewer where --id-sample is under "
+        f"{DEFAULT_ID_REPEATS * ROWS_PER_PART}; below {2 * ROWS_PER_PART} the SE is null).",
         metavar="N",
         optional=True,
     )

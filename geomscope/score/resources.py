@@ -32,8 +32,9 @@ def physical_memory() -> int | None:
 #: help states it.
 CONNECT_TIMEOUT_S = 10
 
-#: the most --workers: a typo's 100000 would fork until the machine gives out; beyond the cores,
-#: more processes only share them (see :func:`check_workers`)
+#: the most --workers (its declared bound, score/options.py) and --scheduler local:N workers
+#: (:func:`check_workers`): a typo's 100000 would fork until the machine gives out; beyond the
+#: cores, more processes only share them
 MAX_WORKERS = 1024
 
 
