@@ -1,7 +1,8 @@
 """An input that changes while ``extract`` reads it (appended to, rewritten) is refused before the
 run is marked complete: the manifest's hash (taken before the model loads) would describe content
-that the rows do not all come from. Old code: exit 0, a "complete" run of 400 documents whose
-manifest says 300 planned and the first file's sha256."""
+that the rows do not all come from. Checked: a one-line error, a run left unfinished (never one of
+400 documents marked complete with 300 planned and the first file's sha256), and that --overwrite
+then redoes it whole."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """``extract --revisions`` skips a complete run only when it was asked for as now (the request the
 run recorded, compared without loading the model); otherwise the revision is extracted as a single
-``extract`` would. Old code skipped every complete run: other inputs, other layers or a replaced
-checkpoint gave "skipped", exit 0, and runs that still held the first request's rows."""
+``extract`` would: other inputs, other layers or a replaced checkpoint are never "skipped" with exit
+0 over runs that hold the first request's rows."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def test_rerun_asked_differently_is_extracted_not_skipped(ck, cli):
     held = _manifest(ck, "step1")["identity"]
     code, runs, same = _extract(cli, ck, "small.txt", "--layers", "0")  # the same request: no load
     assert code == 0 and _statuses(runs) == ["skipped", "skipped"], same
-    # the review's case: other inputs and other layers -- extracted, so refused with the differences
+    # other inputs and other layers: extracted, so refused with the differences
     code, runs, err = _extract(cli, ck, "other.txt", "--layers", "all")
     assert code == 2 and _statuses(runs) == ["failed", "failed"], err
     assert "complete, but asked differently: dataset: 'small.txt' in the run, 'other.txt' now" in err
@@ -103,7 +103,7 @@ def test_run_without_a_request_is_extracted_once(ck, cli):
 
 def test_nonfinite_rows_are_skipped_only_with_allow_nonfinite(ck, cli):
     """A single extract of a complete run with NaN rows exits 3 without --allow-nonfinite: so does
-    the rerun of --revisions (old code: skipped, exit 0)."""
+    the rerun of --revisions (never skipped with exit 0)."""
     from helpers_models import poison_token
 
     for step in ("step1", "step2"):

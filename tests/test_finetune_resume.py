@@ -47,7 +47,7 @@ def test_resume_refuses_training_data_changed_in_place(cli, data, tmp_path):
 
 
 def test_a_checkpoint_without_data_hashes_still_resumes(cli, data, tmp_path):
-    """Checkpoints written before the hashes were recorded are compared on the paths, as before."""
+    """A checkpoint whose state records no data hashes is compared on the data paths."""
     out = tmp_path / "old"
     assert cli(_args(data, out))[0] == 0
     p = out / "checkpoint" / "state.json"

@@ -140,8 +140,8 @@ def test_a_plain_layer_norm_records_its_weight(llama_run):
 
 
 def test_a_gradient_layer_is_never_the_layer_before_the_norm():
-    """A gradient layer shares its layer's index: scored with --layers final_norm,layer_02.grad the
-    gradients were reported as the activations before the norm (IsoScore 0.256 -> 0.558)."""
+    """A gradient layer shares its layer's index: scored with --layers final_norm,layer_02.grad, the
+    norm's "before" is the activations (IsoScore 0.571 here), never the gradients (0.256)."""
     from geomscope.score.finalnorm import final_norm_effect
 
     grad = {"layer": "layer_02.grad", "index": 2, "isoscore": 0.256}
@@ -166,8 +166,8 @@ def test_the_last_block_s_modules_are_not_the_layer_before_the_norm():
 
 
 def test_gain_ratio_is_null_when_the_median_gain_is_zero():
-    """More than half the gains 0: the median |gain| is 0 and |gain_d| / median is undefined. It was
-    read as 1, so an outlier dimension with gain 0.5 (infinitely above the median) read "damped"."""
+    """More than half the gains 0: the median |gain| is 0 and |gain_d| / median is undefined. Read as 1, it
+    would call an outlier dimension with gain 0.5 (infinitely above the median) "damped"."""
     from geomscope.score.finalnorm import final_norm_effect
 
     var = np.array([50.0, 1, 1.2, 0.9, 1.1, 1.0, 0.8, 1.3])

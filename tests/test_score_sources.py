@@ -100,8 +100,8 @@ def _npz_with_header(path: Path, shape, data: bytes, compression=zipfile.ZIP_STO
 
 
 def test_npz_shape_whose_size_wraps_int64_is_refused(tmp_path):
-    """(2**33, 2**31) float32 is 2**66 bytes: np.prod wrapped it to 0, the truncation check passed
-    and the rows were cut into ~2**25 read units (memory) before anything was read."""
+    """(2**33, 2**31) float32 is 2**66 bytes: a size computed with np.prod wraps to 0, which would
+    pass the truncation check and cut the rows into ~2**25 read units (memory) before any read."""
     path = _npz_with_header(tmp_path / "x.npz", (2**33, 2**31), b"\0" * 4096)
     with pytest.raises(InputError, match="truncated"):
         F.describe(path, "npz", None, 2**40)

@@ -1,4 +1,4 @@
-"""The training options of issue 14 on geomscope's own loop: --weight-decay, --scheduler/--warmup,
+"""The training options of train/config.py on geomscope's own loop: --weight-decay, --scheduler/--warmup,
 --grad-accum, --lora, --report-to (tiny BERT, a few steps each)."""
 
 from __future__ import annotations
