@@ -312,6 +312,14 @@ def test_spectrum_needs_eigenvalues():
 # ---------------------------------------------------------------- outlier dimensions
 
 
+@pytest.mark.parametrize("top_k", [0, -3, 2.5])
+def test_outlier_top_k_meets_the_plot_option_rule(top_k):
+    """A library call's --top-k is refused in the words of PlotOptions' declaration."""
+    with pytest.raises(InputError) as e:
+        plot_outliers([make_report(n_layers=2, hidden=8)], top_k=top_k)
+    assert str(e.value) == f"--top-k must be a positive whole number, not {top_k!r}"
+
+
 def test_outlier_heatmap_shape_topk_and_marks():
     a = make_report(n_layers=6, hidden=96)
     fig = plot_outliers([a], top_k=20)

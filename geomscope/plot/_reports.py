@@ -13,11 +13,9 @@ from geomscope import layers as grammar
 from geomscope.errors import InputError
 from geomscope.formatting import shown_name
 from geomscope.layers import activation_name, is_gradient, listed_layers
+from geomscope.plot.options import DEFAULT_METRICS
 from geomscope.report import load_report
 from geomscope.schema import NON_METRIC_LAYER_KEYS, STEP_RE, is_metric_key, is_number
-
-#: the metrics drawn when the user names none (those present in the reports, in this order)
-DEFAULT_METRICS = ("isoscore_star", "isoscore", "avgcos", "twonn")
 
 _STEP_RE = STEP_RE
 

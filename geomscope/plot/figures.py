@@ -24,6 +24,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from geomscope.choices import FIGURE_FORMATS, PLOT_KINDS
 from geomscope.errors import InputError
 from geomscope.fileio import make_dirs, write_bytes_atomic
 from geomscope.outputs import ensure_replaceable
@@ -31,7 +32,7 @@ from geomscope.plot._reports import check_common_layers, read_report, select_lay
 from geomscope.plot.diagnostics import has_diagnostics, plot_diagnostics
 from geomscope.plot.energy import has_energy, plot_energy
 from geomscope.plot.layers import plot_layers
-from geomscope.plot.options import PlotOptions
+from geomscope.plot.options import DEFAULT_DPI, DEFAULT_FORMAT, DEFAULT_TOP_K, PlotOptions
 from geomscope.plot.outliers import has_outlier_statistic, plot_outliers
 from geomscope.plot.similarity import (
     has_similarity,
@@ -44,8 +45,8 @@ from geomscope.plot.spectrum import has_spectrum, plot_spectrum
 from geomscope.plot.trajectory import is_trajectory, plot_trajectory
 from geomscope.schema import FIGURE_CREATOR
 
-KINDS = ("layers", "spectrum", "outliers", "trajectory", "training", "energy", "similarity", "diagnostics")
-FORMATS = ("png", "svg", "pdf")
+#: the figure kinds a name picks (``auto`` picks among them)
+KINDS = tuple(k for k in PLOT_KINDS if k != "auto")
 
 
 def auto_kinds(reports: Sequence[dict], single: bool) -> list[str]:
@@ -75,8 +76,8 @@ def resolve_kinds(reports: Sequence[dict], kinds: Sequence[str], single: bool) -
     """Expand ``auto`` and check the names; at most one kind for a single output file."""
     wanted: list[str] = []
     for k in kinds or ["auto"]:
-        if k not in (*KINDS, "auto"):
-            raise InputError(f"unknown figure kind '{k}'; choose from auto, {', '.join(KINDS)}")
+        if k not in PLOT_KINDS:
+            raise InputError(f"unknown figure kind '{k}'; choose from {', '.join(PLOT_KINDS)}")
         if k == "training":
             raise InputError(
                 "--kind training needs training logs (a finetune output directory or its "
@@ -102,7 +103,7 @@ def make_figures(
     layers: Sequence[str] | None = None,
     log_x: bool | None = None,
     normalise: bool = False,
-    top_k: int | None = 40,
+    top_k: int | None = DEFAULT_TOP_K,
 ) -> dict[str, Figure]:
     """Build the figures of the requested kinds for loaded reports, ``{kind: Figure}`` in order.
 
@@ -148,13 +149,13 @@ def is_figure(data: bytes) -> bool:
     return FIGURE_CREATOR.encode() in data
 
 
-def save_figure(fig: Figure, path: str | os.PathLike, *, dpi: int = 150) -> Path:
+def save_figure(fig: Figure, path: str | os.PathLike, *, dpi: int = DEFAULT_DPI) -> Path:
     """Write ``fig`` to ``path`` (format from the extension) atomically: a temporary file in the same
     directory, renamed over the target only once complete.  Closes the figure afterwards. A file
     already at ``path`` is replaced only if it is a figure geomscope wrote."""
     path = Path(path)
     fmt = path.suffix.lower().lstrip(".")
-    if fmt not in FORMATS:
+    if fmt not in FIGURE_FORMATS:
         raise InputError(f"unsupported extension '{path.suffix}' for {path}; use .png, .svg or .pdf")
     buf = io.BytesIO()
     try:
@@ -184,12 +185,10 @@ def looks_like_training_log(path: str | os.PathLike) -> bool:
 def _out_paths(out: str | os.PathLike, fmt: str | None) -> tuple[bool, Path, str]:
     """(directory mode?, path, format) for ``--out``."""
     s = os.fspath(out)
-    if fmt is not None and fmt not in FORMATS:
-        raise InputError(f"unsupported format '{fmt}'; use {', '.join(FORMATS)}")
     if s.endswith(("/", os.sep)) or Path(s).is_dir():
-        return True, Path(s), fmt or "png"
+        return True, Path(s), fmt or DEFAULT_FORMAT
     suffix = Path(s).suffix.lower().lstrip(".")
-    if suffix not in FORMATS:
+    if suffix not in FIGURE_FORMATS:
         raise InputError(
             f"unsupported extension '{Path(s).suffix}' for --out {s}; use .png, .svg or .pdf, "
             "or a directory ending in /"

@@ -22,6 +22,14 @@ from geomscope.options import (
 
 #: the resolutions of raster figures, in dots per inch
 DPI = Interval(whole=True, low=DPI_RANGE[0], high=DPI_RANGE[1])
+#: the resolution of a raster figure when none is asked for, in dots per inch
+DEFAULT_DPI = 150
+#: the format of the figures written to a directory when none is asked for
+DEFAULT_FORMAT = "png"
+#: the most dimensions an outlier heat map shows when none is asked for
+DEFAULT_TOP_K = 40
+#: the metrics drawn when the user names none (those present in the reports, in this order)
+DEFAULT_METRICS = ("isoscore_star", "isoscore", "avgcos", "twonn")
 KIND_LIST = CommaList("figure kinds")
 METRIC_LIST = CommaList("metric names")
 
@@ -48,7 +56,7 @@ class PlotOptions:
     metrics: tuple[str, ...] | list | str | None = option(
         None,
         METRIC_LIST,
-        "Metrics to draw (comma list); default isoscore_star,isoscore,avgcos,twonn where present. "
+        f"Metrics to draw (comma list); default {','.join(DEFAULT_METRICS)} where present. "
         "A trajectory draws any trajectory.csv column (iw_*, final_norm_*, norms_*, gradient_energy_*).",
         metavar="LIST",
         short="-m",
@@ -60,13 +68,13 @@ class PlotOptions:
     fmt: str | None = option(
         None,
         Choice(FIGURE_FORMATS),
-        "Image format for DIR/ output (default png).",
+        f"Image format for DIR/ output (default {DEFAULT_FORMAT}).",
         metavar=choice_metavar(FIGURE_FORMATS),
         flag="--format",
         optional=True,
     )
     dpi: int = option(
-        150,
+        DEFAULT_DPI,
         DPI,
         f"Resolution of raster output, dots per inch ({DPI_RANGE[0]} to {DPI_RANGE[1]}).",
         metavar="N",
@@ -79,7 +87,9 @@ class PlotOptions:
         optional=True,
     )
     normalise: bool = option(False, Flag(), "Spectrum: explained-variance ratio against index / D.")
-    top_k: int = option(40, POSITIVE_INT, "Outliers: show at most this many dimensions.", metavar="N")
+    top_k: int = option(
+        DEFAULT_TOP_K, POSITIVE_INT, "Outliers: show at most this many dimensions.", metavar="N"
+    )
 
     def validate(self) -> PlotOptions:
         """A checked copy with the lists as lists of names; OptionError (one line) naming the option

@@ -12,8 +12,10 @@ from matplotlib.lines import Line2D
 
 from geomscope.errors import InputError
 from geomscope.formatting import shown_name
+from geomscope.options import check_value
 from geomscope.plot._reports import layer_key, report_labels, report_name, select_layers
 from geomscope.plot._style import panels, plain_text, styled
+from geomscope.plot.options import DEFAULT_TOP_K, PlotOptions
 
 HEAT_CMAP = "cividis"  # designed for colour-vision deficiency
 
@@ -25,7 +27,7 @@ def has_outlier_statistic(rep: dict) -> bool:
 
 
 def outlier_matrix(
-    rep: dict, top_k: int | None = 40, *, relative: bool = False
+    rep: dict, top_k: int | None = DEFAULT_TOP_K, *, relative: bool = False
 ) -> tuple[np.ndarray, list[str], np.ndarray, np.ndarray]:
     """(stat, layer names, dims shown, flagged) for one report.
 
@@ -100,7 +102,7 @@ def plot_outliers(
     *,
     layers: Sequence[str] | None = None,
     labels: Sequence[str] | None = None,
-    top_k: int | None = 40,
+    top_k: int | None = DEFAULT_TOP_K,
     relative: bool | None = None,
     ax=None,
 ) -> Figure:
@@ -120,8 +122,8 @@ def plot_outliers(
         raise InputError(
             f"{missing[0]} has no outlier_statistic; rescore it with --metrics including outliers"
         )
-    if top_k is not None and top_k < 1:
-        raise InputError(f"--top-k must be at least 1, got {top_k}")
+    if top_k is not None:  # None: every dimension (a library call's choice)
+        check_value(PlotOptions, "top_k", top_k)
     labels = list(labels) if labels is not None else report_labels(reports)
     reports, labels = _by_width(reports, labels)
     relatives = [_relative_for(r, relative) for r in reports]

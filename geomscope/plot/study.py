@@ -12,6 +12,7 @@ import math
 import numpy as np
 from matplotlib.figure import Figure
 
+from geomscope.plot.options import DEFAULT_DPI
 from geomscope.study import stats
 
 MARKERS = {"istar": "o", "cosreg": "s", "none": "^"}
@@ -19,7 +20,7 @@ MARKERS = {"istar": "o", "cosreg": "s", "none": "^"}
 _SCALE_TOP = {"accuracy": 1.0, "macro_f1": 1.0, "f1": 100.0, "exact_match": 100.0}
 
 
-def study_png(result: dict, *, dpi: int = 150) -> bytes:
+def study_png(result: dict, *, dpi: int = DEFAULT_DPI) -> bytes:
     """The figure as PNG bytes, marked as geomscope's (:func:`geomscope.plot.figures.is_figure`), drawn
     before compare writes anything, so that a figure that cannot be drawn leaves no outputs of this
     comparison beside older ones: InputError, one line, for data matplotlib cannot draw."""
