@@ -190,7 +190,7 @@ def test_the_names_are_a_runs_only_inside_a_run(tmp_path):
 # ------------------------------------------------------------------------------ 5. --workers
 def test_absurd_workers_are_refused(cli, run_dir, no_work):
     code, out, err = cli(["score", run_dir, "--workers", "100000", "-q"])
-    needle = f"--workers must be a whole number from 1 to {MAX_WORKERS}, not 100000"
+    needle = f"--workers must be a positive whole number up to {MAX_WORKERS}, not 100000"
     assert_one_line_error(code, out, err, needle, exit_code=2)
     code, out, err = cli(["score", "--help"])
     assert str(MAX_WORKERS) in out and "core count" in out

@@ -196,7 +196,7 @@ class ScoreOptions:
     )
     workers: int = option(
         1,
-        Interval(whole=True, low=1, high=MAX_WORKERS, words=f"a whole number from 1 to {MAX_WORKERS}"),
+        Interval(whole=True, low=1, high=MAX_WORKERS, words=f"a positive whole number up to {MAX_WORKERS}"),
         "Processes reading shards (and threads finishing layers) in parallel, at most one per "
         f"shard and {MAX_WORKERS} in all; BLAS runs single-threaded in each. One process already computes on "
         "every usable core (threads over blocks); more pay where reading or many layers are the "
