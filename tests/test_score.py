@@ -502,7 +502,7 @@ def test_corrupt_shard_is_named(tmp_path):
 @pytest.mark.parametrize(
     "opts, match",
     [
-        (dict(metrics=("isoscore", "nope")), "unknown metric 'nope'"),
+        (dict(metrics=("isoscore", "nope")), "--metrics must be a comma list of metric names"),
         (dict(zeta=1.5), "zeta"),
         (dict(zeta="abc"), "zeta"),
         (dict(layers=("layer_09",)), "not in this run"),
@@ -781,7 +781,7 @@ def test_outlier_rules_against_direct(tmp_path):
         (dict(outlier_rule="mad"), "--outlier-rule must be one of"),
         (dict(outlier_stat="max"), "--outlier-stat"),
         (dict(max_rows=1), "--max-rows must be a whole number >= 2"),
-        (dict(metrics=("nope",)), "unknown metric"),
+        (dict(metrics=("nope",)), "--metrics must be a comma list of metric names"),
     ],
 )
 def test_score_options_reject_library_callers_bad_values(kw, match):

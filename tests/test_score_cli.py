@@ -117,7 +117,7 @@ def test_warnings_for_transposed_and_nan_arrays(cli, tmp_path):
 @pytest.mark.parametrize(
     "args, match",
     [
-        (["--metrics", "isoscore,bogus"], "unknown metric 'bogus'"),
+        (["--metrics", "isoscore,bogus"], "--metrics must be a comma list of metric names"),
         (["--zeta", "abc"], "zeta"),
         (["--zeta", "1.5"], "zeta"),
         (["--layers", "layer_42"], "not in this run"),

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from geomscope.errors import InputError
+from geomscope.options import OptionError
 from geomscope.score import ScoreOptions, score
 
 
@@ -199,3 +200,28 @@ def test_the_twonn_standard_error_is_the_decimation_of_the_sample(tmp_path):
     reps = [skdim.id.TwoNN().fit(sample[np.sort(p)]).dimension_ for p in parts]
     assert e["twonn"] == pytest.approx(skdim.id.TwoNN().fit(sample).dimension_, rel=1e-9)
     assert e["se"]["twonn"] == pytest.approx(np.std(reps, ddof=1) / 2, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "field, value, said",
+    [
+        ("ranks", "", "--rank must be a comma list of ranks"),
+        ("abtt_k", " , ", "--abtt-k must be a comma list of directions"),
+        ("position_edges", (), "--position-edges must be a comma list of positions"),
+        ("metrics", "isoscore,nope", "--metrics must be a comma list of metric names (all, isoscore,"),
+        ("id_estimator", "twonn,bogus", "--id-estimator must be a comma list of estimator names (twonn,"),
+        ("avgcos_variants", "centred,x", "--avgcos-variants must be a comma list of average cosine"),
+    ],
+)
+def test_lists_are_refused_by_their_declarations(field, value, said):
+    with pytest.raises(OptionError) as e:
+        ScoreOptions(**{field: value}).validate()
+    assert str(e.value).startswith(said)
+    _one_line(e)
+
+
+def test_names_are_read_in_any_case_and_spelling():
+    o = ScoreOptions(metrics="IsoScore,AVGCOS", avgcos_variants="Centered,raw,plain", id_estimator="MLE")
+    o = o.validate()
+    assert o.metrics == ("isoscore", "avgcos") and o.avgcos_variants == ("centred", "plain")
+    assert o.id_estimator == ("mle",) and o.extra_id == ("mle",)

@@ -40,7 +40,7 @@ from geomscope.score.accumulate import PassSpec
 from geomscope.score.contextuality import params as context_params
 from geomscope.score.executor import Executor, make_executor
 from geomscope.score.layer import LayerResult
-from geomscope.score.options import ID_SAMPLE_LEAST, MAX_MEMORY_MB, ScoreOptions
+from geomscope.score.options import ID_SAMPLE_LEAST, ScoreOptions
 from geomscope.score.sources import SourceInfo, open_source
 from geomscope.score.strata import params as strata_params
 from geomscope.store.accumulators import ABS_THRESHOLD as KEPT_ABS_THRESHOLD
@@ -69,13 +69,6 @@ def _has_special_flags(src) -> bool:
     return src.kind == "run" or all("special" in t.meta for t in src.tasks)
 
 
-def check_memory_mb(memory_mb: float) -> float:
-    """``memory_mb`` if in (0, :data:`MAX_MEMORY_MB`]; InputError (one line) otherwise (NaN too)."""
-    if not 0 < memory_mb <= MAX_MEMORY_MB:
-        raise InputError(f"--memory-mb must be in (0, 2^40] MiB; got {memory_mb:g}")
-    return memory_mb
-
-
 def score(
     path,
     options: ScoreOptions | None = None,
@@ -89,7 +82,6 @@ def score(
     (layers left out, notes on the data) one line each to ``log``; both off by default.
     """
     opts = (options or ScoreOptions()).validate()
-    check_memory_mb(opts.memory_mb)  # (validate bounds it below only)
     log = log_to(log)
     src = open_source(
         path,

@@ -81,6 +81,23 @@ def id_estimator_names() -> tuple[str, ...]:
     return ("twonn", *SKDIM_ESTIMATORS)
 
 
+def _variant_name(word: str) -> str:
+    """An --avgcos-variants word in its canonical spelling (any case; US spellings and raw too)."""
+    low = word.lower()
+    return _VARIANT_ALIASES.get(low, low)
+
+
+#: --metrics: the core metrics, the diagnostic families, the estimators besides TwoNN, or all
+METRIC_NAMES = ("all", *ALL_METRICS, *[n for n in id_estimator_names() if n != "twonn"])
+_METRICS = CommaList(f"metric names ({', '.join(METRIC_NAMES)})", Choice(METRIC_NAMES), str.lower)
+_ID_ESTIMATORS = CommaList(
+    f"estimator names ({', '.join(id_estimator_names())})", Choice(id_estimator_names()), str.lower
+)
+_AVGCOS_VARIANTS = CommaList(
+    f"average cosine variants ({', '.join(AVGCOS_VARIANTS)})", Choice(AVGCOS_VARIANTS), _variant_name
+)
+
+
 def _target(spec: str) -> str:
     return normalise_target(spec)
 
@@ -108,7 +125,7 @@ class ScoreOptions:
 
     metrics: tuple[str, ...] | str = option(
         DEFAULT_METRICS,
-        CommaList("metric names"),
+        _METRICS,
         "Comma list of isoscore, isoscore_star, avgcos, spectrum, outliers, twonn, partition, the "
         "diagnostics abtt (all-but-the-top), whitened, rogue (each dimension's share of the average "
         "cosine), massive (the largest |x| entries), similarity (linear CKA and RSA between layers), "
@@ -134,7 +151,7 @@ class ScoreOptions:
     )
     avgcos_variants: tuple[str, ...] | str = option(
         AVGCOS_VARIANTS,
-        CommaList("average cosine variants"),
+        _AVGCOS_VARIANTS,
         "Average cosine variants: plain, centred, standardised.",
         metavar="LIST",
     )
@@ -172,7 +189,7 @@ class ScoreOptions:
         optional=True,
     )
     id_estimator: tuple[str, ...] | str = option(
-        (), CommaList("estimator names"), "More intrinsic-dimension estimators (comma list).", metavar="LIST"
+        (), _ID_ESTIMATORS, "More intrinsic-dimension estimators (comma list).", metavar="LIST"
     )
     twonn_fit: str = option(
         "linear",
@@ -265,7 +282,7 @@ class ScoreOptions:
     )
     ranks: tuple[int, ...] | str = option(
         (8, 32, 128),
-        CommaList("ranks (whole numbers >= 1)", POSITIVE_INT, int),
+        CommaList("ranks (whole numbers >= 1)", POSITIVE_INT, int, nonempty=True),
         "Ranks r of the --basis subspaces (each below D).",
         metavar="LIST",
         flag="--rank",
@@ -289,7 +306,7 @@ class ScoreOptions:
     )
     abtt_k: tuple[int, ...] | str = option(
         (1, 5, 10),
-        CommaList("directions (whole numbers >= 1)", POSITIVE_INT, int),
+        CommaList("directions (whole numbers >= 1)", POSITIVE_INT, int, nonempty=True),
         "--metrics abtt: the numbers k of top principal directions removed (each below D); reports "
         "IsoScore, IsoScore* and the average cosine after each.",
         metavar="LIST",
@@ -317,7 +334,7 @@ class ScoreOptions:
     )
     position_edges: tuple[int, ...] | str = option(
         (1, 8, 32, 128),
-        CommaList("positions (whole numbers >= 1)", POSITIVE_INT, int),
+        CommaList("positions (whole numbers >= 1)", POSITIVE_INT, int, nonempty=True),
         "--metrics stratified: increasing positions that start the position bins after [0, first).",
         metavar="LIST",
     )
@@ -371,14 +388,14 @@ class ScoreOptions:
         layers = _selection("--layers", self.layers, "layers: names, indices, ranges a-b, all or blocks")
         columns = _selection("--column", self.columns, "array names")
         check(self)
-        metrics, est, extra = _checked_metrics(_listed(self.metrics), _listed(self.id_estimator))
+        metrics, est, extra = _checked_metrics(self.metrics, self.id_estimator)
         id_sample = None if self.id_sample is None else int(self.id_sample)
         repeats = None if self.id_repeats is None else int(self.id_repeats)
         return replace(
             self,
             metrics=metrics,
             zeta=float(self.zeta),
-            avgcos_variants=_checked_variants(_listed(self.avgcos_variants), "avgcos" in metrics),
+            avgcos_variants=_checked_variants(self.avgcos_variants, "avgcos" in metrics),
             outlier_threshold=_checked_threshold(self.outlier_rule, self.outlier_threshold),
             id_estimator=est,
             extra_id=extra,
@@ -460,26 +477,15 @@ class ScoreOptions:
         return bool(self.second_pass_variants)
 
 
-def _checked_metrics(names, id_estimators) -> tuple[tuple, tuple, tuple]:
-    """(metrics, --id-estimator names, extra estimators run besides TwoNN); ``all`` = the core seven
-    and the diagnostic families."""
+def _checked_metrics(metrics, id_estimators) -> tuple[tuple, tuple, tuple]:
+    """(metrics, --id-estimator names, extra estimators run besides TwoNN) of the declared lists (each
+    name known, in lower case); ``all`` = the core seven and the diagnostic families."""
     ids = id_estimator_names()
-    known = (*ALL_METRICS, *[n for n in ids if n != "twonn"])
-    metrics = []
-    for m in (str(x).strip().lower() for x in names):
-        if m == "all":
-            metrics.extend(ALL_METRICS)
-        elif m and m not in known:
-            raise InputError(f"unknown metric {m!r}; choose among {', '.join(known)}")
-        elif m:
-            metrics.append(m)
-    metrics = list(dict.fromkeys(metrics))
+    named = [n for m in _METRICS.items(metrics) for n in (ALL_METRICS if m == "all" else (m,))]
+    metrics = list(dict.fromkeys(named))
     if not metrics:
         raise InputError("--metrics is empty; name at least one metric, e.g. --metrics isoscore")
-    est = [e for e in (str(x).strip().lower() for x in id_estimators) if e]
-    for e in est:
-        if e not in ids:
-            raise InputError(f"unknown --id-estimator {e!r}; choose among {', '.join(ids)}")
+    est = _ID_ESTIMATORS.items(id_estimators)
     run_ids = [m for m in metrics if m in ids] + est
     if "twonn" in run_ids and "twonn" not in metrics:
         metrics.append("twonn")
@@ -488,14 +494,9 @@ def _checked_metrics(names, id_estimators) -> tuple[tuple, tuple, tuple]:
 
 
 def _checked_variants(names, wanted: bool) -> tuple[str, ...]:
-    variants = []
-    for v in names:
-        v = _VARIANT_ALIASES.get(str(v).strip().lower(), str(v).strip().lower())
-        if v not in AVGCOS_VARIANTS:
-            raise InputError(
-                f"unknown --avgcos-variants entry {v!r}; choose among {', '.join(AVGCOS_VARIANTS)}"
-            )
-        variants.append(v)
+    """--avgcos-variants (known names by its declaration) in canonical spelling, each once; empty
+    only where the average cosine is not asked for."""
+    variants = _AVGCOS_VARIANTS.items(names)
     if wanted and not variants:
         raise InputError("--avgcos-variants is empty; give plain, centred and/or standardised")
     return tuple(dict.fromkeys(variants))
@@ -513,11 +514,8 @@ def _checked_threshold(rule: str, threshold) -> float:
 
 
 def _checked_ranks(ranks) -> tuple[int, ...]:
-    """--rank (whole numbers >= 1 by its declaration) as sorted distinct ints."""
-    out = sorted({int(r) for r in _listed(ranks)})
-    if not out:
-        raise InputError("--rank is empty; give ranks such as 8,32,128")
-    return tuple(out)
+    """--rank (whole numbers >= 1, at least one, by its declaration) as sorted distinct ints."""
+    return tuple(sorted({int(r) for r in _listed(ranks)}))
 
 
 def _checked_clusters(k: int) -> int:
@@ -527,22 +525,17 @@ def _checked_clusters(k: int) -> int:
 
 
 def _checked_edges(edges) -> tuple[int, ...]:
-    """--position-edges (whole numbers >= 1 by its declaration): strictly increasing."""
+    """--position-edges (whole numbers >= 1, at least one, by its declaration): strictly increasing."""
     out = tuple(int(e) for e in _listed(edges))
-    if not out:
-        raise InputError("--position-edges is empty; give increasing positions such as 1,8,32,128")
     if any(b <= a for a, b in zip(out, out[1:], strict=False)):
         raise InputError(f"--position-edges must increase; got {','.join(map(str, out))}")
     return out
 
 
 def _checked_abtt(ks) -> tuple[int, ...]:
-    """--abtt-k (whole numbers >= 1 by its declaration) as sorted distinct ints (each below D: checked
-    against the source's width when scored)."""
-    out = sorted({int(k) for k in _listed(ks)})
-    if not out:
-        raise InputError("--abtt-k is empty; give numbers of directions such as 1,5,10")
-    return tuple(out)
+    """--abtt-k (whole numbers >= 1, at least one, by its declaration) as sorted distinct ints (each
+    below D: checked against the source's width when scored)."""
+    return tuple(sorted({int(k) for k in _listed(ks)}))
 
 
 def _listed(value) -> list:
