@@ -466,3 +466,21 @@ def test_logged_geometry_equals_score_basis_on_a_mid_training_checkpoint(tmp_pat
             for key in (*keys, "energy_ratio", "baseline"):
                 assert logged[key][r] == pytest.approx(row[key], rel=1e-5, abs=1e-12), (logged_name, r, key)
             assert row["controls"] == 7 and row["control_energy_mean"] is not None
+
+
+def test_check_ranks_reads_ranks_by_the_declared_rule():
+    """A library call's ranks meet --geometry-rank's declaration, in its words; then each is below D."""
+    from geomscope.errors import InputError
+    from geomscope.train.geometry import check_ranks
+
+    assert check_ranks("8,2,8", 16) == (8, 2)
+    assert check_ranks([4, "2,4"]) == (4, 2)
+    for bad in ("0", [0], "8,x", [True], ""):
+        with pytest.raises(InputError) as e:
+            check_ranks(bad, 16)
+        assert (
+            str(e.value)
+            == f"--geometry-rank must be a comma list of whole numbers >= 1 (e.g. 8,32), not {bad!r}"
+        )
+    with pytest.raises(InputError, match="--geometry-rank 16 is not below the model's hidden size D = 16"):
+        check_ranks("8,16", 16)

@@ -344,7 +344,7 @@ class FinetuneConfig:
         every option meets its declaration (:func:`geomscope.options.check`) and the rules between
         options hold; InputError (one line) naming the option otherwise."""
         check(self)
-        self.geometry_rank = tuple(_RANKS.items(self.geometry_rank))
+        self.geometry_rank = geometry_ranks(self.geometry_rank)
         if self.eval is None:
             raise InputError("an evaluation file is needed: pass --eval FILE")
         if self.lm_batching != NEW_DEFAULTS["lm_batching"] and self.task != "causal-lm":
@@ -376,6 +376,13 @@ class FinetuneConfig:
 def validate(cfg: FinetuneConfig) -> FinetuneConfig:
     """:meth:`FinetuneConfig.validate` as a function."""
     return cfg.validate()
+
+
+def geometry_ranks(value) -> tuple[int, ...]:
+    """``--geometry-rank`` as written ("8,32", a list of them) -> its whole numbers (8, 32), when it
+    meets its declaration; OptionError (one line) otherwise."""
+    check_value(FinetuneConfig, "geometry_rank", value)
+    return tuple(_RANKS.items(value))
 
 
 def check_seed(seed) -> None:

@@ -82,6 +82,7 @@ from geomscope.errors import DataError, InputError
 from geomscope.layers import layer_name
 from geomscope.metrics.isotropy import isoscore_star_from_cov_torch
 from geomscope.metrics.moments import Moments
+from geomscope.train.config import geometry_ranks
 from geomscope.train.evaluate import merged_layers
 from geomscope.train.regularizers import batch_covariance, select_tokens
 
@@ -98,34 +99,17 @@ RANK_KEYS = (
 )
 
 
-def check_ranks(ranks: Sequence, dim: int | None = None) -> tuple[int, ...]:
-    """``--geometry-rank`` values -> a tuple of distinct whole numbers 1 <= r (< D when ``dim``)."""
-    if isinstance(ranks, (int, str)):
-        ranks = [ranks]
-    out: list[int] = []
-    for r in ranks:
-        try:
-            if isinstance(r, bool):
-                raise ValueError
-            v = int(str(r).strip()) if isinstance(r, str) else int(r)
-            if v != r and not isinstance(r, str):
-                raise ValueError
-        except (TypeError, ValueError):
-            raise InputError(
-                f"--geometry-rank must be a comma list of whole numbers (e.g. 8,32); got {r!r}"
-            ) from None
-        if v < 1:
-            raise InputError(f"--geometry-rank {v} is below 1; use ranks from 1 to D - 1")
+def check_ranks(ranks, dim: int | None = None) -> tuple[int, ...]:
+    """``--geometry-rank`` values (checked as :class:`FinetuneConfig` declares them) -> a tuple of
+    distinct whole numbers 1 <= r, each below the hidden size D when ``dim``."""
+    out = tuple(dict.fromkeys(geometry_ranks(ranks)))
+    for v in out:
         if dim is not None and v >= dim:
             raise InputError(
                 f"--geometry-rank {v} is not below the model's hidden size D = {dim}; "
                 f"use ranks from 1 to {dim - 1} (e.g. --geometry-rank {max(1, dim // 4)})"
             )
-        if v not in out:
-            out.append(v)
-    if not out:
-        raise InputError("--geometry-rank is empty; pass at least one rank, e.g. 8,32")
-    return tuple(out)
+    return out
 
 
 class GeometryLog:
