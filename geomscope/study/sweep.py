@@ -11,7 +11,6 @@ them); a run that fails is reported and the others go on.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -46,14 +45,14 @@ def grid(regs, lams, seeds) -> list[GridPoint]:
     """Every combination, in a stable order (regulariser, lambda, seed); duplicates dropped; a seed
     the generators cannot take, a lambda that is not a finite number, or two points that would share
     a directory, refused."""
-    from geomscope.train.config import check_seed
+    from geomscope.options import check_value
+    from geomscope.train.config import FinetuneConfig, check_seed
 
     regs, lams, seeds = list(dict.fromkeys(regs)), list(dict.fromkeys(lams)), list(dict.fromkeys(seeds))
     if not regs or not lams or not seeds:
         raise InputError("the grid is empty: give at least one --reg, --lambda and --seed")
     for lam in lams:  # nan or inf would train a NaN loss, under a name (lambdanan) compare refuses
-        if not math.isfinite(float(lam)):
-            raise InputError(f"--lambda must be a finite number, got {lam}; give values such as 0,0.1,1")
+        check_value(FinetuneConfig, "lam", float(lam))
     for s in seeds:
         check_seed(s)
     points = [GridPoint(r, float(lam), int(s)) for r in regs for lam in lams for s in seeds]
