@@ -149,25 +149,6 @@ def _open_run(run_dir):
     return run, shards
 
 
-def _chunks(task, names, verify: bool):
-    """The chunks of one shard, read as score reads a shard (store.integrity.check_shard_file,
-    store.reader.iter_task): its size against the manifest now, its checksum (``verify``) while it
-    is read, the shard held to integrity.check_shard and its rows, from the file checked, to
-    integrity.check_chunk (documents, positions, token ids, non-finite flags). A shard that fails to
-    read is first held to its checksum, so that its damage is what is said, not what reading the
-    damage found."""
-    from geomscope.store.integrity import check_shard_file
-    from geomscope.store.reader import iter_task
-
-    finish, task = check_shard_file(task, checksum=verify)
-    try:
-        yield from iter_task(task, names)
-    except Exception:
-        finish()
-        raise
-    finish()
-
-
 def _meta(ch) -> dict[str, np.ndarray]:
     return {
         "doc_id": np.asarray(ch.doc_id, np.int64),
@@ -245,7 +226,7 @@ def _npy(run, tasks, names, tmp: Path, rows_done, verify: bool) -> list[str]:
     with contextlib.ExitStack() as stack:
         files = {m: stack.enter_context(_NpyFile(tmp / f"{m}.npy", dt, (n,))) for m, dt in META}
         for t in tasks:
-            for ch in _chunks(t, names, verify):
+            for ch in run.checked_chunks(t, names, verify):
                 for name in names:
                     x = ch.layers[name]
                     if name not in files:  # the stored dtype and width, from the first rows
@@ -283,7 +264,7 @@ def _arrow(run, tasks, names, indices, tmp: Path, rows_done, verify: bool) -> li
         fname = f"data-{i:05d}-of-{len(tasks):05d}.arrow"
         writer = None
         with pa.OSFile(str(tmp / fname), "wb") as sink:
-            for ch in _chunks(t, names, verify):
+            for ch in run.checked_chunks(t, names, verify):
                 cols = {m: pa.array(v) for m, v in _meta(ch).items()}
                 for name in names:
                     x = np.ascontiguousarray(ch.layers[name])

@@ -333,11 +333,12 @@ def test_a_shard_replaced_while_it_is_scored_is_refused(run, tmp_path, monkeypat
     size check passes) while `score` runs: after its checksum began on the file as planned, or between
     the moment pass and the unit-vector pass; or changed in place (its modification time). Reading
     on would mix two files' rows under one checksum; every open is held to the file as planned."""
-    from geomscope.score import ScoreOptions, accumulate, score
+    from geomscope.score import ScoreOptions, score
+    from geomscope.store import integrity
 
     shard, other = _shard(run), run / "shard-00000.h5"
     assert shard.stat().st_size == other.stat().st_size
-    real = accumulate.check_shard_file
+    real = integrity.check_shard_file
     checks = []
 
     def replace_shard_1():
@@ -359,7 +360,7 @@ def test_a_shard_replaced_while_it_is_scored_is_refused(run, tmp_path, monkeypat
             replace_shard_1()
         return checked
 
-    monkeypatch.setattr(accumulate, "check_shard_file", check)
+    monkeypatch.setattr(integrity, "check_shard_file", check)
     opts = ScoreOptions(metrics=("isoscore", "avgcos"), verify=True, workers=1)
     with pytest.raises(DataError, match=r"shard-00001\.h5 was replaced or changed while geomscope read it"):
         score(str(run), opts)

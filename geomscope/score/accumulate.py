@@ -34,7 +34,7 @@ from geomscope.metrics.moments import OrderedWork, update_groups
 from geomscope.metrics.validate import NonfiniteRows
 from geomscope.score.sources import iter_blocks, iter_meta
 from geomscope.store.blocks import Task
-from geomscope.store.integrity import check_shard_file
+from geomscope.store.integrity import check_task_file, checked_reads
 from geomscope.store.sample import STREAM_ID_SAMPLE, STREAM_MAX_ROWS, BottomK, Reservoir, row_hash
 
 COUNT_KEYS = ("seen", "nonfinite", "special", "not_sampled", "used")
@@ -232,17 +232,14 @@ def run_task(task: Task, spec: PassSpec, progress=None, into: dict | None = None
     """Process one task; ``progress(rows)`` is called after each block when given. A shard's size is
     checked first, its checksum (``spec.checksum``) while it is read. ``into``: accumulate into these
     parts (in place: one set of accumulators when tasks run in this process) instead of new ones."""
-    finish, task = _check(task, spec)
-    with _checksum_first([finish]):
-        parts = _run(task, spec, progress, {} if into is None else into)
-    finish()
-    return parts
+    with checked_reads(task, checksum=spec.checksum) as task:
+        return _run(task, spec, progress, {} if into is None else into)
 
 
 @contextmanager
 def _checksum_first(finishes: list):
     """A pass that fails is first held to the checksums of the shards it began (``finishes``: their
-    check_shard_file ``finish()``es, read when it fails): a changed file is said as such -- its
+    check_task_file ``finish()``es, read when it fails): a changed file is said as such -- its
     damage, not what the damage made the reading or the statistics find (a flipped bit read as an
     Inf, a chunk index pointing nowhere)."""
     try:
@@ -276,7 +273,7 @@ def run_tasks(tasks: list[Task], spec: PassSpec, progress=None, into: dict | Non
 
     def stream():
         for planned in tasks:
-            finish, t = _check(planned, spec)
+            finish, t = check_task_file(planned, checksum=spec.checksum)
             started.append(finish)
             for block in iter_blocks(t, spec.layers, spec.n_groups, spec.block_rows):
                 yield t, block
@@ -293,15 +290,7 @@ def run_tasks(tasks: list[Task], spec: PassSpec, progress=None, into: dict | Non
 
 @dataclass
 class _TaskDone:
-    finish: Callable[[], None]  # check_shard_file's finish()
-
-
-def _check(task: Task, spec: PassSpec) -> tuple[Callable[[], None], Task]:
-    """A shard's size now and its checksum in the background (store.integrity.check_shard_file): ``finish()``,
-    and the task to read (held to the file checked)."""
-    if task.kind != "shard":
-        return (lambda: None), task
-    return check_shard_file(task, checksum=spec.checksum)
+    finish: Callable[[], None]  # check_task_file's finish()
 
 
 def _new_parts(parts: dict, spec: PassSpec) -> None:

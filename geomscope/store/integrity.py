@@ -23,7 +23,8 @@ import os
 import socket
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -207,6 +208,29 @@ def check_shard_file(task: Task, *, checksum: bool) -> tuple[Callable[[], None],
             opened.close()
         return (lambda: None), task
     return _hash_in_background(p, opened, task.digest), task
+
+
+def check_task_file(task: Task, *, checksum: bool) -> tuple[Callable[[], None], Task]:
+    """:func:`check_shard_file` for a run's shard; any other task (an array file, a dataset's file)
+    as it is, with nothing to finish."""
+    if task.kind != "shard":
+        return (lambda: None), task
+    return check_shard_file(task, checksum=checksum)
+
+
+@contextmanager
+def checked_reads(task: Task, *, checksum: bool) -> Iterator[Task]:
+    """The reads of one task held to :func:`check_task_file`: yields the task to read; when the reads
+    fail its checksum is said first, so that a changed file is said as such, not as what reading
+    the damage found (a flipped bit read as an Inf, a chunk index pointing nowhere); when they end,
+    the checksum is awaited."""
+    finish, task = check_task_file(task, checksum=checksum)
+    try:
+        yield task
+    except Exception:
+        finish()  # raises the checksum's DataError when the bytes differ
+        raise
+    finish()
 
 
 def _hash_in_background(p, opened, digest: tuple[str, str]) -> Callable[[], None]:
@@ -736,17 +760,11 @@ def verify_shard_task(task: Task, layers) -> int:
     its size and checksum (:func:`check_shard_file`), :func:`check_shard`, and its rows streamed --
     each of the documents its entry assigns it, NaN or Inf only where flagged. Returns the distinct
     documents it stores; DataError (one line, naming the shard) otherwise, its checksum's first."""
-    finish, task = check_shard_file(task, checksum=True)
-    path = remote.location(task.path)
-    try:
+    with checked_reads(task, checksum=True) as task:
+        path = remote.location(task.path)
         with open_checked(path, task.identity) as f:
             check_shard(f, path, task, layers)
-            docs = _check_rows(f, path, task, layers)
-    except Exception:
-        finish()  # a changed file is said as such, not as what reading it found
-        raise
-    finish()
-    return docs
+            return _check_rows(f, path, task, layers)
 
 
 #: bytes of one layer's rows :func:`verify_shard_task` reads at a time

@@ -26,6 +26,7 @@ from geomscope.store.integrity import (
     check_layout,
     check_rows,
     check_shard,
+    checked_reads,
     corrupt,
     h5_descriptor,
     h5_reason,
@@ -310,8 +311,8 @@ class Run:
     (with the shards of an unfinished run's logs folded in), layers and their indices in the model,
     the kept sample's size (:attr:`kept_sample`), the manifest's agreement with itself
     (:meth:`check_consistent`), and its shards as tasks (:meth:`shard_tasks`) whose rows
-    :func:`iter_shard_blocks` and :func:`iter_shard_meta` stream, and whose stored accumulators
-    integrity.check_shard checks and returns."""
+    :meth:`checked_chunks`, :func:`iter_shard_blocks` and :func:`iter_shard_meta` stream, and whose
+    stored accumulators integrity.check_shard checks and returns."""
 
     def __init__(self, run_dir: Path | str):
         self.dir = remote.location(run_dir)
@@ -427,6 +428,15 @@ class Run:
             ]
         except ValueError as e:  # a keep geomscope never writes
             raise self._damaged(e) from None
+
+    def checked_chunks(self, task: Task, layers, verify: bool) -> Iterator[ShardChunk]:
+        """The chunks of one of :meth:`shard_tasks`, read as score reads a shard: its size against
+        the manifest now, its checksum (``verify``) while it is read (integrity.checked_reads, which
+        says a changed file's checksum first when the reads fail), the shard held to
+        integrity.check_shard and its rows, from the file checked, to integrity.check_chunk
+        (:func:`iter_task`: documents, positions, token ids, non-finite flags)."""
+        with checked_reads(task, checksum=verify) as task:
+            yield from iter_task(task, layers)
 
     def resolve_layers(self, wanted) -> list[str]:
         """The stored layer names a ``--layers`` selection picks (``"3"``, ``"-1"``, ``"layer_03"``,
