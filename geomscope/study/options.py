@@ -11,6 +11,8 @@ from geomscope.options import SEED, SEED_RANGE, Flag, Interval, check, option
 
 #: the fewest bootstrap resamples of an interval
 MIN_BOOTSTRAP = 100
+#: the bootstrap resamples of an interval when none are asked for
+DEFAULT_BOOTSTRAP = 2000
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,7 @@ class CompareOptions:
 
     allow_mixed: bool = option(False, Flag(), "Compare runs of different models or eval sets.")
     n_boot: int = option(
-        2000,
+        DEFAULT_BOOTSTRAP,
         Interval(whole=True, low=MIN_BOOTSTRAP),
         f"Bootstrap resamples of each interval (at least {MIN_BOOTSTRAP}).",
         metavar="N",

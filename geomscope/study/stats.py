@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from geomscope.metrics.validate import binary_exponent
+from geomscope.study.options import DEFAULT_BOOTSTRAP
 
 #: an interval over configurations needs this many configurations, each with this many seeds
 MIN_CONFIGURATIONS = 3
@@ -229,7 +230,14 @@ def robust_sd_z(replicates: np.ndarray) -> float:
 
 
 def cluster_correlation(
-    x, y, groups, *, method: str = "spearman", n_boot: int = 2000, level: float = 0.95, seed: int = 0
+    x,
+    y,
+    groups,
+    *,
+    method: str = "spearman",
+    n_boot: int = DEFAULT_BOOTSTRAP,
+    level: float = 0.95,
+    seed: int = 0,
 ) -> Interval:
     """The correlation of x with y across runs, with an interval that resamples configurations.
 
