@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 
 import pytest
 from conftest import assert_one_line_error
@@ -206,3 +207,24 @@ def test_a_revision_with_a_control_character_is_refused_whole(cli, tiny_bert, tw
     code, out, err = cli(["extract", tiny_bert, twelve_docs, "--out", tmp_path / "r", "--revisions", spec])
     line = assert_one_line_error(code, out, err, "--revisions", "control character", exit_code=2)
     assert "failed" not in line and not (tmp_path / "r").exists()
+
+
+def test_the_library_refuses_what_the_command_line_refuses(cli, tiny_bert, twelve_docs, tmp_path):
+    """--revision with --revisions, and --drop-weights without them: one rule, one line, in the
+    library and on the command line alike, before anything is written."""
+    from geomscope.errors import InputError
+    from geomscope.extract.options import ExtractOptions
+    from geomscope.extract.revisions import extract_revisions
+    from geomscope.model.revisions import Revision
+
+    both = "give either --revision (one checkpoint) or --revisions (many), not both"
+    revs = [Revision("step0", REPO, "step0")]
+    with pytest.raises(InputError, match=re.escape(both)):
+        extract_revisions(REPO, [twelve_docs], tmp_path / "lib", revs, ExtractOptions(revision="main"))
+    assert not (tmp_path / "lib").exists()
+    args = ["extract", tiny_bert, twelve_docs, "--out", tmp_path / "r", "-q"]
+    code, out, err = cli([*args, "--revisions", "step0", "--revision", "main"])
+    assert_one_line_error(code, out, err, both, exit_code=2)
+    code, out, err = cli([*args, "--drop-weights"])
+    assert_one_line_error(code, out, err, "--drop-weights applies to --revisions runs", exit_code=2)
+    assert not (tmp_path / "r").exists()

@@ -70,19 +70,15 @@ def _extract(model, inputs, out, options, revisions, drop_weights: bool, quiet: 
     """One run, or one run per revision of ``--revisions``: the summary the library returns."""
     import sys
 
-    from geomscope.errors import InputError
-    from geomscope.extract.revisions import extract_revisions
+    from geomscope.extract.revisions import check_revisions_request, extract_revisions
     from geomscope.extract.run import extract
     from geomscope.model.revisions import resolve_revisions
     from geomscope.progress import silent, stderr_log
 
     log = silent if quiet else stderr_log()
+    check_revisions_request(options, revisions=revisions is not None, drop_weights=drop_weights)
     if revisions is None:
-        if drop_weights:
-            raise InputError("--drop-weights applies to --revisions runs")
         return extract(model, inputs, out, options, progress=not quiet, log=log, stdin=sys.stdin)
-    if options.revision is not None:
-        raise InputError("give either --revision (one checkpoint) or --revisions (many), not both")
     return extract_revisions(
         model,
         inputs,

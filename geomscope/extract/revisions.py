@@ -139,6 +139,16 @@ def _snapshot(rev: Revision, cache_dir: str | None) -> Path | None:
     return cached_snapshot(rev.model, rev.revision, cache_dir)
 
 
+def check_revisions_request(options, *, revisions: bool, drop_weights: bool) -> None:
+    """The rules between ``--revision``, ``--revisions`` and ``--drop-weights``: one checkpoint's
+    revision is not given with many, and only a run per revision drops its snapshot. InputError (one
+    line) otherwise; :func:`extract_revisions` and the CLI (before it resolves ``--revisions``) ask."""
+    if not revisions and drop_weights:
+        raise InputError("--drop-weights applies to --revisions runs")
+    if revisions and options.revision is not None:
+        raise InputError("give either --revision (one checkpoint) or --revisions (many), not both")
+
+
 def extract_revisions(
     model,
     inputs,
@@ -154,7 +164,9 @@ def extract_revisions(
     """Extract every revision into ``out/<name>/`` with the same ``options``; return
     ``{"runs": [{revision, dir, status: done|skipped|failed, error?, rows?}], "failed": n}``.
     Raises the first failure's kind of error (one line naming every failed revision) after trying
-    them all, with ``.summary`` set."""
+    them all, with ``.summary`` set; InputError before any of it where ``options`` names a
+    ``revision`` (:func:`check_revisions_request`)."""
+    check_revisions_request(options, revisions=True, drop_weights=drop_weights)
     say = log_to(log)
     args = [str(i) for i in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
     streams = _streams(args, len(revisions))
