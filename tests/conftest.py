@@ -118,3 +118,19 @@ class Planted:
 
     def __reduce__(self):
         return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="session")
+def fuzz_runs(tmp_path_factory):
+    """The clean runs the hostile-input tests mutate (helpers_fuzz.clean_runs), built once."""
+    from helpers_fuzz import clean_runs
+
+    return clean_runs(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def fuzz_sweep(tmp_path_factory):
+    """The clean sweep the hostile-input tests mutate (helpers_fuzz.clean_sweep), built once."""
+    from helpers_fuzz import clean_sweep
+
+    return clean_sweep(tmp_path_factory)
