@@ -124,6 +124,21 @@ def test_the_defaults_an_older_run_implies_are_the_declared_defaults():
         )
 
 
+def test_the_library_reads_task_reg_and_device_in_any_case_as_the_cli_does():
+    """`finetune --task QA --reg ISTAR --device CPU` runs qa, istar on cpu; so does the config."""
+    from geomscope.study import grid
+
+    cfg = FinetuneConfig(
+        model="m", train="t.csv", eval="e.csv", out="o", task=" QA", reg="ISTAR", device="CPU"
+    )
+    cfg.validate()
+    assert (cfg.task, cfg.reg, cfg.device) == ("qa", "istar", "cpu")
+    assert [p.name for p in grid(["ISTAR", "istar", "CosReg"], [0.0], [0])] == [
+        "istar_lambda0_seed0",
+        "cosreg_lambda0_seed0",
+    ]
+
+
 def test_defaults_passed_explicitly_change_nothing(cli, tiny, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     code, _, err = cli(_cli_args(tiny, a))

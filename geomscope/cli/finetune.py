@@ -23,7 +23,7 @@ from geomscope.cli._app import app
 from geomscope.cli._options import declared_option, json_option, options_from, out_option, quiet_option
 from geomscope.options import CommaList, OptionError, check_value, declared
 from geomscope.progress import stderr_log
-from geomscope.train.config import FinetuneConfig
+from geomscope.train.config import FinetuneConfig, caseless
 
 _MODEL = typer.Argument(
     ..., metavar="MODEL", help="Checkpoint directory, bundled:minilm (all-MiniLM-L6-v2), or a hub name."
@@ -48,7 +48,7 @@ _DRY_RUN = typer.Option(
     "trained or written.",
 )
 #: the grid's options (comma lists on the command line) and how each item is read
-_GRID = (("reg", str.lower), ("lam", float), ("seed", int))
+_GRID = (("reg", caseless), ("lam", float), ("seed", int))
 
 
 def _grid_option(name: str):
@@ -101,8 +101,6 @@ def _plan(base: FinetuneConfig, chosen: dict):
         "reg": points[0].reg,
         "lam": points[0].lam,
         "seed": points[0].seed,
-        "task": chosen["task"].strip().lower(),
-        "device": chosen["device"].lower(),
     }
     return points, replace(base, **{**chosen, **first}).validate()
 

@@ -46,9 +46,10 @@ def grid(regs, lams, seeds) -> list[GridPoint]:
     the generators cannot take, a lambda that is not a finite number, or two points that would share
     a directory, refused."""
     from geomscope.options import check_value
-    from geomscope.train.config import FinetuneConfig, check_seed
+    from geomscope.train.config import FinetuneConfig, caseless, check_seed
 
-    regs, lams, seeds = list(dict.fromkeys(regs)), list(dict.fromkeys(lams)), list(dict.fromkeys(seeds))
+    regs = list(dict.fromkeys(caseless(r) for r in regs))  # as the run reads them: --reg ISTAR is istar
+    lams, seeds = list(dict.fromkeys(lams)), list(dict.fromkeys(seeds))
     if not regs or not lams or not seeds:
         raise InputError("the grid is empty: give at least one --reg, --lambda and --seed")
     for lam in lams:  # nan or inf would train a NaN loss, under a name (lambdanan) compare refuses

@@ -117,6 +117,15 @@ FINETUNE_SEED = Interval(
 _POSITIVE = Interval(whole=False, low=0, open_low=True, words="a positive number")
 #: --geometry-rank: whole numbers >= 1, however written (8,32 or a list of them)
 _RANKS = CommaList("whole numbers >= 1 (e.g. 8,32)", POSITIVE_INT, int, nonempty=True)
+#: the options whose words are names in lower case, read whatever their case (``--task QA`` is qa)
+CASELESS = ("task", "reg", "device")
+
+
+def caseless(value):
+    """A word of a :data:`CASELESS` option as the run reads it: stripped and in lower case."""
+    return value.strip().lower() if isinstance(value, str) else value
+
+
 #: the hidden states I-STAR penalises when --layers is unset (recorded as unset: null in run.json)
 DEFAULT_LAYERS = "blocks"
 
@@ -342,7 +351,10 @@ class FinetuneConfig:
     def validate(self) -> FinetuneConfig:
         """``self``, its ``geometry_rank`` read as a tuple of whole numbers ("8,32" -> (8, 32)), when
         every option meets its declaration (:func:`geomscope.options.check`) and the rules between
-        options hold; InputError (one line) naming the option otherwise."""
+        options hold; InputError (one line) naming the option otherwise. The :data:`CASELESS`
+        options are read in lower case first."""
+        for name in CASELESS:
+            setattr(self, name, caseless(getattr(self, name)))
         check(self)
         self.geometry_rank = geometry_ranks(self.geometry_rank)
         if self.eval is None:
