@@ -1,5 +1,5 @@
-"""extract's inputs (extract/sources.py) and its disk: a device is refused (it was copied until the
-disk was full), a stream that does not fit the temporary folder, a disk that fills up while shards
+"""extract's inputs (extract/sources.py) and its disk: a device is refused (a copy of it would fill the
+disk), a stream that does not fit the temporary folder, a disk that fills up while shards
 are written and a SIGTERM are each one line, with no copy of the input left behind; --out inside an
 input dataset is refused (it could never be resumed). stdin and named pipes are spooled and read
 once, to their end, and refused where several readers would each need them; a CSV's byte order

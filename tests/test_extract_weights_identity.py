@@ -84,7 +84,7 @@ def test_a_run_from_before_whole_file_fingerprints_still_resumes(tmp_path):
     m = json.loads((run / "manifest.json").read_text())
     ident = m["identity"]["model"]
     del ident[WEIGHTS_KEY]
-    ident["weights_sha256"] = legacy_weights_fingerprint(model)  # as the older geomscope wrote it
+    ident["weights_sha256"] = legacy_weights_fingerprint(model)  # an identity without WEIGHTS_KEY
     m["shards"] = m["shards"][:2]
     m["complete"] = False
     m.pop("request", None)

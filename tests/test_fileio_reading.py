@@ -2,12 +2,12 @@
 -- a manifest, a shard log, a report, a trainer state, a finetune summary or log, a scheduler file,
 a model's index, a datasets state -- through the one reader, bounded in size and nesting depth.
 
-A named pipe at a file's name blocked a plain read until a writer came (a hang), a link to /dev/zero
-never ended, and JSON nested deeper than the interpreter's recursion limit (or deep enough to break
-the recursive walks over what was read) was a RecursionError traceback. Each reader here is handed
-those files and must refuse them in one line (or, where the file is optional, go without it), at
-once. A reader that blocks on a pipe is released after :data:`BLOCKED_AFTER` seconds by a writer
-that opens and closes it, so the test fails instead of hanging."""
+A named pipe at a file's name blocks a plain read until a writer comes (a hang), a link to /dev/zero
+never ends, and JSON nested deeper than the interpreter's recursion limit (or deep enough to break a
+recursive walk over what was read) is a RecursionError traceback to a plain reader. Each reader here
+is handed those files and must refuse them in one line (or, where the file is optional, go without
+it), at once. A reader that blocks on a pipe is released after :data:`BLOCKED_AFTER` seconds by a
+writer that opens and closes it, so the test fails instead of hanging."""
 
 from __future__ import annotations
 

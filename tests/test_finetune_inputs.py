@@ -71,7 +71,7 @@ def test_a_text_of_no_tokens_is_refused_before_training(tmp_path):
 
 
 def test_an_encoder_decoder_checkpoint_is_refused(tmp_path):
-    """T5 was accepted, then crashed: its classifier's output has no hidden_states."""
+    """T5 is refused when loaded, not after: its classifier's output has no hidden_states."""
     from geomscope.model.classifier import load_classifier
 
     model = make_tiny_model("t5", tmp_path / "m")

@@ -63,8 +63,8 @@ def test_verify_damaged_exits_nonzero(cli, run_dir, tmp_path):
 
 @pytest.mark.parametrize("verify", [False, True], ids=["describe", "verify"])
 def test_a_shard_that_is_a_link_loop_is_named_not_a_traceback(cli, run_dir, tmp_path, verify):
-    """A shard replaced by a link to itself: its size was read through the link (ELOOP, a
-    traceback); it is the run's own entry that counts, and --verify names the shard."""
+    """A shard replaced by a link to itself: its size is not read through the link (that would be
+    ELOOP, a traceback); it is the run's own entry that counts, and --verify names the shard."""
     bad = tmp_path / "run"
     shutil.copytree(run_dir, bad)
     (bad / "shard-00001.h5").unlink()

@@ -169,7 +169,7 @@ def test_bad_input():
 def test_a_constant_dimension_adds_nothing_to_the_centred_and_standardised_cosine(value):
     """A constant column is 0 after centring. Its mean is its value only to rounding (0.1 is not a
     float64 sum of 0.1s / N exactly), and the residue, divided by a standard deviation of the same
-    rounding (1e-17), came out near +-1 in every row: 0.317 where the truth is -0.0009. The
+    rounding (1e-17), would come out near +-1 in every row: 0.317 where the truth is -0.0009. The
     cosine with the column must equal the cosine without it."""
     x = _cone(1000, 4, 0)
     with_const = np.column_stack([x, np.full(1000, value)])
@@ -183,7 +183,8 @@ def test_a_constant_dimension_adds_nothing_to_the_centred_and_standardised_cosin
 @pytest.mark.parametrize("value", [0.1, 7.0])
 def test_identical_rows_have_no_centred_cosine(value):
     """Identical rows centre to 0 (no direction, so no cosine); the rounding residue of a mean of
-    0.1s made every centred row the same tiny vector, cosine 1.0, while 7.0 (exact) was refused."""
+    0.1s makes every centred row the same tiny vector (cosine 1.0 if taken as a direction), and 7.0
+    (exact) none: both are refused the same way."""
     x = np.full((3000, 4), value)
     for variant in ("centred", "standardised"):
         with pytest.raises(DataError, match="0 row"):

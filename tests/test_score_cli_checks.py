@@ -321,7 +321,7 @@ def test_an_empty_column_is_refused(cli, tmp_path, no_work):
 )
 @pytest.mark.parametrize("quiet", [True, False])
 def test_columns_are_checked_before_the_work(cli, run_dir, tmp_path, no_work, extra, columns, said, quiet):
-    # it was checked against the finished report, after the whole pass, and never with -q
+    # refused before the pass, with or without -q (no_work: nothing is computed)
     args = ["score", run_dir, "--out", tmp_path / "o", "--columns", columns, *extra]
     code, out, err = cli(args + (["-q"] if quiet else []))
     assert_one_line_error(code, out, err, said, exit_code=2)

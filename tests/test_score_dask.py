@@ -382,7 +382,7 @@ def test_a_worker_that_cannot_start_is_one_error_at_once(tmp_path, monkeypatch, 
 def test_a_scheduler_lost_during_a_pass_is_one_line(run6, monkeypatch):
     """A scheduler that goes away while a pass runs: Dask cancels the pass's futures once its client
     has tried to reconnect for its timeout, and as_completed hands each cancelled future's error as
-    its result; merged as a partial result it was an AttributeError."""
+    its result, which is never merged as a partial result (that would be an AttributeError)."""
     from distributed import LocalCluster
 
     import geomscope.score.dask_executor as de

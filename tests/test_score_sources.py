@@ -74,7 +74,7 @@ def _cli(args, timeout=120):
 # ------------------------------------------------------------------------------------------ npz
 def test_compressed_fortran_order_npz_reads_in_row_order(tmp_path):
     """np.savez_compressed of X.T (what the 'fewer rows than columns' warning asks for) stores a
-    Fortran-order member: it was streamed as if in C order, scrambling every row silently."""
+    Fortran-order member: streamed as if in C order, every row would be scrambled silently."""
     x = _anisotropic()
     ref = _reference(tmp_path, x)
     np.savez_compressed(tmp_path / "f.npz", x=np.asfortranarray(x))
@@ -721,7 +721,7 @@ def test_pt_parameter_and_float8_tensors_are_read(tmp_path):
 
 
 def test_legacy_pt_is_one_read_unit(tmp_path):
-    """A legacy (non-zip) .pt cannot be memory-mapped: it was loaded whole again for every part."""
+    """A legacy (non-zip) .pt cannot be memory-mapped: it is loaded once, not again for every part."""
     torch = pytest.importorskip("torch")
     x = _anisotropic()
     ref = _reference(tmp_path, x)

@@ -40,9 +40,9 @@ def run(tmp_path):
     ],
 )
 def test_a_manifest_that_disagrees_with_itself_is_refused(cli, run, tmp_path, edit, needle):
-    """Each of these was scored: a shard listed twice was counted twice (8,818 rows of 7,299; the
-    IsoScore moved in the third digit), a shard dropped from a complete run gave a complete report
-    of the rest. inspect --verify found them; score now refuses them the same way."""
+    """score refuses each of these as inspect --verify does: a shard listed twice (it would be
+    counted twice: 8,818 rows of 7,299, the IsoScore off in the third digit), a shard dropped from a
+    complete run (a complete report of the rest)."""
     edit_manifest(run, edit)
     with pytest.raises(InputError, match="manifest disagrees with itself"):
         score(run, OPTS)

@@ -285,8 +285,9 @@ def test_sweep_restarts_a_run_cut_off_before_its_first_checkpoint(tmp_path):
 
 
 def test_a_grid_stops_at_a_bad_input_and_says_why(cli, sweep, tmp_path):
-    """Bad data fails every point the same way: the first failure is the error line (it was "sweep: 0
-    of N runs finished" with no cause, after loading the model for every point)."""
+    """Bad data fails every point the same way: the first failure is the error line, not "sweep: 0 of
+    N runs finished" with no cause, and the grid stops there, not after loading the model for every
+    point."""
     d, args = sweep
     nolabel = tmp_path / "nolabel.csv"
     nolabel.write_text("sentence\nhello there\nanother one\n")

@@ -286,8 +286,9 @@ def test_one_setting_twice_is_refused_naming_both(cli, tmp_path):
 
 
 def test_eval_sets_are_told_by_their_recorded_contents(cli, tmp_path, monkeypatch):
-    """run.json's --eval was resolved against compare's own folder: two projects' `--eval dev.csv`
-    passed as one eval set, and the same file named two ways was refused."""
+    """Eval sets are told apart by their recorded contents, not by run.json's --eval resolved against
+    compare's own folder: two projects' `--eval dev.csv` are two eval sets, and the same file named
+    two ways is one."""
     args = ["--out", tmp_path / "out", "--quiet"]
     make_run(tmp_path / "p1" / "a", lam=0.0, sha="1" * 64)
     make_run(tmp_path / "p2" / "b", lam=1.0, acc=0.7, iso=0.5, sha="2" * 64)
