@@ -174,13 +174,13 @@ def _dry_run(cfg, points, out: Path, quiet: bool) -> None:
     from geomscope.train.loop import check_run
 
     if len(points) > 1:
-        plan = check_sweep(cfg, points)
+        plan = check_sweep(cfg, points, stderr_log())
         for p in points:
             typer.echo(str(out / p.name))
         todo = {k: sum(v == k for v in plan.values()) for k in ("run", "resume", "skip")}
         said = f"{todo['run']} to run, {todo['resume']} to resume, {todo['skip']} finished (skipped)"
     else:
-        check_run(cfg)
+        check_run(cfg, stderr_log())
         typer.echo(f"{out}: {points[0].name}")
         said = "1 run"
     if not quiet:

@@ -26,6 +26,7 @@ from geomscope.extract.options import ExtractOptions
 from geomscope.extract.sources import InputFile, hash_input, iter_all, uses_column, uses_field
 from geomscope.formatting import counted
 from geomscope.layers import FINAL_NORM_LAYER, gradient_name, model_layers, names_layer, select_layers
+from geomscope.progress import Log
 
 SAMPLE_DOCS = 128
 SAMPLE_CHARS = 10_000  # characters of each sampled document that are tokenized
@@ -126,7 +127,7 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def load_for_run(model, opts: ExtractOptions):
+def load_for_run(model, opts: ExtractOptions, log: Log | None = None):
     from geomscope.model.load import load_model
     from geomscope.model.loaded import LoadedModel
 
@@ -143,6 +144,7 @@ def load_for_run(model, opts: ExtractOptions):
         loss=opts.loss if opts.gradients else None,
         device_map=opts.device_map,
         max_memory=opts.max_memory_map,
+        log=log,
     )
 
 

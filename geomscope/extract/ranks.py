@@ -96,7 +96,7 @@ def extract_ranks(model, inputs, out: Path, opts, *, progress: bool, log: Log | 
 
                 check_out_outside_inputs(ins, out)
                 scan = scan_and_hash(ins, local)
-                lm = load_for_run(model, local)
+                lm = load_for_run(model, local, say)
                 return scan, lm, plan_run(lm, ins, scan, local, out)
 
             scan, lm, p = _together(d, plan)

@@ -93,7 +93,7 @@ def _run_opened(model, ins, out: Path, opts: ExtractOptions, progress: bool, say
     scan = scan_and_hash(ins, opts)
     # before the load: what extract --revisions computes, without loading, to skip a finished run
     request = run_request(model, ins, opts)
-    lm = load_for_run(model, opts)
+    lm = load_for_run(model, opts, say)
     if request is not None and request["model"]["source"] == "hub":
         request["model"]["commit"] = lm.info.get("commit")  # the commit the rows come from
     plan = plan_run(lm, ins, scan, opts, out)

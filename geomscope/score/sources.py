@@ -17,7 +17,6 @@ column, as ``geomscope export`` writes); array rows (no documents) by contiguous
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -614,7 +613,3 @@ def _open_array(p: Path, dataset: str | None, block_rows: int | None, memory_mb:
         flags=flags,
         format="npy" if p.suffix.lower() == ".npy" else "h5",
     )
-
-
-def warn(msg: str) -> None:
-    print(f"warning: {msg}", file=sys.stderr)

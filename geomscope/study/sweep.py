@@ -97,7 +97,7 @@ def _claim(out: Path, points: list[GridPoint]) -> None:
     )
 
 
-def _check_shared_inputs(base) -> None:
+def _check_shared_inputs(base, log: Log | None) -> None:
     """What every grid point shares, checked as finetune checks it: the options, the device, the
     data files and the model (how its name resolves, its config and tokenizer). InputError, one line,
     for what none of the points could use."""
@@ -106,7 +106,7 @@ def _check_shared_inputs(base) -> None:
     from geomscope.train.engine import check_device
     from geomscope.train.loop import read_data
 
-    resolve_model(base.model)  # first: a hub name that does not resolve is one line at once
+    resolve_model(base.model, log=log)  # first: a hub name that does not resolve is one line at once
     base.validate()
     check_device(base.device, base.precision)
     read_data(base)
@@ -126,14 +126,15 @@ def point_config(base, p: GridPoint, todo: str):
     )
 
 
-def check_sweep(base, points: list[GridPoint]) -> dict:
+def check_sweep(base, points: list[GridPoint], log: Log | None = None) -> dict:
     """What :func:`run_sweep` checks before its first run, and each point's ``--out`` as its finetune
     checks it, writing nothing (``finetune --dry-run``); returns the plan (point -> run | resume |
-    skip). A point whose directory its run could not use is refused naming the point."""
+    skip). A point whose directory its run could not use is refused naming the point; ``log`` as
+    :func:`run_sweep`'s."""
     from geomscope.train.loop import check_out
 
     _check_claim(Path(base.out))
-    _check_shared_inputs(base)
+    _check_shared_inputs(base, log)
     plan = _plan(base, points)
     for p in points:
         if plan[p] == "skip":
@@ -200,7 +201,7 @@ def run_sweep(base, points: list[GridPoint], *, progress: bool = False, log: Log
     from geomscope.train import finetune
 
     out = Path(base.out)
-    _check_shared_inputs(base)  # the data's hashes are in the fingerprints compared below
+    _check_shared_inputs(base, log)  # the data's hashes are in the fingerprints compared below
     plan = _plan(base, points)
     _claim(out, points)
     say = log_to(log)

@@ -179,14 +179,15 @@ def _on_main(fn, d: dd.Dist):
     return res
 
 
-def _resolve_model_alias(cfg: FinetuneConfig) -> FinetuneConfig:
+def _resolve_model_alias(cfg: FinetuneConfig, log: Log | None = None) -> FinetuneConfig:
     """What ``extract`` accepts as MODEL (``bundled:minilm``, a directory, a hub name) -> a loadable
-    path, with the user's name and its resolution recorded in ``extra``."""
+    path, with the user's name and its resolution recorded in ``extra`` (a note to ``log`` when the
+    hub cannot be reached and its cache holds the model)."""
     from geomscope.model.names import resolve_model
 
     if "model_arg" in cfg.extra:  # already resolved (a resumed or re-entered config)
         return cfg
-    path, info = resolve_model(cfg.model)
+    path, info = resolve_model(cfg.model, log=log)
     return replace(cfg, model=path, extra={**cfg.extra, "model_arg": cfg.model, "model_info": info})
 
 
@@ -240,14 +241,15 @@ def check_out(cfg: FinetuneConfig) -> dict | None:
     return _prepare_out(cfg, Path(cfg.out), lambda msg: None, recover=False)
 
 
-def check_run(cfg: FinetuneConfig) -> FinetuneConfig:
+def check_run(cfg: FinetuneConfig, log: Log | None = None) -> FinetuneConfig:
     """What ``finetune(cfg)`` checks before it trains, with the same one-line errors, reading only the
     model's config and tokenizer and writing nothing (``--dry-run``): the options, the device, how
     the model resolves, its config and layers, the data files and their labels, and ``--out`` (a
-    checkpoint of other options is refused as ``--resume`` refuses it). Returns the resolved config."""
+    checkpoint of other options is refused as ``--resume`` refuses it). Returns the resolved config;
+    ``log`` as :func:`finetune`'s."""
     from geomscope.train.engine import check_device
 
-    cfg = _resolve_model_alias(cfg)
+    cfg = _resolve_model_alias(cfg, log)
     cfg.validate()
     check_device(cfg.device, cfg.precision)
     out = Path(cfg.out)
@@ -272,7 +274,7 @@ def finetune(cfg: FinetuneConfig, *, progress: bool = False, log: Log | None = N
     clamped ``--max-length`` one line each to ``log``), on the main process only.
     """
     note = log_to(log)
-    cfg = _resolve_model_alias(cfg)
+    cfg = _resolve_model_alias(cfg, note)
     cfg.validate()
     from geomscope.train import engine as en
 
