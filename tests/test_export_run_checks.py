@@ -108,9 +108,9 @@ def test_a_shard_holding_other_documents_is_refused(run, tmp_path):
 
 
 def test_a_full_disk_is_one_line_and_leaves_nothing(run, tmp_path, monkeypatch):
-    """The .npy files were memory-mapped (sparse): a full disk came as SIGBUS, with no error line and
-    the temporary directory left behind. Here every write into the export fails with ENOSPC once a
-    few KB are written."""
+    """The .npy files are written, not memory-mapped (a sparse map meets a full disk as SIGBUS, with no
+    error line and the temporary directory left behind). Here every write into the export fails with
+    ENOSPC once a few KB are written."""
     real_write = os.write
     written = {"n": 0}
 

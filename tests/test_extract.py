@@ -416,7 +416,7 @@ def test_resume_after_crash_equals_clean_run(tmp_path, loaded, monkeypatch):
 
 def test_resume_reads_the_finished_shards_once(tmp_path, loaded, monkeypatch):
     # each shard asks whether an earlier run finished it; rebuilding the finished shards for every
-    # question made resuming O(shards^2) (3,000 one-document shards: 13 s before a shard was run)
+    # question would make resuming O(shards^2) (3,000 one-document shards: 13 s before a shard runs)
     from geomscope.store.manifest import RunWriter
 
     lm = loaded("bert")

@@ -307,7 +307,7 @@ def test_encoder_decoder_is_refused(inputs, tmp_path):
 def test_a_decoder_classifier_is_read_at_each_documents_last_token(inputs, tmp_path, kind):
     """A decoder's sequence classifier reads its prediction from the last token that is not
     config.pad_token_id; padded with the tokenizer's pad (or eos) where that differs, every
-    document shorter than its batch's longest was classified from padding: loss 0.707 where each
+    document shorter than its batch's longest would be classified from padding: loss 0.707 where each
     document alone gives 0.680, gradients off by ~100 %. One batch must give one document's own."""
     import shutil
 

@@ -33,7 +33,8 @@ def test_a_device_is_refused(cli, tmp_path):
 
 
 def test_a_stream_larger_than_the_temporary_folder_allows_is_one_line(tmp_path):
-    """A file-size limit (as a full disk would) on the spooled copy of stdin: EFBIG was a traceback."""
+    """A file-size limit (as a full disk would) on the spooled copy of stdin: EFBIG is one line, not a
+    traceback."""
     import resource
 
     def limit():  # in the child: 1 MiB per file, and EFBIG instead of the SIGXFSZ that kills
@@ -156,7 +157,7 @@ class _UnreadableStdin:
 @pytest.mark.parametrize("stdin", [None, _UnreadableStdin()], ids=["closed", "unreadable"])
 def test_a_closed_stdin_is_one_line(cli, tmp_path, monkeypatch, stdin):
     """``extract MODEL -`` with standard input closed (``<&-``: Python then has no sys.stdin) or
-    failing to read was an AttributeError or OSError traceback; no run directory is made."""
+    failing to read is one line, not an AttributeError or OSError traceback; no run directory is made."""
     monkeypatch.setattr(sys, "stdin", stdin)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     code, out, err = cli(["extract", "bundled:minilm", "-", "--out", tmp_path / "r"])

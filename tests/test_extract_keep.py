@@ -407,9 +407,10 @@ def _nan_in(key):
     ],
 )
 def test_stored_accumulators_are_checked_before_they_are_trusted(kept, tmp_path, edit, needle):
-    """A crafted --keep sample shard (its checksums made to match) was scored on its word: n of 10^15
-    gave 10^15 rows and NaN/Inf 'dropped' counts below zero, a NaN emptied the IsoScore, a 3-million
-    value mean tried a 65 TiB allocation, a tokens attribute of 5 said -1,423 rows dropped."""
+    """A crafted --keep sample shard (its checksums made to match) is not scored on its word: n of
+    10^15 would give 10^15 rows and NaN/Inf 'dropped' counts below zero, a NaN would empty the
+    IsoScore, a 3-million value mean would try a 65 TiB allocation, a tokens attribute of 5 would say
+    -1,423 rows dropped."""
     run = tmp_path / "run"
     shutil.copytree(kept, run)
     _damage_accumulator(run, edit)
@@ -419,7 +420,8 @@ def test_stored_accumulators_are_checked_before_they_are_trusted(kept, tmp_path,
 
 
 def test_a_sample_run_whose_keep_was_removed_is_refused(kept, tmp_path):
-    """Without identity.keep the samples were scored as whole layers: IsoScore 0.211 for 0.270."""
+    """Without identity.keep the samples would be scored as whole layers (IsoScore 0.211 for 0.270):
+    refused."""
     run = tmp_path / "run"
     shutil.copytree(kept, run)
     edit_manifest(run, lambda m: m["identity"].pop("keep"))

@@ -87,7 +87,7 @@ def test_replaced_checkpoint_is_not_skipped(ck, models, cli):
 
 
 def test_run_without_a_request_is_extracted_once(ck, cli):
-    """A complete run from before requests were recorded: extracted (nothing to do), then skipped."""
+    """A complete run that records no request: extracted (nothing to do), then skipped."""
     from geomscope.fileio import write_text_atomic
 
     assert _extract(cli, ck, "small.txt", "--layers", "0")[0] == 0

@@ -72,8 +72,8 @@ def test_a_resume_with_weights_changed_in_the_middle_is_refused(tmp_path):
 
 
 def test_a_run_from_before_whole_file_fingerprints_still_resumes(tmp_path):
-    """Runs made before recorded weights_sha256 (the first and last 64 KiB): compared on that, they
-    resume; they were all refused as made with other weights."""
+    """A run whose identity records weights_sha256 (the first and last 64 KiB), not WEIGHTS_KEY, is
+    compared on that and resumes, not refused as made with other weights."""
     from geomscope.model.fingerprint import legacy_weights_fingerprint
 
     model = make_tiny_model("bert", tmp_path / "models", hidden_size=64, intermediate_size=128)

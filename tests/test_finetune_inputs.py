@@ -1,7 +1,7 @@
-"""finetune's data and models that gave a traceback or a silent guess: a lone surrogate, texts and
-labels that are no text or no class, a column given twice, a text the tokenizer makes nothing of,
-an encoder-decoder checkpoint, CSVs that are not UTF-8 or hold huge fields, damaged saved datasets
-and QA answers; and IStar's C0 counted whole where only its symmetric part acts."""
+"""finetune's data and models that are one line, never a traceback or a silent guess: a lone surrogate,
+texts and labels that are no text or no class, a column given twice, a text the tokenizer makes nothing
+of, an encoder-decoder checkpoint, CSVs that are not UTF-8 or hold huge fields, damaged saved datasets
+and QA answers; and IStar's C0, of which only the symmetric part acts."""
 
 from __future__ import annotations
 
@@ -57,8 +57,9 @@ def test_a_column_given_twice_is_refused(tmp_path):
 
 
 def test_a_text_of_no_tokens_is_refused_before_training(tmp_path):
-    """GPT-2 adds no special tokens: an empty text is no token at all, which crashed after a whole
-    epoch (cannot reshape a tensor of 0 elements) or, among others, trained on a pad token's state."""
+    """GPT-2 adds no special tokens: an empty text is no token at all, which would crash after a
+    whole epoch (cannot reshape a tensor of 0 elements) or, among others, train on a pad token's
+    state."""
     from transformers import AutoTokenizer
 
     model = make_tiny_model("gpt2", tmp_path / "m")
@@ -80,8 +81,9 @@ def test_an_encoder_decoder_checkpoint_is_refused(tmp_path):
 
 
 def test_istar_counts_only_the_symmetric_part_of_c0():
-    """target_on and the cross term use C0's symmetric part; its squared norm counted the whole, so
-    adding an antisymmetric part moved IsoScore* (0.504 -> 0.455)."""
+    """target_on, the cross term and the squared norm all use C0's symmetric part: adding an
+    antisymmetric part leaves IsoScore* where it is (counting the whole in the norm would move it
+    from 0.504 to 0.455)."""
     from geomscope.train.regularizers import IStar
 
     torch.manual_seed(0)
@@ -143,7 +145,7 @@ def test_finetune_bad_csvs_are_one_line(cli, tmp_path):
 
 def test_damaged_training_inputs_are_one_line(cli, tmp_path):
     """A saved dataset whose dataset_dict.json or state.json was damaged, a QA answer_start that is not
-    a finite number, a --revisions file that is not text: one line each (they were tracebacks)."""
+    a finite number, a --revisions file that is not text: one line each, not a traceback."""
     from geomscope.model.revisions import resolve_revisions
     from geomscope.train.data import load_table
     from geomscope.train.qa import load_qa

@@ -137,7 +137,7 @@ def test_twonn_passes_scikit_learns_estimator_checks():
 
 @pytest.mark.parametrize("name", ["mle", "lpca", "corrint", "tle", "twonn"])
 def test_duplicates_without_dedup_are_refused(name):
-    # scikit-dimension read them as data: MLE gave 0.0 on 50 distinct rows repeated 4x
+    # scikit-dimension reads them as data: its MLE gives 0.0 on 50 distinct rows repeated 4x
     X = np.random.default_rng(0).standard_normal((200, 4))
     Xd = np.vstack([X[:50]] * 4)
     with pytest.raises(DataError, match="dedup=True") as e:

@@ -290,7 +290,8 @@ def test_participation_terms_are_the_plain_ones_in_the_normal_range():
     ],
 )
 def test_a_matrix_that_is_no_covariance_is_refused(matrix, match):
-    """The library took them and gave plausible numbers (0.0, or a PR below 1 for the spectrum)."""
+    """Refused, where taking them would give plausible numbers (0.0, or a PR below 1 for the
+    spectrum)."""
     with pytest.raises(DataError, match=match):
         isoscore_from_cov(matrix)
     with pytest.raises(DataError, match=match if match != "participation ratio" else "not a covariance"):

@@ -136,7 +136,7 @@ def test_identical_rows_have_no_outlier_dimension(tmp_path, rule, offset):
     x = np.tile(_row() + offset, (3000, 1))
     assert (x == x[0]).all()  # no variance at all: the reference answer is "undefined"
     e = _scored(tmp_path, x, outlier_rule=rule)
-    # was [3] with support [1.0] from variances of 1e-27 while IsoScore refused the layer
+    # not [3] with support [1.0] from variances of 1e-27, as IsoScore refuses the layer
     assert e["isoscore"] is None and "zero total variance" in e["notes"]["isoscore"]
     assert e["outliers"] == [] and e["outlier_statistic"] == [] and e["outlier_support"] == []
     assert "zero total variance" in e["notes"]["outliers"]
@@ -174,6 +174,6 @@ def test_support_counts_only_replicates_where_the_rule_is_defined(tmp_path):
     e = _scored(tmp_path, x, jackknife_groups=2)
     ref = np.var(x, axis=0, ddof=1)
     assert e["outliers"] == list(np.flatnonzero(ref >= 5.0 * ref.mean()))  # the full layer has variance
-    # was [0.0]: each replicate's rounding residues flagged some other dimension
+    # not [0.0]: each replicate's rounding residues would flag some other dimension
     assert e["outliers"] and e["outlier_support"] == []
     assert "every jackknife replicate" in e["notes"]["outlier_support"]

@@ -575,7 +575,7 @@ def _sample_cov(d, seed=4):
 
 @pytest.mark.parametrize("k", [7, 0, -1, 2.7, "3", True, None])
 def test_top_eigenpairs_refuses_a_bad_count(k):
-    # D + 1 and 0 reached scipy's ValueError, 2.7 was truncated to 2
+    # refused here: D + 1 and 0 would reach scipy's ValueError, 2.7 would be truncated to 2
     with pytest.raises(InputError) as e:
         top_eigenpairs(_sample_cov(6), k)
     assert "1 to" in one_line_message(e)

@@ -241,7 +241,7 @@ def test_identical_rows_break_ties_by_the_smaller_index():
 def test_rescreen_below_float64s_normal_range(seed):
     # rows at 1e-158..1e-161 beside rows at +-1: scaled for the large rows, the small rows' squared
     # distances are subnormal in float64, where an operation's error is absolute, not relative;
-    # the bounds cover it (seeds 0, 1 and 4 gave a wrong r2 or "lost its two nearest" before). d = 1:
+    # the bounds cover it (without that, seeds 0, 1 and 4 give a wrong r2 or "lost its two nearest"). d = 1:
     # the exact distances are |x_i - x_j|, a reference without squares
     rng = np.random.default_rng(seed)
     X = np.concatenate([[[1.0], [-1.0]], rng.normal(size=(30, 1)) * [1e-160, 1e-161, 1e-158][seed % 3]])
