@@ -8,15 +8,14 @@ from dataclasses import dataclass, replace
 
 from geomscope.choices import EXPORT_FORMATS
 from geomscope.layers import STORED_LAYERS_HELP, layer_items
-from geomscope.options import REQUIRED, Choice, Layers, check, choice_metavar, option
+from geomscope.options import REQUIRED, Choice, Layers, check, choice_metavar, option, verify_option
 
 
 @dataclass(frozen=True)
 class ExportOptions:
     """How ``export`` writes a run, declared once (:mod:`geomscope.options`).
 
-    ``layers``: a selection in :mod:`geomscope.layers`' grammar (None: every layer); ``verify``
-    has no declaration: the CLI spells it ``--no-verify``.
+    ``layers``: a selection in :mod:`geomscope.layers`' grammar (None: every layer).
     """
 
     to: str = option(
@@ -28,7 +27,7 @@ class ExportOptions:
     layers: tuple[str, ...] | list | str | None = option(
         None, Layers(), STORED_LAYERS_HELP, metavar="LIST", short="-l", optional=True
     )
-    verify: bool = True
+    verify: bool = verify_option()
 
     def validate(self) -> ExportOptions:
         """A checked copy with ``layers`` as a list of names (None: every layer); OptionError (one

@@ -250,7 +250,8 @@ class Option:
     """One declared option: its constraint, help and command-line form. ``optional``: None is a
     value (the option is unset); ``flag``: the long flag (default ``--field-name``); ``off``: the
     flag that sets a :class:`Flag` False where its default, None, leaves the choice to the command
-    (``--log-x/--linear-x``)."""
+    (``--log-x/--linear-x``); ``negated``: ``flag`` alone sets a :class:`Flag` that is True by
+    default to False (``--no-verify``)."""
 
     constraint: Constraint
     help: str
@@ -260,6 +261,19 @@ class Option:
     off: str | None = None
     optional: bool = False
     hidden: bool = False
+    negated: bool = False
+
+
+def verify_option() -> dataclasses.Field:
+    """``verify`` of every command that reads a run's shards: their checksums are checked unless
+    ``--no-verify`` is given (their sizes are checked either way)."""
+    return option(
+        True,
+        Flag(),
+        "Skip the shard checksum check (size is still checked).",
+        flag="--no-verify",
+        negated=True,
+    )
 
 
 #: the default of an option that has none: it must be given (``export --to``)

@@ -85,6 +85,11 @@ def test_a_shard_changed_at_the_same_size_is_refused(run, tmp_path, cli):
     # as score --no-verify: the size is still checked, the checksum not
     code, out, err = cli(["export", r, "--to", "npy", "--out", tmp_path / "e", "-q", "--no-verify"])
     assert code == 0, err
+    score = ["score", r, "--metrics", "isoscore", "--out", tmp_path / "s", "-q"]
+    code, out, err = cli(score)
+    assert_one_line_error(code, out, err, "shard-00001.h5", "checksum differs", exit_code=3)
+    code, out, err = cli([*score, "--no-verify"])
+    assert code == 0, err
 
 
 def test_a_shard_holding_other_documents_is_refused(run, tmp_path):

@@ -1,5 +1,5 @@
 """What every command shares: the typer option of a declared option, comma lists, and the options
-that must read the same everywhere (``--json``, ``--quiet/-q``, ``--out/-o``, ``--no-verify``).
+that must read the same everywhere (``--json``, ``--quiet/-q``, ``--out/-o``).
 
 A declared option (:mod:`geomscope.options`) gives its typer option its default, flags, help and
 metavar; the value is checked by the library, so a value given on the command line and one given
@@ -48,21 +48,19 @@ def out_option(metavar: str, help: str, *, required: bool = True):
     return typer.Option(... if required else None, "--out", "-o", metavar=metavar, help=help)
 
 
-def no_verify_option():
-    """``--no-verify``: a run's shards are read without their checksums (their sizes still checked)."""
-    return typer.Option(False, "--no-verify", help="Skip the shard checksum check (size is still checked).")
-
-
 def declared_option(cls, name: str, complete=None, *, repeated: bool = False):
     """The ``typer.Option`` of field ``name`` of the declared options ``cls``: its default, flags,
     help and metavar come from the declaration, and its value is checked by the library
     (:func:`geomscope.options.check`) with the same words as a library call. A tuple default is
     given as its comma list (the command line's form); a ``REQUIRED`` option must be given.
     ``repeated``: a list option given as often as wanted, each time a comma list (typer takes its
-    default as a list: the one comma list, or none)."""
+    default as a list: the one comma list, or none). A ``negated`` flag (``--no-verify``) sets its
+    field, True by default, to False."""
     opt = declared(cls)[name]
     flags = [f"{opt.flag}/{opt.off}" if opt.off else opt.flag] + ([opt.short] if opt.short else [])
     default = default_of(cls, name)
+    if opt.negated:  # the flag given: False; left out: the default, True
+        return typer.Option(False, opt.flag, help=opt.help, hidden=opt.hidden, callback=_negated)
     if default is REQUIRED:
         default = ...
     elif isinstance(default, tuple):
@@ -77,6 +75,11 @@ def declared_option(cls, name: str, complete=None, *, repeated: bool = False):
         hidden=opt.hidden,
         autocompletion=complete,
     )
+
+
+def _negated(given: bool) -> bool:
+    """The value of a ``negated`` flag's field: False where the flag is given."""
+    return not given
 
 
 def option_type(cls, name: str, *, repeated: bool = False):

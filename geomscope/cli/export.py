@@ -11,7 +11,6 @@ from geomscope.cli import _complete
 from geomscope.cli._app import app
 from geomscope.cli._options import (
     json_option,
-    no_verify_option,
     options_from,
     out_option,
     quiet_option,
@@ -27,7 +26,6 @@ def export_cmd(
         ..., metavar="RUN_DIR", help="A finished run written by `geomscope extract`."
     ),
     out: Path = out_option("DIR", "A new (or empty) directory to write; never overwritten."),
-    no_verify: bool = no_verify_option(),
     as_json: bool = json_option("the export summary"),
     quiet: bool = quiet_option("No progress or summary on stderr."),
     **chosen,
@@ -41,7 +39,7 @@ def export_cmd(
     from geomscope.progress import silent, stderr_log
 
     layers = selection(chosen.pop("layers"))
-    options = ExportOptions(**chosen, layers=layers, verify=not no_verify).validate()
+    options = ExportOptions(**chosen, layers=layers).validate()
     log = silent if quiet or as_json else stderr_log()
     summary = export_run(run_dir, out, options, progress=not quiet, log=log)
     if as_json:

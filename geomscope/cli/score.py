@@ -17,7 +17,6 @@ from geomscope.cli import _complete
 from geomscope.cli._app import app, state
 from geomscope.cli._options import (
     json_option,
-    no_verify_option,
     options_from,
     out_option,
     quiet_option,
@@ -71,7 +70,6 @@ def _default_out(source: str) -> str:
 def score_cmd(
     sources: List[str] = typer.Argument(..., metavar="SOURCE", help=SOURCES_HELP),
     out: Optional[str] = out_option("DIR|PREFIX", OUT_HELP, required=False),
-    no_verify: bool = no_verify_option(),
     table_columns: List[str] = typer.Option([], "--columns", metavar="LIST", help=COLUMNS_HELP),
     as_json: bool = json_option("the report"),
     quiet: bool = quiet_option("No progress bar and no table (warnings still shown)."),
@@ -82,7 +80,7 @@ def score_cmd(
     # left out: every layer (array); given but empty: refused by the library; --layers is one
     # comma list (its grammar refuses an empty item) however often it is given
     layers = selection(chosen["layers"])  # (--layers "" is given: refused, not all)
-    chosen.update(layers=layers, columns=chosen["columns"] or None, verify=not no_verify)
+    chosen.update(layers=layers, columns=chosen["columns"] or None)
     _score_sources(sources, chosen, out, table_columns, as_json, quiet)
 
 

@@ -35,6 +35,7 @@ from geomscope.options import (
     check,
     choice_metavar,
     option,
+    verify_option,
 )
 from geomscope.score.resources import CONNECT_TIMEOUT_S, MAX_WORKERS
 
@@ -119,8 +120,7 @@ class ScoreOptions:
     covariance of the same layer) | "layer:NAME" (this run's layer NAME); "file:"/"run:" prefixes
     are accepted too. The lists (metrics, avgcos_variants, id_estimator, layers, columns, ranks)
     may be one comma string ("isoscore,avgcos") or a list of them, as the CLI takes them; numbers
-    may be numpy scalars. ``verify`` and ``block_rows`` have no declaration: the CLI spells the
-    first ``--no-verify`` and leaves the second to the library.
+    may be numpy scalars. ``block_rows`` has no declaration: it is the library's alone.
     """
 
     metrics: tuple[str, ...] | str = option(
@@ -245,7 +245,6 @@ class ScoreOptions:
         ".h5 array's compressed chunks, a compressed Arrow batch, a Parquet page).",
         metavar="MIB",
     )
-    verify: bool = True
     dataset: str | None = option(
         None, Text(), "Dataset path inside an .h5 array file.", metavar="PATH", optional=True
     )
@@ -376,6 +375,7 @@ class ScoreOptions:
         "--metrics local: k-means clusters of the sample (0: the k in 2..8 of largest silhouette).",
         metavar="K",
     )
+    verify: bool = verify_option()
     extra_id: tuple[str, ...] = field(default=(), repr=False)  # filled by validate()
 
     def to_dict(self) -> dict:
