@@ -105,7 +105,7 @@ def test_make_study_runs_at_tiny_size(cli, tiny, tmp_path):
 
 # ---------------------------------------------------------------------------------- entry points
 def test_extract_takes_bundled_minilm_and_a_glob_of_one_checkpoint(cli, tmp_path):
-    """extract resolved bundled:minilm; a glob that matches one checkpoint was 'does not exist'."""
+    """extract resolves bundled:minilm, and a glob that matches one checkpoint, not 'does not exist'."""
     text = tmp_path / "t.txt"
     text.write_text("A lovely hotel in a perfect spot.\nI can't believe I paid to see this.\n")
     common = ["--layers", "-1", "--device", "cpu", "--quiet"]
@@ -127,7 +127,7 @@ def test_extract_takes_bundled_minilm_and_a_glob_of_one_checkpoint(cli, tmp_path
 
 
 def test_finetune_one_run_of_bundled_minilm_and_of_a_glob(cli, tiny, tmp_path):
-    """A single run resolved the alias; a glob that matches one checkpoint was 'does not exist'."""
+    """A single run resolves the alias, and a glob that matches one checkpoint, not 'does not exist'."""
     code, _, err = cli(_tiny_finetune("bundled:minilm", tiny, tmp_path / "run1", "--reg", "none"))
     assert code == 0, err
     run = json.loads((tmp_path / "run1" / "run.json").read_text())["config"]
@@ -288,8 +288,8 @@ def test_hub_check_says_each_failure_in_one_line(monkeypatch, tmp_path):
 
 
 def test_a_cached_model_without_network_loads_from_the_cache(monkeypatch, tmp_path, capsys):
-    """With the hub unreachable, a model the cache holds was loaded after every optional file
-    transformers asks for had been retried five times (~150 s for all-MiniLM-L6-v2)."""
+    """With the hub unreachable, a model the cache holds loads from the cache at once, not after every
+    optional file transformers asks for is retried five times (~150 s for all-MiniLM-L6-v2)."""
     import huggingface_hub
     from helpers_models import hf_cache_with
     from huggingface_hub import constants

@@ -203,7 +203,7 @@ def test_links_in_a_run_directory_are_never_written_through(cli, tiny_bert, twel
 
 
 def test_an_out_under_a_file_is_one_line(cli, tiny_bert, twelve_docs, tmp_path):
-    """--out a/sub where a is a file: NotADirectoryError was a traceback in extract and finetune."""
+    """--out a/sub where a is a file: one line in extract and finetune, not a NotADirectoryError traceback."""
     afile = tmp_path / "afile"
     afile.write_text("mine")
     code, out, err = quiet_extract(cli, tiny_bert, twelve_docs, afile / "sub")

@@ -203,7 +203,7 @@ def test_training_log_with_the_real_plotter(cli, tmp_path):
 )
 def test_a_damaged_training_log_is_one_line(cli, tmp_path, damage, needle):
     """A finetune output whose logs were damaged or hand-made: one line naming the file, not a traceback
-    from inside the plot (found by a hostile-input review)."""
+    from inside the plot."""
     run = tmp_path / "istar"
     run.mkdir()
     good = {"step": 1, "epoch": 0, "task_loss": 1.0, "penalty": 0.5, "isoscore_star": 0.4}

@@ -1,7 +1,7 @@
 """Figures that draw what the reports hold, and one error line for what they cannot draw: gradient
 layers beside their activations, layers placed by name when indices disagree, trajectory.csv files
 of several models or datasets, text from the reports drawn as itself (no mathtext), crafted reports
-and logs, the page and --dpi guards. Each was a defect a review found (wrong figure or traceback)."""
+and logs, the page and --dpi guards. Each case would otherwise be a wrong figure or a traceback."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def test_layers_draws_gradient_layers_as_their_own_dashed_series():
     fig = plot_layers([rep], ["isoscore"])
     (ax,) = _panels(fig)
     acts, grads = rep["layers"][:4], rep["layers"][4:]
-    assert len(ax.containers) == 2  # was one line through both, zig-zagging at every index
+    assert len(ax.containers) == 2  # not one line through both, zig-zagging at every index
     act_line, grad_line = (c.lines[0] for c in ax.containers)
     assert list(act_line.get_xdata()) == [0, 1, 2, 3] == list(grad_line.get_xdata())
     np.testing.assert_allclose(act_line.get_ydata(), [lay["isoscore"] for lay in acts])
@@ -143,7 +143,7 @@ def test_layers_are_placed_by_name_when_indices_disagree():
     a, b = (c.lines[0] for c in ax.containers)
     x_of = {t.get_text(): t.get_position()[0] for t in ax.get_xticklabels()}
     assert list(x_of) == ["layer_00", "layer_01", "layer_02"] and ax.get_xlabel() == "layer"
-    # each value at its layer's name, in both reports (was: layer_02 of `part` at index 0)
+    # each value at its layer's name, in both reports (not layer_02 of `part` at index 0)
     assert dict(zip(b.get_xdata(), b.get_ydata(), strict=True)) == {
         x_of["layer_00"]: full["layers"][0]["isoscore"],
         x_of["layer_02"]: full["layers"][2]["isoscore"],
@@ -323,7 +323,7 @@ def test_dollars_in_a_training_log_name(cli, tmp_path):
     run.mkdir()
     (run / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
     code, out, err = cli(["plot", run, "--out", tmp_path / "t.png", *FAST])
-    assert code == 0, err  # was a mathtext ParseFatalException: the legend is the directory's name
+    assert code == 0, err  # no mathtext ParseFatalException: the legend is the directory's name
 
 
 # ---------------------------------------------------------------- 6. the page a user wrote

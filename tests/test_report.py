@@ -327,8 +327,8 @@ def test_a_damaged_report_is_one_line_for_report_and_plot(cli, tmp_path, case):
 
 def test_a_megabyte_name_is_shown_cut_in_tables_pages_and_figures(tmp_path):
     """A report whose model name, revision, dataset and first layer name are 1 MB each: the page and
-    every figure are made at the speed of a real report's (matplotlib laid the 1 MB legend out for
-    80 s; the page was 109 MB), each name shown cut to SHOWN_NAME_CHARS around an ellipsis."""
+    every figure are made at the speed of a real report's (matplotlib lays a 1 MB legend out in over
+    a minute; the page would be 109 MB), each name shown cut to SHOWN_NAME_CHARS around an ellipsis."""
     import subprocess
     import sys
 

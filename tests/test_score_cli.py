@@ -214,7 +214,7 @@ def test_score_out_onto_a_directory_or_a_failing_disk(cli, tmp_path, monkeypatch
 
 def test_rows_too_wide_for_this_machine_are_one_line_before_any_allocation(cli, tmp_path, monkeypatch):
     """D x D accumulators larger than the machine's memory: said with the numbers, not numpy's 74.5 GiB
-    allocation error after the rows were read."""
+    allocation error after the rows are read."""
     import geomscope.score.resources as resources
 
     monkeypatch.setattr(resources, "physical_memory", lambda: 40 * 2**20)  # a 40 MiB machine
@@ -234,7 +234,8 @@ def test_rows_too_wide_for_this_machine_are_one_line_before_any_allocation(cli, 
 
 @pytest.mark.parametrize("target", [-np.eye(8), np.zeros((8, 8)), np.diag([1.0, 1, 1, 1, 1, 1, 1, -0.5])])
 def test_a_shrinkage_target_that_is_no_covariance_is_refused(cli, tmp_path, target):
-    """IsoScore* shrinks toward C0: a matrix with negative eigenvalues (or none above 0) gave a number."""
+    """IsoScore* shrinks toward C0: a matrix with negative eigenvalues (or none above 0) is refused, not
+    scored."""
     np.save(tmp_path / "c0.npy", target)
     np.save(tmp_path / "x.npy", np.random.default_rng(0).normal(size=(100, 8)))
     code, out, err = cli(

@@ -575,9 +575,9 @@ def join_failures(run6, cluster, tmp_path_factory):
     ],
 )
 def test_joining_a_cluster_ends_in_one_line_within_the_timeout(join_failures, case, needle):
-    """A silent listener or an HTTP server kept Dask's client waiting for minutes (its handshake has
-    no timeout), a peer sending junk, another scheme or a worker's address gave tracebacks: each is
-    one error line naming the address, well within the timeout (1 s here) plus the process's start."""
+    """A silent listener or an HTTP server would keep Dask's client waiting for minutes (its handshake has
+    no timeout), a peer sending junk, another scheme or a worker's address would give tracebacks: each
+    is one error line naming the address, well within the timeout (1 s here) plus the process's start."""
     code, seconds, err, address = join_failures[case]
     assert code is not None, f"{case}: not over when the process was killed after 60 s"
     assert_one_line_error(code, None, err, address, needle, exit_code=2)

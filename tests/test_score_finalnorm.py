@@ -110,8 +110,9 @@ def _tiny_gemma(dest, make_tiny_model):
 
 
 def test_the_gain_recorded_is_the_factor_the_norm_applies(tmp_path):
-    """Gemma's RMSNorm multiplies by 1 + weight; the weight was recorded as the gain, so a dimension
-    the norm damps 10x read as amplified (gain ratio 1.58) and the gain-variance correlation was off."""
+    """Gemma's RMSNorm multiplies by 1 + weight, which is the gain recorded; the weight as the gain
+    would read a dimension the norm damps 10x as amplified (gain ratio 1.58) and put the
+    gain-variance correlation off."""
     import torch
     from helpers_models import make_tiny_model
 

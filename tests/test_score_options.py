@@ -69,7 +69,7 @@ def test_a_str_is_a_comma_list():
     assert o.metrics == ("isoscore", "avgcos")
     assert o.avgcos_variants == ("centred",) and o.id_estimator == ("mle",) and o.extra_id == ("mle",)
     assert o.layers == ("layer_01", "layer_02") and o.columns == ("a",)
-    # one name: was split into characters ("unknown metric 'i'", layers 'l', 'a', ...)
+    # one name, not split into characters ("unknown metric 'i'", layers 'l', 'a', ...)
     assert ScoreOptions(metrics="isoscore").validate().metrics == ("isoscore",)
     assert ScoreOptions(layers="layer_01").validate().layers == ("layer_01",)
 

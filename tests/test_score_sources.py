@@ -197,7 +197,7 @@ def test_a_fifo_as_datasets_state_is_refused(tmp_path):
 
 
 def test_ipc_file_with_list_offsets_out_of_range_is_one_line_not_an_abort(tmp_path):
-    """A crafted offset past the values aborted the process in C++ (rc 134) when the column was
+    """A crafted offset past the values would abort the process in C++ (rc 134) when the column is
     sliced; each batch read is validated first."""
     n, d = 100, 8
     x = np.random.default_rng(0).standard_normal((n, d))
@@ -238,8 +238,8 @@ def _cells(rng, rows, k):
 
 @pytest.mark.parametrize("first,then", [(4, 6), (6, 4)])
 def test_matrix_cells_whose_rows_change_between_row_groups(tmp_path, first, then):
-    """The rows were counted from the first cell: more rows later gave 'group index 12 out of
-    range', fewer skewed the jackknife groups."""
+    """The rows are counted from every cell, not the first: counted from the first, more rows later
+    would give 'group index 12 out of range', fewer would skew the jackknife groups."""
     rng = np.random.default_rng(0)
     cells = _cells(rng, first, 10) + _cells(rng, then, 10)
     t = pa.table({"x": pa.array(cells, type=pa.list_(pa.list_(pa.float64())))})
@@ -285,7 +285,7 @@ def test_a_large_parquet_row_group_is_decoded_a_block_at_a_time(tmp_path):
 
 def test_parquet_blocks_are_cut_at_the_same_rows_whatever_the_row_groups(tmp_path):
     """Blocks start at multiples of the block size within each row group, as the rows of a row
-    group read whole were cut: row groups of 7 rows and 10 pages of 3, blocks of 4."""
+    group read whole are cut: row groups of 7 rows and 10 pages of 3, blocks of 4."""
     x = _anisotropic(23, 4)
     cells = pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), 4)
     path = tmp_path / "groups.parquet"

@@ -218,7 +218,7 @@ def test_a_basis_directory_pairs_by_checkpoint_not_by_name(dynamics, tmp_path, c
     shutil.copytree(acts / "aa", acts / "aa-again")
     code, out, err = cli(["score", small, "--basis", acts] + _out_args(tmp_path, "twice"))
     assert_one_line_error(code, out, err, "holds 2 runs of the checkpoint", exit_code=2)
-    assert not (tmp_path / "twice").exists()  # said before step0, which has its run, was scored
+    assert not (tmp_path / "twice").exists()  # said before step0, which has its run, is scored
     shutil.rmtree(acts / "aa")
     shutil.rmtree(acts / "aa-again")
     code, out, err = cli(["score", small, "--basis", acts] + _out_args(tmp_path, "none"))

@@ -119,7 +119,7 @@ def test_corrupt_and_missing(tmp_path):
 def test_resolve_layers(tmp_path):
     _write(tmp_path / "run", n_shards=1, rows=(6,))
     run = Run(tmp_path / "run")
-    # the run's order, each layer once (a layer named twice was exported twice)
+    # the run's order, each layer once (a layer named twice is not exported twice)
     assert run.resolve_layers(["1", "-2", "layer_01"]) == ["layer_00", "layer_01"]
     assert run.resolve_layers(["0-1"]) == run.resolve_layers("blocks,0") == ["layer_00", "layer_01"]
     with pytest.raises(InputError, match="not in this run"):
@@ -300,9 +300,9 @@ def test_a_link_at_a_log_name_is_replaced_and_a_directory_there_refused(tmp_path
 
 @pytest.mark.parametrize("listed", [True, False], ids=["listed", "to-be-written"])
 def test_a_directory_at_a_shard_name_is_refused_before_any_work(tmp_path, listed):
-    """A folder where a shard goes (a listed shard's, or one still to be written): a resume redid
-    the shard and failed as it put it in place (IsADirectoryError, a traceback, the shard's work
-    lost). It is refused when the run is opened, and left as it was."""
+    """A folder where a shard goes (a listed shard's, or one still to be written): a resume would redo
+    the shard and fail as it put it in place (IsADirectoryError, a traceback, the shard's work lost).
+    It is refused when the run is opened, and left as it is."""
     run = tmp_path / "run"
     with RunWriter(run, IDENT) as w:
         w.add_shard(_shard(w, 0))

@@ -389,8 +389,8 @@ def test_rows_of_documents_outside_the_shards_entry_are_refused(run):
 
 def test_shards_written_without_document_ranges_still_score(tmp_path):
     """A shard written through the library without a planned range records 0..0, no range: such
-    runs (document ids restarting in each shard included) score as they did before ranges were
-    checked; a run that records ranges is held to them."""
+    runs (document ids restarting in each shard included) score without a range check; a run that
+    records ranges is held to them."""
     from geomscope.store import RunWriter
 
     ident = {"model": {"name": "t", "hidden_size": 4}, "layers": [{"name": "layer_00", "index": 0}]}
