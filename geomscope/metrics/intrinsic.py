@@ -222,8 +222,8 @@ class SkdimEstimator(_IDEstimator):
         )
         implementation = f"skdim.id.{type(est).__name__}"
         if not self.dedup:
-            # scikit-dimension reads a duplicate's zero neighbour distance as a number (MLE gave 0.0
-            # on rows repeated 4x): refused, as TwoNN refuses it
+            # scikit-dimension reads a duplicate's zero neighbour distance as a number (its MLE
+            # gives 0.0 on rows repeated 4x): refused, as TwoNN refuses it
             n_dup = dedup_rows(a)[1]
             if n_dup:
                 raise DataError(

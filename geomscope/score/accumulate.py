@@ -606,8 +606,8 @@ def _merge_kept(task: Task, spec: PassSpec, parts: dict, checked: dict) -> None:
 
 def _merge_kept_top(f, task: Task, spec: PassSpec, parts: dict) -> None:
     """A ``--keep sample`` shard's largest |x| entries and |x| histogram (store/accumulators.py) into
-    each layer's, its special tokens' too unless they are excluded; a shard that kept none (written
-    before they were kept) leaves the layer without them (``massive_missing``)."""
+    each layer's, its special tokens' too unless they are excluded; a shard that holds none (no
+    ``/massive`` group) leaves the layer without them (``massive_missing``)."""
     from geomscope.store.accumulators import MASSIVE_GROUP, read_top_abs
 
     for name in spec.layers:

@@ -33,8 +33,8 @@ LAYER_FRAC, TOKEN_FRAC = 0.25, 0.06
 def _variance(m) -> np.ndarray:
     """Per-dimension variance under the zero-variance rule of IsoScore and the cosines: DataError
     for a layer without variance, and exactly 0 for a constant dimension. What accumulating leaves of
-    a constant is rounding of its mean (identical rows gave variances of 1e-27 and flagged the
-    dimension of largest |x| with support 1.0, where IsoScore refused the layer)."""
+    a constant is rounding of its mean (identical rows give variances of 1e-27, which would flag the
+    dimension of largest |x| with support 1.0 where IsoScore refuses the layer)."""
     m.check_variance("the layer", "an outlier dimension by variance")
     variance = m.variance()
     _, scale = compute.unit_shift_scale(m, "standardised")  # inf: constant (validate.cosine_shift_scale)

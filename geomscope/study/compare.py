@@ -101,7 +101,7 @@ def _finite_or_none(v, what: str):
 
 def _eval_sha256(d: Path) -> str | None:
     """The sha256 of the eval data that finetune recorded in the run's fingerprint
-    (:func:`geomscope.train.config.fingerprint`), or None for a run from before it was recorded."""
+    (:func:`geomscope.train.config.fingerprint`), or None for a run whose fingerprint records none."""
     from geomscope.train.checkpoint import CKPT
 
     path = d / CKPT / "state.json"

@@ -152,8 +152,8 @@ class Engine:
 def _hold_sharded_parameters(optimizer, fresh) -> None:
     """Point ``optimizer``'s parameter groups at the sharded parameters, group for group, as ``fresh`` (the
     same optimizer built over the sharded model) holds them.  Accelerate remaps an FSDP2 optimizer
-    itself, but in a 2-process test its remapping gave one rank's optimizer a parameter twice and
-    another none (so that parameter never moved there); building the groups again cannot mismatch."""
+    itself, but its remapping can give one rank's optimizer a parameter twice and another none (so
+    that parameter never moves there); building the groups again cannot mismatch."""
     if len(optimizer.param_groups) != len(fresh.param_groups) or optimizer.state:
         raise RuntimeError("the optimizer changed between its two builds")
     for group, new in zip(optimizer.param_groups, fresh.param_groups, strict=True):

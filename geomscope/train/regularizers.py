@@ -327,7 +327,7 @@ class _CosRegRows(torch.autograd.Function):
     N summed over ranks), R = (s.s - N) / N^2, so dR/du_i = v = 2 s / N^2 for every row and
     dx_i = (v - (u_i . v) u_i) / |x_i|: one matrix-vector product, one fused multiply-subtract and
     one scaling.  A zero row has no direction: it counts in N with u = 0 and gets no gradient
-    (dividing by a clamped norm instead gave it 1e30 v, which overflows float16).  The backward sums
+    (dividing by a clamped norm instead would give it 1e30 v, which overflows float16).  The backward sums
     v over ranks, as an all-reduce's backward does."""
 
     @staticmethod
