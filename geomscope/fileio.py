@@ -8,7 +8,8 @@ never written through (``os.replace`` replaces the link itself). A directory is 
 temporary name and put in place by renames (:func:`replace_dir`). :func:`ensure_writable` asks,
 with a real file, whether an output's folder can be written before the work that produces it.
 What an output a user names may replace is outputs.py's. Files are hashed by one read loop
-(:func:`hash_into`); an input's content by :func:`input_digest`.
+(:func:`hash_into`); a set of named files by :func:`files_digest`; an input's content by
+:func:`input_digest`.
 
 Reading back is bounded the same way everywhere: :func:`open_regular` opens a regular file only (a
 FIFO would block the read until a writer comes, a device such as /dev/zero never ends, a folder or a
@@ -226,6 +227,33 @@ def file_digests(f, algorithms: tuple[str, ...]) -> dict[str, str]:
     hashers = {a: hasher(a) for a in algorithms}
     hash_into(f, hashers.values())
     return {a: h.hexdigest() for a, h in hashers.items()}
+
+
+def files_digest(
+    paths: Iterable[Path], algorithm: str, *, head_tail: int | None = None, nested: bool = False
+) -> str | None:
+    """A digest (:func:`hasher`'s ``algorithm``) over files in the order of their names, each as its
+    name, NUL, its size, NUL, then its contents: whole, or of a file longer than ``2 * head_tail``
+    bytes its first and last ``head_tail`` only; ``nested``: the raw bytes of the contents' own
+    digest instead of the contents. None for no files. A model's fingerprints
+    (model/fingerprint.py) are these."""
+    paths = sorted(paths, key=lambda q: q.name)
+    if not paths:
+        return None
+    h = hasher(algorithm)
+    for p in paths:
+        with open(p, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            h.update(f"{p.name}\0{size}\0".encode())
+            if nested:
+                h.update(bytes.fromhex(file_digests(f, (algorithm,))[algorithm]))
+            elif head_tail is None or size <= 2 * head_tail:
+                hash_into(f, [h])
+            else:
+                h.update(f.read(head_tail))
+                f.seek(size - head_tail)
+                h.update(f.read(head_tail))
+    return h.hexdigest()
 
 
 def input_digest(path: Path, name: str, directory: bool = False) -> tuple[str, int]:

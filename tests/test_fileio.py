@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 
 from geomscope.errors import InputError
-from geomscope.fileio import TEMP_PREFIX, write_json_atomic, write_text_atomic
+from geomscope.fileio import TEMP_PREFIX, files_digest, write_json_atomic, write_text_atomic
 
 
 def test_atomic_write_replaces_and_leaves_no_temp(tmp_path):
@@ -68,3 +69,29 @@ def test_input_digest_names_an_input_it_cannot_read(tmp_path):
         InputError, match=r"^input gone\.txt cannot be read \(No such file or directory\); check"
     ):
         input_digest(tmp_path / "gone.txt", "gone.txt")
+
+
+def test_files_digest_follows_its_definition(tmp_path):
+    """Names, sizes and contents in name order: whole, head and tail of a long file, or nested."""
+    import hashlib
+
+    rng = np.random.default_rng(0)
+    blobs = {"b.bin": rng.bytes(5000), "a.json": b'{"x": 1}', "c.bin": rng.bytes(300)}
+    for name, data in blobs.items():
+        (tmp_path / name).write_bytes(data)
+    paths = [tmp_path / n for n in blobs]
+    n = 1000
+
+    def reference(part, nested=False):
+        h = hashlib.sha256()
+        for name in sorted(blobs):
+            data = blobs[name]
+            h.update(f"{name}\0{len(data)}\0".encode())
+            h.update(hashlib.sha256(data).digest() if nested else part(data))
+        return h.hexdigest()
+
+    assert files_digest(paths, "sha256") == reference(lambda d: d)
+    head_tail = reference(lambda d: d if len(d) <= 2 * n else d[:n] + d[-n:])
+    assert files_digest(paths, "sha256", head_tail=n) == head_tail != reference(lambda d: d)
+    assert files_digest(paths, "sha256", nested=True) == reference(None, nested=True)
+    assert files_digest([], "sha256") is None

@@ -9,32 +9,10 @@ of config.json (and adapter_config.json), every weight file and any model code;
 
 from __future__ import annotations
 
-import hashlib
-import os
 from pathlib import Path
 
-from geomscope.fileio import file_digests, hash_into, hasher
+from geomscope.fileio import files_digest
 from geomscope.model.files import TOKENIZER_FILES, WEIGHT_SUFFIXES
-
-
-def _sha256_files(paths: list[Path], *, head_tail: int | None = None) -> str | None:
-    """sha256 over names, sizes and contents (or the first and last ``head_tail`` bytes) of files:
-    the tokenizer's fingerprint, and the weights' of runs whose identity has no :data:`WEIGHTS_KEY`
-    (computed as they record it, so that those runs resume)."""
-    if not paths:
-        return None
-    h = hashlib.sha256()
-    for p in sorted(paths, key=lambda q: q.name):
-        size = p.stat().st_size
-        h.update(f"{p.name}\0{size}\0".encode())
-        with open(p, "rb") as f:
-            if head_tail is None or size <= 2 * head_tail:
-                hash_into(f, [h])
-            else:
-                h.update(f.read(head_tail))
-                f.seek(size - head_tail)
-                h.update(f.read(head_tail))
-    return h.hexdigest()
 
 
 def legacy_weights_fingerprint(model_dir: Path) -> str | None:
@@ -48,19 +26,7 @@ def legacy_weights_fingerprint(model_dir: Path) -> str | None:
         for p in d.iterdir()
         if p.is_file() and (p.name == "config.json" or p.name.endswith(WEIGHT_SUFFIXES))
     ]
-    return _sha256_files(files, head_tail=64 * 1024)
-
-
-def _digest_files(paths: list[Path], algorithm: str) -> str | None:
-    """A digest (fileio.hasher's ``algorithm``) over the names, sizes and whole contents of files."""
-    if not paths:
-        return None
-    h = hasher(algorithm)
-    for p in sorted(paths, key=lambda q: q.name):
-        with open(p, "rb") as f:
-            h.update(f"{p.name}\0{os.fstat(f.fileno()).st_size}\0".encode())
-            h.update(bytes.fromhex(file_digests(f, (algorithm,))[algorithm]))
-    return h.hexdigest()
+    return files_digest(files, "sha256", head_tail=64 * 1024)
 
 
 #: files of a Trainer's checkpoint folder beside the weights (optimizer.pt, often twice the model's
@@ -106,7 +72,7 @@ def weights_fingerprint(model_dir: Path) -> str | None:
     key = tuple((str(p), *_stat_key(p)) for p in files)
     if key not in _FINGERPRINTS:
         _FINGERPRINTS.clear()  # one model's at a time: a sweep over checkpoints keeps nothing
-        _FINGERPRINTS[key] = _digest_files(files, "xxh3_128")
+        _FINGERPRINTS[key] = files_digest(files, "xxh3_128", nested=True)
     return _FINGERPRINTS[key]
 
 
@@ -122,4 +88,4 @@ def _stat_key(p: Path) -> tuple:
 def tokenizer_fingerprint(model_dir: Path) -> str | None:
     """sha256 of the tokenizer files of a model directory (full contents)."""
     d = Path(model_dir)
-    return _sha256_files([d / n for n in TOKENIZER_FILES if (d / n).is_file()])
+    return files_digest([d / n for n in TOKENIZER_FILES if (d / n).is_file()], "sha256")
