@@ -251,7 +251,7 @@ def _ftp_peer(reply: bytes):
 
 def test_a_server_that_cannot_be_reached_is_one_line(cli, tmp_path):
     """ftp:// connects as its filesystem is made: a refused connection or a peer that answers junk
-    were tracebacks."""
+    is one line, not a traceback."""
     import socket
 
     with socket.socket() as s:
@@ -342,8 +342,8 @@ def test_a_url_without_what_its_filesystem_needs_is_one_line(cli, tmp_path, monk
     ],
 )
 def test_a_protocol_whose_package_is_missing_names_that_package(cli, monkeypatch, scheme, module, needle):
-    """These live in fsspec itself: "pip install fsspec" (installed) was the advice. Here their
-    package cannot be imported, whether or not it is installed on this machine."""
+    """These live in fsspec itself, so the line names their own package, never "pip install fsspec"
+    (installed). Here their package cannot be imported, whether or not it is installed on this machine."""
     import importlib
     import sys
 

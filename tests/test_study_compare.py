@@ -78,8 +78,8 @@ def strict_json(text: str):
 @pytest.mark.parametrize(
     "x, y, scale",
     [
-        ([1e160, 2e160, 3e160, 5e160], [0.1, 0.2, 0.3, 0.5], 1.0),  # was 0.0
-        ([1e-170, 2e-170, 3e-170, 5e-170], [0.1, 0.2, 0.4, 0.3], 1.0),  # was inf
+        ([1e160, 2e160, 3e160, 5e160], [0.1, 0.2, 0.3, 0.5], 1.0),  # not 0.0
+        ([1e-170, 2e-170, 3e-170, 5e-170], [0.1, 0.2, 0.4, 0.3], 1.0),  # not inf
         ([1e8, 1e8 + 1e-8, 1e8 + 2e-8, 1e8 + 3e-8], [0.1, 0.2, 0.4, 0.3], 1.0),
         # scipy itself overflows here: it is given x / 1e300 (r does not depend on the scale)
         ([1.7e308, -1.7e308, 1e308, 0.0], [1.0, 2.0, 4.0, 3.0], 1e300),
@@ -267,7 +267,7 @@ def test_single_seed_sweep_cannot_claim_a_sign(tmp_path):
     res = compare([make_runs(tmp_path / "sw", runs)], n_boot=500)
     rho = res["association"]["spearman"]
     assert rho["estimate"] == pytest.approx(sps.spearmanr([r[4] for r in runs], [r[3] for r in runs])[0])
-    assert "cannot tell the sign" in res["sentence"]  # was "95% interval 0.10 to 0.10."
+    assert "cannot tell the sign" in res["sentence"]  # not "95% interval 0.10 to 0.10."
     assert "too few runs for an interval" in res["sentence"]
     assert rho["low"] is None and rho["reason"].startswith("too few runs for an interval")
     assert res["association"]["resampling"] == rho["resampling"] == "configurations"
@@ -341,8 +341,8 @@ def test_extreme_values_give_strict_json(cli, tmp_path):
 
 
 def test_a_figure_that_cannot_be_drawn_writes_nothing(cli, tmp_path):
-    """lambda = +-1e308 cannot be put on an axis: the traceback came after compare.json and
-    compare.csv were replaced, beside the old compare.png."""
+    """lambda = +-1e308 cannot be put on an axis: refused before compare.json and compare.csv are
+    replaced: the outputs already there stay as they are."""
     out = tmp_path / "out"
     make_runs(tmp_path / "good", grid_runs())
     assert cli(["compare", tmp_path / "good", "--out", out, "--quiet", "--bootstrap", "100"])[0] == 0
@@ -364,8 +364,8 @@ def test_a_figure_that_cannot_be_drawn_writes_nothing(cli, tmp_path):
 
 @pytest.mark.parametrize("reg", [r"$\frac{x$", "a$b$", "_x", "\x1b[31m[bold]red\u202e"])
 def test_names_and_tiny_values_are_drawn(cli, tmp_path, reg):
-    """A reg name parsed as mathtext was a traceback ("$\\frac{x$") or drawn as maths ("a$b$"); one
-    starting with "_" was left out of the legend."""
+    """A reg name is drawn as itself: never parsed as mathtext (a traceback for "$\\frac{x$", maths for
+    "a$b$"), and one starting with "_" stays in the legend."""
     from geomscope.plot.figures import is_figure
     from geomscope.plot.study import study_figure
     from geomscope.study import compare
@@ -417,8 +417,8 @@ def test_bootstrap_and_seed_reach_every_interval_and_the_band(cli, tmp_path, mon
 
 
 def test_refusals_come_before_the_comparison(cli, tmp_path, monkeypatch):
-    """A user's file at an output name, and several DIRs without --out, were refused only after both
-    bootstraps had run."""
+    """A user's file at an output name, and several DIRs without --out, are refused before either
+    bootstrap runs."""
 
     def never(*a, **kw):
         raise AssertionError("compare ran before the refusal")

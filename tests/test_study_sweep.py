@@ -1,6 +1,6 @@
 """A sweep rerun skips a finished point only when it was trained with the options asked now, and
-distinct lambdas never share a directory (review findings: a rerun with another --lr and --train
-"skipped" both runs; 1e-6 and 1.000001e-6 were one directory)."""
+distinct lambdas never share a directory (a rerun with another --lr and --train is not "skipped";
+1e-6 and 1.000001e-6 are two directories)."""
 
 from __future__ import annotations
 
