@@ -1,6 +1,6 @@
-"""``finetune --overwrite`` removes only what the previous run recorded in its marker (review: it
-removed every folder of a fixed list -- ``checkpoints/``, ``wandb/`` ... -- whoever had made it);
-an --out that holds files geomscope did not write is refused, with or without --overwrite."""
+"""``finetune --overwrite`` removes only what the previous run recorded in its marker (never every
+folder of a fixed list -- ``checkpoints/``, ``wandb/`` ... -- whoever made it); an --out that holds
+files geomscope did not write is refused, with or without --overwrite."""
 
 from __future__ import annotations
 

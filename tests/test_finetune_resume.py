@@ -1,8 +1,8 @@
-"""What a rerun of ``finetune`` may continue, and what it is told (review findings): data changed in
-place is refused on --resume; a seed the generators cannot take is one line; an interrupted run is
-continued by what the interrupt message says; and the eval geometry never counts padding, so with
---include-padding it does not depend on --batch-size. A resume never unpickles the trainer state
-and never writes through a link planted in the run; damaged trainer state or log is one line."""
+"""What a rerun of ``finetune`` may continue, and what it is told: data changed in place is refused on
+--resume; a seed the generators cannot take is one line; an interrupted run is continued by what the
+interrupt message says; and the eval geometry never counts padding, so with --include-padding it does
+not depend on --batch-size. A resume never unpickles the trainer state and never writes through a link
+planted in the run; damaged trainer state or log is one line."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
-"""compare's statistics and guards against the review of the study (each test failed before its fix):
-a zero-width interval from one seed per configuration, undefined resamples dropped, Pearson's r and
-the table's SD overflowing (Infinity in compare.json), one setting counted twice, eval sets told
-apart by a path resolved in compare's folder, no usable run, figures that could not be drawn after
-the JSON was written, the n = 2 sentence, the fit band's fixed resamples, refusals after the
-bootstraps, lambdas printed alike, nan lambdas in a grid, intervals from seeds resampled within
-fixed configurations, paired differences only in the JSON, and "IsoScor…". Runs are made by hand:
+"""compare's statistics and guards: no zero-width interval from one seed per configuration, undefined
+resamples dropped, Pearson's r and the table's SD without overflow (no Infinity in compare.json), one
+setting counted once, eval sets told apart by their contents, no usable run, figures that cannot be
+drawn refused before the JSON is written, the n = 2 sentence, the fit band's fixed resamples, refusals
+before the bootstraps, lambdas printed alike, nan lambdas in a grid, intervals from seeds resampled
+within fixed configurations, paired differences only in the JSON, and "IsoScor…". Runs are made by hand:
 only the files compare reads (summary.json, run.json, checkpoint/state.json)."""
 
 from __future__ import annotations

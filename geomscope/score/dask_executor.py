@@ -25,7 +25,7 @@ TwoNN / quantile samples depend only on row keys, so they are identical.
 ``local:N`` starts the scheduler and a client, then asks for its N workers. The N workers are
 forked from this process where that is safe (Dask's ``distributed.worker.multiprocessing-method`` =
 ``fork`` while they start) instead of spawned: a spawned worker starts a fresh interpreter and imports
-Dask and geomscope again (first task 0.69 s after the cluster was asked for, close 0.14 s), a forked
+Dask and geomscope again (its first task comes about 0.7 s after the cluster is asked for), a forked
 one has them already. Safe means what it means for ``--workers`` (resources.worker_start_method: Linux,
 torch not loaded, no HDF5 file open), so a library caller that has torch loaded, a notebook that
 extracted first, gets spawned workers. Forked workers are all awaited (the forks must be over before
@@ -35,12 +35,11 @@ the Nanny restarts later (one that died) is spawned. A forked worker inherits nu
 loaded, so Dask's ``OMP_NUM_THREADS=1`` for new processes cannot limit it: the task function does
 (below).
 
-What a local cluster costs beside the pool of ``--workers N`` (the benchmark's 200k x 384 run, moment
-suite, 2 cores; 2.2-2.3 s with ``--workers 2``): Dask's defaults made it 0.83-0.88x the pool, now
-0.98-0.99x, with the same CPU seconds. The changes: LOCAL_CLUSTER_CONFIG (below: 4.59 -> 4.09 CPU s
-per call); results gathered straight from the workers; the client made before the workers, and the
-workers awaited by reading the in-process scheduler's table (start 165 -> 120 ms); numpy.random
-imported before the fork.
+What a local cluster costs beside the pool of ``--workers N``: about as much (0.98-0.99x the pool's
+speed on the benchmark's 200k x 384 run, moment suite, 2 cores, with the same CPU seconds), where
+Dask's defaults cost 12-17 % more. What keeps it there: LOCAL_CLUSTER_CONFIG (below); results
+gathered straight from the workers; the client made before the workers, and the workers awaited by
+reading the in-process scheduler's table (a faster start); numpy.random imported before the fork.
 
 BLAS runs on one thread in every worker: the Nanny of ``local:N`` starts spawned workers with
 OMP/MKL/OPENBLAS_NUM_THREADS=1 (Dask's default ``distributed.nanny.pre-spawn-environ``), and the
@@ -96,8 +95,8 @@ PROBE_GRACE_S = 2
 SCHEDULER_FORMS = "local:N, tcp://HOST:PORT or a Dask scheduler file FILE.json"
 CHUNKS_PER_THREAD = 2
 # Dask settings for the local:N cluster geomscope starts (an external scheduler keeps its own). What they
-# switch off serves a dashboard local:N never starts, and costs CPU on the cores the tasks need: on the
-# benchmark's 200k x 384 run on 2 cores, 4.59 -> 4.09 CPU seconds per score call (--workers 2: 4.13).
+# switch off serves a dashboard local:N never starts, and costs CPU on the cores the tasks need (about
+# a tenth of a score call's CPU seconds on the benchmark's 200k x 384 run on 2 cores).
 # Each is read when a scheduler, Nanny or worker is made.
 LOCAL_CLUSTER_CONFIG = {
     "distributed.worker.profile.enabled": False,  # a thread sampling every server's stacks every 10 ms
