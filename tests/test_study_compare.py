@@ -2,9 +2,9 @@
 resamples dropped, Pearson's r and the table's SD without overflow (no Infinity in compare.json), one
 setting counted once, eval sets told apart by their contents, no usable run, figures that cannot be
 drawn refused before the JSON is written, the n = 2 sentence, the fit band's fixed resamples, refusals
-before the bootstraps, lambdas printed alike, nan lambdas in a grid, intervals from seeds resampled
-within fixed configurations, paired differences only in the JSON, and "IsoScor…". Runs are made by hand:
-only the files compare reads (summary.json, run.json, checkpoint/state.json)."""
+before the bootstraps, distinct lambdas printed distinctly, nan lambdas in a grid, intervals from seeds
+resampled within fixed configurations, paired differences only in the JSON, and "IsoScor…". Runs are
+made by hand: only the files compare reads (summary.json, run.json, checkpoint/state.json)."""
 
 from __future__ import annotations
 

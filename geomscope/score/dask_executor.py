@@ -386,8 +386,8 @@ class DaskExecutor:
             # the client before the workers: made with workers to come, it waits for every Nanny's
             # start, which Dask learns by polling its worker's start-up queue every 50 ms. Results
             # straight from the workers (localhost): by default a client gathers them through the
-            # scheduler, which here shares this process's event loop: every 12 MB result crossed a
-            # socket twice and reached the merge 50-300 ms after its chunk ended
+            # scheduler, which here shares this process's event loop: every 12 MB result would cross a
+            # socket twice and reach the merge 50-300 ms after its chunk ends
             client = distributed.Client(self._cluster, set_as_default=False, direct_to_workers=True)
             try:
                 self._cluster.scale(n)
