@@ -86,7 +86,7 @@ def test_an_unrecorded_entry_in_the_way_is_refused_before_anything_is_removed(cl
 
 
 def test_an_older_marker_removes_only_what_it_proves_and_nothing_outside(cli, data, tmp_path):
-    """A marker written before the complete record lists the exported files only: the run's logs and
+    """A marker of another version lists the exported files only: the run's logs and
     working directories (fixed names) go, folders a user could have made stay, and the exported files,
     which it cannot prove geomscope wrote, are refused in the way until moved out; a crafted name
     that leaves the directory is never followed."""
@@ -115,7 +115,7 @@ def test_an_older_marker_removes_only_what_it_proves_and_nothing_outside(cli, da
         assert (out / d / "f.txt").read_text() == d
     assert (out / "notes.txt").read_text() == "n" and outside.read_text() == "keep"
     assert ck.read_marker(out)["version"] == ck.FINETUNE_MARKER_VERSION
-    # the folders an older run cannot be proven to have made are refused where the new run writes
+    # the folders a run under such a marker cannot be proven to have made are refused where the new run writes
     code, o, err = _run(cli, data, out, "--overwrite", "--save-every", "1")
     assert_one_line_error(code, o, err, "checkpoints/step0", exit_code=2)
 

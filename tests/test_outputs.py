@@ -140,9 +140,8 @@ def test_a_report_is_recognised_by_its_format(tmp_path, data, ours):
 
 
 def test_outputs_of_a_geomscope_from_before_the_marks(cli, tmp_path):
-    """A page written before pages carried their generator is still recognised (its report sections);
-    a figure written before figures recorded their creator cannot be told from a user's: refused, with
-    the reason said."""
+    """A page without the generator mark is still recognised (its report sections); a figure without
+    a recorded creator cannot be told from a user's: refused, with the reason said."""
     from matplotlib.figure import Figure
 
     rep = write_report(tmp_path / "r.json", make_report(n_layers=3, hidden=16))

@@ -350,7 +350,7 @@ def test_report_html_replaces_only_geomscopes_page(cli, tmp_path):
     first = page.read_text()
     assert cli(["report", rep, "--html", page, "-k", "layers", "-q", "--title", "again"])[0] == 0
     assert page.read_text() != first and "again" in page.read_text()  # its own page: replaced
-    # a page from before the generator mark: the same opening without it, and report sections
+    # a page without the generator mark: the same opening without it, and report sections
     old = first.replace("<meta name='generator' content='geomscope'>", "")
     page.write_text(old)
     assert cli(["report", rep, "--html", page, "-k", "layers", "-q"])[0] == 0

@@ -178,7 +178,7 @@ def test_terminal_table_fits_80_columns_and_names_what_is_hidden():
 
 def test_report_shapes_score_writes_are_not_called_damaged():
     """Shapes a real report takes that a strict reading could refuse: a gradient layer without
-    usable rows (null), an eigenvalue that overflowed (null), no format_version (older reports)."""
+    usable rows (null), an eigenvalue that overflowed (null), no format_version."""
     from geomscope.schema import report_defect
 
     assert report_defect({"layers": [], "gradient_energy": {"layers": {"layer_01.grad": None}}}) is None

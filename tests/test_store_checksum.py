@@ -1,5 +1,5 @@
-"""Shard checksums (store/checksum.py): both recorded, xxh3_128 checked, sha256 for older runs, and a
-manifest's checksum text never trusted unchecked."""
+"""Shard checksums (store/checksum.py): both recorded, xxh3_128 checked, sha256 where no xxh3_128 is
+recorded, and a manifest's checksum text never trusted unchecked."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from geomscope.study import stats
 
 def make_run(d, reg="istar", lam=0.0, seed=0, acc=0.8, iso=0.2, *, eval_="dev.csv", sha=None, final=None):
     """A finished finetune run as compare reads it; ``sha``: the eval file's sha256 its checkpoint
-    records (None: a run from before finetune recorded it, no checkpoint)."""
+    records (None: no checkpoint, so none recorded)."""
     d.mkdir(parents=True)
     final = final or {"accuracy": acc, "macro_f1": acc, "isoscore_star": iso, "isoscore": 0.1, "avgcos": 0.2}
     summary = {"reg": reg, "lambda": lam, "seed": seed, "task": "classification", "final": final}
@@ -297,7 +297,7 @@ def test_eval_sets_are_told_by_their_recorded_contents(cli, tmp_path, monkeypatc
     make_run(tmp_path / "p3" / "d", lam=1.0, acc=0.7, iso=0.5, sha="1" * 64, eval_="../dev.csv")
     code, out, err = cli(["compare", tmp_path / "p3" / "c", tmp_path / "p3" / "d", *args])
     assert code == 0, err
-    # runs from before finetune recorded the contents: their paths as recorded, not as resolved here
+    # runs that record no contents: their paths as recorded, not as resolved here
     make_run(tmp_path / "p4" / "e", lam=0.0, eval_="dev.csv")
     make_run(tmp_path / "p4" / "f", lam=1.0, acc=0.7, iso=0.5, eval_="other.csv")
     monkeypatch.chdir("/")

@@ -150,7 +150,7 @@ def test_defaults_passed_explicitly_change_nothing(cli, tiny, tmp_path):
     wa, wb = _weights(a), _weights(b)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     run = json.loads((a / "run.json").read_text())
-    for k in config_mod.NEW_DEFAULTS:  # older run.json files and fingerprints look the same
+    for k in config_mod.NEW_DEFAULTS:  # at their defaults: absent, as in a run.json without them
         assert k not in run["config"]
     assert not {"lr_schedule", "accumulation", "lora_adapters"} & set(run)
     state = json.loads((a / "checkpoint" / "state.json").read_text())

@@ -83,8 +83,8 @@ def _skip(run_dir: Path, rev: Revision, hashed: _Hashed, options, streams: list[
     """(whether the run in ``run_dir`` is complete and was asked for as now, why not or why so).
 
     Only then is loading the model again needless: what was asked is compared with the run's stored
-    request (run.py's run_request), never assumed; a run without one (from before geomscope recorded
-    it) is extracted again, which finds it complete at the cost of a load."""
+    request (run.py's run_request), never assumed; a run that records none is extracted
+    again, which finds it complete at the cost of a load."""
     from dataclasses import replace
 
     from geomscope.extract.run import request_differences, run_request

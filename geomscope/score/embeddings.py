@@ -51,7 +51,7 @@ def _other_weights(ckpt: Path, model: dict) -> str:
 
     if isinstance(model.get(WEIGHTS_KEY), str):
         recorded, fingerprint = model[WEIGHTS_KEY], weights_fingerprint
-    elif isinstance(model.get("weights_sha256"), str):  # a run from before whole files were hashed
+    elif isinstance(model.get("weights_sha256"), str):  # no WEIGHTS_KEY: the head-and-tail hash
         recorded, fingerprint = model["weights_sha256"], legacy_weights_fingerprint
     else:
         return ""

@@ -33,7 +33,7 @@ def _model_identity(src: SourceInfo) -> dict:
     from geomscope.model.fingerprint import WEIGHTS_KEY
 
     m = src.run_obj.identity.get("model") or {}
-    # (a run from before WEIGHTS_KEY has none: the model's name is compared instead)
+    # (an identity without WEIGHTS_KEY has none: the model's name is compared instead)
     return {"name": m.get("name"), "weights": m.get(WEIGHTS_KEY), "hidden_size": m.get("hidden_size")}
 
 

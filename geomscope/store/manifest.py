@@ -585,7 +585,7 @@ class RunWriter:
     def _intact(self, entry: dict) -> bool:
         """A finished shard is kept on resume only if it is a plain file that passes what every read
         holds it to (integrity.verify_shard_task: the recorded size and checksum -- xxh3_128, or the
-        sha256 of a run written before it: store/checksum.py --, its structure, documents and flags,
+        sha256 of an entry without it: store/checksum.py --, its structure, documents and flags,
         a sample's accumulators, size and seed); any other is redone."""
         p = self.dir / entry["file"]
         if p.is_symlink() or not p.is_file():

@@ -12,7 +12,7 @@ this module, as ``geomscope --help`` does through :mod:`geomscope.study`, stays 
 
 Runs are comparable when they share a task, a model and an eval set; the eval set is told by the
 sha256 of its contents that finetune records in the run's checkpoint (``checkpoint/state.json``), or,
-for a run from before those were recorded, by the path its run.json names, as it was given. Each
+for a run whose checkpoint records none, by the path its run.json names, as it was given. Each
 (regulariser, lambda, seed) may appear once.
 
 Question-answering runs (``finetune --task qa``) are compared on their own metrics: exact match and

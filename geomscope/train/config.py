@@ -421,7 +421,7 @@ def fingerprint(cfg: FinetuneConfig, layers: list[int], world: int) -> dict:
     for key, field_name in _DATA_KEYS.items():
         fp[key] = data_identity(getattr(cfg, field_name))
     if cfg.task == default_of(FinetuneConfig, "task"):
-        del fp["task"]  # checkpoints written before --task existed stay resumable
+        del fp["task"]  # a fingerprint without task means the default one: those checkpoints resume
     fp["layers"] = layers
     fp["world_size"] = world
     fp.update(changed_options(cfg, fingerprint=True))
@@ -434,9 +434,9 @@ def check_same_run(out, stored: dict, asked: dict, epochs: int, advice: str | No
     """Refuse, naming the first difference, to continue (or count as done) the run in ``out`` whose
     checkpoint holds the fingerprint ``stored`` with the options whose fingerprint is ``asked``.
 
-    Options added since a checkpoint was written compare at their defaults; keys only an old
-    fingerprint has are ignored; a checkpoint from before the data files' contents were recorded is
-    compared on their paths alone (it cannot say more)."""
+    Options a stored fingerprint lacks compare at their defaults; keys only the stored fingerprint
+    has are ignored; a fingerprint without the data files' contents is compared on their paths alone
+    (it cannot say more)."""
     advice = advice or "resume with the same options or choose another --out"
     dflt = {"task": default_of(FinetuneConfig, "task"), **NEW_DEFAULTS}
     old = {**dflt, **stored}
