@@ -302,7 +302,7 @@ def test_lora_trains_only_adapters_and_exports_a_merged_model(cli, tiny, tmp_pat
     from geomscope.train import lora
 
     base = AutoModelForSequenceClassification.from_pretrained(tiny["model"], num_labels=2)
-    targets = lora.resolve_targets(base, "q,v")
+    targets = lora.resolve_targets(base, ["q", "v"])
     assert targets == ["query", "value"]
     m = lora.wrap(base, 4, 8.0, targets)
     trainable = lora.trainable_names(m)
@@ -406,6 +406,10 @@ def test_tensorboard_events_hold_the_step_and_eval_scalars(tiny, tmp_path):
         (("--lora-alpha", "4"), "need --lora"),
         (("--lora", "0"), "--lora"),
         (("--lora", "4", "--save-every", "2"), "--save-every"),
+        (
+            ("--lora", "4", "--lora-target", ","),
+            "--lora-target must be a comma list of module names, not ','",
+        ),
         (("--max-grad-norm", "0"), "--max-grad-norm"),
         (("--max-grad-norm", "nan"), "--max-grad-norm"),
     ],

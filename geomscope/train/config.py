@@ -117,6 +117,8 @@ FINETUNE_SEED = Interval(
 _POSITIVE = Interval(whole=False, low=0, open_low=True, words="a positive number")
 #: --geometry-rank: whole numbers >= 1, however written (8,32 or a list of them)
 _RANKS = CommaList("whole numbers >= 1 (e.g. 8,32)", POSITIVE_INT, int, nonempty=True)
+#: --lora-target: one or more module names (or q, k, v, o)
+LORA_TARGETS = CommaList("module names", nonempty=True)
 #: the options whose words are names in lower case, read whatever their case (``--task QA`` is qa)
 CASELESS = ("task", "reg", "device")
 
@@ -330,7 +332,7 @@ class FinetuneConfig:
     )
     lora_target: str = option(
         "q,v",
-        Text(),
+        LORA_TARGETS,
         "Modules that get adapters: module names (query, value, q_proj, ...) or q, k, v, o.",
         metavar="LIST",
     )
@@ -347,6 +349,10 @@ class FinetuneConfig:
         """The ``--layers`` selection the run reads (:func:`geomscope.layers.parse_layers`):
         :data:`DEFAULT_LAYERS` when unset."""
         return DEFAULT_LAYERS if self.layers is None else self.layers
+
+    def lora_targets(self) -> list[str]:
+        """The module names of ``lora_target`` ("q,v" -> ["q", "v"])."""
+        return LORA_TARGETS.items(self.lora_target)
 
     def validate(self) -> FinetuneConfig:
         """``self``, its ``geometry_rank`` read as a tuple of whole numbers ("8,32" -> (8, 32)), when

@@ -400,7 +400,7 @@ class _Trainer:
         from geomscope.train import lora
 
         cfg = self.cfg
-        targets = lora.resolve_targets(self.model, cfg.lora_target)
+        targets = lora.resolve_targets(self.model, cfg.lora_targets())
         self.model = lora.wrap(self.model, cfg.lora, resolved_lora_alpha(cfg), targets)
         self.lora_record = {
             "rank": cfg.lora,

@@ -56,15 +56,13 @@ def head_modules(model) -> list[str]:
     return [n for n, m in model.named_children() if n != base and any(True for _ in m.parameters())]
 
 
-def resolve_targets(model, spec: str) -> list[str]:
-    """``q,v`` -> the module leaf names of this model (e.g. ``['query', 'value']``); a name that matches
-    nothing is a one-line error naming modules that exist."""
-    items = [x.strip() for x in str(spec).split(",") if x.strip()]
-    if not items:
-        raise InputError("--lora-target is empty; name modules to adapt, e.g. q,v")
+def resolve_targets(model, names: list[str]) -> list[str]:
+    """The ``--lora-target`` names (``['q', 'v']``: :meth:`FinetuneConfig.lora_targets`) -> the
+    module leaf names of this model (e.g. ``['query', 'value']``); a name that matches nothing is a
+    one-line error naming modules that exist."""
     have = _linear_names(model, head_modules(model))
     targets = []
-    for item in items:
+    for item in names:
         hit = [n for n in ((item,) + ALIASES.get(item.lower(), ())) if n in have]
         if not hit:
             raise InputError(
