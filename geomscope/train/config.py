@@ -45,6 +45,7 @@ from geomscope.choices import (
     TASKS,
     TRACKERS,
 )
+from geomscope.devices import DEVICE_HELP
 from geomscope.errors import InputError
 from geomscope.fileio import input_digest
 from geomscope.options import (
@@ -215,9 +216,7 @@ class FinetuneConfig:
         "scaling) or bf16 (autocast).",
         metavar=choice_metavar(PRECISIONS),
     )
-    device: str = option(
-        "auto", Device(), "auto (CUDA when present, else CPU), cpu, cuda, cuda:N or mps.", metavar="DEVICE"
-    )
+    device: str = option("auto", Device(), f"{DEVICE_HELP}.", metavar="DEVICE")
     include_padding: bool = option(
         False,
         Flag(),
