@@ -61,7 +61,7 @@ def quiet_extract(cli, model, text, run, *extra):
 @pytest.fixture(autouse=True, scope="module")
 def one_torch_thread():
     """Tiny models on a small shared machine: one intra-op thread avoids OpenMP barrier stalls
-    (measured up to 100x slower with 2 threads under load); restored after each module."""
+    (2 threads under load can be up to 100x slower); restored after each module."""
     try:
         import torch
     except ImportError:  # pragma: no cover
