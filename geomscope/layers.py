@@ -37,6 +37,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from geomscope.errors import InputError
+from geomscope.options import comma_items
 
 #: the name of a layer's gradient rows (extract --capture gradients): ``layer_06.grad``
 GRAD_SUFFIX = ".grad"
@@ -166,12 +167,11 @@ def listed_layers(
 
 
 def layer_items(spec) -> list[str]:
-    """The items of a selection: a comma-separated string or a list of them (a list's items may hold
-    commas too, as the CLI's repeated options do), stripped, blanks dropped."""
-    if spec is None:
-        return []
-    raw = [spec] if isinstance(spec, (str, int)) else list(spec)
-    return [part.strip() for item in raw for part in str(item).split(",") if part.strip()]
+    """The items of a selection as text (:func:`~geomscope.options.comma_items`): a comma-separated
+    string or a list of them (a list's items may hold commas too, as the CLI's repeated options do),
+    stripped, blanks dropped; an index given as a number is its text."""
+    raw = spec if spec is None or isinstance(spec, (str, int)) else list(spec)
+    return [str(item) for item in comma_items(raw)]
 
 
 def names_layer(spec, name: str) -> bool:

@@ -167,7 +167,9 @@ class Device(Constraint):
 @dataclass(frozen=True)
 class Layers(Constraint):
     """A ``--layers`` selection as written (:mod:`geomscope.layers` reads it against the layers a
-    model, a run or a report has): a non-empty comma list, or a list of names and indices."""
+    model, a run or a report has): a non-empty comma list, or a list of names and indices. Its own
+    rule, not :func:`comma_items`': an empty item (``1,,2``, ``-l ""``) is refused rather than
+    skipped, since a lost layer name would silently select other layers."""
 
     def reason(self, value) -> str | None:
         if isinstance(value, str):
@@ -195,6 +197,24 @@ class Flag(Constraint):
         return ("yes", 1)
 
 
+def comma_items(value) -> list:
+    """The items of a list option: ``value`` one comma list (``"8,32"``), or a list or tuple whose
+    strings may each be a comma list (a repeated option gives them); each comma list's words are
+    stripped and the empty ones skipped, other items kept as given; None has none. The one reading
+    of a comma list: the declared lists' (:meth:`CommaList.items`), a layer selection's
+    (:func:`geomscope.layers.layer_items`) and the CLI's own lists'. A str is never iterated (its
+    characters would read as items: ``metrics="isoscore"`` as the metric 'i')."""
+    if value is None:
+        return []
+    out: list = []
+    for part in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(part, str):
+            out.extend(w.strip() for w in part.split(",") if w.strip())
+        else:
+            out.append(part)
+    return out
+
+
 @dataclass(frozen=True)
 class CommaList(Constraint):
     """A list option: one comma list (``8,32``), or a list or tuple whose strings may each be a
@@ -210,18 +230,14 @@ class CommaList(Constraint):
     nonempty: bool = False
 
     def items(self, value) -> list:
-        """The values of ``value``: every comma list's words read by ``convert``, other items as given."""
-        out: list = []
-        for part in [value] if isinstance(value, str) else value:
-            if not isinstance(part, str):
-                out.append(part)
-                continue
-            for word in (w.strip() for w in part.split(",") if w.strip()):
-                try:
-                    out.append(self.convert(word))
-                except ValueError:
-                    out.append(word)
-        return out
+        """The values of ``value`` (:func:`comma_items`), each comma list's words read by ``convert``."""
+        return [self._read(v) if isinstance(v, str) else v for v in comma_items(value)]
+
+    def _read(self, word: str):
+        try:
+            return self.convert(word)
+        except ValueError:
+            return word
 
     def describe(self) -> str:
         return f"a comma list of {self.what}"

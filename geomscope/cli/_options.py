@@ -18,15 +18,6 @@ from typer.models import ArgumentInfo
 from geomscope.options import REQUIRED, Flag, Interval, declared, default_of
 
 
-def split_list(values) -> list[str]:
-    """Repeated options and comma-separated lists alike -> one flat list of non-empty items."""
-    if values is None:
-        return []
-    if isinstance(values, str):
-        values = [values]
-    return [v.strip() for item in values for v in str(item).split(",") if v.strip()]
-
-
 def selection(values: list[str] | None) -> str | None:
     """A repeated ``--layers`` as the one comma list its values make (its grammar refuses an empty
     item, ``-l ""`` too); None where it is not given (every layer)."""

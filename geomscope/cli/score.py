@@ -21,8 +21,8 @@ from geomscope.cli._options import (
     out_option,
     quiet_option,
     selection,
-    split_list,
 )
+from geomscope.options import comma_items
 from geomscope.score.options import ScoreOptions
 
 SOURCES_HELP = (
@@ -144,7 +144,7 @@ def _table_columns(columns: list[str], opts) -> list[str] | None:
 
     if not columns:
         return None
-    names = split_list(columns)
+    names = comma_items(columns)
     if not names:
         raise InputError("--columns is empty; give metric names (comma list) or all, or leave it out")
     table_metrics({"layers": [dict.fromkeys(scalar_keys(opts), 0.0)]}, names)

@@ -34,6 +34,7 @@ from geomscope.options import (
     Text,
     check,
     choice_metavar,
+    comma_items,
     option,
     verify_option,
 )
@@ -515,7 +516,7 @@ def _checked_threshold(rule: str, threshold) -> float:
 
 def _checked_ranks(ranks) -> tuple[int, ...]:
     """--rank (whole numbers >= 1, at least one, by its declaration) as sorted distinct ints."""
-    return tuple(sorted({int(r) for r in _listed(ranks)}))
+    return tuple(sorted({int(r) for r in comma_items(ranks)}))
 
 
 def _checked_clusters(k: int) -> int:
@@ -526,7 +527,7 @@ def _checked_clusters(k: int) -> int:
 
 def _checked_edges(edges) -> tuple[int, ...]:
     """--position-edges (whole numbers >= 1, at least one, by its declaration): strictly increasing."""
-    out = tuple(int(e) for e in _listed(edges))
+    out = tuple(int(e) for e in comma_items(edges))
     if any(b <= a for a, b in zip(out, out[1:], strict=False)):
         raise InputError(f"--position-edges must increase; got {','.join(map(str, out))}")
     return out
@@ -535,20 +536,7 @@ def _checked_edges(edges) -> tuple[int, ...]:
 def _checked_abtt(ks) -> tuple[int, ...]:
     """--abtt-k (whole numbers >= 1, at least one, by its declaration) as sorted distinct ints (each
     below D: checked against the source's width when scored)."""
-    return tuple(sorted({int(k) for k in _listed(ks)}))
-
-
-def _listed(value) -> list:
-    """A list option's items: a str is one comma list (iterating it would give its characters,
-    metrics="isoscore" read as the metric 'i'), and so is each str of a list (a repeated option);
-    other items are kept as given."""
-    out: list = []
-    for item in [value] if isinstance(value, str) else value:
-        if isinstance(item, str):
-            out.extend(v.strip() for v in item.split(",") if v.strip())
-        else:
-            out.append(item)
-    return out
+    return tuple(sorted({int(k) for k in comma_items(ks)}))
 
 
 def _checked_scheduler(scheduler, workers) -> str | None:
@@ -573,7 +561,7 @@ def _selection(option: str, value, what: str) -> tuple | None:
     rather than read as everything."""
     if not isinstance(value, (str, list, tuple)):
         return value  # None (everything), or a value the declared constraint refuses next
-    items = _listed(value)
+    items = comma_items(value)
     if not items:
         raise OptionError(f"{option} is empty; give {what} (comma list), or leave it out for all of them")
     return tuple(items)
