@@ -36,7 +36,7 @@ from geomscope.export_options import ExportOptions
 from geomscope.fileio import create_exclusive, replace_dir, temp_path, write_all
 from geomscope.formatting import counted
 from geomscope.progress import Log, Progress, log_to
-from geomscope.schema import EXPORT_MARKER
+from geomscope.schema import EXPORT_MARKER, LAYER_INDEX_KEY
 
 META = (("doc_id", np.int64), ("position", np.int64), ("token_id", np.int64), ("special", np.bool_))
 
@@ -254,8 +254,6 @@ def _arrow(run, tasks, names, indices, tmp: Path, rows_done, verify: bool) -> li
         import pyarrow as pa
     except ImportError:
         raise InputError("--to arrow needs pyarrow: pip install pyarrow (or 'geomscope[formats]')") from None
-    from geomscope.score.formats import LAYER_INDEX_KEY
-
     # each layer's index in the model travels with its column (score reads it back: a layer
     # exported alone is reported, and plotted, at its index, not at its position among the columns)
     field_meta = {n: {LAYER_INDEX_KEY: str(i).encode()} for n, i in indices.items() if i is not None}

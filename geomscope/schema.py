@@ -23,6 +23,7 @@ REPORT_FORMAT_VERSION = 1
 COMPARE_FORMAT = "geomscope-compare"
 #: ``score DIR --metrics similarity``'s similarity.json: each layer's similarity across the runs
 SIMILARITY_FORMAT = "geomscope-similarity"
+SIMILARITY_FORMAT_VERSION = 1
 #: a sweep's sweep.json: the grid of finetune runs it holds
 SWEEP_FORMAT = "geomscope-sweep"
 #: the marker that makes a directory a finetune output (train/checkpoint.py), its format and the
@@ -32,6 +33,9 @@ FINETUNE_FORMAT = "geomscope-finetune"
 FINETUNE_MARKER_VERSION = 2
 #: the summary ``export`` writes into the directory it exports
 EXPORT_MARKER = "geomscope-export.json"
+#: the field metadata key of an exported arrow/parquet layer column that holds the layer's index in
+#: the model (score reads it back, so a layer exported alone is reported at its index)
+LAYER_INDEX_KEY = b"geomscope.layer_index"
 #: the creator a figure records (PNG "Software", SVG and PDF "Creator"): how a later plot knows a
 #: file at its --out for its own earlier figure, which it replaces (outputs.ensure_replaceable)
 FIGURE_CREATOR = "geomscope plot, with Matplotlib"  # no parentheses: PDF strings escape them

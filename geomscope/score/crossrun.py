@@ -20,11 +20,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from geomscope.errors import DataError
-from geomscope.schema import SIMILARITY_FORMAT
+from geomscope.schema import SIMILARITY_FORMAT, SIMILARITY_FORMAT_VERSION
 from geomscope.score.options import ScoreOptions
 
 SIMILARITY_NAME = "similarity.json"
-SIMILARITY_FORMAT_VERSION = 1
 
 
 def _common_layers(runs: list[str], opts: ScoreOptions) -> list[str]:

@@ -54,6 +54,7 @@ import numpy as np
 from geomscope.errors import DataError, InputError, first_line
 from geomscope.fileio import read_json
 from geomscope.layers import layer_name
+from geomscope.schema import LAYER_INDEX_KEY
 from geomscope.score.decoded_sizes import HeaderError, ipc_messages, parquet_pages
 
 FORMATS = ("npz", "safetensors", "pt", "arrow", "parquet")
@@ -67,7 +68,6 @@ SUFFIX_FORMATS = {
 }
 META_COLUMNS = ("doc_id", "special")  # optional per-row columns of arrow/parquet sources
 EXPORT_META_COLUMNS = ("doc_id", "position", "token_id", "special")  # what `geomscope export` adds
-LAYER_INDEX_KEY = b"geomscope.layer_index"  # field metadata: a layer's index in the model (export)
 
 
 @dataclass(frozen=True)
