@@ -1,16 +1,20 @@
-"""How counts and measured values read wherever geomscope prints them: messages, the terminal table
-and the HTML page. A light module (no numpy, rich or torch): every command may import it.
+"""How counts, measured values and names from data read wherever geomscope prints them: messages,
+the terminal table and the HTML page. A light module (no numpy or torch; rich only inside
+:func:`shown`): every command may import it.
 
 - :func:`counted` -- ``counted(1, "shard")`` is ``1 shard``, ``counted(4, "shard")`` ``4 shards``.
 - :func:`value_and_se` -- a value and its standard error as two strings: the SE rounded to two
   significant digits and the value to the same decimal place (``0.4123, 0.0157`` ->
   ``0.412``, ``0.016``), in scientific notation where fixed notation would be very long.
+- :func:`shown` -- a name from data as text that prints as itself (control and bidirectional
+  characters as escapes, rich markup escaped); :func:`shown_name` -- one cut to a bounded length.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import re
 
 #: fixed notation for an SE whose last kept digit is at 10**-6 or coarser and a value and SE below
 #: :data:`FIXED_BELOW`; scientific notation otherwise (fixed would need more than 6 decimals or
@@ -85,3 +89,26 @@ def value_and_se(v, se, digits: int = 3) -> tuple[str, str | None]:
 def _unsigned_zero(text: str) -> str:
     """``-0.00`` (a small negative value rounded to zero) as ``0.00``."""
     return text[1:] if text.startswith("-") and not text.strip("-0.e+") else text
+
+
+#: characters never sent to a terminal as they are: the C0 and C1 controls and DEL (ESC opens the
+#: ANSI/OSC sequences that clear the screen or retitle the window, BEL closes an OSC), the line and
+#: paragraph separators, and the bidirectional embeddings, overrides and isolates (text shown in
+#: another order than it is)
+_UNSHOWN = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def shown(value, *, markup: bool = True) -> str:
+    """``value`` (a layer, model, run or file name from a run, a report or the user) as text that
+    prints as itself: every character of :data:`_UNSHOWN` as a visible escape (``\\x1b``,
+    ``\\u202e``), and with ``markup`` (rich renders the string with markup on) ``[`` escaped so
+    that ``[bold red]`` is shown, not applied. The one home of this: every command passes names from
+    data through it before printing them."""
+    text = _UNSHOWN.sub(
+        lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", str(value)
+    )
+    if markup:
+        from rich.markup import escape
+
+        text = escape(text)
+    return text

@@ -121,7 +121,7 @@ class Progress:
 def _as_text(description: str) -> str:
     """A description (it names layers and files from the data) shown as itself: the bar renders it
     with markup on."""
-    from geomscope.report import shown
+    from geomscope.formatting import shown
 
     return shown(description)
 
@@ -133,7 +133,7 @@ def stderr_log(prefix: str = "") -> Log:
     from rich.console import Console
     from rich.text import Text
 
-    from geomscope.report import shown
+    from geomscope.formatting import shown
 
     console = Console(stderr=True)
 

@@ -56,12 +56,11 @@ import io
 import json
 import math
 import os
-import re
 from pathlib import Path
 
 from geomscope.errors import InputError, first_line
 from geomscope.fileio import ensure_writable, read_json, write_text_atomic
-from geomscope.formatting import counted, shown_name, value_and_se
+from geomscope.formatting import counted, shown, shown_name, value_and_se
 from geomscope.outputs import HEAD_BYTES, ensure_replaceable, json_format_is, starts_with
 from geomscope.schema import (
     LAYER_KEYS,
@@ -263,29 +262,6 @@ def load_report(path: str | os.PathLike) -> Report:
     if why:
         raise InputError(f"{p} is a damaged report ({why}); score the source again")
     return Report(rep)
-
-
-#: characters never sent to a terminal as they are: the C0 and C1 controls and DEL (ESC opens the
-#: ANSI/OSC sequences that clear the screen or retitle the window, BEL closes an OSC), the line and
-#: paragraph separators, and the bidirectional embeddings, overrides and isolates (text shown in
-#: another order than it is)
-_UNSHOWN = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
-
-
-def shown(value, *, markup: bool = True) -> str:
-    """``value`` (a layer, model, run or file name from a run, a report or the user) as text that
-    prints as itself: every character of :data:`_UNSHOWN` as a visible escape (``\\x1b``,
-    ``\\u202e``), and with ``markup`` (rich renders the string with markup on) ``[`` escaped so
-    that ``[bold red]`` is shown, not applied. The one home of this: every command passes names from
-    data through it before printing them."""
-    text = _UNSHOWN.sub(
-        lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", str(value)
-    )
-    if markup:
-        from rich.markup import escape
-
-        text = escape(text)
-    return text
 
 
 def _fmt(v, se=None) -> str:

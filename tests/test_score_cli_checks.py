@@ -288,7 +288,7 @@ def test_inspect_prints_a_crafted_run_as_text(cli, crafted_run):
 
 
 def test_shown_escapes_every_control_character():
-    from geomscope.report import shown
+    from geomscope.formatting import shown
 
     assert shown("a\x00b\x9bc\u202ed\n", markup=False) == "a\\x00b\\x9bc\\u202ed\\x0a"
     assert shown("[b]x[/b]") == "\\[b]x\\[/b]"

@@ -43,7 +43,7 @@ def rerun_advice(args: list[str]) -> str:
 def _as_text(line: str) -> str:
     """An error line (it names files, layers and models from the data) with control characters shown
     as escapes: a name holding ESC would otherwise drive the terminal."""
-    from geomscope.report import shown
+    from geomscope.formatting import shown
 
     return shown(line, markup=False)
 

@@ -70,8 +70,8 @@ def _write(dest: Path, result: dict, quiet: bool) -> None:
     import json
 
     from geomscope.fileio import make_dirs, write_bytes_atomic, write_text_atomic
+    from geomscope.formatting import shown
     from geomscope.plot.study import study_png
-    from geomscope.report import shown
     from geomscope.study.compare import to_csv
 
     document = json.dumps(result, indent=1, allow_nan=False) + "\n"
@@ -112,7 +112,7 @@ def _header(label: str) -> dict:
 def _table_cells(result: dict, width: int) -> list[list[str]]:
     """The table's rows as text: mean ± SD on one line where the table fits in ``width`` so, else
     the SD under its mean (rich, made to shrink a table, cuts headers short: "IsoScor…")."""
-    from geomscope.report import shown
+    from geomscope.formatting import shown
     from geomscope.study.compare import LABELS
     from geomscope.study.sweep import lambda_text
 
@@ -134,7 +134,7 @@ def _print_table(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from geomscope.report import shown
+    from geomscope.formatting import shown
     from geomscope.study.compare import LABELS
 
     console = Console(stderr=True)
@@ -184,7 +184,7 @@ def _paired_table(result: dict):
     """Each lambda minus lambda = 0 of the same regulariser, seed by seed: mean, n and interval."""
     from rich.table import Table
 
-    from geomscope.report import shown
+    from geomscope.formatting import shown
     from geomscope.study.compare import LABELS
     from geomscope.study.sweep import lambda_text
 

@@ -29,7 +29,7 @@ def inspect_cmd(
     from rich.console import Console
     from rich.table import Table
 
-    from geomscope.report import shown
+    from geomscope.formatting import shown
     from geomscope.store import describe_run
 
     options = InspectOptions(**chosen)

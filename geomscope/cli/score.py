@@ -121,7 +121,8 @@ def _score_sources(sources: list[str], chosen: dict, out, table_columns, as_json
 
 def _print_report(console, report: dict, columns, jpath, cpath) -> None:
     """The table, the gradient-energy lines and the paths written, on stderr."""
-    from geomscope.report import gradient_energy_lines, report_table, shown
+    from geomscope.formatting import shown
+    from geomscope.report import gradient_energy_lines, report_table
 
     console.print(report_table(report, columns))
     for line in gradient_energy_lines(report):
@@ -246,7 +247,8 @@ def _score_many(
     import sys
 
     from geomscope.fileio import ensure_writable, make_dirs
-    from geomscope.report import check_report_out, save_report, shown
+    from geomscope.formatting import shown
+    from geomscope.report import check_report_out, save_report
     from geomscope.score import score
     from geomscope.score.trajectory import TRAJECTORY_NAME, check_trajectory_out, write_trajectory
 

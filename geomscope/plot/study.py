@@ -53,8 +53,8 @@ def _label(reg: str) -> str:
     """A regulariser's name (from each run's summary.json) as a legend shows it: control characters as
     escapes, ``$`` literal (not the start of mathtext, which may not parse), and a leading ``_``
     kept (matplotlib leaves a label that starts with ``_`` out of the legend)."""
+    from geomscope.formatting import shown
     from geomscope.plot._style import plain_text
-    from geomscope.report import shown
 
     text = plain_text(shown(reg, markup=False))
     return " " + text if text.startswith("_") else text
