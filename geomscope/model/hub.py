@@ -14,10 +14,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from geomscope.errors import InputError
-from geomscope.progress import Log, log_to
 
 #: seconds the hub may take per phase (connect, answer) of the one request that checks a hub name
 HUB_CHECK_SECONDS = 3.0
@@ -25,7 +25,10 @@ _HUB_CHECKED: set[tuple[str, str | None, str | None]] = set()
 
 
 def check_hub_model(
-    repo_id: str, revision: str | None = None, cache_dir: str | None = None, log: Log | None = None
+    repo_id: str,
+    revision: str | None = None,
+    cache_dir: str | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> None:
     """Refuse, in one line and within seconds, a hub model that cannot be loaded: a name the hub
     does not know, a revision or config.json it lacks, or no network.
@@ -50,19 +53,21 @@ def check_hub_model(
         if cached_snapshot(repo_id, revision, cache_dir) is None:
             raise _hub_error(e, repo_id, revision) from None
         if not isinstance(e, HfHubHTTPError):  # no network: what the cache holds, without retries
-            _cache_only(f"{repo_id}@{revision}" if revision else repo_id, e, log_to(log))
+            _cache_only(f"{repo_id}@{revision}" if revision else repo_id, e, log)
     _HUB_CHECKED.add(key)
 
 
-def _cache_only(at: str, exc: Exception, log: Log) -> None:
+def _cache_only(at: str, exc: Exception, log: Callable[[str], None] | None) -> None:
     """The hub cannot be reached and the local cache holds the model: offline mode for the rest of
     this process, as HF_HUB_OFFLINE=1 would set it (else every optional file transformers asks for,
-    absent from the cache, is retried five times over ~25 s), said to ``log``."""
+    absent from the cache, is retried five times over ~25 s), said to ``log`` (None: unsaid)."""
     from huggingface_hub import constants
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     constants.HF_HUB_OFFLINE = True
     why = " ".join(str(exc).split())[:120] or type(exc).__name__
+    if log is None:
+        return
     log(
         f"note: the Hugging Face hub cannot be reached ({why}); loading {at} from the local cache "
         "(set HF_HUB_OFFLINE=1 to skip asking)"

