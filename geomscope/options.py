@@ -40,6 +40,14 @@ class Constraint(ABC):
     def invalid(self) -> tuple:
         """Values that break the constraint (each must make :meth:`reason` say why)."""
 
+    def given(self, value) -> str:
+        """``value`` as the error line quotes it: its repr."""
+        return repr(value)
+
+    def culprit(self, value) -> str | None:
+        """The part of a refused ``value`` to name beside it (a list's bad word), or None."""
+        return None
+
 
 def _is_int(value) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
@@ -242,6 +250,20 @@ class CommaList(Constraint):
     def describe(self) -> str:
         return f"a comma list of {self.what}"
 
+    def given(self, value) -> str:
+        """A list of words quoted as the one comma list it reads as (``'isoscore,nope'``)."""
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return repr(",".join(value))
+        return repr(value)
+
+    def culprit(self, value) -> str | None:
+        """In a list of several words, the first the item constraint refuses: ``'nope' is not one``."""
+        if not isinstance(value, (str, list, tuple)):
+            return None
+        words = self.items(value)
+        bad = [v for v in words if self.item.reason(v) is not None]
+        return f"{bad[0]!r} is not one" if bad and len(words) > 1 else None
+
     def reason(self, value) -> str | None:
         values = self.items(value) if isinstance(value, (str, list, tuple)) else None
         ok = values is not None and (bool(values) or not self.nonempty)
@@ -335,7 +357,9 @@ def check_value(cls, name: str, value) -> None:
     if why is not None and isinstance(opt.constraint, Parsed) and isinstance(value, str):
         raise OptionError(why)
     if why is not None:
-        raise OptionError(f"{opt.flag} {why}, not {value!r}")
+        culprit = opt.constraint.culprit(value)
+        note = f" ({culprit})" if culprit else ""
+        raise OptionError(f"{opt.flag} {why}, not {opt.constraint.given(value)}{note}")
 
 
 def invalid_settings(cls) -> Iterator[tuple[str, str, object]]:

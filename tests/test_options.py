@@ -216,3 +216,17 @@ def test_a_seed_is_bounded_by_one_rule():
     assert SEED.reason(2**64) is not None and SEED.reason(-1) is not None
     with pytest.raises(OptionError, match="--seed must be a whole number from 0 to 2\\^64 - 1"):
         ExtractOptions(seed=2**64).validate()
+
+
+def test_a_list_option_names_its_refused_word_and_quotes_the_list_as_typed():
+    from geomscope.options import OptionError, check_value
+    from geomscope.score import ScoreOptions
+
+    with pytest.raises(OptionError) as e:
+        check_value(ScoreOptions, "metrics", ["isoscore,nope"])
+    line = str(e.value)
+    assert line.startswith("--metrics must be a comma list of metric names (")
+    assert line.endswith("not 'isoscore,nope' ('nope' is not one)")
+    with pytest.raises(OptionError) as e:
+        check_value(ScoreOptions, "abtt_k", "0")
+    assert str(e.value).endswith("not '0'")  # one word: the value alone says which
