@@ -5,8 +5,9 @@ Every library entry point (``extract``, ``extract_revisions``, ``score``, ``expo
 
 - ``progress: bool = False``: a rich bar on stderr while it works;
 - ``log: Log | None = None``: where its messages go, one line each (what it plans, what it wrote,
-  what it warns about); ``None`` is :func:`silent`. The command line passes a log that prints on
-  stderr (:func:`stderr_log`) unless ``--quiet``.
+  what it warns about); ``None`` is :func:`silent`. The command line passes the pair
+  :func:`command_output` makes of ``--quiet``: no bar and no notes with it, a bar only on a
+  terminal, warnings always.
 
 ``with Progress(enabled) as bar: task = bar.add("extract", total, unit="docs", rate_unit="tok")``,
 then ``task.advance(n, work=tokens)`` (``work`` drives the rate; default ``n``), ``task.skip(n)``
@@ -144,3 +145,18 @@ def stderr_log(prefix: str = "") -> Log:
         console.print(text, highlight=False, soft_wrap=True)
 
     return log
+
+
+def command_output(quiet: bool, *, warns: bool = False, prefix: str = "") -> tuple[bool, Log]:
+    """The ``(progress, log)`` pair every command passes its library entry point: the one meaning of
+    ``--quiet``, which hides the bar and the notes and never a warning.
+
+    ``progress``: a bar when stderr is a terminal and not ``--quiet`` (into a file or a pipe a bar
+    is a wall of redrawn lines). ``log`` (:func:`stderr_log`, after ``prefix``): the notes of what a
+    command plans and wrote, :func:`silent` with ``--quiet``; ``warns``: the entry point's log
+    carries only what must not pass unsaid, kept with ``--quiet`` (score's warnings; finetune's
+    changes to the model it was given: a new head, a pad token, a clamped ``--max-length``)."""
+    import sys
+
+    progress = not quiet and sys.stderr.isatty()
+    return progress, (silent if quiet and not warns else stderr_log(prefix))

@@ -39,3 +39,21 @@ def test_progress_enabled_counts(capsys):
         assert task.completed == 7 and task.fields["rate"].endswith("tok/s")
         t.complete()
         assert task.completed == 10
+
+
+def test_command_output_is_one_meaning_of_quiet(monkeypatch, capsys):
+    """--quiet hides the bar and the notes, never a log of warnings; the bar is drawn on a terminal
+    only."""
+    import sys
+
+    from geomscope.progress import command_output, silent
+
+    for tty in (True, False):
+        monkeypatch.setattr(sys.stderr, "isatty", lambda tty=tty: tty)
+        assert command_output(False)[0] is tty and command_output(True)[0] is False
+        assert command_output(True, warns=True)[0] is False
+    assert command_output(True)[1] is silent
+    command_output(False)[1]("a note")
+    command_output(True, warns=True, prefix="warning:")[1]("a warning")
+    err = capsys.readouterr().err
+    assert "a note" in err and "warning: a warning" in err

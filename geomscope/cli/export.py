@@ -36,11 +36,11 @@ def export_cmd(
     import json
 
     from geomscope.export import export_run
-    from geomscope.progress import silent, stderr_log
+    from geomscope.progress import command_output, silent
 
     layers = selection(chosen.pop("layers"))
     options = ExportOptions(**chosen, layers=layers).validate()
-    log = silent if quiet or as_json else stderr_log()
-    summary = export_run(run_dir, out, options, progress=not quiet, log=log)
+    progress, log = command_output(quiet)
+    summary = export_run(run_dir, out, options, progress=progress, log=silent if as_json else log)
     if as_json:
         typer.echo(json.dumps(summary))

@@ -73,12 +73,12 @@ def _extract(model, inputs, out, options, revisions, drop_weights: bool, quiet: 
     from geomscope.extract.revisions import check_revisions_request, extract_revisions
     from geomscope.extract.run import extract
     from geomscope.model.revisions import resolve_revisions
-    from geomscope.progress import silent, stderr_log
+    from geomscope.progress import command_output
 
-    log = silent if quiet else stderr_log()
+    progress, log = command_output(quiet)
     check_revisions_request(options, revisions=revisions is not None, drop_weights=drop_weights)
     if revisions is None:
-        return extract(model, inputs, out, options, progress=not quiet, log=log, stdin=sys.stdin)
+        return extract(model, inputs, out, options, progress=progress, log=log, stdin=sys.stdin)
     return extract_revisions(
         model,
         inputs,
@@ -86,7 +86,7 @@ def _extract(model, inputs, out, options, revisions, drop_weights: bool, quiet: 
         resolve_revisions(model, revisions),
         options,
         drop_weights=drop_weights,
-        progress=not quiet,
+        progress=progress,
         log=log,
         stdin=sys.stdin,
     )

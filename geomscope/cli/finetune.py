@@ -22,7 +22,7 @@ from geomscope.cli import _complete
 from geomscope.cli._app import app
 from geomscope.cli._options import declared_option, json_option, options_from, out_option, quiet_option
 from geomscope.options import CommaList, OptionError, check_value, declared
-from geomscope.progress import stderr_log
+from geomscope.progress import command_output
 from geomscope.train.config import FinetuneConfig, caseless
 
 _MODEL = typer.Argument(
@@ -123,7 +123,8 @@ def _sweep(cfg: FinetuneConfig, points, out: Path, quiet: bool, as_json: bool) -
     from geomscope.errors import GeomscopeError
     from geomscope.study.sweep import run_sweep
 
-    results = run_sweep(cfg, points, progress=not quiet, log=stderr_log())
+    progress, log = command_output(quiet, warns=True)
+    results = run_sweep(cfg, points, progress=progress, log=log)
     if as_json:
         typer.echo(json.dumps({"sweep": str(out), "runs": results}))
     failed = [r for r in results if r["status"] == "failed"]
@@ -140,8 +141,9 @@ def _one_run(cfg: FinetuneConfig, out: Path, quiet: bool, as_json: bool) -> None
     from geomscope.errors import GeomscopeError
     from geomscope.train import finetune
 
+    progress, log = command_output(quiet, warns=True)
     try:
-        summary = finetune(cfg, progress=not quiet, log=stderr_log())
+        summary = finetune(cfg, progress=progress, log=log)
     except KeyboardInterrupt:
         raise GeomscopeError(_interrupted(out), exit_code=130) from None
     except OSError as e:
@@ -174,13 +176,13 @@ def _dry_run(cfg, points, out: Path, quiet: bool) -> None:
     from geomscope.train.loop import check_run
 
     if len(points) > 1:
-        plan = check_sweep(cfg, points, stderr_log())
+        plan = check_sweep(cfg, points, command_output(quiet, warns=True)[1])
         for p in points:
             typer.echo(str(out / p.name))
         todo = {k: sum(v == k for v in plan.values()) for k in ("run", "resume", "skip")}
         said = f"{todo['run']} to run, {todo['resume']} to resume, {todo['skip']} finished (skipped)"
     else:
-        check_run(cfg, stderr_log())
+        check_run(cfg, command_output(quiet, warns=True)[1])
         typer.echo(f"{out}: {points[0].name}")
         said = "1 run"
     if not quiet:

@@ -91,25 +91,25 @@ def _score_sources(sources: list[str], chosen: dict, out, table_columns, as_json
 
     from rich.console import Console
 
-    from geomscope.progress import stderr_log
+    from geomscope.progress import command_output
     from geomscope.report import check_out_given, check_report_out, save_report, to_json
     from geomscope.score import score
     from geomscope.score.trajectory import runs_under
 
     console = Console(stderr=True)
-    log = stderr_log("warning:")  # warnings are shown with --quiet too
+    progress, log = command_output(quiet, warns=True, prefix="warning:")
     if out is not None:
         check_out_given(out)
     opts = ScoreOptions(**chosen).validate()
     shown_columns = _table_columns(table_columns, opts)
     expanded = [str(r) for src in sources for r in (runs_under(src) or [src])]
     if len(expanded) > 1:
-        _score_many(expanded, sources, opts, out, as_json, quiet, console, log)
+        _score_many(expanded, sources, opts, out, as_json, quiet, console, progress, log)
         return
     source = expanded[0]
     dest = out if out is not None else _default_out(source)
     check_report_out(dest)  # before the work: a user's file at that name is refused, never replaced
-    report = score(source, opts, progress=not quiet and sys.stderr.isatty(), log=log)
+    report = score(source, opts, progress=progress, log=log)
     _record_command(report)
     jpath, cpath = save_report(report, dest)
     if not quiet:
@@ -239,7 +239,7 @@ def _many_destinations(runs: list[str], sources: list[str], out) -> tuple[list[s
 
 
 def _score_many(
-    runs: list[str], sources: list[str], opts, out, as_json: bool, quiet: bool, console, log
+    runs: list[str], sources: list[str], opts, out, as_json: bool, quiet: bool, console, progress, log
 ) -> None:
     """Score each run with the same options; reports in each run (or --out DIR/<run>.*), then
     trajectory.csv beside the runs (or in --out)."""
@@ -268,7 +268,7 @@ def _score_many(
     ensure_writable(where)
     reports, written = [], []
     for i, (run, dest) in enumerate(zip(runs, dests, strict=True), 1):
-        rep = score(run, opts, progress=not quiet and sys.stderr.isatty(), log=log)
+        rep = score(run, opts, progress=progress, log=log)
         _record_command(rep)
         jpath, _ = save_report(rep, dest)
         reports.append(rep)
