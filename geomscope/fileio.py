@@ -5,7 +5,8 @@ through a link (``O_CREAT | O_EXCL | O_NOFOLLOW``), flushed and fsynced, then re
 destination, and the directory is fsynced so that the rename survives a crash. A reader sees the
 old file or the new one, never half of one; a link planted at the temporary or the final name is
 never written through (``os.replace`` replaces the link itself). A directory is built under a
-temporary name and put in place by renames (:func:`replace_dir`). :func:`ensure_writable` asks,
+temporary name and put in place by renames (:func:`replace_dir`; :func:`restore_aside` undoes one
+cut off by a crash). :func:`ensure_writable` asks,
 with a real file, whether an output's folder can be written before the work that produces it.
 What an output a user names may replace is outputs.py's. Files are hashed by one read loop
 (:func:`hash_into`); a set of named files by :func:`files_digest`; an input's content by
@@ -188,6 +189,19 @@ def replace_dir(
     os.replace(tmp, final)
     remove_tree(aside)
     fsync_dir(final.parent)
+
+
+def restore_aside(final: str | os.PathLike, aside: str | os.PathLike) -> bool:
+    """Undo a :func:`replace_dir` cut off between its two renames: the old directory, left at the
+    caller's ``aside`` name, put back at ``final`` when nothing stands there (a link at ``aside`` is
+    never followed), and the parent fsynced; whether it was put back. The caller knows ``aside`` for
+    its own (a file only it writes)."""
+    final, aside = Path(final), Path(aside)
+    if os.path.lexists(final) or aside.is_symlink() or not aside.is_dir():
+        return False
+    os.replace(aside, final)
+    fsync_dir(final.parent)
+    return True
 
 
 #: bytes of one read of a file being hashed, into one reused buffer: a fresh bytes object per read

@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from geomscope.errors import InputError
-from geomscope.fileio import TEMP_PREFIX, files_digest, write_json_atomic, write_text_atomic
+from geomscope.fileio import (
+    TEMP_PREFIX,
+    files_digest,
+    replace_dir,
+    restore_aside,
+    write_json_atomic,
+    write_text_atomic,
+)
 
 
 def test_atomic_write_replaces_and_leaves_no_temp(tmp_path):
@@ -95,3 +102,25 @@ def test_files_digest_follows_its_definition(tmp_path):
     assert files_digest(paths, "sha256", head_tail=n) == head_tail != reference(lambda d: d)
     assert files_digest(paths, "sha256", nested=True) == reference(None, nested=True)
     assert files_digest([], "sha256") is None
+
+
+def test_restore_aside_puts_back_what_a_cut_off_replace_dir_left(tmp_path):
+    """A crash between replace_dir's renames leaves the old directory aside and nothing at its name:
+    restore_aside puts it back; with something at the name, or a link aside, it changes nothing."""
+    final, aside = tmp_path / "ckpt", tmp_path / "ckpt.old"
+    aside.mkdir()
+    (aside / "state.json").write_text("old")
+    assert restore_aside(final, aside) and (final / "state.json").read_text() == "old"
+    assert not aside.exists() and not restore_aside(final, aside)
+    new = tmp_path / "new"
+    new.mkdir()
+    replace_dir(new, final, aside=aside)  # whole: nothing left aside
+    aside.mkdir()
+    assert not restore_aside(final, aside) and aside.is_dir()  # something stands at the name
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    aside.rmdir()
+    aside.symlink_to(elsewhere, target_is_directory=True)
+    remove = tmp_path / "gone"
+    final.rename(remove)
+    assert not restore_aside(final, aside) and not final.exists() and aside.is_symlink()

@@ -45,6 +45,7 @@ from geomscope.fileio import (
     read_regular_text,
     remove_tree,
     replace_dir,
+    restore_aside,
     write_json_atomic,
     write_text_atomic,
 )
@@ -296,9 +297,9 @@ def recover_checkpoint(out: Path) -> None:
     that replace it (the previous epoch's checkpoint is then the last whole one)."""
     if read_marker(out) is None:
         return
-    ckpt, old = out / CKPT, out / (CKPT + ".old")
-    if not _present(ckpt) and old.is_dir() and not old.is_symlink() and (old / "state.json").is_file():
-        os.replace(old, ckpt)
+    old = out / (CKPT + ".old")
+    if not old.is_symlink() and (old / "state.json").is_file():
+        restore_aside(out / CKPT, old)
 
 
 def _remove_previous_output(out: Path, marker: dict) -> None:
