@@ -478,9 +478,10 @@ def test_check_ranks_reads_ranks_by_the_declared_rule():
     for bad in ("0", [0], "8,x", [True], ""):
         with pytest.raises(InputError) as e:
             check_ranks(bad, 16)
+        named = " ('x' is not one)" if bad == "8,x" else ""  # a list of several words names its bad one
         assert (
             str(e.value)
-            == f"--geometry-rank must be a comma list of whole numbers >= 1 (e.g. 8,32), not {bad!r}"
+            == f"--geometry-rank must be a comma list of whole numbers >= 1 (e.g. 8,32), not {bad!r}{named}"
         )
     with pytest.raises(InputError, match="--geometry-rank 16 is not below the model's hidden size D = 16"):
         check_ranks("8,16", 16)

@@ -145,7 +145,7 @@ def check_revisions_request(options, *, revisions: bool, drop_weights: bool) -> 
     line) otherwise; :func:`extract_revisions` and the CLI (before it resolves ``--revisions``) ask."""
     if not revisions and drop_weights:
         raise InputError("--drop-weights applies to --revisions runs")
-    if revisions and options.revision is not None:
+    if revisions and getattr(options, "revision", None) is not None:  # (None: the defaults)
         raise InputError("give either --revision (one checkpoint) or --revisions (many), not both")
 
 
