@@ -108,6 +108,15 @@ def _interrupt_after_first_epoch(monkeypatch):
     monkeypatch.setattr(loop_mod._Trainer, "_end_epoch", end_epoch)
 
 
+def _stopped_after_first_epoch(tiny, out, monkeypatch, **kw):
+    """``out``: a run of ``kw`` stopped at the end of its first epoch (its checkpoint written)."""
+    with monkeypatch.context() as mp:
+        _interrupt_after_first_epoch(mp)
+        with pytest.raises(_Stop):
+            _run(tiny, out, **kw)
+    return out
+
+
 # -- defaults -------------------------------------------------------------------------------------
 
 
@@ -222,11 +231,7 @@ def test_weight_decay_groups_skip_biases_and_layernorm(tiny):
 def test_resume_mid_run_with_schedule_and_weight_decay_equals_uninterrupted(tiny, tmp_path, monkeypatch):
     kw = dict(epochs=2, scheduler="linear", warmup=0.25, weight_decay=0.1)
     full = _run(tiny, tmp_path / "full", **kw)
-    part = tmp_path / "part"
-    with monkeypatch.context() as mp:
-        _interrupt_after_first_epoch(mp)
-        with pytest.raises(_Stop):
-            _run(tiny, part, **kw)
+    part = _stopped_after_first_epoch(tiny, tmp_path / "part", monkeypatch, **kw)
     trainer = json.loads((part / "checkpoint" / "trainer.json").read_text())
     assert trainer["scheduler"]["last_epoch"] == 4
     assert [g["weight_decay"] for g in trainer["optimizer"]["param_groups"]] == [0.1, 0.0]
@@ -350,11 +355,7 @@ def test_lora_trains_only_adapters_and_exports_a_merged_model(cli, tiny, tmp_pat
 def test_lora_resume_equals_uninterrupted(tiny, tmp_path, monkeypatch):
     kw = dict(epochs=2, lora=4, lora_target="query,value,key")
     full = _run(tiny, tmp_path / "full", **kw)
-    part = tmp_path / "part"
-    with monkeypatch.context() as mp:
-        _interrupt_after_first_epoch(mp)
-        with pytest.raises(_Stop):
-            _run(tiny, part, **kw)
+    part = _stopped_after_first_epoch(tiny, tmp_path / "part", monkeypatch, **kw)
     assert (part / "checkpoint" / "adapter_model.safetensors").exists()
     with pytest.raises(InputError, match="trained with lora=4, not 8"):
         _run(tiny, part, resume=True, **{**kw, "lora": 8})
